@@ -1,0 +1,81 @@
+"""EngineConfig: everything one replica's engine needs, validated once at construction.
+
+Torch-free: the scheduler and block manager are built from this without a model on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+Policy = Literal["batchllm", "vllm"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Options of one engine replica.
+
+    model: path to a Hugging Face model directory (config.json, *.safetensors, tokenizer).
+    dtype: weights and activations dtype.
+    device: "cpu", "cuda", "cuda:N", or "auto" (cuda when available).
+    block_size: tokens per paged KV block.
+    kv_cache_bytes: memory budget of the paged KV cache (all layers, K and V). None: on CUDA,
+        `gpu_memory_utilization` of the free memory after loading; on CPU, 1 GiB.
+    gpu_memory_utilization: share of the device memory the engine may use (CUDA only).
+    max_num_batched_tokens: per-step token limit (BatchLLM's S_chunk; vLLM's chunk size).
+    max_num_seqs: cap on running requests. None for the BatchLLM policy (memory-centric token
+        batching has no request cap); the vLLM-like baseline uses 256.
+    max_model_len: longest prompt + output; None: the model's max_position_embeddings.
+    policy: "batchllm" (grouped scheduling, three queues, memory-centric batching) or
+        "vllm" (arrival order, request cap, LRU prefix cache) for ablations.
+    enable_prefix_cache: hashed block cache for second-level reuse (and the vLLM policy's LRU).
+    trust_remote_code: never needed for the supported architectures; kept False by default.
+    seed: default seed for requests without their own.
+    """
+
+    model: str
+    dtype: DType = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    policy: Policy = "batchllm"
+    enable_prefix_cache: bool = True
+    trust_remote_code: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and self.model != "", "model", self.model,
+                 "give the path of a Hugging Face model directory")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
+                 "use float32, bfloat16 or float16")
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", self.block_size,
+                 "use a power of two between 1 and 256")
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes",
+                 self.kv_cache_bytes, "give a positive number of bytes or None")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 self.gpu_memory_utilization, "use a value in (0, 1]")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 self.max_num_batched_tokens, "use a positive token count")
+        _require(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs",
+                 self.max_num_seqs, "use None (no cap) or a positive count")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                 self.max_model_len, "use None or at least 2")
+        _require(self.policy in ("batchllm", "vllm"), "policy", self.policy,
+                 "use 'batchllm' or 'vllm'")
+
+    @property
+    def effective_max_num_seqs(self) -> int | None:
+        """The request cap the scheduler applies: none for BatchLLM, 256 for the vLLM baseline."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return 256 if self.policy == "vllm" else None
+
+
+def _require(ok: bool, name: str, value: object, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: {fix}")

@@ -1,0 +1,14 @@
+"""The global planner: pure Python + numpy (no torch, no ray).
+
+    from prefixflow.pipeline import build_plan
+    plan = build_plan(token_id_lists, order="batchllm", num_replicas=2)
+    plan.summary["token_saving_ratio"], plan.groups(replica=0)
+"""
+
+from prefixflow.pipeline.plan import Plan, build_plan
+from prefixflow.pipeline.prefix_tree import PrefixTree, sort_with_lcp
+from prefixflow.pipeline.ragged import RaggedTokens
+from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+
+__all__ = ["Plan", "PrefixGroup", "PrefixTree", "RaggedTokens", "SamplingParams", "build_plan",
+           "sort_with_lcp"]

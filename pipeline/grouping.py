@@ -1,0 +1,122 @@
+"""Prefix-sharing groups: BatchLLM's first-level prefix enlargement (Alg. 1, MaximizeReuse).
+
+The engine shares one level of prefix per group (BatchLLM Sec. 3.2): a group's prefix KV is
+computed once and every member computes only its distinct part. The plain first level of the
+tree (the root's children) often misses the best sharing; Alg. 1 "forks" a node and "merges"
+it with a grandchild when (leaves(gchild) - 1) * tokens(gchild) > tokens(child).
+
+We solve the same single-level problem exactly rather than greedily. A grouping is a set S of
+tree nodes; each prompt joins its deepest ancestor in S (or stays alone), and a group at node v
+with m members saves (m - 1) * depth(v) tokens. Define h(v, e) = the best saving inside v's
+subtree when prompts left ungrouped in it would join a group at depth e above v. Then
+
+    h(leaf, e) = e
+    h(v, e)    = max( sum_c h(c, e),              # no group at v: pass prompts up
+                      sum_c h(c, depth(v)) - depth(v) )   # group at v, paid once
+
+and the answer is h at the root with e = 0. h(v, .) is only ever needed at the depths of v's
+ancestors, so the DP keeps one short vector per node (O(sum of node depths), in practice O(n)).
+Every fork-and-merge of Alg. 1 is a group formed at a deeper node, so the result is at least as
+good as Alg. 1 and equals the brute-force optimum of the single-level problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixflow.pipeline.prefix_tree import PrefixTree
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Grouping:
+    """Single-level grouping of the prompts.
+
+    group_node: [num_seqs] tree node each prompt is grouped at (0, the root, means ungrouped).
+    prefix_len: [num_seqs] the shared prefix length of its group (0 when ungrouped).
+    saved_tokens: prompt tokens saved by computing each group's prefix once.
+    """
+
+    group_node: np.ndarray
+    prefix_len: np.ndarray
+    saved_tokens: int
+
+
+def maximize_reuse(tree: PrefixTree) -> Grouping:
+    """The optimal single-level grouping of the tree's prompts (BatchLLM Alg. 1, made exact)."""
+    threshold = _solve(tree)
+    return _assign(tree, threshold)
+
+
+def first_level_saved_tokens(tree: PrefixTree) -> int:
+    """Saving of the plain first level (the root's children as groups), before enlargement."""
+    kids = np.flatnonzero((tree.parent == 0) & (tree.leaf_seq < 0))
+    return int(((tree.num_leaves[kids] - 1) * tree.depth[kids]).sum())
+
+
+def _solve(tree: PrefixTree) -> np.ndarray:
+    """Bottom-up DP. Returns threshold[v]: a group forms at v iff the index (in v's ancestor
+    list, root = 0) of the group the prompts would otherwise join is below threshold[v]."""
+    ptr, kids = tree.children()
+    ptr, kids, depth = ptr.tolist(), kids.tolist(), tree.depth.tolist()
+    parent = tree.parent.tolist()
+    threshold = [0] * tree.num_nodes
+    acc: list[list[int] | None] = [None] * tree.num_nodes  # sum of children's h vectors
+    path: list[int] = []                                    # depths of the current ancestors
+    stack = [(0, False)]
+    while stack:
+        v, leaving = stack.pop()
+        if not leaving and ptr[v] == ptr[v + 1] and v != 0:   # a leaf: h(leaf, e) = e
+            _add(acc, parent[v], path)
+            continue
+        if not leaving:
+            stack.append((v, True))
+            path.append(depth[v])
+            stack.extend((c, False) for c in reversed(kids[ptr[v]:ptr[v + 1]]))
+            continue
+        path.pop()
+        a = acc[v]
+        acc[v] = None
+        form = a[-1] - depth[v]                       # group at v: members earn depth(v), pay once
+        passed = a[:-1]                               # non-decreasing in the ancestor depth
+        threshold[v] = sum(1 for x in passed if x < form)
+        if v == 0:
+            threshold[v] = 1                          # the root "groups" whatever reaches it
+            break
+        _add(acc, parent[v], [max(x, form) for x in passed])
+    return np.asarray(threshold, dtype=np.int64)
+
+
+def _add(acc: list, node: int, vec: list[int]) -> None:
+    cur = acc[node]
+    acc[node] = list(vec) if cur is None else [x + y for x, y in zip(cur, vec)]
+
+
+def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
+    """Top-down: each prompt joins the deepest ancestor where a group forms."""
+    ptr, kids = tree.children()
+    ptr, kids, thr = ptr.tolist(), kids.tolist(), threshold.tolist()
+    leaf_seq = tree.leaf_seq.tolist()
+    num_seqs = len(tree.order)
+    group_node = np.zeros(num_seqs, dtype=np.int64)
+    path_nodes: list[int] = []
+    # (node, index in path_nodes of the group its ungrouped prompts join, leaving?)
+    stack: list[tuple[int, int, bool]] = [(0, 0, False)]
+    while stack:
+        v, e_idx, leaving = stack.pop()
+        if leaving:
+            path_nodes.pop()
+            continue
+        if leaf_seq[v] >= 0:
+            group_node[leaf_seq[v]] = path_nodes[e_idx]
+            continue
+        child_e = len(path_nodes) if e_idx < thr[v] or v == 0 else e_idx
+        path_nodes.append(v)
+        stack.append((v, e_idx, True))
+        stack.extend((c, child_e, False) for c in reversed(kids[ptr[v]:ptr[v + 1]]))
+    prefix_len = tree.depth[group_node]
+    counts = np.bincount(group_node, minlength=tree.num_nodes)
+    formed = np.flatnonzero(counts > 0)
+    saved = int(((counts[formed] - 1) * tree.depth[formed]).sum())
+    return Grouping(group_node, prefix_len, saved)

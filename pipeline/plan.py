@@ -1,0 +1,200 @@
+"""Plan: the global stage's output, and `build_plan`, the planner's entry point.
+
+build_plan: prompts -> prefix tree -> single-level grouping (BatchLLM Alg. 1, exact) -> order
+policy -> runs of one group -> replicas. The plan is an Arrow table, one row per prompt in plan
+order (replica, then rank), plus a summary of token counts and saving ratios. Token ids are
+never copied: groups hand out views into the planner's flat token buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse
+from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts, runs
+from prefixflow.pipeline.partition import partition_runs
+from prefixflow.pipeline.prefix_tree import PrefixTree
+from prefixflow.pipeline.ragged import RaggedTokens
+from prefixflow.pipeline.requests import PrefixGroup
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """What every replica runs, in which order, sharing which prefix.
+
+    table: one row per prompt in plan order, columns row_id, replica, rank (position in its
+        replica's order), group_id, prefix_len, distinct_len, prompt_len, output_len (null when
+        unknown).
+    summary: num_rows, num_groups, prompt_tokens, computed_prompt_tokens, token_saving_ratio
+        (what this plan's order and grouping achieve), single_level_token_saving_ratio (the
+        enlarged first level), first_level_token_saving_ratio (the tree's plain first level),
+        optimal_token_saving_ratio (multi-level optimum of the tree), per-replica counts, ...
+    """
+
+    table: pa.Table
+    summary: dict[str, Any]
+    tokens: RaggedTokens
+    seq_index: np.ndarray     # [num_rows] prompt index of each table row
+    run_starts: np.ndarray    # [num_runs + 1] table-row boundaries of the runs (groups)
+    replica_runs: np.ndarray  # [num_replicas + 1] run boundaries of each replica
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_runs) - 1
+
+    def groups(self, replica: int = 0) -> list[PrefixGroup]:
+        """The replica's prefix-sharing groups in run order."""
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica={replica} is out of range: the plan has {self.num_replicas}")
+        cols = {name: self.table.column(name).to_numpy() for name in ("row_id", "prefix_len")}
+        out_col = self.table.column("output_len")
+        out_lens = None if out_col.null_count == len(out_col) else out_col.to_numpy(zero_copy_only=False)
+        groups = []
+        for run in range(self.replica_runs[replica], self.replica_runs[replica + 1]):
+            lo, hi = int(self.run_starts[run]), int(self.run_starts[run + 1])
+            seqs = self.seq_index[lo:hi]
+            plen = int(cols["prefix_len"][lo])
+            groups.append(PrefixGroup(
+                group_id=run,
+                prefix=self.tokens[int(seqs[0])][:plen],
+                row_ids=cols["row_id"][lo:hi],
+                distinct=tuple(self.tokens[int(s)][plen:] for s in seqs),
+                output_lens=None if out_lens is None else out_lens[lo:hi],
+                replica=replica,
+            ))
+        return groups
+
+    def replica_table(self, replica: int) -> pa.Table:
+        lo = int(self.run_starts[self.replica_runs[replica]])
+        hi = int(self.run_starts[self.replica_runs[replica + 1]])
+        return self.table.slice(lo, hi - lo)
+
+
+def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
+               row_ids: Sequence[int] | np.ndarray | None = None,
+               output_lens: Sequence[int] | np.ndarray | None = None,
+               order: str = "batchllm", num_replicas: int = 1) -> Plan:
+    """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
+
+    prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens).
+    row_ids: one unique id per prompt (default 0..n-1).
+    output_lens: expected output length per prompt, if known (used by ordering).
+    order: "fcfs" | "dfs" | "batchllm" | "blendserve".
+    num_replicas: data-parallel engine replicas.
+    """
+    started = time.perf_counter()
+    tokens = RaggedTokens.from_sequences(prompts)
+    n = len(tokens)
+    lengths = tokens.lengths
+    ids = _check_row_ids(row_ids, n)
+    outs = _check_output_lens(output_lens, n)
+    if order not in ORDER_POLICIES:
+        raise ValueError(f"order={order!r} is not a known policy: use one of {', '.join(ORDER_POLICIES)}")
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        raise ValueError(f"prompt of row_id={ids[empty[0]]} is empty: every prompt needs at least one token")
+
+    tree = PrefixTree.build(tokens)
+    grouping = maximize_reuse(tree)
+    seq_order = order_prompts(order, tree, grouping, lengths, outs)
+    starts = runs(seq_order, grouping)
+    run_len = np.diff(starts)
+    # A run of one shares nothing: it is planned as a group of one with an empty prefix.
+    run_prefix = np.where(run_len > 1, grouping.prefix_len[seq_order[starts[:-1]]], 0)
+    run_prompt = np.add.reduceat(lengths[seq_order], starts[:-1]) if n else np.zeros(0, np.int64)
+    run_computed = run_prompt - (run_len - 1) * run_prefix
+    replica = partition_runs(run_computed, num_replicas)
+
+    # Plan order: replica by replica, each keeping the policy's order of its runs.
+    run_perm = np.lexsort((np.arange(len(run_len)), replica))
+    replica_runs = np.searchsorted(replica[run_perm], np.arange(num_replicas + 1))
+    row_perm = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in run_perm]) if n else \
+        np.zeros(0, np.int64)
+    seq_index = seq_order[row_perm]
+    new_starts = np.r_[0, np.cumsum(run_len[run_perm])].astype(np.int64)
+    table = _plan_table(ids, seq_index, lengths, outs, new_starts, run_prefix[run_perm],
+                        replica[run_perm], replica_runs)
+    summary = _summary(tree, grouping, lengths, run_len[run_perm], run_computed[run_perm],
+                       replica[run_perm], num_replicas, order)
+    summary["planning_seconds"] = time.perf_counter() - started
+    return Plan(table, summary, tokens, seq_index, new_starts, replica_runs.astype(np.int64))
+
+
+def _plan_table(ids, seq_index, lengths, outs, run_starts, run_prefix, run_replica, replica_runs) -> pa.Table:
+    run_len = np.diff(run_starts)
+    prefix = np.repeat(run_prefix, run_len).astype(np.int32)
+    prompt_len = lengths[seq_index].astype(np.int32)
+    replica = np.repeat(run_replica, run_len).astype(np.int32)
+    first_row_of_replica = run_starts[replica_runs[:-1]]
+    rank = np.arange(len(seq_index), dtype=np.int64) - first_row_of_replica[replica] if len(seq_index) else \
+        np.zeros(0, np.int64)
+    output_len = pa.nulls(len(seq_index), pa.int32()) if outs is None else \
+        pa.array(outs[seq_index].astype(np.int32))
+    return pa.table({
+        "row_id": pa.array(ids[seq_index]),
+        "replica": pa.array(replica),
+        "rank": pa.array(rank),
+        "group_id": pa.array(np.repeat(np.arange(len(run_len), dtype=np.int64), run_len)),
+        "prefix_len": pa.array(prefix),
+        "distinct_len": pa.array(prompt_len - prefix),
+        "prompt_len": pa.array(prompt_len),
+        "output_len": output_len,
+    })
+
+
+def _summary(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, run_len: np.ndarray,
+             run_computed: np.ndarray, run_replica: np.ndarray, num_replicas: int,
+             order: str) -> dict[str, Any]:
+    total = int(lengths.sum())
+    ratio = (lambda saved: float(saved) / total if total else 0.0)  # noqa: E731
+    computed = int(run_computed.sum())
+    replicas = []
+    for r in range(num_replicas):
+        mine = run_replica == r
+        replicas.append({"replica": r, "num_rows": int(run_len[mine].sum()),
+                         "num_groups": int(mine.sum()),
+                         "computed_prompt_tokens": int(run_computed[mine].sum())})
+    return {
+        "num_rows": int(len(lengths)),
+        "num_groups": int(len(run_len)),
+        "num_shared_groups": int((run_len > 1).sum()),
+        "order": order,
+        "num_replicas": num_replicas,
+        "prompt_tokens": total,
+        "computed_prompt_tokens": computed,
+        "token_saving_ratio": ratio(total - computed),
+        "single_level_token_saving_ratio": ratio(grouping.saved_tokens),
+        "first_level_token_saving_ratio": ratio(first_level_saved_tokens(tree)),
+        "optimal_token_saving_ratio": ratio(total - tree.tree_tokens()),
+        "tree_nodes": int(tree.num_nodes),
+        "replicas": replicas,
+    }
+
+
+def _check_row_ids(row_ids, n: int) -> np.ndarray:
+    if row_ids is None:
+        return np.arange(n, dtype=np.int64)
+    ids = np.asarray(row_ids, dtype=np.int64)
+    if ids.shape != (n,):
+        raise ValueError(f"row_ids has {ids.size} entries for {n} prompts: give one id per prompt")
+    if len(np.unique(ids)) != n:
+        raise ValueError("row_ids must be unique: a duplicate id would make outputs ambiguous")
+    return ids
+
+
+def _check_output_lens(output_lens, n: int) -> np.ndarray | None:
+    if output_lens is None:
+        return None
+    outs = np.asarray(output_lens, dtype=np.int64)
+    if outs.shape != (n,):
+        raise ValueError(f"output_lens has {outs.size} entries for {n} prompts: give one per prompt")
+    if np.any(outs < 0):
+        raise ValueError("output_lens must be non-negative")
+    return outs

@@ -1,0 +1,184 @@
+"""A compact prefix tree (radix tree) over all prompts of a job, built without per-token Python.
+
+Construction has two steps:
+
+1. `sort_with_lcp`: a vectorised most-significant-digit radix sort whose digits are blocks of
+   `block` tokens. All prompts start in one bucket; at each level the block of every prompt that
+   is still in a bucket of two or more is gathered with numpy and compared with its bucket's first
+   member. Only buckets whose members differ are sorted (lexsort on the block's tokens) and split,
+   and the split position gives the exact longest common prefix (LCP) of the two neighbours. The
+   work is proportional to the tokens that prompts share, not to tokens times prompts, and the
+   comparisons are exact (no hashes, so no collisions).
+2. `PrefixTree.from_sorted`: the LCP-interval tree of the sorted prompts (one pass with a stack, as
+   suffix trees are built from suffix and LCP arrays). Internal nodes are the distinct LCP
+   intervals; every prompt is a leaf, possibly with an edge of zero tokens when it ends exactly
+   at an internal node (a prompt that is a prefix of others, or a duplicate).
+
+Nodes hold integers only (depths, parents, ranges of sorted positions), never tokens: a node's
+tokens are `tokens[order[lo]][depth[parent]:depth[node]]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixflow.pipeline.ragged import RaggedTokens
+
+DEFAULT_BLOCK = 32
+
+
+def sort_with_lcp(tokens: RaggedTokens, block: int = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Lexicographic order of the sequences, and the LCP of each adjacent pair in that order.
+
+    Returns (order [n] int64: sequence indices, lcp [n-1] int64: lcp[k] is the LCP length of
+    order[k] and order[k+1]). A shorter sequence sorts before its extensions; equal sequences
+    keep their input order.
+    """
+    n = len(tokens)
+    order = np.arange(n, dtype=np.int64)
+    lcp = np.zeros(max(n - 1, 0), dtype=np.int64)
+    flat, starts_at, lens = tokens.flat, tokens.offsets[:-1], tokens.lengths
+    cols = np.arange(block, dtype=np.int64)
+    act = np.arange(n, dtype=np.int64) if n > 1 else np.zeros(0, dtype=np.int64)
+    bucket_start = np.zeros(len(act), dtype=bool)
+    bucket_start[:1] = True
+    depth = 0
+    while len(act):
+        seqs = order[act]
+        vals = _gather_block(flat, starts_at[seqs], lens[seqs], depth, cols)  # [A, block]
+        bucket = np.cumsum(bucket_start) - 1
+        first_row = np.flatnonzero(bucket_start)[bucket]
+        differs = (vals != vals[first_row]).any(axis=1)
+        bucket_differs = np.bincount(bucket, weights=differs, minlength=bucket[-1] + 1) > 0
+        rows = np.flatnonzero(bucket_differs[bucket])
+        new_start = bucket_start.copy()
+        if len(rows):
+            # Sort the members of differing buckets by the block's tokens (bucket is the primary
+            # key, so every bucket stays within its own range of positions), then split.
+            keys = [vals[rows, c] for c in range(block - 1, -1, -1)] + [bucket[rows]]
+            perm = rows[np.lexsort(keys)]
+            order[act[rows]] = seqs[perm]
+            sub = vals[perm]
+            same_bucket = bucket[rows[1:]] == bucket[rows[:-1]]
+            neq = sub[1:] != sub[:-1]
+            split = same_bucket & neq.any(axis=1)
+            k = np.flatnonzero(split)
+            lcp[act[rows[k]]] = depth + neq[k].argmax(axis=1)
+            new_start[rows[k + 1]] = True
+            seqs = order[act]
+        # Members of one bucket now have equal blocks. Those that end inside this block (padding
+        # present) are duplicates: their LCP is their length, and they are done.
+        ended = lens[seqs] < depth + block
+        dup = ~new_start[1:] & ended[1:]
+        lcp[act[:-1][dup]] = lens[seqs[1:][dup]]
+        new_bucket = np.cumsum(new_start) - 1
+        size = np.bincount(new_bucket)
+        keep = (size[new_bucket] >= 2) & ~ended
+        act, bucket_start = act[keep], new_start[keep]
+        depth += block
+    return order, lcp
+
+
+def _gather_block(flat: np.ndarray, starts_at: np.ndarray, lens: np.ndarray, depth: int,
+                  cols: np.ndarray) -> np.ndarray:
+    """Tokens depth .. depth+block-1 of each sequence, -1 past its end. -> [A, block]"""
+    pos = depth + cols                                # [block]
+    valid = pos[None, :] < lens[:, None]              # [A, block]
+    idx = np.where(valid, starts_at[:, None] + pos[None, :], 0)
+    vals = flat[idx] if len(flat) else np.zeros(idx.shape, dtype=np.int64)
+    vals = vals.astype(np.int64, copy=False) if vals.dtype.kind == "u" else vals
+    vals[~valid] = -1
+    return vals
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefixTree:
+    """Compact prefix tree. Node 0 is the root (depth 0). Arrays are indexed by node id.
+
+    depth: tokens from the root to the end of the node (a prompt's leaf has depth = its length).
+    parent: parent node id (-1 for the root).
+    lo, hi: the node covers sorted positions lo .. hi-1, i.e. sequences order[lo:hi].
+    leaf_seq: the sequence a leaf stands for, -1 for internal nodes.
+    post_order: node ids, children before parents (root last).
+    order: sequence indices in lexicographic order; lcp: LCP of adjacent sorted sequences.
+    """
+
+    depth: np.ndarray
+    parent: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    leaf_seq: np.ndarray
+    post_order: np.ndarray
+    order: np.ndarray
+    lcp: np.ndarray
+
+    @classmethod
+    def build(cls, tokens: RaggedTokens, block: int = DEFAULT_BLOCK) -> "PrefixTree":
+        order, lcp = sort_with_lcp(tokens, block)
+        return cls.from_sorted(order, lcp, tokens.lengths)
+
+    @classmethod
+    def from_sorted(cls, order: np.ndarray, lcp: np.ndarray, lens: np.ndarray) -> "PrefixTree":
+        """LCP-interval tree of sorted sequences (one stack pass, O(n))."""
+        n = len(order)
+        depth, parent, lo, hi, leaf_seq, post = [0], [-1], [0], [n], [-1], []
+        is_leaf = [False]
+        sorted_lens = lens[order].tolist()
+        lcp_list = lcp.tolist()
+        stack = [0]
+        for k in range(n + 1):
+            boundary = lcp_list[k - 1] if 0 < k < n else 0
+            if k > 0:
+                last = -1
+                # Close every node deeper than the boundary (and the previous leaf, always).
+                while depth[stack[-1]] > boundary or is_leaf[stack[-1]]:
+                    last = stack.pop()
+                    hi[last] = k
+                    post.append(last)
+                top = stack[-1]
+                if depth[top] < boundary:  # the closed node and the next one meet deeper
+                    mid = len(depth)
+                    depth.append(boundary), parent.append(top), lo.append(lo[last])
+                    hi.append(-1), leaf_seq.append(-1), is_leaf.append(False)
+                    parent[last] = mid
+                    stack.append(mid)
+            if k == n:
+                break
+            leaf = len(depth)
+            depth.append(sorted_lens[k]), parent.append(stack[-1]), lo.append(k), hi.append(k + 1)
+            leaf_seq.append(int(order[k])), is_leaf.append(True)
+            stack.append(leaf)
+        post.append(0)
+        as_arr = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        return cls(as_arr(depth), as_arr(parent), as_arr(lo), as_arr(hi), as_arr(leaf_seq),
+                   as_arr(post), order, lcp)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.depth)
+
+    @property
+    def num_leaves(self) -> np.ndarray:
+        """Prompts in each node's subtree."""
+        return self.hi - self.lo
+
+    def edge_tokens(self) -> np.ndarray:
+        """Tokens on the edge into each node (0 for the root)."""
+        up = np.where(self.parent >= 0, self.depth[np.maximum(self.parent, 0)], 0)
+        return self.depth - up
+
+    def tree_tokens(self) -> int:
+        """Distinct prompt tokens: what the multi-level optimum computes (each edge once)."""
+        return int(self.edge_tokens().sum())
+
+    def children(self) -> tuple[np.ndarray, np.ndarray]:
+        """CSR children lists: children of v are child_ids[child_ptr[v]:child_ptr[v+1]], in
+        sorted (lexicographic) order."""
+        nodes = np.arange(1, self.num_nodes)
+        by_parent = nodes[np.lexsort((self.lo[nodes], self.parent[nodes]))]
+        counts = np.bincount(self.parent[nodes], minlength=self.num_nodes)
+        ptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
+        np.cumsum(counts, out=ptr[1:])
+        return ptr, by_parent
