@@ -1,0 +1,35 @@
+"""The planning layers import neither torch nor ray (they run on the driver and in CPU tasks)."""
+
+import subprocess
+import sys
+
+import pytest
+
+LIGHT_MODULES = [
+    "prefixflow",
+    "prefixflow.pipeline",
+    "prefixflow.engine.config",
+    "prefixflow.engine.step",
+]
+
+
+@pytest.mark.parametrize("module", LIGHT_MODULES)
+def test_module_imports_no_torch_or_ray(module):
+    code = (
+        f"import sys, {module}\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'triton', 'transformers'))\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"{module} pulled in: {out.stdout.strip()[:200]}"
+
+
+def test_planner_builds_a_plan_without_torch():
+    code = (
+        "import sys\n"
+        "from prefixflow.pipeline import build_plan\n"
+        "plan = build_plan([[1, 2, 3], [1, 2, 4]], order='dfs', num_replicas=2)\n"
+        "assert plan.summary['num_rows'] == 2\n"
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

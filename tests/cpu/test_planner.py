@@ -1,0 +1,165 @@
+"""Planner properties on random prompt sets (hypothesis) and against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixflow.pipeline import RaggedTokens, build_plan, sort_with_lcp
+from prefixflow.pipeline.grouping import first_level_saved_tokens, maximize_reuse
+from prefixflow.pipeline.prefix_tree import PrefixTree
+
+
+@st.composite
+def prompt_sets(draw, max_prompts: int = 24, vocab: int = 3):
+    """Prompts built from a few shared stems, so that the tree has several levels."""
+    stems = draw(st.lists(st.lists(st.integers(0, vocab - 1), max_size=40), min_size=1, max_size=4))
+    n = draw(st.integers(1, max_prompts))
+    prompts = []
+    for _ in range(n):
+        stem = draw(st.sampled_from(stems))
+        cut = draw(st.integers(0, len(stem)))
+        tail = draw(st.lists(st.integers(0, vocab - 1), max_size=6))
+        prompt = stem[:cut] + tail
+        prompts.append(prompt or [0])
+    return prompts
+
+
+def lcp_of(prompts: list[list[int]]) -> int:
+    k, shortest = 0, min(len(p) for p in prompts)
+    while k < shortest and all(p[k] == prompts[0][k] for p in prompts):
+        k += 1
+    return k
+
+
+@given(prompt_sets(), st.sampled_from([1, 2, 5, 32]))
+@settings(max_examples=150, deadline=None)
+def test_sort_and_lcp_are_exact(prompts, block):
+    order, lcp = sort_with_lcp(RaggedTokens.from_sequences(prompts), block)
+    ordered = [prompts[i] for i in order]
+    assert ordered == sorted(prompts)
+    assert sorted(order.tolist()) == list(range(len(prompts)))
+    assert lcp.tolist() == [lcp_of([a, b]) for a, b in zip(ordered, ordered[1:])]
+
+
+@given(prompt_sets(), st.sampled_from(["fcfs", "dfs", "batchllm"]), st.integers(1, 4))
+@settings(max_examples=120, deadline=None)
+def test_plan_covers_every_row_once_and_prefixes_are_shared(prompts, order, replicas):
+    row_ids = np.arange(len(prompts)) * 7 + 3
+    plan = build_plan(prompts, row_ids=row_ids, order=order, num_replicas=replicas)
+    table = plan.table
+    assert sorted(table.column("row_id").to_pylist()) == sorted(row_ids.tolist())
+    seen = []
+    by_id = dict(zip(row_ids.tolist(), prompts))
+    for r in range(replicas):
+        ranks = plan.replica_table(r).column("rank").to_pylist()
+        assert ranks == list(range(len(ranks)))
+        for group in plan.groups(r):
+            for rid, distinct in zip(group.row_ids.tolist(), group.distinct):
+                seen.append(rid)
+                assert list(group.prefix) + list(distinct) == by_id[rid]
+            if group.num_members > 1:
+                assert group.prefix_len <= lcp_of([by_id[i] for i in group.row_ids.tolist()])
+            else:
+                assert group.prefix_len == 0
+    assert sorted(seen) == sorted(row_ids.tolist())
+    assert len(seen) == len(set(seen))
+    s = plan.summary
+    assert s["num_rows"] == len(prompts)
+    assert s["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+@given(prompt_sets())
+@settings(max_examples=150, deadline=None)
+def test_enlarged_first_level_is_bounded_by_plain_first_level_and_multilevel_optimum(prompts):
+    tree = PrefixTree.build(RaggedTokens.from_sequences(prompts), block=4)
+    grouping = maximize_reuse(tree)
+    optimum = sum(map(len, prompts)) - tree.tree_tokens()
+    assert first_level_saved_tokens(tree) <= grouping.saved_tokens <= optimum
+    # and the plan's batchllm order achieves exactly the enlarged grouping
+    s = build_plan(prompts, order="batchllm").summary
+    assert s["token_saving_ratio"] == pytest.approx(s["single_level_token_saving_ratio"])
+    assert s["first_level_token_saving_ratio"] <= s["single_level_token_saving_ratio"] \
+        <= s["optimal_token_saving_ratio"] + 1e-12
+
+
+def _partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+def brute_force_single_level(prompts: list[list[int]]) -> int:
+    """Best sum over groups of (members - 1) * common prefix, over all set partitions."""
+    return max(sum((len(g) - 1) * lcp_of([prompts[i] for i in g]) for g in part if len(g) > 1)
+               for part in _partitions(list(range(len(prompts)))))
+
+
+@given(prompt_sets(max_prompts=7, vocab=2))
+@settings(max_examples=150, deadline=None)
+def test_enlarged_grouping_equals_brute_force_optimum_on_small_trees(prompts):
+    tree = PrefixTree.build(RaggedTokens.from_sequences(prompts), block=2)
+    assert maximize_reuse(tree).saved_tokens == brute_force_single_level(prompts)
+
+
+def test_orders_differ_as_documented():
+    rng = np.random.default_rng(0)
+    long_prefix, short_prefix = rng.integers(0, 50, 300).tolist(), rng.integers(50, 99, 20).tolist()
+    prompts = []
+    for i in range(6):  # interleaved input: two families
+        prompts.append(long_prefix + [100 + i])
+        prompts.append(short_prefix + [200 + i])
+    fcfs = build_plan(prompts, order="fcfs")
+    batch = build_plan(prompts, order="batchllm")
+    dfs = build_plan(prompts, order="dfs")
+    assert fcfs.table.column("row_id").to_pylist() == list(range(12))
+    assert fcfs.summary["token_saving_ratio"] == 0.0     # interleaving breaks every run
+    assert batch.summary["num_groups"] == 2
+    # Eq. 3: the family with fewer prefill tokens runs first.
+    assert batch.groups(0)[0].prefix_len == 20
+    # DFS: heaviest subtree first.
+    assert dfs.groups(0)[0].prefix_len == 300
+    assert batch.summary["token_saving_ratio"] == pytest.approx(dfs.summary["token_saving_ratio"])
+
+
+def test_output_length_estimates_reorder_groups():
+    a, b = [1] * 50, [2] * 50
+    prompts = [a + [3], a + [4], b + [5], b + [6]]
+    # Group b expects long outputs: R_group = sum L_decode / prefill puts it first (Eq. 2).
+    plan = build_plan(prompts, output_lens=[1, 1, 100, 100])
+    assert plan.groups(0)[0].row_ids.tolist() == [2, 3]
+    assert plan.table.column("output_len").to_pylist()[:2] == [100, 100]
+
+
+def test_arrow_input_is_a_zero_copy_view():
+    values = pa.array(np.arange(12, dtype=np.int32))
+    arr = pa.ListArray.from_arrays(pa.array([0, 4, 8, 12], pa.int32()), values)
+    tokens = RaggedTokens.from_sequences(arr)
+    assert tokens.flat.ctypes.data == values.buffers()[1].address
+    sliced = RaggedTokens.from_sequences(arr.slice(1, 2))
+    assert sliced[0].tolist() == [4, 5, 6, 7] and len(sliced) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"row_ids": [1, 1]}, "unique"),
+    ({"row_ids": [1]}, "one id per prompt"),
+    ({"order": "lifo"}, "order='lifo'"),
+    ({"num_replicas": 0}, "num_replicas=0"),
+    ({"output_lens": [1, -2]}, "non-negative"),
+])
+def test_bad_arguments_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_plan([[1, 2], [1, 3]], **kwargs)
+
+
+def test_empty_prompt_names_its_row():
+    with pytest.raises(ValueError, match="row_id=11"):
+        build_plan([[1], []], row_ids=[10, 11])
