@@ -115,10 +115,9 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
     # Plan order: replica by replica, each keeping the policy's order of its runs.
     run_perm = np.lexsort((np.arange(len(run_len)), replica))
     replica_runs = np.searchsorted(replica[run_perm], np.arange(num_replicas + 1))
-    row_perm = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in run_perm]) if n else \
-        np.zeros(0, np.int64)
-    seq_index = seq_order[row_perm]
     new_starts = np.r_[0, np.cumsum(run_len[run_perm])].astype(np.int64)
+    shift = np.repeat(starts[:-1][run_perm] - new_starts[:-1], run_len[run_perm])
+    seq_index = seq_order[np.arange(n, dtype=np.int64) + shift]
     table = _plan_table(ids, seq_index, lengths, outs, new_starts, run_prefix[run_perm],
                         replica[run_perm], replica_runs)
     summary = _summary(tree, grouping, lengths, run_len[run_perm], run_computed[run_perm],
