@@ -1,0 +1,26 @@
+"""Token embedding and the language-model head (logits only for the rows that are sampled)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LMHead(nn.Module):
+    """logits = hidden @ weight.T in fp32. `weight` is the embedding's when tied.
+
+    Only the hidden states of sampled positions reach this layer (one per chunk that samples),
+    never the whole step: for a 2k-token prefill chunk that is 1 row instead of 2048.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int,
+                 tied_embedding: nn.Embedding | None = None) -> None:
+        super().__init__()
+        if tied_embedding is not None:
+            self.weight = tied_embedding.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] (model dtype) -> [N, V] fp32
+        return torch.nn.functional.linear(hidden, self.weight).float()

@@ -1,0 +1,187 @@
+"""Hugging Face model directory -> our model and tokenizer.
+
+Reads config.json ourselves (both the transformers-4 fields `rope_theta`/`rope_scaling` and the
+transformers-5 `rope_parameters`), builds `models.llama.LlamaForCausalLM` on the meta device,
+materialises it on the target device in the target dtype and copies the safetensors weights in
+(one file, or shards listed by model.safetensors.index.json). transformers' model classes are
+never used for inference; its AutoTokenizer loads the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixflow.engine.layers.rotary import RopeConfig
+from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Weights in some checkpoints that the model recomputes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def model_dir(path: str | Path) -> Path:
+    """The checkpoint folder, checked to hold config.json and safetensors weights."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"model directory {str(p)!r} does not exist; give the path of a "
+                                "Hugging Face model folder (config.json, *.safetensors, tokenizer)")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{str(p)!r} has no config.json; is it a Hugging Face model "
+                                "folder?")
+    return p
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_model_args(path: str | Path) -> ModelArgs:
+    """Parse config.json into ModelArgs; unknown architectures raise ValueError."""
+    cfg = read_json(model_dir(path) / "config.json")
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"config.json architectures={archs!r} is not supported: prefixflow's "
+                         f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported: "
+                         "the engine implements silu only")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    sliding = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        sliding = None  # Qwen2 lists a window but only uses it when use_sliding_window is set
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rope=_rope_config(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        sliding_window=int(sliding) if sliding else None,
+    )
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=theta, rope_type=rope_type, **fields)
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu",
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    """Build our model for the checkpoint at `path` and load its weights.
+
+    dtype: "float32", "bfloat16" or "float16". max_positions: size of the rotary table
+    (default: the model's max_position_embeddings).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+    args = read_model_args(path)
+    files = weight_files(model_dir(path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, max_positions or args.max_position_embeddings)
+    model = model.to(dtype=DTYPES[dtype]).to_empty(device=device)
+    model.model.rotary.reset_cache()  # fp32 table; to_empty left it uninitialised
+    model.tie_weights()
+    _load_weights(model, files)
+    return model.eval().requires_grad_(False)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (shards from the index when there is one)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(read_json(index)["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}; prefixflow reads "
+                                "safetensors only (convert .bin checkpoints with transformers)")
+    return files
+
+
+@torch.no_grad()
+def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    expected = {(name, i) for name, n in _num_hf_tensors(model).items() for i in range(n)}
+    loaded: set[tuple[str, int]] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if hf_name == "lm_head.weight" and model.args.tie_word_embeddings:
+                    continue  # tied checkpoints sometimes store the copy too
+                name, rows = model.slice_of(hf_name)
+                if name not in params:
+                    raise ValueError(f"{file.name} holds weight {hf_name!r} that the "
+                                     f"{model.args.architecture} model does not have")
+                target = params[name] if rows is None else params[name][rows]
+                tensor = f.get_tensor(hf_name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"weight {hf_name!r} in {file.name} has shape "
+                                     f"{tuple(tensor.shape)}; config.json implies "
+                                     f"{tuple(target.shape)}")
+                target.copy_(tensor)
+                loaded.add((name, 0 if rows is None else _slice_index(model, hf_name)))
+    missing = sorted(f"{n}[{i}]" for n, i in expected - loaded)
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        raise ValueError(f"the checkpoint lacks weights (ours[slice]): {missing[:8]}{more}")
+
+
+def _num_hf_tensors(model: LlamaForCausalLM) -> dict[str, int]:
+    """Each parameter name -> how many HF tensors fill it (3 for qkv, 2 for gate_up)."""
+    return {name: 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
+            for name, _ in model.named_parameters()}
+
+
+def _slice_index(model: LlamaForCausalLM, hf_name: str) -> int:
+    return model.packed_modules[hf_name.split(".")[-2]][1]
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer through transformers' AutoTokenizer (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir(path)), trust_remote_code=trust_remote_code,
+                                         local_files_only=True)
+
+
+def read_eos_token_ids(path: str | Path, tokenizer: Any = None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    p = model_dir(path)
+    for name in ("generation_config.json", "config.json"):
+        f = p / name
+        eos = read_json(f).get("eos_token_id") if f.is_file() else None
+        if eos is not None:
+            ids = eos if isinstance(eos, list) else [eos]
+            return tuple(dict.fromkeys(int(i) for i in ids))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (int(tokenizer.eos_token_id),)
+    return ()

@@ -1,0 +1,192 @@
+"""ModelRunner: one replica's model, paged KV cache and sampler behind `execute(StepInput)`.
+
+API (what the scheduler side and the engine loop use):
+
+    runner = ModelRunner(EngineConfig(model="path/to/hf_dir", dtype="float32", device="auto"))
+    runner.num_kv_blocks       # int, blocks in the paged KV cache (ids 0 .. num_kv_blocks-1)
+    runner.block_size          # int, tokens per block (EngineConfig.block_size)
+    runner.kv_bytes_per_token  # int, K+V bytes of one token over all layers
+    runner.max_model_len       # int, longest prompt + output (positions must stay below it)
+    runner.vocab_size          # int
+    runner.tokenizer           # transformers tokenizer of the checkpoint
+    runner.eos_token_ids       # tuple[int, ...]
+    runner.device, runner.dtype  # torch.device, torch.dtype of weights, activations and KV
+    runner.args                # ModelArgs: the model's shape (layers, heads, head_dim, ...)
+    out = runner.execute(step)         # StepOutput: one SampledToken per chunk with sample=True,
+                                       # in the step's chunk order
+    logits = runner.execute_logits(step)  # [num_sampled, vocab] fp32 raw logits, same order
+
+Each `execute` runs every chunk's tokens (writing their K/V at the slots its block table
+gives), then samples from the last token of each chunk that asks for it. The LM head runs only
+on those rows. Chunks may come in any order: the runner puts the chunks that share a prefix
+next to each other, in prefix order, before the others (the attention kernel's layout), and
+answers in the original order. Blocks are the scheduler's business: the runner trusts block
+tables, but checks that they cover the tokens (ValueError otherwise). Token i of a chunk sits
+at position start_pos + i, which must stay below max_model_len.
+
+Sampling (engine/sampler.py): greedy when temperature is 0, else temperature, top-k, top-p; a
+request's seed makes its tokens independent of the batch; logprobs are those of the raw logits.
+
+KV cache size: `EngineConfig.kv_cache_bytes` when given; otherwise 1 GiB on CPU, and on CUDA
+`gpu_memory_utilization` of the device memory minus what is in use after loading and the peak
+activation memory of a warm-up step of `max_num_batched_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.layers.attention import AttentionMetadata
+from prefixflow.engine.layers.step_batch import StepBatch, build_step_batch
+from prefixflow.engine.loader import (DTYPES, load_model, load_tokenizer, read_eos_token_ids,
+                                      read_model_args)
+from prefixflow.engine.models.llama import ModelArgs
+from prefixflow.engine.sampler import Sampler
+from prefixflow.engine.step import SampledToken, SeqChunk, StepInput, StepOutput
+from prefixflow.pipeline.requests import SamplingParams
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu; checks that a requested CUDA device exists."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={device!r} but CUDA is not available; use "
+                         "'cpu' or 'auto'")
+    return dev
+
+
+def resolve_max_model_len(config: EngineConfig, args: ModelArgs) -> int:
+    limit = args.max_position_embeddings
+    if args.sliding_window is not None:
+        limit = min(limit, args.sliding_window)  # full attention is exact only inside the window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds what the "
+                         f"model supports ({limit}: max_position_embeddings, or the sliding "
+                         "window); use a smaller value or None")
+    return config.max_model_len
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.args = read_model_args(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.args)
+        self.vocab_size = self.args.vocab_size
+        self.block_size = config.block_size
+        self.model = load_model(config.model, config.dtype, self.device, self.max_model_len)
+        self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        self.eos_token_ids = read_eos_token_ids(config.model, self.tokenizer)
+        self.sampler = Sampler(config.seed, self.device)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = self.args.kv_bytes_per_token_per_elem * elem
+        self.num_kv_blocks = self._num_blocks(self._kv_budget_bytes())
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step; one SampledToken per chunk with sample=True, in chunk order."""
+        sampling = [c for c in step.chunks if c.sample]
+        logits = self.execute_logits(step)
+        if not sampling:
+            return StepOutput(sampled=())
+        params: list[SamplingParams] = [c.sampling_params for c in sampling]  # type: ignore[misc]
+        out = self.sampler.sample(logits, params, [c.num_generated for c in sampling])
+        return StepOutput(sampled=tuple(
+            SampledToken(seq_id=c.seq_id, token_id=out.token_ids[i], logprob=out.logprobs[i],
+                         top_logprobs=out.top_logprobs[i])
+            for i, c in enumerate(sampling)))
+
+    @torch.inference_mode()
+    def execute_logits(self, step: StepInput) -> torch.Tensor:
+        """Run one step; raw next-token logits [num_sampled, vocab] fp32 of the chunks with
+        sample=True, in chunk order."""
+        batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
+        ids, positions, meta, logits_indices = self._to_device(batch)
+        return self.model(ids, positions, meta, logits_indices)
+
+    # ------------------------------------------------------------------ internals
+
+    def _to_device(self, b: StepBatch
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        # Two host->device copies per step: all int64 arrays in one, all int32 ones in another.
+        longs = torch.from_numpy(b.int64_buffer).to(self.device, non_blocking=True)
+        ints = torch.from_numpy(b.int32_buffer).to(self.device, non_blocking=True)
+        t, n = b.num_tokens, b.num_sampled
+        s, g = b.num_seqs, b.num_prefixes
+        ids, positions, slots, logits_idx = longs.split([t, t, t, n])
+        cu, kv_lens, tables, p_lens, p_tables, ranges = ints.split(
+            [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1])
+        meta = AttentionMetadata(
+            slot_mapping=slots, cu_seqlens_q=cu, kv_lens=kv_lens,
+            block_tables=tables.view(s, b.max_blocks), prefix_lens=p_lens,
+            prefix_block_tables=p_tables.view(g, b.max_prefix_blocks), prefix_seq_ranges=ranges,
+            is_prefill_only=b.is_prefill_only, is_decode_only=b.is_decode_only)
+        return ids, positions, meta, logits_idx
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        activation = self._profile_activation_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(total * self.config.gpu_memory_utilization - (total - free) - activation)
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra memory of a warm-up step of max_num_batched_tokens tokens (CUDA)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.kv_cache = self._allocate_kv_cache(1)
+        t = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_sampled = min(t, self.config.effective_max_num_seqs or 256)
+        logits = self.execute_logits(_warmup_step(t, num_sampled, self.block_size))
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * num_sampled
+        self.sampler.sample(logits, params, [0] * num_sampled)
+        del logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return max(0, peak - before)
+
+    def _num_blocks(self, budget: int) -> int:
+        num = budget // (self.block_size * self.kv_bytes_per_token)
+        if num < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
+                             f"{self.block_size} tokens x {self.kv_bytes_per_token} bytes; raise "
+                             "EngineConfig.kv_cache_bytes or gpu_memory_utilization")
+        return int(num)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        a = self.args
+        # [layers, K/V, blocks, block_size, Hkv, D]; zeros, so that never-written slots that a
+        # kernel may load (and mask) hold no NaN.
+        cache = torch.zeros(a.num_layers, 2, num_blocks, self.block_size, a.num_kv_heads,
+                            a.head_dim, dtype=self.dtype, device=self.device)
+        for layer, attn in enumerate(self.model.attention_layers()):
+            attn.bind_cache(cache[layer, 0], cache[layer, 1])
+        return cache
+
+
+def _warmup_step(num_tokens: int, num_sampled: int, block_size: int) -> StepInput:
+    """A prefill step whose chunks all write into block 0 (only its memory use matters)."""
+    sizes = [num_tokens // num_sampled] * num_sampled
+    sizes[-1] += num_tokens - sum(sizes)
+    params = SamplingParams(temperature=0.0)
+    chunks = tuple(SeqChunk(seq_id=i, token_ids=(0,) * n, start_pos=0, num_cached_tokens=0,
+                            block_table=(0,) * -(-n // block_size), sample=True,
+                            sampling_params=params)
+                   for i, n in enumerate(sizes))
+    return StepInput(chunks=chunks)

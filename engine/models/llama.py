@@ -1,0 +1,156 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches with a paged KV cache.
+
+The three architectures differ only in configuration: Qwen2 adds q/k/v biases, Mistral may
+declare a sliding window (we support it only when it covers the whole context), Llama 3.1 uses
+"llama3" rope scaling. Weights keep Hugging Face's names except two fused projections:
+`qkv_proj` = [q; k; v] and `mlp.gate_up_proj` = [gate; up], stacked on the output dim
+(`load_weight` copies HF tensors into the right slice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from prefixflow.engine.layers.attention import AttentionMetadata, PagedAttention
+from prefixflow.engine.layers.embedding import LMHead
+from prefixflow.engine.layers.mlp import SiluMLP
+from prefixflow.engine.layers.norm import RMSNorm
+from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """The shape of a Llama-family model, parsed from config.json by the loader."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None  # None: full attention
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """K and V elements one token occupies in the cache, all layers (multiply by the
+        element size for bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H] -> qkv: [T, (Hq + 2 Hkv) D]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)      # [T, Hq, D]
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)   # [T, Hkv, D]
+        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)              # [T, Hkv, D]
+        o = self.attn(q, k, v, meta)                                               # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args)
+        self.mlp = SiluMLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm block; `residual` carries the stream, x the last sublayer's output.
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], meta, logits_indices [N]) -> logits [N, V] fp32."""
+
+    # HF weight name suffix -> (our parameter suffix, index of the slice in the fused tensor)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, max_positions)
+        tied = self.model.embed_tokens if args.tie_word_embeddings else None
+        self.lm_head = LMHead(args.hidden_size, args.vocab_size, tied)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them (again after
+        `to_empty()`, which gives every module fresh parameters)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64; logits_indices: [N] int64 rows of the step whose
+        next-token logits are wanted. Returns [N, V] fp32."""
+        x = self.model.embed_tokens(input_ids)                                     # [T, H]
+        cos, sin = self.model.rotary(positions, x.dtype)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        # Only the sampled rows go through the last residual add, the final norm and the head.
+        x = self.model.norm(x[logits_indices] + residual[logits_indices])           # [N, H]
+        return self.lm_head(x)
+
+    def slice_of(self, hf_name: str) -> tuple[str, slice | None]:
+        """Our parameter name and row slice for a Hugging Face weight name."""
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.packed_modules:
+            fused, index = self.packed_modules[parts[-2]]
+            sizes = self._fused_sizes(fused)
+            start = sum(sizes[:index])
+            return ".".join(parts[:-2] + [fused, parts[-1]]), slice(start, start + sizes[index])
+        return hf_name, None
+
+    def _fused_sizes(self, fused: str) -> list[int]:
+        a = self.args
+        if fused == "qkv_proj":
+            kv = a.num_kv_heads * a.head_dim
+            return [a.num_heads * a.head_dim, kv, kv]
+        return [a.intermediate_size, a.intermediate_size]

@@ -1,0 +1,131 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Sampling draws one exponential variate E_v per vocabulary entry and takes argmax(p_v / E_v),
+which picks v with probability p_v (the exponential race; vLLM samples the same way). It needs
+no cumulative sums over the vocabulary and makes seeding simple:
+
+- a request with a seed gets its noise from a torch.Generator seeded with a mix of
+  (seed, num_generated), so its tokens depend on nothing else in the batch (two requests with
+  the same seed and the same logits draw the same tokens, as in vLLM);
+- requests without a seed share one generator seeded from EngineConfig.seed (reproducible for
+  the same sequence of steps, not across batch compositions).
+
+Log-probabilities are always those of the RAW logits (log_softmax before temperature, top-k
+and top-p), as the contract in engine/step.py says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixflow.pipeline.requests import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """Per row: the token, its raw logprob, and the asked-for top (token, logprob) pairs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...]]
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (request seed, tokens generated so far) (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    """sample(logits, params, num_generated) -> SamplerOutput, vectorised over the batch."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device)  # shared by requests without a seed
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               num_generated: list[int]) -> SamplerOutput:
+        """logits: [N, V] fp32 raw next-token logits; params, num_generated: one per row."""
+        n = logits.shape[0]
+        assert len(params) == n == len(num_generated), "one SamplingParams per logits row"
+        if n == 0:
+            return SamplerOutput([], [], [])
+        logprobs = torch.log_softmax(logits, dim=-1)                       # [N, V]
+        token_ids = logits.argmax(dim=-1)                                   # greedy for all rows
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            token_ids[idx] = self._sample_rows(logits[idx], [params[i] for i in rows],
+                                               [num_generated[i] for i in rows])
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1))                 # [N, 1]
+        k_max = min(max((p.logprobs or 0) for p in params), logprobs.shape[1])
+        top_values, top_ids = logprobs.topk(k_max, dim=-1)                 # [N, k_max]
+        # One device->host copy for everything (fp64 holds token ids exactly).
+        host = torch.cat([token_ids.unsqueeze(1).double(), chosen.double(), top_ids.double(),
+                          top_values.double()], dim=1).tolist()
+        return SamplerOutput(
+            token_ids=[int(row[0]) for row in host],
+            logprobs=[row[1] for row in host],
+            top_logprobs=[_top_pairs(row[2:], k_max, p.logprobs or 0)
+                          for row, p in zip(host, params)])
+
+    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
+                     num_generated: list[int]) -> torch.Tensor:
+        # logits: [M, V] -> sampled token ids [M]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(logits, dim=-1)                               # [M, V]
+        noise = self._exponential_noise(probs.shape, params, num_generated)
+        # A zero variate would turn 0/0 into NaN, which argmax would pick.
+        return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+    def _exponential_noise(self, shape: torch.Size, params: list[SamplingParams],
+                           num_generated: list[int]) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            block = torch.empty(len(unseeded), shape[1], device=self.device)
+            block.exponential_(generator=self.generator)
+            noise[torch.tensor(unseeded, device=self.device)] = block
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                g = torch.Generator(self.device)
+                g.manual_seed(mix_seed(p.seed, num_generated[i]))
+                noise[i].exponential_(generator=g)
+        return noise
+
+
+def _top_pairs(row: list[float], k_max: int, k: int) -> tuple[tuple[int, float], ...]:
+    """row: k_max ids then k_max logprobs -> the first k (id, logprob) pairs."""
+    return tuple((int(row[i]), row[k_max + i]) for i in range(min(k, k_max)))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) all but each row's top-k tokens, then all but the smallest set whose
+    probability (renormalised after top-k) reaches top_p. k <= 0 and p = 1 disable.
+
+    logits: [M, V] fp32 (already divided by the temperature). Returns a new [M, V] tensor.
+    """
+    m, v = logits.shape
+    dev = logits.device
+    k = torch.tensor([kk if kk > 0 else v for kk in top_k], device=dev).clamp(max=v)   # [M]
+    # p = 1 must keep everything, even when rounding makes the cumulative mass reach 1 early.
+    p = torch.tensor([pp if pp < 1.0 else float("inf") for pp in top_p], device=dev)  # [M]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)                        # [M, V]
+    ranks = torch.arange(v, device=dev).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs    # probability of the better-ranked tokens
+    # The best token is always kept (mass_before == 0), so no row is left empty.
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

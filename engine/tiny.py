@@ -1,0 +1,260 @@
+"""Tiny, deterministic, randomly initialised checkpoints in Hugging Face format.
+
+Tests, the demo and the benchmarks need real checkpoints without downloading anything, so we
+write one: transformers' own config and model classes (the correctness oracle reads the same
+files), random weights from `torch.manual_seed(seed)`, and a byte-level BPE tokenizer trained
+here on a small built-in English corpus, with a chat template. Same arguments -> same bytes.
+
+    python -m prefixflow.engine.tiny PATH --arch llama [--seed 0] [--layers 4 --hidden 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+# Bumped whenever the files written change, so cached checkpoints are rebuilt.
+_FORMAT_VERSION = 3
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+# "<|endoftext|>" is unused by our template, but transformers loads the tokenizer of a "qwen2"
+# checkpoint as Qwen2Tokenizer, which adds that token when the vocabulary lacks it (and the
+# vocabulary would then outgrow the model's).
+SPECIAL_TOKENS = (PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>")
+TOKENIZER_VOCAB_SIZE = 1024
+
+# Each turn ends with EOS, so a model that learned the format would stop after its answer.
+CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# head_dim 32: the smallest the Triton kernels take (kernels/_common.py TRITON_HEAD_DIMS).
+_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: two query heads per KV head
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    # Larger than HF's 0.02 so that the logits of a tiny model are not almost flat: greedy
+    # decoding then has clear winners and sampling tests see a peaked distribution.
+    initializer_range=0.05,
+    tie_word_embeddings=False,
+)
+
+_FINAL_NORM_SCALE = 4.0
+
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=256)
+
+
+def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
+                         llama3_rope: bool = False, **config_overrides: Any) -> Path:
+    """Write a random-weight checkpoint of `arch` into `path` (created) and return it.
+
+    arch: "llama", "mistral" or "qwen2" (Qwen2 has q/k/v biases).
+    llama3_rope: use Llama-3.1 rope scaling (rope_type "llama3"); llama only.
+    config_overrides: any field of the transformers config, e.g. num_hidden_layers=4,
+        hidden_size=512, tie_word_embeddings=True.
+    """
+    import torch
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not supported: use one of {', '.join(ARCHS)}")
+    if llama3_rope and arch != "llama":
+        raise ValueError(f"llama3_rope=True needs arch='llama', got arch={arch!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer()
+    config = _build_config(arch, len(tokenizer), llama3_rope, config_overrides)
+    torch.manual_seed(seed)
+    model = _model_class(arch)(config)
+    with torch.no_grad():
+        # The final norm's weight scales the logits: with HF's init (weight 1) a hidden-128
+        # model gives logits of std ~0.6, an almost uniform distribution; 4 gives std ~2.3.
+        model.model.norm.weight.fill_(_FINAL_NORM_SCALE)
+        # HF initialises biases (Qwen2's q/k/v) to zero; random ones make the tests see them.
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    with _quiet_progress_bars():
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """transformers draws a progress bar per shard written; tests and the demo need none."""
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+def tiny_checkpoint_cached(arch: str = "llama", seed: int = 0, llama3_rope: bool = False,
+                           **config_overrides: Any) -> Path:
+    """Like `make_tiny_checkpoint`, written once under `$PREFIXFLOW_CACHE/tiny/` (default
+    `~/.cache/prefixflow/tiny/`) in a folder keyed by the arguments, then reused.
+
+    Safe when several processes ask at once: each writes a temporary folder and renames it.
+    """
+    # The transformers version is part of the key: its init and file format may change.
+    key = json.dumps(dict(v=_FORMAT_VERSION, transformers=version("transformers"), arch=arch,
+                          seed=seed, llama3_rope=llama3_rope, overrides=config_overrides),
+                     sort_keys=True, default=str)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PREFIXFLOW_CACHE", Path.home() / ".cache" / "prefixflow")) / "tiny"
+    final = root / f"{arch}-{digest}"
+    if (final / "config.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by processes
+    try:
+        make_tiny_checkpoint(tmp, arch, seed, llama3_rope, **config_overrides)
+        os.replace(tmp, final)  # atomic; fails if another process won the race
+    except OSError:
+        if not (final / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _model_class(arch: str) -> type:
+    import transformers
+
+    return {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+            "qwen2": transformers.Qwen2ForCausalLM}[arch]
+
+
+def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict[str, Any]):
+    import transformers
+
+    fields = dict(_DEFAULTS, vocab_size=vocab_size, pad_token_id=SPECIAL_TOKENS.index(PAD),
+                  bos_token_id=SPECIAL_TOKENS.index(BOS), eos_token_id=SPECIAL_TOKENS.index(EOS))
+    if llama3_rope:
+        fields["rope_parameters"] = dict(_LLAMA3_ROPE)
+    if arch == "mistral":
+        fields["sliding_window"] = None  # we attend to the whole context, like HF then
+    fields.update(overrides)
+    if fields["vocab_size"] != vocab_size:
+        raise ValueError(f"vocab_size={fields['vocab_size']} must equal the tokenizer's "
+                         f"{vocab_size}: leave vocab_size out of the overrides")
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[arch]
+    return cls(**fields)
+
+
+def _build_tokenizer():
+    """A byte-level BPE (like Llama 3's and Qwen2's) wrapped for transformers."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+                                  bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.additional_special_tokens = list(SPECIAL_TOKENS[3:])
+    return tok
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE,
+                                  special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    # Like Llama: the tokenizer adds BOS itself when asked for special tokens.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))])
+    return tok.to_str()
+
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
+single step. Language models read a prompt, one token at a time, and predict the next token.
+Offline batch inference runs many prompts together: when prompts share a prefix, the prefix
+is computed once and its keys and values are reused by every request of the group. The
+scheduler decides which requests run in each step, and the model runner turns that decision
+into tensors. Please answer the question below in one short sentence. What is the capital of
+France? Paris is the capital of France. Summarize the following review of a product. The
+battery lasts all day and the screen is bright, but the speaker is quiet. Translate the text
+into French. Classify the sentiment of the sentence as positive, negative or neutral. You are
+a helpful assistant. Write a short poem about the sea, the wind and the morning light.
+"""
+
+_SUBJECTS = ("the model", "a student", "the scheduler", "my friend", "the engine", "a small cat",
+             "the teacher", "our team", "the river", "this system")
+_VERBS = ("reads", "writes", "computes", "finds", "shares", "answers", "likes", "builds",
+          "plans", "sees")
+_OBJECTS = ("the long document", "a simple question", "every prefix", "the next token",
+            "a cached block", "the blue sky", "many requests", "the final answer",
+            "some numbers 1 2 3 42 2024", "an email to the user")
+
+
+def _corpus() -> list[str]:
+    lines = [line for line in _TEXT.splitlines() if line]
+    for i, s in enumerate(_SUBJECTS):
+        for j, v in enumerate(_VERBS):
+            o = _OBJECTS[(i * 3 + j) % len(_OBJECTS)]
+            lines.append(f"{s.capitalize()} {v} {o}, and then {_SUBJECTS[j]} {_VERBS[i]} {o}.")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llama3-rope", action="store_true")
+    parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--intermediate", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in dict(
+        num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads).items() if v is not None}
+    if args.tied:
+        overrides["tie_word_embeddings"] = True
+    out = make_tiny_checkpoint(args.path, args.arch, args.seed, args.llama3_rope, **overrides)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""ModelRunner API: cache sizing, attributes, chunk order, sampling output, contract errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.model_runner import ModelRunner
+from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
+from prefixflow.engine.tiny import make_tiny_checkpoint
+from prefixflow.pipeline.requests import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "mistral", seed=2)
+
+
+@pytest.fixture(scope="module")
+def runner(ckpt):
+    return ModelRunner(EngineConfig(model=str(ckpt), device="auto", block_size=8,
+                                    kv_cache_bytes=3_000_000, max_model_len=512))
+
+
+def test_attributes_and_cache_size(runner):
+    # 2 layers x K,V x 2 kv heads x head_dim 32 x 4 bytes
+    assert runner.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4
+    assert runner.num_kv_blocks == 3_000_000 // (8 * runner.kv_bytes_per_token)
+    assert runner.kv_cache.shape == (2, 2, runner.num_kv_blocks, 8, 2, 32)
+    assert runner.block_size == 8 and runner.max_model_len == 512
+    assert runner.vocab_size == len(runner.tokenizer)
+    assert runner.eos_token_ids == (runner.tokenizer.eos_token_id,)
+    assert runner.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_sampled_tokens_come_back_in_chunk_order(runner):
+    prefix = SharedPrefix(block_table=(0, 1), length=11)
+    prompt = tuple(range(20, 31))
+    runner.execute(StepInput((SeqChunk(50, prompt, 0, 0, (0, 1)),), (prefix,)))  # the prefix
+    chunks = (
+        SeqChunk(7, (40, 41, 42), 0, 0, (5,), sample=True, sampling_params=GREEDY),
+        SeqChunk(8, (43, 44), 11, 0, (6,), prefix_index=0, sample=True,
+                 sampling_params=SamplingParams(temperature=0.8, seed=3, logprobs=2)),
+        SeqChunk(9, (45,), 0, 0, (7,)),  # no sampling
+        SeqChunk(10, (46, 47, 48, 49), 11, 0, (8,), prefix_index=0, sample=True,
+                 sampling_params=GREEDY),
+    )
+    out = runner.execute(StepInput(chunks, (prefix,)))
+    assert [t.seq_id for t in out.sampled] == [7, 8, 10]
+    assert len(out.sampled[1].top_logprobs) == 2 and out.sampled[0].top_logprobs == ()
+    logits = runner.execute_logits(StepInput(chunks, (prefix,)))  # same step again: same KV
+    assert logits.shape == (3, runner.vocab_size)
+    assert [out.sampled[i].token_id for i in (0, 2)] == logits[[0, 2]].argmax(-1).tolist()
+    logp = torch.log_softmax(logits, -1)
+    for row, tok in enumerate(out.sampled):
+        assert abs(tok.logprob - logp[row, tok.token_id].item()) < 1e-5
+
+
+def test_step_without_sampling(runner):
+    out = runner.execute(StepInput((SeqChunk(1, (4, 5, 6), 0, 0, (3,)),)))
+    assert out.sampled == ()
+
+
+@pytest.mark.parametrize("chunk, message", [
+    (SeqChunk(1, (4, 5, 6), 0, 0, ()), "too few"),
+    (SeqChunk(1, (), 0, 0, (3,)), "no token_ids"),
+    (SeqChunk(1, (4,), 512, 0, (3,)), "max_model_len"),
+    (SeqChunk(1, (4,), 0, 0, (3,), sample=True), "sampling_params"),
+    (SeqChunk(1, (4,), 0, 0, (10 ** 6,)), "block ids"),
+    (SeqChunk(1, (4,), 0, 0, (3,), prefix_index=2), "prefix_index"),
+])
+def test_contract_errors(runner, chunk, message):
+    with pytest.raises(ValueError, match=message):
+        runner.execute(StepInput((chunk,)))
+
+
+def test_config_errors(ckpt):
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelRunner(EngineConfig(model=str(ckpt), device="cpu", kv_cache_bytes=1 << 20,
+                                 max_model_len=10 ** 6))
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        ModelRunner(EngineConfig(model=str(ckpt), device="cpu", kv_cache_bytes=100))
+
+
+def test_sliding_window_bounds_max_model_len(tmp_path):
+    # We attend to the whole context, which equals Mistral's sliding window attention only
+    # while sequences fit in the window.
+    path = make_tiny_checkpoint(tmp_path, "mistral", sliding_window=64)
+    runner = ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_bytes=1 << 20))
+    assert runner.max_model_len == 64
+    with pytest.raises(ValueError, match="sliding window"):
+        ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_bytes=1 << 20,
+                                 max_model_len=65))
