@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse
 from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts, runs
-from prefixflow.pipeline.partition import partition_runs
+from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
+from prefixflow.pipeline.partition import Partition, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.pipeline.requests import PrefixGroup
@@ -78,7 +79,9 @@ class Plan:
 def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
                row_ids: Sequence[int] | np.ndarray | None = None,
                output_lens: Sequence[int] | np.ndarray | None = None,
-               order: str = "batchllm", num_replicas: int = 1) -> Plan:
+               order: str = "batchllm", num_replicas: int = 1,
+               model: ModelShape | dict | str | None = None,
+               hardware: str | HardwareProfile = "h100") -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
 
     prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens).
@@ -86,6 +89,10 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
     output_lens: expected output length per prompt, if known (used by ordering).
     order: "fcfs" | "dfs" | "batchllm" | "blendserve".
     num_replicas: data-parallel engine replicas.
+    model: the model's shape for the cost model (a ModelShape, a Hugging Face config dict, or
+        a config.json / model directory path); None: Llama-3.1-8B's shape.
+    hardware: "h100" | "h200" | "a100" | "cpu" (measured) or a HardwareProfile. Replicas are
+        balanced on the predicted time (cost_model.py; unknown output lengths use a default).
     """
     started = time.perf_counter()
     tokens = RaggedTokens.from_sequences(prompts)
@@ -108,22 +115,57 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
     run_len = np.diff(starts)
     # A run of one shares nothing: it is planned as a group of one with an empty prefix.
     run_prefix = np.where(run_len > 1, grouping.prefix_len[seq_order[starts[:-1]]], 0)
-    run_prompt = np.add.reduceat(lengths[seq_order], starts[:-1]) if n else np.zeros(0, np.int64)
-    run_computed = run_prompt - (run_len - 1) * run_prefix
-    replica = partition_runs(run_computed, num_replicas)
+    cost_model = CostModel.create(model, hardware)
+    part = _partition(cost_model, seq_order, starts, run_prefix, lengths, outs, num_replicas)
 
-    # Plan order: replica by replica, each keeping the policy's order of its runs.
-    run_perm = np.lexsort((np.arange(len(run_len)), replica))
-    replica_runs = np.searchsorted(replica[run_perm], np.arange(num_replicas + 1))
-    new_starts = np.r_[0, np.cumsum(run_len[run_perm])].astype(np.int64)
-    shift = np.repeat(starts[:-1][run_perm] - new_starts[:-1], run_len[run_perm])
+    # Plan order: replica by replica, each keeping the policy's order of its parts (a part is a
+    # run, or a piece of a run cut between replicas; each piece keeps the run's prefix).
+    part_len = part.part_hi - part.part_lo
+    new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
+    shift = np.repeat(part.part_lo - new_starts[:-1], part_len)
     seq_index = seq_order[np.arange(n, dtype=np.int64) + shift]
-    table = _plan_table(ids, seq_index, lengths, outs, new_starts, run_prefix[run_perm],
-                        replica[run_perm], replica_runs)
-    summary = _summary(tree, grouping, lengths, run_len[run_perm], run_computed[run_perm],
-                       replica[run_perm], num_replicas, order)
+    group_prefix = grouping.prefix_len[seq_order[starts[:-1]]] if n else np.zeros(0, np.int64)
+    part_prefix = np.where(part_len > 1, group_prefix[part.part_run], 0)
+    part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if n else np.zeros(0, np.int64)
+    part_computed = part_prompt - (part_len - 1) * part_prefix
+    table = _plan_table(ids, seq_index, lengths, outs, new_starts, part_prefix,
+                        part.part_replica, part.replica_parts)
+    summary = _summary(tree, grouping, lengths, part_len, part_computed, part.part_replica,
+                       num_replicas, order)
+    _add_predictions(summary, part, cost_model, grouping, outs is None)
     summary["planning_seconds"] = time.perf_counter() - started
-    return Plan(table, summary, tokens, seq_index, new_starts, replica_runs.astype(np.int64))
+    return Plan(table, summary, tokens, seq_index, new_starts, part.replica_parts)
+
+
+def _partition(cm: CostModel, seq_order: np.ndarray, starts: np.ndarray, run_prefix: np.ndarray,
+               lengths: np.ndarray, outs: np.ndarray | None, num_replicas: int) -> Partition:
+    """Predicted cost of every row and run prefix, then the balanced split (partition.py)."""
+    row_prefix = np.repeat(run_prefix, np.diff(starts))
+    prompt = lengths[seq_order]
+    out = np.full(len(seq_order), DEFAULT_OUTPUT_LEN) if outs is None else outs[seq_order]
+    row_c = cm.compute_seconds(prompt, out, row_prefix)
+    row_m = cm.memory_seconds(prompt, out)
+    return partition_runs(starts, row_c, row_m, cm.prefix_seconds(run_prefix), run_prefix,
+                          num_replicas)
+
+
+def _add_predictions(summary: dict[str, Any], part: Partition, cm: CostModel, grouping: Grouping,
+                     assumed_outputs: bool) -> None:
+    """Per replica: predicted time (cost_model.py) and the saved tokens the cut gave up."""
+    predicted = part.predicted_s
+    for r, rep in enumerate(summary["replicas"]):
+        rep["predicted_seconds"] = float(predicted[r])
+        rep["predicted_compute_seconds"] = float(part.compute_s[r])
+        rep["predicted_memory_seconds"] = float(part.memory_s[r])
+        rep["lost_saving_tokens"] = int(part.lost_saving_tokens[r])
+    mean = float(predicted.mean()) if len(predicted) else 0.0
+    summary["predicted_seconds_max_over_mean"] = float(predicted.max() / mean) if mean > 0 else 1.0
+    summary["lost_saving_tokens"] = int(part.lost_saving_tokens.sum())
+    saved = summary["prompt_tokens"] - summary["computed_prompt_tokens"]
+    summary["sharing_kept"] = float(saved / grouping.saved_tokens) if grouping.saved_tokens else 1.0
+    summary["cost_model"] = {"hardware": cm.hardware.name,
+                             "kv_bytes_per_token": cm.model.kv_bytes_per_token,
+                             "output_len_assumed": DEFAULT_OUTPUT_LEN if assumed_outputs else None}
 
 
 def _plan_table(ids, seq_index, lengths, outs, run_starts, run_prefix, run_replica, replica_runs) -> pa.Table:

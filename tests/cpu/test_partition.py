@@ -1,0 +1,109 @@
+"""Data-parallel partitioning (BlendServe Sec. 5.5): coverage, balance, cuts, Plan integration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixflow.pipeline import build_plan
+from prefixflow.pipeline.partition import partition_runs
+
+
+@st.composite
+def run_sets(draw):
+    run_len = draw(st.lists(st.integers(1, 30), min_size=0, max_size=25))
+    n = sum(run_len)
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    comp = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
+    mem = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
+    prefix = np.array([draw(st.integers(0, 50)) if k > 1 else 0 for k in run_len], dtype=np.int64)
+    return np.r_[0, np.cumsum(run_len)].astype(np.int64), comp, mem, prefix
+
+
+@given(run_sets(), st.integers(1, 6))
+@settings(max_examples=200, deadline=None)
+def test_every_row_exactly_once_in_policy_order(runs, replicas):
+    starts, comp, mem, prefix = runs
+    part = partition_runs(starts, comp, mem, prefix * 0.01, prefix, replicas)
+    rows = np.concatenate([np.arange(lo, hi) for lo, hi in zip(part.part_lo, part.part_hi)]) \
+        if len(part.part_lo) else np.zeros(0, np.int64)
+    assert sorted(rows.tolist()) == list(range(int(starts[-1])))
+    assert np.all(part.part_hi > part.part_lo)
+    assert len(part.replica_parts) == replicas + 1
+    for r in range(replicas):  # each replica keeps the policy's order of its parts
+        lo = part.part_lo[part.replica_parts[r]:part.replica_parts[r + 1]]
+        assert np.all(np.diff(lo) > 0)
+        assert np.all(part.part_replica[part.replica_parts[r]:part.replica_parts[r + 1]] == r)
+    # Each part inside its run; lost tokens are (parts of the run - 1) * prefix.
+    assert np.all(starts[part.part_run] <= part.part_lo) and np.all(part.part_hi <= starts[part.part_run + 1])
+    pieces = np.bincount(part.part_run, minlength=len(starts) - 1)
+    assert part.lost_saving_tokens.sum() == ((pieces - 1) * prefix).sum()
+    total_c = comp.sum() + (pieces * prefix * 0.01).sum()
+    assert part.compute_s.sum() == pytest.approx(total_c)
+    assert part.memory_s.sum() == pytest.approx(mem.sum())
+
+
+def grouped_prompts(num_groups: int, seed: int = 0):
+    """Groups of Zipf sizes (one larger than a replica's share), prefixes 50-150 tokens."""
+    rng = np.random.default_rng(seed)
+    sizes = np.r_[600, np.minimum(rng.zipf(1.8, num_groups), 200)]
+    prompts, outs = [], []
+    for g, size in enumerate(sizes):
+        prefix = rng.integers(0, 32000, rng.integers(50, 150)).tolist()
+        for _ in range(size):
+            prompts.append(prefix + rng.integers(0, 32000, rng.integers(10, 60)).tolist())
+            outs.append(int(rng.integers(5, 500)))
+    perm = rng.permutation(len(prompts))
+    return [prompts[i] for i in perm], np.array(outs)[perm]
+
+
+@pytest.mark.parametrize("order", ["batchllm", "blendserve"])
+def test_replicas_balance_and_keep_the_sharing(order):
+    prompts, outs = grouped_prompts(300)
+    single = build_plan(prompts, output_lens=outs, order=order)
+    for replicas in (2, 4):
+        plan = build_plan(prompts, output_lens=outs, order=order, num_replicas=replicas)
+        s = plan.summary
+        times = [r["predicted_seconds"] for r in s["replicas"]]
+        assert max(times) / np.mean(times) <= 1.03
+        assert s["predicted_seconds_max_over_mean"] == pytest.approx(max(times) / np.mean(times))
+        assert s["token_saving_ratio"] >= 0.99 * single.summary["token_saving_ratio"]
+        assert s["lost_saving_tokens"] == sum(r["lost_saving_tokens"] for r in s["replicas"])
+        saved_drop = single.summary["computed_prompt_tokens"] - s["computed_prompt_tokens"]
+        assert -saved_drop == s["lost_saving_tokens"]
+
+
+def test_a_group_larger_than_a_share_is_one_group_per_replica_with_the_full_prefix():
+    prefix = list(range(1, 101))
+    prompts = [prefix + [1000 + i, 7] for i in range(40)]
+    plan = build_plan(prompts, output_lens=[50] * 40, num_replicas=4)
+    assert plan.summary["lost_saving_tokens"] == 3 * 100           # cut three times
+    members = []
+    for r in range(4):
+        groups = plan.groups(r)
+        assert len(groups) == 1 and groups[0].prefix.tolist() == prefix
+        members.append(groups[0].num_members)
+        assert plan.summary["replicas"][r]["lost_saving_tokens"] == (100 if r else 0)
+    # Every part computes the prefix once, so the parts are about equal, not exactly 10 each.
+    assert sum(members) == 40 and max(members) - min(members) <= 3
+    assert plan.summary["predicted_seconds_max_over_mean"] <= 1.05
+
+
+def test_model_config_and_hardware_change_the_prediction(tmp_path):
+    prompts = [[1, 2, 3, i] for i in range(8)]
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "vocab_size": 100}
+    a = build_plan(prompts, num_replicas=2, model=small)
+    b = build_plan(prompts, num_replicas=2, hardware="a100")
+    assert a.summary["replicas"][0]["predicted_seconds"] < b.summary["replicas"][0]["predicted_seconds"]
+    assert b.summary["cost_model"]["hardware"] == "a100"
+    assert a.summary["cost_model"]["output_len_assumed"] == 128
+    with pytest.raises(ValueError, match="hardware='v100'"):
+        build_plan(prompts, hardware="v100")
+
+
+def test_bad_replica_count():
+    with pytest.raises(ValueError, match="num_replicas=0"):
+        partition_runs(np.array([0, 1]), np.ones(1), np.ones(1), np.zeros(1), np.zeros(1, np.int64), 0)
