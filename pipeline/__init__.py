@@ -5,10 +5,12 @@
     plan.summary["token_saving_ratio"], plan.groups(replica=0)
 """
 
+from prefixflow.pipeline.cost_model import CostModel, HardwareProfile, ModelShape
+from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.pipeline.plan import Plan, build_plan
 from prefixflow.pipeline.prefix_tree import PrefixTree, sort_with_lcp
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
 
-__all__ = ["Plan", "PrefixGroup", "PrefixTree", "RaggedTokens", "SamplingParams", "build_plan",
+__all__ = ["ORDER_POLICIES", "CostModel", "HardwareProfile", "ModelShape", "Plan", "PrefixGroup", "PrefixTree", "RaggedTokens", "SamplingParams", "build_plan",
            "sort_with_lcp"]

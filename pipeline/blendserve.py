@@ -63,9 +63,10 @@ class BlendServeResult:
 
 
 def blendserve_order(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
-                     output_lens: np.ndarray | None = None) -> np.ndarray:
+                     output_lens: np.ndarray | None = None,
+                     cost_model: CostModel | None = None) -> np.ndarray:
     """The run order (a permutation of prompt indices) under BlendServe; see `blendserve_plan`."""
-    return blendserve_plan(tree, grouping, lengths, output_lens).order
+    return blendserve_plan(tree, grouping, lengths, output_lens, cost_model=cost_model).order
 
 
 def blendserve_plan(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,

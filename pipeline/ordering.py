@@ -21,8 +21,10 @@ ORDER_POLICIES = ("fcfs", "dfs", "batchllm", "blendserve")
 
 
 def order_prompts(policy: str, tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
-                  output_lens: np.ndarray | None = None) -> np.ndarray:
-    """A permutation of prompt indices in run order under `policy`."""
+                  output_lens: np.ndarray | None = None, cost_model=None) -> np.ndarray:
+    """A permutation of prompt indices in run order under `policy`.
+
+    cost_model: a `cost_model.CostModel` for resource-aware policies (blendserve)."""
     if policy == "fcfs":
         return np.arange(len(lengths), dtype=np.int64)
     if policy == "dfs":
@@ -32,7 +34,7 @@ def order_prompts(policy: str, tree: PrefixTree, grouping: Grouping, lengths: np
     if policy == "blendserve":
         from prefixflow.pipeline.blendserve import blendserve_order  # issue 3
 
-        return blendserve_order(tree, grouping, lengths, output_lens)
+        return blendserve_order(tree, grouping, lengths, output_lens, cost_model=cost_model)
     raise ValueError(f"order={policy!r} is not a known policy: use one of {', '.join(ORDER_POLICIES)}")
 
 

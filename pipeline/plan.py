@@ -15,9 +15,10 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from prefixflow.pipeline.blendserve import estimate_output_lens
+from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse
 from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts, runs
-from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.partition import Partition, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
@@ -86,7 +87,8 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
 
     prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens).
     row_ids: one unique id per prompt (default 0..n-1).
-    output_lens: expected output length per prompt, if known (used by ordering).
+    output_lens: expected output length per prompt (used by ordering and the cost model); -1
+        marks an unknown one, estimated from the known ones in its subtree (BlendServe Sec. 5.1).
     order: "fcfs" | "dfs" | "batchllm" | "blendserve".
     num_replicas: data-parallel engine replicas.
     model: the model's shape for the cost model (a ModelShape, a Hugging Face config dict, or
@@ -110,13 +112,15 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
 
     tree = PrefixTree.build(tokens)
     grouping = maximize_reuse(tree)
-    seq_order = order_prompts(order, tree, grouping, lengths, outs)
+    # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
+    est = None if outs is None else estimate_output_lens(tree, outs)
+    cost_model = CostModel.create(model, hardware)
+    seq_order = order_prompts(order, tree, grouping, lengths, est, cost_model=cost_model)
     starts = runs(seq_order, grouping)
     run_len = np.diff(starts)
     # A run of one shares nothing: it is planned as a group of one with an empty prefix.
     run_prefix = np.where(run_len > 1, grouping.prefix_len[seq_order[starts[:-1]]], 0)
-    cost_model = CostModel.create(model, hardware)
-    part = _partition(cost_model, seq_order, starts, run_prefix, lengths, outs, num_replicas)
+    part = _partition(cost_model, seq_order, starts, run_prefix, lengths, est, num_replicas)
 
     # Plan order: replica by replica, each keeping the policy's order of its parts (a part is a
     # run, or a piece of a run cut between replicas; each piece keeps the run's prefix).
@@ -177,7 +181,7 @@ def _plan_table(ids, seq_index, lengths, outs, run_starts, run_prefix, run_repli
     rank = np.arange(len(seq_index), dtype=np.int64) - first_row_of_replica[replica] if len(seq_index) else \
         np.zeros(0, np.int64)
     output_len = pa.nulls(len(seq_index), pa.int32()) if outs is None else \
-        pa.array(outs[seq_index].astype(np.int32))
+        pa.array(outs[seq_index].astype(np.int32), mask=outs[seq_index] < 0)
     return pa.table({
         "row_id": pa.array(ids[seq_index]),
         "replica": pa.array(replica),
@@ -236,6 +240,6 @@ def _check_output_lens(output_lens, n: int) -> np.ndarray | None:
     outs = np.asarray(output_lens, dtype=np.int64)
     if outs.shape != (n,):
         raise ValueError(f"output_lens has {outs.size} entries for {n} prompts: give one per prompt")
-    if np.any(outs < 0):
-        raise ValueError("output_lens must be non-negative")
+    if np.any(outs < -1):
+        raise ValueError("output_lens must be non-negative, or -1 for unknown (estimated per subtree)")
     return outs

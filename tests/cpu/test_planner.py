@@ -45,7 +45,7 @@ def test_sort_and_lcp_are_exact(prompts, block):
     assert lcp.tolist() == [lcp_of([a, b]) for a, b in zip(ordered, ordered[1:])]
 
 
-@given(prompt_sets(), st.sampled_from(["fcfs", "dfs", "batchllm"]), st.integers(1, 4))
+@given(prompt_sets(), st.sampled_from(["fcfs", "dfs", "batchllm", "blendserve"]), st.integers(1, 4))
 @settings(max_examples=120, deadline=None)
 def test_plan_covers_every_row_once_and_prefixes_are_shared(prompts, order, replicas):
     row_ids = np.arange(len(prompts)) * 7 + 3
@@ -153,7 +153,7 @@ def test_arrow_input_is_a_zero_copy_view():
     ({"row_ids": [1]}, "one id per prompt"),
     ({"order": "lifo"}, "order='lifo'"),
     ({"num_replicas": 0}, "num_replicas=0"),
-    ({"output_lens": [1, -2]}, "non-negative"),
+    ({"output_lens": [1, -2]}, "non-negative, or -1"),
 ])
 def test_bad_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -163,3 +163,13 @@ def test_bad_arguments_name_the_field(kwargs, message):
 def test_empty_prompt_names_its_row():
     with pytest.raises(ValueError, match="row_id=11"):
         build_plan([[1], []], row_ids=[10, 11])
+
+
+def test_unknown_output_lengths_are_estimated_within_their_subtree():
+    a, b = [1] * 40, [2] * 40
+    prompts = [a + [3], a + [4], a + [5], b + [6], b + [7]]
+    plan = build_plan(prompts, output_lens=[200, -1, 200, 1, -1])
+    # Row 1 borrows its siblings' 200 and row 4 its sibling's 1, so family a runs first.
+    assert plan.groups(0)[0].row_ids.tolist() == [0, 1, 2]
+    table = plan.table.to_pydict()
+    assert dict(zip(table["row_id"], table["output_len"]))[1] is None
