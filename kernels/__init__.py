@@ -6,17 +6,31 @@ sys.path, transformers' probe for Hugging Face's `kernels` distribution can impo
 as a top-level `kernels`; under that name it exposes nothing and imports nothing.
 
 Public functions dispatch on q's device: CUDA tensors (with triton importable) run the Triton
-launcher `*_triton`, anything else the torch reference `*_ref` of the same signature.
+launcher `*_triton`, anything else the torch reference `*_ref` of the same signature. KV cache
+layout everywhere: [num_blocks, block_size, num_kv_heads, head_dim]; block tables int32.
+
+- prefix_shared_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables,
+  prefix_lens, prefix_block_tables, prefix_seq_ranges, scale, out=None): mixed steps with
+  shared prefixes, one horizontally fused launch (BatchLLM Sec. 4.3.3).
+- paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, scale, out=None,
+  num_splits=None): one query per sequence, split-K.
+- packed_prefill_attention(q, k, v, cu_seqlens, scale, out=None, k_cache=None, v_cache=None,
+  slot_mapping=None): packed prompts, causal per prompt, optional cache write.
+- write_kv_cache(k, v, k_cache, v_cache, slot_mapping): scatter a step's K/V into the cache.
+- rms_norm(x, weight, eps, residual=None), rotary_embedding(q, k, positions, cos_sin): the
+  layer's elementwise ops with Hugging Face's rounding.
 """
 
 if __name__ == "prefixflow.kernels":
     from prefixflow.kernels.kv_write import write_kv_cache, write_kv_cache_ref
+    from prefixflow.kernels.norm import rms_norm, rms_norm_ref
     from prefixflow.kernels.packed_prefill import (packed_prefill_attention,
                                                    packed_prefill_attention_ref)
     from prefixflow.kernels.paged_decode import (paged_decode_attention,
                                                  paged_decode_attention_ref)
     from prefixflow.kernels.prefix_attention import (prefix_shared_attention,
                                                      prefix_shared_attention_ref)
+    from prefixflow.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
     __all__ = [
         "packed_prefill_attention",
@@ -25,6 +39,10 @@ if __name__ == "prefixflow.kernels":
         "paged_decode_attention_ref",
         "prefix_shared_attention",
         "prefix_shared_attention_ref",
+        "rms_norm",
+        "rms_norm_ref",
+        "rotary_embedding",
+        "rotary_embedding_ref",
         "write_kv_cache",
         "write_kv_cache_ref",
     ]

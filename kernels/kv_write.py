@@ -1,0 +1,102 @@
+"""Writing a step's new K/V into the paged cache (the engine does this before attention).
+
+slot_mapping[t] = block * block_size + offset is where token t's K/V go; -1 skips the token
+(padding, or a token whose KV is already cached).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES,
+                                        check_last_dim_contiguous, check_shape, check_tensor,
+                                        use_triton)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+
+
+def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    check_tensor("k", k, 3, dtypes)
+    dev = k.device
+    check_tensor("v", v, 3, dtypes, dev)
+    check_shape("v", v, tuple(k.shape))
+    t, hkv, d = k.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, 4, dtypes, dev, contiguous=True)
+        if tuple(c.shape[2:]) != (hkv, d):
+            raise ValueError(f"{name} has shape {tuple(c.shape)}; its last two dims must be "
+                             f"k's (num_kv_heads, head_dim) = {(hkv, d)}")
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), dev)
+    check_shape("slot_mapping", slot_mapping, (t,))
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatters k, v into the paged cache in place (Triton on CUDA, torch otherwise).
+
+    k, v: [T, Hkv, D] float; k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous;
+    slot_mapping: [T] int64 (or int32), slot = block * block_size + offset, -1 = skip.
+    k/v are cast to the cache dtype.
+    """
+    if use_triton(k, head_dims=None):
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Torch version of `write_kv_cache` (same arguments)."""
+    _check_args(k, v, k_cache, v_cache, slot_mapping, REF_FLOAT_DTYPES)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    hkv, d = k.shape[1:]
+    k_cache.view(-1, hkv, d)[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(-1, hkv, d)[slots] = v[valid].to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton path.
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh,
+                      stride_vt, stride_vh, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+        # One program per token: copies its [Hkv, D] K and V rows into the slot's cache rows.
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            h = tl.arange(0, BLOCK_H)
+            d = tl.arange(0, HEAD_DIM)
+            mask = (h < NUM_KV_HEADS)[:, None]
+            src = h[:, None] * stride_kh + d[None, :]
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+            k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + src, mask=mask)
+            tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            src_v = h[:, None] * stride_vh + d[None, :]
+            v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + src_v, mask=mask)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton launcher of `write_kv_cache` (same arguments); head_dim must be a power of two."""
+    _check_args(k, v, k_cache, v_cache, slot_mapping, FLOAT_DTYPES)
+    check_last_dim_contiguous("k", k)
+    check_last_dim_contiguous("v", v)
+    t, hkv, d = k.shape
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two for the Triton kernel")
+    if t == 0:
+        return
+    _write_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping.contiguous(), k.stride(0),
+                        k.stride(1), v.stride(0), v.stride(1), HEAD_DIM=d, NUM_KV_HEADS=hkv,
+                        BLOCK_H=triton.next_power_of_2(hkv))

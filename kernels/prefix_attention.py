@@ -1,0 +1,336 @@
+"""Prefix-shared attention for mixed steps (BatchLLM Sec. 4.3.3, horizontal fusion).
+
+S sequences run in one step; G groups of them share a prefix whose KV is complete in the cache
+(its own blocks, `prefix_block_tables`). Query i of sequence s attends to (a) all keys of its
+group's prefix, non-causally, and (b) its own keys 0 .. kv_lens[s] - q_len + i, causally; one
+softmax spans both parts.
+
+Triton design: one launch, two kinds of programs. "Prefix" programs take a tile of a group's
+queries (all members' query tokens, packed, times the query heads of one kv head for GQA) and
+stream the prefix KV once for the whole tile: that single load shared by every member is the
+point of prefix sharing. "Own" programs take a tile of one sequence's queries against its own
+KV, causal. Both write a normalised partial output and its log-sum-exp; a small merge kernel
+combines the two parts per query (Cascade Inference's merge, fused here in one launch per
+part kind as in BatchLLM's horizontal fusion).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, attend_partial,
+                                        causal_keep, check_cache, check_head_dim_for_triton,
+                                        check_last_dim_contiguous, check_out, check_tensor,
+                                        compute_dtype, decode_partial, gather_kv, interpreting,
+                                        use_triton)
+
+
+def _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
+                prefix_block_tables, prefix_seq_ranges, dtypes) -> None:
+    """Shape, dtype and device checks (no values: they would need a device sync)."""
+    check_tensor("q", q, 3, dtypes)
+    dev = q.device
+    _, hq, d = q.shape
+    check_cache(k_cache, v_cache, hq, d, (q.dtype,), dev)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
+    s = cu_seqlens_q.shape[0] - 1
+    if s < 0:
+        raise ValueError("cu_seqlens_q must have S + 1 >= 1 entries, starting with 0")
+    check_tensor("kv_lens", kv_lens, 1, (torch.int32,), dev)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
+    if kv_lens.shape[0] != s or block_tables.shape[0] != s:
+        raise ValueError(f"kv_lens has {kv_lens.shape[0]} and block_tables {block_tables.shape[0]} "
+                         f"rows; cu_seqlens_q implies S={s} sequences")
+    check_tensor("prefix_lens", prefix_lens, 1, (torch.int32,), dev)
+    check_tensor("prefix_block_tables", prefix_block_tables, 2, (torch.int32,), dev)
+    check_tensor("prefix_seq_ranges", prefix_seq_ranges, 1, (torch.int32,), dev)
+    g = prefix_lens.shape[0]
+    if prefix_block_tables.shape[0] != g or prefix_seq_ranges.shape[0] != g + 1:
+        raise ValueError(f"G={g} prefixes (prefix_lens) need prefix_block_tables with G rows "
+                         f"(got {prefix_block_tables.shape[0]}) and prefix_seq_ranges with G+1 "
+                         f"entries (got {prefix_seq_ranges.shape[0]})")
+
+
+def prefix_shared_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                            block_tables: torch.Tensor, prefix_lens: torch.Tensor,
+                            prefix_block_tables: torch.Tensor, prefix_seq_ranges: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a mixed step with shared prefixes (Triton on CUDA, torch otherwise).
+
+    q: [T, Hq, D] float16/bfloat16/float32, the queries of S sequences concatenated.
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], q's dtype.
+    cu_seqlens_q: [S + 1] int32, sequence s owns queries cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1.
+    kv_lens: [S] int32, own KV tokens of each sequence after this step's writes (its q_len
+        queries are the last q_len of them).
+    block_tables: [S, max_blocks] int32, own key j of seq s is at block_tables[s, j // block_size].
+    prefix_lens: [G] int32 (may be 0); prefix_block_tables: [G, max_prefix_blocks] int32.
+    prefix_seq_ranges: [G + 1] int32 non-decreasing: sequences prefix_seq_ranges[g] ..
+        prefix_seq_ranges[g+1]-1 share prefix g; sequences >= prefix_seq_ranges[G] have none.
+    scale: softmax scale. out: optional [T, Hq, D] in q's dtype.
+    Returns out: [T, Hq, D] in q's dtype.
+    """
+    args = (q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
+            prefix_block_tables, prefix_seq_ranges, scale, out)
+    if use_triton(q):
+        return prefix_shared_attention_triton(*args)
+    return prefix_shared_attention_ref(*args)
+
+
+def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                                block_tables: torch.Tensor, prefix_lens: torch.Tensor,
+                                prefix_block_tables: torch.Tensor,
+                                prefix_seq_ranges: torch.Tensor, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch version of `prefix_shared_attention` (same arguments). Like the kernel it keeps
+    unnormalised partial results (acc, row max m, row sum l): own KV of all decode sequences
+    in one batch and of the others one by one, each group's queries against its prefix in one
+    matmul, the two parts merged by their row maxima."""
+    _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
+                prefix_block_tables, prefix_seq_ranges, REF_FLOAT_DTYPES)
+    out = check_out(out, q)
+    cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
+    _check_values(cu, lens, ranges, q.shape[0])
+    qc = q.to(compute_dtype(q.dtype))                                     # [T, Hq, D]
+    acc, m, l = torch.zeros_like(qc), qc.new_zeros(qc.shape[:2]), qc.new_zeros(qc.shape[:2])
+    decode = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
+    if decode:
+        rows = torch.tensor([cu[s] for s in decode], device=q.device)
+        seqs = torch.tensor(decode, device=q.device)
+        acc[rows], m[rows], l[rows] = decode_partial(qc[rows], k_cache, v_cache, kv_lens[seqs],
+                                                     block_tables[seqs], scale)
+    for s, (lo, hi) in enumerate(zip(cu, cu[1:])):
+        if hi - lo > 1:
+            k = gather_kv(k_cache, block_tables[s], lens[s]).to(qc.dtype)     # [L, Hkv, D]
+            v = gather_kv(v_cache, block_tables[s], lens[s]).to(qc.dtype)
+            keep = causal_keep(hi - lo, lens[s], q.device)
+            acc[lo:hi], m[lo:hi], l[lo:hi] = attend_partial(qc[lo:hi], k, v, keep, scale)
+    for g, p_len in enumerate(prefix_lens.tolist()):
+        lo, hi = cu[ranges[g]], cu[ranges[g + 1]]
+        if p_len == 0 or hi == lo:
+            continue
+        pk = gather_kv(k_cache, prefix_block_tables[g], p_len).to(qc.dtype)  # [P, Hkv, D]
+        pv = gather_kv(v_cache, prefix_block_tables[g], p_len).to(qc.dtype)
+        p_acc, p_m, p_l = attend_partial(qc[lo:hi], pk, pv, None, scale)
+        m_all = torch.maximum(m[lo:hi], p_m)
+        a, b = torch.exp(m[lo:hi] - m_all), torch.exp(p_m - m_all)
+        acc[lo:hi] = acc[lo:hi] * a.unsqueeze(-1) + p_acc * b.unsqueeze(-1)
+        l[lo:hi] = l[lo:hi] * a + p_l * b
+        m[lo:hi] = m_all
+    out.copy_(acc / l.unsqueeze(-1))
+    return out
+
+
+def _check_values(cu: list[int], lens: list[int], ranges: list[int], num_tokens: int) -> None:
+    """Value checks the reference can afford (the launcher cannot without a device sync)."""
+    if cu[0] != 0 or cu[-1] != num_tokens or any(a > b for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to T={num_tokens}, got {cu}")
+    for s, (lo, hi) in enumerate(zip(cu, cu[1:])):
+        if hi - lo > lens[s]:
+            raise ValueError(f"kv_lens[{s}]={lens[s]} < its {hi - lo} queries; kv_lens counts "
+                             "the sequence's own keys including this step's")
+    if any(a > b for a, b in zip(ranges, ranges[1:])) or ranges[0] < 0 or ranges[-1] > len(lens):
+        raise ValueError(f"prefix_seq_ranges must be non-decreasing within 0..S={len(lens)}, "
+                         f"got {ranges}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton path (BatchLLM Sec. 4.3.3): one horizontally fused launch of prefix programs and own
+# programs, each writing partial results, then one merge launch.
+
+try:
+    import triton
+    import triton.language as tl
+
+    from prefixflow.kernels._attn_core import (LOG2E, attend_range, attn_num_warps, dot_f32,
+                                               find_owner, launch_merge, launch_plan,
+                                               load_rows, num_sms, row_block, store_partial,
+                                               store_rows)
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _prefix_program(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr, pbt_ptr, prefix_lens_ptr,
+                        group_tok_ptr, tile_cu_ptr, num_groups, t, split, kv_head, qk_scale,
+                        num_heads, stride_qt, stride_qh, stride_kb, stride_kt, stride_pbt,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NSP: tl.constexpr,
+                        NUM_SLOTS: tl.constexpr, DOT_F32: tl.constexpr):
+        # A tile of one group's packed queries (all members' tokens x GROUP heads) against one
+        # split of the group's prefix: every prefix K/V tile is loaded once for all members.
+        if t < tl.load(tile_cu_ptr + num_groups):
+            g = find_owner(tile_cu_ptr, num_groups, t, 128)
+            tok0 = tl.load(group_tok_ptr + g)
+            n_tok = tl.load(group_tok_ptr + g + 1) - tok0
+            row0 = (t - tl.load(tile_cu_ptr + g)) * BLOCK_M
+            q, tok, head, valid = load_rows(q_ptr, tok0, n_tok, kv_head, row0, stride_qt,
+                                            stride_qh, GROUP, BLOCK_M, HEAD_DIM, DOT_F32)
+            p_len = tl.load(prefix_lens_ptr + g)
+            chunk = tl.cdiv(tl.cdiv(p_len, NSP), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(p_len, lo + chunk)
+            o, lse = attend_range(q, k_ptr, v_ptr, pbt_ptr + g.to(tl.int64) * stride_pbt, lo, hi,
+                                  tok, qk_scale, stride_kb, stride_kt, stride_kb, stride_kt,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, PAGE, True, False, DOT_F32)
+            store_partial(o_part_ptr, lse_part_ptr, o, lse, tok0, tok, head, valid, split,
+                          num_heads, NUM_SLOTS, HEAD_DIM)
+
+    @triton.jit
+    def _own_program(q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, bt_ptr, cu_ptr,
+                     kv_lens_ptr, tile_cu_ptr, ranges_ptr, num_groups, num_seqs, t, split,
+                     kv_head, qk_scale, num_heads, stride_qt, stride_qh, stride_kb, stride_kt,
+                     stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                     NSP: tl.constexpr, NSO: tl.constexpr, DOT_F32: tl.constexpr):
+        # A tile of one sequence's queries against one split of its own KV, causal.
+        if t < tl.load(tile_cu_ptr + num_seqs):
+            seq = find_owner(tile_cu_ptr, num_seqs, t, 128)
+            tok0 = tl.load(cu_ptr + seq)
+            n_tok = tl.load(cu_ptr + seq + 1) - tok0
+            kv_len = tl.load(kv_lens_ptr + seq)
+            row0 = (t - tl.load(tile_cu_ptr + seq)) * BLOCK_M
+            q, tok, head, valid = load_rows(q_ptr, tok0, n_tok, kv_head, row0, stride_qt,
+                                            stride_qh, GROUP, BLOCK_M, HEAD_DIM, DOT_F32)
+            limit = kv_len - n_tok + tok                 # query i sees own keys <= limit
+            last_tok = tl.minimum(n_tok - 1, (row0 + BLOCK_M - 1) // GROUP)
+            end = kv_len - n_tok + last_tok + 1
+            chunk = tl.cdiv(tl.cdiv(end, NSO), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(end, lo + chunk)
+            o, lse = attend_range(q, k_ptr, v_ptr, bt_ptr + seq.to(tl.int64) * stride_bt, lo, hi,
+                                  limit, qk_scale, stride_kb, stride_kt, stride_kb, stride_kt,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, PAGE, True, True, DOT_F32)
+            if NSP == 0 and NSO == 1:
+                store_rows(out_ptr, o, tok0, tok, head, valid, stride_ot, stride_oh, HEAD_DIM)
+            else:
+                store_partial(o_part_ptr, lse_part_ptr, o, lse, tok0, tok, head, valid,
+                              NSP + split, num_heads, NSP + NSO, HEAD_DIM)
+            if NSP > 0:
+                # No prefix program covers a sequence outside every group: give its prefix
+                # slots weight zero here (lse = -inf) instead of filling the buffer first.
+                if split == 0:
+                    if (seq < tl.load(ranges_ptr)) | (seq >= tl.load(ranges_ptr + num_groups)):
+                        row = ((tok0 + tok).to(tl.int64) * num_heads + head) * (NSP + NSO)
+                        none = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                        for i in tl.static_range(NSP):
+                            tl.store(lse_part_ptr + row + i, none, mask=valid)
+
+    @triton.jit
+    def _prefix_shared_kernel(q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cu_ptr,
+                              kv_lens_ptr, bt_ptr, prefix_lens_ptr, pbt_ptr, ranges_ptr,
+                              group_tok_ptr, p_tile_cu_ptr, o_tile_cu_ptr, num_groups, num_seqs,
+                              num_prefix_programs, qk_scale, num_heads, stride_qt, stride_qh,
+                              stride_kb, stride_kt, stride_kh, stride_bt, stride_pbt, stride_ot,
+                              stride_oh, GROUP: tl.constexpr, BM_P: tl.constexpr,
+                              BN_P: tl.constexpr, BM_O: tl.constexpr, BN_O: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NSP: tl.constexpr,
+                              NSO: tl.constexpr, DOT_F32: tl.constexpr):
+        # Horizontal fusion: programs [0, num_prefix_programs) are prefix programs, the rest
+        # own programs; each kind has its own tile shape (BM_P/BN_P vs BM_O/BN_O).
+        pid, kv_head = tl.program_id(0), tl.program_id(1)
+        k_head = k_ptr + kv_head * stride_kh
+        v_head = v_ptr + kv_head * stride_kh
+        if NSP > 0:  # constexpr guard: with no groups the prefix branch is not compiled
+            if pid < num_prefix_programs:
+                _prefix_program(q_ptr, k_head, v_head, o_part_ptr, lse_part_ptr, pbt_ptr,
+                                prefix_lens_ptr, group_tok_ptr, p_tile_cu_ptr, num_groups,
+                                pid // NSP, pid % NSP, kv_head, qk_scale, num_heads, stride_qt,
+                                stride_qh, stride_kb, stride_kt, stride_pbt, GROUP, BM_P, BN_P,
+                                HEAD_DIM, PAGE, NSP, NSP + NSO, DOT_F32)
+        if pid >= num_prefix_programs:
+            own = pid - num_prefix_programs
+            _own_program(q_ptr, k_head, v_head, out_ptr, o_part_ptr, lse_part_ptr, bt_ptr,
+                         cu_ptr, kv_lens_ptr, o_tile_cu_ptr, ranges_ptr, num_groups, num_seqs,
+                         own // NSO, own % NSO, kv_head, qk_scale, num_heads, stride_qt,
+                         stride_qh, stride_kb, stride_kt, stride_bt, stride_ot, stride_oh, GROUP,
+                         BM_O, BN_O, HEAD_DIM, PAGE, NSP, NSO, DOT_F32)
+
+
+def _pick_config(t: int, s: int, g: int, group: int, hkv: int, prefix_cap: int, own_cap: int,
+                 bytes_per_slot: int, dtype: torch.dtype, device: torch.device,
+                 interp: bool) -> dict:
+    """Tile shapes and split counts by a plain rule from shapes only (no device sync, and the
+    interpreter cannot autotune). Under the interpreter the smallest legal tiles keep the
+    program count low; fp32 (CUDA-core dots) takes 32-key tiles so as not to spill."""
+    if interp:
+        bm = row_block(group)
+        cfg = dict(BM_P=bm, BN_P=16, BM_O=bm, BN_O=16)
+    else:
+        prefill_heavy = t > 4 * max(s, 1)
+        f32 = dtype == torch.float32
+        bm_o = (32 if f32 else 64) if prefill_heavy else row_block(group)
+        cfg = dict(BM_P=64, BN_P=32 if f32 else 64, BM_O=bm_o, BN_O=32 if f32 else 64)
+    sms = num_sms(device)
+    nsp = 0 if g == 0 else int(min(8, max(1, prefix_cap // 512)))
+    # Own KV is split only when (sequence, kv head) programs cannot fill the GPU twice over,
+    # and into ranges of at least ~512 keys.
+    nso = 1 if s * hkv >= 2 * sms else max(1, min(8, -(-2 * sms // (s * hkv)), own_cap // 512))
+    max_slots = max(2, (512 << 20) // max(bytes_per_slot, 1))   # bound the fp32 partials
+    if nsp + nso > max_slots:
+        nsp, nso = min(nsp, 1), 1
+    cfg.update(NSP=nsp, NSO=nso)
+    return cfg
+
+
+def prefix_shared_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                                   block_tables: torch.Tensor, prefix_lens: torch.Tensor,
+                                   prefix_block_tables: torch.Tensor,
+                                   prefix_seq_ranges: torch.Tensor, scale: float,
+                                   out: torch.Tensor | None = None, *,
+                                   config: dict | None = None) -> torch.Tensor:
+    """Triton launcher of `prefix_shared_attention` (same arguments). Values (cu_seqlens_q
+    rising, kv_lens >= q_len, ranges within 0..S) are not checked: that needs a device sync.
+    `config` overrides the plain-rule choice of `_pick_config` (BM_P, BN_P, BM_O, BN_O, NSP,
+    NSO, num_warps, num_stages); bench/kernel_bench.py sweeps it."""
+    _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
+                prefix_block_tables, prefix_seq_ranges, FLOAT_DTYPES)
+    check_head_dim_for_triton(q.shape[2])
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("block_tables", block_tables)
+    check_last_dim_contiguous("prefix_block_tables", prefix_block_tables)
+    out = check_out(out, q)
+    t, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    s, g, group = kv_lens.shape[0], prefix_lens.shape[0], hq // hkv
+    if t == 0 or s == 0:
+        return out
+    interp = interpreting()
+    cfg = _pick_config(t, s, g, group, hkv, prefix_block_tables.shape[1] * block_size,
+                       block_tables.shape[1] * block_size, t * hq * d * 4, q.dtype, q.device,
+                       interp)
+    cfg["num_warps"] = attn_num_warps(d)
+    cfg.update(config or {})
+    if g == 0:
+        cfg["NSP"] = 0   # no groups, no prefix programs
+    elif cfg["NSP"] < 1 or cfg["NSO"] < 1:
+        raise ValueError(f"config NSP={cfg['NSP']}, NSO={cfg['NSO']}: both must be >= 1 "
+                         "when there are prefix groups")
+    nsp, nso = cfg["NSP"], cfg["NSO"]
+    cu, ranges = cu_seqlens_q.contiguous(), prefix_seq_ranges.contiguous()
+    o_tile_cu, p_tile_cu, group_tok = launch_plan(cu, ranges if nsp > 0 else None, group,
+                                                  cfg["BM_O"], cfg["BM_P"])
+    num_prefix_programs = (triton.cdiv(t * group, cfg["BM_P"]) + g) * nsp
+    slots = nsp + nso
+    direct = nsp == 0 and nso == 1
+    o_part = lse_part = out  # not touched by the kernel when writing directly
+    if not direct:
+        o_part = torch.empty(t, hq, slots, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(t, hq, slots, dtype=torch.float32, device=q.device)
+    if nsp == 0:
+        p_tile_cu = group_tok = o_tile_cu  # not read by the kernel
+    num_own_programs = (triton.cdiv(t * group, cfg["BM_O"]) + s) * nso
+    grid = (num_prefix_programs + num_own_programs, hkv)
+    _prefix_shared_kernel[grid](
+        q, k_cache, v_cache, out, o_part, lse_part, cu, kv_lens.contiguous(), block_tables,
+        prefix_lens.contiguous(), prefix_block_tables, ranges, group_tok, p_tile_cu, o_tile_cu,
+        g, s, num_prefix_programs, scale * LOG2E, hq, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        prefix_block_tables.stride(0), out.stride(0), out.stride(1), GROUP=group,
+        HEAD_DIM=d, PAGE=block_size, DOT_F32=dot_f32(q.dtype, interp), **cfg)
+    if not direct:
+        launch_merge(o_part, lse_part, out)
+    return out
