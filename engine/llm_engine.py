@@ -1,0 +1,229 @@
+"""LLMEngine: one replica's step loop: schedule -> run the model -> update -> emit finished.
+
+`run(groups, params)` takes the planner's PrefixGroups (BatchLLM Sec. 3.2 / 3.3.2 order) and
+streams RequestOutputs as requests finish; `generate(prompts, params)` plans internally and
+returns outputs in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
+from typing import Any
+
+from prefixflow.engine.block_manager import BlockManager
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, TokenLogprob, append_text,
+                                       check_finish, error_output, finished_output)
+from prefixflow.engine.scheduler import Scheduler
+from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
+from prefixflow.engine.step import SampledToken
+from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+
+Params = SamplingParams | Mapping[int, SamplingParams]
+
+
+class LLMEngine:
+    """One replica's engine. Not thread-safe; one `run` at a time.
+
+    model_runner: anything with the ModelRunner interface (num_kv_blocks, block_size,
+        tokenizer, eos_token_ids, max_model_len, vocab_size, execute); None builds the real one.
+    The block manager (and so the hashed prefix cache) lives as long as the engine; `stats`
+    and `totals` describe the last run.
+    """
+
+    def __init__(self, config: EngineConfig, model_runner: Any = None) -> None:
+        if model_runner is None:
+            from prefixflow.engine.model_runner import ModelRunner  # torch only from here
+            model_runner = ModelRunner(config)
+        self.config = config
+        self.runner = model_runner
+        self.tokenizer = model_runner.tokenizer
+        self.eos_token_ids = tuple(model_runner.eos_token_ids)
+        self.vocab_size = model_runner.vocab_size
+        self.max_model_len = min(config.max_model_len or model_runner.max_model_len, model_runner.max_model_len)
+        self.block_manager = BlockManager(model_runner.num_kv_blocks, model_runner.block_size,
+                                          config.enable_prefix_cache)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.stats: list[StepStats] = []
+        self.totals: EngineTotals | None = None
+        self._ids = itertools.count()
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def run(self, groups: Iterable[PrefixGroup], params: Params = SamplingParams()) -> Iterator[RequestOutput]:
+        """Run planned groups (in plan order); yield each request's output when it finishes.
+
+        params: one SamplingParams for all, or a mapping row_id -> SamplingParams.
+        With policy="vllm" the groups are dissolved: requests run alone in row_id (arrival)
+        order and share KV only through the hashed prefix cache.
+        """
+        self.stats = []
+        sched = self.scheduler
+        start = time.perf_counter()
+        counts = {"requests": 0, "prompt": 0, "output": 0, "computed0": sched.num_computed_prompt_tokens,
+                  "recomputed0": sched.num_recomputed_tokens, "preempt0": sched.num_preemptions}
+        for group, errors in self._make_groups(groups, params):
+            counts["requests"] += len(errors) + (len(group.pending) if group else 0)
+            yield from errors
+            if group is not None:
+                counts["prompt"] += sum(s.num_prompt_tokens for s in group.pending)
+                sched.add_group(group)
+        completed = False
+        try:
+            while sched.has_unfinished():
+                for out in self.step():
+                    counts["output"] += len(out.token_ids)
+                    yield out
+            completed = True
+        finally:
+            if not completed:  # the caller stopped iterating, or a step raised
+                sched.abort_all()
+        self.totals = EngineTotals(
+            num_requests=counts["requests"], num_prompt_tokens=counts["prompt"],
+            num_computed_prompt_tokens=sched.num_computed_prompt_tokens - counts["computed0"],
+            num_recomputed_tokens=sched.num_recomputed_tokens - counts["recomputed0"],
+            num_output_tokens=counts["output"], num_steps=len(self.stats),
+            num_preemptions=sched.num_preemptions - counts["preempt0"],
+            wall_time_s=time.perf_counter() - start)
+
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
+                 *, add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt; outputs in input order.
+
+        prompts: token-id lists, or strings. Strings are encoded with the model's tokenizer as
+            `tokenizer(text, add_special_tokens=add_special_tokens)`, i.e. with the BOS token
+            its post-processor adds, as Hugging Face and vLLM do by default. A string that
+            already holds a chat template's BOS needs add_special_tokens=False, or it gets two.
+            Chat templates are not applied here.
+        params: one SamplingParams for all prompts, or one per prompt.
+        """
+        token_lists = [self._encode(p, add_special_tokens) for p in prompts]
+        if isinstance(params, SamplingParams):
+            by_row: Params = params
+        else:
+            if len(params) != len(token_lists):
+                raise ValueError(f"params has {len(params)} entries for {len(token_lists)} prompts: "
+                                 "give one SamplingParams, or one per prompt")
+            by_row = dict(enumerate(params))
+        if not token_lists:
+            return []
+        from prefixflow.pipeline import build_plan
+        plan = build_plan(token_lists, row_ids=list(range(len(token_lists))), order="batchllm")
+        results = {out.row_id: out for out in self.run(plan.groups(0), by_row)}
+        return [results[i] for i in range(len(token_lists))]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the hashed block cache (between runs; benchmarks start cold with it)."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("reset_prefix_cache() during a run: call it between runs")
+        self.block_manager.reset_cache()
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One token batch: schedule, execute, sample, finish; returns finished requests."""
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        if not out.chunks:
+            raise RuntimeError("internal error: the scheduler made no progress with requests left "
+                               f"({len(sched.waiting)} waiting groups, {len(sched.active)} active)")
+        num_running = sched.num_running
+        used_blocks = self.block_manager.num_used_blocks
+        result = self.runner.execute(out.to_step_input())
+        finished = [self._on_token(seq, token) for seq, token in sched.update(out, result.sampled)]
+        self.stats.append(StepStats(
+            step=len(self.stats), num_tokens=out.num_tokens(), num_prefill_tokens=out.num_tokens("prefill"),
+            num_decode_tokens=out.num_tokens("decode"), num_prefix_tokens=out.num_tokens("prefix"),
+            num_running_seqs=num_running, num_used_blocks=used_blocks,
+            num_total_blocks=self.block_manager.num_blocks, num_preemptions=out.num_preemptions,
+            duration_s=time.perf_counter() - t0))
+        return [f for f in finished if f is not None]
+
+    def _on_token(self, seq: Sequence, token: SampledToken) -> RequestOutput | None:
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(TokenLogprob(token.token_id, token.logprob, token.top_logprobs))
+        if seq.params.stop:
+            append_text(seq, self.tokenizer)
+        done = check_finish(seq, self.eos_token_ids, self.max_model_len)
+        if done is None:
+            return None
+        reason, drop_last = done
+        self.scheduler.finish(seq, reason)
+        return finished_output(seq, self.tokenizer, drop_last)
+
+    # ---- requests in ----------------------------------------------------------------------------
+
+    def _make_groups(self, groups: Iterable[PrefixGroup], params: Params
+                     ) -> Iterator[tuple[GroupState | None, list[RequestOutput]]]:
+        if self.config.policy == "vllm":
+            rows = sorted((int(row_id), g.prompt(i).tolist()) for g in groups for i, row_id in enumerate(g.row_ids))
+            for row_id, prompt in rows:
+                yield self._make_group(next(self._ids), [], [(row_id, prompt[0:0], prompt)], params)
+            return
+        for g in groups:
+            prefix = g.prefix.tolist()
+            members = [(int(r), prefix, g.distinct[i].tolist()) for i, r in enumerate(g.row_ids)]
+            yield self._make_group(g.group_id, prefix, members, params)
+
+    def _make_group(self, group_id: int, prefix: list[int], members: list[tuple[int, list[int], list[int]]],
+                    params: Params) -> tuple[GroupState | None, list[RequestOutput]]:
+        """Requests of one group; members that cannot run become error outputs."""
+        group = GroupState(group_id=group_id, prefix=None, pending=[])
+        errors = []
+        for row_id, member_prefix, distinct in members:
+            p = params if isinstance(params, SamplingParams) else _lookup(params, row_id)
+            prompt = member_prefix + distinct
+            # A member needs >= 1 own token to sample from: an empty distinct part attends to
+            # the prefix minus its last token and computes that token itself.
+            prefix_len = len(member_prefix) if distinct else max(len(member_prefix) - 1, 0)
+            error = self._check_request(prompt, prefix_len, len(prefix), p)
+            if error:
+                errors.append(error_output(row_id, prompt, error))
+                continue
+            group.pending.append(Sequence(
+                seq_id=next(self._ids), token_ids=prompt, own_start=prefix_len,
+                hash_seed=member_hash_seed(prompt[:prefix_len]), row_id=row_id,
+                num_prompt_tokens=len(prompt), params=p, group=group))
+        if not group.pending:
+            return None, errors
+        if any(s.prefix_len > 0 for s in group.pending):
+            group.prefix = PrefixSeq(seq_id=next(self._ids), token_ids=prefix, own_start=0, hash_seed=ROOT_HASH_SEED)
+        return group, errors
+
+    def _check_request(self, prompt: list[int], prefix_len: int, group_prefix_len: int,
+                       p: SamplingParams) -> str | None:
+        if not prompt:
+            return "the prompt is empty: give at least one token"
+        if len(prompt) >= self.max_model_len:
+            return (f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}: "
+                    "shorten the prompt or raise EngineConfig.max_model_len")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            return f"token id {bad} is outside the vocabulary [0, {self.vocab_size}): check the tokenizer"
+        if p.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer; the model runner has none: use stop_token_ids"
+        bm = self.block_manager
+        num_tokens = min(len(prompt) + p.max_tokens, self.max_model_len) - prefix_len
+        need = bm.blocks_for(num_tokens) + (bm.blocks_for(group_prefix_len) if prefix_len else 0)
+        if need > bm.num_blocks:
+            return (f"the request needs {need} KV blocks (prompt {len(prompt)} + max_tokens {p.max_tokens}) "
+                    f"but the cache has {bm.num_blocks}: raise EngineConfig.kv_cache_bytes or lower max_tokens")
+        return None
+
+    def _encode(self, prompt: str | Seq[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the model runner has no tokenizer: give token ids")
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return [int(t) for t in prompt]
+
+
+def _lookup(params: Mapping[int, SamplingParams], row_id: int) -> SamplingParams:
+    try:
+        return params[row_id]
+    except KeyError:
+        raise ValueError(f"params has no SamplingParams for row_id={row_id}: give one for every row, "
+                         "or a single SamplingParams for all") from None

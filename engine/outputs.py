@@ -1,0 +1,151 @@
+"""What the engine hands back: request outputs, per-step statistics, run totals (torch-free).
+
+Also the per-token finishing rules (EOS, stop token ids, stop strings, lengths) and the
+incremental detokenizer they need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefixflow.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token, and the top-n alternatives if asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One finished request.
+
+    token_ids: generated tokens; a final EOS or stop token id is included, a stop string's
+        tokens too (the text is cut before the stop string).
+    text: the generated text, special tokens skipped; empty when the model has no tokenizer.
+    finish_reason: "stop" (EOS, stop token id or stop string), "length" (max_tokens or
+        max_model_len) or "abort" (the request could not run; see `error`).
+    logprobs: one entry per token when SamplingParams.logprobs is not None, else None.
+    prefix_len: prompt tokens taken from the group's shared prefix KV (BatchLLM grouping).
+    num_cached_tokens: prompt tokens this request did not compute itself at its first start:
+        prefix_len plus hashed-block cache hits.
+    """
+
+    row_id: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prefix_len: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One engine step, for plots like BatchLLM Fig. 2 / Fig. 10."""
+
+    step: int
+    num_tokens: int
+    num_prefill_tokens: int      # distinct prompt chunks (and recomputation after preemption)
+    num_decode_tokens: int
+    num_prefix_tokens: int       # shared prefix chunks
+    num_running_seqs: int
+    num_used_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTotals:
+    num_requests: int
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int   # first computations; shared and cached tokens excluded
+    num_recomputed_tokens: int        # prefill work redone after preemption
+    num_output_tokens: int
+    num_steps: int
+    num_preemptions: int
+    wall_time_s: float
+
+    @property
+    def token_saving_ratio(self) -> float:
+        """BatchLLM Eq. 1: 1 - computed prompt tokens / prompt tokens."""
+        if self.num_prompt_tokens == 0:
+            return 0.0
+        return 1.0 - self.num_computed_prompt_tokens / self.num_prompt_tokens
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+
+def error_output(row_id: int, prompt: list[int], error: str) -> RequestOutput:
+    return RequestOutput(row_id=row_id, prompt_token_ids=tuple(prompt), token_ids=(), text="",
+                         finish_reason="abort", error=error)
+
+
+def finished_output(seq: Sequence, tokenizer: Any, drop_last_from_text: bool) -> RequestOutput:
+    """The output of a finished sequence; text is the stop-string-cut text when one matched."""
+    out_ids = seq.output_token_ids
+    if seq.finish_reason == "stop" and not drop_last_from_text:
+        text = seq.text  # cut before the stop string by check_stop_string
+    elif tokenizer is None:
+        text = ""
+    else:
+        ids = out_ids[:-1] if drop_last_from_text else out_ids
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+    logprobs = tuple(seq.logprobs) if seq.params.logprobs is not None else None
+    return RequestOutput(row_id=seq.row_id, prompt_token_ids=tuple(seq.token_ids[:seq.num_prompt_tokens]),
+                         token_ids=tuple(out_ids), text=text, finish_reason=seq.finish_reason or "length",
+                         logprobs=logprobs, prefix_len=seq.prefix_len,
+                         num_cached_tokens=max(seq.num_cached_tokens, 0))
+
+
+def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> tuple[str, bool] | None:
+    """After a token was appended: (finish_reason, last token is a stop/EOS id) or None.
+
+    min_tokens holds back EOS, stop token ids and stop strings (as vLLM). Stop strings need
+    `seq.text`, kept up to date by `append_text` before this is called.
+    """
+    params = seq.params
+    token = seq.token_ids[-1]
+    n = seq.num_output_tokens
+    if n >= params.min_tokens:
+        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop", True
+        if params.stop and cut_at_stop_string(seq):
+            return "stop", False
+    if n >= params.max_tokens or len(seq.token_ids) >= max_model_len:
+        return "length", False
+    return None
+
+
+def append_text(seq: Sequence, tokenizer: Any) -> None:
+    """Incremental detokenization (as Hugging Face TGI / vLLM): decode a small window of
+    recent tokens and append only text that is complete (no partial UTF-8 character)."""
+    ids = seq.output_token_ids
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+    new_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        seq.text += new_text[len(prefix_text):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+
+def cut_at_stop_string(seq: Sequence) -> bool:
+    """If a stop string appears in the text, cut the text before it and return True."""
+    cut = -1
+    for stop in seq.params.stop:
+        i = seq.text.find(stop)
+        if i >= 0 and (cut < 0 or i < cut):
+            cut = i
+    if cut < 0:
+        return False
+    seq.text = seq.text[:cut]
+    return True

@@ -1,0 +1,337 @@
+"""Grouped scheduling and memory-centric token batching (BatchLLM Sec. 3.3), torch-free.
+
+The scheduler owns the queues of one replica: planned groups waiting in plan order, and the
+active groups (admitted, in admission order) with their pending and running members. Each
+`schedule()` forms one token batch; `update()` records what the model computed and sampled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from prefixflow.engine.block_manager import BlockManager
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.sequence import GroupState, KVOwner, Sequence, SeqStatus
+from prefixflow.engine.step import SampledToken, SeqChunk, SharedPrefix, StepInput
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` own tokens of `owner` from own index `start`; sample the next token."""
+
+    owner: KVOwner
+    start: int
+    num_tokens: int
+    sample: bool
+    kind: str  # "decode" | "prefill" | "prefix"
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    scheduled: set[int] = field(default_factory=set)  # seq_ids in this batch
+    token_budget: int = 0
+    block_size: int = 16
+    blocked: bool = False       # a start failed for memory: no later start in this step (FIFO)
+    num_preemptions: int = 0
+
+    def add(self, owner: KVOwner, num_tokens: int, sample: bool, kind: str) -> None:
+        assert 0 < num_tokens <= self.token_budget
+        self.chunks.append(ScheduledChunk(owner, owner.num_computed_tokens, num_tokens, sample, kind))
+        self.scheduled.add(owner.seq_id)
+        self.token_budget -= num_tokens
+
+    def num_tokens(self, kind: str | None = None) -> int:
+        return sum(c.num_tokens for c in self.chunks if kind is None or c.kind == kind)
+
+    def to_step_input(self) -> StepInput:
+        """The model runner's view (engine/step.py); call before `update()`."""
+        prefixes: list[SharedPrefix] = []
+        index: dict[tuple[int, int], int] = {}
+        chunks = []
+        for c in self.chunks:
+            owner, prefix_index, start_pos = c.owner, -1, c.start
+            if isinstance(owner, Sequence) and owner.prefix_len > 0:
+                key = (owner.group.group_id, owner.prefix_len)
+                if key not in index:
+                    prefix = owner.group.prefix
+                    assert prefix is not None and prefix.is_complete
+                    num_blocks = -(-owner.prefix_len // self.block_size)
+                    index[key] = len(prefixes)
+                    prefixes.append(SharedPrefix(tuple(prefix.block_table[:num_blocks]), owner.prefix_len))
+                prefix_index, start_pos = index[key], owner.prefix_len + c.start
+            is_seq = isinstance(owner, Sequence)
+            chunks.append(SeqChunk(
+                seq_id=owner.seq_id, token_ids=tuple(owner.own_token_ids(c.start, c.start + c.num_tokens)),
+                start_pos=start_pos, num_cached_tokens=c.start, block_table=tuple(owner.block_table),
+                prefix_index=prefix_index, sample=c.sample,
+                sampling_params=owner.params if is_seq else None,
+                num_generated=owner.num_output_tokens if is_seq else 0))
+        return StepInput(tuple(chunks), tuple(prefixes))
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.bm = block_manager
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.effective_max_num_seqs
+        # Room kept free for decode growth when admitting new work while others run.
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        self.waiting: deque[GroupState] = deque()
+        self.active: list[GroupState] = []
+        self.num_running = 0
+        self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0   # first computations only (token saving)
+        self.num_recomputed_tokens = 0        # prefill work redone after preemption
+        self._order = itertools.count()
+
+    def add_group(self, group: GroupState) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def schedule(self) -> SchedulerOutput:
+        # BatchLLM Sec. 3.3: one step is one token batch of at most max_num_batched_tokens.
+        # 1. decode queue: each decoding request, oldest group first, gets one token. One that
+        #    needs a block and finds none preempts (recompute) the most recently admitted
+        #    group's members first, or itself when nothing younger runs.
+        # 2. distinct queue: members of active groups whose prefix is complete: partial
+        #    prefills continue, then pending members start, chunked to the token budget.
+        # 3. common prefix queue: active groups' prefix computations continue, then waiting
+        #    groups are admitted in plan order (a prefix must be complete before its members).
+        # Admission is memory-centric (Sec. 3.3.3): a start needs KV blocks for its whole
+        # prompt and the token budget, with no cap on the number of requests unless
+        # max_num_seqs (the vLLM-like baseline's 256). Starts are FIFO: the first one that does
+        # not fit stops all later starts in this step.
+        out = SchedulerOutput(token_budget=self.max_num_batched_tokens, block_size=self.bm.block_size)
+        for group in list(self.active):
+            self._schedule_decodes(group, out)
+        for group in list(self.active):
+            self._schedule_members(group, out)
+        for group in list(self.active):
+            self._schedule_prefix(group, out)
+        while self.waiting and out.token_budget > 0 and not out.blocked and self._below_seq_cap():
+            self._admit_group(out)
+        return out
+
+    # ---- the three queues ---------------------------------------------------------------------
+
+    def _schedule_decodes(self, group: GroupState, out: SchedulerOutput) -> None:
+        for seq in list(group.running):
+            if out.token_budget == 0:
+                return
+            if seq.status is SeqStatus.RUNNING and seq.is_decoding and self._reserve(seq, 1, out):
+                out.add(seq, 1, sample=True, kind="decode")
+
+    def _schedule_members(self, group: GroupState, out: SchedulerOutput) -> None:
+        if not group.active or not group.prefix_ready:
+            return
+        for seq in list(group.running):  # partial prefills (and recomputes) continue first
+            if out.token_budget == 0:
+                return
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in out.scheduled or seq.is_decoding:
+                continue
+            n = min(seq.num_uncomputed_tokens, out.token_budget)
+            if self._reserve(seq, n, out):
+                out.add(seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
+        while group.pending and out.token_budget > 0 and not out.blocked and self._below_seq_cap():
+            if not self._start_member(group, group.pending[0], out):
+                out.blocked = True
+
+    def _schedule_prefix(self, group: GroupState, out: SchedulerOutput) -> None:
+        prefix = group.prefix
+        if prefix is None or prefix.is_complete or prefix.seq_id in out.scheduled or not group.active:
+            return
+        n = min(prefix.num_uncomputed_tokens, out.token_budget)
+        if n == 0:
+            return
+        if not self.bm.can_allocate(self.bm.num_new_blocks(prefix, n)):
+            out.blocked = True
+            return
+        self.bm.allocate(prefix, n)
+        out.add(prefix, n, sample=False, kind="prefix")
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def _admit_group(self, out: SchedulerOutput) -> None:
+        """Activate the next planned group and schedule its prefix, or its members if none."""
+        group = self.waiting[0]
+        prefix = group.prefix
+        if prefix is not None:
+            hits = self.bm.lookup(prefix, prefix.num_own_tokens // self.bm.block_size)
+            need = (self.bm.blocks_for(prefix.num_own_tokens) - len(hits)
+                    + self.bm.num_reclaimed(hits) + self._watermark())
+            if not self.bm.can_allocate(need):
+                out.blocked = True
+                return
+            self.bm.take_cached(prefix, hits)
+            prefix.prompt_high_water = max(prefix.prompt_high_water, prefix.num_computed_tokens)
+        self.waiting.popleft()
+        group.active = True
+        group.admit_order = next(self._order)
+        self.active.append(group)
+        if group.prefix_ready:
+            self._schedule_members(group, out)
+        else:
+            self._schedule_prefix(group, out)
+
+    def _start_member(self, group: GroupState, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Start (or restart after preemption) a pending member if its whole prompt fits."""
+        hits = self.bm.lookup(seq, (seq.num_own_tokens - 1) // self.bm.block_size)  # >= 1 token left
+        while not self.bm.can_allocate(self.bm.blocks_for(seq.num_own_tokens) - len(hits)
+                                       + self.bm.num_reclaimed(hits) + self._watermark()):
+            victim = self._idle_group_victim(group, out)
+            if victim is None:
+                return False
+            self._preempt_group(victim)  # may free some of `hits`: the cost is recounted
+        self.bm.take_cached(seq, hits)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = seq.prefix_len + seq.num_computed_tokens
+        seq.prompt_high_water = max(seq.prompt_high_water, seq.num_computed_tokens)
+        n = min(seq.num_uncomputed_tokens, out.token_budget)
+        self.bm.allocate(seq, n)
+        group.pending.remove(seq)
+        group.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        self.num_running += 1
+        seq.admit_order = next(self._order)
+        out.add(seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
+        return True
+
+    def _watermark(self) -> int:
+        return self.watermark_blocks if self.num_running > 0 else 0
+
+    def _below_seq_cap(self) -> bool:
+        return self.max_num_seqs is None or self.num_running < self.max_num_seqs
+
+    # ---- preemption (recompute) ---------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for a running seq's next chunk, preempting younger work if needed.
+
+        Returns False when the seq itself had to be preempted.
+        """
+        need = self.bm.num_new_blocks(seq, num_tokens)
+        while not self.bm.can_allocate(need):
+            out.blocked = True  # a step that preempts starts nothing new
+            victim = self._victim_younger_than(seq, out)
+            if victim is None:
+                self._preempt_seq(seq)
+                out.num_preemptions += 1
+                return False
+            if isinstance(victim, GroupState):
+                self._preempt_group(victim)
+            else:
+                self._preempt_seq(victim)
+                out.num_preemptions += 1
+        self.bm.allocate(seq, num_tokens)
+        return True
+
+    def _victim_younger_than(self, seq: Sequence, out: SchedulerOutput) -> Sequence | GroupState | None:
+        """The most recently admitted group's youngest unscheduled member, or an idle group."""
+        for group in reversed(self.active):
+            members = [s for s in reversed(group.running) if s.seq_id not in out.scheduled]
+            if group is seq.group:
+                younger = [s for s in members if s.admit_order > seq.admit_order]
+                return younger[0] if younger else None
+            if members:
+                return members[0]
+            if not group.running and group.prefix is not None and group.prefix.seq_id not in out.scheduled:
+                return group
+        return None
+
+    def _idle_group_victim(self, starting: GroupState, out: SchedulerOutput) -> GroupState | None:
+        """A younger active group that runs no member: its prefix blocks are only waiting."""
+        for group in reversed(self.active):
+            if group is starting:
+                return None
+            prefix = group.prefix
+            if (not group.running and prefix is not None and prefix.block_table
+                    and prefix.seq_id not in out.scheduled):
+                return group
+        return None
+
+    def _preempt_seq(self, seq: Sequence) -> None:
+        group = seq.group
+        self.bm.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.num_running -= 1
+        self.num_preemptions += 1
+        group.running.remove(seq)
+        # Restart before never-started members, after older preempted ones (admission order).
+        i = 0
+        while i < len(group.pending) and 0 <= group.pending[i].admit_order < seq.admit_order:
+            i += 1
+        group.pending.insert(i, seq)
+        if not group.running:
+            self._preempt_group(group)
+
+    def _preempt_group(self, group: GroupState) -> None:
+        """No member holds the prefix any more: free it and requeue the group in front."""
+        assert not group.running
+        if group.prefix is not None:
+            self.bm.free(group.prefix)
+        group.active = False
+        self.active.remove(group)
+        self.waiting.appendleft(group)
+
+    # ---- after the step -----------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: tuple[SampledToken, ...]) -> list[tuple[Sequence, SampledToken]]:
+        """Commit the computed KV and append sampled tokens; returns (seq, token) pairs."""
+        by_id = {s.seq_id: s for s in sampled}
+        results = []
+        for c in out.chunks:
+            self._count_prompt_work(c)
+            self.bm.commit(c.owner, c.start + c.num_tokens)
+            if c.sample:
+                token = by_id[c.owner.seq_id]
+                c.owner.token_ids.append(token.token_id)
+                results.append((c.owner, token))
+        return results
+
+    def _count_prompt_work(self, c: ScheduledChunk) -> None:
+        owner = c.owner
+        if c.kind == "decode":
+            return
+        num_prompt = owner.num_own_tokens
+        if isinstance(owner, Sequence):
+            num_prompt = owner.num_prompt_tokens - owner.own_start
+        end = min(c.start + c.num_tokens, num_prompt)
+        first = max(0, end - max(c.start, owner.prompt_high_water))
+        owner.prompt_high_water = max(owner.prompt_high_water, end)
+        self.num_computed_prompt_tokens += first
+        self.num_recomputed_tokens += c.num_tokens - first
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished request (a run was abandoned or failed); returns them."""
+        dropped = []
+        for group in list(self.active) + list(self.waiting):
+            for seq in list(group.running):
+                self.bm.free(seq)
+                self.num_running -= 1
+            if group.prefix is not None and group.prefix.block_table:
+                self.bm.free(group.prefix)
+            dropped += group.running + group.pending
+            group.running, group.pending, group.active = [], [], False
+        self.active.clear()
+        self.waiting.clear()
+        assert self.num_running == 0
+        return dropped
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a request: free its blocks, and its group's prefix if it was the last member."""
+        group = seq.group
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.num_running -= 1
+        group.running.remove(seq)
+        if group.is_done:
+            if group.prefix is not None:
+                self.bm.free(group.prefix)
+            group.active = False
+            self.active.remove(group)
