@@ -110,7 +110,8 @@ class LLMEngine:
         if not token_lists:
             return []
         from prefixflow.pipeline import build_plan
-        plan = build_plan(token_lists, row_ids=list(range(len(token_lists))), order="batchllm")
+        plan = build_plan(token_lists, row_ids=list(range(len(token_lists))), order="batchllm",
+                          min_prefix_len=self.runner.block_size)
         results = {out.row_id: out for out in self.run(plan.groups(0), by_row)}
         return [results[i] for i in range(len(token_lists))]
 

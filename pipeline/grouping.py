@@ -43,9 +43,15 @@ class Grouping:
     saved_tokens: int
 
 
-def maximize_reuse(tree: PrefixTree) -> Grouping:
-    """The optimal single-level grouping of the tree's prompts (BatchLLM Alg. 1, made exact)."""
-    threshold = _solve(tree)
+def maximize_reuse(tree: PrefixTree, min_prefix_len: int = 1) -> Grouping:
+    """The optimal single-level grouping of the tree's prompts (BatchLLM Alg. 1, made exact).
+
+    min_prefix_len: groups form only at nodes at least this deep. A prefix shorter than a KV
+    block saves little and makes its members wait a step for it (the engine passes its block
+    size)."""
+    if min_prefix_len < 1:
+        raise ValueError(f"min_prefix_len={min_prefix_len} is invalid: use 1 or more tokens")
+    threshold = _solve(tree, min_prefix_len)
     return _assign(tree, threshold)
 
 
@@ -55,7 +61,7 @@ def first_level_saved_tokens(tree: PrefixTree) -> int:
     return int(((tree.num_leaves[kids] - 1) * tree.depth[kids]).sum())
 
 
-def _solve(tree: PrefixTree) -> np.ndarray:
+def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
     """Bottom-up DP. Returns threshold[v]: a group forms at v iff the index (in v's ancestor
     list, root = 0) of the group the prompts would otherwise join is below threshold[v]."""
     ptr, kids = tree.children()
@@ -80,11 +86,12 @@ def _solve(tree: PrefixTree) -> np.ndarray:
         acc[v] = None
         form = a[-1] - depth[v]                       # group at v: members earn depth(v), pay once
         passed = a[:-1]                               # non-decreasing in the ancestor depth
-        threshold[v] = sum(1 for x in passed if x < form)
+        threshold[v] = sum(1 for x in passed if x < form) if depth[v] >= min_prefix_len else 0
         if v == 0:
             threshold[v] = 1                          # the root "groups" whatever reaches it
             break
-        _add(acc, parent[v], [max(x, form) for x in passed])
+        t = threshold[v]                              # passed[:t] < form <= passed[t:]
+        _add(acc, parent[v], [form] * t + passed[t:])
     return np.asarray(threshold, dtype=np.int64)
 
 

@@ -80,7 +80,7 @@ class Plan:
 def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
                row_ids: Sequence[int] | np.ndarray | None = None,
                output_lens: Sequence[int] | np.ndarray | None = None,
-               order: str = "batchllm", num_replicas: int = 1,
+               order: str = "batchllm", num_replicas: int = 1, min_prefix_len: int = 1,
                model: ModelShape | dict | str | None = None,
                hardware: str | HardwareProfile = "h100") -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
@@ -91,6 +91,7 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
         marks an unknown one, estimated from the known ones in its subtree (BlendServe Sec. 5.1).
     order: "fcfs" | "dfs" | "batchllm" | "blendserve".
     num_replicas: data-parallel engine replicas.
+    min_prefix_len: shortest prefix worth a group (engines pass their KV block size).
     model: the model's shape for the cost model (a ModelShape, a Hugging Face config dict, or
         a config.json / model directory path); None: Llama-3.1-8B's shape.
     hardware: "h100" | "h200" | "a100" | "cpu" (measured) or a HardwareProfile. Replicas are
@@ -106,12 +107,9 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
         raise ValueError(f"order={order!r} is not a known policy: use one of {', '.join(ORDER_POLICIES)}")
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
-    empty = np.flatnonzero(lengths == 0)
-    if len(empty):
-        raise ValueError(f"prompt of row_id={ids[empty[0]]} is empty: every prompt needs at least one token")
 
     tree = PrefixTree.build(tokens)
-    grouping = maximize_reuse(tree)
+    grouping = maximize_reuse(tree, min_prefix_len)
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
     cost_model = CostModel.create(model, hardware)

@@ -97,17 +97,24 @@ def _partitions(items: list[int]):
         yield [[first]] + part
 
 
-def brute_force_single_level(prompts: list[list[int]]) -> int:
-    """Best sum over groups of (members - 1) * common prefix, over all set partitions."""
-    return max(sum((len(g) - 1) * lcp_of([prompts[i] for i in g]) for g in part if len(g) > 1)
-               for part in _partitions(list(range(len(prompts)))))
+def brute_force_single_level(prompts: list[list[int]], min_prefix_len: int = 1) -> int:
+    """Best sum over groups of (members - 1) * common prefix, over all set partitions whose
+    groups of two or more share at least min_prefix_len tokens."""
+    best = 0
+    for part in _partitions(list(range(len(prompts)))):
+        shared = [lcp_of([prompts[i] for i in g]) for g in part if len(g) > 1]
+        if all(s >= min_prefix_len for s in shared):
+            best = max(best, sum((len(g) - 1) * s for g, s in zip([g for g in part if len(g) > 1], shared)))
+    return best
 
 
-@given(prompt_sets(max_prompts=7, vocab=2))
+@given(prompt_sets(max_prompts=7, vocab=2), st.sampled_from([1, 1, 3, 6]))
 @settings(max_examples=150, deadline=None)
-def test_enlarged_grouping_equals_brute_force_optimum_on_small_trees(prompts):
+def test_enlarged_grouping_equals_brute_force_optimum_on_small_trees(prompts, min_prefix_len):
     tree = PrefixTree.build(RaggedTokens.from_sequences(prompts), block=2)
-    assert maximize_reuse(tree).saved_tokens == brute_force_single_level(prompts)
+    grouping = maximize_reuse(tree, min_prefix_len)
+    assert grouping.saved_tokens == brute_force_single_level(prompts, min_prefix_len)
+    assert np.all((grouping.prefix_len == 0) | (grouping.prefix_len >= min_prefix_len))
 
 
 def test_orders_differ_as_documented():
@@ -160,9 +167,14 @@ def test_bad_arguments_name_the_field(kwargs, message):
         build_plan([[1, 2], [1, 3]], **kwargs)
 
 
-def test_empty_prompt_names_its_row():
-    with pytest.raises(ValueError, match="row_id=11"):
-        build_plan([[1], []], row_ids=[10, 11])
+def test_empty_prompts_are_planned_alone():
+    # The planner never drops a row: an empty prompt is a group of one, and the engine turns it
+    # into an error record.
+    plan = build_plan([[1, 2], [], [1, 2], []], row_ids=[10, 11, 12, 13])
+    assert sorted(plan.table.column("row_id").to_pylist()) == [10, 11, 12, 13]
+    empty = [g for g in plan.groups(0) if g.prompt_tokens() == 0]
+    assert sorted(int(g.row_ids[0]) for g in empty) == [11, 13]
+    assert all(g.num_members == 1 for g in empty)
 
 
 def test_unknown_output_lengths_are_estimated_within_their_subtree():
