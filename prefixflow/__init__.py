@@ -2,6 +2,27 @@
 
 The subpackages live in the repository's top-level folders (pipeline/, engine/, kernels/,
 operators/, jobs/, bench/) and install as `prefixflow.<folder>`.
+
+    import prefixflow
+    processor = prefixflow.build_processor(prefixflow.ProcessorConfig(model=...))
+
+The API names below are imported lazily: `import prefixflow` loads neither torch nor ray.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+
+_API = ("build_processor", "ProcessorConfig", "Generator", "PromptTemplate")
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from prefixflow import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'prefixflow' has no attribute {name!r}")

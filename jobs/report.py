@@ -1,0 +1,153 @@
+"""What a job prints and records: the plan summary, a live progress line, metrics.json."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def plan_text(planned: Any) -> str:
+    s = planned.plan.summary
+    lines = [
+        f"plan: {s['num_rows']} rows -> {s['num_groups']} groups ({s['num_shared_groups']} sharing a "
+        f"prefix), order {s['order']}, {s['num_replicas']} replica(s)",
+        f"  prompt tokens {s['prompt_tokens']}, computed {s['computed_prompt_tokens']}: token saving "
+        f"ratio {s['token_saving_ratio']:.1%} (single-level {s['single_level_token_saving_ratio']:.1%}, "
+        f"optimal {s['optimal_token_saving_ratio']:.1%})",
+    ]
+    for r in s["replicas"]:
+        lines.append(f"  replica {r['replica']}: {r['num_rows']} rows, {r['num_groups']} groups, "
+                     f"predicted cost {r['computed_prompt_tokens']} prompt tokens")
+    t = planned.timings
+    lines.append(f"  error rows {len(planned.error_row_ids)}; read+tokenize {t['read_tokenize_s']:.2f} s, "
+                 f"gather {t['gather_s']:.3f} s, build_plan {t['build_plan_s']:.3f} s")
+    return "\n".join(lines)
+
+
+def dry_run_result(planned: Any, wall_s: float) -> dict[str, Any]:
+    return {"dry_run": True, "plan": _jsonable(planned.plan.summary), "timings": planned.timings,
+            "num_rows": planned.rows.num_rows, "num_error_rows": int(len(planned.error_row_ids)),
+            "wall_seconds": wall_s}
+
+
+class Progress:
+    """One live line: rows done, generated tokens/s, token saving so far."""
+
+    def __init__(self, total_rows: int, quiet: bool = False, every_s: float = 2.0):
+        self.total = total_rows
+        self.quiet = quiet
+        self.every_s = every_s
+        self.started = time.perf_counter()
+        self.last = 0.0
+        self.rows = self.generated = 0
+        self.prompt = self.computed = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, manifest: dict[str, Any]) -> None:
+        self.rows += manifest["num_rows"]
+        self.generated += manifest["generated_tokens"]
+        self.prompt += manifest["prompt_tokens"]
+        self.computed += manifest["computed_prompt_tokens"]
+        now = time.perf_counter()
+        if not self.quiet and (now - self.last >= self.every_s or self.rows >= self.total):
+            self.last = now
+            print(self.line(), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        saving = 1 - self.computed / self.prompt if self.prompt else 0.0
+        return (f"[prefixflow] rows {self.rows}/{self.total} | {self.generated / elapsed:.1f} "
+                f"generated tok/s | saving so far {saving:.1%} | {elapsed:.1f} s")
+
+    def close(self) -> None:
+        if not self.quiet and self.tty:
+            print(file=sys.stderr)
+
+
+def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_records: list[dict],
+            wall_s: float, generate_s: float) -> dict[str, Any]:
+    """metrics.json: counts, throughput, saving, stage times, per-replica times and steps."""
+    rows = sum(m["num_rows"] for m in manifests)
+    errors = sum(m["num_errors"] for m in manifests)
+    prompt = sum(m["prompt_tokens"] for m in manifests)
+    computed = sum(m["computed_prompt_tokens"] for m in manifests)
+    generated = sum(m["generated_tokens"] for m in manifests)
+    t = planned.timings
+    plan_s = t["gather_s"] + t["build_plan_s"]
+    return {
+        "job": spec.name, "model": spec.model, "order": spec.order, "replicas": spec.replicas,
+        "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
+        "prompt_tokens": prompt, "computed_prompt_tokens": round(computed),
+        "generated_tokens": generated,
+        "token_saving_ratio": planned.plan.summary["token_saving_ratio"],
+        "token_saving_ratio_measured": 1 - computed / prompt if prompt else 0.0,
+        "token_saving_ratio_engine": _engine_saving(replica_records),
+        "optimal_token_saving_ratio": planned.plan.summary["optimal_token_saving_ratio"],
+        "wall_seconds": wall_s,
+        "stage_seconds": {**t, "generate_write_s": generate_s},
+        "plan_share_of_wall": plan_s / wall_s if wall_s else 0.0,
+        "throughput": {"rows_per_s": rows / generate_s if generate_s else 0.0,
+                       "generated_tokens_per_s": generated / generate_s if generate_s else 0.0,
+                       "total_tokens_per_s": (prompt + generated) / generate_s if generate_s else 0.0},
+        "per_replica": [_replica(r) for r in replica_records],
+        "plan": _jsonable(planned.plan.summary),
+        "parts": sorted(m["part"] for m in manifests),
+    }
+
+
+def _engine_saving(records: list[dict]) -> float | None:
+    """BatchLLM Eq. 1 from what the engines actually computed (None if they did not say)."""
+    totals = [r.get("engine_totals") for r in records]
+    if not totals or any(t is None for t in totals):
+        return None
+    prompt = sum(t["num_prompt_tokens"] for t in totals)
+    return 1 - sum(t["num_computed_prompt_tokens"] for t in totals) / prompt if prompt else 0.0
+
+
+def _replica(record: dict[str, Any]) -> dict[str, Any]:
+    steps = record.get("steps", [])
+    out = {k: v for k, v in record.items() if k != "steps"}
+    out["num_steps"] = len(steps)
+    out["step_tokens"] = [_step_tokens(s) for s in steps]
+    out["steps"] = steps
+    return out
+
+
+def _step_tokens(step: Any) -> Any:
+    if isinstance(step, dict):
+        for key in ("num_tokens", "num_batched_tokens", "tokens"):
+            if key in step:
+                return step[key]
+    return step
+
+
+def metrics_text(m: dict[str, Any], path: str) -> str:
+    th = m["throughput"]
+    lines = [
+        f"done: {m['rows']} rows ({m['rows_error']} error records) in {m['wall_seconds']:.1f} s -> {path}",
+        f"  {th['generated_tokens_per_s']:.1f} generated tok/s, {th['total_tokens_per_s']:.1f} total tok/s, "
+        f"{th['rows_per_s']:.2f} rows/s",
+        f"  token saving ratio: plan {m['token_saving_ratio']:.1%}, engine {_pct(m['token_saving_ratio_engine'])}, "
+        f"optimal {m['optimal_token_saving_ratio']:.1%}; plan stage {m['plan_share_of_wall']:.2%} of wall time",
+    ]
+    for r in m["per_replica"]:
+        lines.append(f"  replica {r['replica']}: {r['num_rows']} rows in {r['seconds']:.2f} s, "
+                     f"{r['num_steps']} engine steps")
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj

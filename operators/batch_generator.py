@@ -1,0 +1,92 @@
+"""Generator: the lighter mode, a callable class for `ds.map_batches`.
+
+    ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
+                   batch_size=512, concurrency=2, batch_format="pyarrow")
+
+Each actor plans within each batch (prefix tree, groups, order over the batch's rows only) and
+runs it through its own engine. No global barrier: it streams like any map_batches, but
+sharing across batches is only caught by the engine's prefix cache. Use `build_processor` for
+the global plan. Outputs come back in the batch's row order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.generate import (COMPUTED, RANK, token_counts, with_outputs, output_chunk,
+                                           row_params)
+from prefixflow.operators.read import ERROR
+from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
+
+
+class Generator:
+    """map_batches callable class. Give a ProcessorConfig, or its fields as keywords."""
+
+    def __init__(self, config: ProcessorConfig | None = None, **fields: Any):
+        from prefixflow.engine import LLMEngine
+
+        self.config = config if config is not None else ProcessorConfig(**fields)
+        cfg = self.config
+        self.tokenize = Tokenize(TokenizeOptions(
+            model=cfg.model, prompt=cfg.prompt,  # type: ignore[arg-type]
+            max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
+            trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
+            keep_prompt=cfg.include_prompt, sampling=cfg.sampling))
+        self.engine = LLMEngine(cfg.engine_config())
+        self.batches = 0
+
+    def __call__(self, batch: Any) -> pa.Table:
+        from prefixflow.pipeline import RaggedTokens, build_plan
+
+        table = _to_table(batch)
+        if ERROR not in table.column_names:
+            table = table.append_column(ERROR, pa.nulls(table.num_rows, pa.string()))
+        table = self.tokenize(table)
+        errors = table.column(ERROR).is_valid().to_numpy(zero_copy_only=False)
+        good = np.flatnonzero(~errors)
+        pieces = []
+        if len(good):
+            tokens = RaggedTokens.from_sequences(table.column(TOKENS).take(pa.array(good)))
+            plan = build_plan(tokens, row_ids=good, order=self.config.order, num_replicas=1)
+            groups = plan.groups(0)
+            order = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
+            rows = table.drop_columns([TOKENS]).take(pa.array(order))
+            pos = {int(r): i for i, r in enumerate(order)}
+            prompt_len, computed = token_counts(groups, len(order))
+            outs = list(self.engine.run(groups, row_params(self.config.sampling, rows, order)))
+            pieces.append(output_chunk(outs, rows, pos, prompt_len, computed, replica=0))
+        bad = np.flatnonzero(errors)
+        if len(bad):
+            rows = table.drop_columns([TOKENS]).take(pa.array(bad))
+            n = len(bad)
+            pieces.append(with_outputs(rows, {
+                "row_id": bad.tolist(), "generated_text": [None] * n, "generated_tokens": [[]] * n,
+                "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n, "finish_reason": [None] * n,
+                "error": rows.column(ERROR).to_pylist(), "replica": [0] * n, RANK: [0] * n,
+                COMPUTED: [0.0] * n}))
+        self.batches += 1
+        out = pa.concat_tables(pieces, promote_options="permissive")
+        # Back to the batch's row order; row_id is the position within this batch.
+        out = out.take(pc_sort_indices(out.column("row_id")))
+        return out.drop_columns([RANK, COMPUTED, "replica", "row_id"])
+
+
+def pc_sort_indices(column: pa.ChunkedArray) -> pa.Array:
+    return pa.array(np.argsort(column.to_numpy(), kind="stable"))
+
+
+def _to_table(batch: Any) -> pa.Table:
+    if isinstance(batch, pa.Table):
+        return batch
+    if isinstance(batch, dict):  # numpy format
+        return pa.table({k: pa.array(list(v) if getattr(v, "dtype", None) == object else v)
+                         for k, v in batch.items()})
+    import pandas as pd
+
+    if isinstance(batch, pd.DataFrame):
+        return pa.Table.from_pandas(batch, preserve_index=False)
+    raise TypeError(f"Generator got a batch of type {type(batch).__name__}: use batch_format='pyarrow'")

@@ -1,0 +1,208 @@
+"""Generate stage: R engine actors, each running its partition of the plan.
+
+Used through Ray Data: a dataset of work items (replica indices, plus -1 for the error
+records) goes through `map_batches(ReplicaGenerator, concurrency=R, batch_size=1)`. An actor
+loads the model once, pulls its replica's groups and rows from the object store, runs the
+groups through the engine in plan order and yields output blocks as requests finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.plan import RowIndex, fetch_rows
+from prefixflow.operators.read import ERROR, SOURCE
+
+ERRORS_ITEM = -1
+RANK, COMPUTED = "_pf_rank", "_pf_computed"
+SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
+# Output columns added to every row (names follow ray.data.llm where it has one).
+OUTPUT_FIELDS = [
+    pa.field("row_id", pa.int64()),
+    pa.field("generated_text", pa.string()),
+    pa.field("generated_tokens", pa.list_(pa.int32())),
+    pa.field("num_input_tokens", pa.int32()),
+    pa.field("num_generated_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("replica", pa.int32()),
+    pa.field(RANK, pa.int64()),
+    pa.field(COMPUTED, pa.float64()),
+]
+KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
+
+
+class ReplicaGenerator:
+    """map_batches callable class; one instance per engine actor."""
+
+    def __init__(self, config: ProcessorConfig, rows: RowIndex, group_refs: list[Any],
+                 error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None):
+        self.config = config
+        self.rows = rows
+        self.group_refs = group_refs
+        self.error_row_ids = error_row_ids
+        self.extra_errors = extra_errors
+        self.sink = sink
+        self.engine = None
+
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        for item in batch.column("item").to_pylist():
+            if item == ERRORS_ITEM:
+                yield from self._error_records()
+            else:
+                yield from self._run_replica(int(item))
+
+    def _get_engine(self) -> Any:
+        if self.engine is None:
+            from prefixflow.engine import LLMEngine
+
+            self.engine = LLMEngine(self.config.engine_config())
+        return self.engine
+
+    def _run_replica(self, replica: int) -> Iterator[pa.Table]:
+        import ray
+
+        started = time.time()
+        groups = ray.get(self.group_refs[replica])
+        if not groups:
+            return
+        row_ids = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
+        rows = fetch_rows(self.rows, row_ids)
+        pos = {int(r): i for i, r in enumerate(row_ids)}
+        prompt_len, computed = token_counts(groups, len(row_ids))
+        params = row_params(self.config.sampling, rows, row_ids)
+        engine = self._get_engine()
+        loaded = time.time()
+        pending: list[Any] = []
+        for out in engine.run(groups, params):
+            pending.append(out)
+            if len(pending) >= self.config.rows_per_chunk:
+                yield output_chunk(pending, rows, pos, prompt_len, computed, replica)
+                pending = []
+        if pending:
+            yield output_chunk(pending, rows, pos, prompt_len, computed, replica)
+        self._report(replica, started, loaded, time.time(), len(row_ids), groups)
+
+    def _error_records(self) -> Iterator[pa.Table]:
+        ids = self.error_row_ids
+        for lo in range(0, len(ids), self.config.rows_per_chunk):
+            chunk = ids[lo:lo + self.config.rows_per_chunk]
+            rows = fetch_rows(self.rows, chunk)
+            sources = rows.column(SOURCE).to_pylist() if SOURCE in rows.column_names else [None] * len(chunk)
+            reasons = rows.column(ERROR).to_pylist()
+            messages = []
+            for rid, src, why in zip(chunk.tolist(), sources, reasons):
+                why = why or self.extra_errors.get(rid, "unknown error")
+                messages.append(f"{src}: {why}" if src else why)
+            n = len(chunk)
+            columns = {"row_id": chunk.tolist(), "generated_text": [None] * n, "generated_tokens": [[]] * n,
+                       "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n,
+                       "finish_reason": [None] * n, "error": messages, "replica": [-1] * n,
+                       RANK: list(range(lo, lo + n)), COMPUTED: [0.0] * n}
+            yield with_outputs(rows, columns)
+
+    def _report(self, replica: int, started: float, loaded: float, finished: float, num_rows: int,
+                groups: list[Any]) -> None:
+        if self.sink is None:
+            return
+        stats = getattr(self.engine, "stats", None)
+        steps = [_plain(s) for s in stats] if stats is not None else []
+        totals = getattr(self.engine, "totals", None)
+        record = {"replica": replica, "num_rows": num_rows, "num_groups": len(groups),
+                  "start_s": started, "engine_ready_s": loaded, "end_s": finished,
+                  "seconds": finished - started, "run_seconds": finished - loaded,
+                  "engine_totals": _plain(totals) if totals is not None else None, "steps": steps}
+        import ray
+
+        ray.get(self.sink.put.remote(record))  # recorded before this replica's work item ends
+
+
+def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
+    """One SamplingParams, or a row_id -> SamplingParams map when rows override fields
+    (an OpenAI request body, or ray.data.llm's `sampling_params` column)."""
+    column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
+    if column is None:
+        return default
+    per_row = {}
+    for rid, value in zip(row_ids.tolist(), rows.column(column).to_pylist()):
+        if isinstance(value, str):
+            value = json.loads(value)
+        value = {k: v for k, v in (value or {}).items() if v is not None}
+        per_row[rid] = dataclasses.replace(default, **value) if value else default
+    return per_row
+
+
+def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_len: np.ndarray,
+                 computed: np.ndarray, replica: int) -> pa.Table:
+    """Output rows for finished requests: their input columns plus the output columns.
+
+    rows: the replica's input rows in plan order; pos: row id -> index into `rows`.
+    """
+    idx = np.array([pos[int(o.row_id)] for o in outs], dtype=np.int64)
+    errors = [getattr(o, "error", None) for o in outs]
+    columns = {
+        "row_id": [int(o.row_id) for o in outs],
+        "generated_text": [None if e else o.text for o, e in zip(outs, errors)],
+        "generated_tokens": [[] if e else [int(t) for t in o.token_ids] for o, e in zip(outs, errors)],
+        "num_input_tokens": prompt_len[idx].tolist(),
+        "num_generated_tokens": [0 if e else len(o.token_ids) for o, e in zip(outs, errors)],
+        "finish_reason": [None if e else o.finish_reason for o, e in zip(outs, errors)],
+        "error": errors,
+        "replica": [replica] * len(outs),
+        RANK: idx.tolist(),
+        COMPUTED: computed[idx].tolist(),
+    }
+    table = with_outputs(rows.take(pa.array(idx)), columns)
+    if any(getattr(o, "logprobs", None) is not None for o in outs):
+        table = table.append_column("logprobs", pa.array(
+            [None if o.logprobs is None else json.dumps(_plain(o.logprobs)) for o in outs], pa.string()))
+    return table
+
+
+def token_counts(groups: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row in plan order: prompt length, and prompt tokens computed (prefix amortized)."""
+    prompt_len = np.zeros(n, np.int32)
+    computed = np.zeros(n, np.float64)
+    i = 0
+    for g in groups:
+        for d in g.distinct:
+            prompt_len[i] = g.prefix_len + len(d)
+            computed[i] = g.prefix_len / g.num_members + len(d)
+            i += 1
+    return prompt_len, computed
+
+
+def with_outputs(rows: pa.Table, columns: dict[str, list[Any]]) -> pa.Table:
+    """Input columns (bookkeeping dropped) followed by the typed output columns."""
+    user = [c for c in rows.column_names
+            if (not c.startswith("_pf_") or c in KEEP_INTERNAL) and c not in columns]
+    table = rows.select(user)
+    for f in OUTPUT_FIELDS:
+        table = table.append_column(f, pa.array(columns[f.name], f.type))
+    if "_pf_prompt" in table.column_names:  # include_prompt; a user's own `prompt` wins
+        if "prompt" in table.column_names:
+            return table.drop_columns(["_pf_prompt"])
+        table = table.rename_columns(["prompt" if c == "_pf_prompt" else c for c in table.column_names])
+    return table
+
+
+def _plain(obj: Any) -> Any:
+    """Stats records and logprobs as JSON-friendly values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return obj

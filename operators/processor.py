@@ -1,0 +1,99 @@
+"""Processor: the stages chained on a Ray Dataset: tokenize -> plan -> generate.
+
+    processor = Processor(config)
+    out = processor(ds)              # lazy Dataset of outputs (the plan barrier runs now)
+
+Calling a processor runs tokenization and the plan immediately, because the plan needs every
+prompt (the global barrier); generation stays lazy, like any Ray Dataset transform. The CLI
+uses the pieces (`plan`, `generate`) to add the part writer and progress.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
+from prefixflow.operators.plan import PlannedJob, plan_dataset
+from prefixflow.operators.tokenize import Tokenize, TokenizeOptions, model_max_len
+
+Row = dict[str, Any]
+
+
+class Processor:
+    """A callable Dataset -> Dataset, shaped like `ray.data.llm.build_processor`'s result.
+
+    preprocess: row -> row, applied first (e.g. build `messages` from your columns).
+    postprocess: row -> row, applied to each output row (input columns plus generated_text,
+        generated_tokens, num_input_tokens, num_generated_tokens, finish_reason, error, row_id).
+    """
+
+    def __init__(self, config: ProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
+                 postprocess: Callable[[Row], Row] | None = None):
+        self.config = config
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self.last_plan: PlannedJob | None = None
+        self.sink: Any = None
+
+    def __call__(self, ds: Any) -> Any:
+        import ray
+
+        from prefixflow.operators.write import MetricsSink
+
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess)
+        self.last_plan = self.plan(ds)
+        if self.sink is None:  # one small actor per processor collects per-replica records
+            self.sink = ray.remote(MetricsSink).options(num_cpus=0).remote()
+        out = self.generate(self.last_plan, self.sink)
+        out = out.drop_columns(["_pf_rank", "_pf_computed"])
+        if self.postprocess is not None:
+            out = out.map(self.postprocess)
+        return out
+
+    def tokenize(self, ds: Any) -> Any:
+        from ray.data import ActorPoolStrategy
+
+        cfg = self.config
+        opts = TokenizeOptions(
+            model=cfg.model, prompt=cfg.prompt,  # type: ignore[arg-type]
+            max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
+            trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
+            keep_prompt=cfg.include_prompt, sampling=cfg.sampling)
+        out = ds.map_batches(Tokenize, fn_constructor_kwargs={"opts": opts},
+                             batch_size=cfg.tokenize_batch_size, batch_format="pyarrow",
+                             compute=ActorPoolStrategy(size=cfg.tokenize_concurrency))
+        # Row ids are positions in the materialized dataset: keep block order deterministic.
+        out.context.execution_options.preserve_order = True
+        return out
+
+    def plan(self, ds: Any) -> PlannedJob:
+        """Tokenize `ds` and plan it (materializes; the rows stay in the object store)."""
+        return plan_dataset(self.tokenize(ds), order=self.config.order,
+                            num_replicas=self.config.replicas, custom_ids=self.config.openai_batch)
+
+    def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
+        """A lazy Dataset of output blocks: R engine actors run their partitions."""
+        import ray
+        from ray.data import ActorPoolStrategy
+
+        cfg = self.config
+        group_refs = [ray.put(planned.plan.groups(r)) for r in range(cfg.replicas)]
+        items = list(range(cfg.replicas)) + ([ERRORS_ITEM] if len(planned.error_row_ids) else [])
+        work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
+        kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
+                      error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink)
+        # One work item per actor at a time, so R replicas really run side by side.
+        pool = ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=1)
+        remote_args: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica}
+        if cfg.num_gpus_per_replica:
+            remote_args["num_gpus"] = cfg.num_gpus_per_replica
+        return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
+                                batch_format="pyarrow", compute=pool, **remote_args)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """Per-replica records (times, per-step token counts) of the last executed run."""
+        import ray
+
+        return [] if self.sink is None else ray.get(self.sink.get.remote())

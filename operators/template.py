@@ -1,0 +1,107 @@
+"""Prompt templates rendered in Jinja's immutable sandbox.
+
+A template comes from a job spec and the values from a dataset, so neither may run code: the
+sandbox forbids attribute access to internals and mutation, and StrictUndefined turns a missing
+or null column into an error for that row (an error record), never into the text "None".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from jinja2 import StrictUndefined, TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class RowError(ValueError):
+    """This row cannot become a prompt; the message goes into its error record."""
+
+
+@lru_cache(maxsize=1)
+def _env() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
+                                         keep_trailing_newline=True)
+
+
+def check_syntax(field: str, source: str | None) -> None:
+    """Raise ValueError naming `field` and the line if `source` is not a valid template."""
+    if source is None:
+        return
+    try:
+        _env().from_string(source)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"{field} is not a valid Jinja template (line {e.lineno}: {e.message}): "
+                         "fix the template, e.g. \"Question: {{ question }}\"") from None
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How a row becomes a prompt. Exactly one of `template`, `user`, `messages_column`."""
+
+    template: str | None = None
+    system: str | None = None
+    user: str | None = None
+    messages_column: str | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def is_chat(self) -> bool:
+        return self.template is None
+
+    def render(self, row: dict[str, Any]) -> str | list[dict[str, str]]:
+        """Plain text for `template`, else a list of chat messages. Raises RowError."""
+        values = {k: v for k, v in row.items() if v is not None and not k.startswith("_pf_")}
+        if self.template is not None:
+            text = _render(self.template, values, "prompt.template")
+            if not text.strip():
+                raise RowError("empty prompt: the template rendered to blank text for this row")
+            return text
+        if self.messages_column is not None:
+            return messages_from_value(values.get(self.messages_column), self.messages_column)
+        messages = []
+        if self.system is not None:
+            messages.append({"role": "system", "content": _render(self.system, values, "prompt.system")})
+        user = _render(self.user or "", values, "prompt.user")
+        if not user.strip():
+            raise RowError("empty prompt: prompt.user rendered to blank text for this row")
+        messages.append({"role": "user", "content": user})
+        return messages
+
+
+def _render(source: str, values: dict[str, Any], field: str) -> str:
+    try:
+        return _env().from_string(source).render(values)
+    except TemplateError as e:
+        have = ", ".join(sorted(values)) or "none"
+        raise RowError(f"{field} failed for this row: {e.message or e}; the row's non-null "
+                       f"columns are: {have}") from None
+
+
+def messages_from_value(value: Any, column: str) -> list[dict[str, str]]:
+    """Validate chat messages from a column (a list of {role, content}, or its JSON text)."""
+    if value is None:
+        raise RowError(f"column {column!r} is missing or null in this row: it must hold chat "
+                       "messages [{\"role\": ..., \"content\": ...}]")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise RowError(f"column {column!r} is text that is not JSON chat messages") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RowError(f"column {column!r} must be a non-empty list of chat messages")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RowError(f"message {i} of column {column!r} needs a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise RowError(f"message {i} of column {column!r} needs string 'content'")
+        messages.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in messages):
+        raise RowError("empty prompt: every message of this row has blank content")
+    return messages

@@ -1,0 +1,152 @@
+"""Tokenize stage: rows -> prompt token ids, in parallel CPU actors (one tokenizer each).
+
+Adds `_pf_tokens` (list<int32>; empty for a bad row) and updates `_pf_error`: a row whose
+template fails, whose prompt is empty or longer than the context becomes an error record
+here and is left out of the plan. Chat prompts go through the tokenizer's own chat template,
+which transformers renders in Jinja's sandbox; plain templates render in ours.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from prefixflow.operators.read import ERROR
+from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
+
+TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
+# Columns the OpenAI batch reader fills in place of a template (operators/openai_batch.py).
+OPENAI_MESSAGES, OPENAI_PROMPT = "_pf_messages", "_pf_prompt_text"
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    model: str
+    prompt: PromptTemplate | None   # None: OpenAI batch rows carry their own messages/prompt
+    max_model_len: int
+    trust_remote_code: bool = False
+    keep_prompt: bool = False
+    sampling: Any = None  # default SamplingParams, to check a row's `sampling_params` overrides
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+class Tokenize:
+    """map_batches callable class: loads the tokenizer once per actor."""
+
+    def __init__(self, opts: TokenizeOptions):
+        self.opts = opts
+        self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        rows = table.to_pylist()
+        errors: list[str | None] = [r.get(ERROR) for r in rows]
+        texts: list[str | None] = [None] * len(rows)
+        chat = [False] * len(rows)
+        for i, row in enumerate(rows):
+            if errors[i] is None:
+                try:
+                    self._check_sampling(row)
+                    texts[i], chat[i] = self._render(row)
+                except RowError as e:
+                    errors[i] = str(e)
+        tokens = self._encode(texts, chat)
+        for i, ids in enumerate(tokens):
+            if errors[i] is None:
+                errors[i] = self._check_length(len(ids))
+            if errors[i] is not None:
+                tokens[i] = []
+        table = _set_column(table, ERROR, pa.array(errors, pa.string()))
+        table = _set_column(table, TOKENS, pa.array(tokens, pa.list_(pa.int32())))
+        if self.opts.keep_prompt:
+            table = _set_column(table, PROMPT, pa.array(texts, pa.string()))
+        return table
+
+    def _check_sampling(self, row: dict[str, Any]) -> None:
+        """A row's sampling overrides must make valid SamplingParams (else: an error record)."""
+        import dataclasses
+
+        from prefixflow.operators.generate import SAMPLING_COLUMNS
+
+        value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
+        if value is None or self.opts.sampling is None:
+            return
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+            dataclasses.replace(self.opts.sampling, **{k: v for k, v in value.items() if v is not None})
+        except (TypeError, ValueError, AttributeError) as e:
+            raise RowError(f"invalid sampling parameters for this row: {e}") from None
+
+    def _render(self, row: dict[str, Any]) -> tuple[str, bool]:
+        """The prompt text of a row and whether it came from a chat template."""
+        if self.opts.prompt is not None:
+            rendered = self.opts.prompt.render(row)
+            if isinstance(rendered, str):
+                return rendered, False
+            return self._chat(rendered), True
+        # No template: the row carries its prompt (OpenAI batch body, or ray.data.llm's
+        # `messages` / `prompt` columns).
+        for column in (OPENAI_MESSAGES, "messages"):
+            if row.get(column) is not None:
+                return self._chat(messages_from_value(row[column], "messages")), True
+        for column in (OPENAI_PROMPT, "prompt"):
+            if row.get(column) is not None:
+                text = str(row[column])
+                if not text.strip():
+                    raise RowError("empty prompt: the prompt text is blank")
+                return text, False
+        raise RowError("the row has no prompt: give a prompt template, or a `messages` "
+                       "(chat) or `prompt` (text) column")
+
+    def _chat(self, messages: list[dict[str, str]]) -> str:
+        add = self.opts.prompt.add_generation_prompt if self.opts.prompt is not None else True
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
+        except Exception as e:  # the model's template may reject roles or orders: a row error
+            raise RowError(f"the tokenizer's chat template failed for this row: {e}") from None
+
+    def _encode(self, texts: list[str | None], chat: list[bool]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in texts]
+        for is_chat in (False, True):
+            # A chat template writes BOS itself; a plain prompt gets the tokenizer's specials.
+            idx = [i for i, t in enumerate(texts) if t is not None and chat[i] == is_chat]
+            if idx:
+                enc = self.tokenizer([texts[i] for i in idx], add_special_tokens=not is_chat)
+                for i, ids in zip(idx, enc["input_ids"]):
+                    out[i] = list(ids)
+        return out
+
+    def _check_length(self, n: int) -> str | None:
+        if n == 0:
+            return "empty prompt: it has no tokens"
+        if n >= self.opts.max_model_len:
+            return (f"prompt has {n} tokens but the context is {self.opts.max_model_len} "
+                    "(engine.max_model_len or the model's max_position_embeddings): shorten the "
+                    "prompt or raise engine.max_model_len")
+        return None
+
+
+def _set_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    if name in table.column_names:
+        return table.set_column(table.column_names.index(name), name, values)
+    return table.append_column(name, values)
+
+
+def model_max_len(model: str, override: int | None) -> int:
+    """The context length: the spec's max_model_len, else the model config's."""
+    if override is not None:
+        return override
+    from pathlib import Path
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return 2048

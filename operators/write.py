@@ -1,0 +1,129 @@
+"""Write stage: output blocks -> committed part files, local or s3://, plus metrics.json.
+
+A part is named after its first row's (replica, rank), which the plan fixes, so a retried
+write task writes the same name again: each row lands in exactly one part. Local parts are
+written to a temporary name and renamed; an S3 PUT is atomic by itself. The driver writes
+metrics.json and an empty _SUCCESS marker last.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prefixflow.operators.generate import COMPUTED, RANK
+from prefixflow.operators.storage import StorageOptions, is_s3, join
+
+SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    path: str
+    format: str  # parquet | jsonl | openai
+    storage: StorageOptions = StorageOptions()
+    model_name: str = "prefixflow"
+    created: int = 0  # unix time stamped into OpenAI responses
+
+
+def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
+    """map_batches function: write one part, return one manifest row describing it."""
+    replica = int(table.column("replica")[0].as_py())
+    first_rank = int(pc.min(table.column(RANK)).as_py())
+    tag = "errors" if replica < 0 else f"r{replica:03d}"
+    name = f"part-{tag}-{first_rank:09d}{SUFFIX[opts.format]}"
+    errors = table.column("error").is_valid()
+    manifest = {
+        "part": [name], "replica": [replica], "num_rows": [table.num_rows],
+        "num_errors": [int(pc.sum(errors.cast(pa.int64())).as_py() or 0)],
+        "prompt_tokens": [int(pc.sum(table.column("num_input_tokens")).as_py() or 0)],
+        "computed_prompt_tokens": [float(pc.sum(table.column(COMPUTED)).as_py() or 0.0)],
+        "generated_tokens": [int(pc.sum(table.column("num_generated_tokens")).as_py() or 0)],
+        "written_at": [time.time()],
+    }
+    _commit(join(opts.path, name), encode_part(table, opts), opts.storage)
+    return pa.table(manifest)
+
+
+def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
+    if opts.format == "openai":
+        from prefixflow.operators.openai_batch import output_line
+
+        lines = [json.dumps(output_line(r, opts.created, opts.model_name)) for r in table.to_pylist()]
+        return ("\n".join(lines) + "\n").encode("utf-8")
+    table = table.drop_columns([c for c in table.column_names if c.startswith("_pf_")])
+    if opts.format == "jsonl":
+        lines = [json.dumps(r, ensure_ascii=False, default=str) for r in table.to_pylist()]
+        return ("\n".join(lines) + "\n").encode("utf-8")
+    import pyarrow.parquet as pq
+
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def _commit(path: str, data: bytes, storage: StorageOptions) -> None:
+    fs = storage.filesystem(path)
+    if is_s3(path):
+        with fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)  # rename within one directory: atomic on POSIX
+
+
+def prepare_output(opts: WriteOptions, overwrite: bool) -> None:
+    """Create the output directory; refuse to mix with an earlier job's parts unless asked."""
+    fs = opts.storage.filesystem(opts.path)
+    existing = []
+    if fs.exists(opts.path):
+        existing = [p for p in fs.ls(opts.path, detail=False)
+                    if p.rstrip("/").rsplit("/", 1)[-1].startswith(("part-", "metrics.json", "_SUCCESS"))]
+    if existing and not overwrite:
+        raise ValueError(f"output.path={opts.path!r} already holds a job's output: choose a new "
+                         "path or set output.overwrite: true")
+    for p in existing:
+        fs.rm(p)
+    if not is_s3(opts.path):
+        fs.makedirs(opts.path, exist_ok=True)
+
+
+def write_json(path: str, value: Any, storage: StorageOptions) -> None:
+    _commit(path, (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8"), storage)
+
+
+def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Table | list[dict]:
+    """All parts of a job's output: a table for parquet, a list of records for JSONL."""
+    fs = storage.filesystem(path)
+    parts = sorted(p for p in fs.ls(path, detail=False) if p.rsplit("/", 1)[-1].startswith("part-"))
+    if parts and parts[0].endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        tables = [pq.read_table(io.BytesIO(fs.cat_file(p))) for p in parts]
+        return pa.concat_tables(tables, promote_options="permissive")
+    records = []
+    for p in parts:
+        records.extend(json.loads(line) for line in fs.cat_file(p).decode().splitlines() if line)
+    return records
+
+
+class MetricsSink:
+    """A small Ray actor the engine actors report their per-replica stats to."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def put(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def get(self) -> list[dict[str, Any]]:
+        return sorted(self.records, key=lambda r: r["replica"])

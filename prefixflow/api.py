@@ -1,0 +1,40 @@
+"""The Python API, in the shape of `ray.data.llm`:
+
+    import prefixflow
+    config = prefixflow.ProcessorConfig(model="/models/tiny", prompt={"template": "Q: {{ q }}"},
+                                        sampling={"temperature": 0, "max_tokens": 32}, replicas=2)
+    processor = prefixflow.build_processor(config, postprocess=lambda row: {...})
+    out = processor(ds)            # plans the whole dataset now; returns a lazy Dataset
+
+or, the lighter per-batch mode (no global plan):
+
+    ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
+                   batch_size=512, concurrency=2, batch_format="pyarrow")
+
+Neither imports torch or ray until used. The caller owns `ray.init`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prefixflow.operators.batch_generator import Generator
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.processor import Processor
+from prefixflow.operators.template import PromptTemplate
+
+__all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_processor"]
+
+
+def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None) -> Processor:
+    """A callable Dataset -> Dataset that tokenizes, plans globally and generates.
+
+    preprocess: row -> row before tokenization (e.g. build `messages` or `prompt`).
+    postprocess: row -> row on each output row (input columns carried through, plus
+        generated_text, generated_tokens, num_input_tokens, num_generated_tokens,
+        finish_reason, error, row_id, replica).
+    """
+    if not isinstance(config, ProcessorConfig):
+        raise TypeError(f"build_processor needs a ProcessorConfig, got {type(config).__name__}")
+    return Processor(config, preprocess=preprocess, postprocess=postprocess)

@@ -1,0 +1,71 @@
+"""Fixtures shared by the CPU tests: one real local Ray for the session, an S3 server (moto) on
+loopback, and the tiny demo checkpoint. Ray starts in about 8 s, so tests share one instance
+(and subprocesses such as the notebook join it through RAY_ADDRESS)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray (2 CPUs, loopback only) shared by every test that asks for it."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The demo's tiny Llama checkpoint (written once per session)."""
+    from prefixflow.jobs.demo import demo_checkpoint
+
+    return demo_checkpoint(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1; yields its endpoint URL. Dummy credentials are set in
+    the environment (before any Ray worker that needs them starts) and passed explicitly."""
+    port = _free_port()
+    exe = VENV_BIN / "moto_server"
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("moto_server did not start within 30 s")
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)

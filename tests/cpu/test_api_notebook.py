@@ -1,0 +1,27 @@
+"""notebooks/quickstart.ipynb runs top to bottom (nbclient), joining the session's Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "quickstart.ipynb"
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs(ray_local, tiny_model, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    # The notebook reuses the session's checkpoint folder and joins the session's Ray.
+    monkeypatch.setenv("PREFIXFLOW_DEMO_DIR", str(tiny_model.parent))
+    monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the plots were drawn
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "token_saving_ratio" in text and "engine steps" in text

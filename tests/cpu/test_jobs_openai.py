@@ -1,0 +1,62 @@
+"""OpenAI batch round trip: every custom_id of the input appears in the output, with a
+response or an error, in OpenAI's batch output format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixflow.jobs.demo import example_path
+from prefixflow.jobs.run import run_job
+from prefixflow.jobs.spec import parse_spec
+from prefixflow.operators.write import read_output
+
+pytestmark = pytest.mark.slow  # end to end on a real local Ray
+
+
+def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
+    lines = example_path("openai_batch.jsonl").read_bytes().splitlines()
+    requests = [json.loads(line) for line in lines]
+    extra = [
+        json.dumps({**requests[0], "body": {**requests[0]["body"], "max_tokens": 3}}).encode(),  # duplicate id
+        b'{"custom_id": "broken-1", "method": "POST", "url": "/v1/chat/completions", "body": {',
+        json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}).encode(),
+        json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "hi", "temperature": -3}}).encode(),
+    ]
+    (tmp_path / "batch.jsonl").write_bytes(b"\n".join(lines + extra) + b"\n")
+    spec = parse_spec({
+        "model": str(tiny_model), "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai"},
+        "sampling": {"temperature": 0, "max_tokens": 16},
+        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+        "output": {"path": str(tmp_path / "out")},
+    })
+    assert spec.output_format() == "openai"
+    run_job(spec, quiet=True)
+    out = read_output(str(tmp_path / "out"))
+    ids = [r["custom_id"] for r in out]
+    expected = [r["custom_id"] for r in requests] + [requests[0]["custom_id"], "broken-1", "bad-url", "bad-temp"]
+    assert sorted(ids) == sorted(expected)  # every custom_id kept, the duplicate twice
+    by_id: dict[str, list[dict]] = {}
+    for r in out:
+        by_id.setdefault(r["custom_id"], []).append(r)
+        assert r["id"].startswith("batch_req_") and set(r) == {"id", "custom_id", "response", "error"}
+    dup = by_id[requests[0]["custom_id"]]
+    assert sorted(r["error"] is None for r in dup) == [False, True]
+    assert "duplicate custom_id" in next(r for r in dup if r["error"])["error"]["message"]
+    assert "not valid JSON" in by_id["broken-1"][0]["error"]["message"]
+    assert "/v1/embeddings" in by_id["bad-url"][0]["error"]["message"]
+    assert "temperature" in by_id["bad-temp"][0]["error"]["message"]
+    for req in requests:
+        (res,) = by_id[req["custom_id"]] if req is not requests[0] else [r for r in dup if r["error"] is None]
+        body = res["response"]["body"]
+        assert res["response"]["status_code"] == 200
+        usage = body["usage"]
+        assert 1 <= usage["completion_tokens"] <= req["body"]["max_tokens"]  # per-request max_tokens
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        if req["url"] == "/v1/chat/completions":
+            assert body["object"] == "chat.completion"
+            assert body["choices"][0]["message"]["role"] == "assistant"
+        else:
+            assert body["object"] == "text_completion" and "text" in body["choices"][0]

@@ -1,0 +1,129 @@
+"""Job spec validation: unknown keys and bad values fail before anything starts, naming the
+field path and the fix; `prefixflow validate` reports them with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prefixflow.cli import main as cli
+from prefixflow.jobs.demo import example_path
+from prefixflow.jobs.run import preflight
+from prefixflow.jobs.spec import SpecError, load_spec, parse_spec
+
+
+def _spec(**changes):
+    data = {"model": "m", "input": {"path": "in.jsonl"}, "output": {"path": "out"},
+            "prompt": {"template": "Q: {{ question }}"}}
+    for dotted, value in changes.items():
+        keys = dotted.split("__")
+        d = data
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = value
+    return data
+
+
+def _problems(data) -> dict[str, str]:
+    with pytest.raises(SpecError) as e:
+        parse_spec(data)
+    return dict(e.value.problems)
+
+
+def test_unknown_key_names_path_and_suggests():
+    p = _problems(_spec(input__pathh="x.jsonl"))
+    assert "did you mean 'path'" in p["input.pathh"]
+    p = _problems(_spec(samplng={"temperature": 0}))
+    assert "did you mean 'sampling'" in p["samplng"]
+
+
+def test_wrong_type_and_bad_values_name_the_field():
+    p = _problems(_spec(sampling={"max_tokens": "many"}, replicas=0, order="random",
+                        engine={"dtype": "fp8"}))
+    assert "wrong type" in p["sampling.max_tokens"]
+    assert "out of range" in p["replicas"]
+    assert "'batchllm'" in p["order"]
+    assert "'float16'" in p["engine.dtype"]
+
+
+def test_wrong_shapes_get_one_line_each():
+    p = _problems(_spec(input={"path": 5}, prompt="Q: {{ q }}"))
+    assert "string or a valid list" in p["input.path"]
+    assert "must be a mapping" in p["prompt"] and "messages_column" in p["prompt"]
+
+
+def test_dataclass_checks_map_to_field_paths():
+    assert "(0, 1]" in _problems(_spec(sampling={"top_p": 2.0}))["sampling.top_p"]
+    assert "power of two" in _problems(_spec(engine={"block_size": 3}))["engine.block_size"]
+
+
+def test_missing_input_and_prompt():
+    data = _spec()
+    del data["input"]
+    assert "required" in _problems(data)["input"]
+    data = _spec()
+    del data["prompt"]
+    assert any("prompt is required" in m for m in _problems(data).values())
+
+
+def test_format_must_be_inferable():
+    msg = " ".join(_problems(_spec(input={"path": "s3://bucket/folder/"})).values())
+    assert "input.format cannot be inferred" in msg
+
+
+def test_bad_template_syntax_fails_at_validation():
+    msg = " ".join(_problems(_spec(prompt={"template": "{{ question }"})).values())
+    assert "not a valid Jinja template" in msg
+
+
+def test_examples_parse(tmp_path):
+    for name in ("quickstart.yaml", "s3.yaml", "openai_batch.yaml", "gpu_cluster.yaml"):
+        spec = load_spec(example_path(name))
+        assert spec.output.path
+
+
+def test_yaml_is_safe_loaded(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+
+
+def test_preflight_model_and_input_paths(tmp_path):
+    spec = parse_spec(_spec(model=str(tmp_path / "nope"), input={"path": str(tmp_path / "none.jsonl")}))
+    with pytest.raises(SpecError) as e:
+        preflight(spec)
+    problems = dict(e.value.problems)
+    assert "does not exist" in problems["model"]
+    assert "matches no file" in problems["input.path"]
+
+
+def test_cli_validate_exit_codes(tmp_path, capsys, tiny_model):
+    data_file = tmp_path / "in.jsonl"
+    data_file.write_text(json.dumps({"question": "hi"}) + "\n")
+    good = _spec(model=str(tiny_model), input={"path": str(data_file)}, output={"path": str(tmp_path / "o")})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(good))
+    assert cli(["validate", str(path)]) == 0
+    assert "ok" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump({**good, "replica": 2}))
+    assert cli(["validate", str(path)]) == 2
+    assert "did you mean 'replicas'" in capsys.readouterr().err
+    assert cli(["validate", str(path), "--set", "replica=", ]) == 2  # still unknown
+
+
+def test_set_overrides(tmp_path, tiny_model):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_spec(model=str(tiny_model))))
+    spec = load_spec(path, {"sampling.max_tokens": 7, "replicas": 3})
+    assert spec.sampling.max_tokens == 7 and spec.replicas == 3
+
+
+def test_output_format_defaults():
+    assert parse_spec(_spec()).output_format() == "parquet"
+    spec = parse_spec(_spec(input={"path": "batch.jsonl", "format": "openai"}))
+    assert spec.output_format() == "openai"
+    assert Path(example_path("quickstart.yaml")).exists()
