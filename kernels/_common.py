@@ -7,7 +7,9 @@ GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 from __future__ import annotations
 
 import functools
+import math
 import os
+import threading
 import warnings
 
 import torch
@@ -132,83 +134,134 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one paged KV sequence.
+# CPU attention with log-sum-exp: PyTorch's flash kernel for the CPU returns the output AND the
+# LSE, so the parts of a query's keys (shared prefix, own KV) are attended separately and merged
+# exactly (Cascade Inference's merge). Builds without it, and other devices, use plain matmuls.
+_FLASH_CPU = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+              if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else None)
 
-    cache: [num_blocks, block_size, Hkv, D]; block_table_row: [max_blocks] int32.
-    Returns [length, Hkv, D].
-    """
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = block_table_row[:num_blocks].long()
-    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:length]
-
-
-def attend_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   keep: torch.Tensor | None, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalised softmax attention of a few queries over keys, with GQA (q's dtype).
-
-    q: [Tq, Hq, D]; k, v: [L >= 1, Hkv, D]; keep: [Tq, L] bool (True = attend) or None; every
-    query must keep at least one key. Returns (acc [Tq, Hq, D], row max m [Tq, Hq], row sum
-    l [Tq, Hq]) with softmax output = acc / l; two parts merge by rescaling with exp(m - max).
-    """
-    tq, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qg = q.reshape(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)  # [Hkv, G*Tq, D]
-    s = torch.bmm(qg, k.permute(1, 2, 0)) * scale                         # [Hkv, G*Tq, L]
-    if keep is not None:
-        s = s.view(hkv, g, tq, -1).masked_fill(~keep, float("-inf")).view(hkv, g * tq, -1)
-    m = s.amax(dim=-1, keepdim=True)                                     # [Hkv, G*Tq, 1]
-    p = torch.exp(s - m)
-    acc = torch.bmm(p, v.permute(1, 0, 2))                               # [Hkv, G*Tq, D]
-    acc = acc.view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hq, d)
-    m = m.view(hkv, g, tq).permute(2, 0, 1).reshape(tq, hq)
-    l = p.sum(dim=-1).view(hkv, g, tq).permute(2, 0, 1).reshape(tq, hq)
-    return acc, m, l
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           keep: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Softmax attention (see `attend_partial` for shapes); returns [Tq, Hq, D]."""
-    acc, _, l = attend_partial(q, k, v, keep, scale)
-    return acc / l.unsqueeze(-1)
-
-
-# Gathered K/V of at most this many elements per batched-decode sub-batch (bounds CPU memory).
+# Gathered K/V of at most this many elements per batched-decode sub-batch (bounds CPU memory),
+# and the largest scratch buffer kept between calls.
 _DECODE_MAX_ELEMENTS = 1 << 25
+_SCRATCH_MAX_ELEMENTS = 1 << 25
 
 
-def decode_partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   kv_lens: torch.Tensor, block_tables: torch.Tensor, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batched unnormalised attention of one query per sequence over its kv_lens[b] >= 1 paged
-    keys (q's dtype, fp32/fp64). q: [B, Hq, D]; kv_lens: [B]; block_tables: [B, W].
-    Returns (acc [B, Hq, D], m [B, Hq], l [B, Hq]) as `attend_partial`; sub-batches gather
-    each sequence's blocks padded to the longest one and mask the padding."""
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool = False, bias: torch.Tensor | None = None,
+                  use_flash: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with GQA that also returns the log-sum-exp of the scaled scores.
+
+    q: [B, Hq, Lq >= 1, D]; k, v: [B, Hkv, Lk >= 1, D], q's dtype (fp32/fp64), any strides with
+    unit stride in D; query head h reads kv head h // (Hq // Hkv). causal: query i sees keys
+    0..i (top-left, so only for Lq == Lk). bias: additive [B or 1, 1, Lq or 1, Lk] of 0 / -inf
+    (every query keeps a key) or None. use_flash: None = the CPU flash kernel when it exists and
+    q is on the CPU. Returns (out [B, Hq, Lq, D], lse [B, Hq, Lq]).
+    """
+    if use_flash is None:
+        use_flash = _FLASH_CPU is not None and q.device.type == "cpu"
+    if use_flash:
+        # The kernel reads q/k/v through their strides (unit stride in D assumed); Lq = 0
+        # crashes it, so callers skip empty query sets.
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    s = torch.matmul(q.reshape(b, hkv, g * lq, d), k.transpose(-1, -2)) * scale
+    s = s.view(b, hkv, g, lq, lk)                                         # [B, Hkv, G, Lq, Lk]
+    if causal:
+        s = s.masked_fill(~causal_keep(lq, lk, q.device), float("-inf"))
+    if bias is not None:
+        s = s + bias.unsqueeze(1)
+    lse = torch.logsumexp(s, dim=-1)                                      # [B, Hkv, G, Lq]
+    p = torch.exp(s - lse.unsqueeze(-1)).view(b, hkv, g * lq, lk)
+    out = torch.matmul(p, v).view(b, hq, lq, d)
+    return out, lse.view(b, hq, lq)
+
+
+_scratch = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A per-thread buffer reused across calls, for CPU temporaries that never leave a
+    reference call (gathered K/V). A fresh tensor of many megabytes costs more in page faults
+    (glibc maps big allocations anew each time) than the copy into it. Holds, per name, the
+    largest size asked for so far, up to _SCRATCH_MAX_ELEMENTS (larger ones are not kept)."""
+    numel = math.prod(shape)
+    if numel > _SCRATCH_MAX_ELEMENTS:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get((name, dtype, device))
+    if buf is None or buf.numel() < numel:
+        # A normal tensor even under inference_mode: an inference tensor could not be
+        # written by a later call made outside inference_mode.
+        with torch.inference_mode(False):
+            buf = buffers[(name, dtype, device)] = torch.empty(numel, dtype=dtype,
+                                                               device=device)
+    return buf[:numel].view(shape)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: list[int],
+                  dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The first num_blocks[r] blocks of each row of block_tables, concatenated, in one
+    index_select over whole blocks (memcpy-sized rows: far faster than gathering tokens).
+
+    cache: [num_blocks, block_size, Hkv, D]; block_tables: [R, W] int32; num_blocks: R counts
+    <= W. Returns [sum(num_blocks) * block_size, Hkv, D] in `dtype`; on the CPU it lives in
+    the scratch buffer `name`, valid until the next gather into that name.
+    """
+    width = max(num_blocks, default=0)
+    table = block_tables[:, :width]
+    if any(n != width for n in num_blocks):
+        keep = torch.arange(width, device=table.device) < torch.tensor(
+            num_blocks, device=table.device)[:, None]
+        table = table[keep]                                              # row-major order
+    blocks = table.reshape(-1).long()
+    n, block_size, hkv, d = cache.shape
+    if cache.is_contiguous() and cache.device.type == "cpu":
+        out = scratch(name, (blocks.numel(), block_size * hkv * d), cache.dtype, cache.device)
+        rows = torch.index_select(cache.view(n, -1), 0, blocks, out=out)
+    elif cache.is_contiguous():
+        rows = cache.view(n, -1).index_select(0, blocks)
+    else:
+        rows = cache[blocks]
+    return rows.view(-1, hkv, d).to(dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     kv_lens: torch.Tensor, block_tables: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence over its kv_lens[b] >= 1 paged keys, batched: each sub-batch
+    gathers the same number of blocks for every sequence (its longest one's; one index_select
+    per K and V) and masks the padding. The query heads of one kv head are folded into the
+    query length, so the kernel runs without GQA. q: [B, Hq, D] (fp32/fp64); kv_lens: [B];
+    block_tables: [B, W]. Returns (out [B, Hq, D], lse [B, Hq])."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     lens = kv_lens.tolist()
     step = max(1, _DECODE_MAX_ELEMENTS // max(max(lens, default=1) * hkv * d, 1))
-    parts = []
+    outs, lses = [], []
     for lo in range(0, b, step):
         hi = min(b, lo + step)
-        num_blocks = -(-max(lens[lo:hi]) // block_size)
-        blocks = block_tables[lo:hi, :num_blocks].long()                       # [B', nb]
-        length = num_blocks * block_size
-        k = k_cache[blocks].reshape(hi - lo, length, hkv, d).to(q.dtype)        # [B', L, Hkv, D]
-        v = v_cache[blocks].reshape(hi - lo, length, hkv, d).to(q.dtype)
-        qg = q[lo:hi].reshape(hi - lo, hkv, hq // hkv, d)                       # [B', Hkv, G, D]
-        s = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale                      # [B', Hkv, G, L]
-        pad = torch.arange(length, device=q.device) >= kv_lens[lo:hi, None]      # [B', L]
-        s = s.masked_fill(pad[:, None, None, :], float("-inf"))
-        m = s.amax(dim=-1, keepdim=True)
-        p = torch.exp(s - m)
-        acc = torch.einsum("bhgl,blhd->bhgd", p, v)
-        parts.append((acc.reshape(hi - lo, hq, d), m.reshape(hi - lo, hq),
-                      p.sum(dim=-1).reshape(hi - lo, hq)))
-    return tuple(torch.cat(x) for x in zip(*parts))
+        nb = -(-max(lens[lo:hi]) // block_size)
+        length = nb * block_size
+        k = gather_blocks(k_cache, block_tables[lo:hi], [nb] * (hi - lo), q.dtype, "k")
+        v = gather_blocks(v_cache, block_tables[lo:hi], [nb] * (hi - lo), q.dtype, "v")
+        bias = None
+        if min(lens[lo:hi]) < length:
+            pad = torch.arange(length, device=q.device) >= kv_lens[lo:hi, None]  # [B', L]
+            bias = q.new_zeros(hi - lo, 1, 1, length).masked_fill_(pad[:, None, None],
+                                                                   float("-inf"))
+        qg = q[lo:hi].reshape(hi - lo, hkv, hq // hkv, d)                      # [B', Hkv, G, D]
+        k = k.view(hi - lo, length, hkv, d).transpose(1, 2)                    # [B', Hkv, L, D]
+        v = v.view(hi - lo, length, hkv, d).transpose(1, 2)
+        o, lse = attention_lse(qg, k, v, scale, bias=bias)
+        outs.append(o.reshape(hi - lo, hq, d))
+        lses.append(lse.reshape(hi - lo, hq))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
 
 
 def causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -216,3 +269,19 @@ def causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     i = torch.arange(q_len, device=device).unsqueeze(1)
     j = torch.arange(kv_len, device=device).unsqueeze(0)
     return j <= (kv_len - q_len) + i
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's queries, the last n of its L keys, causally (bottom-right aligned).
+
+    q: [n, Hq, D]; k, v: [L >= n, Hkv, D] (views are fine). Returns (out [n, Hq, D] as a
+    transposed view, lse [n, Hq])."""
+    n, kv_len = q.shape[0], k.shape[0]
+    bias = None
+    if n != kv_len:   # the kernel's causal mask is top-left aligned: mask explicitly
+        keep = causal_keep(n, kv_len, q.device)
+        bias = q.new_zeros(1, 1, n, kv_len).masked_fill_(~keep, float("-inf"))
+    o, lse = attention_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                           v.transpose(0, 1)[None], scale, causal=n == kv_len, bias=bias)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)

@@ -55,10 +55,14 @@ def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """Torch version of `write_kv_cache` (same arguments)."""
     _check_args(k, v, k_cache, v_cache, slot_mapping, REF_FLOAT_DTYPES)
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    hkv, d = k.shape[1:]
-    k_cache.view(-1, hkv, d)[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, hkv, d)[slots] = v[valid].to(v_cache.dtype)
+    if bool(valid.all()):
+        slots = slot_mapping.long()
+    else:
+        slots, k, v = slot_mapping[valid].long(), k[valid], v[valid]
+    # Rows of Hkv * D elements: copying whole rows is several times faster than [Hkv, D] ones.
+    row = k.shape[1] * k.shape[2]
+    k_cache.view(-1, row).index_copy_(0, slots, k.reshape(-1, row).to(k_cache.dtype))
+    v_cache.view(-1, row).index_copy_(0, slots, v.reshape(-1, row).to(v_cache.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

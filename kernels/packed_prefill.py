@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, attend, causal_keep,
+from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, causal_attention,
                                         check_head_dim_for_triton, check_last_dim_contiguous,
                                         check_out, check_shape, check_tensor, compute_dtype,
                                         interpreting, use_triton)
@@ -59,7 +59,7 @@ def packed_prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  k_cache: torch.Tensor | None = None,
                                  v_cache: torch.Tensor | None = None,
                                  slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch version of `packed_prefill_attention` (same arguments); loops over prompts."""
+    """Torch version of `packed_prefill_attention` (same arguments); one call per prompt."""
     _check_args(q, k, v, cu_seqlens, REF_FLOAT_DTYPES)
     out = check_out(out, q)
     _maybe_write_cache(k, v, k_cache, v_cache, slot_mapping, write_kv_cache_ref)
@@ -67,12 +67,10 @@ def packed_prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if cu[0] != 0 or cu[-1] != q.shape[0] or any(a > b for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T={q.shape[0]}, got {cu}")
     cdt = compute_dtype(q.dtype)
+    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)     # no copies in fp32 / fp64
     for lo, hi in zip(cu, cu[1:]):
-        if hi == lo:
-            continue
-        keep = causal_keep(hi - lo, hi - lo, q.device)
-        o = attend(q[lo:hi].to(cdt), k[lo:hi].to(cdt), v[lo:hi].to(cdt), keep, scale)
-        out[lo:hi] = o.to(out.dtype)
+        if hi > lo:   # one causal call per prompt straight on views of q, k, v
+            out[lo:hi] = causal_attention(qc[lo:hi], kc[lo:hi], vc[lo:hi], scale)[0]
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, check_cache,
                                         check_head_dim_for_triton, check_last_dim_contiguous,
                                         check_out, check_shape, check_tensor, compute_dtype,
-                                        decode_partial, interpreting, use_triton)
+                                        decode_attention, interpreting, use_triton)
 
 
 def _check_args(q, k_cache, v_cache, kv_lens, block_tables, dtypes) -> None:
@@ -54,7 +54,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                kv_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None,
                                num_splits: int | None = None) -> torch.Tensor:
-    """Torch version of `paged_decode_attention` (num_splits is ignored); batched matmuls."""
+    """Torch version of `paged_decode_attention` (num_splits is ignored): all sequences in
+    one batched call over their gathered, padded keys."""
     _check_args(q, k_cache, v_cache, kv_lens, block_tables, REF_FLOAT_DTYPES)
     out = check_out(out, q)
     s = q.shape[0]
@@ -63,9 +64,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if int(kv_lens.min()) < 1:
         raise ValueError(f"kv_lens must be >= 1 (a decode query sees its own key), got "
                          f"min {int(kv_lens.min())}")
-    acc, _, l = decode_partial(q.to(compute_dtype(q.dtype)), k_cache, v_cache, kv_lens,
-                               block_tables, scale)
-    out.copy_(acc / l.unsqueeze(-1))
+    o, _ = decode_attention(q.to(compute_dtype(q.dtype)), k_cache, v_cache, kv_lens,
+                            block_tables, scale)
+    out.copy_(o)
     return out
 
 

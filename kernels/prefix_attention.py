@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, attend_partial,
-                                        causal_keep, check_cache, check_head_dim_for_triton,
-                                        check_last_dim_contiguous, check_out, check_tensor,
-                                        compute_dtype, decode_partial, gather_kv, interpreting,
-                                        use_triton)
+from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, attention_lse,
+                                        causal_attention, check_cache,
+                                        check_head_dim_for_triton, check_last_dim_contiguous,
+                                        check_out, check_tensor, compute_dtype, decode_attention,
+                                        gather_blocks, interpreting, use_triton)
 
 
 def _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
@@ -83,43 +83,68 @@ def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 prefix_block_tables: torch.Tensor,
                                 prefix_seq_ranges: torch.Tensor, scale: float,
                                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch version of `prefix_shared_attention` (same arguments). Like the kernel it keeps
-    unnormalised partial results (acc, row max m, row sum l): own KV of all decode sequences
-    in one batch and of the others one by one, each group's queries against its prefix in one
-    matmul, the two parts merged by their row maxima."""
+    """Torch version of `prefix_shared_attention` (same arguments). Like the kernel it attends
+    the two parts of each query's keys separately and merges them by log-sum-exp: own KV (all
+    decode sequences in one padded batch, the others one causal call each), and each group's
+    queries, all members at once, against the group's prefix read once (non-causal)."""
     _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
                 prefix_block_tables, prefix_seq_ranges, REF_FLOAT_DTYPES)
     out = check_out(out, q)
     cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
     _check_values(cu, lens, ranges, q.shape[0])
+    if q.shape[0] == 0:
+        return out
     qc = q.to(compute_dtype(q.dtype))                                     # [T, Hq, D]
-    acc, m, l = torch.zeros_like(qc), qc.new_zeros(qc.shape[:2]), qc.new_zeros(qc.shape[:2])
-    decode = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
-    if decode:
-        rows = torch.tensor([cu[s] for s in decode], device=q.device)
-        seqs = torch.tensor(decode, device=q.device)
-        acc[rows], m[rows], l[rows] = decode_partial(qc[rows], k_cache, v_cache, kv_lens[seqs],
-                                                     block_tables[seqs], scale)
-    for s, (lo, hi) in enumerate(zip(cu, cu[1:])):
-        if hi - lo > 1:
-            k = gather_kv(k_cache, block_tables[s], lens[s]).to(qc.dtype)     # [L, Hkv, D]
-            v = gather_kv(v_cache, block_tables[s], lens[s]).to(qc.dtype)
-            keep = causal_keep(hi - lo, lens[s], q.device)
-            acc[lo:hi], m[lo:hi], l[lo:hi] = attend_partial(qc[lo:hi], k, v, keep, scale)
+    o, lse = _own_attention(qc, k_cache, v_cache, cu, lens, kv_lens, block_tables, scale)
+    block_size = k_cache.shape[1]
     for g, p_len in enumerate(prefix_lens.tolist()):
         lo, hi = cu[ranges[g]], cu[ranges[g + 1]]
         if p_len == 0 or hi == lo:
             continue
-        pk = gather_kv(k_cache, prefix_block_tables[g], p_len).to(qc.dtype)  # [P, Hkv, D]
-        pv = gather_kv(v_cache, prefix_block_tables[g], p_len).to(qc.dtype)
-        p_acc, p_m, p_l = attend_partial(qc[lo:hi], pk, pv, None, scale)
-        m_all = torch.maximum(m[lo:hi], p_m)
-        a, b = torch.exp(m[lo:hi] - m_all), torch.exp(p_m - m_all)
-        acc[lo:hi] = acc[lo:hi] * a.unsqueeze(-1) + p_acc * b.unsqueeze(-1)
-        l[lo:hi] = l[lo:hi] * a + p_l * b
-        m[lo:hi] = m_all
-    out.copy_(acc / l.unsqueeze(-1))
+        nb = [-(-p_len // block_size)]
+        pk = gather_blocks(k_cache, prefix_block_tables[g:g + 1], nb, qc.dtype, "k")[:p_len]
+        pv = gather_blocks(v_cache, prefix_block_tables[g:g + 1], nb, qc.dtype, "v")[:p_len]
+        pk, pv = pk.transpose(0, 1)[None], pv.transpose(0, 1)[None]          # [1, Hkv, P, D]
+        p_o, p_lse = attention_lse(qc[lo:hi].transpose(0, 1)[None], pk, pv, scale)
+        # softmax over prefix + own keys = the two parts weighted by their exp(lse) shares
+        own_share = torch.sigmoid(lse[lo:hi] - p_lse[0].transpose(0, 1)).unsqueeze(-1)
+        o[lo:hi] = torch.lerp(p_o[0].transpose(0, 1), o[lo:hi], own_share)
+    out.copy_(o)
     return out
+
+
+def _own_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cu: list[int], lens: list[int], kv_lens: torch.Tensor,
+                   block_tables: torch.Tensor, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's queries over its own paged KV, causally. q: [T, Hq, D] fp32/fp64.
+    Returns (out [T, Hq, D], lse [T, Hq])."""
+    q_lens = [hi - lo for lo, hi in zip(cu, cu[1:])]
+    decode = [s for s, n in enumerate(q_lens) if n == 1]
+    if len(decode) == len(q_lens):      # every row is a sequence's single query
+        return decode_attention(q, k_cache, v_cache, kv_lens, block_tables, scale)
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:2])
+    if decode:
+        seqs = torch.tensor(decode, device=q.device)
+        rows = torch.tensor([cu[s] for s in decode], device=q.device)
+        o_d, lse_d = decode_attention(q[rows], k_cache, v_cache, kv_lens[seqs],
+                                      block_tables[seqs], scale)
+        o.index_copy_(0, rows, o_d)
+        lse.index_copy_(0, rows, lse_d)
+    multi = [s for s, n in enumerate(q_lens) if n > 1]
+    if multi:
+        # All their blocks in one gather; sequence s's keys start its run of nb[s] blocks.
+        block_size = k_cache.shape[1]
+        nb = [-(-lens[s] // block_size) for s in multi]
+        tables = block_tables[torch.tensor(multi, device=q.device)]
+        k = gather_blocks(k_cache, tables, nb, q.dtype, "k")          # [sum nb*bs, Hkv, D]
+        v = gather_blocks(v_cache, tables, nb, q.dtype, "v")
+        start = 0
+        for s, n in zip(multi, nb):
+            lo, hi, end = cu[s], cu[s + 1], start + lens[s]
+            o[lo:hi], lse[lo:hi] = causal_attention(q[lo:hi], k[start:end], v[start:end], scale)
+            start += n * block_size
+    return o, lse
 
 
 def _check_values(cu: list[int], lens: list[int], ranges: list[int], num_tokens: int) -> None:
