@@ -19,6 +19,9 @@ _EXPORTS = {
     "TokenLogprob": "prefixflow.engine.outputs",
     "StepStats": "prefixflow.engine.outputs",
     "EngineTotals": "prefixflow.engine.outputs",
+    "Scorer": "prefixflow.engine.scoring",
+    "ScoreOptions": "prefixflow.engine.scoring",
+    "ScoreOutput": "prefixflow.engine.scoring_choices",
 }
 
 __all__ = sorted(_EXPORTS)

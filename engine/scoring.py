@@ -1,0 +1,333 @@
+"""Prefill-only scoring, the `score` task: one probability per allowed answer (PrefillOnly).
+
+    scorer = Scorer(EngineConfig(model="path/to/hf_dir", device="cpu"))
+    outs = scorer.score(["...Should we recommend it? Answer:"], [" Yes", " No"])
+    outs[0].probs, outs[0].logprobs, outs[0].label, outs[0].error
+
+Each row is a prompt and its choices; the model runs ONE forward pass over the prompt (hybrid
+prefilling, engine/scoring_forward.py) and the last position's logits give, per choice, the
+softmax over the choices' first-token logits and the first token's log-probability under the
+full vocabulary (engine/scoring_choices.py says how choices are tokenized). No KV is kept after
+a request, except a planned group's shared prefix KV while the group has members left
+(Sec. 5.1, engine/scoring_cache.py). Requests run one at a time (Sec. 6.1) in the order of
+PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.pipeline.srjf`):
+before each pick, every waiting request is scored by the tokens the prefix cache does not
+cover now, minus lam * its queueing time. Rows longer than the maximum input length of the
+memory budget (`ScoreOptions.max_forward_bytes`) or than max_model_len get an error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.loader import DTYPES, load_model, load_tokenizer, read_model_args
+from prefixflow.engine.model_runner import resolve_device, resolve_max_model_len
+from prefixflow.engine.scoring_cache import PrefixCache
+from prefixflow.engine.scoring_choices import (Choice, ScoreOutput, choice_token_ids,
+                                               error_output, make_output)
+from prefixflow.engine.scoring_forward import forward_bytes, hybrid_forward, max_input_len
+from prefixflow.pipeline.requests import PrefixGroup
+from prefixflow.pipeline.srjf import SRJFScheduler
+
+Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreOptions:
+    """chunk_size: tokens per chunk of the non-attention layers (hybrid prefilling, Sec. 4).
+    prefix_cache_bytes: budget of the group prefix KVs kept at once; None: the EngineConfig's
+        kv_cache_bytes, else 1 GiB. 0 disables sharing across members (each recomputes).
+    max_forward_bytes: memory budget of one forward (activations, one layer's KV, the group's
+        prefix KV; `forward_bytes`); longer rows get an error. None: only max_model_len.
+    choice_leading_space: encode string choices with a leading space (scoring_choices.py).
+    add_special_tokens: string prompts get the tokenizer's BOS, as in LLMEngine.generate.
+    policy: "srjf" (Alg. 1) or "fcfs" (plan / arrival order). calibrate: recompute the cached
+        length before every pick (False: plain SRJF, cached length taken at arrival).
+    lam: starvation term, score reduction per second queued (the paper's lambda = 500).
+    """
+
+    chunk_size: int = 512
+    prefix_cache_bytes: int | None = None
+    max_forward_bytes: int | None = None
+    choice_leading_space: bool = False
+    add_special_tokens: bool = True
+    policy: Literal["srjf", "fcfs"] = "srjf"
+    calibrate: bool = True
+    lam: float = 500.0
+
+    def __post_init__(self) -> None:
+        for name, ok, fix in (
+                ("chunk_size", self.chunk_size >= 1, "use a positive token count"),
+                ("prefix_cache_bytes",
+                 self.prefix_cache_bytes is None or self.prefix_cache_bytes >= 0,
+                 "use None, 0 or a byte budget"),
+                ("max_forward_bytes", self.max_forward_bytes is None or self.max_forward_bytes > 0,
+                 "use None or a positive byte budget"),
+                ("policy", self.policy in ("srjf", "fcfs"), "use 'srjf' or 'fcfs'"),
+                ("lam", self.lam >= 0, "use 0 or a positive weight")):
+            if not ok:
+                raise ValueError(f"ScoreOptions.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+
+@dataclass(slots=True)
+class ScoreStats:
+    """The last run: prefix hits are members that read their group's prefix KV from the cache;
+    misses are prefix computations (a group's first member, or again after an eviction)."""
+
+    num_requests: int = 0
+    num_errors: int = 0
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_prefix_hits: int = 0
+    num_prefix_misses: int = 0
+    num_evictions: int = 0
+    wall_time_s: float = 0.0
+    latency_s: dict[int, float] = field(default_factory=dict)   # row_id -> finish - arrival
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    row_id: int
+    group: Hashable
+    tokens: np.ndarray            # [prompt_len] int64
+    prefix_len: int               # shared prefix computed once per group (0: none)
+    choices: Sequence[Choice]
+    choice_ids: tuple[int, ...]
+    arrival: float
+
+
+class Scorer:
+    """One replica's scoring engine. `stats` describes the last run."""
+
+    def __init__(self, config: EngineConfig, options: ScoreOptions = ScoreOptions()) -> None:
+        self.config, self.options = config, options
+        self.device = resolve_device(config.device)
+        self.args = read_model_args(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.args)
+        self.model = load_model(config.model, config.dtype, self.device, self.max_model_len)
+        self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        self.elem = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
+        budget = options.prefix_cache_bytes
+        if budget is None:
+            budget = config.kv_cache_bytes if config.kv_cache_bytes is not None \
+                else DEFAULT_PREFIX_CACHE_BYTES
+        self.prefix_cache_bytes = budget
+        self.stats = ScoreStats()
+
+    def max_input_len(self, prefix_len: int = 0) -> int:
+        """Longest prompt one forward can take within max_forward_bytes (and max_model_len)
+        when its first `prefix_len` tokens come from a group's prefix KV."""
+        if self.options.max_forward_bytes is None:
+            return self.max_model_len
+        return max_input_len(self.args, self.elem, self.options.max_forward_bytes, prefix_len,
+                             self.options.chunk_size, self.max_model_len)
+
+    # ------------------------------------------------------------------ public API
+
+    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]], choices: Choices, *,
+              row_ids: Sequence[int] | None = None, order: str = "batchllm"
+              ) -> list[ScoreOutput]:
+        """Score each prompt (a string or token ids); outputs in input order. choices: one
+        list for every row, or one list per row. Prompts are planned (build_plan) so that
+        shared prefixes are computed once."""
+        from prefixflow.pipeline import build_plan
+
+        ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
+        if len(ids) != len(prompts):
+            raise ValueError(f"row_ids has {len(ids)} entries for {len(prompts)} prompts")
+        by_row = _per_row_choices(choices, ids)
+        tokens = [self._encode(p) for p in prompts]
+        empty = "the prompt is empty: give at least one token"
+        outs = {i: error_output(i, by_row.get(i, ()), 0, empty)
+                for i, t in zip(ids, tokens) if not t}
+        kept = [(i, t) for i, t in zip(ids, tokens) if t]
+        if kept:
+            plan = build_plan([t for _, t in kept], row_ids=[i for i, _ in kept], order=order)
+            outs.update((o.row_id, o) for o in self.score_groups(plan.groups(0), by_row))
+        return [outs[i] for i in ids]
+
+    def score_groups(self, groups: Iterable[PrefixGroup], choices: Choices, *,
+                     arrivals: Mapping[int, float] | None = None,
+                     tokens_per_s: float | None = None) -> Iterator[ScoreOutput]:
+        """Score planned groups; yields each row's output when done (bad rows first).
+        choices: one list for all rows or a mapping row_id -> list. arrivals: optional
+        row_id -> seconds after the start at which the row arrives (online benchmarks); the
+        clock jumps over idle time. tokens_per_s: run the scheduler on a virtual clock that
+        advances by computed tokens / tokens_per_s per request (the JCT proxy of Sec. 6.3)
+        instead of the wall clock, so that online studies do not depend on the machine's
+        load; latencies are then in virtual seconds."""
+        if tokens_per_s is not None and tokens_per_s <= 0:
+            raise ValueError(f"tokens_per_s={tokens_per_s} is invalid: use None or a rate > 0")
+        start, skipped = time.perf_counter(), 0.0
+        virtual = 0.0
+        clock = (lambda: virtual + skipped) if tokens_per_s else \
+            (lambda: time.perf_counter() - start + skipped)  # noqa: E731
+        self.stats = stats = ScoreStats()
+        cache = PrefixCache(self.prefix_cache_bytes)
+        reqs: list[_Req] = []
+        for i, g in enumerate(groups):
+            members, errors = self._group_requests(("group", i), g, choices, arrivals)
+            stats.num_requests += len(members) + len(errors)
+            stats.num_errors += len(errors)
+            yield from errors
+            reqs += members
+            if members and members[0].prefix_len > 0:
+                cache.expect(members[0].group, len(members))
+        reqs.sort(key=lambda r: r.arrival)                       # stable: plan order on ties
+        # SRJFScheduler hands back the very array it was given (np.asarray of an int64 array
+        # is that array), so its id() finds the request and its group's cached prefix.
+        by_array = {id(r.tokens): r for r in reqs}
+        cached_len = lambda toks: (by_array[id(toks)].prefix_len  # noqa: E731
+                                   if by_array[id(toks)].group in cache else 0)
+        queue = _make_queue(self.options)
+        waiting = deque(reqs)
+        while waiting or len(queue):
+            now = clock()
+            if not len(queue) and waiting[0].arrival > now:
+                skipped += waiting[0].arrival - now              # idle: jump to the next arrival
+                now = waiting[0].arrival
+            while waiting and waiting[0].arrival <= now:
+                r = waiting.popleft()
+                queue.add(id(r.tokens), r.tokens, now, cached_len)
+            req = by_array[queue.pick(cached_len, now)]
+            computed = stats.num_computed_tokens
+            out = self._run(req, cache, stats)
+            if tokens_per_s:
+                virtual += (stats.num_computed_tokens - computed) / tokens_per_s
+            stats.latency_s[req.row_id] = clock() - req.arrival
+            yield out
+        stats.num_evictions = cache.num_evictions
+        stats.wall_time_s = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ internals
+
+    @torch.inference_mode()
+    def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats) -> ScoreOutput:
+        ids = torch.from_numpy(req.tokens).to(self.device)                       # [T] int64
+        p, c = req.prefix_len, self.options.chunk_size
+        stats.num_prompt_tokens += len(req.tokens)
+        num_cached, prefix = 0, None
+        if p > 0:
+            prefix = cache.get(req.group)
+            if prefix is None:
+                _, prefix = hybrid_forward(self.model, ids[:p], None, c, keep_kv=True,
+                                           want_logits=False)
+                cache.put(req.group, prefix)   # kept for the members left, if it fits
+                stats.num_prefix_misses += 1
+                stats.num_computed_tokens += p
+            else:
+                stats.num_prefix_hits += 1
+                num_cached = p
+        logits, _ = hybrid_forward(self.model, ids[p:], prefix, c)
+        stats.num_computed_tokens += len(req.tokens) - p
+        if p > 0:
+            cache.finished(req.group)
+        return make_output(req.row_id, req.choices, req.choice_ids, logits, len(req.tokens), p,
+                           num_cached)
+
+    def _group_requests(self, key: Hashable, g: PrefixGroup, choices: Choices,
+                        arrivals: Mapping[int, float] | None
+                        ) -> tuple[list[_Req], list[ScoreOutput]]:
+        """Valid members as requests (sharing the prefix when it pays and fits), and errors."""
+        members, errors = [], []
+        for i in range(g.num_members):
+            row = int(g.row_ids[i])
+            row_choices = choices.get(row, ()) if isinstance(choices, Mapping) else choices
+            tokens = np.ascontiguousarray(g.prompt(i), dtype=np.int64)
+            try:
+                ids = choice_token_ids(row_choices, self.tokenizer, self.args.vocab_size,
+                                       self.options.choice_leading_space)
+                _check_prompt_ids(tokens, self.args.vocab_size)
+            except ValueError as e:
+                errors.append(error_output(row, row_choices, len(tokens), str(e)))
+                continue
+            arrival = float(arrivals.get(row, 0.0)) if arrivals is not None else 0.0
+            members.append(_Req(row, key, tokens, 0, row_choices, ids, arrival))
+        p = self._shared_prefix_len(g, members)
+        kept = []
+        for r in members:
+            r.prefix_len = p
+            limit = self.max_input_len(p)
+            if len(r.tokens) > limit:
+                errors.append(error_output(r.row_id, r.choices, len(r.tokens), self._too_long(
+                    len(r.tokens), limit, p)))
+                continue
+            kept.append(r)
+        return kept, errors
+
+    def _shared_prefix_len(self, g: PrefixGroup, members: list[_Req]) -> int:
+        """The group prefix computed once: 0 for fewer than two members; one token shorter
+        when a member's prompt is the whole prefix (its last position must be computed by the
+        member itself to give logits); 0 when the prefix's own forward exceeds the budget."""
+        if len(members) < 2 or g.prefix_len == 0:
+            return 0
+        p = g.prefix_len
+        if any(len(r.tokens) == p for r in members):
+            p -= 1
+        budget = self.options.max_forward_bytes
+        if budget is not None and forward_bytes(self.args, self.elem, p, 0,
+                                                self.options.chunk_size, keep_kv=True) > budget:
+            return 0
+        return p
+
+    def _too_long(self, n: int, limit: int, p: int) -> str:
+        if self.options.max_forward_bytes is None or limit == self.max_model_len:
+            return (f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}; "
+                    "shorten it or raise EngineConfig.max_model_len")
+        return (f"the prompt has {n} tokens, more than the maximum input length {limit} that "
+                f"ScoreOptions.max_forward_bytes={self.options.max_forward_bytes} allows "
+                f"(shared prefix {p} tokens); shorten it or raise max_forward_bytes")
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=self.options.add_special_tokens)
+                        ["input_ids"])
+        return [int(t) for t in prompt]
+
+
+def _check_prompt_ids(tokens: np.ndarray, vocab_size: int) -> None:
+    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if len(bad):
+        raise ValueError(f"the prompt holds token id {int(bad[0])}, outside the vocabulary "
+                         f"0..{vocab_size - 1}; tokenize with the model's tokenizer")
+
+
+class _Fifo:
+    """First come, first served, with SRJFScheduler's add/pick interface (the baseline)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Hashable] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, req_id: Hashable, tokens: np.ndarray, now: float, cached_len=None) -> None:
+        self._queue.append(req_id)
+
+    def pick(self, cached_len, now: float) -> Hashable:
+        return self._queue.popleft()
+
+
+def _make_queue(o: ScoreOptions) -> SRJFScheduler | _Fifo:
+    return _Fifo() if o.policy == "fcfs" else SRJFScheduler(o.lam, o.calibrate)
+
+
+def _per_row_choices(choices: Choices, row_ids: list[int]) -> Mapping[int, Sequence[Choice]]:
+    """One list for all rows, one list per row (in prompt order), or a row_id mapping."""
+    if isinstance(choices, Mapping):
+        return choices
+    if all(isinstance(c, (str, int)) for c in choices):
+        return {i: choices for i in row_ids}
+    if len(choices) != len(row_ids):
+        raise ValueError(f"choices has {len(choices)} lists for {len(row_ids)} prompts: give "
+                         "one list of labels for all rows, or one list per row")
+    return dict(zip(row_ids, choices))
