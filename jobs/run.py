@@ -8,6 +8,8 @@ This and the CLI are the only places that call ray.init: with RAY_ADDRESS set (a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -15,6 +17,9 @@ from typing import Any
 
 from prefixflow.jobs import report
 from prefixflow.jobs.spec import JobSpec, SpecError
+import numpy as np
+
+from prefixflow.operators.commit import MANIFEST, check_job_file, load_committed, plan_fingerprint
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
 from prefixflow.operators.storage import StorageOptions, absolute, is_s3, join, list_input_files
@@ -95,14 +100,14 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
 
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
-    from prefixflow.operators.write import (MetricsSink, prepare_output, write_json, write_part)
+    from prefixflow.operators.write import MetricsSink, prepare_output, write_json
 
     started = time.perf_counter()
     preflight(spec, source)
     config = processor_config(spec)
     wopts = write_options(spec)
     if not dry_run:
-        prepare_output(wopts, spec.output.overwrite)
+        prepare_output(wopts, spec.output.overwrite, spec.output.resume)
     ensure_ray(address)
     processor = Processor(config)
     planned = processor.plan(read_dataset(read_options(spec)))
@@ -110,24 +115,106 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
         print(report.plan_text(planned), flush=True)
     if dry_run:
         return report.dry_run_result(planned, time.perf_counter() - started)
+    fingerprint = plan_fingerprint(planned, spec.replicas, _spec_key(spec))
+    check_job_file(wopts.path, fingerprint, wopts.storage, spec.output.resume)
+    before = load_committed(wopts.path, wopts.storage)
     sink = ray.remote(MetricsSink).options(num_cpus=0).remote()
-    outputs = processor.generate(planned, sink).map_batches(
-        write_part, fn_kwargs={"opts": wopts}, batch_size=None, batch_format="pyarrow", num_cpus=0)
     gen_started = time.perf_counter()
-    progress = report.Progress(total_rows=planned.rows.num_rows, quiet=quiet)
-    manifests = []
-    for m in outputs.iter_rows():
-        manifests.append(m)
-        progress.update(m)
+    progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
+    manifests, faults = generate_with_retries(processor, planned, sink, wopts, spec, progress)
     progress.close()
-    metrics = report.metrics(spec, planned, manifests, ray.get(sink.get.remote()),
+    final = load_committed(wopts.path, wopts.storage)
+    missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
+    assert not len(missing) and len(final.row_ids) == planned.rows.num_rows, \
+        f"rows {missing[:10].tolist()} were not committed"
+    # The commit records are the truth: manifests streamed by a failed attempt never arrive.
+    metrics = report.metrics(spec, planned, final.manifests, ray.get(sink.get.remote()),
                              wall_s=time.perf_counter() - started,
                              generate_s=time.perf_counter() - gen_started)
+    metrics["fault_tolerance"] = {
+        "rows_committed_before": before.num_rows, "rows_written": final.num_rows - before.num_rows,
+        "rows_last_attempt": sum(m["num_rows"] for m in manifests),
+        "orphans_removed": before.removed, **faults}
+    write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
+                                           "parts": sorted(m["part"] for m in final.manifests),
+                                           "row_ids": final.row_ids.tolist()}, wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     write_json(join(wopts.path, "_SUCCESS"), {}, wopts.storage)
     if not quiet:
         print(report.metrics_text(metrics, wopts.path), flush=True)
     return metrics
+
+
+def _spec_key(spec: JobSpec) -> str:
+    """What must not change between a run and its resume (the output flags may)."""
+    data = spec.model_dump(mode="json")
+    for key in ("overwrite", "resume"):
+        data["output"].pop(key, None)
+    data.pop("storage", None)  # credentials and retry settings may change between attempts
+    return json.dumps(data, sort_keys=True)
+
+
+def _engine_failure(error: BaseException) -> bool:
+    """An engine actor died (killed, OOM, crashed worker): rerun what is uncommitted."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
+
+    kinds = (ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError)
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, kinds):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteOptions,
+                          spec: JobSpec, progress: Any) -> tuple[list[dict], dict[str, Any]]:
+    """Generate and write the uncommitted rows; after an engine actor dies, start again with
+    the rows committed by then skipped. When attempts in a row commit nothing more than
+    `max_retries_per_row` times, the rows left become error records (no endless loop)."""
+    poisoned: list[int] = []  # in the order they were given up, so their error ranks never move
+    failures, committed_at_failures, stalls = [], [], 0
+    while True:
+        done = load_committed(wopts.path, wopts.storage)
+        job = _with_error_rows(planned, poisoned, failures[-1] if failures else "")
+        outputs = processor.generate(job, sink, done=done.row_ids, skip=np.asarray(poisoned, np.int64),
+                                     write=wopts)
+        manifests: list[dict] = []
+        stream = iter(outputs.iter_rows())
+        try:
+            for m in stream:
+                manifests.append(m)
+                progress.update(m)
+            break
+        except Exception as e:  # noqa: BLE001 - only engine deaths are retried
+            if not _engine_failure(e):
+                outputs = None  # noqa: F841 - a kept traceback must not keep the execution
+                raise
+            failures.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            now = load_committed(wopts.path, wopts.storage)
+            committed_at_failures.append(now.num_rows)
+            stalls = stalls + 1 if now.num_rows == done.num_rows else 0
+            if stalls > spec.max_retries_per_row:
+                left = np.setdiff1d(np.arange(planned.rows.num_rows), now.row_ids)
+                poisoned += [int(r) for r in left if int(r) not in set(poisoned)]
+                stalls = 0
+        finally:
+            # Shut the execution down now: a traceback kept by a caller would otherwise keep
+            # its engine actors (and their CPUs/GPUs) alive.
+            getattr(stream, "close", lambda: None)()
+    return manifests, {"engine_failures": len(failures), "failures": failures,
+                       "rows_committed_at_failures": committed_at_failures,
+                       "rows_given_up": len(poisoned)}
+
+
+def _with_error_rows(planned: Any, rows: list[int], why: str) -> Any:
+    """The planned job with `rows` turned into error records (they failed every attempt)."""
+    if not rows:
+        return planned
+    msg = f"the engine failed on this row in every attempt ({why}): the row was given up"
+    return dataclasses.replace(
+        planned, error_row_ids=np.concatenate([planned.error_row_ids, np.asarray(rows, np.int64)]),
+        extra_errors={**planned.extra_errors, **{r: msg for r in rows}})
 
 
 def main(argv: list[str] | None = None) -> int:

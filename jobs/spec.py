@@ -78,6 +78,8 @@ class StorageSpec(_Strict):
     aws_access_key_id: str | None = None
     aws_secret_access_key: str | None = None
     aws_session_token: str | None = None
+    max_attempts: int = Field(default=5, ge=1, le=20, description="tries per storage request")
+    retry_base_delay_s: float = Field(default=0.2, ge=0, le=60, description="first backoff")
 
 
 class InputSpec(_Strict):
@@ -116,6 +118,30 @@ class PromptSpec(_Strict):
         return self
 
 
+class ScoreSpec(_Strict):
+    """task: score (PrefillOnly): one probability per allowed answer. See operators/score.py."""
+
+    choices: list[str | int] | None = Field(default=None, description="labels every row is "
+                                            "scored on, e.g. [\"Yes\", \"No\"]")
+    choices_column: str | None = Field(default=None, description="a list column with each row's labels")
+    choice_leading_space: bool = False
+    chunk_size: int = Field(default=512, ge=1, description="tokens per chunk of hybrid prefilling")
+    max_forward_bytes: int | None = Field(default=None, gt=0, description="memory budget of one "
+                                          "forward; longer rows become error records")
+    prefix_cache_bytes: int | None = Field(default=None, ge=0)
+    policy: Literal["srjf", "fcfs"] = "srjf"
+    calibrate: bool = True
+    lam: float = Field(default=500.0, ge=0, description="starvation weight (PrefillOnly Alg. 1)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ScoreSpec":
+        if (self.choices is None) == (self.choices_column is None):
+            raise ValueError("give exactly one of choices (e.g. [\"Yes\", \"No\"]) or choices_column")
+        if self.choices is not None and len(self.choices) < 1:
+            raise ValueError("choices is empty: give at least one label")
+        return self
+
+
 class TokenizeSpec(_Strict):
     concurrency: int = Field(default=1, ge=1, description="tokenizer actors")
     batch_size: int = Field(default=256, ge=1)
@@ -131,6 +157,8 @@ class OutputSpec(_Strict):
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     rows_per_part: int = Field(default=1000, ge=1)
     overwrite: bool = False
+    resume: bool = Field(default=False, description="finish an interrupted job at this path: "
+                         "committed rows are kept and skipped")
     include_prompt: bool = False
 
 
@@ -139,13 +167,17 @@ class JobSpec(_Strict):
 
     name: str = "prefixflow-job"
     model: str = Field(description="Hugging Face model directory (config.json, weights, tokenizer)")
-    task: Literal["generate"] = "generate"
+    task: Literal["generate", "score"] = "generate"
     input: InputSpec
     prompt: PromptSpec | None = None
+    score: ScoreSpec | None = Field(default=None, description="settings of task: score")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
     engine: EngineSpec = Field(default_factory=EngineSpec)  # type: ignore[valid-type]
     order: Literal["fcfs", "dfs", "batchllm", "blendserve"] = "batchllm"
     replicas: int = Field(default=1, ge=1, description="data-parallel engine actors")
+    max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
+                                     "dies, rerun uncommitted rows; rows that fail this many more "
+                                     "times with no progress become error records")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
     output: OutputSpec
@@ -154,6 +186,11 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _prompt_for_format(self) -> "JobSpec":
         fmt = self.input_format()  # raises, naming input.format, when it cannot be inferred
+        if self.task == "score" and self.score is None:
+            raise ValueError("task: score needs a score section, e.g. score: {choices: [\"Yes\", \"No\"]}")
+        if self.task == "score" and fmt == "openai":
+            raise ValueError("task: score cannot read OpenAI batch files (they are chat/completion "
+                             "requests): use task: generate, or a jsonl/csv/parquet input")
         if self.prompt is None and fmt != "openai":
             raise ValueError("prompt is required unless input.format is openai: add prompt.template "
                              "(e.g. \"Q: {{ question }}\") or prompt.user, or prompt.messages_column")

@@ -13,6 +13,48 @@ from prefixflow.operators.template import PromptTemplate, check_syntax
 from prefixflow.pipeline.requests import SamplingParams
 
 ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
+TASKS = ("generate", "score")
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """The `score` task (PrefillOnly): one probability per allowed answer instead of text.
+
+    choices: the labels every row is scored on (strings or token ids), e.g. ("Yes", "No").
+    choices_column: a list column giving each row its own labels (instead of `choices`).
+    The rest are `engine.scoring.ScoreOptions` fields: chunk_size (hybrid prefilling),
+    prefix_cache_bytes, max_forward_bytes (longer rows become error records),
+    choice_leading_space, policy ("srjf" | "fcfs"), calibrate, lam.
+    """
+
+    choices: tuple[str | int, ...] = ()
+    choices_column: str | None = None
+    chunk_size: int = 512
+    prefix_cache_bytes: int | None = None
+    max_forward_bytes: int | None = None
+    choice_leading_space: bool = False
+    policy: str = "srjf"
+    calibrate: bool = True
+    lam: float = 500.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if bool(self.choices) == bool(self.choices_column):
+            raise ValueError(f"ScoreConfig.choices={list(self.choices)!r} is invalid: give either "
+                             "choices (e.g. ['Yes', 'No']) or choices_column, not both or neither")
+        for name, ok, fix in (("chunk_size", self.chunk_size >= 1, "use a positive token count"),
+                              ("policy", self.policy in ("srjf", "fcfs"), "use 'srjf' or 'fcfs'"),
+                              ("lam", self.lam >= 0, "use 0 or a positive weight")):
+            if not ok:
+                raise ValueError(f"ScoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+    def options(self) -> Any:
+        from prefixflow.engine.scoring import ScoreOptions  # torch only from here
+
+        return ScoreOptions(chunk_size=self.chunk_size, prefix_cache_bytes=self.prefix_cache_bytes,
+                            max_forward_bytes=self.max_forward_bytes,
+                            choice_leading_space=self.choice_leading_space, policy=self.policy,
+                            calibrate=self.calibrate, lam=self.lam)
 
 
 @dataclass(frozen=True)
@@ -32,6 +74,8 @@ class ProcessorConfig:
     rows_per_chunk: outputs per streamed output block (and per written part).
     include_prompt: add the rendered prompt text as a `prompt` column.
     openai_batch: rows are OpenAI batch requests (custom_id + body), see operators/openai_batch.
+    task: "generate" (text) or "score" (choice probabilities; needs `score`).
+    score: ScoreConfig (or a dict of its fields) for task "score".
     """
 
     model: str
@@ -47,12 +91,21 @@ class ProcessorConfig:
     rows_per_chunk: int = 1000
     include_prompt: bool = False
     openai_batch: bool = False
+    task: str = "generate"
+    score: ScoreConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, dict):
             object.__setattr__(self, "prompt", PromptTemplate(**self.prompt))
         if isinstance(self.sampling, dict):
             object.__setattr__(self, "sampling", SamplingParams(**self.sampling))
+        if isinstance(self.score, dict):
+            object.__setattr__(self, "score", ScoreConfig(**self.score))
+        _require(self.task in TASKS, "task", self.task, f"use one of {', '.join(TASKS)}")
+        _require(self.task != "score" or self.score is not None, "score", self.score,
+                 "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}")
+        _require(self.task != "score" or not self.openai_batch, "task", self.task,
+                 "OpenAI batch files are chat/completion requests: use task 'generate' for them")
         if self.prompt is not None:
             for name in ("template", "system", "user"):
                 check_syntax(f"prompt.{name}", getattr(self.prompt, name))

@@ -43,21 +43,35 @@ class ReplicaGenerator:
     """map_batches callable class; one instance per engine actor."""
 
     def __init__(self, config: ProcessorConfig, rows: RowIndex, group_refs: list[Any],
-                 error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None):
+                 error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
+                 done: np.ndarray | None = None, skip: np.ndarray | None = None,
+                 write: Any = None):
         self.config = config
+        # Row ids already committed by an earlier attempt (operators/commit.py): not run again.
+        self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
+        # Rows the engine must not run (given up after repeated failures; error records now).
+        self.skip = np.zeros(0, np.int64) if skip is None else np.asarray(skip, np.int64)
         self.rows = rows
         self.group_refs = group_refs
         self.error_row_ids = error_row_ids
         self.extra_errors = extra_errors
         self.sink = sink
+        # WriteOptions: commit each output chunk here, as soon as it is done, and yield its
+        # manifest row instead (Ray Data would merge the chunks into one block before a
+        # downstream writer saw them, and a crash would lose them all).
+        self.write = write
         self.engine = None
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         for item in batch.column("item").to_pylist():
-            if item == ERRORS_ITEM:
-                yield from self._error_records()
-            else:
-                yield from self._run_replica(int(item))
+            chunks = self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item))
+            if self.write is None:
+                yield from chunks
+                continue
+            from prefixflow.operators.write import write_part
+
+            for chunk in chunks:
+                yield write_part(chunk, self.write)
 
     def _get_engine(self) -> Any:
         if self.engine is None:
@@ -78,22 +92,31 @@ class ReplicaGenerator:
         pos = {int(r): i for i, r in enumerate(row_ids)}
         prompt_len, computed = token_counts(groups, len(row_ids))
         params = row_params(self.config.sampling, rows, row_ids)
+        # Ranks (and so part names) stay those of the full plan; only the engine sees less.
+        not_run = np.union1d(self.done, self.skip)
+        todo = [g for g in (without_rows(g, not_run) for g in groups) if g is not None]
+        if not todo:
+            return
         engine = self._get_engine()
         loaded = time.time()
         pending: list[Any] = []
-        for out in engine.run(groups, params):
+        for out in engine.run(todo, params):
             pending.append(out)
             if len(pending) >= self.config.rows_per_chunk:
                 yield output_chunk(pending, rows, pos, prompt_len, computed, replica)
                 pending = []
         if pending:
             yield output_chunk(pending, rows, pos, prompt_len, computed, replica)
-        self._report(replica, started, loaded, time.time(), len(row_ids), groups)
+        self._report(replica, started, loaded, time.time(), sum(g.num_members for g in todo), todo)
 
     def _error_records(self) -> Iterator[pa.Table]:
         ids = self.error_row_ids
         for lo in range(0, len(ids), self.config.rows_per_chunk):
             chunk = ids[lo:lo + self.config.rows_per_chunk]
+            ranks = np.arange(lo, lo + len(chunk))[~np.isin(chunk, self.done)]
+            chunk = chunk[~np.isin(chunk, self.done)]
+            if not len(chunk):
+                continue
             rows = fetch_rows(self.rows, chunk)
             sources = rows.column(SOURCE).to_pylist() if SOURCE in rows.column_names else [None] * len(chunk)
             reasons = rows.column(ERROR).to_pylist()
@@ -105,7 +128,7 @@ class ReplicaGenerator:
             columns = {"row_id": chunk.tolist(), "generated_text": [None] * n, "generated_tokens": [[]] * n,
                        "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n,
                        "finish_reason": [None] * n, "error": messages, "replica": [-1] * n,
-                       RANK: list(range(lo, lo + n)), COMPUTED: [0.0] * n}
+                       RANK: ranks.tolist(), COMPUTED: [0.0] * n}
             yield with_outputs(rows, columns)
 
     def _report(self, replica: int, started: float, loaded: float, finished: float, num_rows: int,
@@ -122,6 +145,25 @@ class ReplicaGenerator:
         import ray
 
         ray.get(self.sink.put.remote(record))  # recorded before this replica's work item ends
+
+
+def without_rows(group: Any, done: np.ndarray) -> Any:
+    """The group minus its members in `done`; None when none is left."""
+    if not len(done):
+        return group
+    keep = ~np.isin(group.row_ids, done)
+    if keep.all():
+        return group
+    if not keep.any():
+        return None
+    idx = np.flatnonzero(keep)
+    distinct = tuple(group.distinct[i] for i in idx)
+    prefix = group.prefix
+    if len(idx) == 1 and len(prefix):  # a group of one has an empty prefix (PrefixGroup)
+        distinct, prefix = (np.concatenate([prefix, distinct[0]]),), prefix[:0]
+    lens = None if group.output_lens is None else group.output_lens[idx]
+    return dataclasses.replace(group, prefix=prefix, row_ids=group.row_ids[idx],
+                               distinct=distinct, output_lens=lens)
 
 
 def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:

@@ -73,8 +73,16 @@ class Processor:
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch)
 
-    def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
-        """A lazy Dataset of output blocks: R engine actors run their partitions."""
+    def generate(self, planned: PlannedJob, sink: Any = None, done: Any = None,
+                 skip: Any = None, write: Any = None) -> Any:
+        """A lazy Dataset of output blocks: R engine actors run their partitions.
+
+        done: row ids committed by an earlier attempt (skipped). An engine actor that dies
+        fails this dataset instead of silently rerunning its task (Ray's streaming-generator
+        retry assumes a deterministic replay), so the caller reruns what is uncommitted.
+        skip: row ids the engines must not run (they are error records in `planned`).
+        write: WriteOptions: the actors commit their parts and the dataset holds manifests.
+        """
         import ray
         from ray.data import ActorPoolStrategy
 
@@ -83,10 +91,11 @@ class Processor:
         items = list(range(cfg.replicas)) + ([ERRORS_ITEM] if len(planned.error_row_ids) else [])
         work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
         kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
-                      error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink)
+                      error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink,
+                      done=done, skip=skip, write=write)
         # One work item per actor at a time, so R replicas really run side by side.
         pool = ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=1)
-        remote_args: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica}
+        remote_args: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica, "max_task_retries": 0}
         if cfg.num_gpus_per_replica:
             remote_args["num_gpus"] = cfg.num_gpus_per_replica
         return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
@@ -97,3 +106,4 @@ class Processor:
         import ray
 
         return [] if self.sink is None else ray.get(self.sink.get.remote())
+

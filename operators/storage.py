@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixflow.operators.retry import RetryPolicy
+
 
 def is_s3(path: str) -> bool:
     return str(path).startswith(("s3://", "s3a://"))
@@ -29,6 +31,12 @@ class StorageOptions:
     aws_access_key_id: str | None = None
     aws_secret_access_key: str | None = None
     aws_session_token: str | None = None
+    max_attempts: int = 5            # per S3 request (botocore) and per part write (with_retries)
+    retry_base_delay_s: float = 0.2
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(max_attempts=self.max_attempts, base_delay_s=self.retry_base_delay_s)
 
     def endpoint(self) -> str | None:
         return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
@@ -52,7 +60,11 @@ class StorageOptions:
         # listings that are stale after another worker wrote a part.
         return s3fs.S3FileSystem(anon=self.anonymous, key=self.aws_access_key_id,
                                  secret=self.aws_secret_access_key, token=self.aws_session_token,
-                                 client_kwargs=client_kwargs, skip_instance_cache=True)
+                                 client_kwargs=client_kwargs, skip_instance_cache=True,
+                                 # botocore retries 5xx, throttling and dropped connections with
+                                 # backoff on every request, reads included.
+                                 config_kwargs={"retries": {"max_attempts": self.max_attempts,
+                                                            "mode": "standard"}})
 
 
 def absolute(path: str) -> str:

@@ -2,14 +2,16 @@
 
 A part is named after its first row's (replica, rank), which the plan fixes, so a retried
 write task writes the same name again: each row lands in exactly one part. Local parts are
-written to a temporary name and renamed; an S3 PUT is atomic by itself. The driver writes
-metrics.json and an empty _SUCCESS marker last.
+written to a temporary name and renamed; an S3 PUT is atomic by itself. After each part its
+commit record is written (operators/commit.py: what makes resume exactly-once). The driver
+writes metrics.json and an empty _SUCCESS marker last.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,8 +21,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prefixflow.operators.generate import COMPUTED, RANK
+from prefixflow.operators.commit import COMMITS, JOB_FILE, MANIFEST, TMP_PREFIX, commit_record_path, record_bytes
+from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, is_s3, join
 
+OUTPUT_NAMES = ("part-", "metrics.json", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST, TMP_PREFIX)
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 
@@ -48,7 +53,11 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
         "generated_tokens": [int(pc.sum(table.column("num_generated_tokens")).as_py() or 0)],
         "written_at": [time.time()],
     }
-    _commit(join(opts.path, name), encode_part(table, opts), opts.storage)
+    commit_bytes(join(opts.path, name), encode_part(table, opts), opts.storage)
+    # The record goes second: a part without one is an orphan that resume deletes and redoes.
+    record = {k: v[0] for k, v in manifest.items()}
+    commit_bytes(commit_record_path(opts.path, name),
+                 record_bytes(record, table.column("row_id").to_pylist()), opts.storage)
     return pa.table(manifest)
 
 
@@ -69,42 +78,55 @@ def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
     return sink.getvalue()
 
 
-def _commit(path: str, data: bytes, storage: StorageOptions) -> None:
+def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
+    """Make `path` hold `data`, all or nothing, retrying transient storage errors."""
+    with_retries(lambda: _put(path, data, storage), f"write {path}", storage.retry)
+
+
+def _put(path: str, data: bytes, storage: StorageOptions) -> None:
     fs = storage.filesystem(path)
     if is_s3(path):
-        with fs.open(path, "wb") as f:
-            f.write(data)
+        fs.pipe_file(path, data)  # one PUT: visible complete or not at all
         return
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    head, name = os.path.split(path)
+    fs.makedirs(head, exist_ok=True)
+    # Same directory (atomic rename on POSIX); the prefix keeps readers from taking it for a part.
+    tmp = os.path.join(head, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
     with fs.open(tmp, "wb") as f:
         f.write(data)
-    fs.mv(tmp, path)  # rename within one directory: atomic on POSIX
+    fs.mv(tmp, path)
 
 
-def prepare_output(opts: WriteOptions, overwrite: bool) -> None:
-    """Create the output directory; refuse to mix with an earlier job's parts unless asked."""
+def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) -> None:
+    """Create the output directory; refuse to mix with an earlier job's parts unless asked.
+
+    resume: keep committed parts (the run skips their rows); only the end markers go.
+    """
     fs = opts.storage.filesystem(opts.path)
     existing = []
     if fs.exists(opts.path):
         existing = [p for p in fs.ls(opts.path, detail=False)
-                    if p.rstrip("/").rsplit("/", 1)[-1].startswith(("part-", "metrics.json", "_SUCCESS"))]
-    if existing and not overwrite:
+                    if p.rstrip("/").rsplit("/", 1)[-1].startswith(OUTPUT_NAMES)]
+    if resume and not overwrite:
+        existing = [p for p in existing
+                    if p.rstrip("/").rsplit("/", 1)[-1] in ("metrics.json", "_SUCCESS", MANIFEST)]
+    elif existing and not overwrite:
         raise ValueError(f"output.path={opts.path!r} already holds a job's output: choose a new "
-                         "path or set output.overwrite: true")
+                         "path, set output.resume: true to finish it, or output.overwrite: true")
     for p in existing:
-        fs.rm(p)
+        fs.rm(p, recursive=True)
     if not is_s3(opts.path):
         fs.makedirs(opts.path, exist_ok=True)
 
 
 def write_json(path: str, value: Any, storage: StorageOptions) -> None:
-    _commit(path, (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8"), storage)
+    commit_bytes(path, (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8"), storage)
 
 
 def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Table | list[dict]:
     """All parts of a job's output: a table for parquet, a list of records for JSONL."""
     fs = storage.filesystem(path)
-    parts = sorted(p for p in fs.ls(path, detail=False) if p.rsplit("/", 1)[-1].startswith("part-"))
+    parts = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("part-"))
     if parts and parts[0].endswith(".parquet"):
         import pyarrow.parquet as pq
 

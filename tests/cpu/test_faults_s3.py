@@ -1,0 +1,193 @@
+"""Object storage faults: a tiny proxy on 127.0.0.1 in front of moto's S3 server answers a
+share of requests with 503 SlowDown and delays others. A job through it completes with every
+row once; a storage that keeps failing fails the job with a clear message, leaves committed
+parts intact, and the same job resumed afterwards finishes exactly once."""
+
+from __future__ import annotations
+
+import gc
+import http.client
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prefixflow.jobs.demo import demo_rows
+from prefixflow.jobs.run import run_job
+from prefixflow.jobs.spec import parse_spec
+from prefixflow.operators.storage import StorageOptions
+from prefixflow.operators.write import read_output
+
+pytestmark = pytest.mark.slow  # end to end on a real local Ray
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultProxy:
+    """Forwards to `upstream`; request n (counted from 1) gets a 503 when n % fail_every == 0,
+    sleeps delay_s first when n % delay_every == 0, and every PUT after `puts_ok` PUTs fails."""
+
+    def __init__(self, upstream: str, fail_every: int = 0, delay_every: int = 0,
+                 delay_s: float = 0.2, puts_ok: int | None = None):
+        self.upstream = urlparse(upstream)
+        self.fail_every, self.delay_every, self.delay_s, self.puts_ok = fail_every, delay_every, delay_s, puts_ok
+        self.lock = threading.Lock()
+        self.requests = self.failed = self.delayed = self.puts = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _any(self):
+                proxy.handle(self)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _decide(self, method: str) -> tuple[bool, bool]:
+        with self.lock:
+            self.requests += 1
+            n = self.requests
+            if method == "PUT":
+                self.puts += 1
+            fail = bool(self.fail_every and n % self.fail_every == 0)
+            fail |= method == "PUT" and self.puts_ok is not None and self.puts > self.puts_ok
+            delay = bool(self.delay_every and n % self.delay_every == 0)
+            self.failed += fail
+            self.delayed += delay and not fail
+            return fail, delay
+
+    def handle(self, req: BaseHTTPRequestHandler) -> None:
+        body = req.rfile.read(int(req.headers.get("Content-Length") or 0))
+        fail, delay = self._decide(req.command)
+        if fail:
+            req.send_response(503)
+            req.send_header("Content-Type", "application/xml")
+            req.send_header("Content-Length", str(len(SLOW_DOWN)))
+            req.end_headers()
+            if req.command != "HEAD":
+                req.wfile.write(SLOW_DOWN)
+            return
+        if delay:
+            time.sleep(self.delay_s)
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=30)
+        conn.request(req.command, req.path, body=body, headers=dict(req.headers))
+        resp = conn.getresponse()
+        data = resp.read()
+        req.send_response(resp.status)
+        for k, v in resp.getheaders():
+            # A HEAD answer keeps the object's Content-Length (it has no body of its own).
+            if k.lower() not in ("transfer-encoding", "connection") and (
+                    k.lower() != "content-length" or req.command == "HEAD"):
+                req.send_header(k, v)
+        if req.command != "HEAD":
+            req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        if req.command != "HEAD":
+            req.wfile.write(data)
+        conn.close()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="pf-faults")
+    storage = StorageOptions(endpoint_url=s3_server, region="us-east-1",
+                             aws_access_key_id="testing", aws_secret_access_key="testing")
+    return storage
+
+
+def _spec(model, endpoint: str, prefix: str, max_attempts: int, resume: bool = False):
+    return parse_spec({
+        "model": str(model), "input": {"path": f"s3://pf-faults/{prefix}/in/", "format": "parquet"},
+        "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
+        "sampling": {"temperature": 0, "max_tokens": 4},
+        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
+        "output": {"path": f"s3://pf-faults/{prefix}/out/", "format": "jsonl", "rows_per_part": 2,
+                   "resume": resume},
+        "storage": {"endpoint_url": endpoint, "region": "us-east-1", "aws_access_key_id": "testing",
+                    "aws_secret_access_key": "testing", "max_attempts": max_attempts,
+                    "retry_base_delay_s": 0.05},
+    })
+
+
+def _put_input(storage: StorageOptions, prefix: str) -> list[dict]:
+    rows = demo_rows(num_docs=3, questions_per_doc=4, sentences_per_doc=3, seed=9)  # 12 rows
+    with storage.filesystem("s3://pf-faults").open(f"s3://pf-faults/{prefix}/in/part-0.parquet", "wb") as f:
+        pq.write_table(pa.Table.from_pylist(rows), f)
+    return rows
+
+
+def _exactly_once(storage: StorageOptions, prefix: str, rows: list[dict]) -> None:
+    out = read_output(f"s3://pf-faults/{prefix}/out/", storage)
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)
+    assert len(out) == len(rows) and all(r["error"] is None for r in out)
+
+
+def test_flaky_s3_job_completes_with_nothing_lost(ray_local, tiny_model, bucket):
+    storage = bucket
+    rows = _put_input(storage, "flaky")
+    proxy = FaultProxy(storage.endpoint_url, fail_every=5, delay_every=7, delay_s=0.2)
+    try:
+        metrics = run_job(_spec(tiny_model, proxy.endpoint, "flaky", max_attempts=5), quiet=True)
+    finally:
+        proxy.close()
+    assert metrics["rows"] == len(rows) and metrics["rows_error"] == 0
+    _exactly_once(storage, "flaky", rows)
+    assert proxy.failed > 0 and proxy.delayed > 0
+    print(f"\nflaky S3: {len(rows)} rows, {proxy.requests} requests, {proxy.failed} answered 503, "
+          f"{proxy.delayed} delayed {proxy.delay_s}s, lost 0")
+
+
+def test_persistent_s3_failure_fails_clearly_and_resumes(ray_local, tiny_model, bucket):
+    storage = bucket
+    rows = _put_input(storage, "down")
+    # _job.json and a few parts with their commit records get through, then every PUT fails.
+    proxy = FaultProxy(storage.endpoint_url, puts_ok=7)
+    try:
+        with pytest.raises(Exception) as info:
+            run_job(_spec(tiny_model, proxy.endpoint, "down", max_attempts=2), quiet=True)
+    finally:
+        proxy.close()
+    assert "storage: write s3://pf-faults/down/out/" in str(info.value)
+    assert "output.resume: true" in str(info.value)
+    del info
+    gc.collect()  # the failed execution's engine actors go with its last reference
+    fs = storage.filesystem("s3://pf-faults")
+    records = fs.ls("pf-faults/down/out/_commits/", detail=False)
+    committed = [json.loads(fs.cat_file(p)) for p in records]
+    assert committed, "no part was committed before the storage went down"
+    for rec in committed:  # committed parts are intact: their rows are all there
+        part = read_output_part(fs, f"pf-faults/down/out/{rec['part']}")
+        assert [r["row_id"] for r in part] == rec["row_ids"]
+    metrics = run_job(_spec(tiny_model, storage.endpoint_url, "down", max_attempts=2, resume=True),
+                      quiet=True)
+    ft = metrics["fault_tolerance"]
+    assert ft["rows_committed_before"] == sum(len(r["row_ids"]) for r in committed)
+    assert ft["rows_written"] == len(rows) - ft["rows_committed_before"]
+    _exactly_once(storage, "down", rows)
+    print(f"\nS3 down: {len(rows)} rows, {proxy.failed} PUTs refused, committed before "
+          f"{ft['rows_committed_before']}, redone {ft['rows_written']}, lost 0")
+
+
+def read_output_part(fs, path: str) -> list[dict]:
+    return [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line]
