@@ -104,7 +104,9 @@ def _engine_saving(records: list[dict]) -> float | None:
     if not totals or any(t is None for t in totals):
         return None
     prompt = sum(t["num_prompt_tokens"] for t in totals)
-    return 1 - sum(t["num_computed_prompt_tokens"] for t in totals) / prompt if prompt else 0.0
+    # The generating engine says num_computed_prompt_tokens; the Scorer num_computed_tokens.
+    computed = sum(t.get("num_computed_prompt_tokens", t.get("num_computed_tokens", 0)) for t in totals)
+    return 1 - computed / prompt if prompt else 0.0
 
 
 def _replica(record: dict[str, Any]) -> dict[str, Any]:

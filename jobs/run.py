@@ -41,7 +41,8 @@ def processor_config(spec: JobSpec) -> ProcessorConfig:
         num_cpus_per_replica=spec.resources.num_cpus_per_replica,
         tokenize_concurrency=spec.tokenize.concurrency, tokenize_batch_size=spec.tokenize.batch_size,
         rows_per_chunk=spec.output.rows_per_part, include_prompt=spec.output.include_prompt,
-        openai_batch=spec.input_format() == "openai")
+        openai_batch=spec.input_format() == "openai", task=spec.task,
+        score=spec.score.model_dump() if spec.score is not None else None)
 
 
 def read_options(spec: JobSpec) -> ReadOptions:

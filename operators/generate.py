@@ -19,6 +19,7 @@ import pyarrow as pa
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.plan import RowIndex, fetch_rows
 from prefixflow.operators.read import ERROR, SOURCE
+from prefixflow.operators.score import row_choices, score_columns, with_score_fields
 
 ERRORS_ITEM = -1
 RANK, COMPUTED = "_pf_rank", "_pf_computed"
@@ -74,11 +75,21 @@ class ReplicaGenerator:
                 yield write_part(chunk, self.write)
 
     def _get_engine(self) -> Any:
-        if self.engine is None:
+        if self.engine is None and self.config.task == "score":
+            from prefixflow.engine import Scorer
+
+            self.engine = Scorer(self.config.engine_config(), self.config.score.options())
+        elif self.engine is None:
             from prefixflow.engine import LLMEngine
 
             self.engine = LLMEngine(self.config.engine_config())
         return self.engine
+
+    def _outputs(self, engine: Any, todo: list[Any], rows: pa.Table, row_ids: np.ndarray) -> Iterator[Any]:
+        """The engine's outputs for the replica's groups: generated requests, or scored rows."""
+        if self.config.task == "score":
+            return engine.score_groups(todo, row_choices(self.config.score, rows, row_ids))
+        return engine.run(todo, row_params(self.config.sampling, rows, row_ids))
 
     def _run_replica(self, replica: int) -> Iterator[pa.Table]:
         import ray
@@ -91,7 +102,6 @@ class ReplicaGenerator:
         rows = fetch_rows(self.rows, row_ids)
         pos = {int(r): i for i, r in enumerate(row_ids)}
         prompt_len, computed = token_counts(groups, len(row_ids))
-        params = row_params(self.config.sampling, rows, row_ids)
         # Ranks (and so part names) stay those of the full plan; only the engine sees less.
         not_run = np.union1d(self.done, self.skip)
         todo = [g for g in (without_rows(g, not_run) for g in groups) if g is not None]
@@ -100,13 +110,14 @@ class ReplicaGenerator:
         engine = self._get_engine()
         loaded = time.time()
         pending: list[Any] = []
-        for out in engine.run(todo, params):
+        score = self.config.task == "score"
+        for out in self._outputs(engine, todo, rows, row_ids):
             pending.append(out)
             if len(pending) >= self.config.rows_per_chunk:
-                yield output_chunk(pending, rows, pos, prompt_len, computed, replica)
+                yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
                 pending = []
         if pending:
-            yield output_chunk(pending, rows, pos, prompt_len, computed, replica)
+            yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
         self._report(replica, started, loaded, time.time(), sum(g.num_members for g in todo), todo)
 
     def _error_records(self) -> Iterator[pa.Table]:
@@ -129,15 +140,18 @@ class ReplicaGenerator:
                        "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n,
                        "finish_reason": [None] * n, "error": messages, "replica": [-1] * n,
                        RANK: ranks.tolist(), COMPUTED: [0.0] * n}
-            yield with_outputs(rows, columns)
+            table = with_outputs(rows, columns)
+            yield with_score_fields(table, None) if self.config.task == "score" else table
 
     def _report(self, replica: int, started: float, loaded: float, finished: float, num_rows: int,
                 groups: list[Any]) -> None:
         if self.sink is None:
             return
         stats = getattr(self.engine, "stats", None)
-        steps = [_plain(s) for s in stats] if stats is not None else []
         totals = getattr(self.engine, "totals", None)
+        if self.config.task == "score":  # the Scorer keeps run totals, not per-step records
+            stats, totals = None, {k: v for k, v in _plain(stats).items() if k != "latency_s"}
+        steps = [_plain(s) for s in stats] if stats is not None else []
         record = {"replica": replica, "num_rows": num_rows, "num_groups": len(groups),
                   "start_s": started, "engine_ready_s": loaded, "end_s": finished,
                   "seconds": finished - started, "run_seconds": finished - loaded,
@@ -182,12 +196,17 @@ def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
 
 
 def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_len: np.ndarray,
-                 computed: np.ndarray, replica: int) -> pa.Table:
+                 computed: np.ndarray, replica: int, score: bool = False) -> pa.Table:
     """Output rows for finished requests: their input columns plus the output columns.
 
     rows: the replica's input rows in plan order; pos: row id -> index into `rows`.
+    score: `outs` are ScoreOutputs of the score task (operators/score.py).
     """
     idx = np.array([pos[int(o.row_id)] for o in outs], dtype=np.int64)
+    if score:
+        columns = {**score_columns(outs), "num_input_tokens": prompt_len[idx].tolist(),
+                   "replica": [replica] * len(outs), RANK: idx.tolist(), COMPUTED: computed[idx].tolist()}
+        return with_score_fields(with_outputs(rows.take(pa.array(idx)), columns), outs)
     errors = [getattr(o, "error", None) for o in outs]
     columns = {
         "row_id": [int(o.row_id) for o in outs],
