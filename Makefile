@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-faults install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest
+
+test-faults: $(STAMP)
+	$(VENV)/bin/pytest -m faults tests/cpu/test_faults_resume.py
+	$(VENV)/bin/pytest -m faults tests/cpu/test_faults_s3.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

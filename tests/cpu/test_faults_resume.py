@@ -28,7 +28,10 @@ from prefixflow.jobs.spec import load_spec
 from prefixflow.operators.commit import COMMITS
 from prefixflow.operators.write import read_output
 
-pytestmark = pytest.mark.slow  # end to end on a real local Ray
+# End to end on a real local Ray. These fault-injection jobs depend on timing and on Ray
+# releasing a failed job's actors; they run with `make test-faults`, outside the CI gate, until
+# they are robust (issue 8 stays open for that).
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 
 def _job(root: Path, model: Path, rows: list[dict], replicas: int) -> Path:

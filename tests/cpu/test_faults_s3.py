@@ -23,7 +23,10 @@ from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.storage import StorageOptions
 from prefixflow.operators.write import read_output
 
-pytestmark = pytest.mark.slow  # end to end on a real local Ray
+# End to end on a real local Ray. These fault-injection jobs depend on timing and on Ray
+# releasing a failed job's actors; they run with `make test-faults`, outside the CI gate, until
+# they are robust (issue 8 stays open for that).
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
