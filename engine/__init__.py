@@ -20,7 +20,7 @@ _EXPORTS = {
     "StepStats": "prefixflow.engine.outputs",
     "EngineTotals": "prefixflow.engine.outputs",
     "Scorer": "prefixflow.engine.scoring",
-    "ScoreOptions": "prefixflow.engine.scoring",
+    "ScoreOptions": "prefixflow.engine.scoring_options",
     "ScoreOutput": "prefixflow.engine.scoring_choices",
 }
 

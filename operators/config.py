@@ -42,14 +42,10 @@ class ScoreConfig:
         if bool(self.choices) == bool(self.choices_column):
             raise ValueError(f"ScoreConfig.choices={list(self.choices)!r} is invalid: give either "
                              "choices (e.g. ['Yes', 'No']) or choices_column, not both or neither")
-        for name, ok, fix in (("chunk_size", self.chunk_size >= 1, "use a positive token count"),
-                              ("policy", self.policy in ("srjf", "fcfs"), "use 'srjf' or 'fcfs'"),
-                              ("lam", self.lam >= 0, "use 0 or a positive weight")):
-            if not ok:
-                raise ValueError(f"ScoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+        self.options()  # ScoreOptions checks its own fields, naming them
 
     def options(self) -> Any:
-        from prefixflow.engine.scoring import ScoreOptions  # torch only from here
+        from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
 
         return ScoreOptions(chunk_size=self.chunk_size, prefix_cache_bytes=self.prefix_cache_bytes,
                             max_forward_bytes=self.max_forward_bytes,

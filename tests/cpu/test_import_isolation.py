@@ -10,6 +10,7 @@ LIGHT_MODULES = [
     "prefixflow.pipeline",
     "prefixflow.engine.config",
     "prefixflow.engine.step",
+    "prefixflow.engine.scoring_options",
 ]
 
 

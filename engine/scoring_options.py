@@ -1,0 +1,43 @@
+"""ScoreOptions: the score task's settings (torch-free, so job specs validate without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreOptions:
+    """chunk_size: tokens per chunk of the non-attention layers (hybrid prefilling, Sec. 4).
+    prefix_cache_bytes: budget of the group prefix KVs kept at once; None: the EngineConfig's
+        kv_cache_bytes, else 1 GiB. 0 disables sharing across members (each recomputes).
+    max_forward_bytes: memory budget of one forward (activations, one layer's KV, the group's
+        prefix KV; `forward_bytes`); longer rows get an error. None: only max_model_len.
+    choice_leading_space: encode string choices with a leading space (scoring_choices.py).
+    add_special_tokens: string prompts get the tokenizer's BOS, as in LLMEngine.generate.
+    policy: "srjf" (Alg. 1) or "fcfs" (plan / arrival order). calibrate: recompute the cached
+        length before every pick (False: plain SRJF, cached length taken at arrival).
+    lam: starvation term, score reduction per second queued (the paper's lambda = 500).
+    """
+
+    chunk_size: int = 512
+    prefix_cache_bytes: int | None = None
+    max_forward_bytes: int | None = None
+    choice_leading_space: bool = False
+    add_special_tokens: bool = True
+    policy: Literal["srjf", "fcfs"] = "srjf"
+    calibrate: bool = True
+    lam: float = 500.0
+
+    def __post_init__(self) -> None:
+        for name, ok, fix in (
+                ("chunk_size", self.chunk_size >= 1, "use a positive token count"),
+                ("prefix_cache_bytes",
+                 self.prefix_cache_bytes is None or self.prefix_cache_bytes >= 0,
+                 "use None, 0 or a byte budget"),
+                ("max_forward_bytes", self.max_forward_bytes is None or self.max_forward_bytes > 0,
+                 "use None or a positive byte budget"),
+                ("policy", self.policy in ("srjf", "fcfs"), "use 'srjf' or 'fcfs'"),
+                ("lam", self.lam >= 0, "use 0 or a positive weight")):
+            if not ok:
+                raise ValueError(f"ScoreOptions.{name}={getattr(self, name)!r} is invalid: {fix}")
