@@ -5,7 +5,7 @@ Pure Python + numpy: the planner, the scheduler and the job spec import this wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import numpy as np
 
 
@@ -80,7 +80,6 @@ class PrefixGroup:
     distinct: tuple[np.ndarray, ...]       # per member: prompt tokens after the prefix
     output_lens: np.ndarray | None = None  # [num_members] expected output lengths, if known
     replica: int = 0
-    meta: dict = field(default_factory=dict)
 
     @property
     def prefix_len(self) -> int:
