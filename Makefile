@@ -19,9 +19,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest
 
+# Only the fault-tolerance tests (they are part of `make test` too).
 test-faults: $(STAMP)
-	$(VENV)/bin/pytest -m faults tests/cpu/test_faults_resume.py
-	$(VENV)/bin/pytest -m faults tests/cpu/test_faults_s3.py
+	$(VENV)/bin/pytest -s tests/cpu/test_faults_resume.py tests/cpu/test_faults_s3.py tests/cpu/test_fuzz_inputs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -174,9 +174,10 @@ def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteO
     the rows committed by then skipped. When attempts in a row commit nothing more than
     `max_retries_per_row` times, the rows left become error records (no endless loop)."""
     poisoned: list[int] = []  # in the order they were given up, so their error ranks never move
-    failures, committed_at_failures, stalls = [], [], 0
+    failures, committed_at_failures, committed_at_starts, stalls = [], [], [], 0
     while True:
         done = load_committed(wopts.path, wopts.storage)
+        committed_at_starts.append(done.num_rows)
         job = _with_error_rows(planned, poisoned, failures[-1] if failures else "")
         outputs = processor.generate(job, sink, done=done.row_ids, skip=np.asarray(poisoned, np.int64),
                                      write=wopts)
@@ -197,7 +198,14 @@ def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteO
             stalls = stalls + 1 if now.num_rows == done.num_rows else 0
             if stalls > spec.max_retries_per_row:
                 left = np.setdiff1d(np.arange(planned.rows.num_rows), now.row_ids)
-                poisoned += [int(r) for r in left if int(r) not in set(poisoned)]
+                given_up = set(poisoned)
+                fresh = [int(r) for r in left if int(r) not in given_up]
+                if not fresh:  # even writing the error records fails: no row is to blame
+                    raise RuntimeError(
+                        f"engine actors died {len(failures)} times, the last {stalls} without "
+                        f"committing a row ({failures[-1]}); the {now.num_rows} committed rows are "
+                        "kept: fix the cluster and rerun with output.resume: true") from e
+                poisoned += fresh
                 stalls = 0
         finally:
             # Shut the execution down now: a traceback kept by a caller would otherwise keep
@@ -205,6 +213,8 @@ def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteO
             getattr(stream, "close", lambda: None)()
     return manifests, {"engine_failures": len(failures), "failures": failures,
                        "rows_committed_at_failures": committed_at_failures,
+                       # per attempt: rows already committed when it started (it ran the rest)
+                       "rows_committed_at_attempts": committed_at_starts,
                        "rows_given_up": len(poisoned)}
 
 

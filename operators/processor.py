@@ -95,7 +95,12 @@ class Processor:
                       done=done, skip=skip, write=write)
         # One work item per actor at a time, so R replicas really run side by side.
         pool = ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=1)
-        remote_args: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica, "max_task_retries": 0}
+        # No restarts and no task retries: an engine actor that dies at any moment (loading the
+        # model, or mid-run) fails the dataset, and the driver reruns only what is uncommitted.
+        # Ray Data's default restarts forever, so an actor dying at every model load (OOM, bad
+        # node) would hang the job instead of reaching max_retries_per_row.
+        remote_args: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica, "max_restarts": 0,
+                                       "max_task_retries": 0}
         if cfg.num_gpus_per_replica:
             remote_args["num_gpus"] = cfg.num_gpus_per_replica
         return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
+from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, is_s3, list_input_files
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
@@ -103,8 +104,8 @@ def parse_files(batch: pa.Table, fmt: Format, storage: StorageOptions) -> pa.Tab
 
 
 def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, end: int = -1) -> pa.Table:
-    with storage.filesystem(path).open(path, "rb") as f:
-        data, begin = (f.read(), None) if end < 0 else _read_lines_in_range(f, start, end)
+    data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {path}",
+                               storage.retry)
     if fmt == "csv":
         return parse_csv(data, path)
     records = parse_jsonl(data, path, byte_offset=begin)
@@ -113,6 +114,13 @@ def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, 
 
         records = parse_requests(records)
     return rows_to_table(records)
+
+
+def _read_bytes(path: str, storage: StorageOptions, start: int, end: int) -> tuple[bytes, int | None]:
+    """The whole file (end < 0), or the lines of a byte range; read again from the start on a
+    retry, so a dropped connection halfway through never yields half a file."""
+    with storage.filesystem(path).open(path, "rb") as f:
+        return (f.read(), None) if end < 0 else _read_lines_in_range(f, start, end)
 
 
 def _read_lines_in_range(f: Any, start: int, end: int) -> tuple[bytes, int]:

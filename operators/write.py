@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
         "computed_prompt_tokens": [float(pc.sum(table.column(COMPUTED)).as_py() or 0.0)],
         "generated_tokens": [int(pc.sum(table.column("num_generated_tokens")).as_py() or 0)],
         "written_at": [time.time()],
+        # Which engine actor wrote it: where to look when a part is wrong, or a worker dies.
+        "worker": [f"{socket.gethostname()}:{os.getpid()}"],
     }
     commit_bytes(join(opts.path, name), encode_part(table, opts), opts.storage)
     # The record goes second: a part without one is an orphan that resume deletes and redoes.

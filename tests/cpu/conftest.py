@@ -69,3 +69,27 @@ def s3_server():
     yield endpoint
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture
+def start_driver(ray_local, tmp_path):
+    """Starts `python -m prefixflow.jobs.run SPEC` as its own Ray driver on the session's
+    cluster and returns the process (output in tmp_path/driver-N.log). A driver in its own
+    process takes its engine actors with it when it exits, however it ends, so a failed or
+    killed job never holds the CPUs that later tests need."""
+    procs: list[subprocess.Popen] = []
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+
+    def start(spec: Path) -> subprocess.Popen:
+        log = open(tmp_path / f"driver-{len(procs)}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "prefixflow.jobs.run", str(spec)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
