@@ -180,7 +180,7 @@ def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteO
         committed_at_starts.append(done.num_rows)
         job = _with_error_rows(planned, poisoned, failures[-1] if failures else "")
         outputs = processor.generate(job, sink, done=done.row_ids, skip=np.asarray(poisoned, np.int64),
-                                     write=wopts)
+                                     write=wopts, fence=True)
         manifests: list[dict] = []
         stream = iter(outputs.iter_rows())
         try:
@@ -211,11 +211,38 @@ def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteO
             # Shut the execution down now: a traceback kept by a caller would otherwise keep
             # its engine actors (and their CPUs/GPUs) alive.
             getattr(stream, "close", lambda: None)()
+            # And stop its engine actors before anything else reads the commit records: one
+            # still running would commit rows that the next attempt runs again.
+            stop_engines(sink)
     return manifests, {"engine_failures": len(failures), "failures": failures,
                        "rows_committed_at_failures": committed_at_failures,
                        # per attempt: rows already committed when it started (it ran the rest)
                        "rows_committed_at_attempts": committed_at_starts,
                        "rows_given_up": len(poisoned)}
+
+
+def stop_engines(sink: Any, timeout_s: float = 60.0) -> None:
+    """Kill the engine actors registered with `sink` and wait until they are gone."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    handles = ray.get(sink.take_engines.remote())
+    for handle in handles:
+        ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        while True:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=5)
+            except RayActorError:
+                break  # dead
+            except GetTimeoutError:
+                pass
+            if time.monotonic() > deadline:  # going on could commit a row twice
+                raise RuntimeError(f"an engine actor of a failed attempt is still alive after "
+                                   f"{timeout_s:.0f} s of ray.kill; committed rows are kept: "
+                                   "rerun with output.resume: true")
+            time.sleep(0.05)
 
 
 def _with_error_rows(planned: Any, rows: list[int], why: str) -> Any:

@@ -46,7 +46,7 @@ class ReplicaGenerator:
     def __init__(self, config: ProcessorConfig, rows: RowIndex, group_refs: list[Any],
                  error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
                  done: np.ndarray | None = None, skip: np.ndarray | None = None,
-                 write: Any = None):
+                 write: Any = None, fence: bool = False):
         self.config = config
         # Row ids already committed by an earlier attempt (operators/commit.py): not run again.
         self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
@@ -61,9 +61,19 @@ class ReplicaGenerator:
         # manifest row instead (Ray Data would merge the chunks into one block before a
         # downstream writer saw them, and a crash would lose them all).
         self.write = write
+        # Register this actor's handle with the sink before any work, so that the driver can
+        # kill it when its attempt fails: Ray Data only drops its references to the actors of a
+        # failed execution, and an actor dropped mid-task runs its task to the end, writing
+        # parts alongside the next attempt.
+        self.fence = fence and sink is not None
         self.engine = None
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        if self.fence:
+            import ray
+
+            ray.get(self.sink.register_engine.remote(ray.get_runtime_context().current_actor))
+            self.fence = False
         for item in batch.column("item").to_pylist():
             chunks = self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item))
             if self.write is None:

@@ -74,7 +74,7 @@ class Processor:
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch)
 
     def generate(self, planned: PlannedJob, sink: Any = None, done: Any = None,
-                 skip: Any = None, write: Any = None) -> Any:
+                 skip: Any = None, write: Any = None, fence: bool = False) -> Any:
         """A lazy Dataset of output blocks: R engine actors run their partitions.
 
         done: row ids committed by an earlier attempt (skipped). An engine actor that dies
@@ -82,6 +82,8 @@ class Processor:
         retry assumes a deterministic replay), so the caller reruns what is uncommitted.
         skip: row ids the engines must not run (they are error records in `planned`).
         write: WriteOptions: the actors commit their parts and the dataset holds manifests.
+        fence: the actors register their handles with `sink`, so that a caller retrying after a
+            failure can kill them first (jobs/run.py).
         """
         import ray
         from ray.data import ActorPoolStrategy
@@ -92,7 +94,7 @@ class Processor:
         work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
         kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
                       error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink,
-                      done=done, skip=skip, write=write)
+                      done=done, skip=skip, write=write, fence=fence)
         # One work item per actor at a time, so R replicas really run side by side.
         pool = ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=1)
         # No restarts and no task retries: an engine actor that dies at any moment (loading the

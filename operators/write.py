@@ -142,10 +142,20 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
 
 
 class MetricsSink:
-    """A small Ray actor the engine actors report their per-replica stats to."""
+    """A small Ray actor the engine actors report their per-replica stats to, and (for the
+    job driver's retries) register their handles with."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.engines: list[Any] = []
+
+    def register_engine(self, handle: Any) -> None:
+        self.engines.append(handle)
+
+    def take_engines(self) -> list[Any]:
+        """The engine actors registered since the last call (this drops the sink's references)."""
+        engines, self.engines = self.engines, []
+        return engines
 
     def put(self, record: dict[str, Any]) -> None:
         self.records.append(record)

@@ -25,6 +25,7 @@ import psutil
 import pytest
 import yaml
 
+from prefixflow.bench.fault_bench import writers_overlap
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.operators.commit import COMMITS
 from prefixflow.operators.write import read_output
@@ -144,6 +145,8 @@ def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, 
     ft = _fault_tolerance(out)
     assert ft["engine_failures"] == 1 and ft["rows_given_up"] == 0, ft
     got = _assert_exactly_once(out, rows)
+    # The actors of the failed attempt were dead before the next one started.
+    assert not writers_overlap(_records(out)), "two engine actors wrote one replica's parts at once"
     assert all(r["error"] is None for r in got)
     assert ft["rows_written"] == len(rows)
     # The attempt after the kill ran only the rows not committed when it started.
