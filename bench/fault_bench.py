@@ -151,9 +151,12 @@ def run_engine_kills(model: Path, root: Path, inp: Path, rows: list, args: Any, 
         mine = sum(len(r["row_ids"]) for r in local_records(out) if r["replica"] == latest["replica"])
         faults.append({"kill": "engine actor", "pid": pid, "replica": latest["replica"],
                        "rows_committed_at_kill": committed, "replica_rows_committed_at_kill": mine})
-        # The next attempt starts new actors; wait for its first commit before the next kill.
-        wait_until(lambda: sum(len(r["row_ids"]) for r in local_records(out)) > committed + 1,
-                   driver, "progress after the kill")
+        # The driver sees the death within seconds (the other replica's actor goes on writing
+        # meanwhile), stops that attempt and starts new actors: wait until one of those has
+        # committed a part, so that the next kill hits the next attempt.
+        old = engine_pids() | {pid}
+        wait_until(lambda: any(int(r["worker"].rsplit(":", 1)[1]) not in old for r in local_records(out)),
+                   driver, "a part from the next attempt")
     wall = driver.wait()
     for fault in faults:
         # An actor killed just after its replica's last part had no work left: the attempt

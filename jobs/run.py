@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixflow.jobs import report
+from prefixflow.jobs.attempts import AttemptLedger
 from prefixflow.jobs.spec import JobSpec, SpecError
 import numpy as np
 
@@ -170,11 +171,13 @@ def _engine_failure(error: BaseException) -> bool:
 
 def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteOptions,
                           spec: JobSpec, progress: Any) -> tuple[list[dict], dict[str, Any]]:
-    """Generate and write the uncommitted rows; after an engine actor dies, start again with
-    the rows committed by then skipped. When attempts in a row commit nothing more than
-    `max_retries_per_row` times, the rows left become error records (no endless loop)."""
+    """Generate and write the uncommitted rows; after an engine actor dies, stop the attempt's
+    other actors and start again with the rows committed by then skipped. A replica whose actor
+    dies `max_retries_per_row + 1` attempts in a row without committing a row is given up: its
+    rows left become error records (jobs/attempts.py has the rules)."""
+    ledger = AttemptLedger(max_retries=spec.max_retries_per_row)
     poisoned: list[int] = []  # in the order they were given up, so their error ranks never move
-    failures, committed_at_failures, committed_at_starts, stalls = [], [], [], 0
+    failures, committed_at_failures, committed_at_starts, given_up = [], [], [], []
     while True:
         done = load_committed(wopts.path, wopts.storage)
         committed_at_starts.append(done.num_rows)
@@ -183,50 +186,65 @@ def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteO
                                      write=wopts, fence=True)
         manifests: list[dict] = []
         stream = iter(outputs.iter_rows())
+        failure, died = None, []
         try:
             for m in stream:
                 manifests.append(m)
                 progress.update(m)
-            break
         except Exception as e:  # noqa: BLE001 - only engine deaths are retried
             if not _engine_failure(e):
-                outputs = None  # noqa: F841 - a kept traceback must not keep the execution
                 raise
-            failures.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            now = load_committed(wopts.path, wopts.storage)
-            committed_at_failures.append(now.num_rows)
-            stalls = stalls + 1 if now.num_rows == done.num_rows else 0
-            if stalls > spec.max_retries_per_row:
-                left = np.setdiff1d(np.arange(planned.rows.num_rows), now.row_ids)
-                given_up = set(poisoned)
-                fresh = [int(r) for r in left if int(r) not in given_up]
-                if not fresh:  # even writing the error records fails: no row is to blame
-                    raise RuntimeError(
-                        f"engine actors died {len(failures)} times, the last {stalls} without "
-                        f"committing a row ({failures[-1]}); the {now.num_rows} committed rows are "
-                        "kept: fix the cluster and rerun with output.resume: true") from e
-                poisoned += fresh
-                stalls = 0
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         finally:
-            # Shut the execution down now: a traceback kept by a caller would otherwise keep
-            # its engine actors (and their CPUs/GPUs) alive.
+            # Shut the execution down now, then stop its engine actors before anything reads
+            # the commit records: Ray Data only drops a failed execution's actors, and one still
+            # running would commit rows that the next attempt runs again.
             getattr(stream, "close", lambda: None)()
-            # And stop its engine actors before anything else reads the commit records: one
-            # still running would commit rows that the next attempt runs again.
-            stop_engines(sink)
+            outputs = None
+            died = stop_engines(sink)
+        if failure is None:
+            break
+        failures.append(failure)
+        now = load_committed(wopts.path, wopts.storage)
+        committed_at_failures.append(now.num_rows)
+        for replica in ledger.record_failure(died, _gained(done, now), now.num_rows, failure):
+            rows = np.concatenate([g.row_ids for g in planned.plan.groups(replica)] or [np.zeros(0, np.int64)])
+            left = np.setdiff1d(rows.astype(np.int64), now.row_ids)
+            poisoned += [int(r) for r in left if int(r) not in set(poisoned)]
+            given_up.append(replica)
     return manifests, {"engine_failures": len(failures), "failures": failures,
                        "rows_committed_at_failures": committed_at_failures,
                        # per attempt: rows already committed when it started (it ran the rest)
                        "rows_committed_at_attempts": committed_at_starts,
-                       "rows_given_up": len(poisoned)}
+                       "replicas_given_up": given_up, "rows_given_up": len(poisoned)}
 
 
-def stop_engines(sink: Any, timeout_s: float = 60.0) -> None:
-    """Kill the engine actors registered with `sink` and wait until they are gone."""
+def _gained(before: Any, after: Any) -> dict[int, int]:
+    """Rows committed between two reads of the commit records, per replica (-1: error parts)."""
+    old = {m["part"] for m in before.manifests}
+    gained: dict[int, int] = {}
+    for m in after.manifests:
+        if m["part"] not in old:
+            gained[int(m["replica"])] = gained.get(int(m["replica"]), 0) + int(m["num_rows"])
+    return gained
+
+
+def stop_engines(sink: Any, timeout_s: float = 60.0) -> list[int]:
+    """Kill the engine actors registered with `sink` and wait until they are gone; returns
+    the work items whose actors were dead already (what the failure is blamed on)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    handles = ray.get(sink.take_engines.remote())
+    registered = ray.get(sink.take_engines.remote())  # [(handle, item it was running)]
+    died = []
+    for handle, item in registered:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=0.5)
+        except RayActorError:
+            died.append(item)
+        except GetTimeoutError:
+            pass  # alive, busy
+    handles = [h for h, _ in registered]
     for handle in handles:
         ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + timeout_s
@@ -243,6 +261,7 @@ def stop_engines(sink: Any, timeout_s: float = 60.0) -> None:
                                    f"{timeout_s:.0f} s of ray.kill; committed rows are kept: "
                                    "rerun with output.resume: true")
             time.sleep(0.05)
+    return died
 
 
 def _with_error_rows(planned: Any, rows: list[int], why: str) -> Any:

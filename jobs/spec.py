@@ -176,8 +176,9 @@ class JobSpec(_Strict):
     order: Literal["fcfs", "dfs", "batchllm", "blendserve"] = "batchllm"
     replicas: int = Field(default=1, ge=1, description="data-parallel engine actors")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
-                                     "dies, rerun uncommitted rows; rows that fail this many more "
-                                     "times with no progress become error records")
+                                     "dies, its uncommitted rows run again; a replica whose actor "
+                                     "dies this many more times in a row without committing a row "
+                                     "has its rows left become error records")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
     output: OutputSpec

@@ -61,20 +61,20 @@ class ReplicaGenerator:
         # manifest row instead (Ray Data would merge the chunks into one block before a
         # downstream writer saw them, and a crash would lose them all).
         self.write = write
-        # Register this actor's handle with the sink before any work, so that the driver can
-        # kill it when its attempt fails: Ray Data only drops its references to the actors of a
-        # failed execution, and an actor dropped mid-task runs its task to the end, writing
-        # parts alongside the next attempt.
+        # Register this actor's handle and work item with the sink before any work, so that
+        # the driver can kill it when its attempt fails (Ray Data only drops its references to
+        # the actors of a failed execution, and an actor dropped mid-task runs its task to the
+        # end, writing parts alongside the next attempt) and knows which item a death hit.
         self.fence = fence and sink is not None
         self.engine = None
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
-        if self.fence:
-            import ray
-
-            ray.get(self.sink.register_engine.remote(ray.get_runtime_context().current_actor))
-            self.fence = False
         for item in batch.column("item").to_pylist():
+            if self.fence:  # before any work on the item: a death is then blamed on it
+                import ray
+
+                ctx = ray.get_runtime_context()
+                ray.get(self.sink.register_engine.remote(ctx.get_actor_id(), ctx.current_actor, int(item)))
             chunks = self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item))
             if self.write is None:
                 yield from chunks

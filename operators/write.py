@@ -147,14 +147,15 @@ class MetricsSink:
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
-        self.engines: list[Any] = []
+        self.engines: dict[str, tuple[Any, int]] = {}  # actor id -> (handle, item it runs)
 
-    def register_engine(self, handle: Any) -> None:
-        self.engines.append(handle)
+    def register_engine(self, actor_id: str, handle: Any, item: int) -> None:
+        self.engines[actor_id] = (handle, item)
 
-    def take_engines(self) -> list[Any]:
-        """The engine actors registered since the last call (this drops the sink's references)."""
-        engines, self.engines = self.engines, []
+    def take_engines(self) -> list[tuple[Any, int]]:
+        """The engine actors registered since the last call, each with the work item it took
+        last (this drops the sink's references)."""
+        engines, self.engines = list(self.engines.values()), {}
         return engines
 
     def put(self, record: dict[str, Any]) -> None:
