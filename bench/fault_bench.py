@@ -118,10 +118,14 @@ def check_output(out: str, rows: list[dict[str, Any]], storage: Any = None) -> d
 def summary(metrics: dict[str, Any]) -> dict[str, Any]:
     ft = metrics["fault_tolerance"]
     return {"engine_failures": ft["engine_failures"],
-            "rows_committed_at_attempts": ft["rows_committed_at_attempts"],
+            # per death: the replica, its rows committed then, and its rows left (which a new
+            # actor ran; no other replica stopped)
+            "restarts": [{k: f[k] for k in ("item", "item_rows_committed", "item_rows_left", "after_s")}
+                         for f in ft["failures"]],
             "rows_committed_at_failures": ft["rows_committed_at_failures"],
             "rows_committed_before_this_run": ft["rows_committed_before"],
             "rows_written_by_this_run": ft["rows_written"], "rows_given_up": ft["rows_given_up"],
+            "orphan_parts_removed": len(ft["orphans_removed"]),
             "generated_tokens": metrics.get("generated_tokens")}
 
 
@@ -151,9 +155,8 @@ def run_engine_kills(model: Path, root: Path, inp: Path, rows: list, args: Any, 
         mine = sum(len(r["row_ids"]) for r in local_records(out) if r["replica"] == latest["replica"])
         faults.append({"kill": "engine actor", "pid": pid, "replica": latest["replica"],
                        "rows_committed_at_kill": committed, "replica_rows_committed_at_kill": mine})
-        # The driver sees the death within seconds (the other replica's actor goes on writing
-        # meanwhile), stops that attempt and starts new actors: wait until one of those has
-        # committed a part, so that the next kill hits the next attempt.
+        # The driver starts a new actor for that replica: wait until it has committed a part,
+        # so that every kill hits an actor at work.
         old = engine_pids() | {pid}
         wait_until(lambda: any(int(r["worker"].rsplit(":", 1)[1]) not in old for r in local_records(out)),
                    driver, "a part from the next attempt")

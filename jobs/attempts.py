@@ -1,12 +1,13 @@
 """When engine actors keep dying: whose rows to give up, and when to stop.
 
-The job driver (jobs/run.py) reruns the uncommitted rows after an engine actor dies. This
-ledger decides what a repeated death means, pure Python so that its rules are tested directly:
+The job driver (jobs/supervise.py) starts a new engine actor for a replica whose actor died.
+This ledger decides what a repeated death means, pure Python so that its rules are tested
+directly:
 
   - a death is blamed on the work item its actor was running: a replica index, or
-    ERRORS_ITEM (the item that writes error records), or None when the actor died before it
-    took any item (while starting, or a node lost);
-  - an item's streak counts the attempts in a row in which it died without committing a row;
+    ERRORS_ITEM (the item that writes error records); a death before the actor's model was
+    loaded is blamed on no row (None: a node lost, OOM while loading);
+  - an item's streak counts its deaths in a row without committing a row in between;
     committing anything ends the streak;
   - a replica whose streak passes `max_retries` is given up: its uncommitted rows become error
     records and the other replicas go on, so one bad node or one poison row cannot sink the
@@ -33,11 +34,10 @@ class AttemptLedger:
 
     def record_failure(self, died: list[int | None], gained: dict[int, int],
                        committed: int, why: str) -> list[int]:
-        """Record a failed attempt; returns the replicas to give up now.
+        """Record a death; returns the replicas to give up now.
 
-        died: the work items whose actors were dead when the attempt failed (empty when no
-            dead actor had taken an item).
-        gained: rows committed during the attempt, per item (replica, or ERRORS_ITEM).
+        died: the work items blamed for the death (empty when no row is to blame).
+        gained: rows committed since the previous failure, per item (replica, or ERRORS_ITEM).
         committed: rows committed in all (for the message when the job must stop).
         """
         for item, rows in gained.items():
@@ -53,9 +53,9 @@ class AttemptLedger:
             if streak <= self.max_retries:
                 continue
             if item is None or item == ERRORS_ITEM:
-                what = ("before taking any work" if item is None else "while writing error records")
+                what = ("before loading the model" if item is None else "while writing error records")
                 raise EnginesKeepDying(
-                    f"engine actors died {streak} attempts in a row {what}, committing nothing "
+                    f"engine actors died {streak} times in a row {what}, committing nothing "
                     f"(last: {why}); no row is to blame, so the job stops. The {committed} "
                     "committed rows are kept: fix the cluster and rerun with output.resume: true")
             give_up.append(item)

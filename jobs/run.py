@@ -8,18 +8,17 @@ This and the CLI are the only places that call ray.init: with RAY_ADDRESS set (a
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from prefixflow.jobs import report
-from prefixflow.jobs.attempts import AttemptLedger
-from prefixflow.jobs.spec import JobSpec, SpecError
 import numpy as np
 
+from prefixflow.jobs import report
+from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.commit import MANIFEST, check_job_file, load_committed, plan_fingerprint
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
@@ -100,9 +99,10 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
     import ray
 
+    from prefixflow.jobs.supervise import run_replicas
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
-    from prefixflow.operators.write import MetricsSink, prepare_output, write_json
+    from prefixflow.operators.write import MetricsSink, prepare_output, sink_name, write_json
 
     started = time.perf_counter()
     preflight(spec, source)
@@ -120,23 +120,26 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     fingerprint = plan_fingerprint(planned, spec.replicas, _spec_key(spec))
     check_job_file(wopts.path, fingerprint, wopts.storage, spec.output.resume)
     before = load_committed(wopts.path, wopts.storage)
-    sink = ray.remote(MetricsSink).options(num_cpus=0).remote()
+    # Named, so that another process can read the running job's state (operators/write.py).
+    sink = ray.remote(MetricsSink).options(num_cpus=0, namespace="prefixflow",
+                                           name=sink_name(fingerprint, os.getpid())).remote()
     gen_started = time.perf_counter()
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
-    manifests, faults = generate_with_retries(processor, planned, sink, wopts, spec, progress)
+    manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
     progress.close()
     final = load_committed(wopts.path, wopts.storage)
     missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
     assert not len(missing) and len(final.row_ids) == planned.rows.num_rows, \
         f"rows {missing[:10].tolist()} were not committed"
-    # The commit records are the truth: manifests streamed by a failed attempt never arrive.
+    # The commit records are the truth (a killed actor's last report may never arrive).
     metrics = report.metrics(spec, planned, final.manifests, ray.get(sink.get.remote()),
                              wall_s=time.perf_counter() - started,
                              generate_s=time.perf_counter() - gen_started)
     metrics["fault_tolerance"] = {
         "rows_committed_before": before.num_rows, "rows_written": final.num_rows - before.num_rows,
-        "rows_last_attempt": sum(m["num_rows"] for m in manifests),
-        "orphans_removed": before.removed, **faults}
+        "rows_reported": sum(m["num_rows"] for m in manifests),
+        # parts without a commit record, left by a killed driver (before) or a killed actor
+        "orphans_removed": before.removed + final.removed, **faults}
     write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
                                            "parts": sorted(m["part"] for m in final.manifests),
                                            "row_ids": final.row_ids.tolist()}, wopts.storage)
@@ -154,124 +157,6 @@ def _spec_key(spec: JobSpec) -> str:
         data["output"].pop(key, None)
     data.pop("storage", None)  # credentials and retry settings may change between attempts
     return json.dumps(data, sort_keys=True)
-
-
-def _engine_failure(error: BaseException) -> bool:
-    """An engine actor died (killed, OOM, crashed worker): rerun what is uncommitted."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
-
-    kinds = (ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError)
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, kinds):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def generate_with_retries(processor: Any, planned: Any, sink: Any, wopts: WriteOptions,
-                          spec: JobSpec, progress: Any) -> tuple[list[dict], dict[str, Any]]:
-    """Generate and write the uncommitted rows; after an engine actor dies, stop the attempt's
-    other actors and start again with the rows committed by then skipped. A replica whose actor
-    dies `max_retries_per_row + 1` attempts in a row without committing a row is given up: its
-    rows left become error records (jobs/attempts.py has the rules)."""
-    ledger = AttemptLedger(max_retries=spec.max_retries_per_row)
-    poisoned: list[int] = []  # in the order they were given up, so their error ranks never move
-    failures, committed_at_failures, committed_at_starts, given_up = [], [], [], []
-    while True:
-        done = load_committed(wopts.path, wopts.storage)
-        committed_at_starts.append(done.num_rows)
-        job = _with_error_rows(planned, poisoned, failures[-1] if failures else "")
-        outputs = processor.generate(job, sink, done=done.row_ids, skip=np.asarray(poisoned, np.int64),
-                                     write=wopts, fence=True)
-        manifests: list[dict] = []
-        stream = iter(outputs.iter_rows())
-        failure, died = None, []
-        try:
-            for m in stream:
-                manifests.append(m)
-                progress.update(m)
-        except Exception as e:  # noqa: BLE001 - only engine deaths are retried
-            if not _engine_failure(e):
-                raise
-            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        finally:
-            # Shut the execution down now, then stop its engine actors before anything reads
-            # the commit records: Ray Data only drops a failed execution's actors, and one still
-            # running would commit rows that the next attempt runs again.
-            getattr(stream, "close", lambda: None)()
-            outputs = None
-            died = stop_engines(sink)
-        if failure is None:
-            break
-        failures.append(failure)
-        now = load_committed(wopts.path, wopts.storage)
-        committed_at_failures.append(now.num_rows)
-        for replica in ledger.record_failure(died, _gained(done, now), now.num_rows, failure):
-            rows = np.concatenate([g.row_ids for g in planned.plan.groups(replica)] or [np.zeros(0, np.int64)])
-            left = np.setdiff1d(rows.astype(np.int64), now.row_ids)
-            poisoned += [int(r) for r in left if int(r) not in set(poisoned)]
-            given_up.append(replica)
-    return manifests, {"engine_failures": len(failures), "failures": failures,
-                       "rows_committed_at_failures": committed_at_failures,
-                       # per attempt: rows already committed when it started (it ran the rest)
-                       "rows_committed_at_attempts": committed_at_starts,
-                       "replicas_given_up": given_up, "rows_given_up": len(poisoned)}
-
-
-def _gained(before: Any, after: Any) -> dict[int, int]:
-    """Rows committed between two reads of the commit records, per replica (-1: error parts)."""
-    old = {m["part"] for m in before.manifests}
-    gained: dict[int, int] = {}
-    for m in after.manifests:
-        if m["part"] not in old:
-            gained[int(m["replica"])] = gained.get(int(m["replica"]), 0) + int(m["num_rows"])
-    return gained
-
-
-def stop_engines(sink: Any, timeout_s: float = 60.0) -> list[int]:
-    """Kill the engine actors registered with `sink` and wait until they are gone; returns
-    the work items whose actors were dead already (what the failure is blamed on)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    registered = ray.get(sink.take_engines.remote())  # [(handle, item it was running)]
-    died = []
-    for handle, item in registered:
-        try:
-            ray.get(handle.__ray_ready__.remote(), timeout=0.5)
-        except RayActorError:
-            died.append(item)
-        except GetTimeoutError:
-            pass  # alive, busy
-    handles = [h for h, _ in registered]
-    for handle in handles:
-        ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    for handle in handles:
-        while True:
-            try:
-                ray.get(handle.__ray_ready__.remote(), timeout=5)
-            except RayActorError:
-                break  # dead
-            except GetTimeoutError:
-                pass
-            if time.monotonic() > deadline:  # going on could commit a row twice
-                raise RuntimeError(f"an engine actor of a failed attempt is still alive after "
-                                   f"{timeout_s:.0f} s of ray.kill; committed rows are kept: "
-                                   "rerun with output.resume: true")
-            time.sleep(0.05)
-    return died
-
-
-def _with_error_rows(planned: Any, rows: list[int], why: str) -> Any:
-    """The planned job with `rows` turned into error records (they failed every attempt)."""
-    if not rows:
-        return planned
-    msg = f"the engine failed on this row in every attempt ({why}): the row was given up"
-    return dataclasses.replace(
-        planned, error_row_ids=np.concatenate([planned.error_row_ids, np.asarray(rows, np.int64)]),
-        extra_errors={**planned.extra_errors, **{r: msg for r in rows}})
 
 
 def main(argv: list[str] | None = None) -> int:

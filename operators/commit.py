@@ -68,8 +68,10 @@ def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def load_committed(out: str, storage: StorageOptions) -> Committed:
-    """Read the commit records under `out`; delete parts that have none and temporary files."""
+def load_committed(out: str, storage: StorageOptions, clean: bool = True) -> Committed:
+    """Read the commit records under `out`; with `clean`, delete parts that have none and
+    temporary files. Only clean when no engine actor is writing: a part whose record is on its
+    way would be deleted."""
     fs = storage.filesystem(out)
     if not fs.exists(out):
         return Committed(np.zeros(0, np.int64), [], [])
@@ -81,7 +83,7 @@ def load_committed(out: str, storage: StorageOptions) -> Committed:
                 records.append(json.loads(fs.cat_file(p)))
     names = {r["part"] for r in records}
     removed = []
-    for p in fs.ls(out, detail=False):
+    for p in fs.ls(out, detail=False) if clean else []:
         n = _name(p)
         if n.startswith(TMP_PREFIX) or (n.startswith("part-") and n not in names):
             fs.rm(p)

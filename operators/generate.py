@@ -1,7 +1,9 @@
 """Generate stage: R engine actors, each running its partition of the plan.
 
-Used through Ray Data: a dataset of work items (replica indices, plus -1 for the error
-records) goes through `map_batches(ReplicaGenerator, concurrency=R, batch_size=1)`. An actor
+Used through Ray Data by the Python API: a dataset of work items (replica indices, plus -1 for
+the error records) goes through `map_batches(ReplicaGenerator, concurrency=R, batch_size=1)`.
+A job run from a spec uses the same class as plain Ray actors (`run_item`, jobs/supervise.py),
+so that a dead actor can be replaced alone. An actor
 loads the model once, pulls its replica's groups and rows from the object store, runs the
 groups through the engine in plan order and yields output blocks as requests finish.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from typing import Any, Iterator
 
@@ -46,7 +49,7 @@ class ReplicaGenerator:
     def __init__(self, config: ProcessorConfig, rows: RowIndex, group_refs: list[Any],
                  error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
                  done: np.ndarray | None = None, skip: np.ndarray | None = None,
-                 write: Any = None, fence: bool = False):
+                 write: Any = None):
         self.config = config
         # Row ids already committed by an earlier attempt (operators/commit.py): not run again.
         self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
@@ -61,20 +64,10 @@ class ReplicaGenerator:
         # manifest row instead (Ray Data would merge the chunks into one block before a
         # downstream writer saw them, and a crash would lose them all).
         self.write = write
-        # Register this actor's handle and work item with the sink before any work, so that
-        # the driver can kill it when its attempt fails (Ray Data only drops its references to
-        # the actors of a failed execution, and an actor dropped mid-task runs its task to the
-        # end, writing parts alongside the next attempt) and knows which item a death hit.
-        self.fence = fence and sink is not None
         self.engine = None
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         for item in batch.column("item").to_pylist():
-            if self.fence:  # before any work on the item: a death is then blamed on it
-                import ray
-
-                ctx = ray.get_runtime_context()
-                ray.get(self.sink.register_engine.remote(ctx.get_actor_id(), ctx.current_actor, int(item)))
             chunks = self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item))
             if self.write is None:
                 yield from chunks
@@ -83,6 +76,28 @@ class ReplicaGenerator:
 
             for chunk in chunks:
                 yield write_part(chunk, self.write)
+
+    def run_item(self, item: int, token: str) -> int:
+        """The job driver's path (jobs/supervise.py runs these actors with Ray core): run one
+        work item, committing each part as soon as it is done; returns the rows written.
+        token: names this run of the item to the sink.
+
+        The sink hears when the engine is loaded (a death before that is no row's fault) and
+        gets each committed part's manifest row, for the driver's progress line.
+        """
+        import ray
+
+        from prefixflow.operators.write import write_part
+
+        if item != ERRORS_ITEM:
+            self._get_engine()
+        ray.get(self.sink.engine_ready.remote(token, os.getpid(), int(item)))
+        rows = 0
+        for chunk in self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item)):
+            manifest = write_part(chunk, self.write).to_pylist()[0]
+            self.sink.committed.remote(manifest)
+            rows += chunk.num_rows
+        return rows
 
     def _get_engine(self) -> Any:
         if self.engine is None and self.config.task == "score":

@@ -73,17 +73,11 @@ class Processor:
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch)
 
-    def generate(self, planned: PlannedJob, sink: Any = None, done: Any = None,
-                 skip: Any = None, write: Any = None, fence: bool = False) -> Any:
+    def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
         """A lazy Dataset of output blocks: R engine actors run their partitions.
 
-        done: row ids committed by an earlier attempt (skipped). An engine actor that dies
-        fails this dataset instead of silently rerunning its task (Ray's streaming-generator
-        retry assumes a deterministic replay), so the caller reruns what is uncommitted.
-        skip: row ids the engines must not run (they are error records in `planned`).
-        write: WriteOptions: the actors commit their parts and the dataset holds manifests.
-        fence: the actors register their handles with `sink`, so that a caller retrying after a
-            failure can kill them first (jobs/run.py).
+        A job run from a spec (jobs/run.py) does not come here: it runs the same engine actors
+        under jobs/supervise.py, which commits parts and restarts a dead actor alone.
         """
         import ray
         from ray.data import ActorPoolStrategy
@@ -93,18 +87,12 @@ class Processor:
         items = list(range(cfg.replicas)) + ([ERRORS_ITEM] if len(planned.error_row_ids) else [])
         work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
         kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
-                      error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink,
-                      done=done, skip=skip, write=write, fence=fence)
+                      error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink)
         # One work item per actor at a time, so R replicas really run side by side.
         pool = ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=1)
-        # No restarts and no task retries: an engine actor that dies at any moment (loading the
-        # model, or mid-run) fails the dataset, and the driver reruns only what is uncommitted.
-        # Ray Data's default restarts forever, so an actor dying at every model load (OOM, bad
-        # node) would hang the job instead of reaching max_retries_per_row.
-        remote_args: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica, "max_restarts": 0,
-                                       "max_task_retries": 0}
-        if cfg.num_gpus_per_replica:
-            remote_args["num_gpus"] = cfg.num_gpus_per_replica
+        # No restarts and no task retries: a restarted actor would silently redo its whole
+        # replica, and one dying at every model load (OOM, bad node) would loop forever.
+        remote_args: dict[str, Any] = engine_actor_options(cfg)
         return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
                                 batch_format="pyarrow", compute=pool, **remote_args)
 
@@ -114,3 +102,12 @@ class Processor:
 
         return [] if self.sink is None else ray.get(self.sink.get.remote())
 
+
+def engine_actor_options(cfg: ProcessorConfig) -> dict[str, Any]:
+    """Ray options of an engine actor: its resources; no restarts, no task retries (a death
+    is handled by whoever runs the actors, which knows what was committed)."""
+    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica, "max_restarts": 0,
+                            "max_task_retries": 0}
+    if cfg.num_gpus_per_replica:
+        opts["num_gpus"] = cfg.num_gpus_per_replica
+    return opts

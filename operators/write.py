@@ -142,24 +142,36 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
 
 
 class MetricsSink:
-    """A small Ray actor the engine actors report their per-replica stats to, and (for the
-    job driver's retries) register their handles with."""
+    """A small Ray actor that the engine actors report to: per-replica stats when a replica
+    finishes, and for the job driver (jobs/supervise.py) each committed part and each engine
+    that has loaded its model. Named, so that another process can read a running job's state."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
-        self.engines: dict[str, tuple[Any, int]] = {}  # actor id -> (handle, item it runs)
-
-    def register_engine(self, actor_id: str, handle: Any, item: int) -> None:
-        self.engines[actor_id] = (handle, item)
-
-    def take_engines(self) -> list[tuple[Any, int]]:
-        """The engine actors registered since the last call, each with the work item it took
-        last (this drops the sink's references)."""
-        engines, self.engines = list(self.engines.values()), {}
-        return engines
+        self.new_parts: list[dict[str, Any]] = []
+        self.engines: dict[str, dict[str, int]] = {}  # run token -> {"pid", "item"}
 
     def put(self, record: dict[str, Any]) -> None:
         self.records.append(record)
 
     def get(self) -> list[dict[str, Any]]:
         return sorted(self.records, key=lambda r: r["replica"])
+
+    def engine_ready(self, token: str, pid: int, item: int) -> None:
+        self.engines[token] = {"pid": pid, "item": item}
+
+    def committed(self, manifest: dict[str, Any]) -> None:
+        self.new_parts.append(manifest)
+
+    def take_committed(self) -> list[dict[str, Any]]:
+        """Manifest rows of the parts committed since the last call."""
+        parts, self.new_parts = self.new_parts, []
+        return parts
+
+    def status(self) -> dict[str, Any]:
+        return {"engines_ready": dict(self.engines), "replicas_done": len(self.records)}
+
+
+def sink_name(fingerprint: str, driver_pid: int) -> str:
+    """The job's MetricsSink actor name (namespace "prefixflow")."""
+    return f"prefixflow-{fingerprint[:16]}-{driver_pid}"

@@ -38,7 +38,7 @@ def test_a_success_elsewhere_does_not_end_the_streak_of_the_dying_replica():
 def test_deaths_before_any_work_fail_the_job_after_the_retries():
     ledger = AttemptLedger(max_retries=1)
     assert ledger.record_failure([], {}, 6, "ActorDiedError: init") == []
-    with pytest.raises(EnginesKeepDying, match="before taking any work.*6 committed rows are kept"):
+    with pytest.raises(EnginesKeepDying, match="before loading the model.*6 committed rows are kept"):
         ledger.record_failure([], {}, 6, "ActorDiedError: init")
 
 

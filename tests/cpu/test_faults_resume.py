@@ -5,11 +5,12 @@ submit`. Faults are real SIGKILLs, aimed by pid:
 
 1. the driver is killed once some parts are committed; the same job run again with the same
    output path finishes it: every row once, and the rerun wrote only the uncommitted rows;
-2. the engine actor that wrote the latest part (its pid is in the commit record) is killed
-   mid-job: the job reruns the uncommitted rows and still ends with every row once;
+2. the engine actor that wrote a part (its pid is in the commit record) is killed mid-job:
+   a new actor runs only that replica's uncommitted rows, the other replica runs on, and the
+   job ends with every row once;
 3. the engine actor of a replica keeps dying at work without committing anything: after
-   max_retries_per_row + 1 such attempts the replica's rows left become error records, and
-   the job still finishes.
+   max_retries_per_row + 1 such deaths in a row the replica's rows left become error records,
+   and the job still finishes.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ import yaml
 from prefixflow.bench.fault_bench import writers_overlap
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.operators.commit import COMMITS
-from prefixflow.operators.write import read_output
+from prefixflow.operators.write import read_output, sink_name
 
 pytestmark = pytest.mark.slow
 
 JOB_TIMEOUT_S = 300
 
 
-def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: int = 1) -> Path:
+def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: int = 1,
+         rows_per_part: int = 2) -> Path:
     with open(root / "in.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     spec = {
@@ -46,7 +48,8 @@ def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: 
         # Few sequences at a time, so rows finish (and parts commit) one after another.
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
         "replicas": replicas, "max_retries_per_row": max_retries,
-        "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 2, "resume": True},
+        "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": rows_per_part,
+                   "resume": True},
     }
     (root / "job.yaml").write_text(yaml.safe_dump(spec))
     return root / "job.yaml"
@@ -90,14 +93,6 @@ def _engine_pids() -> set[int]:
     return pids
 
 
-def _building_engine(pid: int) -> bool:
-    """Whether an engine actor has started on its work item: it imports torch only then."""
-    try:
-        return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
 def _fault_tolerance(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())["fault_tolerance"]
 
@@ -133,7 +128,7 @@ def test_driver_sigkill_then_rerun_is_exactly_once(start_driver, tiny_model, tmp
     ft = _fault_tolerance(out)
     assert ft["rows_committed_before"] == len(committed) and 0 < len(committed) < len(rows)
     # The rerun wrote exactly the rows that were not committed: nothing committed was redone.
-    assert ft["rows_written"] == ft["rows_last_attempt"] == len(rows) - len(committed)
+    assert ft["rows_written"] == ft["rows_reported"] == len(rows) - len(committed)
     got = _assert_exactly_once(out, rows)
     assert all(r["error"] is None for r in got)
     print(f"\ndriver kill: {len(rows)} rows, 1 replica, committed before the kill "
@@ -147,56 +142,77 @@ def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, 
     proc = start_driver(job)
     _wait(lambda: len(_records(out)) >= 1, proc, "a committed part")
     record = _records(out)[0]
-    pid = int(record["worker"].rsplit(":", 1)[1])  # the engine actor that wrote this part
-    os.kill(pid, signal.SIGKILL)
-    killed_replica = record["replica"]
+    os.kill(_pid(record), signal.SIGKILL)  # the engine actor that wrote this part
+    killed = record["replica"]
     _finish(proc)
     ft = _fault_tolerance(out)
     assert ft["engine_failures"] == 1 and ft["rows_given_up"] == 0, ft
     got = _assert_exactly_once(out, rows)
-    # The actors of the failed attempt were dead before the next one started.
-    assert not writers_overlap(_records(out)), "two engine actors wrote one replica's parts at once"
     assert all(r["error"] is None for r in got)
     assert ft["rows_written"] == len(rows)
-    # The attempt after the kill ran only the rows not committed when it started.
-    assert ft["rows_last_attempt"] == len(rows) - ft["rows_committed_at_attempts"][-1]
-    assert ft["rows_committed_at_attempts"][-1] > 0
-    print(f"\nengine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed_replica} "
-          f"SIGKILLed, failures {ft['engine_failures']}, committed before the rerun "
-          f"{ft['rows_committed_at_attempts'][-1]}, redone {ft['rows_last_attempt']}, lost 0")
+    failure = ft["failures"][0]
+    assert failure["item"] == killed and failure["engine_loaded"]
+    # Only the dead replica started again, on one new actor that ran only its uncommitted
+    # rows; the other replica's actor was never stopped.
+    workers = {r: {rec["worker"] for rec in _records(out) if rec["replica"] == r} for r in (0, 1)}
+    assert len(workers[killed]) == 2 and len(workers[1 - killed]) == 1, workers
+    new_worker = (workers[killed] - {record["worker"]}).pop()
+    rerun = sum(len(rec["row_ids"]) for rec in _records(out) if rec["worker"] == new_worker)
+    assert rerun == failure["item_rows_left"] > 0
+    assert not writers_overlap(_records(out)), "two engine actors wrote one replica's parts at once"
+    print(f"\nengine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed} SIGKILLed "
+          f"with {failure['item_rows_committed']} of its rows committed; a new actor ran its "
+          f"{rerun} other rows, the other replica ran on; lost 0")
 
 
-def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, tiny_model, tmp_path):
+def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_local, tiny_model, tmp_path):
     rows = demo_rows(num_docs=4, questions_per_doc=6, sentences_per_doc=4, seed=7)  # 24 rows
-    job = _job(tmp_path, tiny_model, rows, replicas=1, max_retries=1)
+    job = _job(tmp_path, tiny_model, rows, replicas=1, max_retries=1, rows_per_part=4)
     out = tmp_path / "out"
-    before = _engine_pids()
     proc = start_driver(job)
-    # Attempt 1 commits a part, then its actor is killed; the actors of attempts 2 and 3 are
-    # killed as soon as they exist (nothing committed). With max_retries_per_row: 1 the second
-    # attempt in a row without progress gives the rows left up; attempt 4 writes their records.
+    # Run 1 commits a part, then its actor is killed; the next two actors are killed as soon as
+    # their engine is loaded (the job's sink says so), before they commit anything. With
+    # max_retries_per_row: 1, the second death in a row without progress gives the replica up.
     _wait(lambda: len(_records(out)) >= 1, proc, "a committed part")
-    first = _records(out)[0]
-    killed = [int(first["worker"].rsplit(":", 1)[1])]
-    os.kill(killed[0], signal.SIGKILL)
+    os.kill(_pid(_records(out)[0]), signal.SIGKILL)
+    sink = _job_sink(ray_local, out, proc)
+    seen = set(ray_local.get(sink.status.remote())["engines_ready"])
     for attempt in (2, 3):
-        # Killed once it builds its engine (torch is loaded only then): it has taken the
-        # replica's work item, so the death is the replica's, and it has committed nothing.
-        _wait(lambda: any(_building_engine(p) for p in _engine_pids() - before - set(killed)),
-              proc, f"attempt {attempt}'s engine actor at work")
-        pid = next(p for p in _engine_pids() - before - set(killed) if _building_engine(p))
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
+        def loaded() -> dict:
+            engines = ray_local.get(sink.status.remote())["engines_ready"]
+            return {t: e for t, e in engines.items() if t not in seen}
+        _wait(lambda: bool(loaded()), proc, f"run {attempt}'s engine loaded")
+        token, engine = next(iter(loaded().items()))
+        os.kill(engine["pid"], signal.SIGKILL)
+        seen.add(token)
     _finish(proc)
     ft = _fault_tolerance(out)
     assert ft["engine_failures"] == 3, ft
-    kept = ft["rows_committed_at_attempts"][1]  # what attempt 1 committed before its kill
-    assert kept > 0 and ft["rows_committed_at_attempts"] == [0, kept, kept, kept]
+    assert all(f["engine_loaded"] and f["item"] == 0 for f in ft["failures"])
+    kept = ft["failures"][1]["rows_committed"]  # what run 1 committed before its kill
+    assert kept > 0 and [f["rows_committed"] for f in ft["failures"]][1:] == [kept, kept]
     assert ft["replicas_given_up"] == [0] and ft["rows_given_up"] == len(rows) - kept
     got = _assert_exactly_once(out, rows)
     errors = [r for r in got if r["error"] is not None]
     assert len(errors) == len(rows) - kept
     assert all("the engine failed on this row in every attempt" in r["error"] for r in errors)
     assert all(r["generated_text"] for r in got if r["error"] is None)
-    print(f"\nengine keeps dying: {len(rows)} rows, 1 replica, {len(killed)} actors SIGKILLed, "
+    print(f"\nengine keeps dying: {len(rows)} rows, 1 replica, 3 actors SIGKILLed, "
           f"{kept} rows done, {ft['rows_given_up']} given up as error rows, lost 0")
+
+
+def _pid(record: dict) -> int:
+    return int(record["worker"].rsplit(":", 1)[1])
+
+
+def _job_sink(ray, out: Path, proc: subprocess.Popen):
+    """The running job's MetricsSink actor, found by its name."""
+    fingerprint = json.loads((out / "_job.json").read_text())["fingerprint"]
+    name = sink_name(fingerprint, proc.pid)
+    deadline = time.time() + 60
+    while True:
+        try:
+            return ray.get_actor(name, namespace="prefixflow")
+        except ValueError:
+            assert time.time() < deadline, f"no actor {name}"
+            time.sleep(0.1)
