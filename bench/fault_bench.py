@@ -157,7 +157,7 @@ def run_engine_kills(model: Path, root: Path, inp: Path, rows: list, args: Any, 
                        "rows_committed_at_kill": committed, "replica_rows_committed_at_kill": mine})
         # The driver starts a new actor for that replica: wait until it has committed a part,
         # so that every kill hits an actor at work.
-        old = engine_pids() | {pid}
+        old = engine_pids() | {pid} | {int(r["worker"].rsplit(":", 1)[1]) for r in local_records(out)}
         wait_until(lambda: any(int(r["worker"].rsplit(":", 1)[1]) not in old for r in local_records(out)),
                    driver, "a part from the next attempt")
     wall = driver.wait()
