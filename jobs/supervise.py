@@ -32,8 +32,9 @@ from prefixflow.operators.write import WriteOptions
 class _Running:
     item: int
     actor: Any
-    token: str      # names this run of the item to the sink
+    token: str         # names this run of the item to the sink
     started: float
+    rows: np.ndarray   # the item's rows when it started (committed ones included)
 
 
 def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, spec: Any,
@@ -54,6 +55,7 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
     failures: list[dict[str, Any]] = []
     manifests: list[dict] = []
     running: dict[Any, _Running] = {}
+    finished: set[int] = set()
 
     def item_rows(item: int) -> np.ndarray:
         if item == ERRORS_ITEM:
@@ -67,16 +69,20 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
         why = failures[-1]["error"] if failures else ""
         job = _with_error_rows(planned, poisoned, why)
         for item in [*range(cfg.replicas), ERRORS_ITEM]:
-            if item in busy or item in given_up:
+            if item in busy or item in given_up or (item in finished and item != ERRORS_ITEM):
                 continue
             if not len(np.setdiff1d(item_rows(item), committed.row_ids)):
                 continue
-            actor = engine_cls.options(**engine_actor_options(cfg)).remote(
+            # The error records need no engine: that actor takes no GPU and no CPU slot.
+            opts = engine_actor_options(cfg) if item != ERRORS_ITEM else {
+                "num_cpus": 0, "max_restarts": 0, "max_task_retries": 0}
+            actor = engine_cls.options(**opts).remote(
                 config=cfg, rows=planned.rows, group_refs=group_refs,
                 error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=sink,
                 done=committed.row_ids, skip=np.asarray(poisoned, np.int64), write=wopts)
             token = uuid.uuid4().hex
-            running[actor.run_item.remote(item, token)] = _Running(item, actor, token, time.time())
+            running[actor.run_item.remote(item, token)] = _Running(item, actor, token, time.time(),
+                                                                   item_rows(item))
 
     def drain() -> None:
         for m in ray.get(sink.take_committed.remote()):
@@ -100,6 +106,12 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
                     last = now
                 else:
                     ray.kill(run.actor)  # its work is done: free its CPUs/GPU now
+                    finished.add(run.item)
+                    left = np.setdiff1d(run.rows, load_committed(wopts.path, wopts.storage,
+                                                                 clean=False).row_ids)
+                    if len(left):  # a bug, not a fault: starting it again would loop
+                        raise RuntimeError(f"work item {run.item} finished without committing "
+                                           f"rows {left[:10].tolist()}")
             if ready:
                 start_missing(load_committed(wopts.path, wopts.storage, clean=False))
         drain()
