@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixflow.jobs.attempts import AttemptLedger, EnginesKeepDying
+from prefixflow.jobs.attempts import AttemptLedger
 from prefixflow.operators.commit import Committed, load_committed
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.processor import engine_actor_options
