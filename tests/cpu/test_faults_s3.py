@@ -81,24 +81,26 @@ def _metrics(storage: StorageOptions, prefix: str) -> dict:
     return json.loads(storage.filesystem("s3://pf-faults").cat_file(f"pf-faults/{prefix}/out/metrics.json"))
 
 
-def test_flaky_s3_job_completes_with_nothing_lost(start_driver, tiny_model, bucket, tmp_path):
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])  # our reader, and Ray's parquet reader
+def test_flaky_s3_job_completes_with_nothing_lost(start_driver, tiny_model, bucket, tmp_path, fmt):
     storage = bucket
-    rows = _put_input(storage, "flaky", "jsonl")
+    prefix = f"flaky-{fmt}"
+    rows = _put_input(storage, prefix, fmt)
     # Every 4th request answers 503 and every 5th waits first: listing, reads, part and
     # commit-record PUTs and the manifest all meet faults.
     proxy = FaultProxy(storage.endpoint_url, fail_every=4, delay_every=5, delay_s=0.3)
     try:
-        rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, "flaky", "jsonl",
+        rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, prefix, fmt,
                                           max_attempts=5)))
     finally:
         proxy.close()
     assert rc == 0, log[-4000:]
-    metrics = _metrics(storage, "flaky")
+    metrics = _metrics(storage, prefix)
     assert metrics["rows"] == len(rows) and metrics["rows_error"] == 0
-    _exactly_once(storage, "flaky", rows)
+    _exactly_once(storage, prefix, rows)
     assert proxy.failed > 0 and proxy.delayed > 0
-    print(f"\nflaky S3: {len(rows)} rows, {proxy.requests} requests, {proxy.failed} answered 503, "
-          f"{proxy.delayed} delayed {proxy.delay_s}s, lost 0")
+    print(f"\nflaky S3 ({fmt} input): {len(rows)} rows, {proxy.requests} requests, {proxy.failed} "
+          f"answered 503, {proxy.delayed} delayed {proxy.delay_s}s, lost 0")
 
 
 def test_persistent_s3_failure_fails_clearly_and_resumes(start_driver, tiny_model, bucket, tmp_path):
