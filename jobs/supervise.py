@@ -45,10 +45,10 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
 
     cfg = processor.config
     engine_cls = ray.remote(ReplicaGenerator)
-    group_refs = [ray.put(planned.plan.groups(r)) for r in range(cfg.replicas)]
-    replica_rows = [np.asarray(np.concatenate([g.row_ids for g in planned.plan.groups(r)])
-                               if planned.plan.groups(r) else np.zeros(0), np.int64)
-                    for r in range(cfg.replicas)]
+    groups = [planned.plan.groups(r) for r in range(cfg.replicas)]
+    group_refs = [ray.put(g) for g in groups]
+    replica_rows = [np.concatenate([np.zeros(0, np.int64)] + [g.row_ids for g in gs]).astype(np.int64)
+                    for gs in groups]
     ledger = AttemptLedger(max_retries=spec.max_retries_per_row)
     poisoned: list[int] = []  # in the order given up, so that error ranks never move
     given_up: set[int] = set()
@@ -74,8 +74,7 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
             if not len(np.setdiff1d(item_rows(item), committed.row_ids)):
                 continue
             # The error records need no engine: that actor takes no GPU and no CPU slot.
-            opts = engine_actor_options(cfg) if item != ERRORS_ITEM else {
-                "num_cpus": 0, "max_restarts": 0, "max_task_retries": 0}
+            opts = engine_actor_options(cfg, needs_engine=item != ERRORS_ITEM)
             actor = engine_cls.options(**opts).remote(
                 config=cfg, rows=planned.rows, group_refs=group_refs,
                 error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=sink,
@@ -95,25 +94,27 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
         while running:
             ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
             drain()
+            if not ready:
+                continue
+            # One read of the commit records serves every item that just ended: an ended
+            # item's actor writes nothing more, so its rows are all in this read.
+            now = load_committed(wopts.path, wopts.storage, clean=False)
             for ref in ready:
                 run = running.pop(ref)
                 try:
                     ray.get(ref)
                 except RayActorError as e:
-                    now = load_committed(wopts.path, wopts.storage, clean=False)
                     _on_death(run, e, now, last, ledger, sink, failures, item_rows, poisoned,
                               given_up)
                     last = now
                 else:
                     ray.kill(run.actor)  # its work is done: free its CPUs/GPU now
                     finished.add(run.item)
-                    left = np.setdiff1d(run.rows, load_committed(wopts.path, wopts.storage,
-                                                                 clean=False).row_ids)
+                    left = np.setdiff1d(run.rows, now.row_ids)
                     if len(left):  # a bug, not a fault: starting it again would loop
                         raise RuntimeError(f"work item {run.item} finished without committing "
                                            f"rows {left[:10].tolist()}")
-            if ready:
-                start_missing(load_committed(wopts.path, wopts.storage, clean=False))
+            start_missing(now)
         drain()
     finally:
         for run in running.values():  # a job-level failure: stop what still runs

@@ -103,11 +103,12 @@ class Processor:
         return [] if self.sink is None else ray.get(self.sink.get.remote())
 
 
-def engine_actor_options(cfg: ProcessorConfig) -> dict[str, Any]:
-    """Ray options of an engine actor: its resources; no restarts, no task retries (a death
-    is handled by whoever runs the actors, which knows what was committed)."""
-    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica, "max_restarts": 0,
-                            "max_task_retries": 0}
-    if cfg.num_gpus_per_replica:
+def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
+    """Ray options of an engine actor: its resources (none when it only writes error records,
+    needs_engine=False); no restarts, no task retries (a death is handled by whoever runs the
+    actors, which knows what was committed)."""
+    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
+                            "max_restarts": 0, "max_task_retries": 0}
+    if cfg.num_gpus_per_replica and needs_engine:
         opts["num_gpus"] = cfg.num_gpus_per_replica
     return opts
