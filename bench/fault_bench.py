@@ -78,13 +78,21 @@ class Driver:
 
 
 def local_records(out: Path) -> list[dict[str, Any]]:
+    """The commit records under a local output path, read while the job writes them."""
+    from prefixflow.operators.commit import COMMITS
+
     records = []
-    for p in sorted((out / "_commits").glob("part-*.json")) if (out / "_commits").exists() else []:
+    for p in sorted((out / COMMITS).glob("part-*.json")) if (out / COMMITS).exists() else []:
         try:
             records.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):  # being renamed into place
             pass
     return records
+
+
+def worker_pid(record: dict[str, Any]) -> int:
+    """The pid of the engine actor that wrote a part (its commit record's host:pid)."""
+    return int(record["worker"].rsplit(":", 1)[1])
 
 
 def wait_until(cond: Callable[[], bool], driver: Driver, what: str) -> None:
@@ -95,6 +103,7 @@ def wait_until(cond: Callable[[], bool], driver: Driver, what: str) -> None:
 
 
 def engine_pids() -> set[int]:
+    """Processes of engine actors on this machine (Ray titles them ray::ReplicaGenerator)."""
     import psutil
 
     pids = set()
@@ -146,7 +155,7 @@ def run_engine_kills(model: Path, root: Path, inp: Path, rows: list, args: Any, 
             return sum(len(r["row_ids"]) for r in local_records(out)) >= share * len(rows)
         wait_until(reached, driver, f"{share:.0%} of the rows committed")
         latest = max(local_records(out), key=lambda r: r["written_at"])
-        pid = int(latest["worker"].rsplit(":", 1)[1])
+        pid = worker_pid(latest)
         committed = sum(len(r["row_ids"]) for r in local_records(out))
         try:
             os.kill(pid, signal.SIGKILL)
@@ -157,8 +166,8 @@ def run_engine_kills(model: Path, root: Path, inp: Path, rows: list, args: Any, 
                        "rows_committed_at_kill": committed, "replica_rows_committed_at_kill": mine})
         # The driver starts a new actor for that replica: wait until it has committed a part,
         # so that every kill hits an actor at work.
-        old = engine_pids() | {pid} | {int(r["worker"].rsplit(":", 1)[1]) for r in local_records(out)}
-        wait_until(lambda: any(int(r["worker"].rsplit(":", 1)[1]) not in old for r in local_records(out)),
+        old = engine_pids() | {pid} | {worker_pid(r) for r in local_records(out)}
+        wait_until(lambda: any(worker_pid(r) not in old for r in local_records(out)),
                    driver, "a part from the next attempt")
     wall = driver.wait()
     for fault in faults:

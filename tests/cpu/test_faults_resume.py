@@ -23,13 +23,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
 import pytest
 import yaml
 
-from prefixflow.bench.fault_bench import writers_overlap
+from prefixflow.bench.fault_bench import engine_pids, local_records, worker_pid, writers_overlap
 from prefixflow.jobs.demo import demo_rows
-from prefixflow.operators.commit import COMMITS
 from prefixflow.operators.write import read_output, sink_name
 
 pytestmark = pytest.mark.slow
@@ -55,17 +53,6 @@ def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: 
     return root / "job.yaml"
 
 
-def _records(out: Path) -> list[dict]:
-    d = out / COMMITS
-    records = []
-    for p in sorted(d.glob("part-*.json")) if d.exists() else []:
-        try:
-            records.append(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):  # being renamed into place right now
-            pass
-    return records
-
-
 def _wait(cond: Callable[[], bool], proc: subprocess.Popen, what: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
     deadline = time.time() + timeout_s
     while not cond():
@@ -81,16 +68,6 @@ def _finish(proc: subprocess.Popen) -> None:
 
 def _log(proc: subprocess.Popen) -> str:
     return proc.log_path.read_text(errors="replace")[-4000:]  # type: ignore[attr-defined]
-
-
-def _engine_pids() -> set[int]:
-    """Processes of engine actors (Ray titles them ray::MapWorker(MapBatches(ReplicaGenerator)))."""
-    pids = set()
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith("ray::") and "ReplicaGenerator" in cmd:
-            pids.add(p.info["pid"])
-    return pids
 
 
 def _fault_tolerance(out: Path) -> dict:
@@ -112,17 +89,17 @@ def test_driver_sigkill_then_rerun_is_exactly_once(start_driver, tiny_model, tmp
     rows = demo_rows(num_docs=6, questions_per_doc=6, sentences_per_doc=4, seed=5)  # 36 rows
     job = _job(tmp_path, tiny_model, rows, replicas=1)
     out = tmp_path / "out"
-    before = _engine_pids()
+    before = engine_pids()
     proc = start_driver(job)
-    _wait(lambda: len(_records(out)) >= 2, proc, "two committed parts")
+    _wait(lambda: len(local_records(out)) >= 2, proc, "two committed parts")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert not (out / "_SUCCESS").exists()
     # Ray ends a dead driver's actors; wait for that, so the rerun is alone on the output path.
     deadline = time.time() + 60
-    while _engine_pids() - before and time.time() < deadline:
+    while engine_pids() - before and time.time() < deadline:
         time.sleep(0.1)
-    committed = {r for rec in _records(out) for r in rec["row_ids"]}
+    committed = {r for rec in local_records(out) for r in rec["row_ids"]}
     rerun = start_driver(job)  # the same job, the same output path
     _finish(rerun)
     ft = _fault_tolerance(out)
@@ -140,9 +117,9 @@ def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, 
     job = _job(tmp_path, tiny_model, rows, replicas=2)
     out = tmp_path / "out"
     proc = start_driver(job)
-    _wait(lambda: len(_records(out)) >= 1, proc, "a committed part")
-    record = _records(out)[0]
-    os.kill(_pid(record), signal.SIGKILL)  # the engine actor that wrote this part
+    _wait(lambda: len(local_records(out)) >= 1, proc, "a committed part")
+    record = local_records(out)[0]
+    os.kill(worker_pid(record), signal.SIGKILL)  # the engine actor that wrote this part
     killed = record["replica"]
     _finish(proc)
     ft = _fault_tolerance(out)
@@ -154,12 +131,12 @@ def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, 
     assert failure["item"] == killed and failure["engine_loaded"]
     # Only the dead replica started again, on one new actor that ran only its uncommitted
     # rows; the other replica's actor was never stopped.
-    workers = {r: {rec["worker"] for rec in _records(out) if rec["replica"] == r} for r in (0, 1)}
+    workers = {r: {rec["worker"] for rec in local_records(out) if rec["replica"] == r} for r in (0, 1)}
     assert len(workers[killed]) == 2 and len(workers[1 - killed]) == 1, workers
     new_worker = (workers[killed] - {record["worker"]}).pop()
-    rerun = sum(len(rec["row_ids"]) for rec in _records(out) if rec["worker"] == new_worker)
+    rerun = sum(len(rec["row_ids"]) for rec in local_records(out) if rec["worker"] == new_worker)
     assert rerun == failure["item_rows_left"] > 0
-    assert not writers_overlap(_records(out)), "two engine actors wrote one replica's parts at once"
+    assert not writers_overlap(local_records(out)), "two engine actors wrote one replica's parts at once"
     print(f"\nengine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed} SIGKILLed "
           f"with {failure['item_rows_committed']} of its rows committed; a new actor ran its "
           f"{rerun} other rows, the other replica ran on; lost 0")
@@ -173,8 +150,8 @@ def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_l
     # Run 1 commits a part, then its actor is killed; the next two actors are killed as soon as
     # their engine is loaded (the job's sink says so), before they commit anything. With
     # max_retries_per_row: 1, the second death in a row without progress gives the replica up.
-    _wait(lambda: len(_records(out)) >= 1, proc, "a committed part")
-    os.kill(_pid(_records(out)[0]), signal.SIGKILL)
+    _wait(lambda: len(local_records(out)) >= 1, proc, "a committed part")
+    os.kill(worker_pid(local_records(out)[0]), signal.SIGKILL)
     sink = _job_sink(ray_local, out, proc)
     seen = set(ray_local.get(sink.status.remote())["engines_ready"])
     for attempt in (2, 3):
@@ -199,10 +176,6 @@ def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_l
     assert all(r["generated_text"] for r in got if r["error"] is None)
     print(f"\nengine keeps dying: {len(rows)} rows, 1 replica, 3 actors SIGKILLed, "
           f"{kept} rows done, {ft['rows_given_up']} given up as error rows, lost 0")
-
-
-def _pid(record: dict) -> int:
-    return int(record["worker"].rsplit(":", 1)[1])
 
 
 def _job_sink(ray, out: Path, proc: subprocess.Popen):
