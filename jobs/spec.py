@@ -7,8 +7,8 @@ Unknown keys and bad values fail before anything starts, with the field path and
       input.pathh: unknown key; did you mean 'path'? (allowed: path, format, limit)
       sampling.temperature: -1.0 is invalid: use 0 for greedy or a positive value
 
-The engine and sampling sections mirror `EngineConfig` and `SamplingParams` field for field
-(generated from their dataclasses, so they cannot drift apart). YAML is read with safe_load.
+The engine, sampling and storage sections mirror `EngineConfig`, `SamplingParams` and
+`StorageOptions` field for field (generated from their dataclasses, so they cannot drift apart). YAML is read with safe_load.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.operators.storage import StorageOptions
 from prefixflow.pipeline.requests import SamplingParams
 
 ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
@@ -69,17 +70,8 @@ EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",))
 SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
 
 
-class StorageSpec(_Strict):
-    """Object storage settings; anything left out comes from the AWS environment variables."""
-
-    endpoint_url: str | None = None
-    region: str | None = None
-    anonymous: bool = False
-    aws_access_key_id: str | None = None
-    aws_secret_access_key: str | None = None
-    aws_session_token: str | None = None
-    max_attempts: int = Field(default=5, ge=1, le=20, description="tries per storage request")
-    retry_base_delay_s: float = Field(default=0.2, ge=0, le=60, description="first backoff")
+# Object storage settings; anything left out comes from the AWS environment variables.
+StorageSpec = _mirror(StorageOptions, "StorageSpec")
 
 
 class InputSpec(_Strict):

@@ -34,6 +34,16 @@ class StorageOptions:
     max_attempts: int = 5            # per S3 request (botocore) and per part write (with_retries)
     retry_base_delay_s: float = 0.2
 
+    def __post_init__(self) -> None:
+        # Checked here, so that a job spec (jobs/spec.py mirrors this class) and Python callers
+        # get the same errors.
+        if not 1 <= self.max_attempts <= 20:
+            raise ValueError(f"StorageOptions.max_attempts={self.max_attempts!r} is invalid: "
+                             "use 1 to 20 tries per storage request")
+        if not 0 <= self.retry_base_delay_s <= 60:
+            raise ValueError(f"StorageOptions.retry_base_delay_s={self.retry_base_delay_s!r} is "
+                             "invalid: use a first backoff of 0 to 60 seconds")
+
     @property
     def retry(self) -> RetryPolicy:
         return RetryPolicy(max_attempts=self.max_attempts, base_delay_s=self.retry_base_delay_s)
