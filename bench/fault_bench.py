@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -220,16 +219,12 @@ def run_s3(model: Path, root: Path, rows: list, args: Any, address: str, fail_ev
            delay_every: int) -> dict:
     import boto3
 
-    from prefixflow.bench.fault_proxy import FaultProxy
+    from prefixflow.bench.fault_proxy import FaultProxy, start_moto_server
     from prefixflow.operators.storage import StorageOptions
 
-    port = free_port()
-    moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+    moto, endpoint = start_moto_server()
     creds = {"region": "us-east-1", "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
     try:
-        wait_port(port)
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                      aws_secret_access_key="testing").create_bucket(Bucket="bench")
         storage = StorageOptions(endpoint_url=endpoint, **creds)
@@ -253,23 +248,6 @@ def run_s3(model: Path, root: Path, rows: list, args: Any, address: str, fail_ev
     finally:
         moto.terminate()
         moto.wait(timeout=10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int) -> None:
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("moto_server did not start")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

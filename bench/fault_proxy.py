@@ -1,4 +1,4 @@
-"""A fault-injecting HTTP proxy for S3 on 127.0.0.1, used by the fault tests and fault_bench.
+"""S3 on 127.0.0.1 for the tests and fault_bench: moto's server, and a fault-injecting proxy.
 
 It forwards every request to a real S3 server (moto's, in tests) and answers a share of them
 with 503 SlowDown, the throttling answer S3 itself gives, delays others, or refuses every PUT
@@ -9,8 +9,12 @@ behind it is real.
 from __future__ import annotations
 
 import http.client
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -92,3 +96,26 @@ class FaultProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto_server(timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server (from this environment) on a free loopback port, once it accepts
+    connections; returns the process and its endpoint URL."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
+                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"moto_server did not start within {timeout_s:.0f} s")

@@ -5,21 +5,13 @@ loopback, and the tiny demo checkpoint. Ray starts in about 8 s, so tests share 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-VENV_BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from prefixflow.bench.fault_proxy import start_moto_server
 
 
 @pytest.fixture(scope="session")
@@ -48,21 +40,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def s3_server():
     """moto's S3 server on 127.0.0.1; yields its endpoint URL. Dummy credentials are set in
     the environment (before any Ray worker that needs them starts) and passed explicitly."""
-    port = _free_port()
-    exe = VENV_BIN / "moto_server"
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("moto_server did not start within 30 s")
+    proc, endpoint = start_moto_server()
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(key, value)

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from prefixflow.bench.fault_proxy import free_port
 from prefixflow.jobs.demo import write_demo_data
-
-from .conftest import _free_port
 
 BIN = Path(sys.executable).parent
 
@@ -42,7 +41,7 @@ def test_ray_job_submit(tiny_model, tmp_path):
     subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
                    capture_output=True)
     temp_dir = tempfile.mkdtemp(prefix="pfrs", dir="/tmp")  # short: Ray's socket paths are limited
-    gcs_port, dash_port, agent_port = _free_port(), _free_port(), _free_port()
+    gcs_port, dash_port, agent_port = free_port(), free_port(), free_port()
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host",
          "127.0.0.1", "--port", str(gcs_port), "--dashboard-port", str(dash_port), "--num-cpus", "2",
