@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 Policy = Literal["batchllm", "vllm"]
 
 
@@ -16,8 +16,10 @@ Policy = Literal["batchllm", "vllm"]
 class EngineConfig:
     """Options of one engine replica.
 
-    model: path to a Hugging Face model directory (config.json, *.safetensors, tokenizer).
-    dtype: weights and activations dtype.
+    model: a Hugging Face model folder, hub id (from the local cache), .gguf file, s3:// folder
+        or "smollm2-135m-instruct" (engine.model_source resolves it where the engine runs).
+    dtype: weights, activations and KV dtype; "auto": the checkpoint's own dtype on a GPU,
+        float32 on a CPU (as vLLM does).
     device: "cpu", "cuda", "cuda:N", or "auto" (cuda when available).
     block_size: tokens per paged KV block.
     kv_cache_bytes: memory budget of the paged KV cache (all layers, K and V). None: on CUDA,
@@ -35,7 +37,7 @@ class EngineConfig:
     """
 
     model: str
-    dtype: DType = "float32"
+    dtype: DType = "auto"
     device: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None
@@ -50,9 +52,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", self.model,
-                 "give the path of a Hugging Face model directory")
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
-                 "use float32, bfloat16 or float16")
+                 "give a Hugging Face model folder, a hub id, a .gguf file or "
+                 "'smollm2-135m-instruct'")
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+                 "use auto, float32, bfloat16 or float16")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", self.block_size,
                  "use a power of two between 1 and 256")
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes",

@@ -1,5 +1,8 @@
 """Hugging Face model directory -> our model and tokenizer.
 
+The folder comes from engine.model_source, which also takes hub ids, .gguf files, s3:// folders
+and the short name of the packaged real model.
+
 Reads config.json ourselves (both the transformers-4 fields `rope_theta`/`rope_scaling` and the
 transformers-5 `rope_parameters`), builds `models.llama.LlamaForCausalLM` on the meta device,
 materialises it on the target device in the target dtype and copies the safetensors weights in
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from prefixflow.engine.layers.rotary import RopeConfig
+from prefixflow.engine.model_source import resolve_model, weight_files
 from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -26,15 +30,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def model_dir(path: str | Path) -> Path:
-    """The checkpoint folder, checked to hold config.json and safetensors weights."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise FileNotFoundError(f"model directory {str(p)!r} does not exist; give the path of a "
-                                "Hugging Face model folder (config.json, *.safetensors, tokenizer)")
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{str(p)!r} has no config.json; is it a Hugging Face model "
-                                "folder?")
-    return p
+    """The local Hugging Face folder of `path`: a folder, hub id, .gguf file, s3:// folder or
+    short name, resolved (converted or copied once) by engine.model_source."""
+    return resolve_model(path)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -86,41 +84,40 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, rope_type=rope_type, **fields)
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu",
+def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
                max_positions: int | None = None) -> LlamaForCausalLM:
     """Build our model for the checkpoint at `path` and load its weights.
 
-    dtype: "float32", "bfloat16" or "float16". max_positions: size of the rotary table
-    (default: the model's max_position_embeddings).
+    dtype: "auto" (see `torch_dtype`), "float32", "bfloat16" or "float16". max_positions: size
+    of the rotary table (default: the model's max_position_embeddings).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported: use one of {', '.join(DTYPES)}")
-    args = read_model_args(path)
-    files = weight_files(model_dir(path))
+    folder = model_dir(path)
+    torch_type = torch_dtype(dtype, folder, device)
+    args = read_model_args(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(args, max_positions or args.max_position_embeddings)
-    model = model.to(dtype=DTYPES[dtype]).to_empty(device=device)
+    model = model.to(dtype=torch_type).to_empty(device=device)
     model.model.rotary.reset_cache()  # fp32 table; to_empty left it uninitialised
     model.tie_weights()
-    _load_weights(model, files)
+    _load_weights(model, weight_files(folder))
     return model.eval().requires_grad_(False)
 
 
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint (shards from the index when there is one)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(read_json(index)["weight_map"].values()))
-        files = [path / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}; prefixflow reads "
-                                "safetensors only (convert .bin checkpoints with transformers)")
-    return files
+def torch_dtype(dtype: str, path: str | Path, device: str | torch.device) -> torch.dtype:
+    """The dtype weights, activations and KV use. "auto", as vLLM does: on a GPU the dtype the
+    checkpoint was saved in (config.json `dtype`, `torch_dtype` before transformers 5), on a CPU
+    float32 (CPU half-precision matmuls are slow or missing, and float32 is exact)."""
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype != "auto":
+        raise ValueError(f"dtype={dtype!r} is not supported: use auto or one of "
+                         f"{', '.join(DTYPES)}")
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    cfg = read_json(model_dir(path) / "config.json")
+    saved = cfg.get("dtype") or cfg.get("torch_dtype")
+    # float64 or a missing entry: float32, which every device runs.
+    return DTYPES.get(str(saved), torch.float32)
 
 
 @torch.no_grad()

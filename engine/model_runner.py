@@ -39,8 +39,8 @@ import torch
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.layers.attention import AttentionMetadata
 from prefixflow.engine.layers.step_batch import StepBatch, build_step_batch
-from prefixflow.engine.loader import (DTYPES, load_model, load_tokenizer, read_eos_token_ids,
-                                      read_model_args)
+from prefixflow.engine.loader import (load_model, load_tokenizer, read_eos_token_ids,
+                                      read_model_args, torch_dtype)
 from prefixflow.engine.models.llama import ModelArgs
 from prefixflow.engine.sampler import Sampler
 from prefixflow.engine.step import SampledToken, SeqChunk, StepInput, StepOutput
@@ -77,7 +77,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype, config.model, self.device)
         self.args = read_model_args(config.model)
         self.max_model_len = resolve_max_model_len(config, self.args)
         self.vocab_size = self.args.vocab_size

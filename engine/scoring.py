@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.loader import DTYPES, load_model, load_tokenizer, read_model_args
+from prefixflow.engine.loader import load_model, load_tokenizer, read_model_args
 from prefixflow.engine.model_runner import resolve_device, resolve_max_model_len
 from prefixflow.engine.scoring_cache import PrefixCache
 from prefixflow.engine.scoring_choices import (Choice, ScoreOutput, choice_token_ids,
@@ -78,7 +78,7 @@ class Scorer:
         self.max_model_len = resolve_max_model_len(config, self.args)
         self.model = load_model(config.model, config.dtype, self.device, self.max_model_len)
         self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-        self.elem = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
+        self.elem = next(self.model.parameters()).element_size()  # the dtype load_model chose
         budget = options.prefix_cache_bytes
         if budget is None:
             budget = config.kv_cache_bytes if config.kv_cache_bytes is not None \

@@ -1,0 +1,131 @@
+"""What `model:` names -> a local folder (engine/model_source.py), on the tiny checkpoint: a hub
+id in a temporary Hugging Face cache loads; a missing hub id, a broken GGUF file, a folder
+without weights and an unknown path each give one error naming the model and what to do; an
+s3:// folder is copied once; dtype "auto" picks the checkpoint's dtype on a GPU only."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixflow.engine.loader import load_model, load_tokenizer, torch_dtype
+from prefixflow.engine.model_source import (ModelError, model_kind, normalize_model,
+                                            resolve_model)
+
+REPO = "prefixflow-test/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(autouse=True)
+def own_caches(tmp_path, monkeypatch):
+    """Each test gets empty prefixflow and Hugging Face caches and no hub access."""
+    monkeypatch.setenv("PREFIXFLOW_CACHE", str(tmp_path / "pf-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def add_to_hf_cache(cache: Path, repo: str, folder: Path) -> Path:
+    """Lay `folder` out as huggingface_hub caches a download: blobs, a snapshot of links to
+    them, and refs/main naming the snapshot's commit."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    for i, f in enumerate(sorted(folder.iterdir())):
+        blob = root / "blobs" / f"blob{i}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_hub_id_in_the_local_cache_loads(tiny_model, tmp_path):
+    from huggingface_hub import scan_cache_dir
+
+    snapshot = add_to_hf_cache(tmp_path / "hf-hub", REPO, tiny_model)
+    assert [r.repo_id for r in scan_cache_dir(tmp_path / "hf-hub").repos] == [REPO]
+    assert model_kind(REPO) == "hub" and normalize_model(REPO) == REPO
+    assert resolve_model(REPO) == snapshot
+    model = load_model(REPO, device="cpu")
+    assert model.args.num_layers == 2
+    assert load_tokenizer(REPO).encode("the model reads")
+
+
+def test_missing_hub_id_is_one_clear_error():
+    with pytest.raises(ModelError) as err:
+        resolve_model("prefixflow-test/not-downloaded")
+    msg = str(err.value)
+    assert "'prefixflow-test/not-downloaded'" in msg and "hf download" in msg
+    assert isinstance(err.value, ValueError)
+
+
+def test_broken_gguf_is_one_clear_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ModelError, match=r"broken\.gguf.*is not a GGUF file"):
+        resolve_model(str(bad))
+    assert not any((tmp_path / "pf-cache" / "models").iterdir())  # nothing half-written kept
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_folder_without_weights_or_config(tiny_model, tmp_path):
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_model, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match=r"no_weights.*no \*\.safetensors weights"):
+        resolve_model(str(no_weights))
+    (no_weights / "config.json").unlink()
+    with pytest.raises(ModelError, match="has no config.json"):
+        resolve_model(str(no_weights))
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_model(str(tmp_path / "nowhere"))
+
+
+def test_forms_and_normalized_names(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert model_kind("smollm2-135m-instruct") == "short"
+    assert model_kind("s3://bucket/models/x") == "s3"
+    assert model_kind("x/model.gguf") == "gguf"
+    assert model_kind(str(tiny_model)) == "folder" and model_kind("./nowhere") == "folder"
+    assert normalize_model("./m") == str(tmp_path / "m")
+    assert normalize_model("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert resolve_model(str(tiny_model)) == tiny_model
+
+
+def test_s3_folder_is_copied_once(tiny_model, s3_server):
+    import boto3
+
+    from prefixflow.operators.storage import StorageOptions
+
+    storage = StorageOptions(endpoint_url=s3_server, region="us-east-1",
+                             aws_access_key_id="testing", aws_secret_access_key="testing")
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="models")
+    fs = storage.filesystem("s3://models")
+    fs.put(str(tiny_model) + "/", "models/tiny/", recursive=True)
+    local = resolve_model("s3://models/tiny", storage)
+    assert (local / "config.json").is_file() and model_kind(str(local)) == "folder"
+    fs.rm("models/tiny", recursive=True)
+    assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, no S3 read
+    with pytest.raises(ModelError, match="'s3://models/absent' could not be copied"):
+        resolve_model("s3://models/absent", storage)
+
+
+def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_gpu(tiny_model, tmp_path):
+    import json
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_model, bf16)
+    cfg = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    assert torch_dtype("auto", bf16, "cpu") == torch.float32
+    assert torch_dtype("auto", bf16, "cuda") == torch.bfloat16   # decided without a GPU
+    assert torch_dtype("float16", bf16, "cpu") == torch.float16
+    assert load_model(bf16, device="cpu").model.embed_tokens.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype='int8'.*auto"):
+        torch_dtype("int8", bf16, "cpu")
