@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +51,17 @@ class PlannedJob:
     error_row_ids: np.ndarray   # rows that become error records without running
     extra_errors: dict[int, str] = field(default_factory=dict)  # row id -> error found here
     timings: dict[str, float] = field(default_factory=dict)
+    content_digest: str = ""    # sha256 over every row's columns but the tokens, in row order
 
 
 def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
-    """Only the metadata the planner needs; runs next to the block."""
+    """Only the metadata the planner needs, and a digest of the block; runs next to the block."""
+    if TOKENS not in block.column_names:
+        # An empty input leaves blocks without rows (and without our columns): nothing to plan.
+        if block.num_rows:
+            raise RuntimeError(f"a tokenized block of {block.num_rows} rows has no {TOKENS} column")
+        return {"num_rows": 0, "good": np.zeros(0, np.int64), "lengths": np.zeros(0, np.int64),
+                "flat": np.zeros(0, np.int32), "digest": _block_digest(block)}
     errors = block.column(ERROR).is_valid().to_numpy(zero_copy_only=False)
     good = np.flatnonzero(~errors)
     tokens = block.column(TOKENS).take(pa.array(good)).combine_chunks() if len(good) else None
@@ -64,12 +72,25 @@ def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
         pc.list_value_length(tokens).to_numpy(zero_copy_only=False).astype(np.int64),
         "flat": np.zeros(0, np.int32) if tokens is None else
         tokens.flatten().to_numpy(zero_copy_only=False).astype(np.int32),
+        "digest": _block_digest(block),
     }
     if MAX_TOKENS in block.column_names:
-        meta["max_tokens"] = block.column(MAX_TOKENS).take(pa.array(good)).to_numpy(zero_copy_only=False)
+        # Most OpenAI bodies omit max_tokens: null -> -1, "unknown" to the planner (plan_dataset).
+        col = block.column(MAX_TOKENS).cast(pa.int64()).take(pa.array(good))
+        meta["max_tokens"] = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64)
     if custom_ids and "custom_id" in block.column_names:
         meta["custom_id"] = block.column("custom_id").take(pa.array(good)).to_pylist()
     return meta
+
+
+def _block_digest(block: pa.Table) -> np.ndarray:
+    """sha256 of every column the output carries (the token column derives from them), so that
+    a resume notices an input whose prompts are the same but another column changed."""
+    table = block.drop_columns([c for c in (TOKENS,) if c in block.column_names]).combine_chunks()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return np.frombuffer(hashlib.sha256(sink.getvalue()).digest(), np.uint8)
 
 
 def _gather_meta(refs: list[Any], custom_ids: bool) -> list[dict[str, Any]]:
@@ -98,8 +119,13 @@ def _gather_meta(refs: list[Any], custom_ids: bool) -> list[dict[str, Any]]:
     return metas
 
 
-def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = False) -> PlannedJob:
-    """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc)."""
+def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = False,
+                 default_max_tokens: int | None = None) -> PlannedJob:
+    """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc).
+
+    default_max_tokens: the output-length hint of rows whose own max_tokens is null (the job's
+    sampling default, which they run with); None leaves them unknown (estimated per subtree).
+    """
     import ray
 
     from prefixflow.pipeline import RaggedTokens, build_plan
@@ -118,8 +144,11 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
     if custom_ids:
         keep, extra = _duplicate_custom_ids(good_ids, [c for m in metas for c in m.get("custom_id", [])])
     out_lens = None
-    if all("max_tokens" in m for m in metas) and metas:
-        out_lens = np.concatenate([m["max_tokens"] for m in metas]).astype(np.int64)
+    with_rows = [m for m in metas if len(m["good"])]
+    if with_rows and all("max_tokens" in m for m in with_rows):
+        out_lens = np.concatenate([m["max_tokens"] for m in with_rows]).astype(np.int64)
+        if default_max_tokens is not None:
+            out_lens[out_lens < 0] = default_max_tokens
     tokens = RaggedTokens(flat, np.r_[0, np.cumsum(lengths)].astype(np.int64))
     if not keep.all():
         sel = np.flatnonzero(keep)
@@ -133,7 +162,8 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
     all_ids = np.arange(offsets[-1], dtype=np.int64)
     error_ids = np.setdiff1d(all_ids, good_ids, assume_unique=True)
     timings = {"read_tokenize_s": t1 - t0, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
-    return PlannedJob(plan, RowIndex(tuple(refs), offsets), error_ids, extra, timings)
+    digest = hashlib.sha256(b"".join(m["digest"].tobytes() for m in metas)).hexdigest()  # block order
+    return PlannedJob(plan, RowIndex(tuple(refs), offsets), error_ids, extra, timings, digest)
 
 
 def _duplicate_custom_ids(row_ids: np.ndarray, custom_ids: list[Any]) -> tuple[np.ndarray, dict[int, str]]:

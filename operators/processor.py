@@ -71,7 +71,8 @@ class Processor:
     def plan(self, ds: Any) -> PlannedJob:
         """Tokenize `ds` and plan it (materializes; the rows stay in the object store)."""
         return plan_dataset(self.tokenize(ds), order=self.config.order,
-                            num_replicas=self.config.replicas, custom_ids=self.config.openai_batch)
+                            num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
+                            default_max_tokens=self.config.sampling.max_tokens)
 
     def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
         """A lazy Dataset of output blocks: R engine actors run their partitions.

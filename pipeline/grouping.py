@@ -51,6 +51,8 @@ def maximize_reuse(tree: PrefixTree, min_prefix_len: int = 1) -> Grouping:
     size)."""
     if min_prefix_len < 1:
         raise ValueError(f"min_prefix_len={min_prefix_len} is invalid: use 1 or more tokens")
+    if len(tree.order) == 0:  # no prompts (every row of a job was bad): nothing to group
+        return Grouping(np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
     threshold = _solve(tree, min_prefix_len)
     return _assign(tree, threshold)
 
