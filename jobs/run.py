@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 
 from prefixflow.jobs import report
-from prefixflow.jobs.spec import JobSpec, SpecError
+from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
+from prefixflow.jobs.spec import JobSpec
 from prefixflow.operators.commit import MANIFEST, check_job_file, load_committed, plan_fingerprint
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
-from prefixflow.operators.storage import StorageOptions, absolute, is_s3, join, list_input_files
+from prefixflow.operators.storage import StorageOptions, absolute, join
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.write import WriteOptions
 
@@ -58,28 +59,6 @@ def write_options(spec: JobSpec) -> WriteOptions:
                         created=int(time.time()))
 
 
-def preflight(spec: JobSpec, source: str = "<spec>") -> None:
-    """Checks that touch the outside world (model folder, input files), before any work."""
-    problems = []
-    model = Path(spec.model).expanduser()
-    if is_s3(spec.model):
-        problems.append(("model", f"{spec.model!r} is on S3: copy the model to a local or shared "
-                         "path on the workers first (e.g. /mnt/models/NAME) and give that path"))
-    elif not (model / "config.json").is_file():
-        why = "does not exist" if not model.exists() else "has no config.json"
-        problems.append(("model", f"{spec.model!r} {why}: give a Hugging Face model directory "
-                         "(config.json, *.safetensors, tokenizer files)"))
-    try:
-        list_input_files(spec.input.path, storage_options(spec))
-    except (ValueError, OSError) as e:
-        problems.append(("input.path", str(e).removeprefix("input.path=")))
-    if spec.output_format() == "openai" and spec.input_format() != "openai":
-        problems.append(("output.format", "openai output needs input.format: openai (the lines "
-                         "are keyed by the requests' custom_id): use parquet or jsonl"))
-    if problems:
-        raise SpecError(source, problems)
-
-
 def ensure_ray(address: str | None = None) -> None:
     import os
 
@@ -108,9 +87,10 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     preflight(spec, source)
     config = processor_config(spec)
     wopts = write_options(spec)
-    if not dry_run:
-        prepare_output(wopts, spec.output.overwrite, spec.output.resume)
     ensure_ray(address)
+    if not dry_run:
+        check_resources(spec, source)  # before prepare_output deletes anything
+        prepare_output(wopts, spec.output.overwrite, spec.output.resume)
     processor = Processor(config)
     planned = processor.plan(read_dataset(read_options(spec)))
     if not quiet:

@@ -8,20 +8,25 @@ Unknown keys and bad values fail before anything starts, with the field path and
       sampling.temperature: -1.0 is invalid: use 0 for greedy or a positive value
 
 The engine, sampling and storage sections mirror `EngineConfig`, `SamplingParams` and
-`StorageOptions` field for field (generated from their dataclasses, so they cannot drift apart). YAML is read with safe_load.
+`StorageOptions` field for field (generated from their dataclasses, so they cannot drift apart).
+YAML is read with a safe loader (no python/* tags) that also refuses duplicate keys and nesting
+deeper than a spec needs; `--set KEY=VALUE` values are read the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import difflib
+import math
+import re
+import reprlib
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.operators.storage import StorageOptions
@@ -36,9 +41,96 @@ class SpecError(ValueError):
     def __init__(self, source: str, problems: list[tuple[str, str]]):
         self.source = source
         self.problems = problems
-        lines = [f"{source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"]
+        if len(problems) == 1:  # one problem, one line
+            path, msg = problems[0]
+            super().__init__(f"{source}: {path}: {msg}" if path else f"{source}: {msg}")
+            return
+        lines = [f"{source}: {len(problems)} problems"]
         lines += [f"  {path}: {msg}" if path else f"  {msg}" for path, msg in problems]
         super().__init__("\n".join(lines))
+
+
+# A spec needs four or five levels; deeper YAML is refused before PyYAML's recursive composer
+# (three frames per level) runs out of stack.
+MAX_DEPTH = 32
+
+
+class _YAMLProblem(yaml.YAMLError):
+    """The spec loader refused the YAML at `field` (a duplicate key, or too deep)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader (python/* tags stay refused) that also refuses duplicate keys, which plain
+    YAML silently resolves to the last one, and nesting deeper than MAX_DEPTH."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._path: list[str | None] = []
+
+    def _field(self, *more: str) -> str:
+        return ".".join(p for p in [*self._path, *more] if p is not None)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if len(self._path) >= MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise _YAMLProblem(".".join(p for p in self._path[:3] if p is not None) + "...",
+                               f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1}, "
+                               f"column {mark.column + 1}): a job spec needs only a few levels")
+        # index: the key node of a mapping value, the position in a sequence, None for a key.
+        part = index.value if isinstance(index, yaml.ScalarNode) else (
+            str(index) if isinstance(index, int) else None)
+        self._path.append(part)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._path.pop()
+
+    def compose_mapping_node(self, anchor: Any) -> Any:
+        node = super().compose_mapping_node(anchor)
+        seen: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in seen:
+                raise _YAMLProblem(self._field(key.value), f"duplicate key (lines "
+                                   f"{seen[key.tag, key.value]} and {line}): YAML would keep only "
+                                   "the last one; remove one of them")
+            seen[key.tag, key.value] = line
+        return node
+
+
+def load_yaml(text: str, source: str, field: str = "") -> Any:
+    """Parse YAML text with the spec loader; raise SpecError (one line) on any problem."""
+    try:
+        return yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _YAMLProblem as e:
+        raise SpecError(source, [(_join(field, e.field), e.message)]) from None
+    except yaml.YAMLError as e:
+        why = " ".join(str(e).split())  # PyYAML's messages span several lines
+        if isinstance(e, yaml.constructor.ConstructorError):
+            why += " (tags such as !!python/... are refused: a spec holds only data)"
+        raise SpecError(source, [(field, f"not valid YAML: {why}")]) from None
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs -> {dotted key: value}; each value is YAML, read like a spec."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or "" in key.split("."):
+            raise SpecError("--set", [("", f"{pair!r} is not KEY=VALUE: write e.g. "
+                                       "--set sampling.max_tokens=32")])
+        out[key] = load_yaml(value, "--set", key)
+    return out
 
 
 class _Strict(BaseModel):
@@ -78,6 +170,15 @@ class InputSpec(_Strict):
     path: str | list[str] = Field(description="file, directory, glob or list; local or s3://")
     format: Literal["auto", "jsonl", "csv", "parquet", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1, description="read only the first N rows")
+
+    @field_validator("path")
+    @classmethod
+    def _not_empty(cls, path: str | list[str]) -> str | list[str]:
+        if path == [] or path == "":
+            raise ValueError(f"{path!r} is empty: give at least one file, directory or glob")
+        if not isinstance(path, str) and any(not p for p in path):
+            raise ValueError(f"{path!r} has an empty entry: give a file, directory or glob in each")
+        return path
 
 
 class PromptSpec(_Strict):
@@ -153,6 +254,13 @@ class OutputSpec(_Strict):
                          "committed rows are kept and skipped")
     include_prompt: bool = False
 
+    @model_validator(mode="after")
+    def _resume_or_overwrite(self) -> "OutputSpec":
+        if self.overwrite and self.resume:
+            raise ValueError("output.overwrite and output.resume are both true: choose one: "
+                             "resume keeps committed parts, overwrite deletes them")
+        return self
+
 
 class JobSpec(_Strict):
     """One offline batch job. See jobs/examples/*.yaml."""
@@ -187,7 +295,21 @@ class JobSpec(_Strict):
         if self.prompt is None and fmt != "openai":
             raise ValueError("prompt is required unless input.format is openai: add prompt.template "
                              "(e.g. \"Q: {{ question }}\") or prompt.user, or prompt.messages_column")
+        self._device_has_a_gpu()
         return self
+
+    def _device_has_a_gpu(self) -> None:
+        # An actor without a GPU slot sees no GPU, so a cuda engine could never start in it.
+        device, gpus = self.engine.device, self.resources.num_gpus_per_replica
+        if device.startswith("cuda") and gpus == 0:
+            raise ValueError(f"engine.device is {device!r} but resources.num_gpus_per_replica is 0: "
+                             "set resources.num_gpus_per_replica (e.g. 1, one GPU per replica) or "
+                             "use engine.device: auto")
+        index = device.partition(":")[2]
+        if index.isdigit() and int(index) >= math.ceil(gpus):
+            raise ValueError(f"engine.device is {device!r} but each replica sees only "
+                             f"{math.ceil(gpus)} GPU(s) (resources.num_gpus_per_replica): use "
+                             "engine.device: cuda")
 
     def input_format(self) -> str:
         from prefixflow.operators.read import infer_format
@@ -203,22 +325,22 @@ class JobSpec(_Strict):
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
-    """Read a YAML job file (safe_load) and validate it; raise SpecError on any problem."""
+    """Read a YAML job file (safely, see _SpecLoader) and validate it; raise SpecError on any problem."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(str(path), [("", "no such file: give the path of a job YAML")])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
         raise SpecError(str(path), [("", f"not valid YAML: {e}")]) from None
-    return parse_spec(data, str(path), overrides)
+    return parse_spec(load_yaml(text, str(path)), str(path), overrides)
 
 
 def parse_spec(data: Any, source: str = "<spec>", overrides: dict[str, Any] | None = None) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError(source, [("", f"the top level must be a mapping, got {type(data).__name__}")])
     for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted, value)
+        _set_dotted(data, dotted, value, source)
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
@@ -236,11 +358,28 @@ def _merge(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(merged.items())
 
 
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
+    """--set a.b.c=v: walk the mappings a, a.b (made when missing) and set c."""
     keys = dotted.split(".")
-    for k in keys[:-1]:
-        data = data.setdefault(k, {})
+    for i, k in enumerate(keys[:-1]):
+        if data.get(k) is None:
+            data[k] = {}
+        if not isinstance(data[k], dict):
+            here = ".".join(keys[:i + 1])
+            kind = "a list" if isinstance(data[k], list) else f"{_short(data[k])}, not a mapping"
+            raise SpecError(source, [(here, f"is {kind}: --set {dotted} cannot set a key under "
+                                      f"it; set the whole value instead, e.g. --set {here}=...")])
+        data = data[k]
     data[keys[-1]] = value
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 80, 80
+
+
+def _short(value: Any) -> str:
+    """repr of a value from the spec, bounded: a YAML alias may make it huge or deep."""
+    return _repr.repr(value)
 
 
 def _describe(err: dict[str, Any]) -> tuple[str, str]:
@@ -253,7 +392,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     if kind == "missing":
         return path, "required field is missing: add it"
     if kind == "literal_error":
-        return path, f"{value!r} is not allowed: {err['msg'].replace('Input should be', 'use')}"
+        return path, f"{_short(value)} is not allowed: {err['msg'].replace('Input should be', 'use')}"
     msg = err["msg"].removeprefix("Value error, ")
     # EngineConfig / SamplingParams checks say "SamplingParams.top_p=2.0 is invalid: ...".
     own = re.match(r"^\w+\.(\w+)=(.*?) is invalid: (.*)$", msg, re.S)
@@ -261,12 +400,12 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return f"{path}.{own.group(1)}" if path else own.group(1), f"{own.group(2)} is invalid: {own.group(3)}"
     if kind == "model_type":
         fields = ", ".join(_model_of(_field_annotation(loc)).model_fields) if _field_annotation(loc) else ""
-        return path, f"{value!r} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
+        return path, f"{_short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
     if kind.endswith(("_type", "_parsing")):
         msg = msg.replace("valid tuple", "valid list")
-        return path, f"{value!r} has the wrong type: {msg[0].lower() + msg[1:]}"
+        return path, f"{_short(value)} has the wrong type: {msg[0].lower() + msg[1:]}"
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        return path, f"{value!r} is out of range: use a value that is {msg.removeprefix('Input should be ')}"
+        return path, f"{_short(value)} is out of range: use a value that is {msg.removeprefix('Input should be ')}"
     return path, msg
 
 

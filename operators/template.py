@@ -105,3 +105,18 @@ def messages_from_value(value: Any, column: str) -> list[dict[str, str]]:
     if not any(m["content"].strip() for m in messages):
         raise RowError("empty prompt: every message of this row has blank content")
     return messages
+
+
+def template_columns(prompt: PromptTemplate) -> set[str]:
+    """The columns `prompt` reads from a row: its templates' free variables (Jinja's own globals
+    such as `range` left out) and its messages_column."""
+    from jinja2 import meta
+
+    names: set[str] = set()
+    for source in (prompt.template, prompt.system, prompt.user):
+        if source is not None:
+            names |= meta.find_undeclared_variables(_env().parse(source))
+    names -= set(_env().globals)
+    if prompt.messages_column is not None:
+        names.add(prompt.messages_column)
+    return names

@@ -41,18 +41,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _overrides(pairs: list[str]) -> dict[str, Any]:
-    import yaml
-
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set {pair!r}: use KEY=VALUE, e.g. --set sampling.max_tokens=32")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from prefixflow.jobs.spec import SpecError
@@ -65,26 +53,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from prefixflow.jobs.run import preflight, run_job
-    from prefixflow.jobs.spec import load_spec
+    from prefixflow.jobs.run import run_job
+    from prefixflow.jobs.spec import load_spec, parse_overrides
 
     if args.command == "demo":
         from prefixflow.jobs.demo import run_demo
 
         run_demo(args.dir, plan_only=args.plan_only)
         return 0
-    spec = load_spec(args.spec, _overrides(args.set))
+    spec = load_spec(args.spec, parse_overrides(args.set))
     if args.command == "validate":
-        preflight(spec, args.spec)
-        print(f"{args.spec}: ok ({spec.input_format()} input -> {spec.output_format()} output, "
-              f"order {spec.order}, {spec.replicas} replica(s))")
-        return 0
+        return _validate(spec, args.spec)
     if args.command == "plan":
         result = _plan(spec, args)
         return 0 if result else 1
     result = run_job(spec, dry_run=args.dry_run, source=args.spec, address=args.address)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _validate(spec: Any, source: str) -> int:
+    """Check the spec, its paths and a sample of its rows; report rows that would fail."""
+    from prefixflow.jobs.preflight import preflight, row_report
+
+    report = row_report(spec, preflight(spec, source))
+    print(f"{source}: ok ({spec.input_format()} input -> {spec.output_format()} output, "
+          f"order {spec.order}, {spec.replicas} replica(s))")
+    if report.num_bad:
+        print(f"  {report.num_bad} of the first {report.num_rows} rows would become error "
+              "records, e.g.:")
+        for reason in report.reasons:
+            print(f"    {reason}")
     return 0
 
 
@@ -97,7 +97,8 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from prefixflow.jobs import report
-    from prefixflow.jobs.run import ensure_ray, preflight, processor_config, read_options
+    from prefixflow.jobs.preflight import preflight
+    from prefixflow.jobs.run import ensure_ray, processor_config, read_options
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
 

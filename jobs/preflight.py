@@ -1,0 +1,283 @@
+"""Checks before any work: the spec against the world it will run in.
+
+    preflight(spec)          model folder, input files and a sample of their rows, output path
+    check_resources(spec)    after ray.init: can the cluster ever place one engine actor?
+    sample_rows(spec, n)     the first n input rows, read by the job's own readers (no Ray)
+    row_report(spec, rows)   which sampled rows would become error records, and why
+
+A problem that every sampled row has (a template column no row has, sampling overrides with
+keys SamplingParams does not know) is a spec error; rows that would only partly fail are
+reported by `prefixflow validate` and become error records when the job runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import json
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixflow.jobs.spec import JobSpec, SpecError
+from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
+from prefixflow.operators.storage import StorageOptions, absolute, is_s3, list_input_files, strip_scheme
+from prefixflow.operators.template import PromptTemplate, RowError, template_columns
+from prefixflow.pipeline.requests import SamplingParams
+
+SAMPLE_ROWS = 32
+SAMPLE_BYTES = 1 << 20  # the first MiB of the first file holds the sample of any usual input
+
+Problems = list[tuple[str, str]]
+
+
+def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
+    """Checks that touch the outside world, before any work; returns the sampled rows.
+
+    Raises SpecError naming each field: the model folder and its context length, the input
+    files, the output path (never the input's), and the columns and sampling overrides of the
+    first SAMPLE_ROWS rows.
+    """
+    storage = StorageOptions(**spec.storage.model_dump())
+    problems = _model_problems(spec)
+    try:
+        files = list_input_files(spec.input.path, storage)
+    except (ValueError, OSError) as e:
+        files = []
+        problems.append(("input.path", str(e).removeprefix("input.path=")))
+    if spec.output_format() == "openai" and spec.input_format() != "openai":
+        problems.append(("output.format", "openai output needs input.format: openai (the lines "
+                         "are keyed by the requests' custom_id): use parquet or jsonl"))
+    problems += _output_problems(spec, files)
+    rows: list[dict[str, Any]] = []
+    if files:
+        try:
+            rows = sample_rows(spec, SAMPLE_ROWS)
+        except (ValueError, OSError) as e:  # pyarrow's errors are ValueErrors too
+            problems.append(("input.path", f"cannot read the first input file: {e}"))
+        problems += row_problems(spec, rows)
+    if problems:
+        raise SpecError(source, problems)
+    return rows
+
+
+def _model_problems(spec: JobSpec) -> Problems:
+    model = Path(spec.model).expanduser()
+    if is_s3(spec.model):
+        return [("model", f"{spec.model!r} is on S3: copy the model to a local or shared path "
+                 "on the workers first (e.g. /mnt/models/NAME) and give that path")]
+    if not (model / "config.json").is_file():
+        why = "does not exist" if not model.exists() else "has no config.json"
+        return [("model", f"{spec.model!r} {why}: give a Hugging Face model directory "
+                 "(config.json, *.safetensors, tokenizer files)")]
+    from prefixflow.operators.tokenize import model_max_len
+
+    try:
+        limit = model_max_len(str(model), None)  # what tokenization uses: config.json, no torch
+    except ValueError as e:  # json.JSONDecodeError
+        return [("model", f"{str(model / 'config.json')!r} is not valid JSON ({e}): fix the file")]
+    wanted = spec.engine.max_model_len
+    if wanted is not None and wanted > limit:
+        return [("engine.max_model_len", f"{wanted} is more than the model allows ({limit}, "
+                 "max_position_embeddings in its config.json): use at most "
+                 f"{limit}, or leave it unset to use the model's")]
+    return []
+
+
+def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
+    """The output must not be an input file, lie in an input folder or hold an input file:
+    a job would read its own parts, and overwrite would delete its input."""
+    out = _location(spec.output.path)
+    given = [spec.input.path] if isinstance(spec.input.path, str) else list(spec.input.path)
+    for path in given:
+        if any(ch in path for ch in "*?["):  # a glob: the output must not match it
+            clash = fnmatch.fnmatch(out, _location(path))
+        else:
+            where = _location(path)
+            clash = out == where or _inside(out, where)
+        if clash:
+            return [("output.path", f"{spec.output.path!r} is inside the input "
+                     f"(input.path {path!r}): write the output to a folder of its own")]
+    for file in files:
+        if _inside(_location(file), out) or _location(file) == out:
+            return [("output.path", f"{spec.output.path!r} holds the input file {file!r}: "
+                     "write the output to a folder of its own")]
+    return []
+
+
+def _location(path: str) -> str:
+    """A comparable form: a normalized absolute local path, or bucket/key for s3://."""
+    if is_s3(path):
+        return "s3://" + posixpath.normpath(strip_scheme(path)).strip("/")
+    return absolute(path)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
+
+
+def sample_rows(spec: JobSpec, n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
+    """The first n rows (at most input.limit) of the first input file, as dicts with the
+    readers' bookkeeping columns (_pf_source, _pf_error). Read here, without Ray, by the
+    job's own parsers, so a row is what the job would see. Raises ValueError or OSError."""
+    fmt = spec.input_format()
+    storage = StorageOptions(**spec.storage.model_dump())
+    first = list_input_files(spec.input.path, storage, SUFFIXES[fmt])[0]
+    n = min(n, spec.input.limit or n)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with storage.filesystem(first).open(first, "rb") as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
+        return [] if batch is None else batch.to_pylist()[:n]
+    # A small file is read whole, as the job reads it, so rows are named by line number.
+    end = -1 if storage.filesystem(first).size(first) <= SAMPLE_BYTES else SAMPLE_BYTES
+    return parse_file(first, fmt, storage, 0, end).slice(0, n).to_pylist()
+
+
+def row_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Problems:
+    """Spec errors that the sampled rows show: problems that every row which parsed has."""
+    good = [r for r in rows if r.get(ERROR) is None]
+    if not good:  # nothing parsed: each row's error says why (row_report)
+        return []
+    columns = sorted({k for r in good for k in r if not k.startswith("_pf_")})
+    problems: Problems = []
+    if spec.prompt is not None:
+        problems += _template_problems(PromptTemplate(**spec.prompt.model_dump()), good, columns)
+    if spec.score is not None and spec.score.choices_column is not None:
+        if spec.score.choices_column not in columns:
+            problems.append(("score.choices_column", _no_column(spec.score.choices_column, columns)))
+    return problems + _sampling_key_problems(good)
+
+
+def _template_problems(prompt: PromptTemplate, rows: list[dict[str, Any]],
+                       columns: list[str]) -> Problems:
+    problems: Problems = []
+    for field in ("template", "system", "user", "messages_column"):
+        value = getattr(prompt, field)
+        if value is None:
+            continue
+        one = PromptTemplate(**{field: value})
+        missing = sorted(template_columns(one) - set(columns))
+        # A name used only under `{% if x is defined %}` is optional: only a template that
+        # fails on every sampled row needs the column.
+        if missing and not any(_renders(one, r) for r in rows):
+            problems += [(f"prompt.{field}", _no_column(name, columns)) for name in missing]
+    return problems
+
+
+def _renders(prompt: PromptTemplate, row: dict[str, Any]) -> bool:
+    try:
+        prompt.render(row)
+        return True
+    except RowError:
+        return False
+
+
+def _no_column(name: str, columns: list[str]) -> str:
+    near = difflib.get_close_matches(name, columns, n=1)
+    shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "")
+    fix = f"did you mean {near[0]!r}?" if near else "fix the name or the input"
+    return f"names column {name!r}, which the input does not have (columns: {shown}); {fix}"
+
+
+def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
+    """Per-row sampling overrides whose keys SamplingParams does not know, in every row that
+    has overrides. (Their values are checked per row: see row_report.)"""
+    from prefixflow.operators.generate import SAMPLING_COLUMNS
+
+    known = [f.name for f in dataclasses.fields(SamplingParams)]
+    unknown_per_row = []
+    for row in rows:
+        column = next((c for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
+        if column is None:
+            continue
+        value = row[column]
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError:
+            value = None
+        # Arrow gives every row all the keys of the column (null where the row has none).
+        keys = {k for k, v in value.items() if v is not None} if isinstance(value, dict) else set()
+        unknown_per_row.append((column, sorted(keys - set(known))))
+    if not unknown_per_row or not all(unknown for _, unknown in unknown_per_row):
+        return []
+    column, unknown = unknown_per_row[0]
+    near = difflib.get_close_matches(unknown[0], known, n=1)
+    fix = f"did you mean {near[0]!r}?" if near else f"use keys among: {', '.join(known)}"
+    return [("input", f"column {column!r} has keys SamplingParams does not know in every "
+             f"sampled row ({', '.join(map(repr, unknown))}): {fix}")]
+
+
+@dataclass(frozen=True)
+class RowReport:
+    """What `prefixflow validate` says about the sampled rows."""
+
+    num_rows: int
+    num_bad: int
+    reasons: tuple[str, ...]  # the first few, "source: why"
+
+
+def row_report(spec: JobSpec, rows: list[dict[str, Any]], max_reasons: int = 3) -> RowReport:
+    """Which sampled rows would become error records (read errors, templates that fail for
+    the row, invalid sampling overrides); prompts are not tokenized here."""
+    prompt = PromptTemplate(**spec.prompt.model_dump()) if spec.prompt is not None else None
+    default = SamplingParams(**spec.sampling.model_dump())
+    bad = []
+    for row in rows:
+        why = row.get(ERROR) or _row_error(prompt, default, row)
+        if why is not None:
+            bad.append(f"{row.get(SOURCE) or 'a row'}: {why}")
+    return RowReport(num_rows=len(rows), num_bad=len(bad), reasons=tuple(bad[:max_reasons]))
+
+
+def _row_error(prompt: PromptTemplate | None, default: SamplingParams, row: dict[str, Any]) -> str | None:
+    from types import SimpleNamespace
+
+    from prefixflow.operators.tokenize import Tokenize
+
+    try:
+        # The tokenize stage's own per-row check; it reads only opts.sampling (no tokenizer).
+        Tokenize._check_sampling(SimpleNamespace(opts=SimpleNamespace(sampling=default)), row)  # type: ignore[arg-type]
+        if prompt is not None:
+            prompt.render(row)
+    except RowError as e:
+        return str(e)
+    return None
+
+
+def check_resources(spec: JobSpec, source: str = "<spec>") -> None:
+    """Run right after ray.init: raise SpecError when no node of the cluster could ever hold
+    one engine actor (Ray would wait for it forever). An actor needs one node with
+    resources.num_cpus_per_replica CPUs and resources.num_gpus_per_replica GPUs. On an
+    autoscaling cluster this sees only the nodes present now."""
+    import ray
+
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    problems = resource_problems(spec, nodes)
+    if problems:
+        raise SpecError(source, problems)
+
+
+def resource_problems(spec: JobSpec, nodes: list[dict[str, float]]) -> Problems:
+    """`nodes`: each alive node's resources, as ray.nodes() gives them ({"CPU": 8, "GPU": 1})."""
+    cpus, gpus = spec.resources.num_cpus_per_replica, spec.resources.num_gpus_per_replica
+    most_cpus = max((n.get("CPU", 0) for n in nodes), default=0)
+    most_gpus = max((n.get("GPU", 0) for n in nodes), default=0)
+    if spec.engine.device.startswith("cuda") and most_gpus == 0:
+        return [("engine.device", f"{spec.engine.device!r} but the Ray cluster has no GPU: use "
+                 "engine.device: cpu (or auto), or run on a cluster with GPUs")]
+    if gpus > most_gpus:
+        return [("resources.num_gpus_per_replica", f"{gpus:g} but no node of the Ray cluster has "
+                 f"more than {most_gpus:g} GPU(s), so no engine actor could start: use at most "
+                 f"{most_gpus:g}")]
+    if cpus > most_cpus:
+        return [("resources.num_cpus_per_replica", f"{cpus:g} but no node of the Ray cluster has "
+                 f"more than {most_cpus:g} CPU(s), so no engine actor could start: use at most "
+                 f"{most_cpus:g}")]
+    if not any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes):
+        return [("resources", f"no node of the Ray cluster has both {cpus:g} CPU(s) and {gpus:g} "
+                 "GPU(s) (num_cpus_per_replica, num_gpus_per_replica): lower one of them")]
+    return []
