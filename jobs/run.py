@@ -20,10 +20,11 @@ import numpy as np
 from prefixflow.jobs import report
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
 from prefixflow.jobs.spec import JobSpec
-from prefixflow.operators.commit import MANIFEST, check_job_file, load_committed, plan_fingerprint
+from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, input_listing, job_identity,
+                                         load_committed)
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
-from prefixflow.operators.storage import StorageOptions, absolute, join
+from prefixflow.operators.storage import StorageOptions, absolute, join, list_input_files
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.write import WriteOptions
 
@@ -76,29 +77,48 @@ def ensure_ray(address: str | None = None) -> None:
 def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet: bool = False,
             address: str | None = None) -> dict[str, Any]:
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
-    import ray
-
-    from prefixflow.jobs.supervise import run_replicas
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
-    from prefixflow.operators.write import MetricsSink, prepare_output, sink_name, write_json
+    from prefixflow.operators.write import prepare_output
 
     started = time.perf_counter()
     preflight(spec, source)
     config = processor_config(spec)
     wopts = write_options(spec)
     ensure_ray(address)
+    lock = None
     if not dry_run:
         check_resources(spec, source)  # before prepare_output deletes anything
-        prepare_output(wopts, spec.output.overwrite, spec.output.resume)
-    processor = Processor(config)
-    planned = processor.plan(read_dataset(read_options(spec)))
-    if not quiet:
-        print(report.plan_text(planned), flush=True)
-    if dry_run:
-        return report.dry_run_result(planned, time.perf_counter() - started)
-    fingerprint = plan_fingerprint(planned, spec.replicas, _spec_key(spec))
-    check_job_file(wopts.path, fingerprint, wopts.storage, spec.output.resume)
+        # One job at a time on a path, from before anything there is deleted to the end.
+        lock = OutputLock(wopts.path, wopts.storage).acquire()
+    try:
+        if not dry_run:
+            prepare_output(wopts, spec.output.overwrite, spec.output.resume)
+        processor = Processor(config)
+        planned = processor.plan(read_dataset(read_options(spec)))
+        if not quiet:
+            print(report.plan_text(planned), flush=True)
+        if dry_run:
+            return report.dry_run_result(planned, time.perf_counter() - started)
+        return _generate(spec, processor, planned, wopts, started, quiet)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, started: float,
+              quiet: bool) -> dict[str, Any]:
+    """Run every row not committed yet, check that every row is, and write the end files."""
+    import ray
+
+    from prefixflow.jobs.supervise import run_replicas
+    from prefixflow.operators.write import MetricsSink, clear_end_markers, sink_name, write_json
+
+    inputs = input_listing(list_input_files(spec.input.path, wopts.storage), wopts.storage)
+    identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs)
+    fingerprint = identity["fingerprint"]
+    check_job_file(wopts.path, identity, wopts.storage, spec.output.resume)
+    clear_end_markers(wopts)
     before = load_committed(wopts.path, wopts.storage)
     # Named, so that another process can read the running job's state (operators/write.py).
     sink = ray.remote(MetricsSink).options(num_cpus=0, namespace="prefixflow",
@@ -109,8 +129,9 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     progress.close()
     final = load_committed(wopts.path, wopts.storage)
     missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
-    assert not len(missing) and len(final.row_ids) == planned.rows.num_rows, \
-        f"rows {missing[:10].tolist()} were not committed"
+    if len(missing) or len(final.row_ids) != planned.rows.num_rows:  # never report success short
+        raise RuntimeError(f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
+                           f"{wopts.path!r} were not committed: rerun with output.resume: true")
     # The commit records are the truth (a killed actor's last report may never arrive).
     metrics = report.metrics(spec, planned, final.manifests, ray.get(sink.get.remote()),
                              wall_s=time.perf_counter() - started,

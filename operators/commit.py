@@ -9,26 +9,42 @@ committed only when its record exists, so on resume:
   - parts without a record (the job died between the two writes) are deleted, and their rows
     run again; temporary files left by a killed writer are deleted too.
 
+A record also holds its part's size: a record whose part is missing or has another size (a
+part deleted or damaged by hand) does not count, and its rows run again.
+
 Part names are fixed by the plan (replica, plan rank of the first row), and the plan of the
-same input is the same on a rerun; `_job.json` holds a fingerprint of the plan so that a
-rerun over changed input or a changed spec refuses to mix its rows with the old ones.
+same input is the same on a rerun; `_job.json` holds a fingerprint of the spec, the input
+files (path, size, modification time or ETag), the input's content (a digest of every column
+the output carries) and the plan, so that a rerun over changed input or a changed spec
+refuses to mix its rows with the old ones.
+
+One job at a time writes to an output path: its `_lock.json` (OutputLock) is taken before
+anything is written or deleted there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import threading
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from prefixflow.operators.storage import StorageOptions, join
+from prefixflow.operators.storage import StorageOptions, is_s3, join, strip_scheme
 
 COMMITS = "_commits"
 JOB_FILE = "_job.json"
 MANIFEST = "_manifest.json"  # written last by the driver: every committed part and row id
 TMP_PREFIX = "_tmp-"
+LOCK_FILE = "_lock.json"
+HEARTBEAT_S = 15.0   # how often a running job refreshes its lock
+STALE_S = 180.0      # a lock not refreshed for this long belongs to a job that is gone
 
 
 @dataclass(frozen=True)
@@ -52,26 +68,48 @@ def record_bytes(manifest: dict[str, Any], row_ids: list[int]) -> bytes:
     return json.dumps({**manifest, "row_ids": [int(r) for r in row_ids]}).encode("utf-8")
 
 
-def plan_fingerprint(planned: Any, num_replicas: int, spec_key: str) -> str:
-    """Same input, same spec -> same rows in the same parts; anything else -> a new value."""
-    h = hashlib.sha256(spec_key.encode("utf-8"))
-    h.update(np.int64(planned.rows.num_rows).tobytes())
-    h.update(np.asarray(planned.error_row_ids, np.int64).tobytes())
+def job_identity(planned: Any, num_replicas: int, spec_key: str,
+                 inputs: list[list[Any]]) -> dict[str, Any]:
+    """What a resume must find unchanged, part by part (named in the refusal), and their hash.
+
+    inputs: input_listing() of the job's input files."""
+    plan = hashlib.sha256(np.int64(planned.rows.num_rows).tobytes())
+    plan.update(np.asarray(planned.error_row_ids, np.int64).tobytes())
     for r in range(num_replicas):
         for g in planned.plan.groups(r):
-            h.update(np.asarray(g.row_ids, np.int64).tobytes())
-            h.update(np.int64(g.prefix_len).tobytes())
-    return h.hexdigest()
+            plan.update(np.asarray(g.row_ids, np.int64).tobytes())
+            plan.update(np.int64(g.prefix_len).tobytes())
+    parts = {"spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(), "inputs": inputs,
+             "input_content": planned.content_digest, "plan": plan.hexdigest()}
+    fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
+    return {"fingerprint": fingerprint, **parts}
 
 
-def _name(path: str) -> str:
+def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
+    """[path, size, version] of each input file, from one listing of each folder: the version
+    is the ETag on S3 and the modification time locally (a rewrite or a touch changes it)."""
+    by_folder: dict[str, list[str]] = {}
+    for f in files:
+        by_folder.setdefault(f.rstrip("/").rsplit("/", 1)[0], []).append(f)
+    out = []
+    for folder, names in by_folder.items():
+        fs = storage.filesystem(folder)
+        listed = {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
+        for f in names:
+            e = listed.get(strip_scheme(f).rstrip("/")) or fs.info(f)
+            out.append([f, int(e["size"]), str(e.get("ETag") or e.get("mtime") or e.get("LastModified"))])
+    return sorted(out)
+
+
+def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def load_committed(out: str, storage: StorageOptions, clean: bool = True) -> Committed:
-    """Read the commit records under `out`; with `clean`, delete parts that have none and
-    temporary files. Only clean when no engine actor is writing: a part whose record is on its
-    way would be deleted."""
+    """Read the commit records under `out`; a record counts only when its part is there with the
+    recorded size. With `clean`, delete records that do not count, parts that have no record,
+    and temporary files. Only clean when no engine actor is writing: a part whose record is on
+    its way would be deleted."""
     fs = storage.filesystem(out)
     if not fs.exists(out):
         return Committed(np.zeros(0, np.int64), [], [])
@@ -79,33 +117,174 @@ def load_committed(out: str, storage: StorageOptions, clean: bool = True) -> Com
     records = []
     if fs.exists(records_dir):
         for p in sorted(fs.ls(records_dir, detail=False)):
-            if _name(p).startswith("part-") and _name(p).endswith(".json"):
+            if basename(p).startswith("part-") and basename(p).endswith(".json"):
                 records.append(json.loads(fs.cat_file(p)))
-    names = {r["part"] for r in records}
+    # Listed after the records are read: a part is written before its record, so every part
+    # whose record was read is in this listing.
+    sizes = {basename(e["name"]): int(e["size"]) for e in fs.ls(out, detail=True) if e["type"] == "file"}
+    kept = [r for r in records if sizes.get(r["part"], -1) == r.get("bytes", sizes.get(r["part"]))]
+    names = {r["part"] for r in kept}
     removed = []
-    for p in fs.ls(out, detail=False) if clean else []:
-        n = _name(p)
+    for r in records if clean else []:
+        if r["part"] not in names:  # its rows run again; the record goes before its part
+            fs.rm(commit_record_path(out, r["part"]))
+            removed.append(f"{COMMITS}/{r['part']}.json")
+    for n in sizes if clean else []:
         if n.startswith(TMP_PREFIX) or (n.startswith("part-") and n not in names):
-            fs.rm(p)
+            fs.rm(join(out, n))
             removed.append(n)
-    ids = [np.asarray(r.pop("row_ids"), np.int64) for r in records]
+    ids = [np.asarray(r.pop("row_ids"), np.int64) for r in kept]
     row_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     unique = np.unique(row_ids)
-    assert len(unique) == len(row_ids), "a row id is in two committed parts"
-    return Committed(unique, records, removed)
+    if len(unique) != len(row_ids):
+        raise RuntimeError(f"output.path={out!r}: a row id is in two committed parts; the "
+                           "commit records were changed by hand: rerun into a new path")
+    return Committed(unique, kept, removed)
 
 
-def check_job_file(out: str, fingerprint: str, storage: StorageOptions, resume: bool) -> None:
-    """Write `_job.json`, or on resume check that it belongs to the same job and plan."""
+def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> None:
+    """Write `_job.json` (job_identity()), or on resume check that it is the same job and input."""
     fs = storage.filesystem(out)
     path = join(out, JOB_FILE)
     if resume and fs.exists(path):
-        old = json.loads(fs.cat_file(path)).get("fingerprint")
-        if old != fingerprint:
-            raise ValueError(f"output.path={out!r} holds parts of a different job or input (plan "
-                             "fingerprint differs): resume needs the same spec and input; choose "
-                             "a new path or set output.overwrite: true")
+        old = json.loads(fs.cat_file(path))
+        if old.get("fingerprint") != identity["fingerprint"]:
+            raise ValueError(f"output.path={out!r} holds parts of a different job or input: "
+                             f"{_what_changed(old, identity)}; resume needs the same spec and "
+                             "input: choose a new path or set output.overwrite: true")
         return
     from prefixflow.operators.write import commit_bytes
 
-    commit_bytes(path, json.dumps({"fingerprint": fingerprint}).encode("utf-8"), storage)
+    commit_bytes(path, json.dumps(identity).encode("utf-8"), storage)
+
+
+def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
+    if old.get("spec") != new["spec"]:
+        return "the spec changed since the first run"
+    if old.get("inputs") != new["inputs"]:
+        before = {f[0]: f for f in old.get("inputs") or []}
+        changed = [f[0] for f in new["inputs"] if before.pop(f[0], None) != f] + sorted(before)
+        return (f"input files changed since the first run (size or modification time): "
+                f"{', '.join(changed[:5]) or 'the list of files'}")
+    if old.get("input_content") != new["input_content"]:
+        return "the input's content changed since the first run"
+    return "the plan differs from the first run's"
+
+
+class OutputLock:
+    """`_lock.json`: one job at a time on an output path (two would replace each other's parts).
+
+    Taken atomically before anything is written or deleted there (locally a hard link, which
+    fails when the name exists; on S3 a PUT with If-None-Match: *), refreshed by a thread while
+    the job runs, deleted at the end, success or failure. A lock whose holder is gone (on this
+    host and its pid dead, or no heartbeat for STALE_S) is taken over, so that a rerun after a
+    killed driver needs no wait.
+    """
+
+    def __init__(self, out: str, storage: StorageOptions):
+        self.out, self.storage, self.path = out, storage, join(out, LOCK_FILE)
+        now = time.time()
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
+                       "heartbeat": now, "token": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> OutputLock:
+        if not self._create():
+            held = self._read()
+            if held is not None and not _stale(held):
+                raise ValueError(f"output.path={self.out!r} is in use by another job "
+                                 f"({_describe(held)}): wait for it to end, or choose another path")
+            self._remove(held)  # its holder is gone: take it over
+            if not self._create():
+                raise ValueError(f"output.path={self.out!r} is in use by another job "
+                                 f"({_describe(self._read())}): wait for it to end, or choose "
+                                 "another path")
+        self._thread = threading.Thread(target=self._beat, name="prefixflow-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._remove(self.holder)
+
+    def _create(self) -> bool:
+        """Create the lock file holding self.holder; False when it exists."""
+        data = json.dumps(self.holder).encode("utf-8")
+        fs = self.storage.filesystem(self.out)
+        try:
+            if is_s3(self.path):
+                bucket, key, _ = fs.split_path(self.path)
+                fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                return True
+            os.makedirs(self.out, exist_ok=True)
+            tmp = join(self.out, f".{LOCK_FILE}-{self.holder['token'][:8]}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                os.link(tmp, self.path)  # atomic, and fails when the lock exists
+            finally:
+                os.unlink(tmp)
+            return True
+        except FileExistsError:  # s3fs raises it for 412 Precondition Failed
+            return False
+
+    def _read(self) -> dict[str, Any] | None:
+        fs = self.storage.filesystem(self.out)
+        try:
+            return json.loads(fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            raise ValueError(f"output.path={self.out!r} holds a {LOCK_FILE} that is not a "
+                             "prefixflow lock: delete it if no job writes there") from None
+
+    def _remove(self, held: dict[str, Any] | None) -> None:
+        """Delete the lock if it still is `held` (not someone's who took it over meanwhile)."""
+        current = self._read()
+        if held is not None and current is not None and current.get("token") == held.get("token"):
+            try:
+                self.storage.filesystem(self.out).rm(self.path)
+            except FileNotFoundError:
+                pass
+
+    def _beat(self) -> None:
+        from prefixflow.operators.write import commit_bytes
+
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                if (self._read() or {}).get("token") != self.holder["token"]:
+                    return  # taken over (this job looked dead): leave the new holder's lock alone
+                self.holder["heartbeat"] = time.time()
+                commit_bytes(self.path, json.dumps(self.holder).encode("utf-8"), self.storage)
+            except Exception:  # a missed beat is only late: STALE_S leaves room for many
+                pass
+
+
+def _stale(held: dict[str, Any]) -> bool:
+    if held.get("host") == socket.gethostname() and not _pid_alive(int(held.get("pid", -1))):
+        return True
+    return time.time() - float(held.get("heartbeat", 0)) > STALE_S
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # os.kill(0 or -1, ...) would ask about whole process groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _describe(held: dict[str, Any] | None) -> str:
+    if held is None:
+        return "its lock just changed hands"
+    age = time.time() - float(held.get("heartbeat", 0))
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held.get("started", 0))))
+    return (f"{LOCK_FILE} held by host {held.get('host')} pid {held.get('pid')}, started "
+            f"{started}, last heartbeat {age:.0f} s ago")

@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prefixflow.operators.generate import COMPUTED, RANK
-from prefixflow.operators.commit import COMMITS, JOB_FILE, MANIFEST, TMP_PREFIX, commit_record_path, record_bytes
+from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
+                                         commit_record_path, record_bytes)
 from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, is_s3, join
 
@@ -56,9 +57,11 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
         # Which engine actor wrote it: where to look when a part is wrong, or a worker dies.
         "worker": [f"{socket.gethostname()}:{os.getpid()}"],
     }
-    commit_bytes(join(opts.path, name), encode_part(table, opts), opts.storage)
+    data = encode_part(table, opts)
+    commit_bytes(join(opts.path, name), data, opts.storage)
     # The record goes second: a part without one is an orphan that resume deletes and redoes.
-    record = {k: v[0] for k, v in manifest.items()}
+    # Its size lets a resume notice a part deleted or damaged since (operators/commit.py).
+    record = {**{k: v[0] for k, v in manifest.items()}, "bytes": len(data)}
     commit_bytes(commit_record_path(opts.path, name),
                  record_bytes(record, table.column("row_id").to_pylist()), opts.storage)
     return pa.table(manifest)
@@ -103,23 +106,37 @@ def _put(path: str, data: bytes, storage: StorageOptions) -> None:
 def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) -> None:
     """Create the output directory; refuse to mix with an earlier job's parts unless asked.
 
-    resume: keep committed parts (the run skips their rows); only the end markers go.
+    resume: keep everything (the run skips the committed rows; a refused resume loses nothing).
+    A folder that holds files but no prefixflow job is refused (its files are not ours to
+    delete). The caller holds the path's OutputLock (operators/commit.py), which stays.
     """
+    if overwrite and resume:
+        raise ValueError(f"output.overwrite=True and output.resume=True for {opts.path!r}: "
+                         "overwrite deletes the committed parts that resume would keep; set one")
     fs = opts.storage.filesystem(opts.path)
-    existing = []
-    if fs.exists(opts.path):
-        existing = [p for p in fs.ls(opts.path, detail=False)
-                    if p.rstrip("/").rsplit("/", 1)[-1].startswith(OUTPUT_NAMES)]
-    if resume and not overwrite:
-        existing = [p for p in existing
-                    if p.rstrip("/").rsplit("/", 1)[-1] in ("metrics.json", "_SUCCESS", MANIFEST)]
+    names = [basename(p) for p in fs.ls(opts.path, detail=False)] if fs.exists(opts.path) else []
+    names = [n for n in names if n != LOCK_FILE and not n.startswith(".")]
+    if resume and names and JOB_FILE not in names:
+        raise ValueError(f"output.resume=True but output.path={opts.path!r} holds no prefixflow "
+                         f"job (files such as {names[0]!r}, no {JOB_FILE}): choose a new path")
+    existing = [n for n in names if n.startswith(OUTPUT_NAMES)]
+    if resume:
+        existing = []  # the end markers go once the job file matches (clear_end_markers)
     elif existing and not overwrite:
         raise ValueError(f"output.path={opts.path!r} already holds a job's output: choose a new "
                          "path, set output.resume: true to finish it, or output.overwrite: true")
-    for p in existing:
-        fs.rm(p, recursive=True)
+    for n in existing:
+        fs.rm(join(opts.path, n), recursive=True)
     if not is_s3(opts.path):
         fs.makedirs(opts.path, exist_ok=True)
+
+
+def clear_end_markers(opts: WriteOptions) -> None:
+    """Before a resume writes: the old `_SUCCESS` and summaries no longer describe the output."""
+    fs = opts.storage.filesystem(opts.path)
+    for name in ("_SUCCESS", "metrics.json", MANIFEST):
+        if fs.exists(join(opts.path, name)):
+            fs.rm(join(opts.path, name))
 
 
 def write_json(path: str, value: Any, storage: StorageOptions) -> None:
