@@ -121,6 +121,14 @@ class LLMEngine:
             raise RuntimeError("reset_prefix_cache() during a run: call it between runs")
         self.block_manager.reset_cache()
 
+    def reset(self) -> None:
+        """An empty engine again after a failed run (operators/isolate.py): no request left
+        and a fresh block manager, since a step that raised may have left the KV bookkeeping
+        half-updated. The hashed prefix cache is dropped with it; the model stays loaded."""
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
+                                          self.config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

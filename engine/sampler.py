@@ -118,7 +118,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """
     m, v = logits.shape
     dev = logits.device
-    k = torch.tensor([kk if kk > 0 else v for kk in top_k], device=dev).clamp(max=v)   # [M]
+    # A top_k beyond the vocabulary keeps it all (clamped here, before it reaches a tensor).
+    k = torch.tensor([min(kk, v) if kk > 0 else v for kk in top_k], device=dev)       # [M]
     # p = 1 must keep everything, even when rounding makes the cumulative mass reach 1 early.
     p = torch.tensor([pp if pp < 1.0 else float("inf") for pp in top_p], device=dev)  # [M]
     sorted_logits, order = logits.sort(dim=-1, descending=True)                        # [M, V]

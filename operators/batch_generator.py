@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import (COMPUTED, RANK, token_counts, with_outputs, output_chunk,
-                                           row_params)
+from prefixflow.operators.generate import (COMPUTED, RANK, engine_outputs, input_name, output_chunk,
+                                           token_counts, with_outputs)
 from prefixflow.operators.read import ERROR
 from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
 
@@ -57,7 +57,7 @@ class Generator:
             rows = table.drop_columns([TOKENS]).take(pa.array(order))
             pos = {int(r): i for i, r in enumerate(order)}
             prompt_len, computed = token_counts(groups, len(order))
-            outs = list(self.engine.run(groups, row_params(self.config.sampling, rows, order)))
+            outs = list(engine_outputs(self.engine, self.config, groups, rows, order))
             pieces.append(output_chunk(outs, rows, pos, prompt_len, computed, replica=0))
         bad = np.flatnonzero(errors)
         if len(bad):
@@ -72,7 +72,17 @@ class Generator:
         out = pa.concat_tables(pieces, promote_options="permissive")
         # Back to the batch's row order; row_id is the position within this batch.
         out = out.take(pc_sort_indices(out.column("row_id")))
-        return out.drop_columns([RANK, COMPUTED, "replica", "row_id"])
+        return _own_names_back(out.drop_columns([RANK, COMPUTED, "replica", "row_id"]), table.column_names)
+
+
+def _own_names_back(out: pa.Table, names: list[str]) -> pa.Table:
+    """with_outputs kept the batch's own `replica` / `row_id` columns as input_<name>; ours are
+    dropped here, so theirs get their names back."""
+    for name in ("replica", "row_id"):
+        kept = input_name(name, names)
+        if name in names and kept in out.column_names:
+            out = out.rename_columns([name if c == kept else c for c in out.column_names])
+    return out
 
 
 def pc_sort_indices(column: pa.ChunkedArray) -> pa.Array:

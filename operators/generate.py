@@ -22,7 +22,7 @@ import pyarrow as pa
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.plan import RowIndex, fetch_rows
 from prefixflow.operators.read import ERROR, SOURCE
-from prefixflow.operators.score import row_choices, score_columns, with_score_fields
+from prefixflow.operators.score import SCORE_FIELDS, row_choices, score_columns, with_score_fields
 
 ERRORS_ITEM = -1
 RANK, COMPUTED = "_pf_rank", "_pf_computed"
@@ -110,12 +110,6 @@ class ReplicaGenerator:
             self.engine = LLMEngine(self.config.engine_config())
         return self.engine
 
-    def _outputs(self, engine: Any, todo: list[Any], rows: pa.Table, row_ids: np.ndarray) -> Iterator[Any]:
-        """The engine's outputs for the replica's groups: generated requests, or scored rows."""
-        if self.config.task == "score":
-            return engine.score_groups(todo, row_choices(self.config.score, rows, row_ids))
-        return engine.run(todo, row_params(self.config.sampling, rows, row_ids))
-
     def _run_replica(self, replica: int) -> Iterator[pa.Table]:
         import ray
 
@@ -136,7 +130,7 @@ class ReplicaGenerator:
         loaded = time.time()
         pending: list[Any] = []
         score = self.config.task == "score"
-        for out in self._outputs(engine, todo, rows, row_ids):
+        for out in engine_outputs(engine, self.config, todo, rows, row_ids):
             pending.append(out)
             if len(pending) >= self.config.rows_per_chunk:
                 yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
@@ -165,8 +159,9 @@ class ReplicaGenerator:
                        "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n,
                        "finish_reason": [None] * n, "error": messages, "replica": [-1] * n,
                        RANK: ranks.tolist(), COMPUTED: [0.0] * n}
-            table = with_outputs(rows, columns)
-            yield with_score_fields(table, None) if self.config.task == "score" else table
+            score = self.config.task == "score"
+            table = with_outputs(rows, columns, score)
+            yield with_score_fields(table, None) if score else table
 
     def _report(self, replica: int, started: float, loaded: float, finished: float, num_rows: int,
                 groups: list[Any]) -> None:
@@ -184,6 +179,25 @@ class ReplicaGenerator:
         import ray
 
         ray.get(self.sink.put.remote(record))  # recorded before this replica's work item ends
+
+
+def engine_outputs(engine: Any, config: ProcessorConfig, todo: list[Any], rows: pa.Table,
+                   row_ids: np.ndarray) -> Iterator[Any]:
+    """The engine's outputs for a replica's groups (generated requests, or scored rows), one per
+    row: an exception inside the engine fails only the rows it hits (operators/isolate.py)."""
+    from prefixflow.operators.isolate import run_isolated
+
+    if config.task == "score":
+        from prefixflow.engine.scoring_choices import ScoreOutput
+
+        choices = row_choices(config.score, rows, row_ids)
+        return run_isolated(lambda groups: engine.score_groups(groups, choices), todo, lambda: None,
+                            lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
+    from prefixflow.engine.outputs import error_output
+
+    params = row_params(config.sampling, rows, row_ids)
+    return run_isolated(lambda groups: engine.run(groups, params), todo, engine.reset,
+                        lambda rid, why: error_output(rid, [], why))
 
 
 def without_rows(group: Any, done: np.ndarray) -> Any:
@@ -211,13 +225,22 @@ def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
     column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
     if column is None:
         return default
-    per_row = {}
-    for rid, value in zip(row_ids.tolist(), rows.column(column).to_pylist()):
-        if isinstance(value, str):
+    values = rows.column(column).to_pylist()
+    return {rid: row_sampling(default, value) for rid, value in zip(row_ids.tolist(), values)}
+
+
+def row_sampling(default: Any, value: Any) -> Any:
+    """A row's SamplingParams: `default` with the row's overrides (a mapping, or its JSON text
+    when the column was stored as text). ValueError naming the bad key or value."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        try:
             value = json.loads(value)
-        value = {k: v for k, v in (value or {}).items() if v is not None}
-        per_row[rid] = dataclasses.replace(default, **value) if value else default
-    return per_row
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"sampling parameters are not a JSON object ({type(e).__name__}): "
+                             "give a mapping like {\"temperature\": 0}") from None
+    return default.with_overrides(value)
 
 
 def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_len: np.ndarray,
@@ -231,7 +254,7 @@ def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_le
     if score:
         columns = {**score_columns(outs), "num_input_tokens": prompt_len[idx].tolist(),
                    "replica": [replica] * len(outs), RANK: idx.tolist(), COMPUTED: computed[idx].tolist()}
-        return with_score_fields(with_outputs(rows.take(pa.array(idx)), columns), outs)
+        return with_score_fields(with_outputs(rows.take(pa.array(idx)), columns, score=True), outs)
     errors = [getattr(o, "error", None) for o in outs]
     columns = {
         "row_id": [int(o.row_id) for o in outs],
@@ -265,18 +288,37 @@ def token_counts(groups: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
     return prompt_len, computed
 
 
-def with_outputs(rows: pa.Table, columns: dict[str, list[Any]]) -> pa.Table:
-    """Input columns (bookkeeping dropped) followed by the typed output columns."""
-    user = [c for c in rows.column_names
-            if (not c.startswith("_pf_") or c in KEEP_INTERNAL) and c not in columns]
+def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = False) -> pa.Table:
+    """Input columns (bookkeeping dropped) followed by the typed output columns.
+
+    An input column whose name an output column takes (`error`, `row_id`, ..., `prompt` with
+    include_prompt, the score columns with score) is kept as `input_<name>`, never replaced.
+    """
+    user = [c for c in rows.column_names if not c.startswith("_pf_") or c in KEEP_INTERNAL]
     table = rows.select(user)
+    ours = output_names(score, include_prompt="_pf_prompt" in user)
+    table = table.rename_columns([input_name(c, user) if c in ours else c for c in user])
     for f in OUTPUT_FIELDS:
         table = table.append_column(f, pa.array(columns[f.name], f.type))
-    if "_pf_prompt" in table.column_names:  # include_prompt; a user's own `prompt` wins
-        if "prompt" in table.column_names:
-            return table.drop_columns(["_pf_prompt"])
+    if "_pf_prompt" in table.column_names:  # include_prompt
         table = table.rename_columns(["prompt" if c == "_pf_prompt" else c for c in table.column_names])
     return table
+
+
+def output_names(score: bool, include_prompt: bool) -> set[str]:
+    """Every column name the output rows may have besides the input's (part to part alike)."""
+    names = {f.name for f in OUTPUT_FIELDS if not f.name.startswith("_pf_")} | {"logprobs"}
+    if score:
+        names |= {f.name for f in SCORE_FIELDS}
+    return names | ({"prompt"} if include_prompt else set())
+
+
+def input_name(name: str, taken: list[str]) -> str:
+    """The name an input column `name` is kept under when an output column takes its name."""
+    new = f"input_{name}"
+    while new in taken:  # the input has `input_error` too: `input_input_error`
+        new = f"input_{new}"
+    return new
 
 
 def _plain(obj: Any) -> Any:

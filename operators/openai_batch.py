@@ -73,22 +73,41 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("body.prompt must be one string for /v1/completions")
         row["_pf_prompt_text"] = prompt
     overrides = {ours: body[theirs] for theirs, ours in _SAMPLING.items() if body.get(theirs) is not None}
-    if body.get("logprobs"):
-        top = body.get("top_logprobs", 0) if url == "/v1/chat/completions" else body["logprobs"]
-        overrides["logprobs"] = int(top) if not isinstance(top, bool) else 0
-    _check_sampling(overrides)
+    top = _logprobs(body, url)
+    if top is not None:
+        overrides["logprobs"] = top
+    params = _check_sampling(overrides)
     row["_pf_sampling"] = json.dumps(overrides) if overrides else None
-    row["_pf_max_tokens"] = overrides.get("max_tokens")
+    row["_pf_max_tokens"] = params.max_tokens if "max_tokens" in overrides else None
     return row
 
 
-def _check_sampling(overrides: dict[str, Any]) -> None:
+def _logprobs(body: dict[str, Any], url: str) -> Any:
+    """How many top log-probabilities the body asks for; None (or false) means none.
+
+    Chat: `logprobs` is a bool and `top_logprobs` the count. Completions: `logprobs` is the
+    count (0 and false: none, as before). The count's range is SamplingParams' to check."""
+    asked = body.get("logprobs")
+    if url == "/v1/chat/completions":
+        if asked is not None and not isinstance(asked, bool):
+            raise ValueError(f"body.logprobs={asked!r} is invalid: use true, false or null "
+                             "(the count goes in body.top_logprobs)")
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float))):
+            raise ValueError(f"body.top_logprobs={top!r} is invalid: use an integer in [0, 20] or null")
+        return (0 if top is None else top) if asked else None
+    if asked is not None and not isinstance(asked, (bool, int, float)):
+        raise ValueError(f"body.logprobs={asked!r} is invalid: use an integer in [0, 20] or null")
+    return (0 if asked is True else asked) if asked else None
+
+
+def _check_sampling(overrides: dict[str, Any]) -> Any:
     """Fail this request now (not the replica later) when its sampling fields are invalid."""
     from prefixflow.pipeline.requests import SamplingParams
 
     try:
-        SamplingParams(**overrides)
-    except (TypeError, ValueError) as e:
+        return SamplingParams().with_overrides(overrides)
+    except ValueError as e:
         raise ValueError(f"body has invalid sampling parameters: {e}") from None
 
 

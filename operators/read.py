@@ -7,13 +7,15 @@ Every row gets two bookkeeping columns:
 
 JSONL, CSV and OpenAI files are parsed by our own per-file task instead of Ray's JSON reader,
 which fails the whole job on one broken line or one non-UTF-8 byte. Parquet is typed, so
-Ray's reader is used as it is. Nothing here evaluates data: JSON is parsed, never executed.
+Ray's reader is used as it is, unless the files' schemas clash (a column int in one file and
+string in another): then each file is read here and the clashing columns become text. Nothing here evaluates data: JSON is parsed, never executed.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +26,8 @@ from prefixflow.operators.storage import StorageOptions, is_s3, list_input_files
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 SOURCE, ERROR = "_pf_source", "_pf_error"
+# A JSON escape of a UTF-16 surrogate (half of a pair, or a lone one the line cannot store).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "csv": (".csv",),
             "parquet": (".parquet",), "openai": (".jsonl", ".json")}
 
@@ -58,14 +62,16 @@ def read_dataset(opts: ReadOptions) -> Any:
 
     files = list_input_files(list(opts.path) if not isinstance(opts.path, str) else opts.path,
                              opts.storage, SUFFIXES[opts.format])
-    if opts.format == "parquet":
+    clash = clashing_columns(files, opts.storage) if opts.format == "parquet" else []
+    if opts.format == "parquet" and not clash:
         fs = opts.storage.filesystem(files[0]) if is_s3(files[0]) else None
         ds = ray.data.read_parquet(files, filesystem=fs).map_batches(
             _add_bookkeeping, batch_format="pyarrow", batch_size=None)
     else:
+        # Parquet files whose schemas clash are read one by one here (Ray's reader fails on them).
         items = file_ranges(files, opts)
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            parse_files, fn_kwargs={"fmt": opts.format, "storage": opts.storage},
+            parse_files, fn_kwargs={"fmt": opts.format, "storage": opts.storage, "text_columns": clash},
             batch_size=1, batch_format="pyarrow")
     if opts.limit is not None:
         ds = ds.limit(opts.limit)
@@ -81,9 +87,45 @@ def _add_bookkeeping(table: pa.Table) -> pa.Table:
     return table
 
 
+def clashing_columns(files: list[str], storage: StorageOptions) -> list[str]:
+    """Columns whose type differs between parquet files beyond what Arrow can promote (int in
+    one file, string in another): they are read as text. Reads only the files' footers."""
+    import pyarrow.parquet as pq
+    from concurrent.futures import ThreadPoolExecutor
+
+    def schema(path: str) -> pa.Schema:
+        with storage.filesystem(path).open(path, "rb") as f:
+            return pq.read_schema(f)
+
+    with ThreadPoolExecutor(max_workers=min(len(files), 16)) as pool:
+        schemas = list(pool.map(schema, files))
+    fields: dict[str, list[pa.Schema]] = {}
+    for s in schemas:
+        for field in s:
+            fields.setdefault(field.name, []).append(pa.schema([field]))
+    clash = []
+    for name, alone in fields.items():
+        try:
+            pa.unify_schemas(alone, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            clash.append(name)
+    return clash
+
+
+def as_text(table: pa.Table, names: list[str]) -> pa.Table:
+    """The columns `names` as text: strings as they are, other values as JSON (as rows_to_table)."""
+    for name in names:
+        if name not in table.column_names or pa.types.is_string(table.schema.field(name).type):
+            continue
+        values = [None if v is None else json.dumps(v, default=str) for v in table.column(name).to_pylist()]
+        table = table.set_column(table.column_names.index(name), name, pa.array(values, pa.string()))
+    return table
+
+
 def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:
     """Work items: whole files, or byte ranges of large JSONL files (read in parallel)."""
-    sizes = [opts.storage.filesystem(p).size(p) if opts.format != "csv" else 0 for p in files]
+    whole = opts.format in ("csv", "parquet")  # only JSONL lines can be split by byte ranges
+    sizes = [opts.storage.filesystem(p).size(p) if not whole else 0 for p in files]
     # Enough reads to keep every tokenizer busy (a fused read -> tokenize task per range).
     chunk = min(opts.chunk_bytes, max(1 << 20, -(-sum(sizes) // max(opts.min_tasks, 1))))
     items = []
@@ -96,18 +138,25 @@ def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:
     return items
 
 
-def parse_files(batch: pa.Table, fmt: Format, storage: StorageOptions) -> pa.Table:
-    """map_batches function: each input row is one file (or byte range) -> its rows."""
-    tables = [parse_file(item["path"], fmt, storage, item["start"], item["end"])
+def parse_files(batch: pa.Table, fmt: Format, storage: StorageOptions,
+                text_columns: list[str] | None = None) -> pa.Table:
+    """map_batches function: each input row is one file (or byte range) -> its rows.
+    text_columns: parquet columns to read as text (clashing_columns)."""
+    tables = [parse_file(item["path"], fmt, storage, item["start"], item["end"], text_columns)
               for item in batch.to_pylist()]
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, end: int = -1) -> pa.Table:
+def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, end: int = -1,
+               text_columns: list[str] | None = None) -> pa.Table:
     data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {path}",
                                storage.retry)
     if fmt == "csv":
         return parse_csv(data, path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return _add_bookkeeping(as_text(pq.read_table(io.BytesIO(data)), text_columns or []))
     records = parse_jsonl(data, path, byte_offset=begin)
     if fmt == "openai":
         from prefixflow.operators.openai_batch import parse_requests
@@ -169,6 +218,15 @@ def parse_jsonl(data: bytes, source: str, byte_offset: int | None = None) -> lis
             records.append({SOURCE: where, ERROR: f"{name} is not valid JSON ({e.msg} at "
                             f"column {e.colno}): fix or remove the line", "_pf_raw": text})
             continue
+        except RecursionError:
+            records.append({SOURCE: where, ERROR: f"{name} is nested too deeply to read (JSON "
+                            "arrays or objects inside thousands of others): flatten the value",
+                            "_pf_raw": text[:1000]})
+            continue
+        if _SURROGATE_ESCAPE.search(text) and not _is_unicode(value):
+            records.append({SOURCE: where, ERROR: f"{name} is not valid Unicode (lone surrogate: a "
+                            "\\uD800-\\uDFFF escape without its pair): fix the escape", "_pf_raw": text})
+            continue
         if not isinstance(value, dict):
             records.append({SOURCE: where, ERROR: f"{name} is a JSON {type(value).__name__},"
                             " not an object: each line must be one JSON object", "_pf_raw": text})
@@ -176,6 +234,16 @@ def parse_jsonl(data: bytes, source: str, byte_offset: int | None = None) -> lis
         value[SOURCE], value[ERROR] = where, None
         records.append(value)
     return records
+
+
+def _is_unicode(value: Any) -> bool:
+    """Whether every string in a parsed JSON value can be encoded as UTF-8 (JSON lets a line
+    escape half a surrogate pair, "\\ud800", which Python decodes but Arrow cannot store)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return False
+    return True
 
 
 def parse_csv(data: bytes, source: str) -> pa.Table:
@@ -193,12 +261,32 @@ def parse_csv(data: bytes, source: str) -> pa.Table:
 
     table = csv.read_csv(io.BytesIO(data),
                          parse_options=csv.ParseOptions(invalid_row_handler=on_invalid))
+    table, errors = _decode_text_columns(table)
     sources = [f"{source}:row {i + 1}" for i in range(table.num_rows)]
     table = table.append_column(SOURCE, pa.array(sources, pa.string()))
-    table = table.append_column(ERROR, pa.nulls(table.num_rows, pa.string()))
+    table = table.append_column(ERROR, pa.array(errors, pa.string()))
     if bad:
         table = pa.concat_tables([table, rows_to_table(bad)], promote_options="permissive")
     return table
+
+
+def _decode_text_columns(table: pa.Table) -> tuple[pa.Table, list[str | None]]:
+    """Arrow reads a CSV column holding one non-UTF-8 value as binary, for every row: decode
+    it back to text, and make only the rows with bad bytes error records."""
+    errors: list[str | None] = [None] * table.num_rows
+    for i, field in enumerate(table.schema):
+        if not (pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)):
+            continue
+        texts: list[str | None] = []
+        for row, raw in enumerate(table.column(i).to_pylist()):
+            try:
+                texts.append(None if raw is None else raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                texts.append(None)
+                errors[row] = errors[row] or (f"CSV row {row + 1}, column {field.name!r}, is not valid "
+                                              f"UTF-8 (byte {raw[e.start]:#04x}): re-encode the file as UTF-8")
+        table = table.set_column(i, field.name, pa.array(texts, pa.string()))
+    return table, errors
 
 
 def rows_to_table(records: list[dict[str, Any]]) -> pa.Table:

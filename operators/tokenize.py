@@ -71,17 +71,14 @@ class Tokenize:
 
     def _check_sampling(self, row: dict[str, Any]) -> None:
         """A row's sampling overrides must make valid SamplingParams (else: an error record)."""
-        import dataclasses
-
-        from prefixflow.operators.generate import SAMPLING_COLUMNS
+        from prefixflow.operators.generate import SAMPLING_COLUMNS, row_sampling
 
         value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
         if value is None or self.opts.sampling is None:
             return
         try:
-            value = json.loads(value) if isinstance(value, str) else value
-            dataclasses.replace(self.opts.sampling, **{k: v for k, v in value.items() if v is not None})
-        except (TypeError, ValueError, AttributeError) as e:
+            row_sampling(self.opts.sampling, value)
+        except ValueError as e:
             raise RowError(f"invalid sampling parameters for this row: {e}") from None
 
     def _render(self, row: dict[str, Any]) -> tuple[str, bool]:

@@ -5,7 +5,11 @@ Pure Python + numpy: the planner, the scheduler and the job spec import this wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
 import numpy as np
 
 
@@ -14,9 +18,9 @@ class SamplingParams:
     """How to sample one request's output. Defaults follow vLLM's, except `max_tokens`.
 
     temperature: 0 means greedy; otherwise logits are divided by it.
-    top_k: keep the k most likely tokens; 0 or -1 disables.
+    top_k: keep the k most likely tokens (at most the vocabulary); 0 or -1 disables.
     top_p: keep the smallest set whose probability reaches p; 1.0 disables.
-    seed: per-request seed; the same seed gives the same tokens whatever the batch.
+    seed: per-request seed in [0, 2**63-1]; the same seed gives the same tokens whatever the batch.
     max_tokens: most tokens to generate (the finish reason is then "length").
     min_tokens: EOS and stop token ids are ignored until this many tokens exist.
     stop: strings that end generation when they appear in the text (excluded from the text).
@@ -38,24 +42,79 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists from YAML/JSON but store tuples so the object stays hashable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        # Types are checked here, the one place every source (spec, rows, OpenAI bodies, Python)
+        # goes through: a wrong type would otherwise pass the range checks and fail the engine
+        # later, taking the whole replica down. Integral floats (5.0) are accepted as ints.
+        # Upper bounds keep values inside the int32/int64 the engine and Arrow store them in.
+        _set(self, "temperature", _real("temperature", self.temperature, "use 0 for greedy or a positive value"))
+        _set(self, "top_p", _real("top_p", self.top_p, "use a value in (0, 1]"))
+        _set(self, "top_k", _integer("top_k", self.top_k, -1, INT32_MAX, "use -1 or 0 to disable, or a positive k"))
+        _set(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, INT32_MAX, "ask for at least one token"))
+        _set(self, "min_tokens", _integer("min_tokens", self.min_tokens, 0, INT32_MAX,
+                                          "use a value between 0 and max_tokens"))
+        if self.seed is not None:
+            _set(self, "seed", _integer("seed", self.seed, 0, INT64_MAX, "use None or a non-negative integer"))
+        if self.logprobs is not None:
+            _set(self, "logprobs", _integer("logprobs", self.logprobs, 0, 20, "use None for no log-probabilities"))
+        _set(self, "stop", _stop_strings(self.stop))
+        _set(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "use true or false")
         _check(self.temperature >= 0, "temperature", self.temperature, "use 0 for greedy or a positive value")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "use -1 or 0 to disable, or a positive k")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "use a value in (0, 1]")
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "ask for at least one token")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+        _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                "use a value between 0 and max_tokens")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
-               "use None or an integer in [0, 20]")
-        _check(all(s for s in self.stop), "stop", self.stop, "stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def with_overrides(self, overrides: Any) -> "SamplingParams":
+        """These parameters with a row's (or request body's) overrides applied; null values
+        keep the default. ValueError naming the unknown key or the bad value."""
+        if not isinstance(overrides, Mapping):
+            raise ValueError(f"sampling parameters must be a mapping of field -> value, got "
+                             f"{type(overrides).__name__}: e.g. {{\"temperature\": 0, \"max_tokens\": 16}}")
+        allowed = [f.name for f in fields(self)]
+        values = {str(k): v for k, v in overrides.items() if v is not None}
+        unknown = [k for k in values if k not in allowed]
+        if unknown:
+            raise ValueError(f"unknown sampling parameter {unknown[0]!r}: use keys among {', '.join(allowed)}")
+        return replace(self, **values) if values else self
+
+
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+
+
+def _set(params: SamplingParams, name: str, value: object) -> None:
+    object.__setattr__(params, name, value)  # normalising a frozen dataclass's own field
+
+
+def _real(name: str, value: object, fix: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    _check(ok, name, value, f"a finite number is needed; {fix}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _integer(name: str, value: object, lo: int, hi: int, fix: str) -> int:
+    number = int(value) if isinstance(value, float) and value.is_integer() else value
+    ok = isinstance(number, int) and not isinstance(number, bool) and lo <= number <= hi
+    _check(ok, name, value, f"an integer in [{lo}, {hi}] is needed; {fix}")
+    return number  # type: ignore[return-value]
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    # Accept lists from YAML/JSON but store tuples so the object stays hashable.
+    stop = (stop,) if isinstance(stop, str) else stop
+    ok = isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)
+    _check(ok, "stop", stop, "use a non-empty string or a list of non-empty strings")
+    return tuple(stop)  # type: ignore[arg-type]
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    ok = isinstance(ids, (list, tuple))
+    _check(ok, "stop_token_ids", ids, "use a list of token ids")
+    return tuple(_integer("stop_token_ids", t, 0, INT32_MAX, "use token ids of the model's vocabulary")
+                 for t in ids)  # type: ignore[union-attr]
 
 
 def _check(ok: bool, name: str, value: object, fix: str) -> None:

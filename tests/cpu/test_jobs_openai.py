@@ -24,6 +24,16 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
         json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}).encode(),
         json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
                     "body": {"prompt": "hi", "temperature": -3}}).encode(),
+        # Wrong types fail their request only; null logprobs mean off.
+        json.dumps({"custom_id": "lp-null", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                             "logprobs": None, "top_logprobs": None}}).encode(),
+        json.dumps({"custom_id": "lp-list", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "hi", "logprobs": [1]}}).encode(),
+        json.dumps({"custom_id": "seed-str", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "hi", "seed": "abc"}}).encode(),
+        json.dumps({"custom_id": "stop-int", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": "hi"}], "stop": [1]}}).encode(),
     ]
     (tmp_path / "batch.jsonl").write_bytes(b"\n".join(lines + extra) + b"\n")
     spec = parse_spec({
@@ -36,7 +46,8 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
     run_job(spec, quiet=True)
     out = read_output(str(tmp_path / "out"))
     ids = [r["custom_id"] for r in out]
-    expected = [r["custom_id"] for r in requests] + [requests[0]["custom_id"], "broken-1", "bad-url", "bad-temp"]
+    expected = [r["custom_id"] for r in requests] + [requests[0]["custom_id"], "broken-1", "bad-url", "bad-temp",
+                                                     "lp-null", "lp-list", "seed-str", "stop-int"]
     assert sorted(ids) == sorted(expected)  # every custom_id kept, the duplicate twice
     by_id: dict[str, list[dict]] = {}
     for r in out:
@@ -48,6 +59,10 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
     assert "not valid JSON" in by_id["broken-1"][0]["error"]["message"]
     assert "/v1/embeddings" in by_id["bad-url"][0]["error"]["message"]
     assert "temperature" in by_id["bad-temp"][0]["error"]["message"]
+    assert by_id["lp-null"][0]["error"] is None and by_id["lp-null"][0]["response"]["status_code"] == 200
+    assert "body.logprobs" in by_id["lp-list"][0]["error"]["message"]
+    assert "seed" in by_id["seed-str"][0]["error"]["message"]
+    assert "stop" in by_id["stop-int"][0]["error"]["message"]
     for req in requests:
         (res,) = by_id[req["custom_id"]] if req is not requests[0] else [r for r in dup if r["error"] is None]
         body = res["response"]["body"]

@@ -114,3 +114,22 @@ def test_byte_ranges_cover_every_line_once(tmp_path):
                                                       it["start"], it["end"]).to_pylist()]
         assert sorted(r["i"] for r in rows if r["_pf_error"] is None) == [i for i in range(300) if i != 17]
         assert sum(r["_pf_error"] is not None for r in rows) == 1
+
+
+def test_parquet_clashing_columns_are_read_as_text(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from prefixflow.operators.read import clashing_columns, parse_file
+    from prefixflow.operators.storage import StorageOptions
+
+    files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    pq.write_table(pa.table({"q": [1, 2], "n": pa.array([1, 2], pa.int32()), "s": [{"x": 1}, None]}), files[0])
+    pq.write_table(pa.table({"q": ["x", None], "n": pa.array([3, 4], pa.int64()), "s": ["t", "u"]}), files[1])
+    clash = clashing_columns(files, StorageOptions())
+    assert clash == ["q", "s"]  # int32 and int64 promote; int and string do not
+    tables = [parse_file(f, "parquet", StorageOptions(), text_columns=clash) for f in files]
+    table = pa.concat_tables(tables, promote_options="permissive")  # one schema again
+    assert table.column("q").to_pylist() == ["1", "2", "x", None]
+    assert table.column("s").to_pylist() == ['{"x": 1}', None, "t", "u"]
+    assert table.column("n").type == pa.int64() and table.column("_pf_error").null_count == 4

@@ -87,3 +87,17 @@ def test_logprobs_are_raw_and_counted_as_asked():
     ids, values = zip(*out.top_logprobs[0])
     assert list(ids) == raw[0].topk(5).indices.tolist()
     assert torch.allclose(torch.tensor(values), raw[0].topk(5).values)
+
+
+def test_top_k_beyond_the_vocabulary_is_clamped_and_unbounded_top_k_is_rejected():
+    import pytest
+
+    logits = random_logits(2, seed=7)
+    big = SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3)
+    full = SamplingParams(temperature=1.0, top_k=V, seed=3)
+    assert Sampler(0).sample(logits, [big, full], [0, 0]).token_ids[0] == \
+        Sampler(0).sample(logits, [full, big], [0, 0]).token_ids[0]
+    assert torch.isfinite(apply_top_k_top_p(logits, [2**31 - 1, V], [1.0, 1.0])).all()
+    for top_k in (1e30, 2**31, 2.5, True):  # would reach torch.tensor as overflowing or float k
+        with pytest.raises(ValueError, match="top_k"):
+            SamplingParams(top_k=top_k)

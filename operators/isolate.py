@@ -1,0 +1,88 @@
+"""Run a replica's groups so that an exception on one row fails that row, not the replica.
+
+An ordinary exception raised inside the engine (a bug or a limitation that one request hits)
+would otherwise end the work item and, through the supervisor, the whole job. Here it is
+contained: the outputs already yielded are kept, the engine is reset, and the rows not yet
+finished run again in isolation: each remaining group alone; a group that fails again is split
+into its members, each run alone; a member that still fails becomes an error output naming the
+exception. Only a death of the process (not an exception) is the supervisor's business.
+
+Torch-free: the engine is reached only through the callables given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+
+from prefixflow.pipeline.requests import PrefixGroup
+
+Out = TypeVar("Out")  # anything with a `row_id`: RequestOutput, ScoreOutput
+
+
+def run_isolated(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[PrefixGroup],
+                 reset: Callable[[], None], failed: Callable[[int, str], Out]) -> Iterator[Out]:
+    """The outputs of `run(groups)`, one per row, even when `run` raises.
+
+    run: runs groups through the engine, yielding one output per row as it finishes.
+    reset: brings the engine back to an empty state after a failed run.
+    failed: the error output of a row, given its row id and the message.
+    """
+    done: set[int] = set()
+    if (yield from _attempt(run, groups, done)) is None:
+        return
+    reset()
+    for group in groups:
+        left = _without(group, done)
+        if left is None:
+            continue
+        if left.num_members > 1:
+            if (yield from _attempt(run, [left], done)) is None:
+                continue
+            reset()
+        yield from _one_by_one(run, left, done, reset, failed)
+
+
+def _one_by_one(run: Callable[[list[PrefixGroup]], Iterable[Out]], group: PrefixGroup, done: set[int],
+                reset: Callable[[], None], failed: Callable[[int, str], Out]) -> Iterator[Out]:
+    """Each member of `group` not yet done, run alone; one that still fails gets `failed`."""
+    for member in _members(group, done):
+        error = yield from _attempt(run, [member], done)
+        if error is None:
+            continue
+        reset()
+        row_id = int(member.row_ids[0])
+        if row_id not in done:  # it may have finished before the failure
+            why = (str(error).splitlines() or [""])[0][:300]
+            yield failed(row_id, f"the engine failed on this row: {type(error).__name__}: {why}")
+
+
+def _attempt(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[PrefixGroup],
+             done: set[int]) -> Generator[Out, None, Exception | None]:
+    """Yield run(groups)'s outputs, noting their rows in `done`; return the exception, if any."""
+    try:
+        for out in run(groups):
+            done.add(int(out.row_id))  # type: ignore[attr-defined]
+            yield out
+    except Exception as e:  # noqa: BLE001 - any engine failure is contained; GeneratorExit is not an Exception
+        return e
+    return None
+
+
+def _without(group: PrefixGroup, done: set[int]) -> PrefixGroup | None:
+    from prefixflow.operators.generate import without_rows
+
+    return without_rows(group, np.fromiter(done, np.int64, len(done)))
+
+
+def _members(group: PrefixGroup, done: set[int]) -> Iterator[PrefixGroup]:
+    """Each member not yet done, as a group of one (full prompt, no shared prefix)."""
+    for i, row_id in enumerate(group.row_ids.tolist()):
+        if row_id in done:
+            continue
+        yield PrefixGroup(group_id=group.group_id, prefix=group.prefix[:0], row_ids=group.row_ids[i:i + 1],
+                          distinct=(group.prompt(i),),
+                          output_lens=None if group.output_lens is None else group.output_lens[i:i + 1],
+                          replica=group.replica)
