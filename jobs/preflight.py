@@ -64,10 +64,13 @@ def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
 
 
 def _model_problems(spec: JobSpec) -> Problems:
+    """A local model folder is checked here; the other forms engine.model_source takes (an
+    s3:// folder, a .gguf file, a hub id, a short name) are resolved where the engine runs."""
+    from prefixflow.engine.model_source import model_kind  # torch-free
+
+    if model_kind(spec.model) != "folder":
+        return []
     model = Path(spec.model).expanduser()
-    if is_s3(spec.model):
-        return [("model", f"{spec.model!r} is on S3: copy the model to a local or shared path "
-                 "on the workers first (e.g. /mnt/models/NAME) and give that path")]
     if not (model / "config.json").is_file():
         why = "does not exist" if not model.exists() else "has no config.json"
         return [("model", f"{spec.model!r} {why}: give a Hugging Face model directory "

@@ -401,6 +401,8 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     if kind == "model_type":
         fields = ", ".join(_model_of(_field_annotation(loc)).model_fields) if _field_annotation(loc) else ""
         return path, f"{_short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
+    if kind == "int_parsing_size":  # e.g. 1e20 for an int: pydantic speaks of a string here
+        return path, f"{_short(value)} is too large for an integer: use a smaller value"
     if kind.endswith(("_type", "_parsing")):
         msg = msg.replace("valid tuple", "valid list")
         return path, f"{_short(value)} has the wrong type: {msg[0].lower() + msg[1:]}"

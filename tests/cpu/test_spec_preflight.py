@@ -210,3 +210,16 @@ def test_resource_problems_per_node():
     got = dict(resource_problems(spec, [{"CPU": 8.0}, {"CPU": 2.0, "GPU": 4.0}]))
     assert "no node of the Ray cluster has both 8 CPU(s) and 1 GPU(s)" in got["resources"]
     assert resource_problems(spec, [{"CPU": 8.0}, {"CPU": 16.0, "GPU": 1.0}]) == []
+
+
+def test_models_the_engine_resolves_are_left_to_it(tmp_path, tiny_model):
+    # engine.model_source copies an s3:// folder on each node: not refused up front any more.
+    preflight(parse_spec({**_job(tmp_path, tiny_model), "model": "s3://bucket/models/tiny"}))
+    got = _problems({**_job(tmp_path, tiny_model), "model": str(tmp_path / "no-such-folder")})
+    assert "does not exist" in got["model"]
+
+
+def test_huge_sampling_integers_name_the_field():
+    with pytest.raises(SpecError) as e:
+        parse_spec({**_job_dict("in.jsonl", "out"), "sampling": {"top_k": 1e20}})
+    assert str(e.value) == "<spec>: sampling.top_k: 1e+20 is too large for an integer: use a smaller value"
