@@ -6,6 +6,7 @@ Pure Python + numpy: the planner, the scheduler and the job spec import this wit
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -90,14 +91,19 @@ def _set(params: SamplingParams, name: str, value: object) -> None:
 
 
 def _real(name: str, value: object, fix: str) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # numbers.Real takes numpy scalars too; a bool is a number to Python, never to a user.
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     _check(ok, name, value, f"a finite number is needed; {fix}")
     return float(value)  # type: ignore[arg-type]
 
 
 def _integer(name: str, value: object, lo: int, hi: int, fix: str) -> int:
-    number = int(value) if isinstance(value, float) and value.is_integer() else value
-    ok = isinstance(number, int) and not isinstance(number, bool) and lo <= number <= hi
+    number: object = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
+        number = int(value)  # 5.0 from JSON or YAML
+    ok = isinstance(number, int) and lo <= number <= hi
     _check(ok, name, value, f"an integer in [{lo}, {hi}] is needed; {fix}")
     return number  # type: ignore[return-value]
 
@@ -111,7 +117,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
 
 
 def _token_ids(ids: object) -> tuple[int, ...]:
-    ok = isinstance(ids, (list, tuple))
+    ok = isinstance(ids, (list, tuple, np.ndarray))
     _check(ok, "stop_token_ids", ids, "use a list of token ids")
     return tuple(_integer("stop_token_ids", t, 0, INT32_MAX, "use token ids of the model's vocabulary")
                  for t in ids)  # type: ignore[union-attr]

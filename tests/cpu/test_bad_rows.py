@@ -50,6 +50,8 @@ def test_sampling_params_accept_integral_floats_and_clip_nothing():
                        temperature=0)
     assert (p.top_k, p.max_tokens, p.stop, p.stop_token_ids, p.temperature) == (5, 3, ("x",), (7,), 0.0)
     assert isinstance(p.top_k, int) and isinstance(p.temperature, float)
+    q = SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), stop_token_ids=np.array([3]))
+    assert (q.top_k, q.temperature, q.stop_token_ids) == (5, 0.5, (3,)) and type(q.top_k) is int
     assert SamplingParams().with_overrides({"top_k": None, "temperature": 0}).temperature == 0.0
     with pytest.raises(ValueError, match="unknown sampling parameter 'detokenize'.*temperature"):
         SamplingParams().with_overrides({"detokenize": False})
@@ -128,6 +130,37 @@ def test_an_engine_exception_fails_only_its_row(tiny_model):
     # The engine was reset and runs again.
     again = list(engine_outputs(engine, config, [g for g in groups if 2 not in g.row_ids], rows, row_ids))
     assert all(o.error is None for o in again)
+
+
+def test_a_scorer_exception_fails_only_its_row(tiny_model):
+    from prefixflow.engine import Scorer
+    from prefixflow.engine.config import EngineConfig
+    from prefixflow.operators.config import ProcessorConfig
+    from prefixflow.operators.generate import engine_outputs, output_chunk, token_counts
+    from prefixflow.pipeline import build_plan
+
+    class FailsOnRow(Scorer):  # our own Scorer, one method made to raise for row 1 (see above)
+        def _run(self, req, cache, stats):
+            if req.row_id == 1:
+                raise RuntimeError("injected scorer failure")
+            return super()._run(req, cache, stats)
+
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 11], [20, 21, 22]]
+    groups = build_plan(prompts, row_ids=[0, 1, 2], order="batchllm", min_prefix_len=4).groups(0)
+    config = ProcessorConfig(model=str(tiny_model), task="score", score={"choices": ["Yes", "No"]},
+                             prompt={"template": "{{ q }}"})
+    rows = pa.table({"q": ["a", "b", "c"]})
+    scorer = FailsOnRow(EngineConfig(model=str(tiny_model), device="cpu"), config.score.options())
+    outs = list(engine_outputs(scorer, config, groups, rows, np.arange(3)))
+    by_row = {o.row_id: o for o in outs}
+    assert sorted(by_row) == [0, 1, 2] and len(outs) == 3
+    assert by_row[1].error == "the engine failed on this row: RuntimeError: injected scorer failure"
+    assert by_row[0].error is None and by_row[2].error is None and by_row[0].label in ("Yes", "No")
+    order = np.concatenate([g.row_ids for g in groups])
+    prompt_len, computed = token_counts(groups, 3)
+    table = output_chunk(outs, rows.take(pa.array(order)), {int(r): i for i, r in enumerate(order)},
+                         prompt_len, computed, replica=0, score=True)
+    assert table.column("error").null_count == 2 and table.column("label").null_count == 1
 
 
 # --- case 3: lines Python parses but Arrow cannot store --------------------------------------
