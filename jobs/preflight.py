@@ -187,8 +187,8 @@ def _no_column(name: str, columns: list[str]) -> str:
 
 
 def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
-    """Per-row sampling overrides whose keys SamplingParams does not know, in every row that
-    has overrides. (Their values are checked per row: see row_report.)"""
+    """Per-row sampling overrides with keys SamplingParams does not know, in every sampled row.
+    (Fewer rows: those become error records. Values are checked per row: see row_report.)"""
     from prefixflow.operators.generate import SAMPLING_COLUMNS
 
     known = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -205,7 +205,7 @@ def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
         # Arrow gives every row all the keys of the column (null where the row has none).
         keys = {k for k, v in value.items() if v is not None} if isinstance(value, dict) else set()
         unknown_per_row.append((column, sorted(keys - set(known))))
-    if not unknown_per_row or not all(unknown for _, unknown in unknown_per_row):
+    if len(unknown_per_row) < len(rows) or not all(unknown for _, unknown in unknown_per_row):
         return []
     column, unknown = unknown_per_row[0]
     near = difflib.get_close_matches(unknown[0], known, n=1)

@@ -158,6 +158,8 @@ def test_unknown_sampling_keys_in_every_row_are_a_spec_error(tmp_path, tiny_mode
     got = _problems(_job(tmp_path, tiny_model, rows))
     assert "column 'sampling_params' has keys SamplingParams does not know" in got["input"]
     assert "'temprature'" in got["input"] and "did you mean 'temperature'?" in got["input"]
+    # One row with a bad key among rows without overrides: that row becomes an error record.
+    preflight(parse_spec(_job(tmp_path, tiny_model, [*ROWS[:11], rows[11]])))
 
 
 def test_validate_reports_rows_that_would_partly_fail(tmp_path, tiny_model, capsys):
