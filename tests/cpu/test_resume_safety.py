@@ -214,3 +214,17 @@ def test_a_killed_drivers_lock_is_taken_over_by_the_resume(start_driver, tiny_mo
     assert rerun.wait(timeout=JOB_TIMEOUT_S) == 0, rerun.log_path.read_text()[-3000:]
     assert sorted(r["id"] for r in read_output(str(out))) == list(range(8))
     assert not (out / LOCK_FILE).exists()
+
+
+def test_a_running_job_refreshes_its_lock(tmp_path, monkeypatch):
+    import prefixflow.operators.commit as commit
+
+    monkeypatch.setattr(commit, "HEARTBEAT_S", 0.05)  # the interval only, not the lock
+    lock = OutputLock(str(tmp_path), StorageOptions()).acquire()
+    first = json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"]
+    deadline = time.time() + 30
+    while json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"] == first:
+        assert time.time() < deadline, "the heartbeat was never refreshed"
+        time.sleep(0.02)
+    lock.release()
+    assert list(tmp_path.iterdir()) == []
