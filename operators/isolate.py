@@ -12,6 +12,7 @@ Torch-free: the engine is reached only through the callables given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from prefixflow.pipeline.requests import PrefixGroup
 
+_log = logging.getLogger(__name__)
 Out = TypeVar("Out")  # anything with a `row_id`: RequestOutput, ScoreOutput
 
 
@@ -31,8 +33,11 @@ def run_isolated(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list
     failed: the error output of a row, given its row id and the message.
     """
     done: set[int] = set()
-    if (yield from _attempt(run, groups, done)) is None:
+    error = yield from _attempt(run, groups, done)
+    if error is None:
         return
+    _log.warning("the engine failed (%s: %s); running the rows left group by group, then row by row",
+                 type(error).__name__, error)
     reset()
     for group in groups:
         left = _without(group, done)
