@@ -91,10 +91,15 @@ def _set(params: SamplingParams, name: str, value: object) -> None:
 
 
 def _real(name: str, value: object, fix: str) -> float:
+    number = None
     # numbers.Real takes numpy scalars too; a bool is a number to Python, never to a user.
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    _check(ok, name, value, f"a finite number is needed; {fix}")
-    return float(value)  # type: ignore[arg-type]
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond any float
+            pass
+    _check(number is not None and math.isfinite(number), name, value, f"a finite number is needed; {fix}")
+    return number  # type: ignore[return-value]
 
 
 def _integer(name: str, value: object, lo: int, hi: int, fix: str) -> int:
@@ -125,7 +130,11 @@ def _token_ids(ids: object) -> tuple[int, ...]:
 
 def _check(ok: bool, name: str, value: object, fix: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {fix}")
+        if isinstance(value, int) and abs(value) >= 10**40:  # repr would be long, or refused
+            shown = f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+        else:
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueError(f"SamplingParams.{name}={shown} is invalid: {fix}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -6,11 +6,14 @@ tiny checkpoint, a dozen rows and max_tokens 4.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.generate import OUTPUT_FIELDS, with_outputs
@@ -57,6 +60,22 @@ def test_sampling_params_accept_integral_floats_and_clip_nothing():
         SamplingParams().with_overrides({"detokenize": False})
     with pytest.raises(ValueError, match="mapping"):
         SamplingParams().with_overrides([1, 2])
+
+
+_values = st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300) | st.floats() | \
+    st.text(max_size=5) | st.lists(st.integers() | st.text(max_size=3) | st.floats(), max_size=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)] + ["n", "detokenize"]),
+                       _values, max_size=5))
+def test_fuzzed_overrides_make_params_or_a_value_error(overrides):
+    try:
+        p = SamplingParams().with_overrides(overrides)
+    except ValueError as e:
+        assert str(e).startswith(("SamplingParams.", "unknown sampling parameter")), e
+        return
+    assert p.max_tokens <= 2**31 - 1 and (p.seed is None or 0 <= p.seed < 2**63) and hash(p) is not None
 
 
 def test_spec_sampling_gets_the_same_checks():
