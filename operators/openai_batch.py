@@ -35,8 +35,7 @@ def parse_requests(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "_pf_prompt_text": None, "_pf_sampling": None, "_pf_max_tokens": None,
                "_pf_source": rec.get("_pf_source"), ERROR: rec.get(ERROR)}
         if row[ERROR] is not None:  # broken line: recover the custom_id if it is readable
-            found = _CUSTOM_ID.search(rec.get("_pf_raw") or "")
-            row["custom_id"] = json.loads(f'"{found.group(1)}"') if found else None
+            row["custom_id"] = _recover_custom_id(rec.get("_pf_raw") or "")
             out.append(row)
             continue
         try:
@@ -46,6 +45,19 @@ def parse_requests(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[ERROR] = str(e)
         out.append(row)
     return out
+
+
+def _recover_custom_id(raw: str) -> str | None:
+    """The custom_id of a line that failed to parse, if it can be found in the text."""
+    found = _CUSTOM_ID.search(raw)
+    if found is None:
+        return None
+    try:
+        cid = json.loads(f'"{found.group(1)}"')
+        cid.encode("utf-8")
+    except (ValueError, UnicodeEncodeError):  # a bad escape, or half a surrogate pair
+        return found.group(1)  # as the line spells it
+    return cid
 
 
 def _request(rec: dict[str, Any]) -> dict[str, Any]:

@@ -197,6 +197,16 @@ def test_lone_surrogates_and_deep_nesting_become_error_records():
     assert table.column("q").to_pylist()[1] == "pair \U0001F600"
 
 
+def test_openai_lines_with_lone_surrogates_or_bad_escapes_keep_their_custom_id():
+    data = b"\n".join([b'{"custom_id": "\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}',
+                       b'{"custom_id": "a\\qb", "body": ',
+                       b'{"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "\\udc00"}}'])
+    rows = rows_to_table(parse_requests(parse_jsonl(data, "f.jsonl"))).to_pylist()  # raised
+    assert [r["custom_id"] for r in rows] == ["\\ud800", "a\\qb", "ok"]  # as the lines spell them
+    assert "lone surrogate" in rows[0][ERROR] and "not valid JSON" in rows[1][ERROR]
+    assert "lone surrogate" in rows[2][ERROR]
+
+
 def test_csv_non_utf8_value_fails_its_row_only():
     # A lone surrogate cannot reach a CSV row as text: its UTF-8 form is invalid bytes, which
     # made Arrow read the whole column as binary.
