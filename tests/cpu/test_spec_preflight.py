@@ -225,3 +225,6 @@ def test_huge_sampling_integers_name_the_field():
     with pytest.raises(SpecError) as e:
         parse_spec({**_job_dict("in.jsonl", "out"), "sampling": {"top_k": 1e20}})
     assert str(e.value) == "<spec>: sampling.top_k: 1e+20 is too large for an integer: use a smaller value"
+    with pytest.raises(SpecError) as e:  # fits in 64 bits, not in the engine's int32
+        parse_spec({**_job_dict("in.jsonl", "out"), "sampling": {"top_k": 1e10}})
+    assert str(e.value).startswith("<spec>: sampling.top_k: 10000000000 is invalid: an integer in [-1, ")
