@@ -8,7 +8,8 @@ Every row gets two bookkeeping columns:
 JSONL, CSV and OpenAI files are parsed by our own per-file task instead of Ray's JSON reader,
 which fails the whole job on one broken line or one non-UTF-8 byte. Parquet is typed, so
 Ray's reader is used as it is, unless the files' schemas clash (a column int in one file and
-string in another): then each file is read here and the clashing columns become text. Nothing here evaluates data: JSON is parsed, never executed.
+string in another): then each file is read here and the clashing columns become text.
+Nothing here evaluates data: JSON is parsed, never executed.
 """
 
 from __future__ import annotations
@@ -93,9 +94,12 @@ def clashing_columns(files: list[str], storage: StorageOptions) -> list[str]:
     import pyarrow.parquet as pq
     from concurrent.futures import ThreadPoolExecutor
 
-    def schema(path: str) -> pa.Schema:
+    def read_schema(path: str) -> pa.Schema:
         with storage.filesystem(path).open(path, "rb") as f:
             return pq.read_schema(f)
+
+    def schema(path: str) -> pa.Schema:
+        return with_retries(lambda: read_schema(path), f"read the schema of {path}", storage.retry)
 
     with ThreadPoolExecutor(max_workers=min(len(files), 16)) as pool:
         schemas = list(pool.map(schema, files))
