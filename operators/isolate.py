@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
