@@ -114,11 +114,15 @@ def _logprobs(body: dict[str, Any], url: str) -> Any:
 
 
 def _check_sampling(overrides: dict[str, Any]) -> Any:
-    """Fail this request now (not the replica later) when its sampling fields are invalid."""
-    from prefixflow.pipeline.requests import SamplingParams
+    """Fail this request now (not the replica later) when its sampling fields are invalid.
+
+    The job's own defaults are not known here, so a body without max_tokens is checked against
+    the largest max_tokens (a min_tokens of 100 is no error on its own); the tokenize stage
+    checks each request again against the job's sampling settings."""
+    from prefixflow.pipeline.requests import INT32_MAX, SamplingParams
 
     try:
-        return SamplingParams().with_overrides(overrides)
+        return SamplingParams(max_tokens=INT32_MAX).with_overrides(overrides)
     except ValueError as e:
         raise ValueError(f"body has invalid sampling parameters: {e}") from None
 

@@ -75,3 +75,20 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
             assert body["choices"][0]["message"]["role"] == "assistant"
         else:
             assert body["object"] == "text_completion" and "text" in body["choices"][0]
+
+
+def test_a_body_is_checked_against_its_own_fields_not_a_made_up_default():
+    """min_tokens beyond SamplingParams' default max_tokens is fine when the body sets no
+    max_tokens (the job's own max_tokens decides, in the tokenize stage); a body whose own
+    min_tokens exceeds its own max_tokens is an error record naming the field."""
+    from prefixflow.operators.openai_batch import parse_requests
+
+    chat = {"custom_id": "a", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100}}
+    both = {"custom_id": "b", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 4}}
+    rows = parse_requests([{**chat, "_pf_source": "f:1", "_pf_error": None},
+                           {**both, "_pf_source": "f:2", "_pf_error": None}])
+    assert rows[0]["_pf_error"] is None and json.loads(rows[0]["_pf_sampling"]) == {"min_tokens": 100}
+    assert rows[0]["_pf_max_tokens"] is None
+    assert "min_tokens" in rows[1]["_pf_error"]
