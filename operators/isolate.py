@@ -7,6 +7,11 @@ finished run again in isolation: each remaining group alone; a group that fails 
 into its members, each run alone; a member that still fails becomes an error output naming the
 exception. Only a death of the process (not an exception) is the supervisor's business.
 
+An engine that fails on every request is broken, not fed bad rows (a lost GPU, a broken
+kernel): once MAX_FAILURES_IN_A_ROW rows run alone have failed with none running in between,
+EngineBroken is raised instead of turning the rest of the replica into error records.
+The job then stops with its committed rows kept for `output.resume`.
+
 Torch-free: the engine is reached only through the callables given.
 """
 
@@ -22,6 +27,11 @@ from prefixflow.pipeline.requests import PrefixGroup
 
 _log = logging.getLogger(__name__)
 Out = TypeVar("Out")  # anything with a `row_id`: RequestOutput, ScoreOutput
+MAX_FAILURES_IN_A_ROW = 8
+
+
+class EngineBroken(RuntimeError):
+    """The engine failed on every request it was given alone: no row is to blame."""
 
 
 def run_isolated(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[PrefixGroup],
@@ -39,29 +49,39 @@ def run_isolated(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list
     _log.warning("the engine failed (%s: %s); running the rows left group by group, then row by row",
                  type(error).__name__, error)
     reset()
+    failures: list[str] = []  # rows that failed alone since the last row that ran
     for group in groups:
         left = _without(group, done)
         if left is None:
             continue
         if left.num_members > 1:
             if (yield from _attempt(run, [left], done)) is None:
+                failures.clear()  # the engine works: the failures were the rows'
                 continue
             reset()
-        yield from _one_by_one(run, left, done, reset, failed)
+        yield from _one_by_one(run, left, done, reset, failed, failures)
 
 
 def _one_by_one(run: Callable[[list[PrefixGroup]], Iterable[Out]], group: PrefixGroup, done: set[int],
-                reset: Callable[[], None], failed: Callable[[int, str], Out]) -> Iterator[Out]:
-    """Each member of `group` not yet done, run alone; one that still fails gets `failed`."""
+                reset: Callable[[], None], failed: Callable[[int, str], Out],
+                failures: list[str]) -> Iterator[Out]:
+    """Each member of `group` not yet done, run alone; one that still fails gets `failed`.
+    `failures` collects the failures since the last success (EngineBroken past the limit)."""
     for member in _members(group, done):
         error = yield from _attempt(run, [member], done)
         if error is None:
+            failures.clear()
             continue
         reset()
         row_id = int(member.row_ids[0])
         if row_id not in done:  # it may have finished before the failure
-            why = (str(error).splitlines() or [""])[0][:300]
-            yield failed(row_id, f"the engine failed on this row: {type(error).__name__}: {why}")
+            why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            failures.append(why)
+            if len(failures) >= MAX_FAILURES_IN_A_ROW:
+                raise EngineBroken(f"the engine failed on each of the last {len(failures)} rows "
+                                   f"run alone and ran none in between (last: {why}): the engine "
+                                   "is broken, not the rows")
+            yield failed(row_id, f"the engine failed on this row: {why}")
 
 
 def _attempt(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[PrefixGroup],

@@ -151,6 +151,33 @@ def test_an_engine_exception_fails_only_its_row(tiny_model):
     assert all(o.error is None for o in again)
 
 
+def test_an_engine_that_fails_on_every_row_stops_the_replica(tiny_model):
+    """A broken engine (every request raises) is not a dataset of bad rows: after
+    MAX_FAILURES_IN_A_ROW rows fail alone with none running in between, EngineBroken is raised
+    (the job stops, committed rows kept) instead of the replica becoming error records."""
+    from prefixflow.engine import LLMEngine
+    from prefixflow.engine.config import EngineConfig
+    from prefixflow.operators.config import ProcessorConfig
+    from prefixflow.operators.generate import engine_outputs
+    from prefixflow.operators.isolate import MAX_FAILURES_IN_A_ROW, EngineBroken
+    from prefixflow.pipeline import build_plan
+
+    class Broken(LLMEngine):
+        def _on_token(self, seq, token):
+            raise RuntimeError("device lost")
+
+    n = MAX_FAILURES_IN_A_ROW + 4
+    prompts = [[3 + i, 4, 5 + i] for i in range(n)]
+    groups = build_plan(prompts, row_ids=list(range(n)), order="fcfs").groups(0)
+    config = ProcessorConfig(model=str(tiny_model), sampling={"temperature": 0, "max_tokens": 2})
+    engine = Broken(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_bytes=16 << 20))
+    outs = []
+    with pytest.raises(EngineBroken, match="device lost"):
+        for out in engine_outputs(engine, config, groups, pa.table({"q": ["x"] * n}), np.arange(n)):
+            outs.append(out)
+    assert len(outs) == MAX_FAILURES_IN_A_ROW - 1  # the rows before the verdict, as errors
+
+
 def test_a_scorer_exception_fails_only_its_row(tiny_model):
     from prefixflow.engine import Scorer
     from prefixflow.engine.config import EngineConfig
