@@ -66,15 +66,14 @@ def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
 def _model_problems(spec: JobSpec) -> Problems:
     """A local model folder is checked here; the other forms engine.model_source takes (an
     s3:// folder, a .gguf file, a hub id, a short name) are resolved where the engine runs."""
-    from prefixflow.engine.model_source import model_kind  # torch-free
+    from prefixflow.engine.model_source import model_kind, resolve_model  # torch-free
 
     if model_kind(spec.model) != "folder":
         return []
-    model = Path(spec.model).expanduser()
-    if not (model / "config.json").is_file():
-        why = "does not exist" if not model.exists() else "has no config.json"
-        return [("model", f"{spec.model!r} {why}: give a Hugging Face model directory "
-                 "(config.json, *.safetensors, tokenizer files)")]
+    try:
+        model = resolve_model(spec.model)  # config.json and safetensors weights are there
+    except ValueError as e:
+        return [("model", str(e))]
     from prefixflow.operators.tokenize import model_max_len
 
     try:

@@ -92,10 +92,27 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
         "throughput": {"rows_per_s": rows / generate_s if generate_s else 0.0,
                        "generated_tokens_per_s": generated / generate_s if generate_s else 0.0,
                        "total_tokens_per_s": (prompt + generated) / generate_s if generate_s else 0.0},
+        "sampling": sampling_used(spec),
         "per_replica": [_replica(r) for r in replica_records],
         "plan": _jsonable(planned.plan.summary),
         "parts": sorted(m["part"] for m in manifests),
     }
+
+
+def sampling_set(spec: Any) -> dict[str, Any]:
+    """The sampling fields the spec sets itself (the model's generation_config.json fills the
+    others, see operators.config.sampling_with_defaults)."""
+    return spec.sampling.model_dump(include=spec.sampling.model_fields_set)
+
+
+def sampling_used(spec: Any) -> dict[str, Any]:
+    """The job's default sampling parameters, and which of them came from the model."""
+    from dataclasses import asdict
+
+    from prefixflow.operators.config import sampling_with_defaults
+
+    params, taken = sampling_with_defaults(spec.model, sampling_set(spec))
+    return {"params": _jsonable(asdict(params)), "from_generation_config": _jsonable(taken)}
 
 
 def _engine_saving(records: list[dict]) -> float | None:

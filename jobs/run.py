@@ -19,6 +19,7 @@ import numpy as np
 
 from prefixflow.jobs import report
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
+from prefixflow.engine.model_source import normalize_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, input_listing, job_identity,
                                          load_committed)
@@ -35,9 +36,9 @@ def storage_options(spec: JobSpec) -> StorageOptions:
 def processor_config(spec: JobSpec) -> ProcessorConfig:
     engine = {k: v for k, v in spec.engine.model_dump().items()}
     return ProcessorConfig(
-        model=absolute(spec.model),
+        model=normalize_model(spec.model),  # local paths absolute; hub ids and short names kept
         prompt=PromptTemplate(**spec.prompt.model_dump()) if spec.prompt is not None else None,
-        sampling=spec.sampling.model_dump(),
+        sampling=report.sampling_set(spec),  # the model's generation_config.json fills the rest
         engine=engine, order=spec.order, replicas=spec.replicas,
         num_gpus_per_replica=spec.resources.num_gpus_per_replica,
         num_cpus_per_replica=spec.resources.num_cpus_per_replica,

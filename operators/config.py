@@ -6,7 +6,8 @@ is validated at the edge and converted into this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from prefixflow.operators.template import PromptTemplate, check_syntax
@@ -14,6 +15,11 @@ from prefixflow.pipeline.requests import SamplingParams
 
 ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
 TASKS = ("generate", "score")
+# generation_config.json keys -> SamplingParams fields: the ones vLLM's generation_config="auto"
+# takes as defaults (do_sample is ignored there too). Fields SamplingParams lacks are skipped.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty",
+                          "min_p": "min_p"}
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,14 @@ class ScoreConfig:
 class ProcessorConfig:
     """Options of a prefixflow processor (see `prefixflow.build_processor`).
 
-    model: Hugging Face model directory.
+    model: a Hugging Face model folder, a hub id in the local Hugging Face cache, a .gguf file,
+        an s3:// folder or "smollm2-135m-instruct" (see engine.model_source).
     prompt: how a row becomes a prompt (a PromptTemplate or a dict of its fields). None: each
         row carries `messages` (chat) or `prompt` (text) itself, as in ray.data.llm.
-    sampling: default SamplingParams (or a dict of its fields); a row's `sampling_params`
-        column overrides fields per row.
+    sampling: default SamplingParams, or a dict of the fields you set: the others then come from
+        the model's generation_config.json where it has them (temperature, top_p, top_k,
+        max_new_tokens, ...), else SamplingParams' defaults. A SamplingParams is taken as it is.
+        A row's `sampling_params` column overrides fields per row.
     engine: EngineConfig fields other than `model` (dtype, device, max_num_batched_tokens, ...).
     order: plan order policy: fcfs, dfs, batchllm or blendserve.
     replicas: data-parallel engine actors (Ray's `concurrency`).
@@ -76,7 +85,7 @@ class ProcessorConfig:
 
     model: str
     prompt: PromptTemplate | dict[str, Any] | None = None
-    sampling: SamplingParams | dict[str, Any] = field(default_factory=SamplingParams)
+    sampling: SamplingParams | dict[str, Any] | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     order: str = "batchllm"
     replicas: int = 1
@@ -93,8 +102,8 @@ class ProcessorConfig:
     def __post_init__(self) -> None:
         if isinstance(self.prompt, dict):
             object.__setattr__(self, "prompt", PromptTemplate(**self.prompt))
-        if isinstance(self.sampling, dict):
-            object.__setattr__(self, "sampling", SamplingParams(**self.sampling))
+        if not isinstance(self.sampling, SamplingParams):
+            SamplingParams(**(self.sampling or {}))  # its own errors first, before the model is read
         if isinstance(self.score, dict):
             object.__setattr__(self, "score", ScoreConfig(**self.score))
         _require(self.task in TASKS, "task", self.task, f"use one of {', '.join(TASKS)}")
@@ -111,6 +120,9 @@ class ProcessorConfig:
         _require("model" not in self.engine, "engine", self.engine,
                  "give the model as ProcessorConfig.model, not inside engine")
         self.engine_config()  # EngineConfig checks its own fields, naming them
+        if not isinstance(self.sampling, SamplingParams):
+            object.__setattr__(self, "sampling",
+                               sampling_with_defaults(self.model, self.sampling or {})[0])
 
     def engine_config(self) -> Any:
         from prefixflow.engine.config import EngineConfig
@@ -124,3 +136,24 @@ class ProcessorConfig:
 def _require(ok: bool, name: str, value: object, fix: str) -> None:
     if not ok:
         raise ValueError(f"ProcessorConfig.{name}={value!r} is invalid: {fix}")
+
+
+def generation_defaults(model: str) -> dict[str, Any]:
+    """SamplingParams defaults from the model's generation_config.json ({} without one)."""
+    from prefixflow.engine.model_source import resolve_model  # torch-free
+
+    path = resolve_model(model) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    known = {f.name for f in fields(SamplingParams)}
+    return {name: config[key] for key, name in GENERATION_CONFIG_KEYS.items()
+            if config.get(key) is not None and name in known}
+
+
+def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
+    """(the SamplingParams to use, the values taken from the model's generation_config.json):
+    the fields in `given` win over the model's defaults."""
+    taken = {k: v for k, v in generation_defaults(model).items() if k not in given}
+    return SamplingParams(**{**taken, **given}), taken

@@ -35,7 +35,9 @@ class TokenizeOptions:
 def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+    from prefixflow.engine.model_source import resolve_model  # hub ids, .gguf, s3://, short names
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)), trust_remote_code=trust_remote_code)
 
 
 class Tokenize:
@@ -140,9 +142,9 @@ def model_max_len(model: str, override: int | None) -> int:
     """The context length: the spec's max_model_len, else the model config's."""
     if override is not None:
         return override
-    from pathlib import Path
+    from prefixflow.engine.model_source import resolve_model  # torch-free
 
-    config = json.loads((Path(model) / "config.json").read_text())
+    config = json.loads((resolve_model(model) / "config.json").read_text())
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         if isinstance(config.get(key), int):
             return config[key]

@@ -129,3 +129,29 @@ def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_gpu(tiny_model
     assert load_model(bf16, device="cpu").model.embed_tokens.weight.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype='int8'.*auto"):
         torch_dtype("int8", bf16, "cpu")
+
+
+def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_path):
+    import json
+
+    from prefixflow.jobs import report
+    from prefixflow.jobs.run import processor_config
+    from prefixflow.jobs.spec import parse_spec
+    from prefixflow.operators.config import ProcessorConfig
+    from prefixflow.pipeline.requests import SamplingParams
+
+    model = tmp_path / "with_defaults"
+    shutil.copytree(tiny_model, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 33, "eos_token_id": 2}))
+    api = ProcessorConfig(model=str(model), sampling={"temperature": 0.0})
+    assert (api.sampling.temperature, api.sampling.top_p, api.sampling.max_tokens) == (0.0, 0.9, 33)
+    assert ProcessorConfig(model=str(model)).sampling.temperature == 0.7
+    assert ProcessorConfig(model=str(model), sampling=SamplingParams()).sampling.top_p == 1.0
+
+    spec = parse_spec({"model": str(model), "input": {"path": "in.jsonl"}, "output": {"path": "o"},
+                       "prompt": {"template": "{{ q }}"}, "sampling": {"max_tokens": 8}})
+    assert processor_config(spec).sampling == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
+    used = report.sampling_used(spec)  # what metrics.json records
+    assert used["from_generation_config"] == {"temperature": 0.7, "top_p": 0.9}
+    assert used["params"]["max_tokens"] == 8 and used["params"]["temperature"] == 0.7
