@@ -374,7 +374,8 @@ def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
 
 
 _repr = reprlib.Repr()
-_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 80, 80
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 2, 80, 80
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 4
 
 
 def _short(value: Any) -> str:

@@ -88,6 +88,18 @@ def test_python_tags_in_spec_or_set_execute_nothing(tmp_path, capsys):
     assert not pwned.exists()
 
 
+def test_alias_bomb_is_answered_short(tmp_path, capsys):
+    # 9 levels of 9 aliases: 9**9 strings if anything walked it whole (a repr in a message did).
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    (tmp_path / "job.yaml").write_text("\n".join(lines) + "\nmodel: *a8\ninput: {path: x.jsonl}\n"
+                                       "output: {path: o}\nprompt: {template: '{{ q }}'}\n")
+    assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    model = next(line for line in err.splitlines() if line.startswith("  model: "))
+    assert model.startswith("  model: [[[...], [...], [...], [...], ...], ") and len(model) < 300
+
+
 def test_set_still_builds_missing_sections(tmp_path, capsys):
     (tmp_path / "job.yaml").write_text(BASE + "sampling:\n")  # an empty section is None in YAML
     from prefixflow.jobs.spec import load_spec, parse_overrides
