@@ -101,7 +101,9 @@ def resolve_model(model: str | Path, storage: Any = None) -> Path:
     """The local Hugging Face folder for `model`, converting or copying it once if needed.
 
     storage: an object with `.filesystem(uri)` (operators.storage.StorageOptions) for s3://
-    models; None: default credentials (the environment's AWS_* variables).
+    models; None: the environment's AWS settings (AWS_ENDPOINT_URL, credentials). Jobs resolve
+    with None on every node (the tokenizer, the engine, the sampling defaults), so an s3://
+    model needs those variables there; a job spec's storage section covers its data only.
     """
     model = str(model)
     if not model:
