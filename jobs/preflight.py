@@ -236,13 +236,10 @@ def row_report(spec: JobSpec, rows: list[dict[str, Any]], max_reasons: int = 3) 
 
 
 def _row_error(prompt: PromptTemplate | None, default: SamplingParams, row: dict[str, Any]) -> str | None:
-    from types import SimpleNamespace
-
-    from prefixflow.operators.tokenize import Tokenize
+    from prefixflow.operators.tokenize import check_row_sampling
 
     try:
-        # The tokenize stage's own per-row check; it reads only opts.sampling (no tokenizer).
-        Tokenize._check_sampling(SimpleNamespace(opts=SimpleNamespace(sampling=default)), row)  # type: ignore[arg-type]
+        check_row_sampling(default, row)  # the tokenize stage's own per-row check
         if prompt is not None:
             prompt.render(row)
     except RowError as e:

@@ -150,7 +150,18 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = ()) -> type[BaseModel]
         cls(**_plain(self), **({"model": "."} if "model" in skip else {}))  # its own checks
         return self
 
+    # pydantic turns `top_k: true` into 1 before the dataclass could refuse it: refuse first.
+    takes_bool = {k for k, (hint, _) in fields.items() if bool in (hint, *typing.get_args(hint))}
+
+    def no_bool_numbers(data: Any) -> Any:
+        for key, value in (data.items() if isinstance(data, dict) else ()):
+            if isinstance(value, bool) and key in fields and key not in takes_bool:
+                raise ValueError(f"{cls.__name__}.{key}={value!r} is invalid: give a number, "
+                                 "not true or false")
+        return data
+
     return create_model(name, __base__=_Strict, __validators__={
+        "_no_bool_numbers": model_validator(mode="before")(no_bool_numbers),
         "_check": model_validator(mode="after")(check)}, **fields)
 
 

@@ -72,16 +72,8 @@ class Tokenize:
         return table
 
     def _check_sampling(self, row: dict[str, Any]) -> None:
-        """A row's sampling overrides must make valid SamplingParams (else: an error record)."""
-        from prefixflow.operators.generate import SAMPLING_COLUMNS, row_sampling
-
-        value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
-        if value is None or self.opts.sampling is None:
-            return
-        try:
-            row_sampling(self.opts.sampling, value)
-        except ValueError as e:
-            raise RowError(f"invalid sampling parameters for this row: {e}") from None
+        if self.opts.sampling is not None:
+            check_row_sampling(self.opts.sampling, row)
 
     def _render(self, row: dict[str, Any]) -> tuple[str, bool]:
         """The prompt text of a row and whether it came from a chat template."""
@@ -130,6 +122,20 @@ class Tokenize:
                     "(engine.max_model_len or the model's max_position_embeddings): shorten the "
                     "prompt or raise engine.max_model_len")
         return None
+
+
+def check_row_sampling(default: Any, row: dict[str, Any]) -> None:
+    """A row's sampling overrides must make valid SamplingParams over `default` (else RowError:
+    the row becomes an error record). Used by the tokenize stage and by preflight."""
+    from prefixflow.operators.generate import SAMPLING_COLUMNS, row_sampling
+
+    value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
+    if value is None:
+        return
+    try:
+        row_sampling(default, value)
+    except ValueError as e:
+        raise RowError(f"invalid sampling parameters for this row: {e}") from None
 
 
 def _set_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:

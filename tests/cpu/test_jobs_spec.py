@@ -127,3 +127,15 @@ def test_output_format_defaults():
     spec = parse_spec(_spec(input={"path": "batch.jsonl", "format": "openai"}))
     assert spec.output_format() == "openai"
     assert Path(example_path("quickstart.yaml")).exists()
+
+
+def test_true_or_false_is_no_number():
+    """pydantic would turn `top_k: true` into 1: a mirrored section refuses a bool for a
+    number field, naming it; real bool fields still take one."""
+    base = {"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"},
+            "output": {"path": "out"}}
+    for section, key in (("sampling", "top_k"), ("sampling", "temperature"), ("engine", "block_size")):
+        with pytest.raises(SpecError, match=rf"{section}\.{key}: True is invalid: give a number"):
+            parse_spec({**base, section: {key: True}})
+    spec = parse_spec({**base, "sampling": {"ignore_eos": True}, "engine": {"enable_prefix_cache": False}})
+    assert spec.sampling.ignore_eos and not spec.engine.enable_prefix_cache
