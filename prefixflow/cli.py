@@ -5,7 +5,9 @@
     prefixflow plan SPEC.yaml         print the plan (--out plan.parquet saves the plan table)
     prefixflow validate SPEC.yaml     check the spec and its paths; start nothing
 
-Exit codes: 0 ok, 2 invalid spec or input, 1 anything else.
+Exit codes: 0 ok (bad rows are error records in the output), 2 invalid spec, input, output
+path or model (one line per problem; nothing run), 1 a job that started and stopped (engines
+that keep dying, storage that keeps failing: one message; committed rows are kept for resume).
 """
 
 from __future__ import annotations
@@ -50,6 +52,29 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # the job refused its input, output path or model: nothing was run
+        print(f"error: {_message(e)}", file=sys.stderr)
+        return 2
+    except _job_failures() as e:  # the job started and stopped; what it committed stays
+        print(f"error: the job stopped: {_message(e)}\nCommitted rows are kept: fix the cause "
+              "and rerun with output.resume: true to finish the rest.", file=sys.stderr)
+        return 1
+
+
+def _job_failures() -> tuple[type[BaseException], ...]:
+    """Failures of a running job that deserve one message, not a traceback: engines that keep
+    dying or are broken, storage that keeps failing. Anything else is a bug: its traceback shows."""
+    from prefixflow.jobs.attempts import EnginesKeepDying
+    from prefixflow.operators.isolate import EngineBroken
+
+    return (EnginesKeepDying, EngineBroken, OSError)
+
+
+def _message(e: BaseException) -> str:
+    """The error's own message; for an error raised inside a Ray task, its cause's (Ray's text
+    carries the remote traceback)."""
+    cause = getattr(e, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else e).strip()
 
 
 def _dispatch(args: argparse.Namespace) -> int:
