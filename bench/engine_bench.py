@@ -1,9 +1,10 @@
 """Engine benchmark: our engine vs transformers `generate` with padded batches, in one process.
 
     python -m prefixflow.bench.engine_bench [--groups 2] [--num-plain 32] [--repeats 2] [--threads 1]
-        [--out bench/results/engine_bench.json]
+        [--model smollm2-135m-instruct] [--out bench/results/engine_bench.json]
 
-Model: a tiny-but-not-trivial random Llama (4 layers, hidden 512), fp32 on the CPU.
+Model: a tiny-but-not-trivial random Llama (4 layers, hidden 512), fp32 on the CPU; or, with
+--model, any model engine.model_source resolves (results then in engine_bench_<model>.json).
 Datasets: (a) BatchLLM's shared-prefix microbenchmark shape scaled to a CPU (prefix 1024,
 distinct 128, output 32, sharing degree 16, `--groups` groups); (b) no sharing: prompts of
 varied lengths. Outputs have a fixed length (ignore_eos; HF: min_new_tokens = max_new_tokens).
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
+from prefixflow.engine.model_source import resolve_model
 from prefixflow.engine.tiny import tiny_checkpoint_cached
 
 MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
@@ -174,13 +176,14 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs per system; best kept")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both systems)")
-    ap.add_argument("--out", default="bench/results/engine_bench.json")
+    ap.add_argument("--model", default=None, help="e.g. smollm2-135m-instruct (default: the random Llama)")
+    ap.add_argument("--out", default=None, help="default: bench/results/engine_bench[_MODEL].json")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL))
+    path = str(resolve_model(args.model) if args.model else tiny_checkpoint_cached("llama", seed=0, **MODEL))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engines = {policy: LLMEngine(EngineConfig(model=path, device="cpu", policy=policy,
                                               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -196,11 +199,11 @@ def main() -> None:
                                  args.repeats),
         "no_sharing": compare("no_sharing", plain_set(args.num_plain, vocab), hf, engines, pad_id, args.repeats),
     }
-    out = Path(args.out)
+    out = Path(args.out or f"bench/results/engine_bench{'_' + args.model if args.model else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plot(results, png)
-    meta = dict(model=MODEL, dtype="float32", device="cpu", output_len=OUTPUT_LEN, hf_batch=HF_BATCH,
+    meta = dict(model=args.model or MODEL, dtype="float32", device="cpu", output_len=OUTPUT_LEN, hf_batch=HF_BATCH,
                 repeats=args.repeats, timing="speedups on process CPU time, least of the repeats",
                 max_num_batched_tokens=args.max_num_batched_tokens, torch=torch.__version__,
                 threads=torch.get_num_threads(), cpus=os.cpu_count(), machine=platform.machine(),

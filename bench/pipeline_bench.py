@@ -7,6 +7,7 @@ Reports both wall times, their ratio, the plan stage's share of prefixflow's wal
 
     .venv/bin/python -m prefixflow.bench.pipeline_bench [--num-docs 24 --questions 8 --max-tokens 32]
         [--hidden 512 --layers 4]   # a larger random model, where compute outweighs start-up
+        [--model smollm2-135m-instruct --out bench/results/pipeline_bench_smollm2.json]  # real
 
 Writes bench/results/pipeline_bench.json.
 """
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--baseline-batch-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=None, help="a larger random model than the demo's")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--model", default=None, help="a model engine.model_source resolves, e.g. "
+                   "smollm2-135m-instruct (default: the demo's tiny random Llama)")
     p.add_argument("--out", default="bench/results/pipeline_bench.json")
     args = p.parse_args(argv)
 
@@ -121,7 +124,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from prefixflow.jobs.demo import demo_checkpoint, write_demo_data
 
     work = Path(tempfile.mkdtemp(prefix="pf_pipeline_bench_"))
-    if args.hidden or args.layers:
+    if args.model:
+        from prefixflow.engine.model_source import resolve_model
+
+        model = resolve_model(args.model)
+    elif args.hidden or args.layers:
         from prefixflow.engine.tiny import make_tiny_checkpoint
 
         overrides = {k: v for k, v in dict(hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -27,6 +27,10 @@ scorer serves them, with a prefix cache that holds ~1.5 profiles: FCFS, plain SR
 with continuous JCT calibration (Sec. 6.3), cache hits and latencies, on the scorer's virtual
 clock (computed tokens / tokens_per_s), which makes the order reproducible. Other timings are
 wall clock on a shared 2-core machine: load averages at start and end are recorded.
+
+(c) With --model (e.g. smollm2-135m-instruct), only the offline part of (b) on that model:
+ours (planned groups, prefix reuse) vs transformers one request at a time on a sample, written
+to bench/results/score_bench_<model>.json beside the tiny model's results.
 """
 
 from __future__ import annotations
@@ -149,6 +153,28 @@ def memory_section(long_tokens: int, short_tokens: int) -> dict:
                 model=DEMO, rows=rows, ratios=ratios)
 
 
+def real_model_section(model: str, num_users: int, hf_requests: int) -> dict:
+    """(c): the post recommendation requests, offline, on a model engine.model_source resolves."""
+    from prefixflow.bench.score_workload import CHOICES, _hf_rate, _summary, make_workload
+    from prefixflow.engine.config import EngineConfig
+    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.engine.scoring import Scorer, ScoreOptions
+
+    path = str(resolve_model(model))
+    prompts, _ = make_workload(num_users)
+    scorer = Scorer(EngineConfig(model=path, device="cpu"), ScoreOptions(choice_leading_space=True))
+    results = scorer.score(prompts, CHOICES)
+    ours = _summary(scorer, len(prompts))
+    sample = list(range(0, len(prompts), max(1, len(prompts) // hf_requests)))[:hf_requests]
+    hf = _hf_rate(path, [prompts[i] for i in sample], results[0].choice_token_ids,
+                  {k: results[i].probs for k, i in enumerate(sample)})
+    return dict(model=model, users=num_users, requests=len(prompts),
+                prompt_tokens=int(sum(map(len, prompts))), ours_offline=ours,
+                transformers_sample=hf,
+                requests_per_s_ratio_vs_transformers=round(ours["requests_per_s"]
+                                                           / hf["requests_per_s"], 2))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
@@ -158,9 +184,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--users", type=int, default=12)
     parser.add_argument("--hf-requests", type=int, default=60)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--model", default=None, help="(c) only, on this model")
     a = parser.parse_args(argv)
     if a.measure:
         print(json.dumps(measure(a.measure, a.tokens, a.chunk)))
+        return
+    if a.model:
+        result = {"load_average_at_start": os.getloadavg(),
+                  "real_model": real_model_section(a.model, a.users, a.hf_requests),
+                  "load_average_at_end": os.getloadavg()}
+        path = RESULTS.with_name(f"score_bench_{a.model}.json")
+        path.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
         return
     from prefixflow.bench.score_workload import workload_section
 
