@@ -30,6 +30,7 @@ import os
 import socket
 import threading
 import time
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +44,9 @@ JOB_FILE = "_job.json"
 MANIFEST = "_manifest.json"  # written last by the driver: every committed part and row id
 TMP_PREFIX = "_tmp-"
 LOCK_FILE = "_lock.json"
-HEARTBEAT_S = 15.0   # how often a running job refreshes its lock
-STALE_S = 180.0      # a lock not refreshed for this long belongs to a job that is gone
+_log = logging.getLogger(__name__)
+HEARTBEAT_S = 60.0   # how often a running job refreshes its lock
+STALE_S = 300.0      # a lock not refreshed for this long belongs to a job that is gone
 
 
 @dataclass(frozen=True)
@@ -194,23 +196,32 @@ class OutputLock:
     def acquire(self) -> OutputLock:
         if not self._create():
             held = self._read()
-            if held is not None and not _stale(held):
-                raise ValueError(f"output.path={self.out!r} is in use by another job "
-                                 f"({_describe(held)}): wait for it to end, or choose another path")
-            self._remove(held)  # its holder is gone: take it over
-            if not self._create():
-                raise ValueError(f"output.path={self.out!r} is in use by another job "
-                                 f"({_describe(self._read())}): wait for it to end, or choose "
-                                 "another path")
+            mine = held is not None and held.get("token") == self.holder["token"]
+            if not mine:  # (mine: a retried PUT whose first try got through)
+                self._take_over(held)
         self._thread = threading.Thread(target=self._beat, name="prefixflow-lock", daemon=True)
         self._thread.start()
         return self
+
+    def _take_over(self, held: dict[str, Any] | None) -> None:
+        if held is not None and not _stale(held):
+            raise ValueError(f"output.path={self.out!r} is in use by another job "
+                             f"({_describe(held)}): wait for it to end, or choose another path")
+        self._remove(held)  # its holder is gone
+        if not self._create():
+            raise ValueError(f"output.path={self.out!r} is in use by another job "
+                             f"({_describe(self._read())}): wait for it to end, or choose "
+                             "another path")
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._remove(self.holder)
+        try:
+            self._remove(self.holder)
+        except Exception as e:  # storage down: keep the job's own error; a rerun takes it over
+            _log.warning("could not delete %s (%s): the next job on this path takes it over "
+                         "(at once on this host, else after %.0f s)", self.path, e, STALE_S)
 
     def _create(self) -> bool:
         """Create the lock file holding self.holder; False when it exists."""

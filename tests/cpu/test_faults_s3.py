@@ -106,8 +106,9 @@ def test_flaky_s3_job_completes_with_nothing_lost(start_driver, tiny_model, buck
 def test_persistent_s3_failure_fails_clearly_and_resumes(start_driver, tiny_model, bucket, tmp_path):
     storage = bucket
     rows = _put_input(storage, "down", "parquet")
-    # _job.json and a few parts with their commit records get through, then every PUT fails.
-    proxy = FaultProxy(storage.endpoint_url, puts_ok=7)
+    # _lock.json, _job.json and a few parts with their commit records get through, then every
+    # PUT fails.
+    proxy = FaultProxy(storage.endpoint_url, puts_ok=8)
     try:
         rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, "down", "parquet",
                                           max_attempts=2)))
