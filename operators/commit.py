@@ -88,8 +88,10 @@ def job_identity(planned: Any, num_replicas: int, spec_key: str,
 
 
 def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
-    """[path, size, version] of each input file, from one listing of each folder: the version
-    is the ETag on S3 and the modification time locally (a rewrite or a touch changes it)."""
+    """[path, size] of each input file, from one listing of each folder. A changed size names
+    the file in a refused resume; any other change of content is caught by the content digest
+    (PlannedJob.content_digest). Modification times and ETags are left out on purpose: a copy of
+    the same data (to another node, or re-uploaded) must still resume."""
     by_folder: dict[str, list[str]] = {}
     for f in files:
         by_folder.setdefault(f.rstrip("/").rsplit("/", 1)[0], []).append(f)
@@ -99,7 +101,7 @@ def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
         listed = {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
         for f in names:
             e = listed.get(strip_scheme(f).rstrip("/")) or fs.info(f)
-            out.append([f, int(e["size"]), str(e.get("ETag") or e.get("mtime") or e.get("LastModified"))])
+            out.append([f, int(e["size"])])
     return sorted(out)
 
 

@@ -166,10 +166,22 @@ def test_resume_refuses_an_input_whose_content_changed(ray_local, tiny_model, tm
     assert inp.stat().st_size == stat.st_size
     with pytest.raises(ValueError, match="the input's content changed"):
         run_job(_resume(spec), quiet=True)
-    os.utime(inp)  # touched: the listing shows it
+    with inp.open("a") as f:  # one more row: the size names the file
+        f.write(json.dumps({"id": 999, "q": "one more", "tag": "c"}) + "\n")
     with pytest.raises(ValueError, match=f"input files changed .*{inp.name}"):
         run_job(_resume(spec), quiet=True)
     assert sorted(p.name for p in out.iterdir()) == before  # a refused resume deletes nothing
+
+
+@pytest.mark.slow
+def test_resume_accepts_the_same_input_copied_or_touched(ray_local, tiny_model, tmp_path):
+    """Only content counts: the same bytes with a new modification time (a copy to another
+    node, a re-upload) resume."""
+    spec = _spec_dict(tmp_path, tiny_model, _rows())
+    run_job(parse_spec(spec), quiet=True)
+    inp = tmp_path / "in.jsonl"
+    os.utime(inp, (inp.stat().st_atime + 3600, inp.stat().st_mtime + 3600))
+    assert run_job(_resume(spec), quiet=True)["fault_tolerance"]["rows_written"] == 0
 
 
 def _driver_spec(root: Path, model: Path, rows: int) -> Path:
