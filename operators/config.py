@@ -103,7 +103,8 @@ class ProcessorConfig:
         if isinstance(self.prompt, dict):
             object.__setattr__(self, "prompt", PromptTemplate(**self.prompt))
         if not isinstance(self.sampling, SamplingParams):
-            SamplingParams(**(self.sampling or {}))  # its own errors first, before the model is read
+            # its own errors first (an unknown key named), before the model is read
+            SamplingParams().with_overrides(self.sampling or {})
         if isinstance(self.score, dict):
             object.__setattr__(self, "score", ScoreConfig(**self.score))
         _require(self.task in TASKS, "task", self.task, f"use one of {', '.join(TASKS)}")
@@ -156,4 +157,4 @@ def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingP
     """(the SamplingParams to use, the values taken from the model's generation_config.json):
     the fields in `given` win over the model's defaults."""
     taken = {k: v for k, v in generation_defaults(model).items() if k not in given}
-    return SamplingParams(**{**taken, **given}), taken
+    return SamplingParams().with_overrides({**taken, **given}), taken

@@ -1,6 +1,6 @@
 """The `prefixflow` command.
 
-    prefixflow demo [DIR]             tiny model + demo data, the quickstart job end to end
+    prefixflow demo [DIR]             a real model (SmolLM2-135M) answers questions on 12 passages
     prefixflow run SPEC.yaml          run a job (--dry-run: plan only, no model loaded)
     prefixflow plan SPEC.yaml         print the plan (--out plan.parquet saves the plan table)
     prefixflow validate SPEC.yaml     check the spec and its paths; start nothing
@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec and its paths without starting anything")
     val.add_argument("spec")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    demo = sub.add_parser("demo", help="generate the tiny model and demo data, run the quickstart job")
+    demo = sub.add_parser("demo", help="run the demo job: SmolLM2-135M-Instruct answers questions "
+                          "about 12 passages (jobs/examples/demo.yaml)")
     demo.add_argument("dir", nargs="?", default="demo_output")
     demo.add_argument("--plan-only", action="store_true", help="stop after printing the plan")
     return p

@@ -353,3 +353,14 @@ def test_parquet_files_with_clashing_schemas(ray_local, tiny_model, tmp_path):
                {"template": "Q: {{ q }} {{ k }}"})
     assert sorted(r["q"] for r in out) == ["1", "2", "3", "five", "four"]
     assert all(r["error"] is None and r["num_generated_tokens"] >= 1 for r in out)
+
+
+def test_python_api_sampling_dict_names_an_unknown_key(tiny_model):
+    """ProcessorConfig(sampling={...}) goes through the same check as specs and rows: an
+    unknown key is a ValueError naming it (it was a TypeError)."""
+    from prefixflow.operators.config import ProcessorConfig
+
+    with pytest.raises(ValueError, match="unknown sampling parameter 'detokenize'"):
+        ProcessorConfig(model=str(tiny_model), sampling={"detokenize": False})
+    with pytest.raises(ValueError, match="SamplingParams.top_k"):
+        ProcessorConfig(model=str(tiny_model), sampling={"top_k": 1e30})
