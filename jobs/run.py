@@ -25,7 +25,7 @@ from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, i
                                          load_committed)
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
-from prefixflow.operators.storage import StorageOptions, absolute, join, list_input_files
+from prefixflow.operators.storage import StorageOptions, absolute, join
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.write import WriteOptions
 
@@ -115,7 +115,11 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     from prefixflow.jobs.supervise import run_replicas
     from prefixflow.operators.write import MetricsSink, clear_end_markers, sink_name, write_json
 
-    inputs = input_listing(list_input_files(spec.input.path, wopts.storage), wopts.storage)
+    from prefixflow.operators.read import input_files
+
+    # The files the reader read (not every file beside them in a folder): their sizes are part
+    # of what a resume must find unchanged.
+    inputs = input_listing(input_files(read_options(spec)), wopts.storage)
     identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs)
     fingerprint = identity["fingerprint"]
     check_job_file(wopts.path, identity, wopts.storage, spec.output.resume)

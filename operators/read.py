@@ -61,8 +61,7 @@ def read_dataset(opts: ReadOptions) -> Any:
     """A lazy ray.data.Dataset of the input rows, with _pf_source and _pf_error columns."""
     import ray.data
 
-    files = list_input_files(list(opts.path) if not isinstance(opts.path, str) else opts.path,
-                             opts.storage, SUFFIXES[opts.format])
+    files = input_files(opts)
     clash = clashing_columns(files, opts.storage) if opts.format == "parquet" else []
     if opts.format == "parquet" and not clash:
         fs = opts.storage.filesystem(files[0]) if is_s3(files[0]) else None
@@ -77,6 +76,12 @@ def read_dataset(opts: ReadOptions) -> Any:
     if opts.limit is not None:
         ds = ds.limit(opts.limit)
     return ds
+
+
+def input_files(opts: ReadOptions) -> list[str]:
+    """The files the job reads: `opts.path` expanded, a folder's files of the format's suffixes."""
+    path = list(opts.path) if not isinstance(opts.path, str) else opts.path
+    return list_input_files(path, opts.storage, SUFFIXES[opts.format])
 
 
 def _add_bookkeeping(table: pa.Table) -> pa.Table:
