@@ -43,9 +43,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(model_runner.eos_token_ids)
         self.vocab_size = model_runner.vocab_size
         self.max_model_len = min(config.max_model_len or model_runner.max_model_len, model_runner.max_model_len)
-        self.block_manager = BlockManager(model_runner.num_kv_blocks, model_runner.block_size,
-                                          config.enable_prefix_cache)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.reset()  # the block manager and the scheduler
         self.stats: list[StepStats] = []
         self.totals: EngineTotals | None = None
         self._ids = itertools.count()
@@ -122,8 +120,8 @@ class LLMEngine:
         self.block_manager.reset_cache()
 
     def reset(self) -> None:
-        """An empty engine again after a failed run (operators/isolate.py): no request left
-        and a fresh block manager, since a step that raised may have left the KV bookkeeping
+        """A fresh block manager and scheduler, with no request: at start, and after a failed
+        run (operators/isolate.py), since a step that raised may have left the KV bookkeeping
         half-updated. The hashed prefix cache is dropped with it; the model stays loaded."""
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           self.config.enable_prefix_cache)
