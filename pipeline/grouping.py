@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefixflow.pipeline.prefix_tree import PrefixTree
+from prefixflow.pipeline.prefix_tree import PrefixTree, int64_view
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -67,9 +67,10 @@ def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
     """Bottom-up DP. Returns threshold[v]: a group forms at v iff the index (in v's ancestor
     list, root = 0) of the group the prompts would otherwise join is below threshold[v]."""
     ptr, kids = tree.children()
-    ptr, kids, depth = ptr.tolist(), kids.tolist(), tree.depth.tolist()
-    parent = tree.parent.tolist()
-    threshold = [0] * tree.num_nodes
+    # memoryviews, not lists: Python ints cost 36 bytes each at millions of nodes (from_sorted)
+    ptr, kids, depth, parent = int64_view(ptr), int64_view(kids), int64_view(tree.depth), int64_view(tree.parent)
+    threshold = np.zeros(tree.num_nodes, dtype=np.int64)
+    thr_view = int64_view(threshold)
     acc: list[list[int] | None] = [None] * tree.num_nodes  # sum of children's h vectors
     path: list[int] = []                                    # depths of the current ancestors
     stack = [(0, False)]
@@ -88,13 +89,13 @@ def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
         acc[v] = None
         form = a[-1] - depth[v]                       # group at v: members earn depth(v), pay once
         passed = a[:-1]                               # non-decreasing in the ancestor depth
-        threshold[v] = sum(1 for x in passed if x < form) if depth[v] >= min_prefix_len else 0
+        t = sum(1 for x in passed if x < form) if depth[v] >= min_prefix_len else 0
         if v == 0:
-            threshold[v] = 1                          # the root "groups" whatever reaches it
+            thr_view[v] = 1                           # the root "groups" whatever reaches it
             break
-        t = threshold[v]                              # passed[:t] < form <= passed[t:]
+        thr_view[v] = t                               # passed[:t] < form <= passed[t:]
         _add(acc, parent[v], [form] * t + passed[t:])
-    return np.asarray(threshold, dtype=np.int64)
+    return threshold
 
 
 def _add(acc: list, node: int, vec: list[int]) -> None:
@@ -105,10 +106,10 @@ def _add(acc: list, node: int, vec: list[int]) -> None:
 def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
     """Top-down: each prompt joins the deepest ancestor where a group forms."""
     ptr, kids = tree.children()
-    ptr, kids, thr = ptr.tolist(), kids.tolist(), threshold.tolist()
-    leaf_seq = tree.leaf_seq.tolist()
+    ptr, kids, thr, leaf_seq = int64_view(ptr), int64_view(kids), int64_view(threshold), int64_view(tree.leaf_seq)
     num_seqs = len(tree.order)
     group_node = np.zeros(num_seqs, dtype=np.int64)
+    group_view = int64_view(group_node)
     path_nodes: list[int] = []
     # (node, index in path_nodes of the group its ungrouped prompts join, leaving?)
     stack: list[tuple[int, int, bool]] = [(0, 0, False)]
@@ -118,7 +119,7 @@ def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
             path_nodes.pop()
             continue
         if leaf_seq[v] >= 0:
-            group_node[leaf_seq[v]] = path_nodes[e_idx]
+            group_view[leaf_seq[v]] = path_nodes[e_idx]
             continue
         child_e = len(path_nodes) if e_idx < thr[v] or v == 0 else e_idx
         path_nodes.append(v)
