@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from prefixflow.pipeline.block_hash import HashedPrompts, verify_prefix
 from prefixflow.pipeline.blendserve import estimate_output_lens
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse
@@ -40,32 +41,46 @@ class Plan:
 
     table: pa.Table
     summary: dict[str, Any]
-    tokens: RaggedTokens
+    tokens: RaggedTokens | None  # None when planned from block hashes (then `hashed`)
     seq_index: np.ndarray     # [num_rows] prompt index of each table row
     run_starts: np.ndarray    # [num_runs + 1] table-row boundaries of the runs (groups)
     replica_runs: np.ndarray  # [num_replicas + 1] run boundaries of each replica
+    hashed: HashedPrompts | None = None
 
     @property
     def num_replicas(self) -> int:
         return len(self.replica_runs) - 1
 
     def groups(self, replica: int = 0) -> list[PrefixGroup]:
-        """The replica's prefix-sharing groups in run order."""
+        """The replica's prefix-sharing groups in run order.
+
+        A plan made from block hashes (HashedPrompts) fetches this replica's token ids here and
+        checks each group's prefix against them: a hash collision shrinks the prefix to what the
+        members really share (block_hash.verify_prefix)."""
         if not 0 <= replica < self.num_replicas:
             raise ValueError(f"replica={replica} is out of range: the plan has {self.num_replicas}")
         cols = {name: self.table.column(name).to_numpy() for name in ("row_id", "prefix_len")}
         out_col = self.table.column("output_len")
         out_lens = None if out_col.null_count == len(out_col) else out_col.to_numpy(zero_copy_only=False)
+        first, last = int(self.replica_runs[replica]), int(self.replica_runs[replica + 1])
+        base = int(self.run_starts[first])
+        if self.tokens is not None:
+            tokens, index = self.tokens, self.seq_index
+        else:  # positions base.. of this replica, fetched in plan order
+            tokens = self.hashed.fetch_tokens(self.seq_index[base:int(self.run_starts[last])])
+            index = np.arange(len(self.seq_index), dtype=np.int64) - base
         groups = []
-        for run in range(self.replica_runs[replica], self.replica_runs[replica + 1]):
+        for run in range(first, last):
             lo, hi = int(self.run_starts[run]), int(self.run_starts[run + 1])
-            seqs = self.seq_index[lo:hi]
+            prompts = [tokens[int(s)] for s in index[lo:hi]]
             plen = int(cols["prefix_len"][lo])
+            if self.tokens is None:
+                plen = verify_prefix(plen, prompts)
             groups.append(PrefixGroup(
                 group_id=run,
-                prefix=self.tokens[int(seqs[0])][:plen],
+                prefix=prompts[0][:plen],
                 row_ids=cols["row_id"][lo:hi],
-                distinct=tuple(self.tokens[int(s)][plen:] for s in seqs),
+                distinct=tuple(p[plen:] for p in prompts),
                 output_lens=None if out_lens is None else out_lens[lo:hi],
                 replica=replica,
             ))
@@ -77,7 +92,7 @@ class Plan:
         return self.table.slice(lo, hi - lo)
 
 
-def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
+def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts | Any, *,
                row_ids: Sequence[int] | np.ndarray | None = None,
                output_lens: Sequence[int] | np.ndarray | None = None,
                order: str = "batchllm", num_replicas: int = 1, min_prefix_len: int = 1,
@@ -85,7 +100,9 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
                hardware: str | HardwareProfile = "h100") -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
 
-    prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens).
+    prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens),
+        or HashedPrompts: lengths and block hashes only (block_hash.py), shared prefixes then
+        count in whole KV blocks and the token ids are fetched per replica by `groups`.
     row_ids: one unique id per prompt (default 0..n-1).
     output_lens: expected output length per prompt (used by ordering and the cost model); -1
         marks an unknown one, estimated from the known ones in its subtree (BlendServe Sec. 5.1).
@@ -98,9 +115,10 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
         balanced on the predicted time (cost_model.py; unknown output lengths use a default).
     """
     started = time.perf_counter()
-    tokens = RaggedTokens.from_sequences(prompts)
-    n = len(tokens)
-    lengths = tokens.lengths
+    hashed = prompts if isinstance(prompts, HashedPrompts) else None
+    tokens = None if hashed is not None else RaggedTokens.from_sequences(prompts)
+    lengths = hashed.lengths if hashed is not None else tokens.lengths
+    n = len(lengths)
     ids = _check_row_ids(row_ids, n)
     outs = _check_output_lens(output_lens, n)
     if order not in ORDER_POLICIES:
@@ -108,7 +126,8 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
 
-    tree = PrefixTree.build(tokens)
+    tree = PrefixTree.from_sorted(*hashed.sort_with_lcp(), lengths) if hashed is not None else \
+        PrefixTree.build(tokens)
     grouping = maximize_reuse(tree, min_prefix_len)
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
@@ -136,7 +155,7 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | Any, *,
                        num_replicas, order)
     _add_predictions(summary, part, cost_model, grouping, outs is None)
     summary["planning_seconds"] = time.perf_counter() - started
-    return Plan(table, summary, tokens, seq_index, new_starts, part.replica_parts)
+    return Plan(table, summary, tokens, seq_index, new_starts, part.replica_parts, hashed)
 
 
 def _partition(cm: CostModel, seq_order: np.ndarray, starts: np.ndarray, run_prefix: np.ndarray,

@@ -38,18 +38,22 @@ def sort_with_lcp(tokens: RaggedTokens, block: int = DEFAULT_BLOCK) -> tuple[np.
     order[k] and order[k+1]). A shorter sequence sorts before its extensions; equal sequences
     keep their input order.
     """
-    flat, starts_at = tokens.flat, tokens.offsets[:-1]
-    lens = tokens.lengths
-
-    def gather(seqs: np.ndarray, depth: int, width: int) -> np.ndarray:
-        return _gather_block(flat, starts_at[seqs], lens[seqs], depth, np.arange(width, dtype=np.int64))
-
-    return sort_by_gather(lens, gather, block)
+    return sort_by_gather(tokens.lengths, ragged_gather(tokens), block)
 
 
 # A gather callback: (sequence indices [A], depth, width) -> symbols depth .. depth+width-1 of
 # each sequence as int64 [A, width], -1 past its end (symbols themselves are non-negative).
 Gather = Callable[[np.ndarray, int, int], np.ndarray]
+
+
+def ragged_gather(seqs: RaggedTokens) -> Gather:
+    """A `Gather` over sequences held in memory (token ids, or block hashes)."""
+    flat, starts_at, lens = seqs.flat, seqs.offsets[:-1], seqs.lengths
+
+    def gather(idx: np.ndarray, depth: int, width: int) -> np.ndarray:
+        return _gather_block(flat, starts_at[idx], lens[idx], depth, np.arange(width, dtype=np.int64))
+
+    return gather
 
 
 def sort_by_gather(lens: np.ndarray, gather: Gather, block: int = DEFAULT_BLOCK,
@@ -129,6 +133,7 @@ class PrefixTree:
     leaf_seq: the sequence a leaf stands for, -1 for internal nodes.
     post_order: node ids, children before parents (root last).
     order: sequence indices in lexicographic order; lcp: LCP of adjacent sorted sequences.
+    first_seq: the smallest sequence index under each node.
     """
 
     depth: np.ndarray
@@ -139,6 +144,7 @@ class PrefixTree:
     post_order: np.ndarray
     order: np.ndarray
     lcp: np.ndarray
+    first_seq: np.ndarray
 
     @classmethod
     def build(cls, tokens: RaggedTokens, block: int = DEFAULT_BLOCK) -> "PrefixTree":
@@ -154,6 +160,7 @@ class PrefixTree:
         is the difference between 1 and 5 GB of driver memory."""
         n = len(order)
         depth, parent, lo, hi, leaf_seq = (_int64s([v]) for v in (0, -1, 0, n, -1))
+        first = _int64s([n])  # smallest sequence index in each subtree (sibling order)
         post = _int64s([])
         is_leaf = bytearray(b"\0")
         sorted_lens = int64_view(lens[order])
@@ -169,23 +176,27 @@ class PrefixTree:
                     last = stack.pop()
                     hi[last] = k
                     post.append(last)
+                    # closed, so final; its parent (or a node inserted below it) is an ancestor
+                    up = parent[last]
+                    if first[last] < first[up]:
+                        first[up] = first[last]
                 top = stack[-1]
                 if depth[top] < boundary:  # the closed node and the next one meet deeper
                     mid = len(depth)
                     depth.append(boundary), parent.append(top), lo.append(lo[last])
-                    hi.append(-1), leaf_seq.append(-1), is_leaf.append(0)
+                    hi.append(-1), leaf_seq.append(-1), is_leaf.append(0), first.append(first[last])
                     parent[last] = mid
                     stack.append(mid)
             if k == n:
                 break
             leaf = len(depth)
             depth.append(sorted_lens[k]), parent.append(stack[-1]), lo.append(k), hi.append(k + 1)
-            leaf_seq.append(order_view[k]), is_leaf.append(1)
+            leaf_seq.append(order_view[k]), is_leaf.append(1), first.append(order_view[k])
             stack.append(leaf)
         post.append(0)
         as_arr = lambda x: np.frombuffer(x, dtype=np.int64) if len(x) else np.zeros(0, np.int64)  # noqa: E731
         return cls(as_arr(depth), as_arr(parent), as_arr(lo), as_arr(hi), as_arr(leaf_seq),
-                   as_arr(post), order, lcp)
+                   as_arr(post), order, lcp, as_arr(first))
 
     @property
     def num_nodes(self) -> int:
@@ -206,10 +217,11 @@ class PrefixTree:
         return int(self.edge_tokens().sum())
 
     def children(self) -> tuple[np.ndarray, np.ndarray]:
-        """CSR children lists: children of v are child_ids[child_ptr[v]:child_ptr[v+1]], in
-        sorted (lexicographic) order."""
+        """CSR children lists: children of v are child_ids[child_ptr[v]:child_ptr[v+1]], in the
+        input order of their first sequences. Not the sorted order: a plan from block hashes
+        (block_hash.py) sorts by hash, and every policy's ties must fall the same way."""
         nodes = np.arange(1, self.num_nodes)
-        by_parent = nodes[np.lexsort((self.lo[nodes], self.parent[nodes]))]
+        by_parent = nodes[np.lexsort((self.first_seq[nodes], self.parent[nodes]))]
         counts = np.bincount(self.parent[nodes], minlength=self.num_nodes)
         ptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
         np.cumsum(counts, out=ptr[1:])

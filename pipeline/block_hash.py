@@ -1,0 +1,162 @@
+"""Block hashes: the planner's compact stand-in for token ids (issue 18).
+
+A prompt is cut into blocks of `block_size` tokens, the block the engine's KV cache shares
+(only whole blocks are shared, so a plan finer than blocks buys nothing). Each block gets a
+63-bit hash chained over the blocks before it and mixed with the block's length, so two prompts
+have equal hashes at block k exactly when their first k+1 blocks are equal (up to collisions).
+That is 8 bytes per block instead of 4 * block_size bytes of token ids: 1/8 at 16 tokens.
+
+The planner sorts rows by their hash sequences (`sort_with_lcp` over hash symbols, the
+sequences possibly living in the dataset's blocks, see `sort_hashes_with_lcp`) and turns the
+LCP in blocks into tokens. A collision can only make rows look as if they shared more than they
+do; the replica checks the real tokens of every group and shrinks its prefix (`verify_prefix`),
+so a collision costs sharing, never a wrong output.
+
+Memory model of the driver (pure numbers, checked by bench/plan_bench.py --scale):
+  per row: row id, length, the sort's order and LCP, the tree's leaf and its share of internal
+  nodes (6 int64 arrays), grouping (2), plan order and table (~10 columns): about 250 bytes;
+  per sort level: `max_cells` hashes of the rows not yet apart, 8 bytes each, times ~4 copies;
+  per dataset block: its reference, offsets and digest (~100 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from prefixflow.pipeline.prefix_tree import DEFAULT_BLOCK, Gather, ragged_gather, sort_by_gather
+from prefixflow.pipeline.ragged import RaggedTokens
+
+DEFAULT_BLOCK_SIZE = 16  # engine.block_size's default (engine/config.py)
+HASH_BITS = 63           # non-negative int64: the sort pads ended sequences with -1
+
+# (flat token ids, start of each block in flat, tokens in each block, block_size) -> one uint64
+# per block. Injectable so that a test can force collisions.
+BlockHashFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
+
+_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit reaches every output bit."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def hash_token_blocks(flat: np.ndarray, start: np.ndarray, count: np.ndarray, block_size: int) -> np.ndarray:
+    """The default block hash: the block's tokens and its length, mixed position by position."""
+    acc = _mix(count.astype(np.uint64) * _GOLDEN)
+    for j in range(block_size):
+        present = j < count
+        tok = np.zeros(len(start), dtype=np.uint64)
+        tok[present] = flat[start[present] + j].astype(np.uint64) + np.uint64(1)
+        acc = _mix(acc ^ (tok * _GOLDEN + np.uint64(j)))
+    return acc
+
+
+def block_hashes(tokens: RaggedTokens, block_size: int = DEFAULT_BLOCK_SIZE,
+                 hash_fn: BlockHashFn = hash_token_blocks) -> RaggedTokens:
+    """Chained hashes of each prompt's blocks (the last block may be short): a ragged int64
+    array with ceil(len / block_size) values per prompt, each in [0, 2**63)."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} is invalid: use the engine's KV block size (e.g. 16)")
+    lens = tokens.lengths
+    per_row = -(-lens // block_size)
+    offsets = np.r_[0, np.cumsum(per_row)].astype(np.int64)
+    row = np.repeat(np.arange(len(lens), dtype=np.int64), per_row)
+    k = np.arange(offsets[-1], dtype=np.int64) - offsets[:-1][row]
+    start = tokens.offsets[:-1][row] + k * block_size
+    own = np.asarray(hash_fn(tokens.flat, start, np.minimum(block_size, lens[row] - k * block_size),
+                             block_size), dtype=np.uint64)
+    return RaggedTokens(_chain(own, offsets, per_row), offsets)
+
+
+def _chain(own: np.ndarray, offsets: np.ndarray, per_row: np.ndarray) -> np.ndarray:
+    """h[k] = mix(h[k-1], own[k]): equal h[k] stands for equal blocks 0..k, not block k alone."""
+    out = np.empty(len(own), dtype=np.uint64)
+    by_blocks = np.argsort(-per_row, kind="stable")   # rows with block k are a prefix of this
+    prev = np.zeros(len(per_row), dtype=np.uint64)
+    for k in range(int(per_row.max()) if len(per_row) else 0):
+        rows = by_blocks[:np.count_nonzero(per_row > k)]
+        idx = offsets[rows] + k
+        prev[rows] = _mix(prev[rows] * _GOLDEN ^ own[idx])
+        out[idx] = prev[rows]
+    return (out >> np.uint64(64 - HASH_BITS)).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HashedPrompts:
+    """The planner's input when the token ids stay where they are (build_plan accepts it).
+
+    lengths: [n] tokens per prompt. gather: its block hashes (see `sort_hashes_with_lcp`).
+    fetch_tokens: prompt indices -> their token ids (RaggedTokens, in the order asked); called
+        per replica by Plan.groups, never for the whole job at once.
+    max_cells: hashes the sort holds per level (None: no bound).
+    """
+
+    lengths: np.ndarray
+    gather: Gather
+    block_size: int
+    fetch_tokens: Callable[[np.ndarray], RaggedTokens]
+    max_cells: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} is invalid: use the engine's KV block size (e.g. 16)")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def from_tokens(cls, prompts, block_size: int = DEFAULT_BLOCK_SIZE,
+                    hash_fn: BlockHashFn = hash_token_blocks) -> "HashedPrompts":
+        """In-memory prompts planned through their hashes (tests, benches)."""
+        tokens = RaggedTokens.from_sequences(prompts)
+        hashes = block_hashes(tokens, block_size, hash_fn)
+
+        def fetch(idx: np.ndarray) -> RaggedTokens:
+            return RaggedTokens.from_sequences([tokens[int(i)] for i in idx])
+
+        return cls(tokens.lengths, ragged_gather(hashes), block_size, fetch)
+
+    def sort_with_lcp(self) -> tuple[np.ndarray, np.ndarray]:
+        return sort_hashes_with_lcp(self.lengths, self.gather, self.block_size, self.max_cells)
+
+
+def sort_hashes_with_lcp(lengths: np.ndarray, gather: Gather,
+                         block_size: int, max_cells: int | None = None,
+                         width: int = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp in tokens) of prompts known by their lengths and their block hashes.
+
+    gather(seqs, depth, width) -> int64 [len(seqs), width]: hashes of blocks depth ..
+    depth+width-1, -1 past a prompt's last block (see prefix_tree.sort_by_gather). Prompts that
+    share k blocks share k * block_size tokens, or all of both when they are equal to the end.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    num_blocks = -(-lengths // block_size)
+    order, lcp_blocks = sort_by_gather(num_blocks, gather, width, max_cells)
+    if len(order) < 2:
+        return order, lcp_blocks
+    shorter = np.minimum(lengths[order[:-1]], lengths[order[1:]])
+    # Equal last blocks have equal lengths (the hash holds the length), so the shorter prompt
+    # ends where they stop agreeing: the min is its length then, k * block_size otherwise.
+    return order, np.minimum(lcp_blocks * block_size, shorter)
+
+
+def verify_prefix(prefix_len: int, prompts: list[np.ndarray]) -> int:
+    """The prefix the members of a group really share: `prefix_len` (what the hashes claimed)
+    unless a hash collision made it longer than their common tokens, then their common tokens."""
+    if prefix_len == 0 or len(prompts) < 2:
+        return prefix_len
+    first = prompts[0][:prefix_len]
+    common = prefix_len
+    for p in prompts[1:]:
+        head = p[:common]
+        if len(head) < common or not np.array_equal(head, first[:common]):
+            n = min(len(head), common)
+            diff = np.flatnonzero(head[:n] != first[:n])
+            common = int(diff[0]) if len(diff) else n
+    return common
