@@ -1,0 +1,396 @@
+"""VllmEngine: one replica's engine on vLLM (engine.backend=vllm), with LLMEngine's interface.
+
+    engine = VllmEngine(EngineConfig(model=path, device="cpu"), {"enforce_eager": True})
+    for out in engine.run(plan.groups(0), SamplingParams(temperature=0)): ...
+
+vLLM's engine is built once (import 15-50 s, start 10-90 s on a small CPU box). `run` adds the
+planner's groups in plan order as vLLM requests (one per member, prompt = prefix + distinct; vLLM
+finds the shared prefix by its block hashes) and streams outputs as they finish. With the group
+scheduler (engine/vllm_scheduler.py) each request carries its group's plan rank as its priority,
+so vLLM runs groups in plan order with members adjacent, pins a group's prefix blocks until its
+last member finishes, and has no request cap (max_num_seqs = max_num_batched_tokens). Without
+it, vLLM's stock FCFS scheduler sees the requests in the order they are given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.outputs import EngineTotals, RequestOutput, StepStats, TokenLogprob, error_output
+from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_ids
+from prefixflow.engine.scoring_choices import error_output as score_error
+from prefixflow.engine.scoring_options import ScoreOptions
+from prefixflow.engine.vllm_args import check_vllm_args
+from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+
+Params = SamplingParams | Mapping[int, SamplingParams]
+Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
+SCHEDULER = "prefixflow.engine.vllm_scheduler"
+CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
+DEFAULT_CPU_KV_BYTES = 1 << 30   # as our ModelRunner on a CPU
+NO_CAP_SEQS = 256                # vLLM's (and our vllm policy's) request cap when one is asked
+# vLLM-only sampling options a run may set (vllm_sampling=); all plain numbers.
+VLLM_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupScheduling:
+    """The parts of the group scheduler, each of which can be turned off (benchmark ablation).
+
+    priority: priority = the group's plan rank (vLLM's "priority" policy); else FCFS in the
+        order given. pins: keep a group's prefix blocks until its last member finishes.
+    no_cap: max_num_seqs = max_num_batched_tokens; else EngineConfig.max_num_seqs or 256.
+    """
+
+    priority: bool = True
+    pins: bool = True
+    no_cap: bool = True
+
+    @property
+    def custom_class(self) -> bool:
+        return self.pins  # priority and no_cap need only engine arguments
+
+
+ALL_PARTS, NO_PARTS = GroupScheduling(), GroupScheduling(False, False, False)
+
+
+@dataclass(slots=True)
+class _Req:
+    """One member: its full prompt, its group's prefix length, and what to ask vLLM."""
+
+    row_id: int
+    prompt: list[int]
+    prefix_len: int
+    params: SamplingParams
+    options: dict[str, Any]            # vLLM-only SamplingParams fields
+    error: str | None = None           # known before the run: the row is not sent
+
+
+class VllmEngine:
+    """One replica's engine on vLLM. Not thread-safe; one `run` at a time.
+
+    config: the same EngineConfig as the native engine (model, dtype, block_size,
+        kv_cache_bytes, max_num_batched_tokens, max_num_seqs, max_model_len,
+        enable_prefix_cache, seed); on a CPU block_size is raised to a multiple of 32.
+    vllm_args: more vLLM engine arguments (checked by check_vllm_args).
+    group_scheduler: True (all parts), False (vLLM's stock scheduler) or a GroupScheduling.
+    in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
+        the scheduler object is then `self.scheduler`), else in a child process.
+    """
+
+    def __init__(self, config: EngineConfig, vllm_args: Mapping[str, Any] | None = None,
+                 group_scheduler: bool | GroupScheduling = True, *, in_process: bool = True) -> None:
+        extra = check_vllm_args(vllm_args or {})
+        self.config = config
+        self.parts = ALL_PARTS if group_scheduler is True else \
+            NO_PARTS if group_scheduler is False else group_scheduler
+        from prefixflow.engine.model_source import resolve_model
+        self.model_path = str(resolve_model(config.model))
+        _set_env(in_process, config)
+        from vllm import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine as VLLM
+
+        self.is_cpu = current_platform.is_cpu()
+        kwargs = self._engine_kwargs(extra)
+        self.engine = VLLM.from_engine_args(EngineArgs(**kwargs))
+        self.block_size = kwargs["block_size"]
+        vconfig = self.engine.vllm_config
+        self.num_kv_blocks = vconfig.cache_config.num_gpu_blocks
+        self.max_model_len = vconfig.model_config.max_model_len
+        self.vocab_size = vconfig.model_config.get_vocab_size()
+        self.tokenizer = self.engine.get_tokenizer()
+        from prefixflow.engine.loader import read_eos_token_ids
+        self.eos_token_ids = tuple(read_eos_token_ids(self.model_path, self.tokenizer))
+        self.stats: list[StepStats] = []
+        self.totals: EngineTotals | None = None
+        self._runs = itertools.count()
+        self._in_flight: set[str] = set()
+
+    @property
+    def scheduler(self) -> Any:
+        """vLLM's scheduler object when the engine core runs in this process, else None."""
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        return getattr(core, "scheduler", None)
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def run(self, groups: Iterable[PrefixGroup], params: Params = SamplingParams(),
+            vllm_sampling: Mapping[str, Any] | None = None) -> Iterator[RequestOutput]:
+        """Run planned groups (in plan order); yield each request's output when it finishes.
+
+        params: one SamplingParams for all, or a mapping row_id -> SamplingParams.
+        vllm_sampling: vLLM-only sampling options for every row (names in VLLM_SAMPLING).
+        """
+        options = check_vllm_sampling(vllm_sampling or {})
+        members = ([_Req(row, prompt, p, _params(params, row), options) for row, prompt, p in _rows(g)]
+                   for g in groups)
+        for out, m in self._execute(members):
+            yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
+                else _to_output(out, m, self.tokenizer)
+
+    def reset(self) -> None:
+        """Abort whatever is in flight (after a failed or abandoned run). vLLM's prefix cache
+        and its scheduler stay; aborted requests free their blocks and their groups' pins."""
+        if self._in_flight:
+            self.engine.abort_request(list(self._in_flight))
+            self._in_flight.clear()
+        while self.engine.has_unfinished_requests():  # let aborts land (multiprocess core)
+            self.engine.step()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget vLLM's cached blocks (benchmarks start cold)."""
+        self.engine.reset_prefix_cache()
+
+    def score_groups(self, groups: Iterable[PrefixGroup], choices: Choices,
+                     options: ScoreOptions = ScoreOptions()) -> Iterator[ScoreOutput]:
+        """Score planned groups, as Scorer.score_groups: per row, the choices' first-token
+        log-probabilities after the prompt, from one greedy token with vLLM's
+        logprob_token_ids (raw log-softmax; prefix caching stays on). Bad rows come first."""
+        members = ([self._score_member(row, prompt, p, choices, options) for row, prompt, p in _rows(g)]
+                   for g in groups)
+        for out, m in self._execute(members):
+            row_choices = _row_choices(choices, m.row_id)
+            if m.error is not None:
+                yield score_error(m.row_id, row_choices, len(m.prompt), m.error)
+            else:
+                yield _score_output(out, m, row_choices)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _execute(self, groups: Iterable[list[_Req]]) -> Iterator[tuple[Any, _Req]]:
+        """Add every group's members (priority = plan rank), then step vLLM; yields (None, m)
+        for a member that cannot run (m.error set) and (vLLM's output, m) as members finish.
+        Fills `stats` and `totals`."""
+        self.stats, start = [], time.perf_counter()
+        run, reqs = next(self._runs), {}
+        counts = dict(requests=0, prompt=0, cached=0, output=0)
+        for rank, members in enumerate(groups):
+            counts["requests"] += len(members)
+            for m in members:
+                rid = f"{run}-{m.row_id}"
+                m.error = m.error or self._add(rid, m, rank, len(members))
+                if m.error is not None:
+                    yield None, m
+                    continue
+                reqs[rid] = m
+                counts["prompt"] += len(m.prompt)
+        completed = False
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self._step():
+                    self._in_flight.discard(out.request_id)
+                    counts["cached"] += int(out.num_cached_tokens or 0)
+                    counts["output"] += len(out.outputs[0].token_ids)
+                    yield out, reqs.pop(out.request_id)
+            completed = True
+        finally:
+            if not completed:  # the caller stopped iterating, or a step raised
+                self.reset()
+        self.totals = EngineTotals(
+            num_requests=counts["requests"], num_prompt_tokens=counts["prompt"],
+            num_computed_prompt_tokens=counts["prompt"] - counts["cached"], num_recomputed_tokens=0,
+            num_output_tokens=counts["output"], num_steps=len(self.stats),
+            num_preemptions=0, wall_time_s=time.perf_counter() - start)
+
+    def _add(self, request_id: str, m: _Req, rank: int, num_members: int) -> str | None:
+        """Add one request; an error message when it cannot run."""
+        error = self._check_prompt(m.prompt)
+        if error is not None:
+            return error
+        pf = {"g": rank, "p": m.prefix_len, "n": num_members, "pin": self.parts.pins}
+        try:
+            self.engine.add_request(request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m, pf),
+                                    priority=rank if self.parts.priority else 0)
+        except ValueError as e:  # vLLM's own request validation (lengths, parameters)
+            return f"vLLM refused the request: {e}"
+        self._in_flight.add(request_id)
+        return None
+
+    def _check_prompt(self, prompt: list[int]) -> str | None:
+        if not prompt:
+            return "the prompt is empty: give at least one token"
+        if len(prompt) >= self.max_model_len:
+            return (f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+                    "(the model's, EngineConfig.max_model_len or what the KV cache holds): shorten "
+                    "the prompt or raise EngineConfig.max_model_len / kv_cache_bytes")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary [0, {self.vocab_size}): check the tokenizer"
+        return None
+
+    def _score_member(self, row: int, prompt: list[int], prefix_len: int, choices: Choices,
+                      options: ScoreOptions) -> _Req:
+        m = _Req(row, prompt, prefix_len, SamplingParams(temperature=0, max_tokens=1), {})
+        try:
+            ids = choice_token_ids(_row_choices(choices, row), self.tokenizer, self.vocab_size,
+                                   options.choice_leading_space)
+            m.options["logprob_token_ids"] = list(ids)
+        except ValueError as e:
+            m.error = str(e)
+        return m
+
+    def _step(self) -> list[Any]:
+        t0 = time.perf_counter()
+        running = self.engine.get_num_unfinished_requests()
+        outs = self.engine.step()
+        self.stats.append(StepStats(
+            step=len(self.stats), num_tokens=0, num_prefill_tokens=0, num_decode_tokens=0,
+            num_prefix_tokens=0, num_running_seqs=running, num_used_blocks=0,
+            num_total_blocks=self.num_kv_blocks or 0, num_preemptions=0,
+            duration_s=time.perf_counter() - t0))
+        return [o for o in outs if o.finished]
+
+    def _engine_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
+        c, parts = self.config, self.parts
+        block = c.block_size
+        if self.is_cpu and block % CPU_BLOCK_MULTIPLE:
+            block = CPU_BLOCK_MULTIPLE  # powers of two below 32 -> 32
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, dtype="float32" if c.dtype == "auto" and self.is_cpu else c.dtype,
+            block_size=block, seed=c.seed, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_num_seqs=c.max_num_batched_tokens if parts.no_cap else (c.max_num_seqs or NO_CAP_SEQS),
+            enable_prefix_caching=c.enable_prefix_cache, gpu_memory_utilization=c.gpu_memory_utilization,
+            trust_remote_code=c.trust_remote_code, disable_log_stats=True,
+            scheduling_policy="priority" if parts.priority else "fcfs")
+        if parts.custom_class:
+            kwargs["scheduler_cls"] = f"{SCHEDULER}.{'GroupScheduler' if self.is_cpu else 'AsyncGroupScheduler'}"
+        blocks = self._kv_blocks(block)
+        if blocks is not None:
+            kwargs["num_gpu_blocks_override"] = blocks
+            # vLLM refuses to start when max_model_len tokens do not fit the cache; a request
+            # longer than the cache gets an error output instead (as with the native engine).
+            limit = blocks * block
+            kwargs["max_model_len"] = min(c.max_model_len or limit, limit, self._model_max_len())
+        else:
+            kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
+            if c.max_model_len is not None:
+                kwargs["max_model_len"] = c.max_model_len
+        return {**kwargs, **extra}
+
+    def _kv_blocks(self, block: int) -> int | None:
+        """CPU: blocks of the KV budget (EngineConfig.kv_cache_bytes, default 1 GiB). GPU with a
+        budget: None (kv_cache_memory_bytes does it); GPU without: None (memory utilization)."""
+        if not self.is_cpu and self.config.kv_cache_bytes is not None:
+            return None
+        if not self.is_cpu:
+            return None
+        from prefixflow.engine.loader import read_model_args
+        per_token = read_model_args(self.model_path).kv_bytes_per_token_per_elem * _elem_size(self.config.dtype)
+        return max(1, (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
+
+    def _model_max_len(self) -> int:
+        from prefixflow.engine.loader import read_model_args
+        return read_model_args(self.model_path).max_position_embeddings
+
+def _set_env(in_process: bool, config: EngineConfig) -> None:
+    """vLLM reads these from the environment; set before its engine starts."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if config.kv_cache_bytes is not None:  # CPU backend: GiB reserved for the KV cache
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_bytes / (1 << 30))))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _thread_bind())
+
+
+def _thread_bind() -> str:
+    """This process's CPUs (a Ray actor gets OMP_NUM_THREADS = its num_cpus): the first
+    OMP_NUM_THREADS of them, so that vLLM's CPU threads stay within the actor's share."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = int(os.environ.get("OMP_NUM_THREADS") or len(cpus))
+    return ",".join(str(c) for c in cpus[:max(1, n)])
+
+
+def _elem_size(dtype: str) -> int:
+    return 4 if dtype in ("auto", "float32") else 2
+
+
+def check_vllm_sampling(options: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM-only sampling options: ValueError naming an unsupported key or a bad value."""
+    for key, value in options.items():
+        if key not in VLLM_SAMPLING:
+            raise ValueError(f"vllm_sampling.{key} is not supported: use {', '.join(VLLM_SAMPLING)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"vllm_sampling.{key}={value!r} is invalid: give a number")
+    return dict(options)
+
+
+def _rows(g: PrefixGroup) -> list[tuple[int, list[int], int]]:
+    """(row_id, full prompt, prefix_len) of each member, in the plan's member order."""
+    prefix = [int(t) for t in g.prefix]
+    return [(int(row), prefix + [int(t) for t in g.distinct[i]], g.prefix_len)
+            for i, row in enumerate(g.row_ids)]
+
+
+def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:
+    return choices.get(row, ()) if isinstance(choices, Mapping) else choices
+
+
+def _vllm_params(m: _Req, pf: dict[str, Any]) -> Any:
+    """Our SamplingParams (+ vLLM-only options) as vLLM's; the group info in extra_args."""
+    from vllm import SamplingParams as VllmParams
+
+    p = m.params  # vLLM's text is needed only to cut at stop strings: we decode at the end
+    return VllmParams(
+        temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, seed=p.seed,
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, detokenize=bool(p.stop), extra_args={"pf": pf}, **m.options)
+
+
+def _params(params: Params, row_id: int) -> SamplingParams:
+    if isinstance(params, SamplingParams):
+        return params
+    try:
+            return params[row_id]
+    except KeyError:
+        raise ValueError(f"params has no SamplingParams for row_id={row_id}: give one for every row, "
+                         "or a single SamplingParams for all") from None
+
+
+def _to_output(out: Any, m: _Req, tokenizer: Any) -> RequestOutput:
+    """vLLM's output as ours (engine/outputs.finished_output): the text is vLLM's when a stop
+    string cut it, else the decoded tokens without a final EOS / stop token id (vLLM's
+    incremental text can differ on invalid UTF-8 across the prompt boundary)."""
+    c = out.outputs[0]
+    ids = tuple(c.token_ids)
+    if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+        text = c.text
+    else:
+        drop_last = c.finish_reason == "stop"  # EOS (stop_reason None) or a stop token id
+        text = tokenizer.decode(list(ids[:-1] if drop_last else ids), skip_special_tokens=True)
+    cached = int(out.num_cached_tokens or 0)
+    logprobs = None
+    if m.params.logprobs is not None:
+        logprobs = tuple(_token_logprob(t, d, m.params.logprobs) for t, d in zip(ids, c.logprobs or ()))
+    return RequestOutput(row_id=m.row_id, prompt_token_ids=tuple(m.prompt), token_ids=ids, text=text,
+                         finish_reason=c.finish_reason or "length", logprobs=logprobs,
+                         prefix_len=min(m.prefix_len, cached), num_cached_tokens=cached)
+
+
+def _token_logprob(token: int, entries: Mapping[int, Any], k: int) -> TokenLogprob:
+    top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k),
+                 key=lambda item: item[1].rank)
+    return TokenLogprob(int(token), float(entries[token].logprob),
+                        tuple((int(t), float(lp.logprob)) for t, lp in top))
+
+
+def _score_output(out: Any, m: _Req, choices: Sequence[Choice]) -> ScoreOutput:
+    """vLLM's first-token logprobs of the choice tokens -> probabilities over the choices."""
+    ids = tuple(m.options["logprob_token_ids"])
+    entries = out.outputs[0].logprobs[0]
+    logprobs = [float(entries[t].logprob) for t in ids]
+    top = max(logprobs)
+    weights = [math.exp(lp - top) for lp in logprobs]
+    probs = tuple(w / sum(weights) for w in weights)
+    labels = tuple(str(c) for c in choices)
+    cached = int(out.num_cached_tokens or 0)
+    return ScoreOutput(row_id=m.row_id, choices=labels, choice_token_ids=ids, probs=probs,
+                       logprobs=tuple(logprobs), label=labels[probs.index(max(probs))],
+                       prompt_len=len(m.prompt), prefix_len=min(m.prefix_len, cached),
+                       num_cached_tokens=cached)
