@@ -137,17 +137,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _mirror(cls: type, name: str, skip: tuple[str, ...] = ()) -> type[BaseModel]:
-    """A strict pydantic model with the fields, types and defaults of a frozen dataclass."""
+def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
+            extra: dict[str, Any] | None = None) -> type[BaseModel]:
+    """A strict pydantic model with the fields, types and defaults of a frozen dataclass,
+    plus `extra` fields ({name: (type, default)}) that the dataclass does not check."""
     hints = typing.get_type_hints(cls)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         fields[f.name] = (hints[f.name], f.default)
+    own = list(fields)
+    fields.update(extra or {})
 
     def check(self: BaseModel) -> BaseModel:
-        cls(**_plain(self), **({"model": "."} if "model" in skip else {}))  # its own checks
+        given = {k: getattr(self, k) for k in own}
+        cls(**given, **({"model": "."} if "model" in skip else {}))  # its own checks
         return self
 
     # pydantic turns `top_k: true` into 1 before the dataclass could refuse it: refuse first.
@@ -165,11 +170,13 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = ()) -> type[BaseModel]
         "_check": model_validator(mode="after")(check)}, **fields)
 
 
-def _plain(model: BaseModel) -> dict[str, Any]:
-    return {k: getattr(model, k) for k in type(model).model_fields}
-
-
-EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",))
+# engine.backend and engine.vllm choose the engine (operators/config.py checks them for both
+# the spec and ProcessorConfig); the other engine fields are EngineConfig's.
+EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
+    "backend": (Literal["native", "vllm"], Field(default="native", description="native: "
+                "prefixflow's engine; vllm: vLLM's engine (pip install prefixflow[vllm])")),
+    "vllm": (dict[str, Any], Field(default_factory=dict, description="vLLM engine arguments, "
+             "passed through (like ray.data.llm's engine_kwargs); backend vllm only"))})
 SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
 
 
@@ -307,7 +314,16 @@ class JobSpec(_Strict):
             raise ValueError("prompt is required unless input.format is openai: add prompt.template "
                              "(e.g. \"Q: {{ question }}\") or prompt.user, or prompt.messages_column")
         self._device_has_a_gpu()
+        self._backend_can_run()
         return self
+
+    def _backend_can_run(self) -> None:
+        from prefixflow.operators.config import backend_problems
+
+        score = self.score.model_dump() if self.score is not None else None
+        for field, value, fix in backend_problems(self.engine.model_dump(), self.task, score):
+            # _describe reads the field from "<Owner>.<field>=<value> is invalid: <fix>"
+            raise ValueError(f"JobSpec.{field}={_short(value)} is invalid: {fix}")
 
     def _device_has_a_gpu(self) -> None:
         # An actor without a GPU slot sees no GPU, so a cuda engine could never start in it.
@@ -407,7 +423,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return path, f"{_short(value)} is not allowed: {err['msg'].replace('Input should be', 'use')}"
     msg = err["msg"].removeprefix("Value error, ")
     # EngineConfig / SamplingParams checks say "SamplingParams.top_p=2.0 is invalid: ...".
-    own = re.match(r"^\w+\.(\w+)=(.*?) is invalid: (.*)$", msg, re.S)
+    own = re.match(r"^\w+\.([\w.]+)=(.*?) is invalid: (.*)$", msg, re.S)
     if own:
         return f"{path}.{own.group(1)}" if path else own.group(1), f"{own.group(2)} is invalid: {own.group(3)}"
     if kind == "model_type":

@@ -23,6 +23,7 @@ import numpy as np
 
 from prefixflow.jobs.attempts import AttemptLedger
 from prefixflow.operators.commit import Committed, load_committed
+from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.processor import engine_actor_options
 from prefixflow.operators.write import WriteOptions
@@ -40,113 +41,135 @@ class _Running:
 def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, spec: Any,
                  progress: Any) -> tuple[list[dict], dict[str, Any]]:
     """Run every uncommitted row; returns this run's manifest rows and the fault report."""
-    import ray
-    from ray.exceptions import RayActorError
+    return Supervisor(processor.config, planned, sink, wopts, spec.max_retries_per_row,
+                      progress).run()
 
-    cfg = processor.config
-    engine_cls = ray.remote(ReplicaGenerator)
-    groups = [planned.plan.groups(r) for r in range(cfg.replicas)]
-    group_refs = [ray.put(g) for g in groups]
-    replica_rows = [np.concatenate([np.zeros(0, np.int64)] + [g.row_ids for g in gs]).astype(np.int64)
-                    for gs in groups]
-    ledger = AttemptLedger(max_retries=spec.max_retries_per_row)
-    poisoned: list[int] = []  # in the order given up, so that error ranks never move
-    given_up: set[int] = set()
-    failures: list[dict[str, Any]] = []
-    manifests: list[dict] = []
-    running: dict[Any, _Running] = {}
-    finished: set[int] = set()
 
-    def item_rows(item: int) -> np.ndarray:
+class Supervisor:
+    """The engine actors of one job run: starts one per work item with rows left, restarts an
+    item whose actor died, gives a replica up when the ledger says so."""
+
+    def __init__(self, config: ProcessorConfig, planned: Any, sink: Any, wopts: WriteOptions,
+                 max_retries_per_row: int, progress: Any):
+        import ray
+
+        self.config, self.planned, self.sink, self.wopts, self.progress = (
+            config, planned, sink, wopts, progress)
+        self.actor_cls = ray.remote(ReplicaGenerator)
+        groups = [planned.plan.groups(r) for r in range(config.replicas)]
+        self.group_refs = [ray.put(g) for g in groups]
+        self.replica_rows = [np.concatenate([np.zeros(0, np.int64)] + [g.row_ids for g in gs])
+                             .astype(np.int64) for gs in groups]
+        self.ledger = AttemptLedger(max_retries=max_retries_per_row)
+        self.poisoned: list[int] = []  # in the order given up, so that error ranks never move
+        self.given_up: set[int] = set()
+        self.failures: list[dict[str, Any]] = []
+        self.manifests: list[dict] = []
+        self.running: dict[Any, _Running] = {}  # task ref -> its run
+        self.finished: set[int] = set()
+        self.last = load_committed(wopts.path, wopts.storage, clean=False)
+
+    def run(self) -> tuple[list[dict], dict[str, Any]]:
+        import ray
+
+        self._start_missing(self.last)
+        try:
+            while self.running:
+                ready, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
+                self._drain()
+                if not ready:
+                    continue
+                # One read of the commit records serves every item that just ended: an ended
+                # item's actor writes nothing more, so its rows are all in this read.
+                now = load_committed(self.wopts.path, self.wopts.storage, clean=False)
+                for ref in ready:
+                    self._ended(self.running.pop(ref), ref, now)
+                self._start_missing(now)
+            self._drain()
+        finally:
+            for run in self.running.values():  # a job-level failure: stop what still runs
+                ray.kill(run.actor)
+        return self.manifests, self._report()
+
+    def _item_rows(self, item: int) -> np.ndarray:
         if item == ERRORS_ITEM:
-            return np.concatenate([np.asarray(planned.error_row_ids, np.int64),
-                                   np.asarray(poisoned, np.int64)])
-        return replica_rows[item]
+            return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64),
+                                   np.asarray(self.poisoned, np.int64)])
+        return self.replica_rows[item]
 
-    def start_missing(committed: Committed) -> None:
+    def _start_missing(self, committed: Committed) -> None:
         """Start an actor for every item that has uncommitted rows and none running."""
-        busy = {r.item for r in running.values()}
-        why = failures[-1]["error"] if failures else ""
-        job = _with_error_rows(planned, poisoned, why)
-        for item in [*range(cfg.replicas), ERRORS_ITEM]:
-            if item in busy or item in given_up or (item in finished and item != ERRORS_ITEM):
+        busy = {r.item for r in self.running.values()}
+        for item in [*range(self.config.replicas), ERRORS_ITEM]:
+            if item in busy or item in self.given_up or (item in self.finished and item != ERRORS_ITEM):
                 continue
-            if not len(np.setdiff1d(item_rows(item), committed.row_ids)):
-                continue
-            # The error records need no engine: that actor takes no GPU and no CPU slot.
-            opts = engine_actor_options(cfg, needs_engine=item != ERRORS_ITEM)
-            actor = engine_cls.options(**opts).remote(
-                config=cfg, rows=planned.rows, group_refs=group_refs,
-                error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=sink,
-                done=committed.row_ids, skip=np.asarray(poisoned, np.int64), write=wopts)
-            token = uuid.uuid4().hex
-            running[actor.run_item.remote(item, token)] = _Running(item, actor, token, time.time(),
-                                                                   item_rows(item))
+            if len(np.setdiff1d(self._item_rows(item), committed.row_ids)):
+                self._start(item, committed)
 
-    def drain() -> None:
-        for m in ray.get(sink.take_committed.remote()):
-            manifests.append(m)
-            progress.update(m)
+    def _start(self, item: int, committed: Committed) -> None:
+        import ray
 
-    last = load_committed(wopts.path, wopts.storage, clean=False)
-    start_missing(last)
-    try:
-        while running:
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
-            drain()
-            if not ready:
-                continue
-            # One read of the commit records serves every item that just ended: an ended
-            # item's actor writes nothing more, so its rows are all in this read.
-            now = load_committed(wopts.path, wopts.storage, clean=False)
-            for ref in ready:
-                run = running.pop(ref)
-                try:
-                    ray.get(ref)
-                except RayActorError as e:
-                    _on_death(run, e, now, last, ledger, sink, failures, item_rows, poisoned,
-                              given_up)
-                    last = now
-                else:
-                    ray.kill(run.actor)  # its work is done: free its CPUs/GPU now
-                    finished.add(run.item)
-                    left = np.setdiff1d(run.rows, now.row_ids)
-                    if len(left):  # a bug, not a fault: starting it again would loop
-                        raise RuntimeError(f"work item {run.item} finished without committing "
-                                           f"rows {left[:10].tolist()}")
-            start_missing(now)
-        drain()
-    finally:
-        for run in running.values():  # a job-level failure: stop what still runs
-            ray.kill(run.actor)
-    return manifests, {
-        "engine_failures": len(failures), "failures": failures,
-        "rows_committed_at_failures": [f["rows_committed"] for f in failures],
-        "replicas_given_up": sorted(given_up), "rows_given_up": len(poisoned)}
+        why = self.failures[-1]["error"] if self.failures else ""
+        job = _with_error_rows(self.planned, self.poisoned, why)
+        # The error records need no engine: that actor takes no GPU and no CPU slot.
+        opts = engine_actor_options(self.config, needs_engine=item != ERRORS_ITEM)
+        actor = self.actor_cls.options(**opts).remote(
+            config=self.config, rows=self.planned.rows, group_refs=self.group_refs,
+            error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=self.sink,
+            done=committed.row_ids, skip=np.asarray(self.poisoned, np.int64), write=self.wopts)
+        token = uuid.uuid4().hex
+        self.running[actor.run_item.remote(item, token)] = _Running(
+            item, actor, token, time.time(), self._item_rows(item))
 
+    def _drain(self) -> None:
+        import ray
 
-def _on_death(run: _Running, error: BaseException, now: Committed, last: Committed,
-              ledger: AttemptLedger, sink: Any, failures: list, item_rows: Any, poisoned: list,
-              given_up: set) -> None:
-    """Record a dead engine actor; give its replica up when the ledger says so."""
-    import ray
+        for m in ray.get(self.sink.take_committed.remote()):
+            self.manifests.append(m)
+            self.progress.update(m)
 
-    # A death before the engine was loaded is no row's fault (a node lost, OOM at load).
-    loaded = run.token in ray.get(sink.status.remote())["engines_ready"]
-    mine = item_rows(run.item)
-    committed_mine = int(np.isin(mine, now.row_ids).sum())
-    why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    failures.append({"item": run.item, "error": why, "engine_loaded": loaded,
-                     "rows_committed": now.num_rows, "item_rows_committed": committed_mine,
-                     "item_rows_left": int(len(mine) - committed_mine),
-                     "after_s": round(time.time() - run.started, 2)})
-    give_up = ledger.record_failure([run.item] if loaded else [], _gained(last, now),
-                                    now.num_rows, why)
-    for replica in give_up:
-        left = np.setdiff1d(item_rows(replica), now.row_ids)
-        known = set(poisoned)
-        poisoned += [int(r) for r in left if int(r) not in known]
-        given_up.add(replica)
+    def _ended(self, run: _Running, ref: Any, now: Committed) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(ref)
+        except RayActorError as e:
+            self._on_death(run, e, now)
+            self.last = now
+            return
+        ray.kill(run.actor)  # its work is done: free its CPUs/GPU now
+        self.finished.add(run.item)
+        left = np.setdiff1d(run.rows, now.row_ids)
+        if len(left):  # a bug, not a fault: starting it again would loop
+            raise RuntimeError(f"work item {run.item} finished without committing "
+                               f"rows {left[:10].tolist()}")
+
+    def _on_death(self, run: _Running, error: BaseException, now: Committed) -> None:
+        """Record a dead engine actor; give its replica up when the ledger says so."""
+        import ray
+
+        # A death before the engine was loaded is no row's fault (a node lost, OOM at load).
+        loaded = run.token in ray.get(self.sink.status.remote())["engines_ready"]
+        mine = self._item_rows(run.item)
+        committed_mine = int(np.isin(mine, now.row_ids).sum())
+        why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        self.failures.append({"item": run.item, "error": why, "engine_loaded": loaded,
+                              "rows_committed": now.num_rows, "item_rows_committed": committed_mine,
+                              "item_rows_left": int(len(mine) - committed_mine),
+                              "after_s": round(time.time() - run.started, 2)})
+        give_up = self.ledger.record_failure([run.item] if loaded else [], _gained(self.last, now),
+                                             now.num_rows, why)
+        for replica in give_up:
+            left = np.setdiff1d(self._item_rows(replica), now.row_ids)
+            known = set(self.poisoned)
+            self.poisoned += [int(r) for r in left if int(r) not in known]
+            self.given_up.add(replica)
+
+    def _report(self) -> dict[str, Any]:
+        return {"engine_failures": len(self.failures), "failures": self.failures,
+                "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
+                "replicas_given_up": sorted(self.given_up), "rows_given_up": len(self.poisoned)}
 
 
 def _gained(before: Committed, after: Committed) -> dict[int, int]:

@@ -17,8 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import (COMPUTED, RANK, engine_outputs, input_name, output_chunk,
-                                           token_counts, with_outputs)
+from prefixflow.operators.generate import COMPUTED, RANK, ReplicaRunner, input_name, with_outputs
 from prefixflow.operators.read import ERROR
 from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
 
@@ -27,8 +26,6 @@ class Generator:
     """map_batches callable class. Give a ProcessorConfig, or its fields as keywords."""
 
     def __init__(self, config: ProcessorConfig | None = None, **fields: Any):
-        from prefixflow.engine import LLMEngine
-
         self.config = config if config is not None else ProcessorConfig(**fields)
         cfg = self.config
         self.tokenize = Tokenize(TokenizeOptions(
@@ -36,7 +33,8 @@ class Generator:
             max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
             trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
             keep_prompt=cfg.include_prompt, sampling=cfg.sampling))
-        self.engine = LLMEngine(cfg.engine_config())
+        self.runner = ReplicaRunner(cfg)  # the engine of cfg's backend, loaded once here
+        self.runner.load()
         self.batches = 0
 
     def __call__(self, batch: Any) -> pa.Table:
@@ -55,10 +53,7 @@ class Generator:
             groups = plan.groups(0)
             order = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
             rows = table.drop_columns([TOKENS]).take(pa.array(order))
-            pos = {int(r): i for i, r in enumerate(order)}
-            prompt_len, computed = token_counts(groups, len(order))
-            outs = list(engine_outputs(self.engine, self.config, groups, rows, order))
-            pieces.append(output_chunk(outs, rows, pos, prompt_len, computed, replica=0))
+            pieces += list(self.runner.run(0, groups, rows, order))
         bad = np.flatnonzero(errors)
         if len(bad):
             rows = table.drop_columns([TOKENS]).take(pa.array(bad))

@@ -15,6 +15,13 @@ from prefixflow.pipeline.requests import SamplingParams
 
 ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
 TASKS = ("generate", "score")
+BACKENDS = ("native", "vllm")
+# The engine dict's keys that choose the backend; the others are EngineConfig fields.
+BACKEND_KEYS = ("backend", "vllm")
+# Score settings only the native Scorer honours (hybrid prefilling, its KV discard, SRJF order):
+# vLLM scores a row by decoding one token with the choices' log-probabilities.
+NATIVE_SCORE_FIELDS = ("chunk_size", "prefix_cache_bytes", "max_forward_bytes", "policy",
+                       "calibrate", "lam")
 # generation_config.json keys -> SamplingParams fields: the ones vLLM's generation_config="auto"
 # takes as defaults (do_sample is ignored there too). Fields SamplingParams lacks are skipped.
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -71,7 +78,9 @@ class ProcessorConfig:
         the model's generation_config.json where it has them (temperature, top_p, top_k,
         max_new_tokens, ...), else SamplingParams' defaults. A SamplingParams is taken as it is.
         A row's `sampling_params` column overrides fields per row.
-    engine: EngineConfig fields other than `model` (dtype, device, max_num_batched_tokens, ...).
+    engine: EngineConfig fields other than `model` (dtype, device, max_num_batched_tokens, ...),
+        plus `backend`: "native" (prefixflow's engine, the default) or "vllm", and `vllm`: vLLM
+        engine arguments passed through (like ray.data.llm's engine_kwargs), backend vllm only.
     order: plan order policy: fcfs, dfs, batchllm or blendserve.
     replicas: data-parallel engine actors (Ray's `concurrency`).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
@@ -121,6 +130,8 @@ class ProcessorConfig:
         _require("model" not in self.engine, "engine", self.engine,
                  "give the model as ProcessorConfig.model, not inside engine")
         self.engine_config()  # EngineConfig checks its own fields, naming them
+        for name, value, fix in backend_problems(self.engine, self.task, self.score):
+            _require(False, name, value, fix)
         if not isinstance(self.sampling, SamplingParams):
             object.__setattr__(self, "sampling",
                                sampling_with_defaults(self.model, self.sampling or {})[0])
@@ -128,7 +139,16 @@ class ProcessorConfig:
     def engine_config(self) -> Any:
         from prefixflow.engine.config import EngineConfig
 
-        return EngineConfig(model=self.model, **self.engine)
+        fields = {k: v for k, v in self.engine.items() if k not in BACKEND_KEYS}
+        return EngineConfig(model=self.model, **fields)
+
+    @property
+    def backend(self) -> str:
+        return self.engine.get("backend") or "native"
+
+    @property
+    def vllm_args(self) -> dict[str, Any]:
+        return dict(self.engine.get("vllm") or {})
 
     def with_(self, **changes: Any) -> "ProcessorConfig":
         return replace(self, **changes)
@@ -158,3 +178,52 @@ def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingP
     the fields in `given` win over the model's defaults."""
     taken = {k: v for k, v in generation_defaults(model).items() if k not in given}
     return SamplingParams().with_overrides({**taken, **given}), taken
+
+
+def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tuple[str, Any, str]]:
+    """(field, value, fix) for each setting the chosen backend cannot run; the job spec and
+    ProcessorConfig both check with this, before any actor starts. score: a ScoreConfig, a
+    dict of its fields or None. Fields are named from the top: engine.vllm.<key>, score.<field>."""
+    backend = engine.get("backend") or "native"
+    if backend not in BACKENDS:
+        return [("engine.backend", backend, f"use one of {', '.join(BACKENDS)}")]
+    args = engine.get("vllm") or {}
+    if not isinstance(args, dict):
+        return [("engine.vllm", args, "give a mapping of vLLM engine arguments, e.g. "
+                 "{enforce_eager: true}")]
+    if backend == "native":
+        return [("engine.vllm", args, "vLLM arguments need engine.backend: vllm; set it, or "
+                 "remove engine.vllm")] if args else []
+    problems = _vllm_arg_problems(args)
+    device = str(engine.get("device") or "auto")
+    if device.startswith("cuda:"):
+        problems.append(("engine.device", device, "vLLM runs on the GPU(s) of the replica's "
+                         "actor (resources.num_gpus_per_replica): use cuda or auto"))
+    if task == "score":
+        given = score if isinstance(score, dict) else vars(score) if score is not None else {}
+        defaults = ScoreConfig.__dataclass_fields__
+        problems += [(f"score.{name}", given[name], "only engine.backend: native honours it "
+                      "(vLLM scores with the choices' first-token log-probabilities): remove it "
+                      "or use the native backend") for name in NATIVE_SCORE_FIELDS
+                     if name in given and given[name] != defaults[name].default]
+    return problems
+
+
+def _vllm_arg_problems(args: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(field, value, fix) for each key engine/vllm_args.check_vllm_args refuses (it names the
+    first bad key; one key at a time names them all). It reads vLLM's argument names without
+    importing vLLM (milliseconds)."""
+    from prefixflow.engine.vllm_args import check_vllm_args, vllm_engine_arg_names
+
+    try:
+        vllm_engine_arg_names()
+    except ValueError as e:  # vLLM is not installed
+        return [("engine.backend", "vllm", str(e))]
+    problems = []
+    for key, value in args.items():
+        try:
+            check_vllm_args({key: value})
+        except ValueError as e:  # "engine.vllm.<key> is not a vLLM engine argument: ..."
+            why = str(e).removeprefix(f"engine.vllm.{key} ").removeprefix("is ")
+            problems.append((f"engine.vllm.{key}", value, why))
+    return problems

@@ -3,9 +3,10 @@
 Used through Ray Data by the Python API: a dataset of work items (replica indices, plus -1 for
 the error records) goes through `map_batches(ReplicaGenerator, concurrency=R, batch_size=1)`.
 A job run from a spec uses the same class as plain Ray actors (`run_item`, jobs/supervise.py),
-so that a dead actor can be replaced alone. An actor
-loads the model once, pulls its replica's groups and rows from the object store, runs the
-groups through the engine in plan order and yields output blocks as requests finish.
+so that a dead actor can be replaced alone. An actor pulls its replica's groups and rows from
+the object store and hands them to a ReplicaRunner, which every path shares (the streaming
+batch_generator.Generator too): it loads the engine of the configured backend (native or
+vLLM) once, runs the groups in plan order and yields output blocks as requests finish.
 """
 
 from __future__ import annotations
@@ -43,8 +44,87 @@ OUTPUT_FIELDS = [
 KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
 
 
+class ReplicaRunner:
+    """One replica's run, the same for every backend and every caller (Processor.generate and
+    the job driver through ReplicaGenerator, batch_generator.Generator): builds the engine once,
+    runs a replica's groups minus the rows not to run, and yields output chunks.
+    """
+
+    def __init__(self, config: ProcessorConfig):
+        self.config = config
+        self.engine: Any = None
+        self.record: dict[str, Any] | None = None  # the last run's metrics (see _record)
+
+    def load(self) -> Any:
+        if self.engine is None:
+            self.engine = make_engine(self.config)
+        return self.engine
+
+    def run(self, replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarray,
+            not_run: np.ndarray | None = None) -> Iterator[pa.Table]:
+        """Output chunks (config.rows_per_chunk rows) of `groups` minus the rows in `not_run`.
+
+        rows: the replica's input rows in plan order, row_ids: their ids (the groups' row ids
+        concatenated). Ranks (and so part names) stay those of the full plan; only the engine
+        sees less.
+        """
+        started = time.time()
+        self.record = None
+        pos = {int(r): i for i, r in enumerate(row_ids)}
+        prompt_len, computed = token_counts(groups, len(row_ids))
+        skip = np.zeros(0, np.int64) if not_run is None else not_run
+        todo = [g for g in (without_rows(g, skip) for g in groups) if g is not None]
+        if not todo:
+            return
+        engine = self.load()
+        loaded = time.time()
+        pending: list[Any] = []
+        score = self.config.task == "score"
+        for out in engine_outputs(engine, self.config, todo, rows, row_ids):
+            pending.append(out)
+            if len(pending) >= self.config.rows_per_chunk:
+                yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
+                pending = []
+        if pending:
+            yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
+        self.record = self._record(replica, started, loaded, todo)
+
+    def _record(self, replica: int, started: float, loaded: float, groups: list[Any]) -> dict[str, Any]:
+        """Times and the engine's per-step token counts of one run (metrics.json's replicas)."""
+        finished = time.time()
+        stats = getattr(self.engine, "stats", None)
+        totals = getattr(self.engine, "totals", None)
+        if self.config.task == "score":  # a scorer keeps run totals, not per-step records
+            stats, totals = None, {k: v for k, v in _plain(stats).items() if k != "latency_s"}
+        steps = [_plain(s) for s in stats] if stats is not None else []
+        return {"replica": replica, "num_rows": sum(g.num_members for g in groups),
+                "num_groups": len(groups), "start_s": started, "engine_ready_s": loaded,
+                "end_s": finished, "seconds": finished - started, "run_seconds": finished - loaded,
+                "engine_totals": _plain(totals) if totals is not None else None, "steps": steps}
+
+
+def make_engine(config: ProcessorConfig) -> Any:
+    """The engine of one replica: the one place that picks its class by backend and task."""
+    if config.backend == "vllm":
+        from prefixflow.engine.vllm_engine import GroupScheduling, VllmEngine
+
+        engine = config.engine_config()
+        # policy batchllm: our group scheduler inside vLLM (a request cap only when one is set);
+        # policy vllm: vLLM's own scheduler, as the native engine's vllm policy imitates it.
+        parts = GroupScheduling(no_cap=engine.max_num_seqs is None) if engine.policy == "batchllm" else False
+        return VllmEngine(engine, config.vllm_args, group_scheduler=parts)
+    if config.task == "score":
+        from prefixflow.engine import Scorer
+
+        return Scorer(config.engine_config(), config.score.options())
+    from prefixflow.engine import LLMEngine
+
+    return LLMEngine(config.engine_config())
+
+
 class ReplicaGenerator:
-    """map_batches callable class; one instance per engine actor."""
+    """An engine actor: a map_batches callable class (Processor.generate) whose `run_item` is
+    also called as a plain Ray actor (jobs/supervise.py). Both run a ReplicaRunner."""
 
     def __init__(self, config: ProcessorConfig, rows: RowIndex, group_refs: list[Any],
                  error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
@@ -64,11 +144,11 @@ class ReplicaGenerator:
         # manifest row instead (Ray Data would merge the chunks into one block before a
         # downstream writer saw them, and a crash would lose them all).
         self.write = write
-        self.engine = None
+        self.runner = ReplicaRunner(config)
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         for item in batch.column("item").to_pylist():
-            chunks = self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item))
+            chunks = self._chunks(int(item))
             if self.write is None:
                 yield from chunks
                 continue
@@ -90,54 +170,29 @@ class ReplicaGenerator:
         from prefixflow.operators.write import write_part
 
         if item != ERRORS_ITEM:
-            self._get_engine()
+            self.runner.load()
         ray.get(self.sink.engine_ready.remote(token, os.getpid(), int(item)))
         rows = 0
-        for chunk in self._error_records() if item == ERRORS_ITEM else self._run_replica(int(item)):
+        for chunk in self._chunks(item):
             manifest = write_part(chunk, self.write).to_pylist()[0]
             self.sink.committed.remote(manifest)
             rows += chunk.num_rows
         return rows
 
-    def _get_engine(self) -> Any:
-        if self.engine is None and self.config.task == "score":
-            from prefixflow.engine import Scorer
-
-            self.engine = Scorer(self.config.engine_config(), self.config.score.options())
-        elif self.engine is None:
-            from prefixflow.engine import LLMEngine
-
-            self.engine = LLMEngine(self.config.engine_config())
-        return self.engine
-
-    def _run_replica(self, replica: int) -> Iterator[pa.Table]:
+    def _chunks(self, item: int) -> Iterator[pa.Table]:
+        if item == ERRORS_ITEM:
+            yield from self._error_records()
+            return
         import ray
 
-        started = time.time()
-        groups = ray.get(self.group_refs[replica])
+        groups = ray.get(self.group_refs[item])
         if not groups:
             return
         row_ids = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
         rows = fetch_rows(self.rows, row_ids)
-        pos = {int(r): i for i, r in enumerate(row_ids)}
-        prompt_len, computed = token_counts(groups, len(row_ids))
-        # Ranks (and so part names) stay those of the full plan; only the engine sees less.
-        not_run = np.union1d(self.done, self.skip)
-        todo = [g for g in (without_rows(g, not_run) for g in groups) if g is not None]
-        if not todo:
-            return
-        engine = self._get_engine()
-        loaded = time.time()
-        pending: list[Any] = []
-        score = self.config.task == "score"
-        for out in engine_outputs(engine, self.config, todo, rows, row_ids):
-            pending.append(out)
-            if len(pending) >= self.config.rows_per_chunk:
-                yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
-                pending = []
-        if pending:
-            yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
-        self._report(replica, started, loaded, time.time(), sum(g.num_members for g in todo), todo)
+        yield from self.runner.run(item, groups, rows, row_ids, np.union1d(self.done, self.skip))
+        if self.runner.record is not None and self.sink is not None:
+            ray.get(self.sink.put.remote(self.runner.record))  # recorded before the item ends
 
     def _error_records(self) -> Iterator[pa.Table]:
         ids = self.error_row_ids
@@ -163,23 +218,6 @@ class ReplicaGenerator:
             table = with_outputs(rows, columns, score)
             yield with_score_fields(table, None) if score else table
 
-    def _report(self, replica: int, started: float, loaded: float, finished: float, num_rows: int,
-                groups: list[Any]) -> None:
-        if self.sink is None:
-            return
-        stats = getattr(self.engine, "stats", None)
-        totals = getattr(self.engine, "totals", None)
-        if self.config.task == "score":  # the Scorer keeps run totals, not per-step records
-            stats, totals = None, {k: v for k, v in _plain(stats).items() if k != "latency_s"}
-        steps = [_plain(s) for s in stats] if stats is not None else []
-        record = {"replica": replica, "num_rows": num_rows, "num_groups": len(groups),
-                  "start_s": started, "engine_ready_s": loaded, "end_s": finished,
-                  "seconds": finished - started, "run_seconds": finished - loaded,
-                  "engine_totals": _plain(totals) if totals is not None else None, "steps": steps}
-        import ray
-
-        ray.get(self.sink.put.remote(record))  # recorded before this replica's work item ends
-
 
 def engine_outputs(engine: Any, config: ProcessorConfig, todo: list[Any], rows: pa.Table,
                    row_ids: np.ndarray) -> Iterator[Any]:
@@ -191,7 +229,9 @@ def engine_outputs(engine: Any, config: ProcessorConfig, todo: list[Any], rows: 
         from prefixflow.engine.scoring_choices import ScoreOutput
 
         choices = row_choices(config.score, rows, row_ids)
-        return run_isolated(lambda groups: engine.score_groups(groups, choices), todo, lambda: None,
+        # The native Scorer took its options when it was built; VllmEngine takes them per run.
+        more = {"options": config.score.options()} if config.backend == "vllm" else {}
+        return run_isolated(lambda groups: engine.score_groups(groups, choices, **more), todo, lambda: None,
                             lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
     from prefixflow.engine.outputs import error_output
 

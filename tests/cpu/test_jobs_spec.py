@@ -3,6 +3,7 @@ field path and the fix; `prefixflow validate` reports them with exit code 2."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -139,3 +140,26 @@ def test_true_or_false_is_no_number():
             parse_spec({**base, section: {key: True}})
     spec = parse_spec({**base, "sampling": {"ignore_eos": True}, "engine": {"enable_prefix_cache": False}})
     assert spec.sampling.ignore_eos and not spec.engine.enable_prefix_cache
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's argument names come from vLLM")
+def test_engine_backend_and_vllm_arguments_name_the_field():
+    from prefixflow.operators.config import ProcessorConfig
+
+    vllm = {"engine": {"backend": "vllm", "vllm": {"enforce_eager": True}}}
+    assert parse_spec({**_spec(), **vllm}).engine.vllm == {"enforce_eager": True}
+    bad = _problems(_spec(engine__backend="vllm", engine__vllm={"enforce_eagr": True}))
+    assert bad == {"engine.vllm.enforce_eagr": "True is invalid: not a vLLM engine argument: did "
+                   "you mean 'enforce_eager'? see vLLM's EngineArgs for the names"}
+    assert "use engine.dtype instead" in _problems(_spec(engine__backend="vllm",
+                                                         engine__vllm={"dtype": "half"}))["engine.vllm.dtype"]
+    assert "need engine.backend: vllm" in _problems(_spec(engine__vllm={"enforce_eager": True}))["engine.vllm"]
+    assert "use cuda or auto" in _problems(_spec(engine__backend="vllm", engine__device="cuda:0",
+                                                 resources__num_gpus_per_replica=1))["engine.device"]
+    score = _spec(task="score", score={"choices": ["Yes", "No"], "chunk_size": 64}, engine__backend="vllm")
+    assert "only engine.backend: native honours it" in _problems(score)["score.chunk_size"]
+    # The Python API checks the same, naming the same field.
+    with pytest.raises(ValueError, match=r"ProcessorConfig\.engine\.vllm\.enforce_eagr=True is invalid"):
+        ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "vllm", "vllm": {"enforce_eagr": True}})
+    with pytest.raises(ValueError, match=r"ProcessorConfig\.engine\.backend='gpu' is invalid"):
+        ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "gpu"})
