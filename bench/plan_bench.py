@@ -1,6 +1,14 @@
 """Planner benchmark: BatchLLM's microbenchmark shapes and its multi-level set (Sec. 4.3.1).
 
     python -m prefixflow.bench.plan_bench [--prompts 6400] [--out bench/results/plan_bench.json]
+    python -m prefixflow.bench.plan_bench --scale [--sizes 1000000,3000000,10000000]
+
+--scale plans millions of synthetic prompts from their block hashes (issue 18), the way
+plan_dataset does, each size in its own process: planned prompt tokens/s, the planner's peak
+memory (resident set growth while planning; the synthetic rows stand in for the object store
+and are generated per block on request, never as token arrays), the predicted GPU time of the
+job (cost model, 8 H100 replicas, Llama-3.1-8B), and a linear extrapolation to 100M prompts.
+The results go under `scale` in the output file, the other entries are kept.
 
 For each dataset: saving ratios (multi-level optimum, enlarged single level, plain first level,
 the plan's order), planning time, prompts/s, prompt tokens/s, and peak memory the planner
@@ -12,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import resource
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -20,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from prefixflow.pipeline import RaggedTokens, build_plan
+from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts
 
 VOCAB = 32000
 
@@ -89,11 +102,131 @@ def measure(name: str, tokens: RaggedTokens, order: str = "batchllm", repeats: i
     }
 
 
+class SyntheticHashes:
+    """BatchLLM-like prompts known only by their block hashes, computed on request.
+
+    90% of the prompts belong to groups of ~128 sharing a 300-700 token document, in pairs that
+    also share 11 more tokens (BatchLLM Sec. 4.3.1's shape, grown); 10% share nothing. Lengths
+    800-1200 tokens (~1k). A prompt costs 13 bytes here: what a dataset block would hold.
+    """
+
+    def __init__(self, num_prompts: int, block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        num_groups = max(1, num_prompts // 128)
+        self.block_size = block_size
+        self.group = rng.integers(0, num_groups, num_prompts).astype(np.int32)
+        self.sub = (self.group.astype(np.int64) * 64 + rng.integers(0, 64, num_prompts)).astype(np.int32)
+        doc = rng.integers(300, 700, num_groups).astype(np.int16)
+        shared = np.where(rng.random(num_prompts) < 0.9, doc[self.group], 0).astype(np.int16)
+        self.shared = shared  # 0: no group
+        self.length = rng.integers(800, 1200, num_prompts).astype(np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.group, self.sub, self.shared, self.length))
+
+    def gather(self, seqs: np.ndarray, depth: int, width: int) -> np.ndarray:
+        """Hashes of blocks depth .. depth+width-1 (sort_by_gather's callback)."""
+        k = depth + np.arange(width, dtype=np.int64)[None, :]
+        doc_blocks = (self.shared[seqs].astype(np.int64) // self.block_size)[:, None]
+        sub_blocks = np.where(self.shared[seqs] > 0, (self.shared[seqs].astype(np.int64) + 11) // self.block_size,
+                              0)[:, None]
+        key = np.where(k < doc_blocks, self.group[seqs][:, None].astype(np.int64) + (1 << 40),
+                       np.where(k < sub_blocks, self.sub[seqs][:, None].astype(np.int64) + (2 << 40),
+                                seqs[:, None] + (3 << 40)))
+        x = (key * 1_000_003 + k).astype(np.uint64)
+        for mult in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB):  # splitmix64's finaliser
+            x = (x ^ (x >> np.uint64(31))) * np.uint64(mult)
+        vals = (x >> np.uint64(1)).astype(np.int64)
+        vals[k >= -(-self.length[seqs].astype(np.int64) // self.block_size)[:, None]] = -1
+        return vals
+
+    def prompts(self) -> HashedPrompts:
+        def no_tokens(idx: np.ndarray) -> RaggedTokens:
+            raise RuntimeError("synthetic prompts have no token ids")
+
+        return HashedPrompts(self.length, self.gather, self.block_size, no_tokens, DEFAULT_MAX_CELLS)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
+    """One size, in this process (run by --scale in a fresh one per size)."""
+    synth = SyntheticHashes(num_prompts)
+    prompts = synth.prompts()
+    before = _rss_bytes()
+    start = time.perf_counter()
+    plan = build_plan(prompts, order="batchllm", num_replicas=replicas)
+    plan_s = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    s = plan.summary
+    predicted = [r["predicted_seconds"] for r in s["replicas"]]
+    tokens = int(synth.length.sum())
+    return {
+        "num_prompts": num_prompts, "num_tokens": tokens, "block_size": synth.block_size,
+        "replicas": replicas, "plan_s": round(plan_s, 2),
+        "prompt_tokens_per_s": round(tokens / plan_s),
+        "peak_driver_bytes": int(peak - before),
+        "peak_process_rss_bytes": int(peak), "rss_before_plan_bytes": int(before),
+        "synthetic_rows_bytes": synth.nbytes,
+        "token_saving_ratio": round(s["token_saving_ratio"], 4),
+        "num_groups": s["num_groups"], "tree_nodes": s["tree_nodes"],
+        "predicted_job_seconds": round(max(predicted), 1),
+        "predicted_gpu_seconds": round(sum(predicted), 1),
+        "plan_share_of_predicted_job": round(plan_s / max(predicted), 5),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def run_scale(sizes: list[int], out: Path) -> None:
+    scale = []
+    for n in sizes:
+        proc = subprocess.run([sys.executable, "-m", "prefixflow.bench.plan_bench", "--scale-one", str(n)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{n:,} prompts failed (exit {proc.returncode}): {proc.stderr[-2000:]}", flush=True)
+            break
+        scale.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(scale[-1]), flush=True)
+    report = json.loads(out.read_text()) if out.exists() else {"bench": "plan_bench"}
+    report["scale"] = scale
+    if scale:
+        report["scale_extrapolated_100M"] = _extrapolate(scale, 100_000_000)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report.get("scale_extrapolated_100M")), f"-> {out}")
+
+
+def _extrapolate(scale: list[dict], n: int) -> dict:
+    """Least-squares line through (num_prompts, value) for time and memory: both are linear in
+    the prompts (a fixed sort window aside)."""
+    x = np.array([r["num_prompts"] for r in scale], dtype=float)
+    fit = lambda key: np.polyval(np.polyfit(x, [r[key] for r in scale], 1), n) if len(x) > 1 \
+        else scale[0][key] * n / x[0]  # noqa: E731
+    per_row = scale[-1]["predicted_job_seconds"] / scale[-1]["num_prompts"]
+    return {"num_prompts": n, "plan_s": round(float(fit("plan_s")), 1),
+            "peak_driver_bytes": int(fit("peak_driver_bytes")),
+            "predicted_job_seconds": round(per_row * n, 1),
+            "plan_share_of_predicted_job": round(float(fit("plan_s")) / (per_row * n), 5)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6400)
     ap.add_argument("--out", default="bench/results/plan_bench.json")
+    ap.add_argument("--scale", action="store_true", help="plan millions of synthetic prompts from block hashes")
+    ap.add_argument("--sizes", default="1000000,3000000,10000000", help="prompt counts for --scale")
+    ap.add_argument("--scale-one", type=int, help=argparse.SUPPRESS)  # one size, in this process
     args = ap.parse_args()
+    if args.scale_one:
+        print(json.dumps(measure_scale(args.scale_one)), flush=True)
+        return
+    if args.scale:
+        run_scale([int(x) for x in args.sizes.split(",")], Path(args.out))
+        return
     results = []
     for prefix_len, distinct_len in [(2000, 200), (2000, 1000), (1000, 1000)]:
         for degree in (2, 4, 8, 16):
@@ -116,6 +249,9 @@ def main() -> None:
         "results": results,
     }
     out = Path(args.out)
+    if out.exists():  # keep the --scale results, a separate run
+        old = json.loads(out.read_text())
+        report.update({k: old[k] for k in ("scale", "scale_extrapolated_100M") if k in old})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"min tokens/s {min(tps):,}  max peak/token bytes {max(peaks):.3f}  -> {out}")

@@ -225,12 +225,17 @@ def _saved_tokens(order: np.ndarray, grouping: Grouping) -> int:
 
 def _subtree_sums(tree: PrefixTree, per_seq: np.ndarray) -> np.ndarray:
     cum = np.r_[0.0, np.cumsum(per_seq[tree.order])]
-    return cum[tree.hi] - cum[tree.lo]
+    sums = cum[tree.hi] - cum[tree.lo]
+    # A leaf's own value, not a difference of running sums: those round differently with the
+    # sort's order, and equal leaves must stay equal for ties to fall by input order.
+    leaf = tree.leaf_seq >= 0
+    sums[leaf] = per_seq[tree.leaf_seq[leaf]]
+    return sums
 
 
 def _sorted_leaves(children: list[list[int]], rho: np.ndarray, leaf_seq: np.ndarray) -> np.ndarray:
     """Leaf nodes depth first, children in descending density (stable)."""
-    rho_l, is_leaf = rho.tolist(), (leaf_seq >= 0).tolist()
+    rho_l, is_leaf = _rounded(rho).tolist(), (leaf_seq >= 0).tolist()
     out: list[int] = []
     stack = [0]
     while stack:
@@ -240,6 +245,12 @@ def _sorted_leaves(children: list[list[int]], rho: np.ndarray, leaf_seq: np.ndar
             continue
         stack.extend(sorted(children[v], key=lambda c: rho_l[c]))  # pops densest first
     return np.asarray(out, dtype=np.int64)
+
+
+def _rounded(values: np.ndarray, bits: int = 40) -> np.ndarray:
+    """Values to `bits` of mantissa: sums that differ only in rounding (summation order) tie."""
+    mantissa, exponent = np.frexp(values)
+    return np.ldexp(np.round(mantissa * 2.0**bits), exponent - bits)
 
 
 def _longest_nonincreasing(values: np.ndarray) -> np.ndarray:

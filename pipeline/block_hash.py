@@ -30,6 +30,7 @@ from prefixflow.pipeline.prefix_tree import DEFAULT_BLOCK, Gather, ragged_gather
 from prefixflow.pipeline.ragged import RaggedTokens
 
 DEFAULT_BLOCK_SIZE = 16  # engine.block_size's default (engine/config.py)
+DEFAULT_MAX_CELLS = 1 << 22  # hashes the sort holds per level (32 MiB a copy; it makes a few)
 HASH_BITS = 63           # non-negative int64: the sort pads ended sequences with -1
 
 # (flat token ids, start of each block in flat, tokens in each block, block_size) -> one uint64

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixflow.pipeline import RaggedTokens, build_plan, sort_with_lcp
+from prefixflow.pipeline.block_hash import HashedPrompts
 from prefixflow.pipeline.grouping import first_level_saved_tokens, maximize_reuse
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
@@ -70,6 +71,26 @@ def test_plan_covers_every_row_once_and_prefixes_are_shared(prompts, order, repl
     s = plan.summary
     assert s["num_rows"] == len(prompts)
     assert s["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+def _plan_view(plan, replicas: int) -> list:
+    return [plan.table.to_pydict()] + [
+        (g.group_id, g.replica, g.row_ids.tolist(), g.prefix.tolist(), [d.tolist() for d in g.distinct])
+        for r in range(replicas) for g in plan.groups(r)]
+
+
+@given(prompt_sets(), st.sampled_from(["fcfs", "dfs", "batchllm", "blendserve"]), st.integers(1, 3),
+       st.booleans())
+@settings(max_examples=80, deadline=None)
+def test_plan_from_block_hashes_equals_plan_from_tokens(prompts, order, replicas, with_outputs):
+    # Blocks of one token: the hashes hold everything the tokens do, so the plans are equal
+    # (groups, order, replicas), though the hash sort puts prompts in another order.
+    outs = [(7 * i) % 50 for i in range(len(prompts))] if with_outputs else None
+    kwargs = dict(order=order, num_replicas=replicas, output_lens=outs, row_ids=np.arange(len(prompts)) + 5)
+    from_tokens = build_plan(prompts, **kwargs)
+    from_hashes = build_plan(HashedPrompts.from_tokens(prompts, block_size=1), **kwargs)
+    assert _plan_view(from_hashes, replicas) == _plan_view(from_tokens, replicas)
+    assert from_hashes.summary["token_saving_ratio"] == from_tokens.summary["token_saving_ratio"]
 
 
 @given(prompt_sets())
