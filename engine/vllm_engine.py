@@ -265,9 +265,9 @@ class VllmEngine:
         blocks = self._kv_blocks(block)
         if blocks is not None:
             kwargs["num_gpu_blocks_override"] = blocks
-            # vLLM refuses to start when max_model_len tokens do not fit the cache; a request
-            # longer than the cache gets an error output instead (as with the native engine).
-            limit = blocks * block
+            # vLLM refuses to start when max_model_len tokens do not fit the cache (less its one
+            # reserved null block); a longer request gets an error output, as with our engine.
+            limit = (blocks - 1) * block
             kwargs["max_model_len"] = min(c.max_model_len or limit, limit, self._model_max_len())
         else:
             kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
@@ -284,7 +284,7 @@ class VllmEngine:
             return None
         from prefixflow.engine.loader import read_model_args
         per_token = read_model_args(self.model_path).kv_bytes_per_token_per_elem * _elem_size(self.config.dtype)
-        return max(1, (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
+        return max(2, (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
 
     def _model_max_len(self) -> int:
         from prefixflow.engine.loader import read_model_args
