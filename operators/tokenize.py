@@ -32,18 +32,12 @@ class TokenizeOptions:
     sampling: Any = None  # default SamplingParams, to check a row's `sampling_params` overrides
 
 
-def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    from prefixflow.engine.model_source import resolve_model  # hub ids, .gguf, s3://, short names
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(model)), trust_remote_code=trust_remote_code)
-
-
 class Tokenize:
     """map_batches callable class: loads the tokenizer once per actor."""
 
     def __init__(self, opts: TokenizeOptions):
+        from prefixflow.engine.tokenizer import load_tokenizer  # transformers only when needed
+
         self.opts = opts
         self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
 

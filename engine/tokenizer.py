@@ -1,0 +1,137 @@
+"""The prompt tokenizer of a checkpoint, without transformers where that gives the same tokens.
+
+    tokenizer = load_tokenizer("path/to/model")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer([text], add_special_tokens=False)["input_ids"]
+
+Importing transformers (and through it torch) costs a tokenizer worker about five seconds and
+a few hundred MB, which is most of a small job's tokenize stage. A checkpoint whose tokenizer
+is fully described by its `tokenizer.json` (the generic fast tokenizer, as transformers saves
+ours and the converted GGUF models) is read with the `tokenizers` library directly, and its chat
+template rendered the way transformers renders it (Jinja's immutable sandbox, trim_blocks and
+lstrip_blocks, loop controls, a non-escaping `tojson`, `raise_exception`, `strftime_now`, the
+named special tokens as variables). Any other tokenizer (a model-specific class that may rewrite
+the post-processor or pre-tokenizer at load time) goes through transformers' AutoTokenizer, so
+the tokens always equal transformers' (tests/cpu/test_tokenizer.py checks both paths).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# tokenizer_config.json classes whose load does nothing beyond reading tokenizer.json.
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Config keys that make transformers rebuild parts of the tokenizer at load time.
+REBUILDING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def load_tokenizer(model: str | Path, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of `model` (anything engine.model_source resolves): a FastTokenizer when
+    the checkpoint allows it, else transformers' AutoTokenizer."""
+    from prefixflow.engine.model_source import resolve_model  # hub ids, .gguf, s3://, short names
+
+    folder = resolve_model(str(model))
+    if not trust_remote_code and FastTokenizer.supports(folder):
+        return FastTokenizer(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+
+
+class FastTokenizer:
+    """The subset of a transformers tokenizer that prefixflow uses (batch call, encode, decode,
+    eos_token_id, apply_chat_template to text), on `tokenizers` alone."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
+        config = _read_json(folder / "tokenizer_config.json")
+        self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.special_tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+        self.chat_template = _chat_template(folder, config)
+        self._compiled: Any = None
+
+    @staticmethod
+    def supports(folder: Path) -> bool:
+        """Whether transformers would load this tokenizer as tokenizer.json alone."""
+        config = _read_json(folder / "tokenizer_config.json")
+        if config is None or config.get("tokenizer_class") not in GENERIC_CLASSES:
+            return False
+        if any(k in config for k in REBUILDING_KEYS) or not isinstance(config.get("chat_template", ""), str):
+            return False
+        if config.get("clean_up_tokenization_spaces"):  # decode would post-process the text
+            return False
+        spec = _read_json(folder / "tokenizer.json")
+        return spec is not None and spec.get("post_processor") is not None
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return {"input_ids": [e.ids for e in encodings]}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self.backend.token_to_id(eos)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                            tokenize: bool = False) -> str:
+        if tokenize:
+            raise ValueError("FastTokenizer.apply_chat_template renders text only: use tokenize=False")
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template: use a plain prompt template")
+        if self._compiled is None:
+            self._compiled = _compile(self.chat_template)
+        return self._compiled.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+def _compile(template: str) -> Any:
+    """The template in Jinja's immutable sandbox, with the globals and filters transformers adds."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # Jinja's own filter HTML-escapes
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    return config.get("chat_template")
+
+
+def _token_text(value: Any) -> str:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
