@@ -219,6 +219,11 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: l
         table = table[keep]                                              # row-major order
     blocks = table.reshape(-1).long()
     n, block_size, hkv, d = cache.shape
+    run = _consecutive_run(blocks) if cache.device.type == "cpu" else None
+    if run is not None and cache.is_contiguous():
+        # Blocks b, b+1, ... (a prefix or a sequence allocated in one go) are one slice of the
+        # cache: a view, no copy. A shared prefix is read by every layer at every step.
+        return cache[run[0]:run[1]].view(-1, hkv, d).to(dtype)
     if cache.is_contiguous() and cache.device.type == "cpu":
         out = scratch(name, (blocks.numel(), block_size * hkv * d), cache.dtype, cache.device)
         rows = torch.index_select(cache.view(n, -1), 0, blocks, out=out)
@@ -227,6 +232,14 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: l
     else:
         rows = cache[blocks]
     return rows.view(-1, hkv, d).to(dtype)
+
+
+def _consecutive_run(blocks: torch.Tensor) -> tuple[int, int] | None:
+    """(first, last + 1) when the CPU block ids are first, first+1, ..., else None."""
+    ids = blocks.tolist()
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return ids[0], ids[-1] + 1
+    return None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -161,3 +161,32 @@ def test_scratch_buffers_work_inside_and_outside_inference_mode(monkeypatch):
     assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
     monkeypatch.setattr(_common, "_SCRATCH_MAX_ELEMENTS", 1000)   # too big to keep: fresh
     assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
+
+
+def _renumbered(c: PrefixCase) -> PrefixCase:
+    """The same case with each table's used blocks renumbered to consecutive ids (a prefix or a
+    sequence allocated in one go, as from a fresh cache), in table order; block 0 stays."""
+    bs = c.k_cache.shape[1]
+    rows = [(c.prefix_block_tables[g], n) for g, n in enumerate(c.prefix_lens.tolist())]
+    rows += [(c.block_tables[s], n) for s, n in enumerate(c.kv_lens.tolist())]
+    new_of = {0: 0}
+    for table, n in rows:
+        for b in table[:-(-n // bs)].tolist():
+            new_of.setdefault(b, len(new_of))
+    for b in range(c.k_cache.shape[0]):
+        new_of.setdefault(b, len(new_of))
+    old = torch.tensor(sorted(new_of, key=new_of.get))             # old id of each new id
+    remap = torch.tensor([new_of[b] for b in range(len(new_of))], dtype=torch.int32)
+    return PrefixCase(**{**c.__dict__, "k_cache": c.k_cache[old], "v_cache": c.v_cache[old],
+                         "block_tables": remap[c.block_tables.long()],
+                         "prefix_block_tables": remap[c.prefix_block_tables.long()]})
+
+
+def test_consecutive_blocks_are_read_in_place(flash):
+    c = _renumbered(make_prefix_case(*ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32,
+                                     block_size=16, dtype=torch.float32, seed=5))
+    assert rel_error(prefix_shared_attention_ref(*c.args()), dense_oracle(c)) < 1e-5
+    # A prefix of consecutive blocks is a view of the cache (no copy at every layer and step).
+    nb = -(-int(c.prefix_lens[0]) // c.k_cache.shape[1])
+    k = _common.gather_blocks(c.k_cache, c.prefix_block_tables[:1], [nb], torch.float32, "k")
+    assert k.data_ptr() == c.k_cache[int(c.prefix_block_tables[0, 0])].data_ptr()
