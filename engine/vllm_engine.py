@@ -172,18 +172,18 @@ class VllmEngine:
         self.stats, start = [], time.perf_counter()
         run, reqs = next(self._runs), {}
         counts = dict(requests=0, prompt=0, cached=0, output=0)
-        for rank, members in enumerate(groups):
-            counts["requests"] += len(members)
-            for m in members:
-                rid = f"{run}-{m.row_id}"
-                m.error = m.error or self._add(rid, m, rank, len(members))
-                if m.error is not None:
-                    yield None, m
-                    continue
-                reqs[rid] = m
-                counts["prompt"] += len(m.prompt)
         completed = False
         try:
+            for rank, members in enumerate(groups):
+                counts["requests"] += len(members)
+                for m in members:
+                    rid = f"{run}-{m.row_id}"
+                    m.error = m.error or self._add(rid, m, (run, rank), len(members))
+                    if m.error is not None:
+                        yield None, m
+                        continue
+                    reqs[rid] = m
+                    counts["prompt"] += len(m.prompt)
             while self.engine.has_unfinished_requests():
                 for out in self._step():
                     self._in_flight.discard(out.request_id)
@@ -192,20 +192,21 @@ class VllmEngine:
                     yield out, reqs.pop(out.request_id)
             completed = True
         finally:
-            if not completed:  # the caller stopped iterating, or a step raised
+            if not completed:  # the caller stopped iterating, or adding or a step raised
                 self.reset()
         self.totals = EngineTotals(
             num_requests=counts["requests"], num_prompt_tokens=counts["prompt"],
             num_computed_prompt_tokens=counts["prompt"] - counts["cached"], num_recomputed_tokens=0,
             num_output_tokens=counts["output"], num_steps=len(self.stats),
-            num_preemptions=0, wall_time_s=time.perf_counter() - start)
+            num_preemptions=sum(s.num_preemptions for s in self.stats), wall_time_s=time.perf_counter() - start)
 
-    def _add(self, request_id: str, m: _Req, rank: int, num_members: int) -> str | None:
-        """Add one request; an error message when it cannot run."""
+    def _add(self, request_id: str, m: _Req, group: tuple[int, int], num_members: int) -> str | None:
+        """Add one request of group (run, plan rank); an error message when it cannot run."""
         error = self._check_prompt(m.prompt)
         if error is not None:
             return error
-        pf = {"g": rank, "p": m.prefix_len, "n": num_members, "pin": self.parts.pins}
+        run, rank = group
+        pf = {"g": f"{run}.{rank}", "p": m.prefix_len, "n": num_members, "pin": self.parts.pins}
         try:
             self.engine.add_request(request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m, pf),
                                     priority=rank if self.parts.priority else 0)
@@ -238,13 +239,17 @@ class VllmEngine:
         return m
 
     def _step(self) -> list[Any]:
+        """One vLLM step; its StepStats from our group scheduler when it runs in this process
+        (token counts, preemptions, used blocks), else only the time and unfinished requests."""
         t0 = time.perf_counter()
-        running = self.engine.get_num_unfinished_requests()
+        unfinished = self.engine.get_num_unfinished_requests()
         outs = self.engine.step()
+        counts = getattr(self.scheduler, "pf_last_step", None)
+        prefill, decode, preempted, running, used = counts or (0, 0, 0, unfinished, 0)
         self.stats.append(StepStats(
-            step=len(self.stats), num_tokens=0, num_prefill_tokens=0, num_decode_tokens=0,
-            num_prefix_tokens=0, num_running_seqs=running, num_used_blocks=0,
-            num_total_blocks=self.num_kv_blocks or 0, num_preemptions=0,
+            step=len(self.stats), num_tokens=prefill + decode, num_prefill_tokens=prefill,
+            num_decode_tokens=decode, num_prefix_tokens=0, num_running_seqs=running,
+            num_used_blocks=used, num_total_blocks=self.num_kv_blocks or 0, num_preemptions=preempted,
             duration_s=time.perf_counter() - t0))
         return [o for o in outs if o.finished]
 

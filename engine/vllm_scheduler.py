@@ -7,13 +7,15 @@ says about its group rides in public request fields that vLLM carries into the s
 - `priority` = the group's plan rank, with `scheduling_policy="priority"`: vLLM's waiting queue
   is a heap on (priority, arrival), so members of groups already in flight are admitted before
   later groups, and preemption picks the latest group's members first.
-- `SamplingParams.extra_args["pf"] = {"g": rank, "p": prefix_len, "n": members, "pin": bool}`.
+- `SamplingParams.extra_args["pf"] = {"g": group key "run.rank", "p": prefix_len, "n": members,
+  "pin": bool}` (plain JSON: it crosses to a multiprocess engine core).
 
 Pins: once a member has computed its group's whole prefix blocks, the scheduler takes one extra
 reference on them (BlockPool.touch, as a prefix-cache hit does) and drops it (free_blocks) when
 the group's last member leaves. A referenced block is never in vLLM's free queue, so it is never
 evicted: later members always find the prefix, even when a tight cache evicts everything else.
-Pins never take more than MAX_PINNED_SHARE of the cache, so they cannot starve the queue head.
+Pins take at most MAX_PINNED_SHARE of the cache, so the queue head keeps room. (With the engine
+core in another process, members are added while it steps: a pin may end early, never late.)
 
 The request-count cap is not lifted here: VllmEngine sets max_num_seqs = max_num_batched_tokens
 (vLLM sizes its buffers from max_num_seqs), which leaves the token budget and KV memory as the
@@ -39,12 +41,31 @@ class _GroupMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_internals(self)
-        self.pf_pins: dict[int, list] = {}        # group rank -> its pinned prefix blocks
-        self.pf_live: dict[int, set[str]] = {}    # group rank -> member ids not finished
-        self.pf_left: dict[int, int] = {}         # group rank -> members not finished
+        self.pf_pins: dict[str, list] = {}        # group key -> its pinned prefix blocks
+        self.pf_left: dict[str, int] = {}         # group key -> members in vLLM, not finished
+        self.pf_group_of: dict[str, str] = {}     # request id -> group key, until it finishes
         self.pf_num_pins = 0                      # counters, for tests and the benchmark
         self.pf_num_unpins = 0
         self.pf_max_pinned_blocks = 0
+        self.pf_num_preemptions = 0
+        self.pf_last_step: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.pf_last_step = self._step_counts(out)
+        self.pf_num_preemptions += self.pf_last_step[2]
+        return out
+
+    def _step_counts(self, out: Any) -> tuple[int, int, int, int, int]:
+        """(prefill tokens, decode tokens, preemptions, running requests, used blocks) of the
+        step just scheduled; a request with output tokens is decoding."""
+        requests = self.requests  # type: ignore[attr-defined]
+        decode = sum(n for rid, n in out.num_scheduled_tokens.items()
+                     if rid in requests and requests[rid].num_output_tokens > 0)
+        pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+        used = pool.num_gpu_blocks - pool.get_num_free_blocks()
+        return (out.total_num_scheduled_tokens - decode, decode, len(out.preempted_req_ids or ()),
+                len(self.running), used)  # type: ignore[attr-defined]
 
     @property
     def pf_pinned_blocks(self) -> int:
@@ -53,22 +74,24 @@ class _GroupMixin:
     def add_request(self, request: Any) -> None:
         pf = _group_info(request)
         if pf is not None:
-            g = pf["g"]
-            if g not in self.pf_live:
-                self.pf_live[g], self.pf_left[g] = set(), int(pf["n"])
-            self.pf_live[g].add(request.request_id)
+            # Members added and not finished: vLLM gets a group's members together (before the
+            # next step in this process), so the count falls to 0 only after its last member,
+            # and a member refused before it got here cannot keep a pin forever.
+            self.pf_left[pf["g"]] = self.pf_left.get(pf["g"], 0) + 1
+            self.pf_group_of[request.request_id] = pf["g"]
         super().add_request(request)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         self._pin_new_prefixes()
-        self._release_finished()
+        self._release([o.request_id for batch in outputs.values() for o in batch.outputs
+                       if o.finish_reason is not None])
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
-        result = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
-        self._release_finished()
-        return result
+        aborted = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        self._release([r.request_id for r in aborted])
+        return aborted
 
     def _pin_new_prefixes(self) -> None:
         manager = self.kv_cache_manager  # type: ignore[attr-defined]
@@ -90,21 +113,21 @@ class _GroupMixin:
             self.pf_num_pins += 1
         self.pf_max_pinned_blocks = max(self.pf_max_pinned_blocks, self.pf_pinned_blocks)
 
-    def _release_finished(self) -> None:
+    def _release(self, finished: list[str]) -> None:
+        """Count finished members; unpin a group's prefix when its last member is done."""
         pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
-        for g, live in list(self.pf_live.items()):
-            gone = {r for r in live if r not in self.requests}  # type: ignore[attr-defined]
-            if not gone:
+        for request_id in finished:
+            g = self.pf_group_of.pop(request_id, None)
+            if g is None:
                 continue
-            live -= gone
-            self.pf_left[g] -= len(gone)
+            self.pf_left[g] -= 1
             if self.pf_left[g] > 0:
                 continue
+            del self.pf_left[g]
             blocks = self.pf_pins.pop(g, None)
             if blocks is not None:
                 pool.free_blocks(reversed(blocks))  # tail first, as vLLM frees
                 self.pf_num_unpins += 1
-            del self.pf_live[g], self.pf_left[g]
 
 
 class GroupScheduler(_GroupMixin, Scheduler):

@@ -86,6 +86,11 @@ def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
     vllm = engines(arch)[0]
     assert vllm.totals.num_requests == 14 and vllm.totals.num_output_tokens == 14 * 8
     assert vllm.totals.token_saving_ratio > 0.3
+    # Step statistics from the group scheduler: every prompt token not cached is prefilled, and
+    # each output token after a request's first is one decode token.
+    assert sum(s.num_prefill_tokens for s in vllm.stats) == vllm.totals.num_computed_prompt_tokens
+    assert sum(s.num_decode_tokens for s in vllm.stats) == 14 * 7
+    assert max(s.num_used_blocks for s in vllm.stats) > 0 and vllm.totals.num_preemptions == 0
 
 
 def test_group_scheduler_pins_and_releases():
@@ -96,13 +101,13 @@ def test_group_scheduler_pins_and_releases():
     list(vllm.run(plan_groups(prompts(seed=3)), GREEDY))
     assert sched.pf_num_pins - pins == 3            # one pin per shared group
     assert sched.pf_num_unpins == sched.pf_num_pins
-    assert sched.pf_pinned_blocks == 0 and not sched.pf_live
+    assert sched.pf_pinned_blocks == 0 and not sched.pf_left and not sched.pf_group_of
     # An abandoned run aborts its requests and releases the pins of its groups.
     it = vllm.run(plan_groups(prompts(seed=4)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     next(it)
     it.close()
     assert not vllm.engine.has_unfinished_requests()
-    assert sched.pf_pinned_blocks == 0 and not sched.pf_live
+    assert sched.pf_pinned_blocks == 0 and not sched.pf_left and not sched.pf_group_of
 
 
 def test_sampling_parameters_map_like_native():
@@ -147,13 +152,16 @@ def test_seeds_repeat_and_vllm_options():
 
 
 def test_bad_rows_become_error_outputs():
-    vllm = engines("llama")[0]
     good = prompts(seed=5, groups=0, singles=2)
-    rows = good + [[3, VOCAB + 50, 4], list(range(3, 3 + 600))]
-    outs = {o.row_id: o for o in vllm.run(plan_groups(rows), GREEDY)}
+    near_limit = [5 + i % 600 for i in range(508)]  # 508 + 8 tokens > max_model_len 512
+    rows = good + [[3, VOCAB + 50, 4], list(range(3, 3 + 600)), near_limit]
+    outs, native = run_both("llama", rows, GREEDY)
     assert outs[0].error is None and outs[1].error is None and len(outs[1].token_ids) == 8
     assert "outside the vocabulary" in outs[2].error and outs[2].finish_reason == "abort"
-    assert "max_model_len" in outs[3].error
+    assert "max_model_len" in outs[3].error and native[3].error
+    # A prompt that leaves fewer than max_tokens positions stops at max_model_len, as ours does.
+    assert (outs[4].token_ids, outs[4].finish_reason) == (native[4].token_ids, native[4].finish_reason)
+    assert len(outs[4].token_ids) == 4 and outs[4].finish_reason == "length"
 
 
 def test_score_equals_native_scorer():
