@@ -63,10 +63,14 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H] -> qkv: [T, (Hq + 2 Hkv) D]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)      # [T, Hq, D]
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)   # [T, Hkv, D]
-        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)              # [T, Hkv, D]
+        qkv = self.qkv_proj(x)
+        # q and k rotate in one call (one pass per elementwise op instead of two): their heads
+        # are adjacent in each row of qkv.
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
+            t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)       # [T, Hq+Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)               # [T, Hq|Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size:].contiguous().view(
+            t, self.num_kv_heads, self.head_dim)                                   # [T, Hkv, D]
         o = self.attn(q, k, v, meta)                                               # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
