@@ -19,4 +19,6 @@ class SiluMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, H]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place in the gate_up buffer: no [T, I] temporaries (the matmul reads the strided
+        # view directly).
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
