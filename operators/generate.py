@@ -94,7 +94,8 @@ class ReplicaRunner:
         finished = time.time()
         stats = getattr(self.engine, "stats", None)
         totals = getattr(self.engine, "totals", None)
-        if self.config.task == "score":  # a scorer keeps run totals, not per-step records
+        if self.config.task == "score" and self.config.backend == "native":
+            # the native Scorer keeps run totals, not per-step records
             stats, totals = None, {k: v for k, v in _plain(stats).items() if k != "latency_s"}
         steps = [_plain(s) for s in stats] if stats is not None else []
         return {"replica": replica, "num_rows": sum(g.num_members for g in groups),
