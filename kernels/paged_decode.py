@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, check_cache,
-                                        check_head_dim_for_triton, check_last_dim_contiguous,
-                                        check_out, check_shape, check_tensor, compute_dtype,
-                                        decode_attention, interpreting, use_triton)
+from prefixflow.kernels import _common
+from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, DecodeBatch,
+                                        check_cache, check_head_dim_for_triton,
+                                        check_last_dim_contiguous, check_out, check_shape,
+                                        check_tensor, compute_dtype, decode_attention,
+                                        decode_plan, interpreting, once_per_step, use_triton)
 
 
 def _check_args(q, k_cache, v_cache, kv_lens, block_tables, dtypes) -> None:
@@ -61,13 +63,23 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     s = q.shape[0]
     if s == 0:
         return out
+    cdt = compute_dtype(q.dtype)
+    plan = once_per_step("paged_decode", (kv_lens, block_tables),
+                         (k_cache.shape[1:], cdt, q.device, _common._DECODE_MAX_ELEMENTS),
+                         lambda: _plan(kv_lens, block_tables, k_cache, cdt))
+    o, _ = decode_attention(q.to(cdt), k_cache, v_cache, plan, scale)
+    out.copy_(o)
+    return out
+
+
+def _plan(kv_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+          dtype: torch.dtype) -> list[DecodeBatch]:
+    """The step's decode plan, after the value check (both once per step, for all layers)."""
     if int(kv_lens.min()) < 1:
         raise ValueError(f"kv_lens must be >= 1 (a decode query sees its own key), got "
                          f"min {int(kv_lens.min())}")
-    o, _ = decode_attention(q.to(compute_dtype(q.dtype)), k_cache, v_cache, kv_lens,
-                            block_tables, scale)
-    out.copy_(o)
-    return out
+    _, block_size, hkv, d = k_cache.shape
+    return decode_plan(kv_lens, block_tables, block_size, hkv * d, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

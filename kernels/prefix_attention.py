@@ -16,13 +16,18 @@ part kind as in BatchLLM's horizontal fusion).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, attention_lse,
+from prefixflow.kernels import _common
+from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, BlockIndex,
+                                        DecodeBatch, attention_lse, block_index,
                                         causal_attention, check_cache,
                                         check_head_dim_for_triton, check_last_dim_contiguous,
                                         check_out, check_tensor, compute_dtype, decode_attention,
-                                        gather_blocks, interpreting, use_triton)
+                                        decode_plan, gather_index, interpreting, once_per_step,
+                                        use_triton)
 
 
 def _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
@@ -90,20 +95,19 @@ def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
                 prefix_block_tables, prefix_seq_ranges, REF_FLOAT_DTYPES)
     out = check_out(out, q)
-    cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
-    _check_values(cu, lens, ranges, q.shape[0])
+    cdt = compute_dtype(q.dtype)
+    meta = (cu_seqlens_q, kv_lens, block_tables, prefix_lens, prefix_block_tables,
+            prefix_seq_ranges)
+    plan = once_per_step("prefix_shared", meta, (q.shape[0], k_cache.shape[1:], cdt,
+                                                 _common._DECODE_MAX_ELEMENTS),
+                         lambda: _plan(*meta, q.shape[0], k_cache, cdt))
     if q.shape[0] == 0:
         return out
-    qc = q.to(compute_dtype(q.dtype))                                     # [T, Hq, D]
-    o, lse = _own_attention(qc, k_cache, v_cache, cu, lens, kv_lens, block_tables, scale)
-    block_size = k_cache.shape[1]
-    for g, p_len in enumerate(prefix_lens.tolist()):
-        lo, hi = cu[ranges[g]], cu[ranges[g + 1]]
-        if p_len == 0 or hi == lo:
-            continue
-        nb = [-(-p_len // block_size)]
-        pk = gather_blocks(k_cache, prefix_block_tables[g:g + 1], nb, qc.dtype, "k")[:p_len]
-        pv = gather_blocks(v_cache, prefix_block_tables[g:g + 1], nb, qc.dtype, "v")[:p_len]
+    qc = q.to(cdt)                                                         # [T, Hq, D]
+    o, lse = _own_attention(qc, k_cache, v_cache, plan, scale)
+    for lo, hi, p_len, index in plan.groups:
+        pk = gather_index(k_cache, index, qc.dtype, "k")[:p_len]
+        pv = gather_index(v_cache, index, qc.dtype, "v")[:p_len]
         pk, pv = pk.transpose(0, 1)[None], pv.transpose(0, 1)[None]          # [1, Hkv, P, D]
         p_o, p_lse = attention_lse(qc[lo:hi].transpose(0, 1)[None], pk, pv, scale)
         # softmax over prefix + own keys = the two parts weighted by their exp(lse) shares
@@ -113,37 +117,75 @@ def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-def _own_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   cu: list[int], lens: list[int], kv_lens: torch.Tensor,
-                   block_tables: torch.Tensor, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's queries over its own paged KV, causally. q: [T, Hq, D] fp32/fp64.
-    Returns (out [T, Hq, D], lse [T, Hq])."""
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The layer-independent host work of one step (built once, used by every layer).
+
+    decode: plan of the single-query sequences' batched decode; decode_rows: their query rows
+    (None when every sequence is one). multi: (first row, end row, first key, end key) of the
+    other sequences in their one gather `multi_index`. groups: (first row, end row, prefix
+    length, prefix blocks) of each group with queries and a non-empty prefix.
+    """
+
+    decode: list[DecodeBatch]
+    decode_rows: torch.Tensor | None
+    multi: list[tuple[int, int, int, int]]
+    multi_index: BlockIndex | None
+    groups: list[tuple[int, int, int, BlockIndex]]
+
+
+def _plan(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
+          prefix_lens: torch.Tensor, prefix_block_tables: torch.Tensor,
+          prefix_seq_ranges: torch.Tensor, num_tokens: int, k_cache: torch.Tensor,
+          dtype: torch.dtype) -> _Plan:
+    cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
+    _check_values(cu, lens, ranges, num_tokens)
+    _, block_size, hkv, d = k_cache.shape
     q_lens = [hi - lo for lo, hi in zip(cu, cu[1:])]
     decode = [s for s, n in enumerate(q_lens) if n == 1]
-    if len(decode) == len(q_lens):      # every row is a sequence's single query
-        return decode_attention(q, k_cache, v_cache, kv_lens, block_tables, scale)
-    o, lse = torch.empty_like(q), q.new_empty(q.shape[:2])
-    if decode:
-        seqs = torch.tensor(decode, device=q.device)
-        rows = torch.tensor([cu[s] for s in decode], device=q.device)
-        o_d, lse_d = decode_attention(q[rows], k_cache, v_cache, kv_lens[seqs],
-                                      block_tables[seqs], scale)
-        o.index_copy_(0, rows, o_d)
-        lse.index_copy_(0, rows, lse_d)
     multi = [s for s, n in enumerate(q_lens) if n > 1]
+    dev = cu_seqlens_q.device
+    decode_rows, decode_plan_ = None, []
+    if len(decode) == len(q_lens):      # every row is a sequence's single query
+        decode_plan_ = decode_plan(kv_lens, block_tables, block_size, hkv * d, dtype)
+    elif decode:
+        seqs = torch.tensor(decode, device=dev)
+        decode_rows = torch.tensor([cu[s] for s in decode], device=dev)
+        decode_plan_ = decode_plan(kv_lens[seqs], block_tables[seqs], block_size, hkv * d, dtype)
+    spans, multi_index, start = [], None, 0
     if multi:
         # All their blocks in one gather; sequence s's keys start its run of nb[s] blocks.
-        block_size = k_cache.shape[1]
         nb = [-(-lens[s] // block_size) for s in multi]
-        tables = block_tables[torch.tensor(multi, device=q.device)]
-        k = gather_blocks(k_cache, tables, nb, q.dtype, "k")          # [sum nb*bs, Hkv, D]
-        v = gather_blocks(v_cache, tables, nb, q.dtype, "v")
-        start = 0
+        multi_index = block_index(block_tables[torch.tensor(multi, device=dev)], nb)
         for s, n in zip(multi, nb):
-            lo, hi, end = cu[s], cu[s + 1], start + lens[s]
-            o[lo:hi], lse[lo:hi] = causal_attention(q[lo:hi], k[start:end], v[start:end], scale)
+            spans.append((cu[s], cu[s + 1], start, start + lens[s]))
             start += n * block_size
+    groups = []
+    for g, p_len in enumerate(prefix_lens.tolist()):
+        lo, hi = cu[ranges[g]], cu[ranges[g + 1]]
+        if p_len > 0 and hi > lo:
+            groups.append((lo, hi, p_len, block_index(prefix_block_tables[g:g + 1],
+                                                      [-(-p_len // block_size)])))
+    return _Plan(decode_plan_, decode_rows, spans, multi_index, groups)
+
+
+def _own_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's queries over its own paged KV, causally. q: [T, Hq, D] fp32/fp64.
+    Returns (out [T, Hq, D], lse [T, Hq])."""
+    if plan.decode and plan.decode_rows is None and not plan.multi:
+        return decode_attention(q, k_cache, v_cache, plan.decode, scale)
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:2])
+    if plan.decode_rows is not None:
+        rows = plan.decode_rows
+        o_d, lse_d = decode_attention(q[rows], k_cache, v_cache, plan.decode, scale)
+        o.index_copy_(0, rows, o_d)
+        lse.index_copy_(0, rows, lse_d)
+    if plan.multi_index is not None:
+        k = gather_index(k_cache, plan.multi_index, q.dtype, "k")      # [sum nb*bs, Hkv, D]
+        v = gather_index(v_cache, plan.multi_index, q.dtype, "v")
+        for lo, hi, start, end in plan.multi:
+            o[lo:hi], lse[lo:hi] = causal_attention(q[lo:hi], k[start:end], v[start:end], scale)
     return o, lse
 
 

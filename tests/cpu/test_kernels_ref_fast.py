@@ -190,3 +190,26 @@ def test_consecutive_blocks_are_read_in_place(flash):
     nb = -(-int(c.prefix_lens[0]) // c.k_cache.shape[1])
     k = _common.gather_blocks(c.k_cache, c.prefix_block_tables[:1], [nb], torch.float32, "k")
     assert k.data_ptr() == c.k_cache[int(c.prefix_block_tables[0, 0])].data_ptr()
+
+
+def test_step_host_work_runs_once_for_all_layers(monkeypatch):
+    from prefixflow.kernels import prefix_attention
+
+    c = make_prefix_case(*ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                         dtype=torch.float32, seed=6)
+    calls = []
+    real = prefix_attention._plan
+    monkeypatch.setattr(prefix_attention, "_plan", lambda *a: calls.append(1) or real(*a))
+    want = dense_oracle(c)
+    for _ in range(3):   # three layers of one step: same metadata tensors
+        assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
+    assert len(calls) == 1
+    args = list(c.args())
+    args[3] = c.cu_seqlens_q.clone()   # the next step's tensors
+    prefix_shared_attention_ref(*args)
+    assert len(calls) == 2
+    bad = list(c.args())
+    bad[4] = torch.ones_like(c.kv_lens)  # fewer keys than queries: refused at every call
+    for _ in range(2):
+        with pytest.raises(ValueError, match="kv_lens"):
+            prefix_shared_attention_ref(*bad)
