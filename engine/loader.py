@@ -7,7 +7,7 @@ Reads config.json ourselves (both the transformers-4 fields `rope_theta`/`rope_s
 transformers-5 `rope_parameters`), builds `models.llama.LlamaForCausalLM` on the meta device,
 materialises it on the target device in the target dtype and copies the safetensors weights in
 (one file, or shards listed by model.safetensors.index.json). transformers' model classes are
-never used for inference; its AutoTokenizer loads the tokenizer.
+never used for inference; the tokenizer comes from engine/tokenizer.py.
 """
 
 from __future__ import annotations
@@ -163,11 +163,11 @@ def _slice_index(model: LlamaForCausalLM, hf_name: str) -> int:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """The checkpoint's tokenizer through transformers' AutoTokenizer (local files only)."""
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer (engine/tokenizer.py: tokenizer.json read directly where that
+    equals transformers' AutoTokenizer, which is used otherwise)."""
+    from prefixflow.engine.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(model_dir(path)), trust_remote_code=trust_remote_code,
-                                         local_files_only=True)
+    return load(model_dir(path), trust_remote_code)
 
 
 def read_eos_token_ids(path: str | Path, tokenizer: Any = None) -> tuple[int, ...]:

@@ -68,7 +68,10 @@ class FastTokenizer:
         spec = _read_json(folder / "tokenizer.json")
         return spec is not None and spec.get("post_processor") is not None
 
-    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+    def __call__(self, texts: str | list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """{"input_ids": ids} for one text, {"input_ids": [ids, ...]} for a list (as transformers)."""
+        if isinstance(texts, str):
+            return {"input_ids": self.encode(texts, add_special_tokens)}
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return {"input_ids": [e.ids for e in encodings]}
 

@@ -52,6 +52,7 @@ def test_fast_tokenizer_equals_transformers(models, name):
     for skip in (True, False):
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     assert ours.encode(TEXTS[-1]) == theirs.encode(TEXTS[-1])
+    assert ours(TEXTS[-1])["input_ids"] == theirs(TEXTS[-1])["input_ids"]
     assert ours.eos_token_id == theirs.eos_token_id
     if getattr(theirs, "chat_template", None):
         for messages in CHATS:
