@@ -10,7 +10,7 @@ import torch
 
 from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES,
                                         check_last_dim_contiguous, check_shape, check_tensor,
-                                        use_triton)
+                                        once_per_step, use_triton)
 
 try:
     import triton
@@ -54,15 +54,22 @@ def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Torch version of `write_kv_cache` (same arguments)."""
     _check_args(k, v, k_cache, v_cache, slot_mapping, REF_FLOAT_DTYPES)
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        slots = slot_mapping.long()
-    else:
-        slots, k, v = slot_mapping[valid].long(), k[valid], v[valid]
+    # Which slots to write: once per step for all layers (they share slot_mapping).
+    slots, valid = once_per_step("kv_write", (slot_mapping,), (), lambda: _slots(slot_mapping))
+    if valid is not None:
+        k, v = k[valid], v[valid]
     # Rows of Hkv * D elements: copying whole rows is several times faster than [Hkv, D] ones.
     row = k.shape[1] * k.shape[2]
     k_cache.view(-1, row).index_copy_(0, slots, k.reshape(-1, row).to(k_cache.dtype))
     v_cache.view(-1, row).index_copy_(0, slots, v.reshape(-1, row).to(v_cache.dtype))
+
+
+def _slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(int64 slots to write, mask of the tokens written or None for all of them)."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping.long(), None
+    return slot_mapping[valid].long(), valid
 
 
 # ---------------------------------------------------------------------------------------------

@@ -213,3 +213,21 @@ def test_step_host_work_runs_once_for_all_layers(monkeypatch):
     for _ in range(2):
         with pytest.raises(ValueError, match="kv_lens"):
             prefix_shared_attention_ref(*bad)
+
+
+def test_kv_write_works_out_its_slots_once_per_step(monkeypatch):
+    from prefixflow.kernels import kv_write
+
+    calls = []
+    real = kv_write._slots
+    monkeypatch.setattr(kv_write, "_slots", lambda s: calls.append(1) or real(s))
+    slots = torch.tensor([5, -1, 0, 9])             # -1: a token whose KV is not written
+    for layer in range(2):                          # two layers, one step
+        k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+        kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+        kv_write.write_kv_cache_ref(k, v, kc, vc, slots)
+        flat_k, flat_v = kc.view(12, 2, 8), vc.view(12, 2, 8)
+        assert torch.equal(flat_k[[5, 0, 9]], k[[0, 2, 3]])
+        assert torch.equal(flat_v[[5, 0, 9]], v[[0, 2, 3]])
+        assert int((flat_k != 0).any(-1).any(-1).sum()) == 3
+    assert len(calls) == 1
