@@ -304,11 +304,14 @@ def _set_env(in_process: bool, config: EngineConfig) -> None:
 
 
 def _thread_bind() -> str:
-    """This process's CPUs (a Ray actor gets OMP_NUM_THREADS = its num_cpus): the first
-    OMP_NUM_THREADS of them, so that vLLM's CPU threads stay within the actor's share."""
+    """vLLM's CPU thread binding for this process: its CPUs, or "nobind" when it may use only
+    part of them (OMP_NUM_THREADS, which Ray sets to an actor's num_cpus, below the CPUs it
+    sees): binding the first n would put every actor of a node on the same cores."""
     cpus = sorted(os.sched_getaffinity(0))
-    n = int(os.environ.get("OMP_NUM_THREADS") or len(cpus))
-    return ",".join(str(c) for c in cpus[:max(1, n)])
+    threads = int(os.environ.get("OMP_NUM_THREADS") or len(cpus))
+    if threads < len(cpus):
+        return "nobind"
+    return ",".join(str(c) for c in cpus)
 
 
 def _elem_size(dtype: str) -> int:
