@@ -10,6 +10,14 @@ Reports both wall times, their ratio, the plan stage's share of prefixflow's wal
         [--model smollm2-135m-instruct --out bench/results/pipeline_bench_smollm2.json]  # real
 
 Writes bench/results/pipeline_bench.json.
+
+With --peer ray-data-llm it compares instead the peer users would pick on vLLM: ray.data.llm
+(build_processor + vLLMEngineProcessorConfig: chat template, tokenize, vLLM, detokenize stages)
+against prefixflow with engine.backend: vllm, for each replica count of --replica-counts,
+interleaved: end-to-end wall time, engine time, token saving and outputs compared.
+
+    .venv/bin/python -m prefixflow.bench.pipeline_bench --peer ray-data-llm --num-docs 12 \
+        --questions 4 --replica-counts 1,2 --out bench/results/pipeline_bench_vllm.json
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import numpy as np
 SYSTEM = ("You are a helpful assistant. Read the document and answer the question below in one "
           "short sentence.")
 USER = "Document: {{ document }}\n\nQuestion: {{ question }}"
+KV_CACHE_BYTES = 256 << 20
+MAX_BATCHED_TOKENS = 2048
 
 
 class HFGenerate:
@@ -62,7 +72,8 @@ class HFGenerate:
         return batch
 
 
-def run_prefixflow(model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_prefixflow(model: Path, data: Path, out: Path, args: argparse.Namespace,
+                   backend: str = "native") -> dict[str, Any]:
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import parse_spec
 
@@ -70,7 +81,8 @@ def run_prefixflow(model: Path, data: Path, out: Path, args: argparse.Namespace)
         "model": str(model), "input": {"path": str(data)},
         "prompt": {"system": SYSTEM, "user": USER},
         "sampling": {"temperature": 0, "max_tokens": args.max_tokens},
-        "engine": {"device": "cpu", "kv_cache_bytes": 256 << 20, "max_num_batched_tokens": 2048},
+        "engine": {"device": "cpu", "kv_cache_bytes": KV_CACHE_BYTES,
+                   "max_num_batched_tokens": MAX_BATCHED_TOKENS, "backend": backend},
         "order": args.order, "replicas": args.replicas,
         "output": {"path": str(out), "rows_per_part": 256, "overwrite": True},
     })
@@ -89,6 +101,97 @@ def run_baseline(model: Path, data: Path, out: Path, args: argparse.Namespace) -
         num_cpus=1)
     ds.write_parquet(str(out))
     return {"wall_s": time.perf_counter() - started}
+
+
+def run_ray_data_llm(model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The peer: ray.data.llm's processor with its own chat-template, tokenize, vLLM and
+    detokenize stages, the same KV budget, block size and step token limit as prefixflow's
+    vLLM replicas; one CPU per replica (its default asks for a GPU)."""
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    from prefixflow.engine.loader import read_model_args
+
+    margs = read_model_args(str(model))
+    block = 32  # vLLM's CPU attention wants multiples of 32; prefixflow's vLLM replicas use 32 too
+    blocks = KV_CACHE_BYTES // (block * margs.kv_bytes_per_token_per_elem * 4)
+    config = vLLMEngineProcessorConfig(
+        model_source=str(model), batch_size=args.peer_batch_size, concurrency=args.replicas,
+        engine_kwargs=dict(dtype="float32", block_size=block, num_gpu_blocks_override=blocks,
+                           max_model_len=min(blocks * block, margs.max_position_embeddings),
+                           max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True),
+        placement_group_config={"bundles": [{"CPU": 1}]}, log_engine_metrics=False)
+    max_tokens = args.max_tokens
+    processor = build_processor(
+        config,
+        preprocess=lambda r: dict(id=r["id"], sampling_params=dict(temperature=0.0, max_tokens=max_tokens),
+                                  messages=[{"role": "system", "content": SYSTEM},
+                                            {"role": "user", "content": f"Document: {r['document']}"
+                                                                        f"\n\nQuestion: {r['question']}"}]),
+        postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
+                                   generated_text=r["generated_text"], num_input_tokens=r["num_input_tokens"],
+                                   scheduled_ts=(r.get("metrics") or {}).get("scheduled_ts"),
+                                   last_token_ts=(r.get("metrics") or {}).get("last_token_ts")))
+    started = time.perf_counter()
+    processor(ray.data.read_json(str(data))).write_parquet(str(out))
+    return {"wall_s": time.perf_counter() - started}
+
+
+def peer_summary(pf_out: Path, peer_out: Path, pf: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """One replica count: both wall times, engine times, token saving, outputs compared."""
+    import pyarrow.parquet as pq
+
+    from prefixflow.operators.write import read_output
+
+    ours = {r["id"]: list(r["generated_tokens"]) for r in read_output(str(pf_out)).to_pylist()
+            if r["error"] is None}
+    theirs = pq.read_table(peer_out).to_pylist()
+    m = pf["metrics"]
+    ready = [r["engine_ready_s"] for r in m["per_replica"]]
+    starts = [r["scheduled_ts"] for r in theirs if r["scheduled_ts"]]
+    ends = [r["last_token_ts"] for r in theirs if r["last_token_ts"]]
+    return {
+        "prefixflow_vllm_wall_s": pf["wall_s"], "ray_data_llm_wall_s": peer["wall_s"],
+        "wall_ratio_peer_over_prefixflow": peer["wall_s"] / pf["wall_s"],
+        # From the first engine's first scheduled work to the last engine's last token (the
+        # peer's per-row vLLM timestamps; prefixflow's replica records): start-up excluded.
+        "prefixflow_engine_span_s": max(r["end_s"] for r in m["per_replica"]) - min(ready),
+        "ray_data_llm_engine_span_s": (max(ends) - min(starts)) if starts and ends else None,
+        "prefixflow_engine_run_s_per_replica": [r["run_seconds"] for r in m["per_replica"]],
+        "prompt_tokens": m["prompt_tokens"], "generated_tokens": m["generated_tokens"],
+        "peer_prompt_tokens": sum(r["num_input_tokens"] for r in theirs),
+        "prefixflow_token_saving_ratio_plan": m["token_saving_ratio"],
+        "prefixflow_token_saving_ratio_engine": m["token_saving_ratio_engine"],
+        # ray.data.llm's rows carry no num_cached_tokens (prefix hits only reach Prometheus).
+        "ray_data_llm_token_saving_ratio": None,
+        "rows": len(theirs), "prefixflow_rows_ok": len(ours),
+        "outputs_equal_fraction": float(np.mean([ours.get(r["id"]) == r["generated_tokens"]
+                                                 for r in theirs])) if theirs else 0.0,
+    }
+
+
+def main_peer(args: argparse.Namespace, model: Path, data: Path, work: Path) -> dict[str, Any]:
+    """ray.data.llm vs prefixflow (engine.backend: vllm) for each replica count, interleaved."""
+    import ray
+
+    runs = []
+    for replicas in [int(r) for r in args.replica_counts.split(",")]:
+        args.replicas = replicas
+        # ray.data.llm holds one actor per stage (chat template, tokenize, vLLM, detokenize):
+        # with fewer logical CPUs its read tasks never get one and the job hangs.
+        ray.init(num_cpus=replicas + 5, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        peer = run_ray_data_llm(model, data, work / f"peer-{replicas}", args)
+        ours = run_prefixflow(model, data, work / f"pf-{replicas}", args, backend="vllm")
+        ray.shutdown()
+        runs.append({"replicas": replicas, "load_avg": os.getloadavg(),
+                     **peer_summary(work / f"pf-{replicas}", work / f"peer-{replicas}", ours, peer)})
+        print(json.dumps(runs[-1], indent=2), flush=True)
+        result = {"bench": "pipeline_bench", "peer": "ray.data.llm", "args": vars(args),
+                  "machine": platform.node(), "cpus": os.cpu_count(), "runs": runs}
+        _write(result, Path(args.out))  # after each replica count: a long run keeps what it has
+    return result
 
 
 def agreement(pf_out: Path, base_out: Path) -> float:
@@ -117,6 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default=None, help="a model engine.model_source resolves, e.g. "
                    "smollm2-135m-instruct (default: the demo's tiny random Llama)")
     p.add_argument("--out", default="bench/results/pipeline_bench.json")
+    p.add_argument("--peer", choices=("transformers", "ray-data-llm"), default="transformers",
+                   help="ray-data-llm: ray.data.llm vs prefixflow with engine.backend: vllm")
+    p.add_argument("--replica-counts", default="1,2", help="with --peer ray-data-llm")
+    p.add_argument("--peer-batch-size", type=int, default=16, help="ray.data.llm's batch_size")
     args = p.parse_args(argv)
 
     import ray
@@ -138,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = demo_checkpoint(work)
     data = write_demo_data(work, num_docs=args.num_docs, questions_per_doc=args.questions,
                            sentences_per_doc=args.sentences)
+    if args.peer == "ray-data-llm":
+        return _write(main_peer(args, model, data, work), Path(args.out))
     # Logical CPUs: one per replica plus room for the read / tokenize / write tasks, the same
     # for both sides (with only `replicas` slots the baseline's readers would wait forever).
     ray.init(num_cpus=args.replicas + 2, include_dashboard=False, log_to_driver=False)
@@ -163,10 +272,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine_run_s_per_replica": [r["run_seconds"] for r in m["per_replica"]],
         "outputs_agree_fraction": agree,
     }
-    out = Path(args.out)
+    print(json.dumps({k: v for k, v in result.items() if k != "prefixflow_stage_seconds"}, indent=2))
+    return _write(result, Path(args.out))
+
+
+def _write(result: dict[str, Any], out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "prefixflow_stage_seconds"}, indent=2))
     return result
 
 
