@@ -8,6 +8,8 @@ plan_dataset does, each size in its own process: planned prompt tokens/s, the pl
 memory (resident set growth while planning; the synthetic rows stand in for the object store
 and are generated per block on request, never as token arrays), the predicted GPU time of the
 job (cost model, 8 H100 replicas, Llama-3.1-8B), and a linear extrapolation to 100M prompts.
+plan_s is wall time on a shared machine; plan_cpu_s, the planner's CPU time, is what a quiet
+driver would take (the planner is single-threaded).
 The results go under `scale` in the output file, the other entries are kept.
 
 For each dataset: saving ratios (multi-level optimum, enlarged single level, plain first level,
@@ -158,17 +160,18 @@ def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
     synth = SyntheticHashes(num_prompts)
     prompts = synth.prompts()
     before = _rss_bytes()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     plan = build_plan(prompts, order="batchllm", num_replicas=replicas)
-    plan_s = time.perf_counter() - start
+    plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     s = plan.summary
     predicted = [r["predicted_seconds"] for r in s["replicas"]]
     tokens = int(synth.length.sum())
     return {
         "num_prompts": num_prompts, "num_tokens": tokens, "block_size": synth.block_size,
-        "replicas": replicas, "plan_s": round(plan_s, 2),
+        "replicas": replicas, "plan_s": round(plan_s, 2), "plan_cpu_s": round(plan_cpu_s, 2),
         "prompt_tokens_per_s": round(tokens / plan_s),
+        "prompt_tokens_per_cpu_s": round(tokens / plan_cpu_s),
         "peak_driver_bytes": int(peak - before),
         "peak_process_rss_bytes": int(peak), "rss_before_plan_bytes": int(before),
         "synthetic_rows_bytes": synth.nbytes,
@@ -177,6 +180,7 @@ def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
         "predicted_job_seconds": round(max(predicted), 1),
         "predicted_gpu_seconds": round(sum(predicted), 1),
         "plan_share_of_predicted_job": round(plan_s / max(predicted), 5),
+        "plan_cpu_share_of_predicted_job": round(plan_cpu_s / max(predicted), 5),
         "load_average": os.getloadavg()[0],
     }
 
@@ -208,9 +212,11 @@ def _extrapolate(scale: list[dict], n: int) -> dict:
         else scale[0][key] * n / x[0]  # noqa: E731
     per_row = scale[-1]["predicted_job_seconds"] / scale[-1]["num_prompts"]
     return {"num_prompts": n, "plan_s": round(float(fit("plan_s")), 1),
+            "plan_cpu_s": round(float(fit("plan_cpu_s")), 1),
             "peak_driver_bytes": int(fit("peak_driver_bytes")),
             "predicted_job_seconds": round(per_row * n, 1),
-            "plan_share_of_predicted_job": round(float(fit("plan_s")) / (per_row * n), 5)}
+            "plan_share_of_predicted_job": round(float(fit("plan_s")) / (per_row * n), 5),
+            "plan_cpu_share_of_predicted_job": round(float(fit("plan_cpu_s")) / (per_row * n), 5)}
 
 
 def main() -> None:

@@ -1,11 +1,19 @@
 """Plan stage: the job's one global barrier, shuffle-free.
 
 1. The tokenized dataset is materialized; its blocks stay in the object store (one ref each).
-2. One small task per block returns only per-row metadata: token ids, lengths, the error flag
-   (and custom_id for OpenAI input). Row ids are positions: block offset + index in block.
-3. The driver builds the Plan (pipeline/, pure numpy) from that metadata.
-4. Each replica later pulls the blocks holding its rows straight from the object store
+2. One small task per block returns only per-row metadata: lengths, the error flag (and
+   custom_id for OpenAI input), and leaves the block's KV-block hashes (pipeline/block_hash.py,
+   8 bytes per `block_size` tokens) in the object store beside it. Row ids are positions: block
+   offset + index in block. Token ids never reach the driver during planning.
+3. The driver builds the Plan (pipeline/, pure numpy) from lengths; the sort asks the blocks, in
+   small tasks, for a few hashes of the rows it has not yet told apart (sort_by_gather), so the
+   driver holds per-row columns of a few int64s plus one bounded window of hashes.
+4. Plan.groups(r) pulls replica r's token ids (and checks every group's prefix against them);
+   each replica later pulls the blocks holding its rows straight from the object store
    (operators/generate.py). No groupby, sort or shuffle ever moves full rows.
+
+Driver memory while planning: ~250 bytes per good row (2.4 GB for 10M), the sort's bounded window and ~100 bytes
+per dataset block (the model and its measurements: pipeline/block_hash.py).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,6 +30,7 @@ import pyarrow.compute as pc
 
 from prefixflow.operators.read import ERROR
 from prefixflow.operators.tokenize import TOKENS
+from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS
 
 MAX_TOKENS = "_pf_max_tokens"  # per-row max_tokens (OpenAI body), used as the output-length hint
 
@@ -61,7 +71,7 @@ def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
         if block.num_rows:
             raise RuntimeError(f"a tokenized block of {block.num_rows} rows has no {TOKENS} column")
         return {"num_rows": 0, "good": np.zeros(0, np.int64), "lengths": np.zeros(0, np.int64),
-                "flat": np.zeros(0, np.int32), "digest": _block_digest(block)}
+                "digest": _block_digest(block)}
     errors = block.column(ERROR).is_valid().to_numpy(zero_copy_only=False)
     good = np.flatnonzero(~errors)
     tokens = block.column(TOKENS).take(pa.array(good)).combine_chunks() if len(good) else None
@@ -70,8 +80,6 @@ def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
         "good": good,
         "lengths": np.zeros(0, np.int64) if tokens is None else
         pc.list_value_length(tokens).to_numpy(zero_copy_only=False).astype(np.int64),
-        "flat": np.zeros(0, np.int32) if tokens is None else
-        tokens.flatten().to_numpy(zero_copy_only=False).astype(np.int32),
         "digest": _block_digest(block),
     }
     if MAX_TOKENS in block.column_names:
@@ -93,77 +101,128 @@ def _block_digest(block: pa.Table) -> np.ndarray:
     return np.frombuffer(hashlib.sha256(sink.getvalue()).digest(), np.uint8)
 
 
-def _gather_meta(refs: list[Any], custom_ids: bool) -> list[dict[str, Any]]:
-    """Block metadata: read in place for blocks on this node (shared memory, zero-copy), by a
-    small task on the block's own node otherwise. Only the metadata crosses the network."""
+def _meta_and_hashes(block: pa.Table, custom_ids: bool, block_size: int) -> tuple[dict[str, Any], tuple]:
+    """The block's metadata, and the KV-block hashes of all its rows (none for error rows) as
+    (flat, offsets): a task's second return, so the hashes stay in the object store."""
+    from prefixflow.pipeline import RaggedTokens
+    from prefixflow.pipeline.block_hash import block_hashes
+
+    meta = _block_meta(block, custom_ids)
+    if TOKENS not in block.column_names:
+        return meta, (np.zeros(0, np.int64), np.zeros(1, np.int64))
+    hashes = block_hashes(RaggedTokens.from_sequences(block.column(TOKENS)), block_size)
+    return meta, (hashes.flat, hashes.offsets)
+
+
+def _gather_meta(refs: list[Any], custom_ids: bool, block_size: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Block metadata and references to the blocks' hashes, computed by a small task on each
+    block's own node. Only the metadata crosses to the driver."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = ray.get_runtime_context().get_node_id()
     try:
         where = ray.experimental.get_object_locations(refs)
     except Exception:  # locations are an optimisation only
         where = {}
-    task = ray.remote(_block_meta).options(num_cpus=0.25)
-    pending: dict[int, Any] = {}
-    metas: list[Any] = [None] * len(refs)
-    for i, ref in enumerate(refs):
+    task = ray.remote(_meta_and_hashes)
+    meta_refs, hash_refs = [], []
+    for ref in refs:
         nodes = (where.get(ref) or {}).get("node_ids") or []
-        if here in nodes or not nodes:
-            metas[i] = _block_meta(ray.get(ref), custom_ids)
-        else:
-            strategy = NodeAffinitySchedulingStrategy(node_id=nodes[0], soft=True)
-            pending[i] = task.options(scheduling_strategy=strategy).remote(ref, custom_ids)
-    for i, meta in zip(pending, ray.get(list(pending.values()))):
-        metas[i] = meta
-    return metas
+        options = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=nodes[0], soft=True)} \
+            if nodes else {}
+        meta_ref, hash_ref = task.options(num_cpus=0.25, num_returns=2, **options).remote(ref, custom_ids, block_size)
+        meta_refs.append(meta_ref)
+        hash_refs.append(hash_ref)
+    return ray.get(meta_refs), hash_refs
+
+
+def _hash_window(hashes: tuple, local: np.ndarray, depth: int, width: int) -> np.ndarray:
+    """Hashes depth .. depth+width-1 of the given rows of one block (-1 past a row's end)."""
+    from prefixflow.pipeline import RaggedTokens
+    from prefixflow.pipeline.prefix_tree import ragged_gather
+
+    return ragged_gather(RaggedTokens(*hashes))(local, depth, width)
+
+
+def gather_hashes(rows: RowIndex, hash_refs: list[Any], row_ids: np.ndarray, seqs: np.ndarray,
+                  depth: int, width: int) -> np.ndarray:
+    """The plan sort's `gather` (pipeline/prefix_tree.sort_by_gather) over the blocks: one small
+    task per block that holds any of the prompts `seqs` (positions in `row_ids`)."""
+    import ray
+
+    blocks, local = rows.locate(row_ids[seqs])
+    out = np.empty((len(seqs), width), dtype=np.int64)
+    by_block = np.argsort(blocks, kind="stable")
+    cuts = np.flatnonzero(np.diff(blocks[by_block])) + 1
+    parts = np.split(by_block, cuts) if len(seqs) else []
+    task = ray.remote(_hash_window).options(num_cpus=0.25)
+    windows = [task.remote(hash_refs[int(blocks[idx[0]])], local[idx], depth, width) for idx in parts]
+    for idx, vals in zip(parts, ray.get(windows)):
+        out[idx] = vals
+    return out
+
+
+def fetch_tokens(rows: RowIndex, row_ids: np.ndarray, seqs: np.ndarray) -> Any:
+    """Token ids of the prompts `seqs` (positions in `row_ids`), in that order (Plan.groups)."""
+    from prefixflow.pipeline import RaggedTokens
+
+    if len(seqs) == 0:
+        return RaggedTokens(np.zeros(0, np.int32), np.zeros(1, np.int64))
+    table = fetch_rows(rows, row_ids[np.asarray(seqs, dtype=np.int64)], columns=(TOKENS,))
+    return RaggedTokens.from_sequences(table.column(TOKENS))
 
 
 def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = False,
-                 default_max_tokens: int | None = None) -> PlannedJob:
+                 default_max_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> PlannedJob:
     """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc).
 
     default_max_tokens: the output-length hint of rows whose own max_tokens is null (the job's
     sampling default, which they run with); None leaves them unknown (estimated per subtree).
+    block_size: the engine's KV block size; shared prefixes are planned in whole blocks.
     """
-    import ray
-
-    from prefixflow.pipeline import RaggedTokens, build_plan
+    from prefixflow.pipeline import build_plan
+    from prefixflow.pipeline.block_hash import HashedPrompts
 
     t0 = time.perf_counter()
     refs = ds.to_arrow_refs()  # executes read + tokenize; blocks stay in the object store
     t1 = time.perf_counter()
-    metas = _gather_meta(refs, custom_ids)
+    metas, hash_refs = _gather_meta(refs, custom_ids, block_size)
     offsets = np.r_[0, np.cumsum([m["num_rows"] for m in metas])].astype(np.int64)
+    rows = RowIndex(tuple(refs), offsets)
     good_ids = np.concatenate([offsets[b] + m["good"] for b, m in enumerate(metas)] or
                               [np.zeros(0, np.int64)]).astype(np.int64)
     lengths = np.concatenate([m["lengths"] for m in metas] or [np.zeros(0, np.int64)])
-    flat = np.concatenate([m["flat"] for m in metas] or [np.zeros(0, np.int32)])
     extra: dict[int, str] = {}
     keep = np.ones(len(good_ids), bool)
     if custom_ids:
         keep, extra = _duplicate_custom_ids(good_ids, [c for m in metas for c in m.get("custom_id", [])])
-    out_lens = None
-    with_rows = [m for m in metas if len(m["good"])]
-    if with_rows and all("max_tokens" in m for m in with_rows):
-        out_lens = np.concatenate([m["max_tokens"] for m in with_rows]).astype(np.int64)
-        if default_max_tokens is not None:
-            out_lens[out_lens < 0] = default_max_tokens
-    tokens = RaggedTokens(flat, np.r_[0, np.cumsum(lengths)].astype(np.int64))
+    out_lens = _output_lens(metas, default_max_tokens)
     if not keep.all():
         sel = np.flatnonzero(keep)
-        tokens = RaggedTokens.from_sequences([tokens[i] for i in sel])
-        good_ids = good_ids[sel]
+        good_ids, lengths = good_ids[sel], lengths[sel]
         out_lens = None if out_lens is None else out_lens[sel]
+    prompts = HashedPrompts(lengths, partial(gather_hashes, rows, hash_refs, good_ids), block_size,
+                            partial(fetch_tokens, rows, good_ids), max_cells=DEFAULT_MAX_CELLS)
     t2 = time.perf_counter()
-    plan = build_plan(tokens, row_ids=good_ids, output_lens=out_lens, order=order,
+    plan = build_plan(prompts, row_ids=good_ids, output_lens=out_lens, order=order,
                       num_replicas=num_replicas)
+    hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
-    all_ids = np.arange(offsets[-1], dtype=np.int64)
-    error_ids = np.setdiff1d(all_ids, good_ids, assume_unique=True)
+    error_ids = np.setdiff1d(np.arange(offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
     timings = {"read_tokenize_s": t1 - t0, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
     digest = hashlib.sha256(b"".join(m["digest"].tobytes() for m in metas)).hexdigest()  # block order
-    return PlannedJob(plan, RowIndex(tuple(refs), offsets), error_ids, extra, timings, digest)
+    return PlannedJob(plan, rows, error_ids, extra, timings, digest)
+
+
+def _output_lens(metas: list[dict[str, Any]], default_max_tokens: int | None) -> np.ndarray | None:
+    """Per good row: its max_tokens (the output-length hint), when every block has them."""
+    with_rows = [m for m in metas if len(m["good"])]
+    if not with_rows or not all("max_tokens" in m for m in with_rows):
+        return None
+    out_lens = np.concatenate([m["max_tokens"] for m in with_rows]).astype(np.int64)
+    if default_max_tokens is not None:
+        out_lens[out_lens < 0] = default_max_tokens
+    return out_lens
 
 
 def _duplicate_custom_ids(row_ids: np.ndarray, custom_ids: list[Any]) -> tuple[np.ndarray, dict[int, str]]:
@@ -181,11 +240,12 @@ def _duplicate_custom_ids(row_ids: np.ndarray, custom_ids: list[Any]) -> tuple[n
     return keep, extra
 
 
-def fetch_rows(rows: RowIndex, row_ids: np.ndarray, drop: tuple[str, ...] = (TOKENS,)) -> pa.Table:
+def fetch_rows(rows: RowIndex, row_ids: np.ndarray, drop: tuple[str, ...] = (TOKENS,),
+               columns: tuple[str, ...] | None = None) -> pa.Table:
     """Pull the given rows, in the given order, from the blocks in the object store.
 
     Only blocks that hold at least one of the rows are fetched; the token column is dropped
-    (the plan's groups carry the tokens the engine needs).
+    (the plan's groups carry the tokens the engine needs). columns: keep only these instead.
     """
     import ray
 
@@ -197,7 +257,8 @@ def fetch_rows(rows: RowIndex, row_ids: np.ndarray, drop: tuple[str, ...] = (TOK
     for b in np.unique(blocks):
         mine = np.flatnonzero(blocks == b)
         block = ray.get(rows.block_refs[int(b)])
-        block = block.drop_columns([c for c in drop if c in block.column_names])
+        block = block.select(list(columns)) if columns is not None else \
+            block.drop_columns([c for c in drop if c in block.column_names])
         parts.append(block.take(pa.array(local[mine])))
         order.append(mine)
     table = pa.concat_tables(parts, promote_options="permissive")

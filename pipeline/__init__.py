@@ -5,6 +5,7 @@
     plan.summary["token_saving_ratio"], plan.groups(replica=0)
 """
 
+from prefixflow.pipeline.block_hash import HashedPrompts, block_hashes
 from prefixflow.pipeline.cost_model import CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.pipeline.plan import Plan, build_plan
@@ -12,5 +13,5 @@ from prefixflow.pipeline.prefix_tree import PrefixTree, sort_with_lcp
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
 
-__all__ = ["ORDER_POLICIES", "CostModel", "HardwareProfile", "ModelShape", "Plan", "PrefixGroup", "PrefixTree", "RaggedTokens", "SamplingParams", "build_plan",
-           "sort_with_lcp"]
+__all__ = ["ORDER_POLICIES", "CostModel", "HardwareProfile", "HashedPrompts", "ModelShape", "Plan", "PrefixGroup",
+           "PrefixTree", "RaggedTokens", "SamplingParams", "block_hashes", "build_plan", "sort_with_lcp"]

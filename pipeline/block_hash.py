@@ -12,11 +12,14 @@ LCP in blocks into tokens. A collision can only make rows look as if they shared
 do; the replica checks the real tokens of every group and shrinks its prefix (`verify_prefix`),
 so a collision costs sharing, never a wrong output.
 
-Memory model of the driver (pure numbers, checked by bench/plan_bench.py --scale):
-  per row: row id, length, the sort's order and LCP, the tree's leaf and its share of internal
-  nodes (6 int64 arrays), grouping (2), plan order and table (~10 columns): about 250 bytes;
-  per sort level: `max_cells` hashes of the rows not yet apart, 8 bytes each, times ~4 copies;
-  per dataset block: its reference, offsets and digest (~100 bytes).
+Memory model of the planning driver (checked by bench/plan_bench.py --scale):
+  per prompt: row id, length, the sort's order and LCP, ~1.2 tree nodes of 8 int64 each, the
+  grouping, the plan order, cost arrays and table: 240-260 bytes at the peak (measured: 0.27 GB
+  for 1M prompts, 0.78 GB for 3M, 2.4 GB for 10M; bench/results/plan_bench.json `scale`);
+  per sort level: max(max_cells, undecided prompts) hashes, 8 bytes each, a few copies at once;
+  per dataset block: its references, offsets and digest (~100 bytes).
+So one 24 GiB driver plans ~100M prompts (extrapolated: 23.7 GB). Token ids are
+not in it: Plan.groups(r) fetches one replica's (4 bytes a token) when it is asked for them.
 """
 
 from __future__ import annotations

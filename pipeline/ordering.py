@@ -82,7 +82,8 @@ def dfs_order(tree: PrefixTree, lengths: np.ndarray) -> np.ndarray:
             out.append(leaf_seq[v])
             continue
         children = kids[ptr[v]:ptr[v + 1]]
-        # Stable: heaviest first, ties in lexicographic order; the stack pops the last pushed.
+        # Stable: heaviest first, ties by their first prompt's input position (PrefixTree.children);
+        # the stack pops the last pushed.
         children = sorted(children, key=lambda c: -weight[c])
         stack.extend(reversed(children))
     return np.asarray(out, dtype=np.int64)

@@ -132,7 +132,8 @@ class PrefixTree:
     lo, hi: the node covers sorted positions lo .. hi-1, i.e. sequences order[lo:hi].
     leaf_seq: the sequence a leaf stands for, -1 for internal nodes.
     post_order: node ids, children before parents (root last).
-    order: sequence indices in lexicographic order; lcp: LCP of adjacent sorted sequences.
+    order: sequence indices in sorted order (lexicographic, or by block hash); lcp: LCP of
+    adjacent sorted sequences.
     first_seq: the smallest sequence index under each node.
     """
 

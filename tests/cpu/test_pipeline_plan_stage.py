@@ -46,10 +46,11 @@ def test_plan_stage_moves_no_full_rows(ray_local, tiny_model, tmp_path):
     executed = tokenized.stats()
     assert "Tokenize" in executed and not [w for w in ALL_TO_ALL_WORDS if w in executed]
 
-    # What the planner received per block: ints only (ids, lengths, token ids), no row text.
+    # What the planner received per block: ints only (ids, lengths), no row text, no token ids
+    # (those stay in the blocks, with their KV-block hashes beside them).
     block = ray.get(planned.rows.block_refs[0])
     meta = _block_meta(block, custom_ids=False)
-    assert set(meta) == {"num_rows", "good", "lengths", "flat", "digest"}  # digest: 32 bytes
+    assert set(meta) == {"num_rows", "good", "lengths", "digest"}  # digest: 32 bytes
     assert all(isinstance(v, int) or np.issubdtype(v.dtype, np.integer) for v in meta.values())
     text_bytes = sum(len(r["document"]) + len(r["question"]) for r in rows)
     meta_bytes = sum(v.nbytes for v in meta.values() if isinstance(v, np.ndarray))
