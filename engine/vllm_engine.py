@@ -82,7 +82,11 @@ class VllmEngine:
     vllm_args: more vLLM engine arguments (checked by check_vllm_args).
     group_scheduler: True (all parts), False (vLLM's stock scheduler) or a GroupScheduling.
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
-        the scheduler object is then `self.scheduler`), else in a child process.
+        the scheduler object is then `self.scheduler`, and step statistics come from it), else
+        in a child process. In-process by default: a child engine core outlives a SIGKILLed
+        parent (seen: an orphaned VLLM::EngineCore still running), so it would not die with a
+        killed Ray actor, and bench/peer_bench measured no consistent gain from the child
+        process on a 2-core CPU box (0.4x-3x, noise-dominated).
     """
 
     def __init__(self, config: EngineConfig, vllm_args: Mapping[str, Any] | None = None,
