@@ -9,7 +9,7 @@ That is 8 bytes per block instead of 4 * block_size bytes of token ids: 1/8 at 1
 The planner sorts rows by their hash sequences (`sort_with_lcp` over hash symbols, the
 sequences possibly living in the dataset's blocks, see `sort_hashes_with_lcp`) and turns the
 LCP in blocks into tokens. A collision can only make rows look as if they shared more than they
-do; the replica checks the real tokens of every group and shrinks its prefix (`verify_prefix`),
+do; Plan.groups checks the real tokens of every group and shrinks its prefix (`shared_prefix`),
 so a collision costs sharing, never a wrong output.
 
 Memory model of the planning driver (checked by bench/plan_bench.py --scale):
@@ -150,17 +150,16 @@ def sort_hashes_with_lcp(lengths: np.ndarray, gather: Gather,
     return order, np.minimum(lcp_blocks * block_size, shorter)
 
 
-def verify_prefix(prefix_len: int, prompts: list[np.ndarray]) -> int:
-    """The prefix the members of a group really share: `prefix_len` (what the hashes claimed)
-    unless a hash collision made it longer than their common tokens, then their common tokens."""
-    if prefix_len == 0 or len(prompts) < 2:
-        return prefix_len
-    first = prompts[0][:prefix_len]
-    common = prefix_len
+def shared_prefix(claimed: int, prompts: list[np.ndarray], block_size: int) -> int:
+    """The prefix a group's members really share, from their tokens: the hashes' claim checked
+    (a collision can only have made it too long) and extended into the block where the members
+    part (the hashes see whole blocks; an engine that shares a partial block gains the rest)."""
+    if claimed == 0 or len(prompts) < 2:
+        return claimed
+    first = prompts[0]
+    common = min(min(len(p) for p in prompts), claimed + block_size - 1)
     for p in prompts[1:]:
-        head = p[:common]
-        if len(head) < common or not np.array_equal(head, first[:common]):
-            n = min(len(head), common)
-            diff = np.flatnonzero(head[:n] != first[:n])
-            common = int(diff[0]) if len(diff) else n
+        head, ref = p[:common], first[:common]
+        if not np.array_equal(head, ref):
+            common = int(np.flatnonzero(head != ref)[0])
     return common

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.pipeline.block_hash import HashedPrompts, verify_prefix
+from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.blendserve import estimate_output_lens
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse
@@ -55,8 +55,9 @@ class Plan:
         """The replica's prefix-sharing groups in run order.
 
         A plan made from block hashes (HashedPrompts) fetches this replica's token ids here and
-        checks each group's prefix against them: a hash collision shrinks the prefix to what the
-        members really share (block_hash.verify_prefix)."""
+        sets each group's prefix to what its members really share (block_hash.shared_prefix): a
+        hash collision shrinks it, the tokens after the last whole block extend it. The table
+        keeps the planned (whole-block) prefix_len."""
         if not 0 <= replica < self.num_replicas:
             raise ValueError(f"replica={replica} is out of range: the plan has {self.num_replicas}")
         cols = {name: self.table.column(name).to_numpy() for name in ("row_id", "prefix_len")}
@@ -75,7 +76,7 @@ class Plan:
             prompts = [tokens[int(s)] for s in index[lo:hi]]
             plen = int(cols["prefix_len"][lo])
             if self.tokens is None:
-                plen = verify_prefix(plen, prompts)
+                plen = shared_prefix(plen, prompts, self.hashed.block_size)
             groups.append(PrefixGroup(
                 group_id=run,
                 prefix=prompts[0][:plen],

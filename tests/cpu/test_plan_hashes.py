@@ -8,7 +8,7 @@ import pytest
 
 from prefixflow.bench.plan_bench import multi_level_set, shared_prefix_set
 from prefixflow.pipeline import RaggedTokens, build_plan, sort_with_lcp
-from prefixflow.pipeline.block_hash import HashedPrompts, block_hashes, sort_hashes_with_lcp, verify_prefix
+from prefixflow.pipeline.block_hash import HashedPrompts, block_hashes, shared_prefix, sort_hashes_with_lcp
 from prefixflow.pipeline.prefix_tree import ragged_gather
 
 
@@ -73,17 +73,19 @@ def test_batchllm_shapes_plan_the_same_from_hashes(order, prefix_len, distinct_l
         assert from_hashes.summary[key] == from_tokens.summary[key]
 
 
-def test_multi_level_shape_shares_whole_blocks():
-    # 490 + 11 shared tokens are 30 blocks + 10 and 31 blocks + 5: the hash plan shares the
-    # whole blocks (what a KV cache of 16-token blocks can share) and the same groups form.
+def test_multi_level_shape_plans_whole_blocks_and_runs_the_whole_prefix():
+    # 490 + 11 shared tokens are 30 blocks + 10 and 31 blocks + 5: the hash plan counts the
+    # whole blocks (what a KV cache of 16-token blocks can share), the same groups form, and
+    # the groups the replica gets share all 490 tokens again (the tokens settle the last block).
     tokens = multi_level_set(groups=3, subcategories=8, per_sub=2)
     from_tokens = build_plan(tokens)
     from_hashes = build_plan(HashedPrompts.from_tokens(tokens, 16))
     members = lambda plan: sorted(g[1] for g in _groups(plan))  # noqa: E731
     assert members(from_hashes) == members(from_tokens)
-    assert {g.prefix_len for g in from_hashes.groups(0)} == {480}
+    assert set(from_hashes.table.column("prefix_len").to_pylist()) == {480}
     assert from_hashes.summary["token_saving_ratio"] == pytest.approx(
         from_tokens.summary["token_saving_ratio"] * 480 / 490)
+    assert _groups(from_hashes) == _groups(from_tokens)
 
 
 def test_a_hash_collision_shrinks_the_prefix_to_the_real_tokens():
@@ -99,9 +101,10 @@ def test_a_hash_collision_shrinks_the_prefix_to_the_real_tokens():
     by_id = dict(zip([10, 11, 12, 13], prompts))
     for rid, distinct in zip(group.row_ids.tolist(), group.distinct):
         assert group.prefix.tolist() + distinct.tolist() == by_id[rid]
-    assert verify_prefix(16, [np.array(a + [5]), np.array(a + [7])]) == 16
-    assert verify_prefix(16, [np.array(a), np.array(b)]) == 8
-    assert verify_prefix(16, [np.array(a), np.array(a[:12])]) == 12
+    assert shared_prefix(16, [np.array(a + [5]), np.array(a + [7])], 4) == 16
+    assert shared_prefix(16, [np.array(a), np.array(b)], 4) == 8
+    assert shared_prefix(16, [np.array(a), np.array(a[:12])], 4) == 12
+    assert shared_prefix(8, [np.array(a + [5]), np.array(a + [7])], 4) == 11  # into the next block
 
 
 def test_bad_block_size_names_the_field():
