@@ -18,6 +18,8 @@ interleaved: end-to-end wall time, engine time, token saving and outputs compare
 
     .venv/bin/python -m prefixflow.bench.pipeline_bench --peer ray-data-llm --num-docs 12 \
         --questions 4 --replica-counts 1,2 --out bench/results/pipeline_bench_vllm.json
+        [--peer-prompts tokens]  # the peer gets our prompts' token ids (outputs then comparable:
+                                 # its own tokenize stage adds a second BOS to chat prompts)
 """
 
 from __future__ import annotations
@@ -115,8 +117,12 @@ def run_ray_data_llm(model: Path, data: Path, out: Path, args: argparse.Namespac
     margs = read_model_args(str(model))
     block = 32  # vLLM's CPU attention wants multiples of 32; prefixflow's vLLM replicas use 32 too
     blocks = KV_CACHE_BYTES // (block * margs.kv_bytes_per_token_per_elem * 4)
+    ds, tokens = ray.data.read_json(str(data)), args.peer_prompts == "tokens"
+    if tokens:  # our chat prompts' token ids: its tokenize stage would add a second BOS
+        ds = ray.data.from_items(_with_token_ids(model, data))
     config = vLLMEngineProcessorConfig(
         model_source=str(model), batch_size=args.peer_batch_size, concurrency=args.replicas,
+        chat_template_stage=not tokens, tokenize_stage=not tokens,
         engine_kwargs=dict(dtype="float32", block_size=block, num_gpu_blocks_override=blocks,
                            max_model_len=min(blocks * block, margs.max_position_embeddings),
                            max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True),
@@ -125,16 +131,33 @@ def run_ray_data_llm(model: Path, data: Path, out: Path, args: argparse.Namespac
     processor = build_processor(
         config,
         preprocess=lambda r: dict(id=r["id"], sampling_params=dict(temperature=0.0, max_tokens=max_tokens),
-                                  messages=[{"role": "system", "content": SYSTEM},
-                                            {"role": "user", "content": f"Document: {r['document']}"
-                                                                        f"\n\nQuestion: {r['question']}"}]),
+                                  **({"tokenized_prompt": r["tokenized_prompt"]} if tokens else
+                                     {"messages": _messages(r)})),
         postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
                                    generated_text=r["generated_text"], num_input_tokens=r["num_input_tokens"],
                                    scheduled_ts=(r.get("metrics") or {}).get("scheduled_ts"),
                                    last_token_ts=(r.get("metrics") or {}).get("last_token_ts")))
     started = time.perf_counter()
-    processor(ray.data.read_json(str(data))).write_parquet(str(out))
+    processor(ds).write_parquet(str(out))
     return {"wall_s": time.perf_counter() - started}
+
+
+def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Document: {row['document']}\n\nQuestion: {row['question']}"}]
+
+
+def _with_token_ids(model: Path, data: Path) -> list[dict[str, Any]]:
+    """The rows with `tokenized_prompt`: the chat template's text tokenized without adding
+    special tokens (the template has the BOS), as prefixflow tokenizes chat prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rows = [json.loads(line) for line in open(data)]
+    for r in rows:
+        text = tok.apply_chat_template(_messages(r), add_generation_prompt=True, tokenize=False)
+        r["tokenized_prompt"] = tok(text, add_special_tokens=False)["input_ids"]
+    return rows
 
 
 def peer_summary(pf_out: Path, peer_out: Path, pf: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
@@ -224,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="ray-data-llm: ray.data.llm vs prefixflow with engine.backend: vllm")
     p.add_argument("--replica-counts", default="1,2", help="with --peer ray-data-llm")
     p.add_argument("--peer-batch-size", type=int, default=16, help="ray.data.llm's batch_size")
+    p.add_argument("--peer-prompts", choices=("chat", "tokens"), default="chat",
+                   help="chat: ray.data.llm renders and tokenizes messages itself (it adds a second "
+                   "BOS after the chat template's); tokens: it gets our prompts' token ids")
     args = p.parse_args(argv)
 
     import ray
