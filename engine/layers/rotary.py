@@ -96,13 +96,14 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] (any strides); cos, sin: [T, 1, D]. HF's rotate-half convention (not
-    interleaved): x * cos + cat(-x2, x1) * sin, to within an ulp (addcmul may fuse its multiply
-    and add). Returns a new contiguous [T, H, D]."""
+    interleaved): x * cos + cat(-x2, x1) * sin, bit for bit. Returns a new contiguous
+    [T, H, D]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    # Three passes instead of HF's five (neg, cat, two products, sum) and no rotated copy:
-    # addcmul's value * t1 * t2 with value -1 is HF's (-x2) * sin exactly.
+    # No negated copy and no concatenation; the same roundings as HF (x1*c + (-x2)*s equals
+    # x1*c - x2*s exactly). addcmul_ would save two passes but may fuse the multiply-add,
+    # which changes the last bit and can flip a greedy near-tie.
     out = x * cos
-    out[..., :half].addcmul_(x2, sin[..., :half], value=-1)
-    out[..., half:].addcmul_(x1, sin[..., half:])
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
     return out

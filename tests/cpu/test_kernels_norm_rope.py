@@ -73,3 +73,22 @@ def test_rotary_triton_matches_ref_on_strided_views(dtype):
     for g, r in zip(got, want):
         tol = 1e-6 if dtype == torch.float32 else 2e-3
         assert g.is_contiguous() and torch.allclose(g.float(), r.float(), rtol=tol, atol=tol)
+
+
+def test_engine_layers_round_like_hugging_face():
+    """The engine's rotary and fp32 RMSNorm give HF Llama's values bit for bit: a last-bit
+    difference (a fused multiply-add) can flip a greedy near-tie of a real run."""
+    from prefixflow.engine.layers.norm import RMSNorm
+    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    cos, sin = RotaryEmbedding(64, 2048, RopeConfig())(torch.randint(0, 2048, (300,), generator=g),
+                                                       torch.float32)
+    x = torch.randn(300, 12, 64, generator=g) * 3
+    hf = x * cos + torch.cat([-x[..., 32:], x[..., :32]], dim=-1) * sin
+    assert torch.equal(apply_rotary(x, cos, sin), hf)
+    norm = RMSNorm(512, 1e-6)
+    norm.weight.data = torch.randn(512, generator=g)
+    h = torch.randn(77, 512, generator=g) * 5
+    hf = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(norm(h), hf)
