@@ -34,6 +34,9 @@ activation memory of a warm-up step of `max_num_batched_tokens` tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from prefixflow.engine.config import EngineConfig
@@ -47,6 +50,11 @@ from prefixflow.engine.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.pipeline.requests import SamplingParams
 
 CPU_KV_CACHE_BYTES = 1 << 30
+# CPU steps of at most this many tokens (decode steps, small chunks) run on one thread: their
+# matmuls are too small to split, and on a shared CPU a second thread's barrier waits cost far
+# more than it computes (peer_bench's quick decode_heavy, 2 threads at load 4-8: 25 s wall
+# instead of 3.6 s on one thread; MKL's small-M matmuls were 57% of the time).
+SINGLE_THREAD_MAX_TOKENS = 128
 
 
 def resolve_device(device: str) -> torch.device:
@@ -113,7 +121,9 @@ class ModelRunner:
         sample=True, in chunk order."""
         batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
         ids, positions, meta, logits_indices = self._to_device(batch)
-        return self.model(ids, positions, meta, logits_indices)
+        with _cpu_threads(1 if self.device.type == "cpu" and
+                          batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS else None):
+            return self.model(ids, positions, meta, logits_indices)
 
     # ------------------------------------------------------------------ internals
 
@@ -178,6 +188,20 @@ class ModelRunner:
         for layer, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(cache[layer, 0], cache[layer, 1])
         return cache
+
+
+@contextmanager
+def _cpu_threads(num: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `num` inside the block (None: unchanged)."""
+    before = torch.get_num_threads()
+    if num is None or num == before:
+        yield
+        return
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _warmup_step(num_tokens: int, num_sampled: int, block_size: int) -> StepInput:

@@ -94,3 +94,27 @@ def test_sliding_window_bounds_max_model_len(tmp_path):
     with pytest.raises(ValueError, match="sliding window"):
         ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_bytes=1 << 20,
                                  max_model_len=65))
+
+
+def test_small_cpu_steps_run_on_one_thread_and_restore_the_count(runner, monkeypatch):
+    from prefixflow.engine import model_runner
+
+    if runner.device.type != "cpu":
+        pytest.skip("thread counts are a CPU matter")
+    seen = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward",
+                        lambda *a: seen.append(torch.get_num_threads()) or forward(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        small = StepInput(chunks=(SeqChunk(seq_id=0, token_ids=(5, 6, 7), start_pos=0,
+                                           num_cached_tokens=0, block_table=(1,), sample=True,
+                                           sampling_params=greedy),))
+        runner.execute(small)
+        monkeypatch.setattr(model_runner, "SINGLE_THREAD_MAX_TOKENS", 2)  # now a "large" step
+        runner.execute(small)
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
