@@ -25,6 +25,7 @@ from prefixflow.jobs.attempts import AttemptLedger
 from prefixflow.operators.commit import Committed, load_committed
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
+from prefixflow.operators.plan import replica_group_refs, replica_row_ids
 from prefixflow.operators.processor import engine_actor_options
 from prefixflow.operators.write import WriteOptions
 
@@ -56,10 +57,8 @@ class Supervisor:
         self.config, self.planned, self.sink, self.wopts, self.progress = (
             config, planned, sink, wopts, progress)
         self.actor_cls = ray.remote(ReplicaGenerator)
-        groups = [planned.plan.groups(r) for r in range(config.replicas)]
-        self.group_refs = [ray.put(g) for g in groups]
-        self.replica_rows = [np.concatenate([np.zeros(0, np.int64)] + [g.row_ids for g in gs])
-                             .astype(np.int64) for gs in groups]
+        self.group_refs = replica_group_refs(planned, config.replicas)
+        self.replica_rows = [replica_row_ids(planned, r) for r in range(config.replicas)]
         self.ledger = AttemptLedger(max_retries=max_retries_per_row)
         self.poisoned: list[int] = []  # in the order given up, so that error ranks never move
         self.given_up: set[int] = set()

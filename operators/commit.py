@@ -77,10 +77,11 @@ def job_identity(planned: Any, num_replicas: int, spec_key: str,
     inputs: input_listing() of the job's input files."""
     plan = hashlib.sha256(np.int64(planned.rows.num_rows).tobytes())
     plan.update(np.asarray(planned.error_row_ids, np.int64).tobytes())
-    for r in range(num_replicas):
-        for g in planned.plan.groups(r):
-            plan.update(np.asarray(g.row_ids, np.int64).tobytes())
-            plan.update(np.int64(g.prefix_len).tobytes())
+    for r in range(num_replicas):  # the plan table: no token ids fetched
+        table = planned.plan.replica_table(r)
+        plan.update(np.asarray(table.column("row_id").to_numpy(), np.int64).tobytes())
+        plan.update(np.asarray(table.column("group_id").to_numpy(), np.int64).tobytes())
+        plan.update(np.asarray(table.column("prefix_len").to_numpy(), np.int64).tobytes())
     parts = {"spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(), "inputs": inputs,
              "input_content": planned.content_digest, "plan": plan.hexdigest()}
     fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()

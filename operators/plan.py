@@ -172,6 +172,26 @@ def fetch_tokens(rows: RowIndex, row_ids: np.ndarray, seqs: np.ndarray) -> Any:
     return RaggedTokens.from_sequences(table.column(TOKENS))
 
 
+def replica_group_refs(planned: PlannedJob, num_replicas: int) -> list[Any]:
+    """Object refs of each replica's PrefixGroups, built by a task per replica (Plan.groups
+    fetches that replica's token ids), so that the driver never holds the job's token ids."""
+    import ray
+
+    plan_ref = ray.put(planned.plan)
+    # No CPU: the engine actors may hold every CPU slot while they wait for these.
+    task = ray.remote(_replica_groups).options(num_cpus=0)
+    return [task.remote(plan_ref, r) for r in range(num_replicas)]
+
+
+def _replica_groups(plan: Any, replica: int) -> list[Any]:
+    return plan.groups(replica)
+
+
+def replica_row_ids(planned: PlannedJob, replica: int) -> np.ndarray:
+    """Replica `replica`'s row ids in its run order (from the plan table: no token ids)."""
+    return planned.plan.replica_table(replica).column("row_id").to_numpy().astype(np.int64)
+
+
 def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = False,
                  default_max_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> PlannedJob:
     """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc).

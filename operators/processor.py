@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.plan import PlannedJob, plan_dataset
+from prefixflow.operators.plan import PlannedJob, plan_dataset, replica_group_refs
 from prefixflow.operators.tokenize import Tokenize, TokenizeOptions, model_max_len
 
 Row = dict[str, Any]
@@ -72,7 +72,8 @@ class Processor:
         """Tokenize `ds` and plan it (materializes; the rows stay in the object store)."""
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
-                            default_max_tokens=self.config.sampling.max_tokens)
+                            default_max_tokens=self.config.sampling.max_tokens,
+                            block_size=self.config.engine_config().block_size)
 
     def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
         """A lazy Dataset of output blocks: R engine actors run their partitions.
@@ -84,7 +85,7 @@ class Processor:
         from ray.data import ActorPoolStrategy
 
         cfg = self.config
-        group_refs = [ray.put(planned.plan.groups(r)) for r in range(cfg.replicas)]
+        group_refs = replica_group_refs(planned, cfg.replicas)
         items = list(range(cfg.replicas)) + ([ERRORS_ITEM] if len(planned.error_row_ids) else [])
         work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
         kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
