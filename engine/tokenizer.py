@@ -75,6 +75,10 @@ class FastTokenizer:
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return {"input_ids": [e.ids for e in encodings]}
 
+    def __len__(self) -> int:
+        """The vocabulary with added tokens, as len() of a transformers tokenizer."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

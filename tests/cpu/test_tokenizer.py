@@ -54,6 +54,7 @@ def test_fast_tokenizer_equals_transformers(models, name):
     assert ours.encode(TEXTS[-1]) == theirs.encode(TEXTS[-1])
     assert ours(TEXTS[-1])["input_ids"] == theirs(TEXTS[-1])["input_ids"]
     assert ours.eos_token_id == theirs.eos_token_id
+    assert len(ours) == len(theirs)
     if getattr(theirs, "chat_template", None):
         for messages in CHATS:
             for add in (True, False):
