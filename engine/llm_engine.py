@@ -19,7 +19,7 @@ from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, T
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
 from prefixflow.engine.step import SampledToken
-from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+from prefixflow.pipeline.requests import PrefixGroup, SamplingParams, params_for_row
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 
@@ -181,7 +181,7 @@ class LLMEngine:
         group = GroupState(group_id=group_id, prefix=None, pending=[])
         errors = []
         for row_id, member_prefix, distinct in members:
-            p = params if isinstance(params, SamplingParams) else _lookup(params, row_id)
+            p = params_for_row(params, row_id)
             prompt = member_prefix + distinct
             # A member needs >= 1 own token to sample from: an empty distinct part attends to
             # the prefix minus its last token and computes that token itself.
@@ -227,10 +227,3 @@ class LLMEngine:
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         return [int(t) for t in prompt]
 
-
-def _lookup(params: Mapping[int, SamplingParams], row_id: int) -> SamplingParams:
-    try:
-        return params[row_id]
-    except KeyError:
-        raise ValueError(f"params has no SamplingParams for row_id={row_id}: give one for every row, "
-                         "or a single SamplingParams for all") from None

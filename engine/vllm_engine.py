@@ -28,7 +28,7 @@ from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_
 from prefixflow.engine.scoring_choices import error_output as score_error
 from prefixflow.engine.scoring_options import ScoreOptions
 from prefixflow.engine.vllm_args import check_vllm_args
-from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+from prefixflow.pipeline.requests import PrefixGroup, SamplingParams, params_for_row
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
@@ -134,7 +134,7 @@ class VllmEngine:
         vllm_sampling: vLLM-only sampling options for every row (names in VLLM_SAMPLING).
         """
         options = check_vllm_sampling(vllm_sampling or {})
-        members = ([_Req(row, prompt, p, _params(params, row), options) for row, prompt, p in _rows(g)]
+        members = ([_Req(row, prompt, p, params_for_row(params, row), options) for row, prompt, p in _rows(g)]
                    for g in groups)
         for out, m in self._execute(members):
             yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
@@ -271,33 +271,27 @@ class VllmEngine:
             scheduling_policy="priority" if parts.priority else "fcfs")
         if parts.custom_class:
             kwargs["scheduler_cls"] = f"{SCHEDULER}.{'GroupScheduler' if self.is_cpu else 'AsyncGroupScheduler'}"
-        blocks = self._kv_blocks(block)
-        if blocks is not None:
+        if self.is_cpu:
+            from prefixflow.engine.loader import read_model_args
+            args = read_model_args(self.model_path)
+            blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
             kwargs["num_gpu_blocks_override"] = blocks
             # vLLM refuses to start when max_model_len tokens do not fit the cache (less its one
             # reserved null block); a longer request gets an error output, as with our engine.
             limit = (blocks - 1) * block
-            kwargs["max_model_len"] = min(c.max_model_len or limit, limit, self._model_max_len())
-        else:
+            kwargs["max_model_len"] = min(c.max_model_len or limit, limit, args.max_position_embeddings)
+        else:  # GPU: kv_cache_memory_bytes when a budget is given, else memory utilization
             kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
             if c.max_model_len is not None:
                 kwargs["max_model_len"] = c.max_model_len
         return {**kwargs, **extra}
 
-    def _kv_blocks(self, block: int) -> int | None:
-        """CPU: blocks of the KV budget (EngineConfig.kv_cache_bytes, default 1 GiB). GPU with a
-        budget: None (kv_cache_memory_bytes does it); GPU without: None (memory utilization)."""
-        if not self.is_cpu and self.config.kv_cache_bytes is not None:
-            return None
-        if not self.is_cpu:
-            return None
-        from prefixflow.engine.loader import read_model_args
-        per_token = read_model_args(self.model_path).kv_bytes_per_token_per_elem * _elem_size(self.config.dtype)
-        return max(2, (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
 
-    def _model_max_len(self) -> int:
-        from prefixflow.engine.loader import read_model_args
-        return read_model_args(self.model_path).max_position_embeddings
+def _cpu_kv_blocks(config: EngineConfig, block: int, kv_bytes_per_token_per_elem: int) -> int:
+    """Blocks of the CPU KV budget (EngineConfig.kv_cache_bytes, default 1 GiB)."""
+    per_token = kv_bytes_per_token_per_elem * _elem_size(config.dtype)
+    return max(2, (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
+
 
 def _set_env(in_process: bool, config: EngineConfig) -> None:
     """vLLM reads these from the environment; set before its engine starts."""
@@ -353,16 +347,6 @@ def _vllm_params(m: _Req, pf: dict[str, Any]) -> Any:
         max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop=list(p.stop) or None,
         stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, detokenize=bool(p.stop), extra_args={"pf": pf}, **m.options)
-
-
-def _params(params: Params, row_id: int) -> SamplingParams:
-    if isinstance(params, SamplingParams):
-        return params
-    try:
-            return params[row_id]
-    except KeyError:
-        raise ValueError(f"params has no SamplingParams for row_id={row_id}: give one for every row, "
-                         "or a single SamplingParams for all") from None
 
 
 def _to_output(out: Any, m: _Req, tokenizer: Any) -> RequestOutput:

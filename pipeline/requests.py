@@ -86,6 +86,18 @@ class SamplingParams:
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 
 
+def params_for_row(params: "SamplingParams | Mapping[int, SamplingParams]", row_id: int) -> SamplingParams:
+    """A row's SamplingParams from one for all rows, or a row_id -> SamplingParams mapping
+    (the engines' `params` argument). ValueError when the mapping has no entry for the row."""
+    if isinstance(params, SamplingParams):
+        return params
+    try:
+        return params[row_id]
+    except KeyError:
+        raise ValueError(f"params has no SamplingParams for row_id={row_id}: give one for every row, "
+                         "or a single SamplingParams for all") from None
+
+
 def _set(params: SamplingParams, name: str, value: object) -> None:
     object.__setattr__(params, name, value)  # normalising a frozen dataclass's own field
 
