@@ -131,7 +131,7 @@ def run_engine(engine: Any, workload: Workload, order: str) -> tuple[dict, dict[
     """One cold run of `workload` with requests given in `order` ("arrival", "sorted" or
     "plan": pipeline.build_plan's groups): (timings, token counts and the outputs' sha;
     row -> output tokens)."""
-    from prefixflow.pipeline.requests import SamplingParams
+    from prefixflow.requests import SamplingParams
 
     engine.reset_prefix_cache()
     sched = getattr(engine, "scheduler", None)
@@ -161,7 +161,7 @@ def feed_groups(workload: Workload, order: str, min_prefix_len: int) -> list:
     import numpy as np
 
     from prefixflow.pipeline import build_plan
-    from prefixflow.pipeline.requests import PrefixGroup
+    from prefixflow.requests import PrefixGroup
 
     rows = list(range(len(workload.prompts)))
     if order == "plan":

@@ -92,7 +92,7 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
     if variant == "generate":
         from prefixflow.engine.model_runner import ModelRunner
         from prefixflow.engine.step import SeqChunk, StepInput
-        from prefixflow.pipeline.requests import SamplingParams
+        from prefixflow.requests import SamplingParams
 
         probe = ModelRunner(EngineConfig(model=path, device="cpu", kv_cache_bytes=1 << 20))
         kv_bytes = probe.kv_bytes_per_token * (tokens + 16)

@@ -14,7 +14,7 @@ from typing import Any
 _EXPORTS = {
     "LLMEngine": "prefixflow.engine.llm_engine",
     "EngineConfig": "prefixflow.engine.config",
-    "SamplingParams": "prefixflow.pipeline.requests",
+    "SamplingParams": "prefixflow.requests",
     "RequestOutput": "prefixflow.engine.outputs",
     "TokenLogprob": "prefixflow.engine.outputs",
     "StepStats": "prefixflow.engine.outputs",

@@ -19,7 +19,7 @@ from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, T
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
 from prefixflow.engine.step import SampledToken
-from prefixflow.pipeline.requests import PrefixGroup, SamplingParams, params_for_row
+from prefixflow.requests import PrefixGroup, SamplingParams, params_for_row
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 

@@ -47,7 +47,7 @@ from prefixflow.engine.loader import (load_model, load_tokenizer, read_eos_token
 from prefixflow.engine.models.llama import ModelArgs
 from prefixflow.engine.sampler import Sampler
 from prefixflow.engine.step import SampledToken, SeqChunk, StepInput, StepOutput
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # CPU steps of at most this many tokens (decode steps, small chunks) run on one thread: their

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

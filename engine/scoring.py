@@ -10,7 +10,7 @@ softmax over the choices' first-token logits and the first token's log-probabili
 full vocabulary (engine/scoring_choices.py says how choices are tokenized). No KV is kept after
 a request, except a planned group's shared prefix KV while the group has members left
 (Sec. 5.1, engine/scoring_cache.py). Requests run one at a time (Sec. 6.1) in the order of
-PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.pipeline.srjf`):
+PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.engine.srjf`):
 before each pick, every waiting request is scored by the tokens the prefix cache does not
 cover now, minus lam * its queueing time. Rows longer than the maximum input length of the
 memory budget (`ScoreOptions.max_forward_bytes`) or than max_model_len get an error.
@@ -34,8 +34,8 @@ from prefixflow.engine.scoring_choices import (Choice, ScoreOutput, choice_token
                                                error_output, make_output)
 from prefixflow.engine.scoring_forward import forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring_options import ScoreOptions
-from prefixflow.pipeline.requests import PrefixGroup
-from prefixflow.pipeline.srjf import SRJFScheduler
+from prefixflow.requests import PrefixGroup
+from prefixflow.engine.srjf import SRJFScheduler
 
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 # Seeds of the block hash chains (engine/block_manager.py). KV at an own index depends on every
 # earlier token and on the positions, so a chain's seed names what comes before own index 0.

@@ -28,7 +28,7 @@ from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_
 from prefixflow.engine.scoring_choices import error_output as score_error
 from prefixflow.engine.scoring_options import ScoreOptions
 from prefixflow.engine.vllm_args import check_vllm_args
-from prefixflow.pipeline.requests import PrefixGroup, SamplingParams, params_for_row
+from prefixflow.requests import PrefixGroup, SamplingParams, params_for_row
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]

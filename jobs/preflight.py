@@ -25,7 +25,7 @@ from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
 from prefixflow.operators.storage import StorageOptions, absolute, is_s3, list_input_files, strip_scheme
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 SAMPLE_ROWS = 32
 SAMPLE_BYTES = 1 << 20  # the first MiB of the first file holds the sample of any usual input

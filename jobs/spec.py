@@ -30,7 +30,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_mode
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.operators.storage import StorageOptions
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
 

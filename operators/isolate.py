@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from prefixflow.pipeline.requests import PrefixGroup
+from prefixflow.requests import PrefixGroup
 
 _log = logging.getLogger(__name__)
 Out = TypeVar("Out")  # anything with a `row_id`: RequestOutput, ScoreOutput

@@ -119,7 +119,7 @@ def _check_sampling(overrides: dict[str, Any]) -> Any:
     The job's own defaults are not known here, so a body without max_tokens is checked against
     the largest max_tokens (a min_tokens of 100 is no error on its own); the tokenize stage
     checks each request again against the job's sampling settings."""
-    from prefixflow.pipeline.requests import INT32_MAX, SamplingParams
+    from prefixflow.requests import INT32_MAX, SamplingParams
 
     try:
         return SamplingParams(max_tokens=INT32_MAX).with_overrides(overrides)

@@ -11,7 +11,7 @@ from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.pipeline.plan import Plan, build_plan
 from prefixflow.pipeline.prefix_tree import PrefixTree, sort_with_lcp
 from prefixflow.pipeline.ragged import RaggedTokens
-from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+from prefixflow.requests import PrefixGroup
 
 __all__ = ["ORDER_POLICIES", "CostModel", "HardwareProfile", "HashedPrompts", "ModelShape", "Plan", "PrefixGroup",
-           "PrefixTree", "RaggedTokens", "SamplingParams", "block_hashes", "build_plan", "sort_with_lcp"]
+           "PrefixTree", "RaggedTokens", "block_hashes", "build_plan", "sort_with_lcp"]

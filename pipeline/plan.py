@@ -23,7 +23,7 @@ from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts, runs
 from prefixflow.pipeline.partition import Partition, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
-from prefixflow.pipeline.requests import PrefixGroup
+from prefixflow.requests import PrefixGroup
 
 
 @dataclass(frozen=True, slots=True, eq=False)

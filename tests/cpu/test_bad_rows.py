@@ -19,7 +19,7 @@ from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.generate import OUTPUT_FIELDS, with_outputs
 from prefixflow.operators.openai_batch import parse_requests
 from prefixflow.operators.read import ERROR, parse_csv, parse_jsonl, rows_to_table
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 BAD_SAMPLING = [  # (override, the field its error names)
     ({"stop": [1]}, "stop"),

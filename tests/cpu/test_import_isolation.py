@@ -7,8 +7,12 @@ import pytest
 
 LIGHT_MODULES = [
     "prefixflow",
+    "prefixflow.requests",
     "prefixflow.pipeline",
     "prefixflow.engine.config",
+    "prefixflow.engine.srjf",
+    "prefixflow.engine.scheduler",
+    "prefixflow.engine.block_manager",
     "prefixflow.engine.step",
     "prefixflow.engine.scoring_options",
 ]

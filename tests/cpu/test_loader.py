@@ -15,7 +15,7 @@ from prefixflow.engine.loader import (SUPPORTED_ARCHITECTURES, load_model, read_
 from prefixflow.engine.model_runner import ModelRunner
 from prefixflow.engine.step import SeqChunk, StepInput
 from prefixflow.engine.tiny import make_tiny_checkpoint
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 PROMPT = (5, 17, 99, 4, 250, 31, 8, 77, 140, 61, 3)
 

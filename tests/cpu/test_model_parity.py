@@ -14,7 +14,7 @@ from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.model_runner import ModelRunner
 from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
 from prefixflow.engine.tiny import make_tiny_checkpoint
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 BLOCK = 4  # small blocks: prefixes and chunks end in the middle of blocks
 ATOL = 1e-4

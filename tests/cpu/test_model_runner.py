@@ -9,7 +9,7 @@ from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.model_runner import ModelRunner
 from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
 from prefixflow.engine.tiny import make_tiny_checkpoint
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -138,7 +138,7 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
     from prefixflow.jobs.run import processor_config
     from prefixflow.jobs.spec import parse_spec
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.pipeline.requests import SamplingParams
+    from prefixflow.requests import SamplingParams
 
     model = tmp_path / "with_defaults"
     shutil.copytree(tiny_model, model)

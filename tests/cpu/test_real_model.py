@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"

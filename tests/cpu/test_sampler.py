@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from prefixflow.engine.sampler import Sampler, apply_top_k_top_p
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 V = 300
 

@@ -22,7 +22,7 @@ from prefixflow.engine.llm_engine import LLMEngine
 from prefixflow.engine.scheduler import SchedulerOutput
 from prefixflow.engine.sequence import SeqStatus
 from prefixflow.engine.step import SampledToken, StepInput, StepOutput
-from prefixflow.pipeline.requests import PrefixGroup, SamplingParams
+from prefixflow.requests import PrefixGroup, SamplingParams
 
 VOCAB = 97
 EOS = 1

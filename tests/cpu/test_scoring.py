@@ -12,7 +12,7 @@ from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.scoring import Scorer, ScoreOptions
 from prefixflow.engine.scoring_forward import forward_bytes, max_input_len
 from prefixflow.engine.tiny import tiny_checkpoint_cached
-from prefixflow.pipeline.requests import PrefixGroup
+from prefixflow.requests import PrefixGroup
 
 ATOL = 1e-5
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixflow.pipeline.srjf import SRJFScheduler
+from prefixflow.engine.srjf import SRJFScheduler
 
 
 class OneRequestCache:

