@@ -188,7 +188,7 @@ def _no_column(name: str, columns: list[str]) -> str:
 def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
     """Per-row sampling overrides with keys SamplingParams does not know, in every sampled row.
     (Fewer rows: those become error records. Values are checked per row: see row_report.)"""
-    from prefixflow.operators.generate import SAMPLING_COLUMNS
+    from prefixflow.operators.outputs import SAMPLING_COLUMNS
 
     known = [f.name for f in dataclasses.fields(SamplingParams)]
     unknown_per_row = []

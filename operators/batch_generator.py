@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import COMPUTED, RANK, ReplicaRunner, input_name, with_outputs
+from prefixflow.operators.generate import ReplicaRunner
+from prefixflow.operators.outputs import COMPUTED, RANK, input_name, with_outputs
 from prefixflow.operators.read import ERROR
 from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
 

@@ -121,7 +121,7 @@ class Tokenize:
 def check_row_sampling(default: Any, row: dict[str, Any]) -> None:
     """A row's sampling overrides must make valid SamplingParams over `default` (else RowError:
     the row becomes an error record). Used by the tokenize stage and by preflight."""
-    from prefixflow.operators.generate import SAMPLING_COLUMNS, row_sampling
+    from prefixflow.operators.outputs import SAMPLING_COLUMNS, row_sampling
 
     value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
     if value is None:

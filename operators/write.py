@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.generate import COMPUTED, RANK
+from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
                                          commit_record_path, record_bytes)
 from prefixflow.operators.retry import with_retries

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixflow.jobs.spec import SpecError, parse_spec
-from prefixflow.operators.generate import OUTPUT_FIELDS, with_outputs
+from prefixflow.operators.outputs import OUTPUT_FIELDS, with_outputs
 from prefixflow.operators.openai_batch import parse_requests
 from prefixflow.operators.read import ERROR, parse_csv, parse_jsonl, rows_to_table
 from prefixflow.requests import SamplingParams
@@ -182,7 +182,8 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     from prefixflow.engine import Scorer
     from prefixflow.engine.config import EngineConfig
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import engine_outputs, output_chunk, token_counts
+    from prefixflow.operators.generate import engine_outputs
+    from prefixflow.operators.outputs import output_chunk, token_counts
     from prefixflow.pipeline import build_plan
 
     class FailsOnRow(Scorer):  # our own Scorer, one method made to raise for row 1 (see above)

@@ -1,0 +1,152 @@
+"""Output rows: the typed columns every engine's outputs become, beside the input columns.
+
+One definition for every path (Processor.generate, the job driver, batch_generator.Generator)
+and both backends: a row's sampling overrides (`row_params`), the output columns
+(`OUTPUT_FIELDS`, `output_chunk`, `with_outputs`) and the names input columns keep when an
+output column takes theirs (`input_name`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from prefixflow.operators.score import SCORE_FIELDS, score_columns, with_score_fields
+
+RANK, COMPUTED = "_pf_rank", "_pf_computed"
+SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
+# Output columns added to every row (names follow ray.data.llm where it has one).
+OUTPUT_FIELDS = [
+    pa.field("row_id", pa.int64()),
+    pa.field("generated_text", pa.string()),
+    pa.field("generated_tokens", pa.list_(pa.int32())),
+    pa.field("num_input_tokens", pa.int32()),
+    pa.field("num_generated_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("replica", pa.int32()),
+    pa.field(RANK, pa.int64()),
+    pa.field(COMPUTED, pa.float64()),
+]
+KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
+
+
+def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
+    """One SamplingParams, or a row_id -> SamplingParams map when rows override fields
+    (an OpenAI request body, or ray.data.llm's `sampling_params` column)."""
+    column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
+    if column is None:
+        return default
+    values = rows.column(column).to_pylist()
+    return {rid: row_sampling(default, value) for rid, value in zip(row_ids.tolist(), values)}
+
+
+def row_sampling(default: Any, value: Any) -> Any:
+    """A row's SamplingParams: `default` with the row's overrides (a mapping, or its JSON text
+    when the column was stored as text). ValueError naming the bad key or value."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"sampling parameters are not a JSON object ({type(e).__name__}): "
+                             "give a mapping like {\"temperature\": 0}") from None
+    return default.with_overrides(value)
+
+
+def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_len: np.ndarray,
+                 computed: np.ndarray, replica: int, score: bool = False) -> pa.Table:
+    """Output rows for finished requests: their input columns plus the output columns.
+
+    rows: the replica's input rows in plan order; pos: row id -> index into `rows`.
+    score: `outs` are ScoreOutputs of the score task (operators/score.py).
+    """
+    idx = np.array([pos[int(o.row_id)] for o in outs], dtype=np.int64)
+    if score:
+        columns = {**score_columns(outs), "num_input_tokens": prompt_len[idx].tolist(),
+                   "replica": [replica] * len(outs), RANK: idx.tolist(), COMPUTED: computed[idx].tolist()}
+        return with_score_fields(with_outputs(rows.take(pa.array(idx)), columns, score=True), outs)
+    errors = [getattr(o, "error", None) for o in outs]
+    columns = {
+        "row_id": [int(o.row_id) for o in outs],
+        "generated_text": [None if e else o.text for o, e in zip(outs, errors)],
+        "generated_tokens": [[] if e else [int(t) for t in o.token_ids] for o, e in zip(outs, errors)],
+        "num_input_tokens": prompt_len[idx].tolist(),
+        "num_generated_tokens": [0 if e else len(o.token_ids) for o, e in zip(outs, errors)],
+        "finish_reason": [None if e else o.finish_reason for o, e in zip(outs, errors)],
+        "error": errors,
+        "replica": [replica] * len(outs),
+        RANK: idx.tolist(),
+        COMPUTED: computed[idx].tolist(),
+    }
+    table = with_outputs(rows.take(pa.array(idx)), columns)
+    if any(getattr(o, "logprobs", None) is not None for o in outs):
+        table = table.append_column("logprobs", pa.array(
+            [None if o.logprobs is None else json.dumps(plain(o.logprobs)) for o in outs], pa.string()))
+    return table
+
+
+def token_counts(groups: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row in plan order: prompt length, and prompt tokens computed (prefix amortized)."""
+    prompt_len = np.zeros(n, np.int32)
+    computed = np.zeros(n, np.float64)
+    i = 0
+    for g in groups:
+        for d in g.distinct:
+            prompt_len[i] = g.prefix_len + len(d)
+            computed[i] = g.prefix_len / g.num_members + len(d)
+            i += 1
+    return prompt_len, computed
+
+
+def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = False) -> pa.Table:
+    """Input columns (bookkeeping dropped) followed by the typed output columns.
+
+    An input column whose name an output column takes (`error`, `row_id`, ..., `prompt` with
+    include_prompt, the score columns with score) is kept as `input_<name>`, never replaced.
+    """
+    user = [c for c in rows.column_names if not c.startswith("_pf_") or c in KEEP_INTERNAL]
+    table = rows.select(user)
+    ours = output_names(score, include_prompt="_pf_prompt" in user)
+    table = table.rename_columns([input_name(c, user) if c in ours else c for c in user])
+    for f in OUTPUT_FIELDS:
+        table = table.append_column(f, pa.array(columns[f.name], f.type))
+    if "_pf_prompt" in table.column_names:  # include_prompt
+        table = table.rename_columns(["prompt" if c == "_pf_prompt" else c for c in table.column_names])
+    return table
+
+
+def output_names(score: bool, include_prompt: bool) -> set[str]:
+    """Every column name the output rows may have besides the input's (part to part alike)."""
+    names = {f.name for f in OUTPUT_FIELDS if not f.name.startswith("_pf_")} | {"logprobs"}
+    if score:
+        names |= {f.name for f in SCORE_FIELDS}
+    return names | ({"prompt"} if include_prompt else set())
+
+
+def input_name(name: str, taken: list[str]) -> str:
+    """The name an input column `name` is kept under when an output column takes its name."""
+    new = f"input_{name}"
+    while new in taken:  # the input has `input_error` too: `input_input_error`
+        new = f"input_{new}"
+    return new
+
+
+def plain(obj: Any) -> Any:
+    """Stats records and logprobs as JSON-friendly values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {k: plain(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return obj
