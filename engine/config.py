@@ -32,6 +32,14 @@ class EngineConfig:
     policy: "batchllm" (grouped scheduling, three queues, memory-centric batching) or
         "vllm" (arrival order, request cap, LRU prefix cache) for ablations.
     enable_prefix_cache: hashed block cache for second-level reuse (and the vLLM policy's LRU).
+    aligned_decode_batch: AlignedServe's KV-length-aligned decode batches (Sec. 3.3-3.4).
+        None (off): every request ready to decode decodes in every step. N: a step decodes at
+        most N of them (and at most max_num_batched_tokens); when more are ready, the N of
+        similar KV length that Density First Search picks (engine/alignedserve.py), while the
+        others keep their KV in the cache and wait. The step's other tokens go to prefill, so
+        the cache fills with requests to choose from (AlignedServe's KV pool). Outputs are the
+        same; the gain is a GPU one (a decode step waits for its longest KV read, Sec. 2.3).
+        Native engine only.
     trust_remote_code: never needed for the supported architectures; kept False by default.
     seed: default seed for requests without their own.
     """
@@ -47,6 +55,7 @@ class EngineConfig:
     max_model_len: int | None = None
     policy: Policy = "batchllm"
     enable_prefix_cache: bool = True
+    aligned_decode_batch: int | None = None
     trust_remote_code: bool = False
     seed: int = 0
 
@@ -70,6 +79,9 @@ class EngineConfig:
                  self.max_model_len, "use None or at least 2")
         _require(self.policy in ("batchllm", "vllm"), "policy", self.policy,
                  "use 'batchllm' or 'vllm'")
+        _require(self.aligned_decode_batch is None or self.aligned_decode_batch >= 1,
+                 "aligned_decode_batch", self.aligned_decode_batch,
+                 "use None (off) or a positive number of requests per decode step")
 
     @property
     def effective_max_num_seqs(self) -> int | None:

@@ -11,10 +11,17 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from prefixflow.engine.alignedserve import DensityFirstBatcher
 from prefixflow.engine.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.sequence import GroupState, KVOwner, Sequence, SeqStatus
 from prefixflow.engine.step import SampledToken, SeqChunk, SharedPrefix, StepInput
+
+# AlignedServe's starvation guard (Sec. 3.5), counted in steps: a KV-length range whose ready
+# requests were passed over for this many steps is served next.
+ALIGNED_STARVATION_STEPS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,8 @@ class Scheduler:
         self.num_computed_prompt_tokens = 0   # first computations only (token saving)
         self.num_recomputed_tokens = 0        # prefill work redone after preemption
         self._order = itertools.count()
+        self.aligned = aligned_batcher(config, block_manager.block_size)
+        self._num_steps = 0  # the aligned batcher's clock (deterministic, unlike wall time)
 
     def add_group(self, group: GroupState) -> None:
         self.waiting.append(group)
@@ -106,9 +115,11 @@ class Scheduler:
         # prompt and the token budget, with no cap on the number of requests unless
         # max_num_seqs (the vLLM-like baseline's 256). Starts are FIFO: the first one that does
         # not fit stops all later starts in this step.
+        # With aligned_decode_batch N, the decode queue serves at most N requests: when more
+        # are ready, a batch of similar KV lengths (AlignedServe Sec. 3.3).
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens, block_size=self.bm.block_size)
-        for group in list(self.active):
-            self._schedule_decodes(group, out)
+        self._num_steps += 1
+        self._schedule_decodes(self._decode_batch(out), out)
         for group in list(self.active):
             self._schedule_members(group, out)
         for group in list(self.active):
@@ -119,10 +130,25 @@ class Scheduler:
 
     # ---- the three queues ---------------------------------------------------------------------
 
-    def _schedule_decodes(self, group: GroupState, out: SchedulerOutput) -> None:
-        for seq in list(group.running):
+    def _decode_batch(self, out: SchedulerOutput) -> list[Sequence]:
+        """The requests ready to decode that this step serves, oldest group first.
+
+        All of them, or with aligned_decode_batch and more ready than that, the batch of
+        similar KV lengths Density First Search picks, kept in that order (the plan's order
+        also breaks its ties: equal lengths go oldest first).
+        """
+        ready = [seq for group in self.active for seq in group.running if seq.is_decoding]
+        if self.aligned is None or len(ready) <= self.aligned.max_requests:
+            return ready
+        kv_lens = np.array([len(seq.token_ids) for seq in ready], dtype=np.int64)
+        picked = set(self.aligned.select(kv_lens, now=float(self._num_steps)).tolist())
+        return [seq for i, seq in enumerate(ready) if i in picked]
+
+    def _schedule_decodes(self, batch: list[Sequence], out: SchedulerOutput) -> None:
+        for seq in batch:
             if out.token_budget == 0:
                 return
+            # An earlier reservation may have preempted it.
             if seq.status is SeqStatus.RUNNING and seq.is_decoding and self._reserve(seq, 1, out):
                 out.add(seq, 1, sample=True, kind="decode")
 
@@ -335,3 +361,21 @@ class Scheduler:
                 self.bm.free(group.prefix)
             group.active = False
             self.active.remove(group)
+
+
+def aligned_batcher(config: EngineConfig, block_size: int) -> DensityFirstBatcher | None:
+    """AlignedServe's batcher for decode steps of exactly N requests (aligned_decode_batch).
+
+    Its memory threshold never binds: running requests keep their KV in the cache whether or
+    not they decode this step (the cache is the KV pool of AlignedServe Sec. 3.2), so what
+    limits a batch is N. Without N no batch is ever chosen: as long as every ready request
+    decodes first in each step, the ready ones cannot outnumber the token budget (each became
+    ready by a prefill token of the step before, next to the decodes of that step).
+    """
+    if config.aligned_decode_batch is None:
+        return None
+    n = min(config.aligned_decode_batch, config.max_num_batched_tokens)
+    return DensityFirstBatcher(max_blocks=np.iinfo(np.int64).max // 2, min_requests=n,
+                               max_requests=n, block_size=block_size,
+                               max_len=config.max_model_len or 65536,
+                               starvation_s=ALIGNED_STARVATION_STEPS)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixflow.pipeline.alignedserve import DensityFirstBatcher
+from prefixflow.engine.alignedserve import DensityFirstBatcher
 
 
 def blocks_of(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
@@ -77,3 +77,21 @@ def test_ids_and_bad_arguments():
     assert batcher.select(np.zeros(0, dtype=np.int64), 0.0).tolist() == []
     with pytest.raises(ValueError, match="min_requests=0"):
         DensityFirstBatcher(max_blocks=10, min_requests=0)
+    with pytest.raises(ValueError, match="max_requests=2"):
+        DensityFirstBatcher(max_blocks=10, min_requests=3, max_requests=2)
+
+
+@given(st.lists(st.integers(1, 5000), min_size=0, max_size=200), st.integers(1, 40))
+@settings(max_examples=100, deadline=None)
+def test_request_cap_gives_full_batches_of_close_lengths(kv_lens, cap):
+    # The engine's use: memory never binds, the step takes `cap` decodes.
+    lens = np.array(kv_lens, dtype=np.int64)
+    batcher = DensityFirstBatcher(max_blocks=1 << 40, min_requests=cap, max_requests=cap, block_size=16)
+    batch = batcher.select(lens, now=0.0)
+    assert len(set(batch.tolist())) == len(batch) == min(cap, len(lens))
+
+
+def test_request_cap_picks_the_dense_range_not_the_spread():
+    lens = np.r_[np.arange(1000, 1008), [10, 3000, 9000, 20000]]
+    batch = DensityFirstBatcher(max_blocks=1 << 40, min_requests=8, max_requests=8, block_size=16).select(lens, 0.0)
+    assert sorted(lens[batch].tolist()) == list(range(1000, 1008))

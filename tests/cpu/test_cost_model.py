@@ -88,7 +88,7 @@ def test_policy_modules_import_no_torch_or_ray():
     import subprocess
     import sys
 
-    modules = ["cost_model", "blendserve", "alignedserve", "packing", "partition"]
+    modules = ["cost_model", "blendserve", "partition"]
     code = ("import sys\n" + "".join(f"import prefixflow.pipeline.{m}\n" for m in modules) +
             "print(','.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

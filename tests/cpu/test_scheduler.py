@@ -147,6 +147,7 @@ def instrumented_run(engine: LLMEngine, groups, params, kinds_log: list | None =
     """engine.run with per-step checks of the queue order, the limits and the accounting."""
     sched = engine.scheduler
     original = sched.schedule
+    cap = engine.config.aligned_decode_batch or engine.config.max_num_batched_tokens
 
     def checked_schedule() -> SchedulerOutput:
         decoding = [s for g in sched.active for s in g.running if s.is_decoding]
@@ -156,8 +157,8 @@ def instrumented_run(engine: LLMEngine, groups, params, kinds_log: list | None =
         assert engine.block_manager.num_used_blocks <= engine.block_manager.num_blocks
         kinds = {c.kind for c in out.chunks}
         scheduled_or_preempted = lambda s: s.seq_id in out.scheduled or s.status is SeqStatus.WAITING  # noqa: E731
-        if kinds & {"prefill", "prefix"}:  # decode queue first (BatchLLM Sec. 3.3.1)
-            assert all(scheduled_or_preempted(s) for s in decoding)
+        if kinds & {"prefill", "prefix"}:  # decode queue first (BatchLLM Sec. 3.3.1), up to the cap
+            assert sum(map(scheduled_or_preempted, decoding)) >= min(len(decoding), cap)
         if "prefix" in kinds:  # distinct queue before common prefix queue
             assert all(scheduled_or_preempted(s) for s in partial)
         check_block_accounting(engine)
@@ -375,14 +376,14 @@ def test_params_mapping_must_cover_every_row():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(24, 120), block_size=st.sampled_from([1, 2, 4, 8]),
        max_tokens=st.integers(1, 12), token_limit=st.integers(4, 48), policy=st.sampled_from(["batchllm", "vllm"]),
-       cache=st.booleans())
+       cache=st.booleans(), aligned=st.sampled_from([None, None, 1, 3]))
 def test_random_workloads_finish_with_reference_tokens(seed, num_blocks, block_size, max_tokens, token_limit,
-                                                       policy, cache):
+                                                       policy, cache, aligned):
     rng = random.Random(seed)
     groups = random_workload(rng, rng.randint(1, 6), max_prefix=24, max_distinct=12, max_members=4)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5)
     engine = LLMEngine(EngineConfig(model="fake", block_size=block_size, max_num_batched_tokens=token_limit,
-                                    policy=policy, enable_prefix_cache=cache),
+                                    policy=policy, enable_prefix_cache=cache, aligned_decode_batch=aligned),
                        model_runner=FakeRunner(num_blocks * 4 // block_size, block_size))
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
@@ -399,3 +400,51 @@ def test_an_abandoned_run_frees_everything_and_the_next_run_works():
     assert engine.block_manager.num_used_blocks == 0
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
+
+
+def aligned_workload(num: int = 24) -> list[PrefixGroup]:
+    """Single requests whose prompt lengths alternate between two far apart clusters in plan
+    order (4-8 and 80-88 tokens: KV lengths up to 16 and 97), so that plan order mixes them."""
+    rng = random.Random(3)
+    lens = [rng.randint(4, 8) if i % 2 == 0 else rng.randint(80, 88) for i in range(num)]
+    return [make_group(i, [], [[rng.randrange(2, VOCAB) for _ in range(n)]], i) for i, n in enumerate(lens)]
+
+
+def decode_plans(engine: LLMEngine, groups, params) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """engine.run, recording per step (KV lengths of the requests ready to decode, of its decodes)."""
+    sched, plans = engine.scheduler, []
+    original = sched.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        ready = [len(s.token_ids) for g in sched.active for s in g.running if s.is_decoding]
+        out = original()
+        plans.append((ready, [len(c.owner.token_ids) for c in out.chunks if c.kind == "decode"]))
+        return out
+
+    sched.schedule = recording_schedule
+    try:
+        outs = {o.row_id: o for o in engine.run(groups, params)}
+    finally:
+        sched.schedule = original
+    return plans, outs
+
+
+def test_aligned_decode_batches_hold_similar_kv_lengths_and_keep_the_tokens():
+    groups, params = aligned_workload(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plans = {}
+    for n in (None, 4):
+        engine = make_engine(num_blocks=400, max_num_batched_tokens=64, aligned_decode_batch=n)
+        plans[n], outs = decode_plans(engine, groups, params)
+        assert_matches_reference(outs, groups, params)
+    short = lambda lens: sum(k < 40 for k in lens)  # noqa: E731
+    # Off: every ready request decodes in every step, short and long ones together.
+    assert all(len(lens) == len(ready) for ready, lens in plans[None])
+    assert any(0 < short(lens) < len(lens) for _, lens in plans[None])
+    # On: with more than 4 ready, 4 decode, all of one cluster whenever one has 4 ready.
+    chosen = [(ready, lens) for ready, lens in plans[4] if len(ready) > 4]
+    assert len(chosen) >= 8
+    for ready, lens in chosen:
+        assert len(lens) == 4
+        if short(ready) >= 4 or len(ready) - short(ready) >= 4:
+            assert short(lens) in (0, 4), (ready, lens)
+    assert all(sorted(lens) == sorted(ready) for ready, lens in plans[4] if len(ready) <= 4)

@@ -19,6 +19,11 @@ Starvation (Sec. 3.5): every node of `starvation_level` keeps the time it last p
 
 The tree is implicit: requests sorted by KV length make every node a contiguous slice, found
 with a binary search, so a call costs O(n log n) for n waiting requests.
+
+A batch "fits" when its blocks are within `max_blocks` and, if given, it holds at most
+`max_requests` requests: the engine's scheduler (engine/scheduler.py) uses the request cap for
+its step's token budget (one token per decode), since its running requests' KV stays in the
+cache (there is no CPU KV pool to hold the others, unlike AlignedServe's Sec. 3.2).
 """
 
 from __future__ import annotations
@@ -33,17 +38,23 @@ class DensityFirstBatcher:
 
     max_blocks: memory threshold, KV blocks a batch may hold (the paper uses 40% of the GPU's).
     min_requests: smallest batch worth running (the paper uses 36).
+    max_requests: largest batch (None: no cap); at least min_requests.
     block_size: tokens per KV block. max_len: lengths at or above it count as max_len - 1.
     starvation_s: a range that has produced no batch for this long is served first.
     starvation_level: tree level whose nodes keep starvation timestamps (4**level ranges).
     """
 
     def __init__(self, max_blocks: int, min_requests: int, block_size: int = 16,
-                 max_len: int = 65536, starvation_s: float = 30.0, starvation_level: int = 4) -> None:
+                 max_len: int = 65536, starvation_s: float = 30.0, starvation_level: int = 4,
+                 max_requests: int | None = None) -> None:
         for name, value in (("max_blocks", max_blocks), ("min_requests", min_requests),
                             ("block_size", block_size), ("max_len", max_len)):
             if value < 1:
                 raise ValueError(f"{name}={value} is invalid: use a positive integer")
+        if max_requests is not None and max_requests < min_requests:
+            raise ValueError(f"max_requests={max_requests} is invalid: use None or at least "
+                             f"min_requests ({min_requests})")
+        self.max_requests = max_requests if max_requests is not None else np.iinfo(np.int64).max
         if starvation_s <= 0:
             raise ValueError(f"starvation_s={starvation_s} is invalid: use a positive number of seconds")
         self.max_blocks, self.min_requests, self.block_size = max_blocks, min_requests, block_size
@@ -71,7 +82,7 @@ class DensityFirstBatcher:
         starved = start != (0, 0)  # a starved range is served even below min_requests
         if b - a < self.min_requests and not (starved and b > a):
             a, b = self._tightest_window(a, b)  # the searched range was too crowded or sparse
-        if a == b and len(self._lens) and self._cum[1] <= self.max_blocks:
+        if a == b and len(self._lens) and self._fits(0, 1):
             a, b = 0, 1  # at least the shortest request, when it fits at all
         batch = self._sorted[a:b]
         self._stamp(batch, lens, now)
@@ -86,16 +97,19 @@ class DensityFirstBatcher:
     def _blocks(self, a: int, b: int) -> int:
         return int(self._cum[b] - self._cum[a])
 
+    def _fits(self, a: int, b: int) -> bool:
+        return b - a <= self.max_requests and self._blocks(a, b) <= self.max_blocks
+
     def _search(self, level: int, index: int) -> tuple[int, int]:
         """Alg. 1 from the given node; returns a slice a..b-1 of the sorted requests."""
         parent = (level, index)
         while True:
             a, b = self._range(level, index)
-            if self._blocks(a, b) <= self.max_blocks:
+            if self._fits(a, b):
                 if b - a >= self.min_requests or (level == 0 and index == 0):
                     return a, b                                  # case 1
                 return self._widen(a, b, self._range(*parent))    # case 3
-            if level == self.depth:  # one length, too many blocks: as many as fit
+            if level == self.depth:  # one length, too many to fit: as many as fit
                 return a, a + self._fit_from(a, b)
             parent = (level, index)
             kids = [self._range(level + 1, 4 * index + k) for k in range(4)]
@@ -103,15 +117,16 @@ class DensityFirstBatcher:
             level, index = level + 1, 4 * index + best
 
     def _fit_from(self, a: int, b: int) -> int:
-        return int(np.searchsorted(self._cum[a:b + 1] - self._cum[a], self.max_blocks, "right")) - 1
+        by_blocks = int(np.searchsorted(self._cum[a:b + 1] - self._cum[a], self.max_blocks, "right")) - 1
+        return min(by_blocks, self.max_requests)
 
     def _widen(self, a: int, b: int, parent: tuple[int, int]) -> tuple[int, int]:
         """Case 3: grow a..b-1 towards the closer neighbour (L-Search / R-Search)."""
         n, lens = len(self._lens), self._lens
         p_lo, p_hi = parent
         while True:
-            can_l = a > 0 and self._blocks(a - 1, b) <= self.max_blocks
-            can_r = b < n and self._blocks(a, b + 1) <= self.max_blocks
+            can_l = a > 0 and self._fits(a - 1, b)
+            can_r = b < n and self._fits(a, b + 1)
             if b - a >= self.min_requests:  # big enough: widen only inside the parent's range
                 can_l, can_r = can_l and a > p_lo, can_r and b < p_hi
             if not (can_l or can_r):
