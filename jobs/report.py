@@ -34,37 +34,91 @@ def dry_run_result(planned: Any, wall_s: float) -> dict[str, Any]:
 
 
 class Progress:
-    """One live line: rows done, generated tokens/s, token saving so far."""
+    """One live line: rows done of total, generated tokens/s, ETA, token saving, each replica's
+    rate. Fed by the driver's poll of the job's MetricsSink (jobs/supervise.py, twice a second):
+    committed parts (`update`) and the engines' live counters (`live`), which move between
+    commits. On a terminal the line is redrawn in place; otherwise a plain line every `every_s`.
+    """
 
-    def __init__(self, total_rows: int, quiet: bool = False, every_s: float = 2.0):
+    def __init__(self, total_rows: int, quiet: bool = False, every_s: float = 10.0,
+                 redraw_s: float = 0.5):
         self.total = total_rows
         self.quiet = quiet
-        self.every_s = every_s
+        self.tty = sys.stderr.isatty()
+        self.every_s = redraw_s if self.tty else every_s
         self.started = time.perf_counter()
         self.last = 0.0
-        self.rows = self.generated = 0
+        self.rows = self.generated = 0  # committed
         self.prompt = self.computed = 0.0
-        self.tty = sys.stderr.isatty()
+        self.replicas: dict[int, dict[str, Any]] = {}  # replica -> its last live counters
 
     def update(self, manifest: dict[str, Any]) -> None:
         self.rows += manifest["num_rows"]
         self.generated += manifest["generated_tokens"]
         self.prompt += manifest["prompt_tokens"]
         self.computed += manifest["computed_prompt_tokens"]
+        self._draw(force=self.rows >= self.total)
+
+    def live(self, replicas: dict[int, dict[str, Any]]) -> None:
+        self.replicas.update({int(r): c for r, c in replicas.items()})
+        self._draw()
+
+    def _draw(self, force: bool = False) -> None:
         now = time.perf_counter()
-        if not self.quiet and (now - self.last >= self.every_s or self.rows >= self.total):
-            self.last = now
-            print(self.line(), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+        if self.quiet or not (force or now - self.last >= self.every_s):
+            return
+        self.last = now
+        if self.tty:  # \r and erase to the end: the line is redrawn in place
+            print("\r" + self.line() + "\x1b[K", end="", file=sys.stderr, flush=True)
+        else:
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def counts(self) -> tuple[int, int]:
+        """(rows, generated tokens) so far: the engines' live counts run ahead of the commits
+        (a restarted replica's count starts again at 0: the commits then lead)."""
+        live = self.replicas.values()
+        rows = max(self.rows, sum(int(c["rows"]) for c in live))
+        tokens = max(self.generated, sum(int(c["generated_tokens"]) for c in live))
+        return min(rows, self.total), tokens
 
     def line(self) -> str:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        saving = 1 - self.computed / self.prompt if self.prompt else 0.0
-        return (f"[prefixflow] rows {self.rows}/{self.total} | {self.generated / elapsed:.1f} "
-                f"generated tok/s | saving so far {saving:.1%} | {elapsed:.1f} s")
+        rows, tokens = self.counts()
+        saving = 1 - self.computed / self.prompt if self.prompt else None
+        # Rates since the first engine was ready: model loading would drag the ETA down.
+        since = min((c["run_started"] for c in self.replicas.values()), default=None)
+        gen_s = max(time.time() - since, 1e-9) if since is not None else None
+        if rows >= self.total:
+            eta = "0 s"
+        else:
+            eta = f"{(self.total - rows) * gen_s / rows:.0f} s" if gen_s and rows else "--"
+        pct = rows / self.total if self.total else 1.0
+        parts = [f"[prefixflow] rows {rows}/{self.total} ({pct:.0%})",
+                 f"{tokens / gen_s if gen_s else 0.0:.1f} generated tok/s", f"ETA {eta}",
+                 f"saving {_pct(saving)}", f"{elapsed:.0f} s"]
+        if since is None and rows < self.total:
+            parts.append("loading engines")
+        return " | ".join(parts + _replica_rates(self.replicas))
 
     def close(self) -> None:
         if not self.quiet and self.tty:
             print(file=sys.stderr)
+
+
+def _replica_rates(replicas: dict[int, dict[str, Any]], most: int = 4) -> list[str]:
+    """Each replica's rows and rate; with more than `most` replicas, the range (one line must
+    fit a terminal, or the in-place redraw wraps)."""
+    if not replicas:
+        return []
+    if len(replicas) > most:
+        rates = [_rate(c) for c in replicas.values()]
+        return [f"{len(replicas)} replicas {min(rates):.1f}-{max(rates):.1f} tok/s each"]
+    return [", ".join(f"r{r} {c['rows']} rows {_rate(c):.1f} tok/s" for r, c in sorted(replicas.items()))]
+
+
+def _rate(counts: dict[str, Any]) -> float:
+    """A replica's generated tokens per second since its engine loaded."""
+    return counts["generated_tokens"] / max(counts["time"] - counts["run_started"], 1e-9)
 
 
 def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_records: list[dict],
@@ -155,6 +209,8 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
     for r in m["per_replica"]:
         lines.append(f"  replica {r['replica']}: {r['num_rows']} rows in {r['seconds']:.2f} s, "
                      f"{r['num_steps']} engine steps")
+    if "plot" in m:
+        lines.append(f"  {m['plot']}")
     return "\n".join(lines)
 
 
@@ -170,3 +226,99 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
+
+
+PLOT_MISSING = "plot.png skipped: matplotlib is not installed (pip install 'prefixflow[plot]')"
+MAX_PLOTTED_REPLICAS = 8  # one panel each; more would make every panel too thin to read
+
+
+def write_plot(m: dict[str, Any], plan_table: Any, path: str, storage: Any) -> str:
+    """plot.png beside metrics.json: tokens per engine step by kind for each replica, and the
+    plan's group sizes. Returns what happened, for metrics.json and the summary. matplotlib is
+    an optional extra: without it the job still completes and says the plot was skipped."""
+    try:
+        png = plot_png(m, group_sizes(plan_table))
+    except ImportError:
+        return PLOT_MISSING
+    from prefixflow.operators.write import commit_bytes
+
+    commit_bytes(path, png, storage)
+    return "plot.png written"
+
+
+def group_sizes(plan_table: Any) -> np.ndarray:
+    """Rows per prefix group of the plan (plan table column group_id: one id per group)."""
+    ids = plan_table.column("group_id").to_numpy()
+    return np.bincount(ids)[np.unique(ids)] if len(ids) else np.zeros(0, np.int64)
+
+
+def plot_png(m: dict[str, Any], sizes: np.ndarray) -> bytes:
+    """The figure as PNG bytes (matplotlib's Agg canvas: no display, no pyplot state)."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    replicas = m["per_replica"][:MAX_PLOTTED_REPLICAS]
+    fig = Figure(figsize=(11, 2.6 * (len(replicas) + 1) + 0.6), layout="constrained")
+    axes = fig.subplots(len(replicas) + 1, 1, squeeze=False)[:, 0]
+    for ax, record in zip(axes, replicas):
+        _plot_steps(ax, record)
+    _plot_groups(axes[-1], sizes, m)
+    shown = "" if len(m["per_replica"]) <= len(replicas) else \
+        f" (first {len(replicas)} of {len(m['per_replica'])} replicas)"
+    fig.suptitle(f"prefixflow job {m['job']!r}: {m['rows']} rows in {m['wall_seconds']:.1f} s, "
+                 f"plan's token saving {m['token_saving_ratio']:.1%}{shown}", fontsize=13)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _plot_steps(ax: Any, record: dict[str, Any]) -> None:
+    """Stacked tokens per engine step: shared prefixes and distinct prompt chunks (prefill),
+    then decode tokens (one per running request)."""
+    steps = [s for s in record.get("steps", []) if isinstance(s, dict)]
+    ax.set_title(f"replica {record['replica']}: {record['num_rows']} rows, {len(steps)} engine steps, "
+                 f"{record['seconds']:.1f} s", loc="left", fontsize=11)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens per step")
+    if not steps:
+        ax.text(0.5, 0.5, "no per-step records (this engine keeps run totals only)",
+                ha="center", va="center", transform=ax.transAxes)
+        return
+    prefill = np.array([s.get("num_prefill_tokens", 0) + s.get("num_prefix_tokens", 0) for s in steps])
+    decode = np.array([s.get("num_decode_tokens", 0) for s in steps])
+    # step="post" draws step i over [i, i + 1): repeat the last value so the last step shows.
+    x = np.arange(len(steps) + 1)
+    top, both = np.append(prefill, prefill[-1]), np.append(prefill + decode, (prefill + decode)[-1])
+    # Prefill steps can be 100x the decode steps: a log scale keeps the decode tokens visible.
+    log = prefill.max() > 20 * max(decode.max(), 1)
+    base = 1 if log else 0
+    ax.fill_between(x, base, np.maximum(top, base), step="post", color="tab:blue", alpha=0.8,
+                    label=f"prefill (prompt) tokens: {int(prefill.sum()):,} in all")
+    ax.fill_between(x, np.maximum(top, base), np.maximum(both, base), step="post", color="tab:orange",
+                    alpha=0.8, label=f"decode tokens: {int(decode.sum()):,} in all")
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens per step (log scale)")
+    ax.set_xlim(0, len(steps))
+    ax.set_ylim(base, None)
+    ax.legend(loc="upper right", fontsize=9)
+    ax.grid(alpha=0.3)
+
+
+def _plot_groups(ax: Any, sizes: np.ndarray, m: dict[str, Any]) -> None:
+    """How many groups of each size the plan made (a size-1 group shares no prefix)."""
+    ax.set_title(f"plan: {len(sizes)} prefix groups of {int(sizes.sum())} rows, order {m['order']}",
+                 loc="left", fontsize=11)
+    ax.set_xlabel("group size (rows sharing one prompt prefix)")
+    ax.set_ylabel("number of groups")
+    if not len(sizes):
+        ax.text(0.5, 0.5, "no groups (no rows ran)", ha="center", va="center", transform=ax.transAxes)
+        return
+    values, counts = np.unique(sizes, return_counts=True)
+    if len(values) <= 30:  # one labelled bar per size
+        ax.bar(values.astype(str), counts, width=0.6, color="tab:green")
+        ax.set_xlim(-0.8, len(values) - 0.2)
+    else:
+        ax.hist(sizes, bins=40, color="tab:green")
+    ax.grid(axis="y", alpha=0.3)

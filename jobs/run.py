@@ -127,7 +127,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     before = load_committed(wopts.path, wopts.storage)
     # Named, so that another process can read the running job's state (operators/write.py).
     sink = ray.remote(MetricsSink).options(num_cpus=0, namespace="prefixflow",
-                                           name=sink_name(fingerprint, os.getpid())).remote()
+                                           name=sink_name(fingerprint, os.getpid())).remote(spec.name)
     gen_started = time.perf_counter()
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
@@ -149,6 +149,8 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
                                            "parts": sorted(m["part"] for m in final.manifests),
                                            "row_ids": final.row_ids.tolist()}, wopts.storage)
+    metrics["plot"] = report.write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"),
+                                        wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     write_json(join(wopts.path, "_SUCCESS"), {}, wopts.storage)
     if not quiet:

@@ -121,9 +121,13 @@ class Supervisor:
             item, actor, token, time.time(), self._item_rows(item))
 
     def _drain(self) -> None:
+        """The parts committed since the last call, and the replicas' live counters, to the
+        progress line (called about twice a second)."""
         import ray
 
-        for m in ray.get(self.sink.take_committed.remote()):
+        polled = ray.get(self.sink.take_progress.remote())
+        self.progress.live(polled["live"])
+        for m in polled["parts"]:
             self.manifests.append(m)
             self.progress.update(m)
 
@@ -150,6 +154,7 @@ class Supervisor:
 
         # A death before the engine was loaded is no row's fault (a node lost, OOM at load).
         loaded = run.token in ray.get(self.sink.status.remote())["engines_ready"]
+        self.sink.engine_died.remote(run.item)  # Ray's metrics: engine deaths
         mine = self._item_rows(run.item)
         committed_mine = int(np.isin(mine, now.row_ids).sum())
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"

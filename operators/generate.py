@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,7 @@ from prefixflow.operators.read import ERROR, SOURCE
 from prefixflow.operators.score import row_choices, with_score_fields
 
 ERRORS_ITEM = -1
+PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 
 
 class ReplicaRunner:
@@ -35,10 +37,12 @@ class ReplicaRunner:
     runs a replica's groups minus the rows not to run, and yields output chunks.
     """
 
-    def __init__(self, config: ProcessorConfig):
+    def __init__(self, config: ProcessorConfig, report: Callable[[dict[str, Any]], None] | None = None):
         self.config = config
         self.engine: Any = None
         self.record: dict[str, Any] | None = None  # the last run's metrics (see _record)
+        # Called with live counters while the engine runs (a Heartbeat thread; none: no reports).
+        self.report = report
 
     def load(self) -> Any:
         if self.engine is None:
@@ -65,11 +69,18 @@ class ReplicaRunner:
         loaded = time.time()
         pending: list[Any] = []
         score = self.config.task == "score"
-        for out in engine_outputs(engine, self.config, todo, rows, row_ids):
-            pending.append(out)
-            if len(pending) >= self.config.rows_per_chunk:
-                yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
-                pending = []
+        beat = Heartbeat(engine, replica, loaded, self.report) if self.report is not None else None
+        try:
+            for out in engine_outputs(engine, self.config, todo, rows, row_ids):
+                pending.append(out)
+                if beat is not None:
+                    beat.finished(out)
+                if len(pending) >= self.config.rows_per_chunk:
+                    yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
+                    pending = []
+        finally:
+            if beat is not None:
+                beat.stop()
         if pending:
             yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
         self.record = self._record(replica, started, loaded, todo)
@@ -87,6 +98,67 @@ class ReplicaRunner:
                 "num_groups": len(groups), "start_s": started, "engine_ready_s": loaded,
                 "end_s": finished, "seconds": finished - started, "run_seconds": finished - loaded,
                 "engine_totals": plain(totals) if totals is not None else None, "steps": steps}
+
+
+class Heartbeat:
+    """A daemon thread that reports a running replica's counters every PROGRESS_EVERY_S:
+    rows finished, tokens generated, engine steps, so that the driver's progress line moves
+    between part commits. The engine runs on the caller's thread (torch releases the GIL in its
+    kernels); this thread only reads: the engine's `stats` list (appended once per step, and
+    replaced when a run starts) and the counts `finished` keeps.
+    """
+
+    def __init__(self, engine: Any, replica: int, run_started: float,
+                 report: Callable[[dict[str, Any]], None], every_s: float = PROGRESS_EVERY_S):
+        self.engine, self.replica, self.run_started, self.report = engine, replica, run_started, report
+        self.rows = self.output_tokens = 0   # from finished requests (main thread)
+        self.decode_tokens = self.steps = 0  # from engine steps (this thread)
+        self._seen: list[Any] | None = None  # the stats list read last, and how far
+        self._index = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True,
+                                        name=f"prefixflow-heartbeat-{replica}")
+        self._thread.start()
+
+    def finished(self, out: Any) -> None:
+        self.rows += 1
+        self.output_tokens += len(getattr(out, "token_ids", ()) or ())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._send()  # the last counts, so the line ends on the replica's totals
+
+    def _loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self._send()
+
+    def _send(self) -> None:
+        self._read_steps()
+        # Steps count a decode token per running sequence as it is made; finished requests
+        # count every token, the first (sampled at prefill) included: the larger is nearer.
+        tokens = max(self.decode_tokens, self.output_tokens)
+        try:
+            self.report({"replica": self.replica, "rows": self.rows, "generated_tokens": tokens,
+                         "steps": self.steps, "run_started": self.run_started, "time": time.time()})
+        except Exception:  # a progress report must never fail the replica
+            pass
+
+    def _read_steps(self) -> None:
+        stats = getattr(self.engine, "stats", None)
+        if not isinstance(stats, list):  # the native Scorer keeps totals only: rows then
+            return
+        if stats is not self._seen:
+            if self._seen is not None:  # a new run replaced the list: finish the old one first
+                self._count(self._seen[self._index:])
+            self._seen, self._index = stats, 0
+        new = stats[self._index:]
+        self._index += len(new)
+        self._count(new)
+
+    def _count(self, steps: list[Any]) -> None:
+        self.steps += len(steps)
+        self.decode_tokens += sum(getattr(s, "num_decode_tokens", 0) for s in steps)
 
 
 def make_engine(config: ProcessorConfig) -> Any:
@@ -130,7 +202,11 @@ class ReplicaGenerator:
         # manifest row instead (Ray Data would merge the chunks into one block before a
         # downstream writer saw them, and a crash would lose them all).
         self.write = write
-        self.runner = ReplicaRunner(config)
+        self.runner = ReplicaRunner(config, report=self._report if sink is not None else None)
+
+    def _report(self, counts: dict[str, Any]) -> None:
+        """Live counters to the sink, fire and forget: the engine never waits on the driver."""
+        self.sink.progress.remote(counts)
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         for item in batch.column("item").to_pylist():

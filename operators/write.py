@@ -4,7 +4,7 @@ A part is named after its first row's (replica, rank), which the plan fixes, so 
 write task writes the same name again: each row lands in exactly one part. Local parts are
 written to a temporary name and renamed; an S3 PUT is atomic by itself. After each part its
 commit record is written (operators/commit.py: what makes resume exactly-once). The driver
-writes metrics.json and an empty _SUCCESS marker last.
+writes metrics.json (and plot.png, jobs/report.py) and an empty _SUCCESS marker last.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST,
 from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, is_s3, join
 
-OUTPUT_NAMES = ("part-", "metrics.json", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST, TMP_PREFIX)
+OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
+                TMP_PREFIX)
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 
@@ -134,7 +135,7 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
 def clear_end_markers(opts: WriteOptions) -> None:
     """Before a resume writes: the old `_SUCCESS` and summaries no longer describe the output."""
     fs = opts.storage.filesystem(opts.path)
-    for name in ("_SUCCESS", "metrics.json", MANIFEST):
+    for name in ("_SUCCESS", "metrics.json", "plot.png", MANIFEST):
         if fs.exists(join(opts.path, name)):
             fs.rm(join(opts.path, name))
 
@@ -160,13 +161,17 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
 
 class MetricsSink:
     """A small Ray actor that the engine actors report to: per-replica stats when a replica
-    finishes, and for the job driver (jobs/supervise.py) each committed part and each engine
-    that has loaded its model. Named, so that another process can read a running job's state."""
+    finishes, and for the job driver (jobs/supervise.py) each committed part, each engine that
+    has loaded its model and each replica's live counters. Named, so that another process can
+    read a running job's state. It also feeds Ray's metrics (JobMetrics): the dashboard and
+    Prometheus see a running job."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: str = "prefixflow") -> None:
         self.records: list[dict[str, Any]] = []
         self.new_parts: list[dict[str, Any]] = []
         self.engines: dict[str, dict[str, int]] = {}  # run token -> {"pid", "item"}
+        self.live: dict[int, dict[str, Any]] = {}     # replica -> its last live report
+        self.metrics = JobMetrics(job)
 
     def put(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -177,16 +182,83 @@ class MetricsSink:
     def engine_ready(self, token: str, pid: int, item: int) -> None:
         self.engines[token] = {"pid": pid, "item": item}
 
+    def engine_died(self, item: int) -> None:
+        self.metrics.engine_died(item)
+
     def committed(self, manifest: dict[str, Any]) -> None:
         self.new_parts.append(manifest)
+        self.metrics.committed(manifest)
+
+    def progress(self, counts: dict[str, Any]) -> None:
+        """A replica's live counters (operators/generate.Heartbeat): the latest one is kept."""
+        self.live[int(counts["replica"])] = counts
+        self.metrics.progress(counts)
 
     def take_committed(self) -> list[dict[str, Any]]:
         """Manifest rows of the parts committed since the last call."""
         parts, self.new_parts = self.new_parts, []
         return parts
 
+    def take_progress(self) -> dict[str, Any]:
+        """The driver's poll: parts committed since the last call, and each replica's live counters."""
+        return {"parts": self.take_committed(), "live": dict(self.live)}
+
     def status(self) -> dict[str, Any]:
-        return {"engines_ready": dict(self.engines), "replicas_done": len(self.records)}
+        return {"engines_ready": dict(self.engines), "replicas_done": len(self.records),
+                "live": dict(self.live)}
+
+
+class JobMetrics:
+    """A job's Ray metrics (ray.util.metrics), tagged with the job and the replica (-1: the
+    error records): counters of committed rows and tokens (token saving = 1 - computed / prompt
+    tokens) and engine deaths, gauges of each replica's live counters. Ray exports them through
+    each node's metrics agent (Prometheus format) to the dashboard."""
+
+    COUNTERS = {
+        "rows": "rows committed to the output (error records included)",
+        "rows_errored": "error records committed (bad rows, rows given up)",
+        "prompt_tokens": "prompt tokens of the committed rows",
+        "computed_prompt_tokens": "prompt tokens the plan computes for them (shared prefixes once)",
+        "generated_tokens": "tokens generated for the committed rows",
+        "engine_deaths": "engine actors that died",
+    }
+    GAUGES = {
+        "live_rows": "rows the replica's running engine has finished",
+        "live_generated_tokens": "tokens the replica's running engine has generated",
+        "live_generated_tokens_per_s": "the replica's generated tokens per second since its engine loaded",
+    }
+    FROM_MANIFEST = {"rows": "num_rows", "rows_errored": "num_errors", "prompt_tokens": "prompt_tokens",
+                     "computed_prompt_tokens": "computed_prompt_tokens",
+                     "generated_tokens": "generated_tokens"}
+
+    def __init__(self, job: str):
+        from ray.util.metrics import Counter, Gauge
+
+        self.job = job
+        keys = ("job", "replica")
+        self.counters = {k: Counter(f"prefixflow_{k}", description=d, tag_keys=keys)
+                         for k, d in self.COUNTERS.items()}
+        self.gauges = {k: Gauge(f"prefixflow_{k}", description=d, tag_keys=keys)
+                       for k, d in self.GAUGES.items()}
+
+    def _tags(self, replica: int) -> dict[str, str]:
+        return {"job": self.job, "replica": str(replica)}
+
+    def committed(self, manifest: dict[str, Any]) -> None:
+        tags = self._tags(int(manifest["replica"]))
+        for name, field in self.FROM_MANIFEST.items():
+            if manifest[field]:  # a Counter takes only positive increments
+                self.counters[name].inc(float(manifest[field]), tags=tags)
+
+    def engine_died(self, item: int) -> None:
+        self.counters["engine_deaths"].inc(1.0, tags=self._tags(item))
+
+    def progress(self, counts: dict[str, Any]) -> None:
+        tags = self._tags(int(counts["replica"]))
+        seconds = max(counts["time"] - counts["run_started"], 1e-9)
+        self.gauges["live_rows"].set(float(counts["rows"]), tags=tags)
+        self.gauges["live_generated_tokens"].set(float(counts["generated_tokens"]), tags=tags)
+        self.gauges["live_generated_tokens_per_s"].set(counts["generated_tokens"] / seconds, tags=tags)
 
 
 def sink_name(fingerprint: str, driver_pid: int) -> str:

@@ -1,0 +1,170 @@
+"""What a running job shows: the live progress line (fed by the engines between part commits),
+Ray's metrics of the job, and plot.png beside metrics.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import yaml
+
+from prefixflow.jobs.demo import example_path, write_demo_data
+from prefixflow.jobs import report
+from prefixflow.jobs.report import Progress
+
+
+def _live(replica: int, rows: int, tokens: int, seconds: float = 2.0) -> dict:
+    now = time.time()
+    return {"replica": replica, "rows": rows, "generated_tokens": tokens, "steps": tokens,
+            "run_started": now - seconds, "time": now}
+
+
+def _part(replica: int, rows: int) -> dict:
+    return {"num_rows": rows, "generated_tokens": 4 * rows, "prompt_tokens": 100 * rows,
+            "computed_prompt_tokens": 40.0 * rows, "replica": replica}
+
+
+def test_progress_line_moves_with_the_engines_between_commits(capsys):
+    p = Progress(total_rows=48, every_s=0.0)  # not a terminal here: a plain line per redraw
+    p.live({0: _live(0, 6, 120), 1: _live(1, 4, 80)})
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("[prefixflow] rows 10/48 (21%)") and "\r" not in line
+    assert re.search(r"ETA \d+ s", line) and "saving n/a" in line  # nothing committed yet
+    assert "r0 6 rows 60.0 tok/s" in line and "r1 4 rows 40.0 tok/s" in line
+    assert re.search(r"\| 1\d\d\.\d generated tok/s", line)  # 200 tokens in ~2 s
+    # A restarted replica counts from 0 again: the committed rows lead then.
+    p.update(_part(0, 24))
+    p.live({0: _live(0, 1, 4)})
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "rows 24/48" in line and "saving 60.0%" in line and "r0 1 rows" in line
+    p.update(_part(1, 24))
+    assert "rows 48/48 (100%)" in capsys.readouterr().err and "ETA 0 s" in p.line()
+    # Many replicas: their range, so that the line still fits a terminal.
+    p.live({r: _live(r, 1, 10 * (r + 1)) for r in range(8)})
+    assert "8 replicas 5.0-40.0 tok/s each" in p.line()
+
+
+def test_progress_line_before_any_engine_and_quiet(capsys):
+    p = Progress(total_rows=12, every_s=0.0)
+    assert "rows 0/12 (0%)" in p.line() and "ETA --" in p.line() and "loading engines" in p.line()
+    q = Progress(total_rows=12, quiet=True, every_s=0.0)
+    q.live({0: _live(0, 3, 9)})
+    q.update(_part(0, 12))
+    assert capsys.readouterr().err == ""
+
+
+def _job_spec(tmp_path, model, name: str) -> str:
+    """The quickstart job, slowed for a visible run: two requests at a time per engine (rows
+    finish in waves), one part per replica (committed at the replica's end)."""
+    data = yaml.safe_load(example_path("quickstart.yaml").read_text())
+    data.update(name=name, model=str(model))
+    data["input"]["path"] = str(write_demo_data(tmp_path))
+    data["output"].update(path=str(tmp_path / "out"), rows_per_part=1000)
+    data["sampling"]["max_tokens"] = 32
+    data["engine"]["max_num_seqs"] = 2
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _run_in_terminal(argv: list[str], env: dict[str, str], timeout_s: float = 240) -> str:
+    """Run a command with a pseudo-terminal as its stdin/stdout/stderr; what it printed."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    out = bytearray()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return out.decode(errors="replace")
+
+
+def _ray_metrics(job: str, timeout_s: float = 60) -> dict[str, float]:
+    """prefixflow_* samples tagged job=`job`, read from the node's metrics agent (Prometheus
+    text on 127.0.0.1): metric name -> the sum over replicas."""
+    import ray
+
+    node = ray.nodes()[0]
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found: dict[str, float] = {}
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            m = re.match(r"ray_(prefixflow_\w+)\{(.*)\} ([0-9.e+-]+)$", line)
+            if m and f'job="{job}"' in m.group(2):
+                found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(3))
+        if "prefixflow_rows_total" in found or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+@pytest.mark.slow
+def test_live_progress_in_a_terminal_and_ray_metrics(ray_local, tiny_model, tmp_path):
+    job = f"progress-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    text = _run_in_terminal([sys.executable, "-m", "prefixflow.cli", "run",
+                             _job_spec(tmp_path, tiny_model, job)], env)
+    assert "\r[prefixflow] rows" in text and "\x1b[K" in text  # redrawn in place
+    lines = [s for s in re.split(r"[\r\n]", text) if s.startswith("[prefixflow] rows")]
+    # Before the first commit ("saving n/a"), the engines' counters moved the line.
+    live = [s for s in lines if "saving n/a" in s and re.search(r"r[01] \d+ rows", s)]
+    assert len(live) >= 2, lines
+    partial = [s for s in live if re.search(r"rows ([1-9]|[1-3]\d|4[0-7])/48", s)]
+    assert partial and any(re.search(r"ETA \d+ s", s) for s in partial), lines
+    assert any(re.search(r"r0 \d+ rows [\d.]+ tok/s, r1 \d+ rows [\d.]+ tok/s", s) for s in live)
+    assert "rows 48/48 (100%)" in lines[-1] and "done: 48 rows" in text
+
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["plot"] == "plot.png written" and "plot.png written" in text
+    assert (tmp_path / "out" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    found = _ray_metrics(job)
+    assert found.get("prefixflow_rows_total") == 48 and "prefixflow_rows_errored_total" not in found
+    assert found["prefixflow_generated_tokens_total"] > 0
+    assert 0 < found["prefixflow_computed_prompt_tokens_total"] < found["prefixflow_prompt_tokens_total"]
+    assert found.get("prefixflow_live_rows") == 48 and found["prefixflow_live_generated_tokens_per_s"] > 0
+
+
+def _metrics(steps: list[dict]) -> dict:
+    return {"job": "j", "rows": 8, "wall_seconds": 1.0, "token_saving_ratio": 0.5, "order": "batchllm",
+            "per_replica": [{"replica": 0, "num_rows": 8, "seconds": 1.0, "steps": steps}]}
+
+
+def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
+    from prefixflow.operators.storage import StorageOptions
+
+    steps = [{"num_prefill_tokens": 300, "num_prefix_tokens": 100, "num_decode_tokens": 0}] + \
+        [{"num_prefill_tokens": 0, "num_prefix_tokens": 0, "num_decode_tokens": 8}] * 6
+    plan = pa.table({"group_id": np.array([0, 0, 0, 1, 1, 2, 3, 3])})
+    assert report.group_sizes(plan).tolist() == [3, 2, 1, 2]
+    path = tmp_path / "plot.png"
+    assert report.write_plot(_metrics(steps), plan, str(path), StorageOptions()) == "plot.png written"
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    # matplotlib is an optional extra: without it the job says the plot was skipped.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    path.unlink()
+    message = report.write_plot(_metrics(steps), plan, str(path), StorageOptions())
+    assert message == report.PLOT_MISSING and "prefixflow[plot]" in message and not path.exists()
