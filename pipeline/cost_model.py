@@ -20,6 +20,13 @@ dimension D, and a device of F FLOP/s peak and B bytes/s memory bandwidth:
 Sharing a prefix saves compute but no memory traffic: every member still reads the prefix's KV
 during decode (Sec. 3.3). Sec. 4.2 shows that the request-level density is the batch-level one
 under continuous batching, so densities of sets of requests add as sum(T_comp) / sum(T_mem).
+
+One engine step (`CostModel.step_seconds`, a prediction for pricing schedules): its T tokens'
+GEMMs and prefill attention run at the roofline, max(FLOPs / F, weight bytes / B), then decode
+attention reads each decode's KV (memory-bound). With `bubbles`, every decode of the step costs
+what the longest costs (n * max KV length: AlignedServe Sec. 2.3's per-iteration bubble, a
+kernel that gives each sequence one program and waits for the longest); without, the reads
+are perfectly balanced (sum of KV lengths). Real kernels (split-K decode) lie in between.
 """
 
 from __future__ import annotations
@@ -213,6 +220,28 @@ class CostModel:
     def prefix_seconds(self, prefix_lens: np.ndarray) -> np.ndarray:
         """T_comp of a shared prefix computed once (no decode, no logits)."""
         return self.compute_seconds(prefix_lens, np.zeros_like(np.asarray(prefix_lens)), 0)
+
+    def step_seconds(self, decode_kv_lens: np.ndarray | list[int],
+                     prefill_chunks: np.ndarray | list[tuple[int, int]] = (),
+                     bubbles: bool = True) -> float:
+        """Predicted seconds of one engine step (module docstring).
+
+        decode_kv_lens: KV tokens each decode of the step attends to (its context).
+        prefill_chunks: (tokens already in context, new tokens) per prefill chunk; each is
+            counted as sampling one token (an upper bound on the LM-head work).
+        """
+        m = self.model
+        kv = np.asarray(decode_kv_lens, dtype=np.float64)
+        chunks = np.asarray(prefill_chunks, dtype=np.float64).reshape(-1, 2)
+        ctx, new = chunks[:, 0], chunks[:, 1]
+        tokens, sampled = len(kv) + new.sum(), len(kv) + len(chunks)
+        per_head = 2.0 * m.num_layers * m.num_heads * m.head_dim
+        flops = (2.0 * m.layer_params * tokens + 2.0 * m.hidden_size * m.vocab_size * sampled
+                 + per_head * ((ctx + new) ** 2 - ctx ** 2).sum() + 2.0 * per_head * kv.sum())
+        weights = (m.layer_params + m.hidden_size * m.vocab_size) * m.dtype_bytes
+        linear = max(flops / self.hardware.peak_flops, weights / self.hardware.mem_bandwidth)
+        read = len(kv) * kv.max() if bubbles and len(kv) else kv.sum()
+        return float(linear + read * m.kv_bytes_per_token / self.hardware.mem_bandwidth)
 
     def predict(self, prompt_lens: np.ndarray, output_lens: np.ndarray,
                 cached_lens: np.ndarray | int = 0) -> RequestCost:

@@ -95,3 +95,24 @@ def test_request_cap_picks_the_dense_range_not_the_spread():
     lens = np.r_[np.arange(1000, 1008), [10, 3000, 9000, 20000]]
     batch = DensityFirstBatcher(max_blocks=1 << 40, min_requests=8, max_requests=8, block_size=16).select(lens, 0.0)
     assert sorted(lens[batch].tolist()) == list(range(1000, 1008))
+
+
+def test_step_price_counts_the_bubble_of_the_longest_kv_read():
+    from prefixflow.pipeline.cost_model import LLAMA3_8B, CostModel
+
+    cm = CostModel.create(LLAMA3_8B, "h100")
+    m, bw = LLAMA3_8B, cm.hardware.mem_bandwidth
+    weights = (m.layer_params + m.hidden_size * m.vocab_size) * m.dtype_bytes / bw  # decode: memory-bound
+    kv = m.kv_bytes_per_token / bw
+    assert cm.step_seconds([100, 1000], bubbles=False) == pytest.approx(weights + 1100 * kv)
+    assert cm.step_seconds([100, 1000], bubbles=True) == pytest.approx(weights + 2000 * kv)
+    # Same work, aligned into two steps of similar lengths: cheaper with bubbles, equal without.
+    mixed = 2 * cm.step_seconds([100, 1000])
+    aligned = cm.step_seconds([100, 100]) + cm.step_seconds([1000, 1000])
+    assert aligned < mixed
+    assert 2 * cm.step_seconds([100, 1000], bubbles=False) == pytest.approx(
+        cm.step_seconds([100, 100], bubbles=False) + cm.step_seconds([1000, 1000], bubbles=False))
+    # A big prefill chunk is compute-bound: its FLOPs set the price.
+    big = cm.step_seconds([], [(0, 8192)])
+    assert big > weights and big == pytest.approx(cm.compute_seconds(8192, 0) + 2 * m.hidden_size
+                                                  * m.vocab_size / cm.hardware.peak_flops)
