@@ -308,7 +308,7 @@ def _plot_steps(ax: Any, record: dict[str, Any]) -> None:
 
 def _plot_groups(ax: Any, sizes: np.ndarray, m: dict[str, Any]) -> None:
     """How many groups of each size the plan made (a size-1 group shares no prefix)."""
-    ax.set_title(f"plan: {len(sizes)} prefix groups of {int(sizes.sum())} rows, order {m['order']}",
+    ax.set_title(f"plan: {len(sizes)} prefix groups of {int(sizes.sum()):,} rows, order {m['order']}",
                  loc="left", fontsize=11)
     ax.set_xlabel("group size (rows sharing one prompt prefix)")
     ax.set_ylabel("number of groups")

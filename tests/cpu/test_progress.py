@@ -168,3 +168,18 @@ def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
     path.unlink()
     message = report.write_plot(_metrics(steps), plan, str(path), StorageOptions())
     assert message == report.PLOT_MISSING and "prefixflow[plot]" in message and not path.exists()
+
+
+def test_ray_metrics_of_deaths_and_error_rows(ray_local):
+    import ray
+
+    from prefixflow.operators.write import MetricsSink
+
+    job = f"deaths-{uuid.uuid4().hex[:8]}"
+    sink = ray.remote(MetricsSink).options(num_cpus=0).remote(job)
+    ray.get([sink.engine_died.remote(1), sink.engine_died.remote(1),
+             sink.committed.remote({**_part(-1, 3), "num_errors": 3, "generated_tokens": 0})])
+    ray.kill(sink)  # a finished job's sink: what it recorded is still exported
+    found = _ray_metrics(job)
+    assert found["prefixflow_engine_deaths_total"] == 2 and found["prefixflow_rows_errored_total"] == 3
+    assert found["prefixflow_rows_total"] == 3 and "prefixflow_generated_tokens_total" not in found
