@@ -3,6 +3,8 @@
 The scheduler owns the queues of one replica: planned groups waiting in plan order, and the
 active groups (admitted, in admission order) with their pending and running members. Each
 `schedule()` forms one token batch; `update()` records what the model computed and sampled.
+With `EngineConfig.aligned_decode_batch`, the decode queue serves batches of similar KV length
+(AlignedServe Sec. 3.3, engine/alignedserve.py).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class Scheduler:
         # are ready, a batch of similar KV lengths (AlignedServe Sec. 3.3).
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens, block_size=self.bm.block_size)
         self._num_steps += 1
-        self._schedule_decodes(self._decode_batch(out), out)
+        self._schedule_decodes(self._decode_batch(), out)
         for group in list(self.active):
             self._schedule_members(group, out)
         for group in list(self.active):
@@ -130,7 +132,7 @@ class Scheduler:
 
     # ---- the three queues ---------------------------------------------------------------------
 
-    def _decode_batch(self, out: SchedulerOutput) -> list[Sequence]:
+    def _decode_batch(self) -> list[Sequence]:
         """The requests ready to decode that this step serves, oldest group first.
 
         All of them, or with aligned_decode_batch and more ready than that, the batch of
