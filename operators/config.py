@@ -195,6 +195,10 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tupl
         return [("engine.vllm", args, "vLLM arguments need engine.backend: vllm; set it, or "
                  "remove engine.vllm")] if args else []
     problems = _vllm_arg_problems(args)
+    if engine.get("aligned_decode_batch") is not None:
+        problems.append(("engine.aligned_decode_batch", engine["aligned_decode_batch"], "only "
+                         "engine.backend: native honours it (vLLM forms its own decode batches): "
+                         "remove it or use the native backend"))
     device = str(engine.get("device") or "auto")
     if device.startswith("cuda:"):
         problems.append(("engine.device", device, "vLLM runs on the GPU(s) of the replica's "

@@ -58,3 +58,11 @@ def test_the_switch_in_a_spec_and_in_processor_config(tiny_model):
     assert config.engine_config().aligned_decode_batch == 16
     with pytest.raises(ValueError, match="EngineConfig.aligned_decode_batch=0"):
         ProcessorConfig(model=str(tiny_model), engine={"aligned_decode_batch": 0})
+
+
+def test_the_vllm_backend_refuses_the_switch(tiny_model):
+    with pytest.raises(SpecError) as e:
+        parse_spec(_spec({"backend": "vllm", "aligned_decode_batch": 32}))
+    assert "only engine.backend: native honours it" in dict(e.value.problems)["engine.aligned_decode_batch"]
+    with pytest.raises(ValueError, match="engine.aligned_decode_batch"):
+        ProcessorConfig(model=str(tiny_model), engine={"backend": "vllm", "aligned_decode_batch": 32})
