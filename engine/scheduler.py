@@ -133,26 +133,30 @@ class Scheduler:
     # ---- the three queues ---------------------------------------------------------------------
 
     def _decode_batch(self) -> list[Sequence]:
-        """The requests ready to decode that this step serves, oldest group first.
+        """The requests ready to decode, in the order the decode queue tries them.
 
-        All of them, or with aligned_decode_batch and more ready than that, the batch of
-        similar KV lengths Density First Search picks, kept in that order (the plan's order
-        also breaks its ties: equal lengths go oldest first).
+        Oldest group first; with aligned_decode_batch and more ready than that, the batch of
+        similar KV lengths Density First Search picks comes first (in that order: the plan's
+        order also breaks its ties), then the others, which only stand in for picked ones
+        that memory preempts (without them a step could be left with nothing to run).
         """
         ready = [seq for group in self.active for seq in group.running if seq.is_decoding]
         if self.aligned is None or len(ready) <= self.aligned.max_requests:
             return ready
         kv_lens = np.array([len(seq.token_ids) for seq in ready], dtype=np.int64)
         picked = set(self.aligned.select(kv_lens, now=float(self._num_steps)).tolist())
-        return [seq for i, seq in enumerate(ready) if i in picked]
+        order = sorted(range(len(ready)), key=lambda i: i not in picked)  # stable: plan order
+        return [ready[i] for i in order]
 
-    def _schedule_decodes(self, batch: list[Sequence], out: SchedulerOutput) -> None:
-        for seq in batch:
-            if out.token_budget == 0:
+    def _schedule_decodes(self, ready: list[Sequence], out: SchedulerOutput) -> None:
+        limit = len(ready) if self.aligned is None else self.aligned.max_requests
+        for seq in ready:
+            if out.token_budget == 0 or limit == 0:
                 return
             # An earlier reservation may have preempted it.
             if seq.status is SeqStatus.RUNNING and seq.is_decoding and self._reserve(seq, 1, out):
                 out.add(seq, 1, sample=True, kind="decode")
+                limit -= 1
 
     def _schedule_members(self, group: GroupState, out: SchedulerOutput) -> None:
         if not group.active or not group.prefix_ready:

@@ -448,3 +448,20 @@ def test_aligned_decode_batches_hold_similar_kv_lengths_and_keep_the_tokens():
         if short(ready) >= 4 or len(ready) - short(ready) >= 4:
             assert short(lens) in (0, 4), (ready, lens)
     assert all(sorted(lens) == sorted(ready) for ready, lens in plans[4] if len(ready) <= 4)
+
+
+def test_aligned_decode_step_is_never_empty_when_its_pick_preempts_itself():
+    # A full cache, a cap of 1: the request Density First Search picks needs a block, finds
+    # none and nothing younger to preempt, so it preempts itself; another ready request must
+    # decode in its place (this step used to come out empty: "made no progress").
+    rng = random.Random(52)
+    block_size, num_blocks = rng.choice([1, 2, 4, 8]), rng.randint(24, 120)
+    groups = random_workload(rng, rng.randint(1, 8), max_prefix=24, max_distinct=12, max_members=5)
+    params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+    assert (block_size, num_blocks) == (4, 30)
+    engine = LLMEngine(EngineConfig(model="fake", block_size=4, max_num_batched_tokens=8, policy="vllm",
+                                    enable_prefix_cache=False, aligned_decode_batch=1),
+                       model_runner=FakeRunner(30, 4))
+    outs = instrumented_run(engine, groups, params)
+    assert_matches_reference(outs, groups, params)
+    assert engine.totals.num_preemptions > 0
