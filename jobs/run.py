@@ -58,7 +58,7 @@ def read_options(spec: JobSpec) -> ReadOptions:
 def write_options(spec: JobSpec) -> WriteOptions:
     return WriteOptions(path=absolute(spec.output.path), format=spec.output_format(),
                         storage=storage_options(spec), model_name=Path(spec.model).name,
-                        created=int(time.time()))
+                        created=int(time.time()), model=spec.model)
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -152,6 +152,9 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     metrics["plot"] = report.write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"),
                                         wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
+    if wopts.format == "openai":  # one file in input order, as vLLM's run-batch
+        from prefixflow.operators.openai_batch import write_results
+        write_results(wopts.path, wopts.storage)
     write_json(join(wopts.path, "_SUCCESS"), {}, wopts.storage)
     if not quiet:
         print(report.metrics_text(metrics, wopts.path), flush=True)

@@ -23,7 +23,9 @@ Row = dict[str, Any]
 class Processor:
     """A callable Dataset -> Dataset, shaped like `ray.data.llm.build_processor`'s result.
 
-    preprocess: row -> row, applied first (e.g. build `messages` from your columns).
+    preprocess: row -> dict, applied first (e.g. build `messages` from your columns); what it
+        returns is merged into the row, as in ray.data.llm, so the row's other columns (an `id`)
+        stay (a returned key replaces the row's column of that name).
     postprocess: row -> row, applied to each output row (input columns plus generated_text,
         generated_tokens, num_input_tokens, num_generated_tokens, finish_reason, error, row_id).
     """
@@ -42,7 +44,7 @@ class Processor:
         from prefixflow.operators.write import MetricsSink
 
         if self.preprocess is not None:
-            ds = ds.map(self.preprocess)
+            ds = ds.map(Merged(self.preprocess))
         self.last_plan = self.plan(ds)
         if self.sink is None:  # one small actor per processor collects per-replica records
             self.sink = ray.remote(MetricsSink).options(num_cpus=0).remote()
@@ -103,6 +105,21 @@ class Processor:
         import ray
 
         return [] if self.sink is None else ray.get(self.sink.get.remote())
+
+
+class Merged:
+    """A preprocess function whose result is merged into the row it was given (ray.data.llm's
+    semantics): a picklable wrapper, so that Ray ships the user's function to its workers."""
+
+    def __init__(self, fn: Callable[[Row], Row]):
+        self.fn = fn
+
+    def __call__(self, row: Row) -> Row:
+        out = self.fn(row)
+        if not isinstance(out, dict):
+            raise TypeError(f"preprocess returned {type(out).__name__}: return a dict of the "
+                            "columns to add or replace (the row's other columns are kept)")
+        return {**row, **out}
 
 
 def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:

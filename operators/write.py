@@ -27,8 +27,9 @@ from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST,
 from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, is_s3, join
 
+RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_batch.write_results)
 OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
-                TMP_PREFIX)
+                TMP_PREFIX, RESULTS_FILE)
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 
@@ -39,6 +40,7 @@ class WriteOptions:
     storage: StorageOptions = StorageOptions()
     model_name: str = "prefixflow"
     created: int = 0  # unix time stamped into OpenAI responses
+    model: str = ""  # the model path: its tokenizer spells OpenAI logprobs' tokens
 
 
 def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
@@ -72,7 +74,8 @@ def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
     if opts.format == "openai":
         from prefixflow.operators.openai_batch import output_line
 
-        lines = [json.dumps(output_line(r, opts.created, opts.model_name)) for r in table.to_pylist()]
+        lines = [json.dumps(output_line(r, opts.created, opts.model_name, opts.model))
+                 for r in table.to_pylist()]
         return ("\n".join(lines) + "\n").encode("utf-8")
     table = table.drop_columns([c for c in table.column_names if c.startswith("_pf_")])
     if opts.format == "jsonl":
@@ -135,7 +138,7 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
 def clear_end_markers(opts: WriteOptions) -> None:
     """Before a resume writes: the old `_SUCCESS` and summaries no longer describe the output."""
     fs = opts.storage.filesystem(opts.path)
-    for name in ("_SUCCESS", "metrics.json", "plot.png", MANIFEST):
+    for name in ("_SUCCESS", "metrics.json", "plot.png", MANIFEST, RESULTS_FILE):
         if fs.exists(join(opts.path, name)):
             fs.rm(join(opts.path, name))
 

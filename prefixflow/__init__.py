@@ -6,6 +6,10 @@ operators/, jobs/, bench/) and install as `prefixflow.<folder>`.
     import prefixflow
     processor = prefixflow.build_processor(prefixflow.ProcessorConfig(model=...))
 
+or, for ray.data.llm users, its names (only the import line changes):
+
+    from prefixflow import build_llm_processor, vLLMEngineProcessorConfig
+
 The API names below are imported lazily: `import prefixflow` loads neither torch nor ray.
 """
 
@@ -15,7 +19,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = ("build_processor", "ProcessorConfig", "Generator", "PromptTemplate")
+_API = ("build_processor", "ProcessorConfig", "Generator", "PromptTemplate",
+        "build_llm_processor", "vLLMEngineProcessorConfig")
 
 __all__ = ["__version__", *_API]
 

@@ -11,6 +11,10 @@ or, the lighter per-batch mode (no global plan):
     ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
                    batch_size=512, concurrency=2, batch_format="pyarrow")
 
+ray.data.llm's names work too (operators/ray_llm.py): `build_llm_processor(
+vLLMEngineProcessorConfig(model_source=..., engine_kwargs={...}, concurrency=2), preprocess=...,
+postprocess=...)` gives the same planned processor on the vLLM backend.
+
 Neither imports torch or ray until used. The caller owns `ray.init`.
 """
 
@@ -21,9 +25,11 @@ from typing import Callable
 from prefixflow.operators.batch_generator import Generator
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.processor import Processor
+from prefixflow.operators.ray_llm import build_llm_processor, vLLMEngineProcessorConfig
 from prefixflow.operators.template import PromptTemplate
 
-__all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_processor"]
+__all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_llm_processor",
+           "build_processor", "vLLMEngineProcessorConfig"]
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,

@@ -53,7 +53,8 @@ def test_processor_and_generator_agree(ray_local, config):
     ds = ray.data.from_items(_rows())
     processor = prefixflow.build_processor(
         config,
-        preprocess=lambda row: {**row, "messages": [{"role": "user", "content": row["q"]}]},
+        # merged into the row, as in ray.data.llm: `k` and `sampling_params` stay
+        preprocess=lambda row: {"messages": [{"role": "user", "content": row["q"]}]},
         postprocess=lambda row: {"k": row["k"], "tokens": list(row["generated_tokens"]),
                                  "text": row["generated_text"], "error": row["error"]})
     out = sorted(processor(ds).take_all(), key=lambda r: r["k"])

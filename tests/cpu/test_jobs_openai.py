@@ -34,20 +34,33 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
                     "body": {"prompt": "hi", "seed": "abc"}}).encode(),
         json.dumps({"custom_id": "stop-int", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"messages": [{"role": "user", "content": "hi"}], "stop": [1]}}).encode(),
-    ]
+    ] + [json.dumps({"custom_id": cid, "method": "POST", "url": f"/v1/{url}", "body": body}).encode()
+         for cid, url, body in NEW_CASES]
     (tmp_path / "batch.jsonl").write_bytes(b"\n".join(lines + extra) + b"\n")
     spec = parse_spec({
         "model": str(tiny_model), "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai"},
         "sampling": {"temperature": 0, "max_tokens": 16},
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": str(tmp_path / "out")},
+        "output": {"path": str(tmp_path / "out"), "resume": True},
     })
     assert spec.output_format() == "openai"
     run_job(spec, quiet=True)
     out = read_output(str(tmp_path / "out"))
+    results = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    # one file, every request once, in input order (the broken line's id recovered in place)
+    assert [json.loads(line)["custom_id"] for line in results] == \
+        [r["custom_id"] for r in requests] + [requests[0]["custom_id"], "broken-1", "bad-url",
+                                              "bad-temp", "lp-null", "lp-list", "seed-str", "stop-int"] + \
+        [cid for cid, _, _ in NEW_CASES]
+    assert sorted(map(json.dumps, out)) == sorted(map(json.dumps, map(json.loads, results)))
+    _check_new_cases({r["custom_id"]: r for r in out})
+    (tmp_path / "out" / "results.jsonl").unlink()
+    run_job(spec, quiet=True)  # a rerun of the completed job writes the file again
+    assert (tmp_path / "out" / "results.jsonl").read_text().splitlines() == results
     ids = [r["custom_id"] for r in out]
     expected = [r["custom_id"] for r in requests] + [requests[0]["custom_id"], "broken-1", "bad-url", "bad-temp",
-                                                     "lp-null", "lp-list", "seed-str", "stop-int"]
+                                                     "lp-null", "lp-list", "seed-str", "stop-int"] + \
+        [cid for cid, _, _ in NEW_CASES]
     assert sorted(ids) == sorted(expected)  # every custom_id kept, the duplicate twice
     by_id: dict[str, list[dict]] = {}
     for r in out:
@@ -75,6 +88,53 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
             assert body["choices"][0]["message"]["role"] == "assistant"
         else:
             assert body["object"] == "text_completion" and "text" in body["choices"][0]
+
+
+HI = [{"role": "user", "content": "hi"}]
+# Issue 15: every body field honoured or an error record naming it.
+NEW_CASES = [
+    ("chat-lp", "chat/completions", {"messages": HI, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                                     "user": "u1", "metadata": {"k": "v"}, "stream": False, "store": False}),
+    ("cmpl-lp", "completions", {"prompt": "The sky is", "max_tokens": 3, "logprobs": 2, "echo": False}),
+    ("n-2", "chat/completions", {"messages": HI, "max_tokens": 3, "n": 2, "temperature": 1, "seed": 7}),
+    ("json-object", "chat/completions", {"messages": HI, "max_tokens": 3,
+                                         "response_format": {"type": "json_object"}}),
+    ("unknown-field", "chat/completions", {"messages": HI, "max_tokens": 3, "frobnicate": 1}),
+    ("logit-bias", "completions", {"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 10}}),
+    ("stream-true", "chat/completions", {"messages": HI, "max_tokens": 3, "stream": True}),
+    ("penalty", "chat/completions", {"messages": HI, "max_tokens": 3, "presence_penalty": 0.5}),
+]
+
+
+def _check_new_cases(by_id: dict[str, dict]) -> None:
+    from prefixflow.requests import SamplingParams
+
+    has = set(SamplingParams.__dataclass_fields__)
+    chat = by_id["chat-lp"]["response"]["body"]["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert len(content) == by_id["chat-lp"]["response"]["body"]["usage"]["completion_tokens"]
+    for item in content:
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"} and item["logprob"] <= 0
+        assert item["bytes"] == list(item["token"].encode()) and len(item["top_logprobs"]) == 2
+    legacy = by_id["cmpl-lp"]["response"]["body"]["choices"][0]["logprobs"]
+    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) > 0
+    assert legacy["text_offset"][0] == 0 and all(len(t) == 2 for t in legacy["top_logprobs"])
+    if "n" in has:
+        choices = by_id["n-2"]["response"]["body"]["choices"]
+        assert [c["index"] for c in choices] == [0, 1] and all(c["message"]["content"] is not None for c in choices)
+    else:
+        assert "body.n" in by_id["n-2"]["error"]["message"]
+    # the native backend cannot run structured outputs: an error record that says so
+    assert by_id["json-object"]["response"] is None
+    assert "response_format" in by_id["json-object"]["error"]["message"] or \
+        "engine.backend" in by_id["json-object"]["error"]["message"]
+    assert "body.frobnicate" in by_id["unknown-field"]["error"]["message"]
+    assert "body.logit_bias" in by_id["logit-bias"]["error"]["message"]
+    assert "body.stream" in by_id["stream-true"]["error"]["message"]
+    if "presence_penalty" in has:
+        assert by_id["penalty"]["error"] is None
+    else:
+        assert "body.presence_penalty" in by_id["penalty"]["error"]["message"]
 
 
 def test_a_body_is_checked_against_its_own_fields_not_a_made_up_default():
