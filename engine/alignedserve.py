@@ -21,9 +21,10 @@ The tree is implicit: requests sorted by KV length make every node a contiguous 
 with a binary search, so a call costs O(n log n) for n waiting requests.
 
 A batch "fits" when its blocks are within `max_blocks` and, if given, it holds at most
-`max_requests` requests: the engine's scheduler (engine/scheduler.py) uses the request cap for
-its step's token budget (one token per decode), since its running requests' KV stays in the
-cache (there is no CPU KV pool to hold the others, unlike AlignedServe's Sec. 3.2).
+`max_requests` requests. The engine's scheduler (engine/scheduler.py) asks for exactly
+EngineConfig.aligned_decode_batch requests (min = max) and lets the memory threshold never bind:
+its running requests' KV stays in the cache whether they decode or wait (the cache plays the
+KV pool of AlignedServe Sec. 3.2).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class DensityFirstBatcher:
         if max_requests is not None and max_requests < min_requests:
             raise ValueError(f"max_requests={max_requests} is invalid: use None or at least "
                              f"min_requests ({min_requests})")
-        self.max_requests = max_requests if max_requests is not None else np.iinfo(np.int64).max
         if starvation_s <= 0:
             raise ValueError(f"starvation_s={starvation_s} is invalid: use a positive number of seconds")
+        self.max_requests = max_requests if max_requests is not None else np.iinfo(np.int64).max
         self.max_blocks, self.min_requests, self.block_size = max_blocks, min_requests, block_size
         self.depth = max(1, math.ceil(math.log(max_len, 4)))
         self.max_len = 4**self.depth
