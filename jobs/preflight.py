@@ -13,7 +13,6 @@ reported by `prefixflow validate` and become error records when the job runs.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 import json
 import posixpath
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixflow.hints import did_you_mean
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
 from prefixflow.operators.storage import StorageOptions, absolute, is_s3, list_input_files, strip_scheme
@@ -161,7 +161,8 @@ def _template_problems(prompt: PromptTemplate, rows: list[dict[str, Any]],
         value = getattr(prompt, field)
         if value is None:
             continue
-        one = PromptTemplate(**{field: value})
+        # system alone is no prompt: pair it with a constant user message
+        one = PromptTemplate(**{field: value, **({"user": "."} if field == "system" else {})})
         missing = sorted(template_columns(one) - set(columns))
         # A name used only under `{% if x is defined %}` is optional: only a template that
         # fails on every sampled row needs the column.
@@ -179,9 +180,8 @@ def _renders(prompt: PromptTemplate, row: dict[str, Any]) -> bool:
 
 
 def _no_column(name: str, columns: list[str]) -> str:
-    near = difflib.get_close_matches(name, columns, n=1)
     shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "")
-    fix = f"did you mean {near[0]!r}?" if near else "fix the name or the input"
+    fix = did_you_mean(name, columns) or "fix the name or the input"
     return f"names column {name!r}, which the input does not have (columns: {shown}); {fix}"
 
 
@@ -207,8 +207,7 @@ def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
     if len(unknown_per_row) < len(rows) or not all(unknown for _, unknown in unknown_per_row):
         return []
     column, unknown = unknown_per_row[0]
-    near = difflib.get_close_matches(unknown[0], known, n=1)
-    fix = f"did you mean {near[0]!r}?" if near else f"use keys among: {', '.join(known)}"
+    fix = did_you_mean(unknown[0], known) or f"use keys among: {', '.join(known)}"
     return [("input", f"column {column!r} has keys SamplingParams does not know in every "
              f"sampled row ({', '.join(map(repr, unknown))}): {fix}")]
 

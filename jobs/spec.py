@@ -16,7 +16,6 @@ deeper than a spec needs; `--set KEY=VALUE` values are read the same way.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import reprlib
@@ -29,10 +28,12 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_mode
                       model_validator)
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.hints import did_you_mean
+from prefixflow.operators.config import BACKENDS, TASKS, ScoreConfig, backend_problems
 from prefixflow.operators.storage import StorageOptions
+from prefixflow.operators.template import PromptTemplate
+from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.requests import SamplingParams
-
-ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
 
 
 class SpecError(ValueError):
@@ -173,7 +174,7 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
 # engine.backend and engine.vllm choose the engine (operators/config.py checks them for both
 # the spec and ProcessorConfig); the other engine fields are EngineConfig's.
 EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
-    "backend": (Literal["native", "vllm"], Field(default="native", description="native: "
+    "backend": (Literal[BACKENDS], Field(default="native", description="native: "
                 "prefixflow's engine; vllm: vLLM's engine (pip install prefixflow[vllm])")),
     "vllm": (dict[str, Any], Field(default_factory=dict, description="vLLM engine arguments, "
              "passed through (like ray.data.llm's engine_kwargs); backend vllm only"))})
@@ -199,58 +200,13 @@ class InputSpec(_Strict):
         return path
 
 
-class PromptSpec(_Strict):
-    """How a row becomes a prompt: exactly one of template, user or messages_column.
+# How a row becomes a prompt: exactly one of template, user (with optional system) or
+# messages_column; PromptTemplate's own checks (and messages) apply to the spec too.
+PromptSpec = _mirror(PromptTemplate, "PromptSpec")
 
-    template: a plain prompt over the row's columns ("Q: {{ question }}"); BOS is added.
-    system, user: chat messages built from the columns, rendered by the model's chat template.
-    messages_column: a column holding chat messages ([{role, content}, ...]).
-    Templates are Jinja, rendered in a sandbox; a missing column makes that row an error record.
-    """
-
-    template: str | None = None
-    system: str | None = None
-    user: str | None = None
-    messages_column: str | None = None
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> "PromptSpec":
-        kinds = [k for k in ("template", "user", "messages_column") if getattr(self, k) is not None]
-        if len(kinds) != 1:
-            raise ValueError(f"give exactly one of template, user (with optional system) or "
-                             f"messages_column; got {kinds or 'none'}")
-        if self.system is not None and self.user is None:
-            raise ValueError("system needs user: a chat prompt has a user message")
-        from prefixflow.operators.template import check_syntax
-
-        for name in ("template", "system", "user"):
-            check_syntax(name, getattr(self, name))
-        return self
-
-
-class ScoreSpec(_Strict):
-    """task: score (PrefillOnly): one probability per allowed answer. See operators/score.py."""
-
-    choices: list[str | int] | None = Field(default=None, description="labels every row is "
-                                            "scored on, e.g. [\"Yes\", \"No\"]")
-    choices_column: str | None = Field(default=None, description="a list column with each row's labels")
-    choice_leading_space: bool = False
-    chunk_size: int = Field(default=512, ge=1, description="tokens per chunk of hybrid prefilling")
-    max_forward_bytes: int | None = Field(default=None, gt=0, description="memory budget of one "
-                                          "forward; longer rows become error records")
-    prefix_cache_bytes: int | None = Field(default=None, ge=0)
-    policy: Literal["srjf", "fcfs"] = "srjf"
-    calibrate: bool = True
-    lam: float = Field(default=500.0, ge=0, description="starvation weight (PrefillOnly Alg. 1)")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ScoreSpec":
-        if (self.choices is None) == (self.choices_column is None):
-            raise ValueError("give exactly one of choices (e.g. [\"Yes\", \"No\"]) or choices_column")
-        if self.choices is not None and len(self.choices) < 1:
-            raise ValueError("choices is empty: give at least one label")
-        return self
+# task: score (PrefillOnly), one probability per allowed answer (operators/score.py).
+# add_special_tokens stays out: the prompt section decides the prompt's text.
+ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
 
 
 class TokenizeSpec(_Strict):
@@ -285,13 +241,14 @@ class JobSpec(_Strict):
 
     name: str = "prefixflow-job"
     model: str = Field(description="Hugging Face model directory (config.json, weights, tokenizer)")
-    task: Literal["generate", "score"] = "generate"
+    task: Literal[TASKS] = "generate"
     input: InputSpec
-    prompt: PromptSpec | None = None
-    score: ScoreSpec | None = Field(default=None, description="settings of task: score")
+    prompt: PromptSpec | None = None  # type: ignore[valid-type]
+    score: ScoreSpec | None = Field(default=None,  # type: ignore[valid-type]
+                                    description="settings of task: score")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
     engine: EngineSpec = Field(default_factory=EngineSpec)  # type: ignore[valid-type]
-    order: Literal["fcfs", "dfs", "batchllm", "blendserve"] = "batchllm"
+    order: Literal[ORDER_POLICIES] = "batchllm"
     replicas: int = Field(default=1, ge=1, description="data-parallel engine actors")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
@@ -318,8 +275,6 @@ class JobSpec(_Strict):
         return self
 
     def _backend_can_run(self) -> None:
-        from prefixflow.operators.config import backend_problems
-
         score = self.score.model_dump() if self.score is not None else None
         for field, value, fix in backend_problems(self.engine.model_dump(), self.task, score):
             # _describe reads the field from "<Owner>.<field>=<value> is invalid: <fix>"
@@ -447,8 +402,8 @@ def _unknown_key(loc: list[str]) -> str:
             break
         model = _model_of(field.annotation)
     allowed = list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
-    near = difflib.get_close_matches(loc[-1], allowed, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
+    hint = did_you_mean(loc[-1], allowed)
+    hint = f"; {hint}" if hint else ""
     return f"unknown key{hint} (allowed: {', '.join(allowed)})" if allowed else "unknown key: remove it"
 
 

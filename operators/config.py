@@ -10,10 +10,12 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from prefixflow.operators.template import PromptTemplate, check_syntax
+from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
+from prefixflow.operators.template import PromptTemplate
+from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.requests import SamplingParams
 
-ORDERS = ("fcfs", "dfs", "batchllm", "blendserve")
+# The job spec (jobs/spec.py) takes its choices for task and engine.backend from these.
 TASKS = ("generate", "score")
 BACKENDS = ("native", "vllm")
 # The engine dict's keys that choose the backend; the others are EngineConfig fields.
@@ -30,40 +32,29 @@ GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k
 
 
 @dataclass(frozen=True)
-class ScoreConfig:
+class ScoreConfig(ScoreOptions):
     """The `score` task (PrefillOnly): one probability per allowed answer instead of text.
 
     choices: the labels every row is scored on (strings or token ids), e.g. ("Yes", "No").
     choices_column: a list column giving each row its own labels (instead of `choices`).
-    The rest are `engine.scoring.ScoreOptions` fields: chunk_size (hybrid prefilling),
-    prefix_cache_bytes, max_forward_bytes (longer rows become error records),
-    choice_leading_space, policy ("srjf" | "fcfs"), calibrate, lam.
+    The rest are the `engine.scoring_options.ScoreOptions` fields (inherited, so they are
+    written once): chunk_size (hybrid prefilling), prefix_cache_bytes, max_forward_bytes
+    (longer rows become error records), choice_leading_space, policy ("srjf" | "fcfs"),
+    calibrate, lam. The job spec's `score` section is generated from this class.
     """
 
     choices: tuple[str | int, ...] = ()
     choices_column: str | None = None
-    chunk_size: int = 512
-    prefix_cache_bytes: int | None = None
-    max_forward_bytes: int | None = None
-    choice_leading_space: bool = False
-    policy: str = "srjf"
-    calibrate: bool = True
-    lam: float = 500.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
         if bool(self.choices) == bool(self.choices_column):
-            raise ValueError(f"ScoreConfig.choices={list(self.choices)!r} is invalid: give either "
-                             "choices (e.g. ['Yes', 'No']) or choices_column, not both or neither")
-        self.options()  # ScoreOptions checks its own fields, naming them
+            raise ValueError(f"ScoreConfig.choices={list(self.choices)!r} is invalid: give exactly "
+                             "one of choices (e.g. ['Yes', 'No']) or choices_column")
+        super().__post_init__()  # ScoreOptions checks its own fields, naming them
 
-    def options(self) -> Any:
-        from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
-
-        return ScoreOptions(chunk_size=self.chunk_size, prefix_cache_bytes=self.prefix_cache_bytes,
-                            max_forward_bytes=self.max_forward_bytes,
-                            choice_leading_space=self.choice_leading_space, policy=self.policy,
-                            calibrate=self.calibrate, lam=self.lam)
+    def options(self) -> ScoreOptions:
+        return ScoreOptions(**{f.name: getattr(self, f.name) for f in fields(ScoreOptions)})
 
 
 @dataclass(frozen=True)
@@ -121,10 +112,8 @@ class ProcessorConfig:
                  "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}")
         _require(self.task != "score" or not self.openai_batch, "task", self.task,
                  "OpenAI batch files are chat/completion requests: use task 'generate' for them")
-        if self.prompt is not None:
-            for name in ("template", "system", "user"):
-                check_syntax(f"prompt.{name}", getattr(self.prompt, name))
-        _require(self.order in ORDERS, "order", self.order, f"use one of {', '.join(ORDERS)}")
+        _require(self.order in ORDER_POLICIES, "order", self.order,
+                 f"use one of {', '.join(ORDER_POLICIES)}")
         for name in ("replicas", "tokenize_concurrency", "tokenize_batch_size", "rows_per_chunk"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "use a positive integer")
         _require("model" not in self.engine, "engine", self.engine,
@@ -144,7 +133,7 @@ class ProcessorConfig:
 
     @property
     def backend(self) -> str:
-        return self.engine.get("backend") or "native"
+        return backend_of(self.engine)
 
     @property
     def vllm_args(self) -> dict[str, Any]:
@@ -180,11 +169,16 @@ def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingP
     return SamplingParams().with_overrides({**taken, **given}), taken
 
 
+def backend_of(engine: dict[str, Any]) -> str:
+    """The backend an engine dict chooses: "native" unless engine.backend says otherwise."""
+    return engine.get("backend") or "native"
+
+
 def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tuple[str, Any, str]]:
     """(field, value, fix) for each setting the chosen backend cannot run; the job spec and
     ProcessorConfig both check with this, before any actor starts. score: a ScoreConfig, a
     dict of its fields or None. Fields are named from the top: engine.vllm.<key>, score.<field>."""
-    backend = engine.get("backend") or "native"
+    backend = backend_of(engine)
     if backend not in BACKENDS:
         return [("engine.backend", backend, f"use one of {', '.join(BACKENDS)}")]
     args = engine.get("vllm") or {}

@@ -26,26 +26,52 @@ def _env() -> ImmutableSandboxedEnvironment:
                                          keep_trailing_newline=True)
 
 
-def check_syntax(field: str, source: str | None) -> None:
-    """Raise ValueError naming `field` and the line if `source` is not a valid template."""
+def _syntax_problem(source: str | None) -> str | None:
+    """Why `source` is not a valid template (naming the line), or None when it is."""
     if source is None:
-        return
+        return None
     try:
         _env().from_string(source)
     except TemplateSyntaxError as e:
-        raise ValueError(f"{field} is not a valid Jinja template (line {e.lineno}: {e.message}): "
-                         "fix the template, e.g. \"Question: {{ question }}\"") from None
+        return (f"not a valid Jinja template (line {e.lineno}: {e.message}): fix the template, "
+                "e.g. \"Question: {{ question }}\"")
+    return None
+
+
+PROMPT_KINDS = ("template", "user", "messages_column")
 
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    """How a row becomes a prompt. Exactly one of `template`, `user`, `messages_column`."""
+    """How a row becomes a prompt: exactly one of template, user or messages_column.
+
+    template: a plain prompt over the row's columns ("Q: {{ question }}"); BOS is added.
+    system, user: chat messages built from the columns, rendered by the model's chat template.
+    messages_column: a column holding chat messages ([{role, content}, ...]).
+    Templates are Jinja, rendered in a sandbox; a missing column makes that row an error record.
+    The job spec's `prompt` section is generated from this class (jobs/spec.py), so both
+    refuse the same things with the same messages.
+    """
 
     template: str | None = None
     system: str | None = None
     user: str | None = None
     messages_column: str | None = None
     add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in PROMPT_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            # Name the extra kind (or template when none is given): the spec reports that field.
+            name = kinds[1] if kinds else "template"
+            _invalid(name, getattr(self, name), "give exactly one of template, user (with "
+                     f"optional system) or messages_column; got {', '.join(kinds) or 'none'}")
+        if self.system is not None and self.user is None:
+            _invalid("system", self.system, "system needs user: a chat prompt has a user message")
+        for name in ("template", "system", "user"):
+            problem = _syntax_problem(getattr(self, name))
+            if problem is not None:
+                _invalid(name, getattr(self, name), problem)
 
     @property
     def is_chat(self) -> bool:
@@ -69,6 +95,11 @@ class PromptTemplate:
             raise RowError("empty prompt: prompt.user rendered to blank text for this row")
         messages.append({"role": "user", "content": user})
         return messages
+
+
+def _invalid(name: str, value: object, fix: str) -> None:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ValueError(f"PromptTemplate.{name}={shown} is invalid: {fix}")
 
 
 def _render(source: str, values: dict[str, Any], field: str) -> str:

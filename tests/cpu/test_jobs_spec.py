@@ -163,3 +163,45 @@ def test_engine_backend_and_vllm_arguments_name_the_field():
         ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "vllm", "vllm": {"enforce_eagr": True}})
     with pytest.raises(ValueError, match=r"ProcessorConfig\.engine\.backend='gpu' is invalid"):
         ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "gpu"})
+
+
+@pytest.mark.parametrize("prompt", [
+    {"template": "Q: {{ q }}", "user": "{{ q }}"},   # two kinds
+    {"add_generation_prompt": False},                 # no kind
+    {"system": "Be brief.", "messages_column": "m"},  # system without user
+    {"user": "{{ q "},                                # bad syntax
+])
+def test_prompt_python_api_and_spec_refuse_alike(prompt, tiny_model):
+    """PromptTemplate itself checks "exactly one of" (the spec is generated from it): the
+    Python API and the spec refuse the same prompts with the same message."""
+    import prefixflow
+
+    with pytest.raises(ValueError) as api:
+        prefixflow.ProcessorConfig(model=str(tiny_model), prompt=prompt)
+    (field, message), = _problems(_spec(prompt=prompt)).items()
+    assert str(api.value) == f"PromptTemplate.{field.removeprefix('prompt.')}={message}"
+
+
+@pytest.mark.parametrize("score", [
+    {"choices": ["Yes"], "choices_column": "c"}, {}, {"choices": ["Yes"], "chunk_size": 0},
+    {"choices": ["Yes"], "lam": -1.0},
+])
+def test_score_python_api_and_spec_refuse_alike(score, tiny_model):
+    import prefixflow
+
+    with pytest.raises(ValueError) as api:
+        prefixflow.ProcessorConfig(model=str(tiny_model), task="score", score=score)
+    (field, message), = _problems(_spec(task="score", score=score)).items()
+    owner = "ScoreConfig" if field == "score.choices" else "ScoreOptions"
+    assert str(api.value) == f"{owner}.{field.removeprefix('score.')}={message}"
+
+
+def test_spec_choices_come_from_the_python_api():
+    """order, task and engine.backend accept exactly what ProcessorConfig accepts."""
+    from prefixflow.operators.config import BACKENDS, TASKS
+    from prefixflow.pipeline.ordering import ORDER_POLICIES
+
+    p = _problems(_spec(order="random", task="summarize", engine={"backend": "tgi"}))
+    assert all(repr(name) in p["order"] for name in ORDER_POLICIES)
+    assert all(repr(name) in p["task"] for name in TASKS)
+    assert all(repr(name) in p["engine.backend"] for name in BACKENDS)

@@ -49,7 +49,7 @@ def test_score_spec_is_checked_before_anything_starts():
     base = {"model": "m", "input": {"path": "x.jsonl"}, "prompt": {"template": "{{ q }}"},
             "output": {"path": "o"}}
     spec = parse_spec({**base, "task": "score", "score": {"choices": ["Yes", "No"]}})
-    assert spec.score is not None and spec.score.choices == ["Yes", "No"]
+    assert spec.score is not None and list(spec.score.choices) == ["Yes", "No"]
     with pytest.raises(SpecError, match="needs a score section"):
         parse_spec({**base, "task": "score"})
     with pytest.raises(SpecError, match="exactly one of choices"):
