@@ -6,10 +6,11 @@ incremental detokenizer they need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefixflow.engine.sequence import Sequence
+from prefixflow.requests import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,18 +23,32 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """Sample `index` of a request with SamplingParams.n > 1 (fields as RequestOutput's)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One finished request.
 
     token_ids: generated tokens; a final EOS or stop token id is included, a stop string's
         tokens too (the text is cut before the stop string).
-    text: the generated text, special tokens skipped; empty when the model has no tokenizer.
+    text: the generated text (special tokens skipped unless skip_special_tokens is False);
+        empty when the model has no tokenizer or detokenize is False.
     finish_reason: "stop" (EOS, stop token id or stop string), "length" (max_tokens or
         max_model_len) or "abort" (the request could not run; see `error`).
     logprobs: one entry per token when SamplingParams.logprobs is not None, else None.
     prefix_len: prompt tokens taken from the group's shared prefix KV (BatchLLM grouping).
     num_cached_tokens: prompt tokens this request did not compute itself at its first start:
         prefix_len plus hashed-block cache hits.
+    samples: with SamplingParams.n > 1, every sample in index order (the fields above are
+        sample 0's); else empty.
     """
 
     row_id: int
@@ -45,6 +60,15 @@ class RequestOutput:
     prefix_len: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    samples: tuple[SampleOutput, ...] = ()
+
+    def as_sample(self, index: int) -> SampleOutput:
+        return SampleOutput(index, self.token_ids, self.text, self.finish_reason, self.logprobs)
+
+
+def with_samples(outs: list[RequestOutput]) -> RequestOutput:
+    """The n sample outputs of one request (index order) as one: sample 0's fields + samples."""
+    return replace(outs[0], samples=tuple(o.as_sample(i) for i, o in enumerate(outs)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,17 +119,25 @@ def finished_output(seq: Sequence, tokenizer: Any, drop_last_from_text: bool) ->
     """The output of a finished sequence; text is the stop-string-cut text when one matched."""
     out_ids = seq.output_token_ids
     if seq.finish_reason == "stop" and not drop_last_from_text:
-        text = seq.text  # cut before the stop string by check_stop_string
-    elif tokenizer is None:
-        text = ""
+        text = seq.text  # cut at the stop string by check_stop_string
     else:
-        ids = out_ids[:-1] if drop_last_from_text else out_ids
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+        text = decode_output(out_ids, seq.params, tokenizer, drop_last_from_text)
     logprobs = tuple(seq.logprobs) if seq.params.logprobs is not None else None
     return RequestOutput(row_id=seq.row_id, prompt_token_ids=tuple(seq.token_ids[:seq.num_prompt_tokens]),
                          token_ids=tuple(out_ids), text=text, finish_reason=seq.finish_reason or "length",
                          logprobs=logprobs, prefix_len=seq.prefix_len,
                          num_cached_tokens=max(seq.num_cached_tokens, 0))
+
+
+def decode_output(token_ids: Any, params: SamplingParams, tokenizer: Any, ends_with_stop_id: bool) -> str:
+    """The text of generated tokens, as vLLM gives it: none without a tokenizer or with
+    detokenize False; a final EOS / stop token id left out unless include_stop_str_in_output."""
+    if tokenizer is None or not params.detokenize:
+        return ""
+    ids = list(token_ids)
+    if ends_with_stop_id and not params.include_stop_str_in_output:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
 
 def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> tuple[str, bool] | None:
@@ -131,21 +163,23 @@ def append_text(seq: Sequence, tokenizer: Any) -> None:
     """Incremental detokenization (as Hugging Face TGI / vLLM): decode a small window of
     recent tokens and append only text that is complete (no partial UTF-8 character)."""
     ids = seq.output_token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    new_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    skip = seq.params.skip_special_tokens
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
         seq.text += new_text[len(prefix_text):]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
 
 def cut_at_stop_string(seq: Sequence) -> bool:
-    """If a stop string appears in the text, cut the text before it and return True."""
-    cut = -1
+    """If a stop string appears in the text, cut the text before it (after it with
+    include_stop_str_in_output) and return True."""
+    cut, end = -1, -1
     for stop in seq.params.stop:
         i = seq.text.find(stop)
         if i >= 0 and (cut < 0 or i < cut):
-            cut = i
+            cut, end = i, i + len(stop)
     if cut < 0:
         return False
-    seq.text = seq.text[:cut]
+    seq.text = seq.text[:end if seq.params.include_stop_str_in_output else cut]
     return True

@@ -32,6 +32,16 @@ OUTPUT_FIELDS = [
     pa.field(RANK, pa.int64()),
     pa.field(COMPUTED, pa.float64()),
 ]
+# With SamplingParams.n > 1 (any row of a chunk): every sample of each row, in index order
+# (OpenAI batch `choices` are built from it: keep the names).
+SAMPLE_TYPE = pa.struct([
+    pa.field("index", pa.int32()),
+    pa.field("text", pa.string()),
+    pa.field("token_ids", pa.list_(pa.int32())),
+    pa.field("finish_reason", pa.string()),
+    pa.field("logprobs", pa.string()),   # JSON, null unless asked
+])
+SAMPLES_FIELD = pa.field("samples", pa.list_(SAMPLE_TYPE))
 KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
 
 
@@ -88,7 +98,20 @@ def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_le
     if any(getattr(o, "logprobs", None) is not None for o in outs):
         table = table.append_column("logprobs", pa.array(
             [None if o.logprobs is None else json.dumps(plain(o.logprobs)) for o in outs], pa.string()))
+    if any(getattr(o, "samples", ()) for o in outs):
+        table = table.append_column(SAMPLES_FIELD, pa.array([sample_rows(o, e) for o, e in zip(outs, errors)],
+                                                            SAMPLES_FIELD.type))
     return table
+
+
+def sample_rows(out: Any, error: str | None) -> list[dict[str, Any]] | None:
+    """A row's `samples` value: its samples (one, sample 0, when it asked n = 1); null for an error."""
+    if error:
+        return None
+    samples = out.samples or (out.as_sample(0),)
+    return [{"index": s.index, "text": s.text, "token_ids": [int(t) for t in s.token_ids],
+             "finish_reason": s.finish_reason,
+             "logprobs": None if s.logprobs is None else json.dumps(plain(s.logprobs))} for s in samples]
 
 
 def token_counts(groups: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +146,7 @@ def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = Fa
 
 def output_names(score: bool, include_prompt: bool) -> set[str]:
     """Every column name the output rows may have besides the input's (part to part alike)."""
-    names = {f.name for f in OUTPUT_FIELDS if not f.name.startswith("_pf_")} | {"logprobs"}
+    names = {f.name for f in OUTPUT_FIELDS if not f.name.startswith("_pf_")} | {"logprobs", SAMPLES_FIELD.name}
     if score:
         names |= {f.name for f in SCORE_FIELDS}
     return names | ({"prompt"} if include_prompt else set())

@@ -5,6 +5,7 @@ Pure Python + numpy: the planner, the scheduler and the job spec import this wit
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Mapping
@@ -29,6 +30,20 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (benchmarks).
     logprobs: number of top log-probabilities to return per token (None: none; 0: only the
         sampled token's log-probability).
+    n: samples per prompt; the row keeps sample 0 and lists all in `samples`. A seeded
+        request's sample i uses seed + i (as vLLM), so each is reproducible and they differ.
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logits of tokens the
+        output already has: once (presence) and per occurrence (frequency). 0 disables.
+    repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it
+        when positive, multiplied when negative. 1 disables.
+    min_p: in [0, 1]; drop tokens less likely than min_p times the most likely one. 0 disables.
+    include_stop_str_in_output: keep the matched stop string (or final EOS / stop token) in
+        the text.
+    skip_special_tokens: leave special tokens out of the text.
+    detokenize: False returns no text (token ids only); stop strings then cannot work.
+    structured_outputs: None, or a mapping with exactly one of vLLM's StructuredOutputsParams
+        keys: json (a JSON schema object or its text), json_object (true), regex, choice (a
+        list of strings), grammar. vLLM backend only.
     """
 
     temperature: float = 1.0
@@ -41,6 +56,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Types are checked here, the one place every source (spec, rows, OpenAI bodies, Python)
@@ -59,15 +83,43 @@ class SamplingParams:
             _set(self, "logprobs", _integer("logprobs", self.logprobs, 0, 20, "use None for no log-probabilities"))
         _set(self, "stop", _stop_strings(self.stop))
         _set(self, "stop_token_ids", _token_ids(self.stop_token_ids))
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "use true or false")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            _check(isinstance(getattr(self, flag), bool), flag, getattr(self, flag), "use true or false")
+        self._check_vllm_fields()
         _check(self.temperature >= 0, "temperature", self.temperature, "use 0 for greedy or a positive value")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "use a value in (0, 1]")
         _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                "use a value between 0 and max_tokens")
 
+    def _check_vllm_fields(self) -> None:
+        """The fields vLLM's SamplingParams has and ours gained (issue 15), vLLM's ranges."""
+        _set(self, "n", _integer("n", self.n, 1, MAX_N, f"ask for 1 to {MAX_N} samples per prompt"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "use a value in [-2, 2]; 0 disables")
+            _check(-2.0 <= value <= 2.0, name, value, "use a value in [-2, 2]; 0 disables")
+            _set(self, name, value)
+        fix = "use a value above 0; 1 disables"
+        _set(self, "repetition_penalty", _real("repetition_penalty", self.repetition_penalty, fix))
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, fix)
+        _set(self, "min_p", _real("min_p", self.min_p, "use a value in [0, 1]; 0 disables"))
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "use a value in [0, 1]; 0 disables")
+        _check(self.detokenize or not self.stop, "detokenize", self.detokenize,
+               "stop strings need the text: keep detokenize true, or use stop_token_ids")
+        if self.structured_outputs is not None:
+            _set(self, "structured_outputs", _structured(self.structured_outputs))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def sample_params(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of n: one sample, seed + index when seeded."""
+        seed = None if self.seed is None else (self.seed + index) % (INT64_MAX + 1)
+        return replace(self, n=1, seed=seed)
 
     def with_overrides(self, overrides: Any) -> "SamplingParams":
         """These parameters with a row's (or request body's) overrides applied; null values
@@ -84,6 +136,15 @@ class SamplingParams:
 
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+MAX_N = 1024
+# vLLM's StructuredOutputsParams keys (one per request) and what each needs.
+STRUCTURED_KINDS = {
+    "json": "a JSON schema object or its JSON text",
+    "json_object": "true",
+    "regex": "a non-empty regular expression string",
+    "choice": "a non-empty list of non-empty strings",
+    "grammar": "a non-empty grammar string (EBNF / Lark / GBNF)",
+}
 
 
 def params_for_row(params: "SamplingParams | Mapping[int, SamplingParams]", row_id: int) -> SamplingParams:
@@ -138,6 +199,47 @@ def _token_ids(ids: object) -> tuple[int, ...]:
     _check(ok, "stop_token_ids", ids, "use a list of token ids")
     return tuple(_integer("stop_token_ids", t, 0, INT32_MAX, "use token ids of the model's vocabulary")
                  for t in ids)  # type: ignore[union-attr]
+
+
+class FrozenDict(dict):
+    """A read-only dict that hashes (SamplingParams stays hashable, and JSON-serialisable)."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("SamplingParams.structured_outputs is read-only: use with_overrides")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only  # type: ignore
+
+
+def _structured(value: object) -> FrozenDict:
+    """structured_outputs: exactly one known key with a value of the right type."""
+    name, kinds = "structured_outputs", ", ".join(STRUCTURED_KINDS)
+    _check(isinstance(value, Mapping), name, value, f"give a mapping with one key among {kinds}")
+    keys = [str(k) for k, v in value.items() if v is not None]  # type: ignore[union-attr]
+    _check(len(keys) == 1 and keys[0] in STRUCTURED_KINDS, name, value,
+           f"give exactly one key among {kinds}")
+    kind, spec = keys[0], value[keys[0]]  # type: ignore[index]
+    fix = f"{name}.{kind} needs {STRUCTURED_KINDS[kind]}"
+    if kind == "json":
+        schema = spec
+        if isinstance(spec, str):
+            try:
+                schema = json.loads(spec)
+            except ValueError:
+                schema = None
+        _check(isinstance(schema, Mapping), f"{name}.json", spec, fix)
+        spec = FrozenDict(schema) if not isinstance(spec, str) else spec  # type: ignore[arg-type]
+    elif kind == "json_object":
+        _check(spec is True, f"{name}.json_object", spec, fix)
+    elif kind == "choice":
+        ok = isinstance(spec, (list, tuple)) and len(spec) > 0 and all(isinstance(c, str) and c for c in spec)
+        _check(ok, f"{name}.choice", spec, fix)
+        spec = tuple(spec)
+    else:
+        _check(isinstance(spec, str) and bool(spec.strip()), f"{name}.{kind}", spec, fix)
+    return FrozenDict({kind: spec})
 
 
 def _check(ok: bool, name: str, value: object, fix: str) -> None:
