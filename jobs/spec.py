@@ -276,9 +276,10 @@ class JobSpec(_Strict):
 
     def _backend_can_run(self) -> None:
         score = self.score.model_dump() if self.score is not None else None
-        for field, value, fix in backend_problems(self.engine.model_dump(), self.task, score):
-            # _describe reads the field from "<Owner>.<field>=<value> is invalid: <fix>"
-            raise ValueError(f"JobSpec.{field}={_short(value)} is invalid: {fix}")
+        problems = backend_problems(self.engine.model_dump(), self.task, score)
+        if problems:  # every one, each on its own line (parse_spec unpacks them)
+            raise _SpecProblems([(field, f"{_short(value)} is invalid: {fix}")
+                                 for field, value, fix in problems])
 
     def _device_has_a_gpu(self) -> None:
         # An actor without a GPU slot sees no GPU, so a cuda engine could never start in it.
@@ -326,7 +327,22 @@ def parse_spec(data: Any, source: str = "<spec>", overrides: dict[str, Any] | No
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(source, _merge([_describe(err) for err in e.errors()])) from None
+        problems = [p for err in e.errors() for p in _problems_of(err)]
+        raise SpecError(source, _merge(problems)) from None
+
+
+class _SpecProblems(ValueError):
+    """Raised by a JobSpec validator that finds several problems at once: pydantic keeps one
+    error per validator, so the (field path, message) pairs travel inside it."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{path}: {msg}" for path, msg in problems))
+        self.problems = problems
+
+
+def _problems_of(err: Any) -> list[tuple[str, str]]:
+    raised = (err.get("ctx") or {}).get("error")
+    return raised.problems if isinstance(raised, _SpecProblems) else [_describe(err)]
 
 
 def _merge(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -119,8 +119,10 @@ class ProcessorConfig:
         _require("model" not in self.engine, "engine", self.engine,
                  "give the model as ProcessorConfig.model, not inside engine")
         self.engine_config()  # EngineConfig checks its own fields, naming them
-        for name, value, fix in backend_problems(self.engine, self.task, self.score):
-            _require(False, name, value, fix)
+        problems = backend_problems(self.engine, self.task, self.score)
+        if problems:  # every one, a line each
+            raise ValueError("\n".join(f"ProcessorConfig.{name}={value!r} is invalid: {fix}"
+                                        for name, value, fix in problems))
         if not isinstance(self.sampling, SamplingParams):
             object.__setattr__(self, "sampling",
                                sampling_with_defaults(self.model, self.sampling or {})[0])

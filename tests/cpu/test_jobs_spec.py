@@ -205,3 +205,16 @@ def test_spec_choices_come_from_the_python_api():
     assert all(repr(name) in p["order"] for name in ORDER_POLICIES)
     assert all(repr(name) in p["task"] for name in TASKS)
     assert all(repr(name) in p["engine.backend"] for name in BACKENDS)
+
+
+def test_every_bad_vllm_argument_is_reported():
+    """Three bad engine.vllm keys: the spec and the Python API name all three (before: the first)."""
+    from prefixflow.operators.config import ProcessorConfig
+
+    args = {"enforce_eagr": True, "model": "x", "trust_remote_code": True}
+    bad = _problems(_spec(engine__backend="vllm", engine__vllm=args))
+    assert sorted(bad) == [f"engine.vllm.{key}" for key in sorted(args)]
+    with pytest.raises(ValueError) as api:
+        ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "vllm", "vllm": args})
+    assert [line.split("=")[0] for line in str(api.value).splitlines()] == \
+        [f"ProcessorConfig.engine.vllm.{key}" for key in args]
