@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from prefixflow.kernels import (packed_prefill_attention, paged_decode_attention,
                                 prefix_shared_attention, rms_norm, rms_norm_ref,
                                 rotary_embedding, rotary_embedding_ref, write_kv_cache)
-from prefixflow.kernels._testing import PrefixCase, make_prefix_case
+from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton
 

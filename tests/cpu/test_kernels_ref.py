@@ -5,8 +5,8 @@ import torch
 
 from prefixflow.kernels import (packed_prefill_attention_ref, paged_decode_attention_ref,
                                 prefix_shared_attention_ref, write_kv_cache_ref)
-from prefixflow.kernels._testing import (make_prefix_case, naive_packed_prefill,
-                                         naive_prefix_attention, rel_error)
+from prefixflow.bench.kernel_cases import make_prefix_case
+from support.kernel_oracles import naive_packed_prefill, naive_prefix_attention, rel_error
 
 PREFIX_CASES = {
     # name: (groups [(prefix_len, [(q_len, kv_len)])], solo [(q_len, kv_len)])

@@ -9,8 +9,8 @@ import torch
 from prefixflow.kernels import (packed_prefill_attention_ref, paged_decode_attention_ref,
                                 prefix_shared_attention_ref)
 from prefixflow.kernels import _common
-from prefixflow.kernels._testing import (PrefixCase, make_prefix_case, naive_packed_prefill,
-                                         rel_error)
+from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
+from support.kernel_oracles import naive_packed_prefill, rel_error
 
 ENGINE_LIKE = (
     # groups [(prefix_len, [(q_len, kv_len)])]: decode members, fresh chunks, a chunk over

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from prefixflow.kernels._common import interpreting
-from prefixflow.kernels._testing import (make_prefix_case, naive_packed_prefill,
-                                         naive_prefix_attention, rel_error)
+from prefixflow.bench.kernel_cases import make_prefix_case
+from support.kernel_oracles import naive_packed_prefill, naive_prefix_attention, rel_error
 from prefixflow.kernels.kv_write import write_kv_cache_triton
 from prefixflow.kernels.packed_prefill import packed_prefill_attention_triton
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton

@@ -12,7 +12,8 @@ from prefixflow.kernels import (packed_prefill_attention, packed_prefill_attenti
                                 paged_decode_attention, paged_decode_attention_ref,
                                 prefix_shared_attention, prefix_shared_attention_ref,
                                 write_kv_cache)
-from prefixflow.kernels._testing import PrefixCase, make_prefix_case, rel_error
+from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
+from support.kernel_oracles import rel_error
 from prefixflow.kernels.kv_write import write_kv_cache_triton
 from prefixflow.kernels.packed_prefill import packed_prefill_attention_triton
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
