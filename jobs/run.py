@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from prefixflow.jobs import report
+from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
 from prefixflow.engine.model_source import normalize_model
 from prefixflow.jobs.spec import JobSpec
@@ -149,8 +150,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
                                            "parts": sorted(m["part"] for m in final.manifests),
                                            "row_ids": final.row_ids.tolist()}, wopts.storage)
-    metrics["plot"] = report.write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"),
-                                        wopts.storage)
+    metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch
         from prefixflow.operators.openai_batch import write_results

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from prefixflow.jobs.demo import example_path, write_demo_data
-from prefixflow.jobs import report
+from prefixflow.jobs import plot
 from prefixflow.jobs.report import Progress
 
 
@@ -158,16 +158,16 @@ def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
     steps = [{"num_prefill_tokens": 300, "num_prefix_tokens": 100, "num_decode_tokens": 0}] + \
         [{"num_prefill_tokens": 0, "num_prefix_tokens": 0, "num_decode_tokens": 8}] * 6
     plan = pa.table({"group_id": np.array([0, 0, 0, 1, 1, 2, 3, 3])})
-    assert report.group_sizes(plan).tolist() == [3, 2, 1, 2]
+    assert plot.group_sizes(plan).tolist() == [3, 2, 1, 2]
     path = tmp_path / "plot.png"
-    assert report.write_plot(_metrics(steps), plan, str(path), StorageOptions()) == "plot.png written"
+    assert plot.write_plot(_metrics(steps), plan, str(path), StorageOptions()) == "plot.png written"
     assert path.read_bytes()[:4] == b"\x89PNG"
     # matplotlib is an optional extra: without it the job says the plot was skipped.
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     path.unlink()
-    message = report.write_plot(_metrics(steps), plan, str(path), StorageOptions())
-    assert message == report.PLOT_MISSING and "prefixflow[plot]" in message and not path.exists()
+    message = plot.write_plot(_metrics(steps), plan, str(path), StorageOptions())
+    assert message == plot.PLOT_MISSING and "prefixflow[plot]" in message and not path.exists()
 
 
 def test_ray_metrics_of_deaths_and_error_rows(ray_local):
