@@ -140,14 +140,8 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     run_prefix = np.where(run_len > 1, grouping.prefix_len[seq_order[starts[:-1]]], 0)
     part = _partition(cost_model, seq_order, starts, run_prefix, lengths, est, num_replicas)
 
-    # Plan order: replica by replica, each keeping the policy's order of its parts (a part is a
-    # run, or a piece of a run cut between replicas; each piece keeps the run's prefix).
-    part_len = part.part_hi - part.part_lo
-    new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
-    shift = np.repeat(part.part_lo - new_starts[:-1], part_len)
-    seq_index = seq_order[np.arange(n, dtype=np.int64) + shift]
-    group_prefix = grouping.prefix_len[seq_order[starts[:-1]]] if n else np.zeros(0, np.int64)
-    part_prefix = np.where(part_len > 1, group_prefix[part.part_run], 0)
+    seq_index, new_starts, part_len, part_prefix = _parts_in_plan_order(seq_order, starts,
+                                                                         grouping, part)
     part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if n else np.zeros(0, np.int64)
     part_computed = part_prompt - (part_len - 1) * part_prefix
     table = _plan_table(ids, seq_index, lengths, outs, new_starts, part_prefix,
@@ -157,6 +151,21 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     _add_predictions(summary, part, cost_model, grouping, outs is None)
     summary["planning_seconds"] = time.perf_counter() - started
     return Plan(table, summary, tokens, seq_index, new_starts, part.replica_parts, hashed)
+
+
+def _parts_in_plan_order(seq_order: np.ndarray, starts: np.ndarray, grouping: Grouping,
+                         part: Partition) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Plan order: replica by replica, each keeping the policy's order of its parts (a part is a
+    run, or a piece of a run cut between replicas; each piece keeps the run's prefix).
+    Returns (prompt index per plan row, part starts, part lengths, part prefix lengths)."""
+    n = len(seq_order)
+    part_len = part.part_hi - part.part_lo
+    new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
+    shift = np.repeat(part.part_lo - new_starts[:-1], part_len)
+    seq_index = seq_order[np.arange(n, dtype=np.int64) + shift]
+    group_prefix = grouping.prefix_len[seq_order[starts[:-1]]] if n else np.zeros(0, np.int64)
+    part_prefix = np.where(part_len > 1, group_prefix[part.part_run], 0)
+    return seq_index, new_starts, part_len, part_prefix
 
 
 def _partition(cm: CostModel, seq_order: np.ndarray, starts: np.ndarray, run_prefix: np.ndarray,
