@@ -137,8 +137,15 @@ def _check_fields(body: dict[str, Any], url: str) -> None:
         other = {"/v1/chat/completions": "/v1/completions"}.get(url, "/v1/chat/completions")
         where = f" (it belongs to {other})" if name in _ROUTED[other] else ""
         raise ValueError(f"body.{name} is not a field prefixflow honours for {url}{where}: remove "
-                         "it, or use one of the sampling fields "
-                         f"{', '.join(sorted(_SAMPLING))}, logprobs, response_format")
+                         f"it (the sampling fields are {', '.join(_sampling_fields())})")
+
+
+def _sampling_fields() -> list[str]:
+    """The body's sampling fields this version's SamplingParams honours."""
+    from prefixflow.requests import SamplingParams
+
+    known = set(SamplingParams.__dataclass_fields__)
+    return sorted(theirs for theirs, ours in _SAMPLING.items() if ours in known)
 
 
 def _overrides(body: dict[str, Any], url: str) -> dict[str, Any]:
