@@ -21,12 +21,15 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["short", "s3", "gguf", "folder", "hub"]
 
@@ -197,8 +200,7 @@ def _from_gguf(gguf: Path, model: str) -> Path:
     digest = _sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
     dest = cache_dir() / f"gguf-{digest[:20]}"
     if not (dest / "config.json").is_file():
-        print(f"prefixflow: converting {gguf.name} into a Hugging Face folder (once) at {dest}",
-              flush=True)
+        log.info("converting %s into a Hugging Face folder (once) at %s", gguf.name, dest)
         tmp = _temp_sibling(dest)
         try:
             _convert_gguf(gguf, tmp, model)
@@ -263,7 +265,7 @@ def _from_s3(uri: str, storage: Any) -> Path:
         from prefixflow.operators.storage import StorageOptions
 
         storage = StorageOptions()
-    print(f"prefixflow: copying {uri} to {dest} (once per node)", flush=True)
+    log.info("copying %s to %s (once per node)", uri, dest)
     tmp = _temp_sibling(dest)
     try:
         fs = storage.filesystem(uri)

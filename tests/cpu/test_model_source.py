@@ -97,7 +97,7 @@ def test_forms_and_normalized_names(tiny_model, tmp_path, monkeypatch):
     assert resolve_model(str(tiny_model)) == tiny_model
 
 
-def test_s3_folder_is_copied_once(tiny_model, s3_server):
+def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
     import boto3
 
     from prefixflow.operators.storage import StorageOptions
@@ -108,10 +108,14 @@ def test_s3_folder_is_copied_once(tiny_model, s3_server):
                  aws_secret_access_key="testing").create_bucket(Bucket="models")
     fs = storage.filesystem("s3://models")
     fs.put(str(tiny_model) + "/", "models/tiny/", recursive=True)
-    local = resolve_model("s3://models/tiny", storage)
-    assert (local / "config.json").is_file() and model_kind(str(local)) == "folder"
-    fs.rm("models/tiny", recursive=True)
-    assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, no S3 read
+    with caplog.at_level("INFO", logger="prefixflow.engine.model_source"):
+        local = resolve_model("s3://models/tiny", storage)
+        assert (local / "config.json").is_file() and model_kind(str(local)) == "folder"
+        fs.rm("models/tiny", recursive=True)
+        assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, no S3 read
+    # the copy is reported through the module's logger (not print), once
+    assert [r.getMessage() for r in caplog.records] == [
+        f"copying s3://models/tiny to {local} (once per node)"]
     with pytest.raises(ModelError, match="'s3://models/absent' could not be copied"):
         resolve_model("s3://models/absent", storage)
 
