@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+ScorePolicy = Literal["srjf", "fcfs"]
+SCORE_POLICIES: tuple[str, ...] = get_args(ScorePolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +28,7 @@ class ScoreOptions:
     max_forward_bytes: int | None = None
     choice_leading_space: bool = False
     add_special_tokens: bool = True
-    policy: Literal["srjf", "fcfs"] = "srjf"
+    policy: ScorePolicy = "srjf"
     calibrate: bool = True
     lam: float = 500.0
 
@@ -37,7 +40,8 @@ class ScoreOptions:
                  "use None, 0 or a byte budget"),
                 ("max_forward_bytes", self.max_forward_bytes is None or self.max_forward_bytes > 0,
                  "use None or a positive byte budget"),
-                ("policy", self.policy in ("srjf", "fcfs"), "use 'srjf' or 'fcfs'"),
+                ("policy", self.policy in SCORE_POLICIES,
+                 f"use one of {', '.join(map(repr, SCORE_POLICIES))}"),
                 ("lam", self.lam >= 0, "use 0 or a positive weight")):
             if not ok:
                 raise ValueError(f"ScoreOptions.{name}={getattr(self, name)!r} is invalid: {fix}")

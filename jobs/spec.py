@@ -7,8 +7,11 @@ Unknown keys and bad values fail before anything starts, with the field path and
       input.pathh: unknown key; did you mean 'path'? (allowed: path, format, limit)
       sampling.temperature: -1.0 is invalid: use 0 for greedy or a positive value
 
-The engine, sampling and storage sections mirror `EngineConfig`, `SamplingParams` and
-`StorageOptions` field for field (generated from their dataclasses, so they cannot drift apart).
+The engine, sampling, storage, prompt and score sections mirror `EngineConfig`,
+`SamplingParams`, `StorageOptions`, `PromptTemplate` and `ScoreConfig` field for field (generated
+from their dataclasses by `_mirror`, so they cannot drift apart, and the Python API refuses the
+same values with the same messages); task, order and engine.backend take their choices from
+operators/config.TASKS, pipeline/ordering.ORDER_POLICIES and operators/config.BACKENDS.
 YAML is read with a safe loader (no python/* tags) that also refuses duplicate keys and nesting
 deeper than a spec needs; `--set KEY=VALUE` values are read the same way.
 """
