@@ -240,3 +240,20 @@ def test_huge_sampling_integers_name_the_field():
     with pytest.raises(SpecError) as e:  # fits in 64 bits, not in the engine's int32
         parse_spec({**_job_dict("in.jsonl", "out"), "sampling": {"top_k": 1e10}})
     assert str(e.value).startswith("<spec>: sampling.top_k: 10000000000 is invalid: an integer in [-1, ")
+
+
+def test_validate_reads_the_columns_of_an_s3_input(tmp_path, tiny_model, s3_server, capsys):
+    """`prefixflow validate` samples the first rows of the first s3:// input file too: a template
+    column the input lacks is one line naming prompt.template, the column and the columns."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket="validate-in")
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
+        Bucket="validate-in", Key="in/a.jsonl", Body="".join(json.dumps(r) + "\n" for r in ROWS).encode())
+    data = {**_job(tmp_path, tiny_model, prompt={"template": "{{ questoin }}"}),
+            "input": {"path": "s3://validate-in/in/", "format": "jsonl"},
+            "storage": {"endpoint_url": s3_server, "region": "us-east-1"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    line = _one_line_error(capsys, ["validate", str(tmp_path / "job.yaml")])
+    assert line.endswith("prompt.template: names column 'questoin', which the input does not have "
+                         "(columns: document, id, question); did you mean 'question'?"), line
