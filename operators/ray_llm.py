@@ -1,6 +1,7 @@
 """ray.data.llm's face on prefixflow's planned Processor: switch by changing one import.
 
-    from prefixflow import build_llm_processor, vLLMEngineProcessorConfig   # was ray.data.llm
+    from prefixflow import build_processor, vLLMEngineProcessorConfig   # was ray.data.llm
+    (build_llm_processor, Ray's older name, works too)
 
 `vLLMEngineProcessorConfig` takes ray.data.llm's field names and becomes a ProcessorConfig:
     model_source -> model; engine_kwargs -> engine.backend: vllm, the vLLM arguments prefixflow

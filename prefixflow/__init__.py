@@ -8,7 +8,7 @@ operators/, jobs/, bench/) and install as `prefixflow.<folder>`.
 
 or, for ray.data.llm users, its names (only the import line changes):
 
-    from prefixflow import build_llm_processor, vLLMEngineProcessorConfig
+    from prefixflow import build_processor, vLLMEngineProcessorConfig   # or build_llm_processor
 
 The API names below are imported lazily: `import prefixflow` loads neither torch nor ray.
 """

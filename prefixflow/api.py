@@ -20,27 +20,37 @@ Neither imports torch or ray until used. The caller owns `ray.init`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prefixflow.operators.batch_generator import Generator
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.processor import Processor
-from prefixflow.operators.ray_llm import build_llm_processor, vLLMEngineProcessorConfig
+from prefixflow.operators.ray_llm import RayLLMProcessor, build_llm_processor, vLLMEngineProcessorConfig
 from prefixflow.operators.template import PromptTemplate
 
 __all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_llm_processor",
            "build_processor", "vLLMEngineProcessorConfig"]
 
 
-def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
-                    postprocess: Callable[[dict], dict] | None = None) -> Processor:
+def build_processor(config: ProcessorConfig | vLLMEngineProcessorConfig,
+                    preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None,
+                    **ray_llm_kwargs: Any) -> Processor | RayLLMProcessor:
     """A callable Dataset -> Dataset that tokenizes, plans globally and generates.
 
-    preprocess: row -> row before tokenization (e.g. build `messages` or `prompt`).
+    preprocess: row -> dict before tokenization (e.g. build `messages` or `prompt`), merged
+        into the row (the row's other columns stay), as in ray.data.llm.
     postprocess: row -> row on each output row (input columns carried through, plus
         generated_text, generated_tokens, num_input_tokens, num_generated_tokens,
         finish_reason, error, row_id, replica).
+    A vLLMEngineProcessorConfig goes to build_llm_processor (ray.data.llm's newer name for it
+    is build_processor too), with its keyword arguments (preprocess_map_kwargs, ...).
     """
+    if isinstance(config, vLLMEngineProcessorConfig):
+        return build_llm_processor(config, preprocess, postprocess, **ray_llm_kwargs)
     if not isinstance(config, ProcessorConfig):
         raise TypeError(f"build_processor needs a ProcessorConfig, got {type(config).__name__}")
+    if ray_llm_kwargs:
+        raise TypeError(f"build_processor got {', '.join(ray_llm_kwargs)}: those are "
+                        "ray.data.llm's, taken with a vLLMEngineProcessorConfig only")
     return Processor(config, preprocess=preprocess, postprocess=postprocess)

@@ -37,14 +37,19 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
         vLLMEngineProcessorConfig(model_source=str(tiny_model), engine_kwargs={"enable_prefix_cachin": True})
     with pytest.raises(ValueError, match="engine.vllm.model"):
         vLLMEngineProcessorConfig(model_source=str(tiny_model), engine_kwargs={"model": "other"})
+    with pytest.raises(ValueError, match="builder_kwargs"):  # no silently dropped chat_template_kwargs
+        prefixflow.build_processor(config, builder_kwargs={"chat_template_kwargs": {"enable_thinking": False}})
+    with pytest.raises(TypeError, match="preprocess_map_kwargs"):  # ray.data.llm's, not ours
+        prefixflow.build_processor(ours, preprocess_map_kwargs={"num_cpus": 1})
 
 
 def ray_quickstart(model_source: str) -> list[dict]:
     """ray.data.llm's build_processor example (ray/data/llm.py, Ray's API docs), as published
-    except: the import line; model_source (the tiny checkpoint); range(300) -> range(12) and
-    max_tokens 20 -> 8 (test cost)."""
+    except: the import line (`ray.data.llm` -> `prefixflow`); model_source (the tiny
+    checkpoint); range(300) -> range(12) and max_tokens 20 -> 8 (test cost); the rows are
+    returned instead of printed."""
     import ray
-    from prefixflow import vLLMEngineProcessorConfig, build_llm_processor as build_processor
+    from prefixflow import vLLMEngineProcessorConfig, build_processor
 
     config = vLLMEngineProcessorConfig(
         model_source=model_source,
@@ -100,4 +105,4 @@ def test_ray_data_llm_quickstart_runs_on_prefixflow(ray_local, tiny_model):
         assert 1 <= r["num_generated_tokens"] == len(r["generated_tokens"]) <= 8
     # detokenize=False in sampling_params: ray.data.llm's detokenize stage still gives the text
     assert any(r["generated_text"] for r in rows)
-    assert prefixflow.api.build_llm_processor is prefixflow.build_llm_processor
+    assert prefixflow.api.build_llm_processor is prefixflow.build_llm_processor  # the older name
