@@ -7,7 +7,8 @@
     model_source -> model; engine_kwargs -> engine.backend: vllm, the vLLM arguments prefixflow
     sets itself (max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
     dtype, ...) -> their EngineConfig fields (`engine_settings`), the rest -> vLLM engine
-    arguments, checked against vLLM's argument names before any actor starts; concurrency (an int) -> replicas;
+    arguments, checked against vLLM's argument names before any actor starts;
+    concurrency (an int) -> replicas;
     batch_size -> rows_per_chunk (rows per output block); tokenize_stage's batch_size and
     concurrency -> the tokenize actors'; order (prefixflow's own) -> the plan order.
 Accepted as they are, because prefixflow always does what they ask for or they only tune Ray's
@@ -26,6 +27,9 @@ row, which has ray.data.llm's columns (generated_text, generated_tokens, num_inp
 num_generated_tokens, prompt, prompt_token_ids, time_taken_llm) beside prefixflow's
 (finish_reason, error, row_id, replica). time_taken_llm is null: a planned group's rows are
 computed together, so no per-row engine time exists (Processor.metrics() has per-replica times).
+prompt_token_ids cost a second tokenizer pass over the output rows (the plan keeps token ids
+away from the output rows). The engine is always vLLM here, as the config's name says; for
+prefixflow's native engine use ProcessorConfig.
 """
 
 from __future__ import annotations
@@ -203,7 +207,8 @@ class RayColumns:
         if self.detokenize:
             table = self._texts(table)
         if self.error_column:
-            table = table.append_column("__inference_error__", pa.array([e or "" for e in errors], pa.string()))
+            table = table.append_column("__inference_error__",
+                                        pa.array([e or "" for e in errors], pa.string()))
         return table
 
     def _texts(self, table: pa.Table) -> pa.Table:
@@ -238,4 +243,5 @@ def _gpus_per_replica(engine_kwargs: dict[str, Any]) -> float:
 
     if not ray.is_initialized() or not ray.cluster_resources().get("GPU"):
         return 0.0
-    return float(engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1))
+    tp, pp = engine_kwargs.get("tensor_parallel_size", 1), engine_kwargs.get("pipeline_parallel_size", 1)
+    return float(tp * pp)

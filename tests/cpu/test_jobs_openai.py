@@ -121,7 +121,8 @@ def _check_new_cases(by_id: dict[str, dict]) -> None:
     assert legacy["text_offset"][0] == 0 and all(len(t) == 2 for t in legacy["top_logprobs"])
     if "n" in has:
         choices = by_id["n-2"]["response"]["body"]["choices"]
-        assert [c["index"] for c in choices] == [0, 1] and all(c["message"]["content"] is not None for c in choices)
+        assert [c["index"] for c in choices] == [0, 1]
+        assert all(c["message"]["content"] is not None for c in choices)
     else:
         assert "body.n" in by_id["n-2"]["error"]["message"]
     # the native backend cannot run structured outputs: an error record that says so

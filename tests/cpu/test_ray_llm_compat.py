@@ -38,7 +38,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     with pytest.raises(ValueError, match="engine.vllm.model"):
         vLLMEngineProcessorConfig(model_source=str(tiny_model), engine_kwargs={"model": "other"})
     with pytest.raises(ValueError, match="builder_kwargs"):  # no silently dropped chat_template_kwargs
-        prefixflow.build_processor(config, builder_kwargs={"chat_template_kwargs": {"enable_thinking": False}})
+        prefixflow.build_processor(config, builder_kwargs={"chat_template_kwargs": {"x": False}})
     with pytest.raises(TypeError, match="preprocess_map_kwargs"):  # ray.data.llm's, not ours
         prefixflow.build_processor(ours, preprocess_map_kwargs={"num_cpus": 1})
 
