@@ -60,6 +60,10 @@ class PromptTemplate:
     add_generation_prompt: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("template", "system", "user", "messages_column"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                _invalid(name, value, f"give text (a string), not a {type(value).__name__}")
         kinds = [k for k in PROMPT_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             # Name the extra kind (or template when none is given): the spec reports that field.

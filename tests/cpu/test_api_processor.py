@@ -73,3 +73,9 @@ def test_processor_and_generator_agree(ray_local, config):
     for a, b in zip(out, rows):
         assert a["tokens"] == list(b["generated_tokens"]) and a["text"] == b["generated_text"]
         assert (a["error"] is None) == (b["error"] is None)
+
+
+def test_prompt_fields_must_be_text(tiny_model):
+    """A number as a template is a ValueError naming the field (before: jinja's TypeError)."""
+    with pytest.raises(ValueError, match=r"PromptTemplate\.template=5 is invalid: give text"):
+        prefixflow.ProcessorConfig(model=str(tiny_model), prompt={"template": 5})
