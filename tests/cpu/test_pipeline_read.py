@@ -81,7 +81,7 @@ def test_openai_request_parsing():
     ]), "b.jsonl")
     rows = parse_requests(recs)
     assert rows[0]["_pf_error"] is None and json.loads(rows[0]["_pf_sampling"]) == {"max_tokens": 5, "seed": 3}
-    assert "n=2" in rows[1]["_pf_error"] or "body.n" in rows[1]["_pf_error"]
+    assert rows[1]["_pf_error"] is None and json.loads(rows[1]["_pf_sampling"]) == {"n": 2}  # n honoured
     assert "custom_id is missing" in rows[2]["_pf_error"]
     assert rows[3]["custom_id"] == 'c"q' and "not valid JSON" in rows[3]["_pf_error"]
 
