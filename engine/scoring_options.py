@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from prefixflow.errors import invalid
+
 ScorePolicy = Literal["srjf", "fcfs"]
 SCORE_POLICIES: tuple[str, ...] = get_args(ScorePolicy)
 
@@ -44,4 +46,4 @@ class ScoreOptions:
                  f"use one of {', '.join(map(repr, SCORE_POLICIES))}"),
                 ("lam", self.lam >= 0, "use 0 or a positive weight")):
             if not ok:
-                raise ValueError(f"ScoreOptions.{name}={getattr(self, name)!r} is invalid: {fix}")
+                raise invalid("ScoreOptions", name, getattr(self, name), fix)

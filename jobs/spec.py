@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import reprlib
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +30,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_mode
                       model_validator)
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.hints import did_you_mean
+from prefixflow.errors import did_you_mean, short
 from prefixflow.operators.config import BACKENDS, TASKS, ScoreConfig, backend_problems
 from prefixflow.operators.storage import StorageOptions
 from prefixflow.operators.template import PromptTemplate
@@ -281,7 +280,7 @@ class JobSpec(_Strict):
         score = self.score.model_dump() if self.score is not None else None
         problems = backend_problems(self.engine.model_dump(), self.task, score)
         if problems:  # every one, each on its own line (parse_spec unpacks them)
-            raise _SpecProblems([(field, f"{_short(value)} is invalid: {fix}")
+            raise _SpecProblems([(field, f"{short(value)} is invalid: {fix}")
                                  for field, value, fix in problems])
 
     def _device_has_a_gpu(self) -> None:
@@ -367,21 +366,11 @@ def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
             data[k] = {}
         if not isinstance(data[k], dict):
             here = ".".join(keys[:i + 1])
-            kind = "a list" if isinstance(data[k], list) else f"{_short(data[k])}, not a mapping"
+            kind = "a list" if isinstance(data[k], list) else f"{short(data[k])}, not a mapping"
             raise SpecError(source, [(here, f"is {kind}: --set {dotted} cannot set a key under "
                                       f"it; set the whole value instead, e.g. --set {here}=...")])
         data = data[k]
     data[keys[-1]] = value
-
-
-_repr = reprlib.Repr()
-_repr.maxlevel, _repr.maxstring, _repr.maxother = 2, 80, 80
-_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 4
-
-
-def _short(value: Any) -> str:
-    """repr of a value from the spec, bounded: a YAML alias may make it huge or deep."""
-    return _repr.repr(value)
 
 
 def _describe(err: dict[str, Any]) -> tuple[str, str]:
@@ -394,7 +383,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     if kind == "missing":
         return path, "required field is missing: add it"
     if kind == "literal_error":
-        return path, f"{_short(value)} is not allowed: {err['msg'].replace('Input should be', 'use')}"
+        return path, f"{short(value)} is not allowed: {err['msg'].replace('Input should be', 'use')}"
     msg = err["msg"].removeprefix("Value error, ")
     # EngineConfig / SamplingParams checks say "SamplingParams.top_p=2.0 is invalid: ...".
     own = re.match(r"^\w+\.([\w.]+)=(.*?) is invalid: (.*)$", msg, re.S)
@@ -402,14 +391,14 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return f"{path}.{own.group(1)}" if path else own.group(1), f"{own.group(2)} is invalid: {own.group(3)}"
     if kind == "model_type":
         fields = ", ".join(_model_of(_field_annotation(loc)).model_fields) if _field_annotation(loc) else ""
-        return path, f"{_short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
+        return path, f"{short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
     if kind == "int_parsing_size":  # e.g. 1e20 for an int: pydantic speaks of a string here
-        return path, f"{_short(value)} is too large for an integer: use a smaller value"
+        return path, f"{short(value)} is too large for an integer: use a smaller value"
     if kind.endswith(("_type", "_parsing")):
         msg = msg.replace("valid tuple", "valid list")
-        return path, f"{_short(value)} has the wrong type: {msg[0].lower() + msg[1:]}"
+        return path, f"{short(value)} has the wrong type: {msg[0].lower() + msg[1:]}"
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        return path, f"{_short(value)} is out of range: use a value that is {msg.removeprefix('Input should be ')}"
+        return path, f"{short(value)} is out of range: use a value that is {msg.removeprefix('Input should be ')}"
     return path, msg
 
 

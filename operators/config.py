@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
+from prefixflow.errors import invalid
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.requests import SamplingParams
@@ -49,8 +50,8 @@ class ScoreConfig(ScoreOptions):
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
         if bool(self.choices) == bool(self.choices_column):
-            raise ValueError(f"ScoreConfig.choices={list(self.choices)!r} is invalid: give exactly "
-                             "one of choices (e.g. ['Yes', 'No']) or choices_column")
+            raise invalid("ScoreConfig", "choices", list(self.choices), "give exactly one of "
+                          "choices (e.g. ['Yes', 'No']) or choices_column")
         super().__post_init__()  # ScoreOptions checks its own fields, naming them
 
     def options(self) -> ScoreOptions:
@@ -121,7 +122,7 @@ class ProcessorConfig:
         self.engine_config()  # EngineConfig checks its own fields, naming them
         problems = backend_problems(self.engine, self.task, self.score)
         if problems:  # every one, a line each
-            raise ValueError("\n".join(f"ProcessorConfig.{name}={value!r} is invalid: {fix}"
+            raise ValueError("\n".join(str(invalid("ProcessorConfig", name, value, fix))
                                         for name, value, fix in problems))
         if not isinstance(self.sampling, SamplingParams):
             object.__setattr__(self, "sampling",
@@ -147,7 +148,7 @@ class ProcessorConfig:
 
 def _require(ok: bool, name: str, value: object, fix: str) -> None:
     if not ok:
-        raise ValueError(f"ProcessorConfig.{name}={value!r} is invalid: {fix}")
+        raise invalid("ProcessorConfig", name, value, fix)
 
 
 def generation_defaults(model: str) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from typing import Any
 from jinja2 import StrictUndefined, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from prefixflow.errors import invalid
+
 
 class RowError(ValueError):
     """This row cannot become a prompt; the message goes into its error record."""
@@ -102,8 +104,7 @@ class PromptTemplate:
 
 
 def _invalid(name: str, value: object, fix: str) -> None:
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    raise ValueError(f"PromptTemplate.{name}={shown} is invalid: {fix}")
+    raise invalid("PromptTemplate", name, value, fix)
 
 
 def _render(source: str, values: dict[str, Any], field: str) -> str:
