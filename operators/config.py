@@ -41,7 +41,8 @@ class ScoreConfig(ScoreOptions):
     The rest are the `engine.scoring_options.ScoreOptions` fields (inherited, so they are
     written once): chunk_size (hybrid prefilling), prefix_cache_bytes, max_forward_bytes
     (longer rows become error records), choice_leading_space, policy ("srjf" | "fcfs"),
-    calibrate, lam. The job spec's `score` section is generated from this class.
+    calibrate, lam, add_special_tokens. The job spec's `score` section is generated from
+    this class.
     """
 
     choices: tuple[str | int, ...] = ()
@@ -201,7 +202,9 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tupl
         problems.append(("engine.device", device, "vLLM runs on the GPU(s) of the replica's "
                          "actor (resources.num_gpus_per_replica): use cuda or auto"))
     if task == "score":
-        given = score if isinstance(score, dict) else vars(score) if score is not None else {}
+        # fields(), not vars(): ScoreOptions' fields live in slots
+        given = score if isinstance(score, dict) else {
+            f.name: getattr(score, f.name) for f in fields(score)} if score is not None else {}
         defaults = ScoreConfig.__dataclass_fields__
         problems += [(f"score.{name}", given[name], "only engine.backend: native honours it "
                       "(vLLM scores with the choices' first-token log-probabilities): remove it "

@@ -163,6 +163,9 @@ def test_engine_backend_and_vllm_arguments_name_the_field():
         ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "vllm", "vllm": {"enforce_eagr": True}})
     with pytest.raises(ValueError, match=r"ProcessorConfig\.engine\.backend='gpu' is invalid"):
         ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "gpu"})
+    with pytest.raises(ValueError, match=r"ProcessorConfig\.score\.chunk_size=64 is invalid: only"):
+        ProcessorConfig(model="smollm2-135m-instruct", task="score", engine={"backend": "vllm"},
+                        score={"choices": ["Yes", "No"], "chunk_size": 64})
 
 
 @pytest.mark.parametrize("prompt", [
