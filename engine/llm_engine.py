@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
 from typing import Any
 
 from prefixflow.engine.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, TokenLogprob, append_text,
-                                       check_finish, error_output, finished_output)
+                                       check_finish, error_output, finished_output, with_samples)
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
-from prefixflow.engine.step import SampledToken
+from prefixflow.engine.step import SampledToken, StepInput
 from prefixflow.requests import PrefixGroup, SamplingParams, params_for_row
 
 Params = SamplingParams | Mapping[int, SamplingParams]
+Member = tuple[int, list[int], list[int], SamplingParams, int]  # row, prefix, distinct, params, sample
 
 
 class LLMEngine:
@@ -47,6 +49,7 @@ class LLMEngine:
         self.stats: list[StepStats] = []
         self.totals: EngineTotals | None = None
         self._ids = itertools.count()
+        self._samples: dict[int, list[RequestOutput | None]] = {}  # row -> its n samples so far
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -57,13 +60,13 @@ class LLMEngine:
         With policy="vllm" the groups are dissolved: requests run alone in row_id (arrival)
         order and share KV only through the hashed prefix cache.
         """
-        self.stats = []
+        self.stats, self._samples = [], {}
         sched = self.scheduler
         start = time.perf_counter()
         counts = {"requests": 0, "prompt": 0, "output": 0, "computed0": sched.num_computed_prompt_tokens,
                   "recomputed0": sched.num_recomputed_tokens, "preempt0": sched.num_preemptions}
         for group, errors in self._make_groups(groups, params):
-            counts["requests"] += len(errors) + (len(group.pending) if group else 0)
+            counts["requests"] += len(errors) + (len({s.row_id for s in group.pending}) if group else 0)
             yield from errors
             if group is not None:
                 counts["prompt"] += sum(s.num_prompt_tokens for s in group.pending)
@@ -72,7 +75,7 @@ class LLMEngine:
         try:
             while sched.has_unfinished():
                 for out in self.step():
-                    counts["output"] += len(out.token_ids)
+                    counts["output"] += sum(len(s.token_ids) for s in out.samples) or len(out.token_ids)
                     yield out
             completed = True
         finally:
@@ -139,7 +142,7 @@ class LLMEngine:
                                f"({len(sched.waiting)} waiting groups, {len(sched.active)} active)")
         num_running = sched.num_running
         used_blocks = self.block_manager.num_used_blocks
-        result = self.runner.execute(out.to_step_input())
+        result = self.runner.execute(_with_histories(out))
         finished = [self._on_token(seq, token) for seq, token in sched.update(out, result.sampled)]
         self.stats.append(StepStats(
             step=len(self.stats), num_tokens=out.num_tokens(), num_prefill_tokens=out.num_tokens("prefill"),
@@ -159,29 +162,66 @@ class LLMEngine:
             return None
         reason, drop_last = done
         self.scheduler.finish(seq, reason)
-        return finished_output(seq, self.tokenizer, drop_last)
+        output = finished_output(seq, self.tokenizer, drop_last)
+        if seq.num_samples == 1:
+            return output
+        samples = self._samples.setdefault(seq.row_id, [None] * seq.num_samples)
+        samples[seq.sample_index] = output
+        if any(s is None for s in samples):
+            return None
+        del self._samples[seq.row_id]
+        return with_samples(samples)  # type: ignore[arg-type]
 
     # ---- requests in ----------------------------------------------------------------------------
 
     def _make_groups(self, groups: Iterable[PrefixGroup], params: Params
                      ) -> Iterator[tuple[GroupState | None, list[RequestOutput]]]:
+        """Our GroupStates in plan order; a row asking n > 1 samples leaves its group for a
+        group of its own right after it, whose prefix is its prompt (computed once)."""
         if self.config.policy == "vllm":
             rows = sorted((int(row_id), g.prompt(i).tolist()) for g in groups for i, row_id in enumerate(g.row_ids))
             for row_id, prompt in rows:
-                yield self._make_group(next(self._ids), [], [(row_id, prompt[0:0], prompt)], params)
+                p = params_for_row(params, row_id)
+                if p.n > 1:
+                    yield self._sample_group(row_id, prompt, p)
+                else:
+                    yield self._make_group(next(self._ids), [], [(row_id, [], prompt, p, 0)])
             return
         for g in groups:
             prefix = g.prefix.tolist()
-            members = [(int(r), prefix, g.distinct[i].tolist()) for i, r in enumerate(g.row_ids)]
-            yield self._make_group(g.group_id, prefix, members, params)
+            members, several = [], []
+            for i, r in enumerate(g.row_ids):
+                p = params_for_row(params, int(r))
+                (several if p.n > 1 else members).append((int(r), prefix, g.distinct[i].tolist(), p, 0))
+            if members:
+                yield self._make_group(g.group_id, prefix, members)
+            for row_id, _, distinct, p, _ in several:
+                yield self._sample_group(row_id, prefix + distinct, p)
 
-    def _make_group(self, group_id: int, prefix: list[int], members: list[tuple[int, list[int], list[int]]],
-                    params: Params) -> tuple[GroupState | None, list[RequestOutput]]:
+    def _sample_group(self, row_id: int, prompt: list[int], p: SamplingParams
+                      ) -> tuple[GroupState | None, list[RequestOutput]]:
+        """The n samples of one row as a group: the prompt but its last token is the shared
+        prefix, so it is computed once; each sample computes the last token and decodes."""
+        if not prompt:
+            return None, [error_output(row_id, prompt, "the prompt is empty: give at least one token")]
+        prefix, last = prompt[:-1], prompt[-1:]
+        group, errors = self._make_group(next(self._ids), prefix, [(row_id, prefix, last, p, 0)])
+        if group is not None:
+            for i in range(1, p.n):  # the first passed the checks: so do the others
+                group.pending.append(replace(group.pending[0], seq_id=next(self._ids), token_ids=list(prompt),
+                                             block_table=[], block_hashes=[], params=p.sample_params(i),
+                                             sample_index=i, logprobs=[]))
+            group.pending[0].params = p.sample_params(0)
+            for s in group.pending:
+                s.num_samples = p.n
+        return group, errors
+
+    def _make_group(self, group_id: int, prefix: list[int], members: list[Member]
+                    ) -> tuple[GroupState | None, list[RequestOutput]]:
         """Requests of one group; members that cannot run become error outputs."""
         group = GroupState(group_id=group_id, prefix=None, pending=[])
         errors = []
-        for row_id, member_prefix, distinct in members:
-            p = params_for_row(params, row_id)
+        for row_id, member_prefix, distinct, p, index in members:
             prompt = member_prefix + distinct
             # A member needs >= 1 own token to sample from: an empty distinct part attends to
             # the prefix minus its last token and computes that token itself.
@@ -193,7 +233,7 @@ class LLMEngine:
             group.pending.append(Sequence(
                 seq_id=next(self._ids), token_ids=prompt, own_start=prefix_len,
                 hash_seed=member_hash_seed(prompt[:prefix_len]), row_id=row_id,
-                num_prompt_tokens=len(prompt), params=p, group=group))
+                num_prompt_tokens=len(prompt), params=p, group=group, sample_index=index))
         if not group.pending:
             return None, errors
         if any(s.prefix_len > 0 for s in group.pending):
@@ -210,6 +250,9 @@ class LLMEngine:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size}): check the tokenizer"
+        if p.structured_outputs is not None:
+            return (f"structured_outputs ({next(iter(p.structured_outputs))}) needs engine.backend: vllm; "
+                    "the native engine has no structured-output decoding")
         if p.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; the model runner has none: use stop_token_ids"
         bm = self.block_manager
@@ -227,3 +270,16 @@ class LLMEngine:
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         return [int(t) for t in prompt]
 
+
+
+def _with_histories(out: Any) -> StepInput:
+    """The scheduler's step input, with each sampled request's token history when its
+    sampling parameters have penalties (they count the prompt's and output's tokens)."""
+    step = out.to_step_input()
+    if not any(c.sample and c.sampling_params is not None and c.sampling_params.has_penalties
+               for c in step.chunks):
+        return step
+    chunks = tuple(replace(s, history=tuple(c.owner.token_ids))
+                   if s.sample and s.sampling_params is not None and s.sampling_params.has_penalties else s
+                   for c, s in zip(out.chunks, step.chunks, strict=True))
+    return replace(step, chunks=chunks)

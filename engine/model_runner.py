@@ -109,7 +109,8 @@ class ModelRunner:
         if not sampling:
             return StepOutput(sampled=())
         params: list[SamplingParams] = [c.sampling_params for c in sampling]  # type: ignore[misc]
-        out = self.sampler.sample(logits, params, [c.num_generated for c in sampling])
+        out = self.sampler.sample(logits, params, [c.num_generated for c in sampling],
+                                  [list(c.history) for c in sampling])
         return StepOutput(sampled=tuple(
             SampledToken(seq_id=c.seq_id, token_id=out.token_ids[i], logprob=out.logprobs[i],
                          top_logprobs=out.top_logprobs[i])

@@ -1,4 +1,8 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Next-token sampling: penalties, greedy, temperature, min-p, top-k, top-p, per-request
+seeds, logprobs.
+
+The order is vLLM's: presence / frequency / repetition penalties on the raw logits (so greedy
+sees them too), then temperature, min_p, top-k and top-p for sampled rows.
 
 Sampling draws one exponential variate E_v per vocabulary entry and takes argmax(p_v / E_v),
 which picks v with probability p_v (the exponential race; vLLM samples the same way). It needs
@@ -51,14 +55,18 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               num_generated: list[int]) -> SamplerOutput:
-        """logits: [N, V] fp32 raw next-token logits; params, num_generated: one per row."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
+               histories: list[list[int]] | None = None) -> SamplerOutput:
+        """logits: [N, V] fp32 raw next-token logits; params, num_generated: one per row.
+        histories: per row, its prompt + generated tokens (needed by rows with penalties)."""
         n = logits.shape[0]
         assert len(params) == n == len(num_generated), "one SamplingParams per logits row"
         if n == 0:
             return SamplerOutput([], [], [])
         logprobs = torch.log_softmax(logits, dim=-1)                       # [N, V]
+        if any(p.has_penalties for p in params):
+            assert histories is not None, "rows with penalties need their token histories"
+            logits = apply_penalties(logits, params, histories, num_generated)
         token_ids = logits.argmax(dim=-1)                                   # greedy for all rows
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -82,6 +90,8 @@ class Sampler:
         # logits: [M, V] -> sampled token ids [M]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, [p.min_p for p in params])
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)                               # [M, V]
@@ -130,3 +140,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     # The best token is always kept (mass_before == 0), so no row is left empty.
     sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                    num_generated: list[int]) -> torch.Tensor:
+    """vLLM's penalties (OpenAI's definition for presence / frequency), on a copy of logits [N, V]:
+    repetition_penalty divides the positive logits (multiplies the negative ones) of tokens seen
+    in the prompt or the output; frequency_penalty * count and presence_penalty * (count > 0)
+    are subtracted, counting output tokens only."""
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        history = torch.tensor(histories[i], dtype=torch.long, device=logits.device)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen[history] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, penalised, row)
+        output = history[len(histories[i]) - num_generated[i]:]
+        counts = torch.bincount(output, minlength=vocab).to(row.dtype)
+        logits[i] = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) tokens whose probability is below min_p times the row's highest.
+    logits: [M, V] fp32 (already divided by the temperature); min_p 0 keeps everything."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = torch.tensor(min_p, device=logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))

@@ -87,6 +87,8 @@ class Sequence(KVOwner):
     prefix_offset: int = 0
     read_offset: int = 0
     admit_order: int = -1             # scheduler's start counter; -1: never started
+    sample_index: int = 0             # which of the row's SamplingParams.n samples this is
+    num_samples: int = 1
 
     @property
     def prefix_len(self) -> int:

@@ -48,6 +48,8 @@ class SeqChunk:
     sampling_params: required when sample is True.
     num_generated: tokens this request generated before this step (seeded sampling uses it so
         that a seed gives the same tokens whatever the batch composition).
+    history: the request's prompt + generated tokens, set only when its sampling_params have
+        penalties (they count earlier tokens); else empty.
     """
 
     seq_id: int
@@ -59,6 +61,7 @@ class SeqChunk:
     sample: bool = False
     sampling_params: SamplingParams | None = None
     num_generated: int = 0
+    history: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

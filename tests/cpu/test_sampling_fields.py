@@ -75,3 +75,91 @@ def test_samples_column_lists_each_rows_samples_and_keeps_an_input_samples_colum
     assert samples[2] is None
     plain = output_chunk([single], rows.slice(1, 1), {1: 0}, np.array([1]), np.array([1.0]), replica=0)
     assert "samples" not in plain.column_names  # no row asked n > 1
+
+
+# ---- the native engine ----------------------------------------------------------------------
+
+PROMPT = list(range(5, 26))  # 21 tokens
+
+
+@pytest.fixture(scope="module")
+def native():
+    """(engine, HF model) on the tiny Llama checkpoint, shared by this module's tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prefixflow.engine import EngineConfig, LLMEngine
+    from prefixflow.engine.tiny import tiny_checkpoint_cached
+
+    path = str(tiny_checkpoint_cached("llama", seed=1))
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", block_size=4, kv_cache_bytes=16 << 20))
+    return engine, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_penalty_and_min_p_masks_match_transformers_processors():
+    import torch
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    from prefixflow.engine.sampler import apply_min_p, apply_penalties
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 3
+    history = [[1, 7, 7, 30], [4, 4, 9]]
+    ours = apply_penalties(logits, [SamplingParams(repetition_penalty=1.7), SamplingParams(repetition_penalty=0.6)],
+                           history, [2, 1])
+    for i, rp in enumerate((1.7, 0.6)):
+        theirs = RepetitionPenaltyLogitsProcessor(rp)(torch.tensor([history[i]]), logits[i:i + 1].clone())
+        torch.testing.assert_close(ours[i], theirs[0])
+    theirs = MinPLogitsWarper(0.2)(None, logits.clone())
+    assert torch.equal(apply_min_p(logits, [0.2, 0.2]).isinf(), theirs.isinf())
+    # presence / frequency count the output only (the last num_generated tokens), once / per copy
+    pf = apply_penalties(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)] * 2, history, [2, 0])
+    assert torch.allclose(pf[0, 7], logits[0, 7] - 0.5 - 0.25) and torch.allclose(pf[0, 30], logits[0, 30] - 0.75)
+    assert torch.equal(pf[1], logits[1])  # nothing generated yet
+
+
+@pytest.mark.parametrize("penalty", [1.8, 0.5])
+def test_greedy_repetition_penalty_matches_transformers_generate(native, penalty):
+    import torch
+
+    engine, hf = native
+    ours = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                    repetition_penalty=penalty))[0]
+    theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         repetition_penalty=penalty, pad_token_id=0)[0, len(PROMPT):].tolist()
+    plain = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert list(ours.token_ids) == theirs and ours.token_ids != plain.token_ids
+
+
+def test_n_samples_share_the_prompt_kv_greedy_equal_seeded_reproducible(native):
+    engine, _ = native
+    engine.reset_prefix_cache()  # earlier tests cached this prompt's blocks
+    greedy = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, n=2))[0]
+    # prompt once (its last token once per sample), not twice; output tokens of both samples
+    assert engine.totals.num_computed_prompt_tokens == len(PROMPT) - 1 + 2
+    assert engine.totals.num_output_tokens == 12 and engine.totals.num_requests == 1
+    assert [s.index for s in greedy.samples] == [0, 1]
+    assert greedy.samples[0].token_ids == greedy.samples[1].token_ids == greedy.token_ids
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=6, n=2)
+    first = engine.generate([PROMPT, PROMPT[:9]], seeded)
+    again = engine.generate([PROMPT[:9], PROMPT], seeded)
+    assert [s.token_ids for s in first[0].samples] == [s.token_ids for s in again[1].samples]
+    assert first[0].samples[0].token_ids != first[0].samples[1].token_ids
+    # sample i is the one request with seed + i would give
+    alone = engine.generate([PROMPT], SamplingParams(temperature=1.0, seed=12, max_tokens=6))[0]
+    assert alone.token_ids == first[0].samples[1].token_ids
+
+
+def test_text_switches_and_structured_outputs_on_the_native_engine(native):
+    engine, _ = native
+    base = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert base.text
+    raw = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                   detokenize=False))[0]
+    assert raw.error is None and raw.text == "" and raw.token_ids == base.token_ids
+    stop = base.text[len(base.text) // 2:][:2]
+    cut = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop=(stop,)))[0]
+    kept = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop=(stop,),
+                                                    include_stop_str_in_output=True))[0]
+    assert kept.text == cut.text + stop and base.text.startswith(kept.text)
+    bad = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "a+"}))[0]
+    assert bad.finish_reason == "abort" and "structured_outputs (regex) needs engine.backend: vllm" in bad.error
