@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.outputs import EngineTotals, RequestOutput, StepStats, TokenLogprob, error_output
+from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
+                                       decode_output, error_output)
 from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_ids
 from prefixflow.engine.scoring_choices import error_output as score_error
 from prefixflow.engine.scoring_options import ScoreOptions
@@ -36,8 +37,6 @@ SCHEDULER = "prefixflow.engine.vllm_scheduler"
 CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 DEFAULT_CPU_KV_BYTES = 1 << 30   # as our ModelRunner on a CPU
 NO_CAP_SEQS = 256                # vLLM's (and our vllm policy's) request cap when one is asked
-# vLLM-only sampling options a run may set (vllm_sampling=); all plain numbers.
-VLLM_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +68,7 @@ class _Req:
     prompt: list[int]
     prefix_len: int
     params: SamplingParams
-    options: dict[str, Any]            # vLLM-only SamplingParams fields
+    options: dict[str, Any]            # more vLLM SamplingParams fields (scoring's logprob_token_ids)
     error: str | None = None           # known before the run: the row is not sent
 
 
@@ -126,15 +125,13 @@ class VllmEngine:
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def run(self, groups: Iterable[PrefixGroup], params: Params = SamplingParams(),
-            vllm_sampling: Mapping[str, Any] | None = None) -> Iterator[RequestOutput]:
+    def run(self, groups: Iterable[PrefixGroup], params: Params = SamplingParams()) -> Iterator[RequestOutput]:
         """Run planned groups (in plan order); yield each request's output when it finishes.
 
-        params: one SamplingParams for all, or a mapping row_id -> SamplingParams.
-        vllm_sampling: vLLM-only sampling options for every row (names in VLLM_SAMPLING).
+        params: one SamplingParams for all, or a mapping row_id -> SamplingParams (every
+        field maps onto vLLM's SamplingParams; n > 1 is vLLM's own n).
         """
-        options = check_vllm_sampling(vllm_sampling or {})
-        members = ([_Req(row, prompt, p, params_for_row(params, row), options) for row, prompt, p in _rows(g)]
+        members = ([_Req(row, prompt, p, params_for_row(params, row), {}) for row, prompt, p in _rows(g)]
                    for g in groups)
         for out, m in self._execute(members):
             yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
@@ -192,7 +189,7 @@ class VllmEngine:
                 for out in self._step():
                     self._in_flight.discard(out.request_id)
                     counts["cached"] += int(out.num_cached_tokens or 0)
-                    counts["output"] += len(out.outputs[0].token_ids)
+                    counts["output"] += sum(len(c.token_ids) for c in out.outputs)
                     yield out, reqs.pop(out.request_id)
             completed = True
         finally:
@@ -316,16 +313,6 @@ def _elem_size(dtype: str) -> int:
     return 4 if dtype in ("auto", "float32") else 2
 
 
-def check_vllm_sampling(options: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM-only sampling options: ValueError naming an unsupported key or a bad value."""
-    for key, value in options.items():
-        if key not in VLLM_SAMPLING:
-            raise ValueError(f"vllm_sampling.{key} is not supported: use {', '.join(VLLM_SAMPLING)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"vllm_sampling.{key}={value!r} is invalid: give a number")
-    return dict(options)
-
-
 def _rows(g: PrefixGroup) -> list[tuple[int, list[int], int]]:
     """(row_id, full prompt, prefix_len) of each member, in the plan's member order."""
     prefix = [int(t) for t in g.prefix]
@@ -338,35 +325,50 @@ def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:
 
 
 def _vllm_params(m: _Req, pf: dict[str, Any]) -> Any:
-    """Our SamplingParams (+ vLLM-only options) as vLLM's; the group info in extra_args."""
+    """Our SamplingParams as vLLM's (+ m.options); the group info in extra_args."""
     from vllm import SamplingParams as VllmParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     p = m.params  # vLLM's text is needed only to cut at stop strings: we decode at the end
+    structured = None
+    if p.structured_outputs is not None:
+        structured = StructuredOutputsParams(**{k: list(v) if isinstance(v, tuple) else v
+                                                for k, v in p.structured_outputs.items()})
     return VllmParams(
-        temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, seed=p.seed,
-        max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop=list(p.stop) or None,
-        stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs, detokenize=bool(p.stop), extra_args={"pf": pf}, **m.options)
+        n=p.n, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+        stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
+        logprobs=p.logprobs, detokenize=bool(p.stop), structured_outputs=structured,
+        extra_args={"pf": pf}, output_kind=RequestOutputKind.FINAL_ONLY, **m.options)
+    # FINAL_ONLY: with n > 1 vLLM hands back one output holding every sample, once all finish.
 
 
 def _to_output(out: Any, m: _Req, tokenizer: Any) -> RequestOutput:
-    """vLLM's output as ours (engine/outputs.finished_output): the text is vLLM's when a stop
-    string cut it, else the decoded tokens without a final EOS / stop token id (vLLM's
-    incremental text can differ on invalid UTF-8 across the prompt boundary)."""
-    c = out.outputs[0]
+    """vLLM's output as ours (engine/outputs.finished_output): sample 0's fields, and with
+    n > 1 every sample in `samples`."""
+    samples = sorted((_sample(c, m.params, tokenizer) for c in out.outputs), key=lambda s: s.index)
+    first, cached = samples[0], int(out.num_cached_tokens or 0)
+    return RequestOutput(row_id=m.row_id, prompt_token_ids=tuple(m.prompt), token_ids=first.token_ids,
+                         text=first.text, finish_reason=first.finish_reason, logprobs=first.logprobs,
+                         prefix_len=min(m.prefix_len, cached), num_cached_tokens=cached,
+                         samples=tuple(samples) if m.params.n > 1 else ())
+
+
+def _sample(c: Any, params: SamplingParams, tokenizer: Any) -> SampleOutput:
+    """One of vLLM's completions: the text is vLLM's when a stop string cut it, else the
+    decoded tokens (decode_output: vLLM's incremental text can differ on invalid UTF-8
+    across the prompt boundary)."""
     ids = tuple(c.token_ids)
     if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
         text = c.text
-    else:
-        drop_last = c.finish_reason == "stop"  # EOS (stop_reason None) or a stop token id
-        text = tokenizer.decode(list(ids[:-1] if drop_last else ids), skip_special_tokens=True)
-    cached = int(out.num_cached_tokens or 0)
+    else:  # EOS (stop_reason None) or a stop token id ends it
+        text = decode_output(ids, params, tokenizer, c.finish_reason == "stop")
     logprobs = None
-    if m.params.logprobs is not None:
-        logprobs = tuple(_token_logprob(t, d, m.params.logprobs) for t, d in zip(ids, c.logprobs or ()))
-    return RequestOutput(row_id=m.row_id, prompt_token_ids=tuple(m.prompt), token_ids=ids, text=text,
-                         finish_reason=c.finish_reason or "length", logprobs=logprobs,
-                         prefix_len=min(m.prefix_len, cached), num_cached_tokens=cached)
+    if params.logprobs is not None:
+        logprobs = tuple(_token_logprob(t, d, params.logprobs) for t, d in zip(ids, c.logprobs or ()))
+    return SampleOutput(int(c.index), ids, text, c.finish_reason or "length", logprobs)
 
 
 def _token_logprob(token: int, entries: Mapping[int, Any], k: int) -> TokenLogprob:

@@ -145,10 +145,29 @@ def test_seeds_repeat_and_vllm_options():
     other = {0: seeded[0], 1: SamplingParams(temperature=1.0, seed=8, max_tokens=8, ignore_eos=True)}
     again = {o.row_id: o.token_ids for o in vllm.run(groups, other)}
     assert again[0] == outs[0] and again[1] != outs[1]
-    pen = list(vllm.run(groups, GREEDY, vllm_sampling={"repetition_penalty": 1.5}))
-    assert all(len(o.token_ids) == 8 for o in pen)
-    with pytest.raises(ValueError, match="vllm_sampling.beam_width"):
-        list(vllm.run(groups, GREEDY, vllm_sampling={"beam_width": 2}))
+
+
+def test_new_sampling_fields_match_the_native_engine_and_n_and_json_object():
+    """Issue 15: penalties (greedy: deterministic) equal the native engine's; n is vLLM's
+    own; detokenize=False rows are not errors; json_object gives text json.loads parses."""
+    import json
+
+    rows = prompts(seed=2, groups=1, members=2, singles=1)
+    pen = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=1.5,
+                         frequency_penalty=0.7, repetition_penalty=1.3)
+    outs, native = run_both("llama", rows, pen)
+    assert {r: o.token_ids for r, o in outs.items()} == {r: o.token_ids for r, o in native.items()}
+    plain, _ = run_both("llama", rows, GREEDY)
+    assert any(plain[r].token_ids != outs[r].token_ids for r in outs)  # the penalties changed something
+    vllm = engines("llama")[0]
+    many = list(vllm.run(plan_groups(rows[:1]), SamplingParams(temperature=1.0, seed=3, max_tokens=4, n=2,
+                                                               detokenize=False)))[0]
+    assert many.error is None and [s.index for s in many.samples] == [0, 1] and many.text == ""
+    assert many.samples[0].token_ids == many.token_ids != many.samples[1].token_ids
+    js = list(vllm.run(plan_groups(rows[:1]), SamplingParams(temperature=0, max_tokens=48,
+                                                             structured_outputs={"json_object": True})))[0]
+    assert js.error is None, js.error
+    json.loads(js.text)
 
 
 def test_bad_rows_become_error_outputs():
