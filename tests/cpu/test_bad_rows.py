@@ -36,7 +36,7 @@ BAD_SAMPLING = [  # (override, the field its error names)
     ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"stop_token_ids": "12"}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"detokenize": False}, "detokenize"),  # ray.data.llm's key: unknown here (issue 15)
+    ({"beam_width": 2}, "beam_width"),  # vLLM beam search: not a sampling field
 ]
 
 
@@ -56,8 +56,8 @@ def test_sampling_params_accept_integral_floats_and_clip_nothing():
     q = SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), stop_token_ids=np.array([3]))
     assert (q.top_k, q.temperature, q.stop_token_ids) == (5, 0.5, (3,)) and type(q.top_k) is int
     assert SamplingParams().with_overrides({"top_k": None, "temperature": 0}).temperature == 0.0
-    with pytest.raises(ValueError, match="unknown sampling parameter 'detokenize'.*temperature"):
-        SamplingParams().with_overrides({"detokenize": False})
+    with pytest.raises(ValueError, match="unknown sampling parameter 'beam_width'.*temperature"):
+        SamplingParams().with_overrides({"beam_width": 2})
     with pytest.raises(ValueError, match="mapping"):
         SamplingParams().with_overrides([1, 2])
 
@@ -67,7 +67,7 @@ _values = st.none() | st.booleans() | st.integers() | st.integers(min_value=10**
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)] + ["n", "detokenize"]),
+@given(st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)] + ["beam_width", "best_of"]),
                        _values, max_size=5))
 def test_fuzzed_overrides_make_params_or_a_value_error(overrides):
     try:
@@ -323,7 +323,7 @@ def test_job_with_bad_values_and_clashing_columns_finishes(ray_local, tiny_model
     lines = [json.dumps({"q": f"question {i}", "error": f"e{i}", "row_id": 100 + i}) for i in range(6)]
     lines.append(json.dumps({"q": "big top_k", "error": "e6", "row_id": 106,
                              "sampling_params": {"top_k": 10**6, "temperature": 0.5, "seed": 1}}))
-    bad = BAD_SAMPLING[:4] + BAD_SAMPLING[-1:]  # stop [1], seed "abc", top_k 1e30, max_tokens 2**70, detokenize
+    bad = BAD_SAMPLING[:4] + BAD_SAMPLING[-1:]  # stop [1], seed "abc", top_k 1e30, max_tokens 2**70, beam_width
     for i, (override, _) in enumerate(bad):
         lines.append(json.dumps({"q": "bad", "error": f"b{i}", "row_id": 200 + i, "sampling_params": override}))
     lines += ['{"q": "\\ud800", "row_id": 300}', '{"q": ' + "[" * 10000 + "]" * 10000 + "}"]
@@ -361,7 +361,7 @@ def test_python_api_sampling_dict_names_an_unknown_key(tiny_model):
     unknown key is a ValueError naming it (it was a TypeError)."""
     from prefixflow.operators.config import ProcessorConfig
 
-    with pytest.raises(ValueError, match="unknown sampling parameter 'detokenize'"):
-        ProcessorConfig(model=str(tiny_model), sampling={"detokenize": False})
+    with pytest.raises(ValueError, match="unknown sampling parameter 'beam_width'"):
+        ProcessorConfig(model=str(tiny_model), sampling={"beam_width": 2})
     with pytest.raises(ValueError, match="SamplingParams.top_k"):
         ProcessorConfig(model=str(tiny_model), sampling={"top_k": 1e30})

@@ -50,7 +50,7 @@ LINES = {
     "max_tokens_huge": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
                                                      {"max_tokens": 2 ** 70}})),
     "unknown_key": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
-                                                 {"detokenize": False}})),
+                                                 {"beam_width": 2}})),
 }
 BAD_UTF8 = b'{"id": %d, "q": "caf\xe9"}'
 

@@ -28,7 +28,7 @@ INPUTS = {
     # (A column that no row has, or sampling keys unknown in every row, are refused up front by
     # preflight: tests/cpu/test_spec_preflight.py. Here every row fails on its own.)
     "template_column_null_in_every_row": (_lines([{**r, "document": None} for r in ROWS]), TEMPLATE, 4, 0),
-    "unknown_sampling_key": (_lines([{**r, "sampling_params": {"detokenize": False} if r["id"] < 2
+    "unknown_sampling_key": (_lines([{**r, "sampling_params": {"beam_width": 2} if r["id"] < 2
                                       else {"top_p": 5}} for r in ROWS]), TEMPLATE, 4, 0),
     "no_line_parses": (b'{"id": 1, "document": \n' * 3 + b"[1, 2]\n", TEMPLATE, 4, 0),
     "empty_file": (b"", TEMPLATE, 0, 0),
