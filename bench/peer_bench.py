@@ -11,9 +11,11 @@ systems see the same machine load. The engines:
     (1) vllm_arrival   vLLM's stock scheduler, requests in arrival (row) order
     (2) vllm_sorted    vLLM's stock scheduler, requests sorted by their token ids
     (3) vllm_plan      vLLM's stock scheduler, requests in our plan order (groups adjacent)
-    (4) vllm_batchllm  our plan + the group scheduler: priority = plan rank, pins, no request cap
-    ablation rows      vllm_prio (plan + priority only), vllm_prio_pins (+ pins, still capped),
-                       vllm_batchllm_mp (4) with vLLM's engine core in a child process
+    (4) vllm_batchllm  our plan + group scheduling: priority = plan rank, no request cap
+    ablation rows      vllm_prio (plan + priority only), vllm_batchllm_mp (4) with vLLM's engine
+                       core in a child process. (A third part, pinning a group's prefix blocks
+                       until its last member finished, computed no fewer prompt tokens than plan
+                       order alone on any workload and added preemptions: it was dropped.)
     (5) native         our engine (LLMEngine.run on the planner's groups)
 
 Workloads (shuffled rows): documents x questions; two-level sharing (one system prompt, then
@@ -54,10 +56,9 @@ ENGINES: dict[str, tuple[str, str, dict | None, bool]] = {
     "vllm_arrival": ("vllm", "arrival", None, True),
     "vllm_sorted": ("vllm", "sorted", None, True),
     "vllm_plan": ("vllm", "plan", None, True),
-    "vllm_prio": ("vllm", "plan", dict(priority=True, pins=False, no_cap=False), True),
-    "vllm_prio_pins": ("vllm", "plan", dict(priority=True, pins=True, no_cap=False), True),
-    "vllm_batchllm": ("vllm", "plan", dict(priority=True, pins=True, no_cap=True), True),
-    "vllm_batchllm_mp": ("vllm", "plan", dict(priority=True, pins=True, no_cap=True), False),
+    "vllm_prio": ("vllm", "plan", dict(priority=True, no_cap=False), True),
+    "vllm_batchllm": ("vllm", "plan", dict(priority=True, no_cap=True), True),
+    "vllm_batchllm_mp": ("vllm", "plan", dict(priority=True, no_cap=True), False),
     "native": ("native", "plan", None, True),
 }
 # Engines that differ only in the order requests are given share one process.
@@ -134,10 +135,6 @@ def run_engine(engine: Any, workload: Workload, order: str) -> tuple[dict, dict[
     from prefixflow.requests import SamplingParams
 
     engine.reset_prefix_cache()
-    sched = getattr(engine, "scheduler", None)
-    pins0 = getattr(sched, "pf_num_pins", 0)
-    if sched is not None and hasattr(sched, "pf_max_pinned_blocks"):
-        sched.pf_max_pinned_blocks = 0  # a per-run maximum
     groups = feed_groups(workload, order, min_prefix_len=BLOCK)
     params = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -151,8 +148,6 @@ def run_engine(engine: Any, workload: Workload, order: str) -> tuple[dict, dict[
                   preemptions=t.num_preemptions, errors=len(workload.prompts) - len(outs),
                   outputs_sha=hashlib.sha256(json.dumps([outs.get(i) for i in range(len(workload.prompts))])
                                              .encode()).hexdigest()[:12])
-    if sched is not None and hasattr(sched, "pf_num_pins"):
-        result.update(pins=sched.pf_num_pins - pins0, max_pinned_blocks=sched.pf_max_pinned_blocks)
     return result, outs
 
 
@@ -274,7 +269,7 @@ def ratios(r: dict, measure: str = "wall_s") -> dict:
         out["batchllm_vs_arrival"] = round(speed["vllm_batchllm"] / speed["vllm_arrival"], 3)
         out["batchllm_vs_plan_stock"] = round(speed["vllm_batchllm"] / speed["vllm_plan"], 3)
         out["plan_stock_vs_best_of_arrival_sorted"] = round(speed["vllm_plan"] / best12, 3)
-        for n in ("vllm_prio", "vllm_prio_pins", "vllm_batchllm_mp"):
+        for n in ("vllm_prio", "vllm_batchllm_mp"):
             if n in speed:
                 out[f"{n}_vs_plan_stock"] = round(speed[n] / speed["vllm_plan"], 3)
         if "vllm_batchllm_mp" in speed:

@@ -5,11 +5,11 @@
 
 vLLM's engine is built once (import 15-50 s, start 10-90 s on a small CPU box). `run` adds the
 planner's groups in plan order as vLLM requests (one per member, prompt = prefix + distinct; vLLM
-finds the shared prefix by its block hashes) and streams outputs as they finish. With the group
-scheduler (engine/vllm_scheduler.py) each request carries its group's plan rank as its priority,
-so vLLM runs groups in plan order with members adjacent, pins a group's prefix blocks until its
-last member finishes, and has no request cap (max_num_seqs = max_num_batched_tokens). Without
-it, vLLM's stock FCFS scheduler sees the requests in the order they are given.
+finds the shared prefix by its block hashes) and streams outputs as they finish. vLLM's own
+scheduler runs them: fed in plan order, its queue keeps each group's members together (why no
+scheduling of our own: engine/vllm_scheduler.py). With GroupScheduling each request carries its
+group's plan rank as its priority and the request cap is lifted (max_num_seqs =
+max_num_batched_tokens); the benchmark's ablation runs vLLM with and without them.
 """
 
 from __future__ import annotations
@@ -41,23 +41,18 @@ NO_CAP_SEQS = 256                # vLLM's (and our vllm policy's) request cap wh
 
 @dataclass(frozen=True, slots=True)
 class GroupScheduling:
-    """The parts of the group scheduler, each of which can be turned off (benchmark ablation).
+    """BatchLLM's group scheduling as vLLM engine arguments, each part switchable (ablation).
 
     priority: priority = the group's plan rank (vLLM's "priority" policy); else FCFS in the
-        order given. pins: keep a group's prefix blocks until its last member finishes.
-    no_cap: max_num_seqs = max_num_batched_tokens; else EngineConfig.max_num_seqs or 256.
+        order given. no_cap: max_num_seqs = max_num_batched_tokens (memory-centric token
+        batching); else EngineConfig.max_num_seqs or 256.
     """
 
     priority: bool = True
-    pins: bool = True
     no_cap: bool = True
 
-    @property
-    def custom_class(self) -> bool:
-        return self.pins  # priority and no_cap need only engine arguments
 
-
-ALL_PARTS, NO_PARTS = GroupScheduling(), GroupScheduling(False, False, False)
+ALL_PARTS, NO_PARTS = GroupScheduling(), GroupScheduling(False, False)
 
 
 @dataclass(slots=True)
@@ -139,7 +134,7 @@ class VllmEngine:
 
     def reset(self) -> None:
         """Abort whatever is in flight (after a failed or abandoned run). vLLM's prefix cache
-        and its scheduler stay; aborted requests free their blocks and their groups' pins."""
+        and its scheduler stay; aborted requests free their blocks."""
         if self._in_flight:
             self.engine.abort_request(list(self._in_flight))
             self._in_flight.clear()
@@ -179,7 +174,7 @@ class VllmEngine:
                 counts["requests"] += len(members)
                 for m in members:
                     rid = f"{run}-{m.row_id}"
-                    m.error = m.error or self._add(rid, m, (run, rank), len(members))
+                    m.error = m.error or self._add(rid, m, rank)
                     if m.error is not None:
                         yield None, m
                         continue
@@ -201,15 +196,13 @@ class VllmEngine:
             num_output_tokens=counts["output"], num_steps=len(self.stats),
             num_preemptions=sum(s.num_preemptions for s in self.stats), wall_time_s=time.perf_counter() - start)
 
-    def _add(self, request_id: str, m: _Req, group: tuple[int, int], num_members: int) -> str | None:
-        """Add one request of group (run, plan rank); an error message when it cannot run."""
+    def _add(self, request_id: str, m: _Req, rank: int) -> str | None:
+        """Add one request of the group of this plan rank; an error message when it cannot run."""
         error = self._check_prompt(m.prompt)
         if error is not None:
             return error
-        run, rank = group
-        pf = {"g": f"{run}.{rank}", "p": m.prefix_len, "n": num_members, "pin": self.parts.pins}
         try:
-            self.engine.add_request(request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m, pf),
+            self.engine.add_request(request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m),
                                     priority=rank if self.parts.priority else 0)
         except ValueError as e:  # vLLM's own request validation (lengths, parameters)
             return f"vLLM refused the request: {e}"
@@ -240,7 +233,7 @@ class VllmEngine:
         return m
 
     def _step(self) -> list[Any]:
-        """One vLLM step; its StepStats from our group scheduler when it runs in this process
+        """One vLLM step; its StepStats from the counting scheduler when it runs in this process
         (token counts, preemptions, used blocks), else only the time and unfinished requests."""
         t0 = time.perf_counter()
         unfinished = self.engine.get_num_unfinished_requests()
@@ -266,8 +259,7 @@ class VllmEngine:
             enable_prefix_caching=c.enable_prefix_cache, gpu_memory_utilization=c.gpu_memory_utilization,
             trust_remote_code=c.trust_remote_code, disable_log_stats=True,
             scheduling_policy="priority" if parts.priority else "fcfs")
-        if parts.custom_class:
-            kwargs["scheduler_cls"] = f"{SCHEDULER}.{'GroupScheduler' if self.is_cpu else 'AsyncGroupScheduler'}"
+        kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
         if self.is_cpu:
             from prefixflow.engine.loader import read_model_args
             args = read_model_args(self.model_path)
@@ -324,8 +316,8 @@ def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:
     return choices.get(row, ()) if isinstance(choices, Mapping) else choices
 
 
-def _vllm_params(m: _Req, pf: dict[str, Any]) -> Any:
-    """Our SamplingParams as vLLM's (+ m.options); the group info in extra_args."""
+def _vllm_params(m: _Req) -> Any:
+    """Our SamplingParams as vLLM's (+ m.options)."""
     from vllm import SamplingParams as VllmParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -341,7 +333,7 @@ def _vllm_params(m: _Req, pf: dict[str, Any]) -> Any:
         stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
         logprobs=p.logprobs, detokenize=bool(p.stop), structured_outputs=structured,
-        extra_args={"pf": pf}, output_kind=RequestOutputKind.FINAL_ONLY, **m.options)
+        output_kind=RequestOutputKind.FINAL_ONLY, **m.options)
     # FINAL_ONLY: with n > 1 vLLM hands back one output holding every sample, once all finish.
 
 

@@ -1,6 +1,6 @@
 """engine.backend=vllm: VllmEngine against our native engine on the tiny checkpoints (fp32 CPU):
 greedy outputs with shared prefixes (llama, qwen2), sampling parameters (stop strings and ids,
-max_tokens, seeds, logprobs), the score task, the group scheduler's pins, and the argument check.
+max_tokens, seeds, logprobs), the score task, an abandoned run, and the argument check.
 
 vLLM's import and engine start cost 30-90 s on a small CPU box, so one engine per checkpoint is
 shared by the module (engine core in this process, so that its scheduler can be inspected).
@@ -86,28 +86,20 @@ def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
     vllm = engines(arch)[0]
     assert vllm.totals.num_requests == 14 and vllm.totals.num_output_tokens == 14 * 8
     assert vllm.totals.token_saving_ratio > 0.3
-    # Step statistics from the group scheduler: every prompt token not cached is prefilled, and
+    # Step statistics from the counting scheduler: every prompt token not cached is prefilled, and
     # each output token after a request's first is one decode token.
     assert sum(s.num_prefill_tokens for s in vllm.stats) == vllm.totals.num_computed_prompt_tokens
     assert sum(s.num_decode_tokens for s in vllm.stats) == 14 * 7
     assert max(s.num_used_blocks for s in vllm.stats) > 0 and vllm.totals.num_preemptions == 0
 
 
-def test_group_scheduler_pins_and_releases():
+def test_an_abandoned_run_aborts_its_requests_and_the_counting_scheduler_runs():
     vllm = engines("llama")[0]
-    sched = vllm.scheduler
-    assert type(sched).__name__ == "GroupScheduler"
-    pins = sched.pf_num_pins
-    list(vllm.run(plan_groups(prompts(seed=3)), GREEDY))
-    assert sched.pf_num_pins - pins == 3            # one pin per shared group
-    assert sched.pf_num_unpins == sched.pf_num_pins
-    assert sched.pf_pinned_blocks == 0 and not sched.pf_left and not sched.pf_group_of
-    # An abandoned run aborts its requests and releases the pins of its groups.
+    assert type(vllm.scheduler).__name__ == "CountingScheduler"
     it = vllm.run(plan_groups(prompts(seed=4)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     next(it)
     it.close()
-    assert not vllm.engine.has_unfinished_requests()
-    assert sched.pf_pinned_blocks == 0 and not sched.pf_left and not sched.pf_group_of
+    assert not vllm.engine.has_unfinished_requests() and not vllm._in_flight
 
 
 def test_sampling_parameters_map_like_native():
