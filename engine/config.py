@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from prefixflow.errors import invalid
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Policy = Literal["batchllm", "vllm"]
 
@@ -93,4 +95,4 @@ class EngineConfig:
 
 def _require(ok: bool, name: str, value: object, fix: str) -> None:
     if not ok:
-        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: {fix}")
+        raise invalid("EngineConfig", name, value, fix)

@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _show_our_logs()
     from prefixflow.jobs.spec import SpecError
 
     try:
@@ -60,6 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the job stopped: {_message(e)}\nCommitted rows are kept: fix the cause "
               "and rerun with output.resume: true to finish the rest.", file=sys.stderr)
         return 1
+
+
+def _show_our_logs() -> None:
+    """prefixflow's module loggers (one-time model copies and conversions) print on stderr at
+    INFO; other libraries' loggers keep their own settings."""
+    import logging
+
+    log = logging.getLogger("prefixflow")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("prefixflow: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def _job_failures() -> tuple[type[BaseException], ...]:
