@@ -46,8 +46,9 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
 def ray_quickstart(model_source: str) -> list[dict]:
     """ray.data.llm's build_processor example (ray/data/llm.py, Ray's API docs), as published
     except: the import line (`ray.data.llm` -> `prefixflow`); model_source (the tiny
-    checkpoint); range(300) -> range(12) and max_tokens 20 -> 8 (test cost); the rows are
-    returned instead of printed."""
+    checkpoint); range(300) -> range(12), max_tokens 20 -> 8 and enforce_eager=True (vLLM's
+    CPU graph compilation costs ~30 s per engine start: test cost); the rows are returned
+    instead of printed."""
     import ray
     from prefixflow import vLLMEngineProcessorConfig, build_processor
 
@@ -57,6 +58,7 @@ def ray_quickstart(model_source: str) -> list[dict]:
             enable_prefix_caching=True,
             enable_chunked_prefill=True,
             max_num_batched_tokens=4096,
+            enforce_eager=True,
         ),
         concurrency=1,
         batch_size=64,
