@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
+from prefixflow.operators.outputs import plain
 
 
 def plan_text(planned: Any) -> str:
@@ -28,7 +28,7 @@ def plan_text(planned: Any) -> str:
 
 
 def dry_run_result(planned: Any, wall_s: float) -> dict[str, Any]:
-    return {"dry_run": True, "plan": _jsonable(planned.plan.summary), "timings": planned.timings,
+    return {"dry_run": True, "plan": plain(planned.plan.summary), "timings": planned.timings,
             "num_rows": planned.rows.num_rows, "num_error_rows": int(len(planned.error_row_ids)),
             "wall_seconds": wall_s}
 
@@ -148,7 +148,7 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
                        "total_tokens_per_s": (prompt + generated) / generate_s if generate_s else 0.0},
         "sampling": sampling_used(spec),
         "per_replica": [_replica(r) for r in replica_records],
-        "plan": _jsonable(planned.plan.summary),
+        "plan": plain(planned.plan.summary),
         "parts": sorted(m["part"] for m in manifests),
     }
 
@@ -166,7 +166,7 @@ def sampling_used(spec: Any) -> dict[str, Any]:
     from prefixflow.operators.config import sampling_with_defaults
 
     params, taken = sampling_with_defaults(spec.model, sampling_set(spec))
-    return {"params": _jsonable(asdict(params)), "from_generation_config": _jsonable(taken)}
+    return {"params": plain(asdict(params)), "from_generation_config": plain(taken)}
 
 
 def _engine_saving(records: list[dict]) -> float | None:
@@ -216,14 +216,4 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
 
