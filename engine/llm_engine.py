@@ -19,7 +19,7 @@ from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, T
                                        check_finish, error_output, finished_output, with_samples)
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
-from prefixflow.engine.step import SampledToken, StepInput
+from prefixflow.engine.step import SampledToken
 from prefixflow.requests import PrefixGroup, SamplingParams, params_for_row
 
 Params = SamplingParams | Mapping[int, SamplingParams]
@@ -142,7 +142,7 @@ class LLMEngine:
                                f"({len(sched.waiting)} waiting groups, {len(sched.active)} active)")
         num_running = sched.num_running
         used_blocks = self.block_manager.num_used_blocks
-        result = self.runner.execute(_with_histories(out))
+        result = self.runner.execute(out.to_step_input())
         finished = [self._on_token(seq, token) for seq, token in sched.update(out, result.sampled)]
         self.stats.append(StepStats(
             step=len(self.stats), num_tokens=out.num_tokens(), num_prefill_tokens=out.num_tokens("prefill"),
@@ -269,17 +269,3 @@ class LLMEngine:
                 raise ValueError("prompt is a string but the model runner has no tokenizer: give token ids")
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         return [int(t) for t in prompt]
-
-
-
-def _with_histories(out: Any) -> StepInput:
-    """The scheduler's step input, with each sampled request's token history when its
-    sampling parameters have penalties (they count the prompt's and output's tokens)."""
-    step = out.to_step_input()
-    if not any(c.sample and c.sampling_params is not None and c.sampling_params.has_penalties
-               for c in step.chunks):
-        return step
-    chunks = tuple(replace(s, history=tuple(c.owner.token_ids))
-                   if s.sample and s.sampling_params is not None and s.sampling_params.has_penalties else s
-                   for c, s in zip(out.chunks, step.chunks, strict=True))
-    return replace(step, chunks=chunks)

@@ -72,12 +72,15 @@ class SchedulerOutput:
                     prefixes.append(SharedPrefix(tuple(prefix.block_table[:num_blocks]), owner.prefix_len))
                 prefix_index, start_pos = index[key], owner.prefix_len + c.start
             is_seq = isinstance(owner, Sequence)
+            # penalties count the prompt's and output's tokens: only those rows carry them
+            penalised = is_seq and c.sample and owner.params.has_penalties
             chunks.append(SeqChunk(
                 seq_id=owner.seq_id, token_ids=tuple(owner.own_token_ids(c.start, c.start + c.num_tokens)),
                 start_pos=start_pos, num_cached_tokens=c.start, block_table=tuple(owner.block_table),
                 prefix_index=prefix_index, sample=c.sample,
                 sampling_params=owner.params if is_seq else None,
-                num_generated=owner.num_output_tokens if is_seq else 0))
+                num_generated=owner.num_output_tokens if is_seq else 0,
+                history=tuple(owner.token_ids) if penalised else ()))
         return StepInput(tuple(chunks), tuple(prefixes))
 
 
