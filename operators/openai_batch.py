@@ -38,8 +38,7 @@ from prefixflow.operators.read import ERROR
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
-# body field -> SamplingParams field. A field this version's SamplingParams lacks is an error
-# record naming it (never ignored).
+# body field -> SamplingParams field (tests/cpu/test_jobs_openai.py checks each exists).
 _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
              "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
              "stop": "stop", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
@@ -137,35 +136,17 @@ def _check_fields(body: dict[str, Any], url: str) -> None:
         other = {"/v1/chat/completions": "/v1/completions"}.get(url, "/v1/chat/completions")
         where = f" (it belongs to {other})" if name in _ROUTED[other] else ""
         raise ValueError(f"body.{name} is not a field prefixflow honours for {url}{where}: remove "
-                         f"it (the sampling fields are {', '.join(_sampling_fields())})")
-
-
-def _sampling_fields() -> list[str]:
-    """The body's sampling fields this version's SamplingParams honours."""
-    from prefixflow.requests import SamplingParams
-
-    known = set(SamplingParams.__dataclass_fields__)
-    return sorted(theirs for theirs, ours in _SAMPLING.items() if ours in known)
+                         f"it (the sampling fields are {', '.join(sorted(_SAMPLING))})")
 
 
 def _overrides(body: dict[str, Any], url: str) -> dict[str, Any]:
-    """SamplingParams overrides of a body; ValueError naming a field this version lacks."""
-    from prefixflow.requests import SamplingParams
-
-    known = set(SamplingParams.__dataclass_fields__)
-    overrides = {}
-    for theirs, ours in _SAMPLING.items():
-        if body.get(theirs) is not None:
-            if ours not in known:
-                raise ValueError(f"body.{theirs} is not supported by this version of prefixflow: remove it")
-            overrides[ours] = body[theirs]
+    """SamplingParams overrides of a body (their values are checked by SamplingParams)."""
+    overrides = {ours: body[theirs] for theirs, ours in _SAMPLING.items() if body.get(theirs) is not None}
     top = _logprobs(body, url)
     if top is not None:
         overrides["logprobs"] = top
     structured = structured_outputs(body.get("response_format"))
     if structured is not None:
-        if "structured_outputs" not in known:
-            raise ValueError("body.response_format is not supported by this version of prefixflow: remove it")
         overrides["structured_outputs"] = structured
     return overrides
 

@@ -153,3 +153,14 @@ def test_a_body_is_checked_against_its_own_fields_not_a_made_up_default():
     assert rows[0]["_pf_error"] is None and json.loads(rows[0]["_pf_sampling"]) == {"min_tokens": 100}
     assert rows[0]["_pf_max_tokens"] is None
     assert "min_tokens" in rows[1]["_pf_error"]
+
+
+def test_every_mapped_body_field_is_a_sampling_field():
+    """A body field is honoured through SamplingParams: each one mapped must exist there."""
+    from dataclasses import fields
+
+    from prefixflow.operators.openai_batch import _SAMPLING
+    from prefixflow.requests import SamplingParams
+
+    names = {f.name for f in fields(SamplingParams)}
+    assert set(_SAMPLING.values()) | {"logprobs", "structured_outputs"} <= names
