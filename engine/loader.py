@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from prefixflow.engine.layers.linear import prepack_linears
 from prefixflow.engine.layers.rotary import RopeConfig
 from prefixflow.engine.model_source import resolve_model, weight_files
 from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
@@ -100,6 +101,8 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     model.model.rotary.reset_cache()  # fp32 table; to_empty left it uninitialised
     model.tie_weights()
     _load_weights(model, weight_files(folder))
+    if torch.device(device).type == "cpu":
+        prepack_linears(model)  # after the weights are in: it reorders them for oneDNN
     return model.eval().requires_grad_(False)
 
 

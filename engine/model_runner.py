@@ -34,6 +34,7 @@ activation memory of a warm-up step of `max_num_batched_tokens` tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -50,10 +51,12 @@ from prefixflow.engine.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.requests import SamplingParams
 
 CPU_KV_CACHE_BYTES = 1 << 30
-# CPU steps of at most this many tokens (decode steps, small chunks) run on one thread: their
-# matmuls are too small to split, and on a shared CPU a second thread's barrier waits cost far
-# more than it computes (peer_bench's quick decode_heavy, 2 threads at load 4-8: 25 s wall
-# instead of 3.6 s on one thread; MKL's small-M matmuls were 57% of the time).
+# CPU steps of at most this many tokens (decode steps, small chunks) run on one thread while the
+# CPU is oversubscribed (more runnable work than cores, by the 1-minute load average): a second
+# thread's barrier waits then cost far more than it computes (peer_bench's quick decode_heavy, 2
+# threads at load 4-8: 25 s wall instead of 3.6 s on one thread). On a CPU the engine has to
+# itself they use every thread, as vLLM's CPU build does: 12-request decode steps took 20-25%
+# less wall time on 2 threads than on 1 (quiet 2-core machine, issue 17).
 SINGLE_THREAD_MAX_TOKENS = 128
 
 
@@ -123,7 +126,8 @@ class ModelRunner:
         batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
         ids, positions, meta, logits_indices = self._to_device(batch)
         with _cpu_threads(1 if self.device.type == "cpu" and
-                          batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS else None):
+                          batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and
+                          cpu_oversubscribed() else None):
             return self.model(ids, positions, meta, logits_indices)
 
     # ------------------------------------------------------------------ internals
@@ -189,6 +193,14 @@ class ModelRunner:
         for layer, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(cache[layer, 0], cache[layer, 1])
         return cache
+
+
+def cpu_oversubscribed() -> bool:
+    """More runnable threads than cores over the last minute (this process's own included)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        return False
 
 
 @contextmanager

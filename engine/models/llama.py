@@ -16,6 +16,7 @@ from torch import nn
 
 from prefixflow.engine.layers.attention import AttentionMetadata, PagedAttention
 from prefixflow.engine.layers.embedding import LMHead
+from prefixflow.engine.layers.linear import Linear
 from prefixflow.engine.layers.mlp import SiluMLP
 from prefixflow.engine.layers.norm import RMSNorm
 from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
@@ -54,9 +55,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = args.num_kv_heads * args.head_dim
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
         self.head_dim = args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -96,11 +96,14 @@ def test_sliding_window_bounds_max_model_len(tmp_path):
                                  max_model_len=65))
 
 
-def test_small_cpu_steps_run_on_one_thread_and_restore_the_count(runner, monkeypatch):
+def test_small_cpu_steps_run_on_one_thread_when_oversubscribed_and_restore_the_count(
+        runner, monkeypatch):
     from prefixflow.engine import model_runner
 
     if runner.device.type != "cpu":
         pytest.skip("thread counts are a CPU matter")
+    busy = [True]
+    monkeypatch.setattr(model_runner, "cpu_oversubscribed", lambda: busy[0])
     seen = []
     forward = runner.model.forward
     monkeypatch.setattr(runner.model, "forward",
@@ -113,8 +116,11 @@ def test_small_cpu_steps_run_on_one_thread_and_restore_the_count(runner, monkeyp
                                            num_cached_tokens=0, block_table=(1,), sample=True,
                                            sampling_params=greedy),))
         runner.execute(small)
+        busy[0] = False                     # a CPU to itself: every thread
+        runner.execute(small)
+        busy[0] = True
         monkeypatch.setattr(model_runner, "SINGLE_THREAD_MAX_TOKENS", 2)  # now a "large" step
         runner.execute(small)
-        assert seen == [1, 2] and torch.get_num_threads() == 2
+        assert seen == [1, 2, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
