@@ -43,6 +43,7 @@ class BlockManager:
         # freed (least recently freed first = LRU eviction).
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.ahead: set[int] = set()      # hashed by the step being scheduled, not yet computed
         self.num_evictions = 0
 
     @property
@@ -146,15 +147,42 @@ class BlockManager:
     def commit(self, owner: KVOwner, num_computed_tokens: int) -> None:
         """Record newly computed tokens; hash the blocks that became full."""
         owner.num_computed_tokens = num_computed_tokens
+        self._hash_full_blocks(owner, num_computed_tokens)
+
+    def hash_ahead(self, owner: KVOwner, num_tokens: int) -> None:
+        """Hash the blocks that this step's `num_tokens` own tokens of `owner` will fill,
+        before the step computes them, so that an owner scheduled later in the same step
+        finds them (two groups whose prefixes start with one system prompt, admitted
+        together). That is safe because every layer writes the step's K/V before any of its
+        attention reads, as in vLLM, which caches a block when it is scheduled. A step that
+        fails calls `forget_ahead`."""
+        self._hash_full_blocks(owner, owner.num_computed_tokens + num_tokens, ahead=True)
+
+    def commit_ahead(self) -> None:
+        """The step ran: the blocks it hashed ahead hold their KV now."""
+        self.ahead.clear()
+
+    def forget_ahead(self) -> None:
+        """Un-hash the blocks hashed ahead by a step that did not run (their KV was never
+        written); the owners holding them are aborted with the step."""
+        for block_id in self.ahead:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self.ahead.clear()
+
+    def _hash_full_blocks(self, owner: KVOwner, num_tokens: int, ahead: bool = False) -> None:
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
-        for i in range(len(owner.block_hashes), num_computed_tokens // bs):
+        for i in range(len(owner.block_hashes), num_tokens // bs):
             parent = owner.block_hashes[i - 1] if i > 0 else owner.hash_seed
             tokens = tuple(owner.own_token_ids(i * bs, (i + 1) * bs))
             h = hash((parent, tokens))
             block = self.blocks[owner.block_table[i]]
             if block.hash is None:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens
-                self.cached.setdefault(h, block.block_id)
+                if self.cached.setdefault(h, block.block_id) == block.block_id and ahead:
+                    self.ahead.add(block.block_id)
             owner.block_hashes.append(h)

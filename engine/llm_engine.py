@@ -142,7 +142,11 @@ class LLMEngine:
                                f"({len(sched.waiting)} waiting groups, {len(sched.active)} active)")
         num_running = sched.num_running
         used_blocks = self.block_manager.num_used_blocks
-        result = self.runner.execute(out.to_step_input())
+        try:
+            result = self.runner.execute(out.to_step_input())
+        except BaseException:
+            self.block_manager.forget_ahead()  # blocks hashed for this step were never written
+            raise
         finished = [self._on_token(seq, token) for seq, token in sched.update(out, result.sampled)]
         self.stats.append(StepStats(
             step=len(self.stats), num_tokens=out.num_tokens(), num_prefill_tokens=out.num_tokens("prefill"),

@@ -171,7 +171,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens, out.token_budget)
             if self._reserve(seq, n, out):
-                out.add(seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
+                self._add_prompt_chunk(out, seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
         while group.pending and out.token_budget > 0 and not out.blocked and self._below_seq_cap():
             if not self._start_member(group, group.pending[0], out):
                 out.blocked = True
@@ -187,7 +187,7 @@ class Scheduler:
             out.blocked = True
             return
         self.bm.allocate(prefix, n)
-        out.add(prefix, n, sample=False, kind="prefix")
+        self._add_prompt_chunk(out, prefix, n, sample=False, kind="prefix")
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -233,8 +233,14 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.num_running += 1
         seq.admit_order = next(self._order)
-        out.add(seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
+        self._add_prompt_chunk(out, seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
         return True
+
+    def _add_prompt_chunk(self, out: SchedulerOutput, owner: KVOwner, n: int, sample: bool,
+                          kind: str) -> None:
+        # Hashed now, not after the step: a prefix admitted later in this step reuses them.
+        self.bm.hash_ahead(owner, n)
+        out.add(owner, n, sample=sample, kind=kind)
 
     def _watermark(self) -> int:
         return self.watermark_blocks if self.num_running > 0 else 0
@@ -326,6 +332,7 @@ class Scheduler:
                 token = by_id[c.owner.seq_id]
                 c.owner.token_ids.append(token.token_id)
                 results.append((c.owner, token))
+        self.bm.commit_ahead()
         return results
 
     def _count_prompt_work(self, c: ScheduledChunk) -> None:

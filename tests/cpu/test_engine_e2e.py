@@ -159,3 +159,24 @@ def test_hashed_block_cache_hits_give_the_same_outputs(model):
     assert any(w.num_cached_tokens > w.prefix_len for w in warm)
     assert [w.token_ids for w in warm] == [c.token_ids for c in cold]
     assert_same_as_hf(hf, prompts, warm)
+
+
+def test_prefixes_admitted_in_one_step_share_their_common_blocks(model):
+    # Two levels of sharing: one system prompt, then two documents asked two questions each.
+    # Both groups' prefixes (system + document) start in the first step; the second reuses the
+    # system prompt's blocks that the first writes in that same step (hashed when scheduled),
+    # and the outputs still equal HF's.
+    path, hf = model
+    rng = random.Random(4)
+    tok = lambda n: [rng.randrange(3, hf.config.vocab_size) for _ in range(n)]  # noqa: E731
+    system = tok(4 * BLOCK)
+    prompts = [system + doc + tok(3) for doc in (tok(9), tok(11)) for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    engine = make_engine(path, max_num_batched_tokens=256)
+    outs = engine.generate(prompts, params)
+    assert_same_as_hf(hf, prompts, outs)
+    assert engine.stats[0].num_prefix_tokens == 2 * len(system) + 9 + 11 - len(system)
+    alone = make_engine(path, max_num_batched_tokens=256, enable_prefix_cache=False)
+    alone.generate(prompts, params)
+    assert (alone.totals.num_computed_prompt_tokens - engine.totals.num_computed_prompt_tokens
+            == len(system))
