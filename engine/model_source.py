@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from prefixflow.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 Kind = Literal["short", "s3", "gguf", "folder", "hub"]
@@ -95,9 +97,8 @@ def normalize_model(model: str) -> str:
 
 
 def cache_dir() -> Path:
-    """Where converted and copied models live: $PREFIXFLOW_CACHE/models or ~/.cache/prefixflow."""
-    root = os.environ.get("PREFIXFLOW_CACHE") or "~/.cache/prefixflow"
-    return Path(root).expanduser() / "models"
+    """Where converted and copied models live: $PREFIXFLOW_CACHE/models (prefixflow/paths.py)."""
+    return cache_root() / "models"
 
 
 def resolve_model(model: str | Path, storage: Any = None) -> Path:

@@ -23,6 +23,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from prefixflow.paths import cache_root
+
 ARCHS = ("llama", "mistral", "qwen2")
 
 # Bumped whenever the files written change, so cached checkpoints are rebuilt.
@@ -129,7 +131,7 @@ def tiny_checkpoint_cached(arch: str = "llama", seed: int = 0, llama3_rope: bool
                           seed=seed, llama3_rope=llama3_rope, overrides=config_overrides),
                      sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PREFIXFLOW_CACHE", Path.home() / ".cache" / "prefixflow")) / "tiny"
+    root = cache_root() / "tiny"
     final = root / f"{arch}-{digest}"
     if (final / "config.json").exists():
         return final
