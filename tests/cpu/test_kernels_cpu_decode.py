@@ -1,0 +1,113 @@
+"""The C decode-attention kernel (kernels/cpu_decode.py) against the float64 oracle, and the
+dispatch around it: decode steps take it on the CPU in float32, everything else keeps torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.kernel_oracles import naive_prefix_attention, rel_error
+
+from prefixflow.bench.kernel_cases import make_prefix_case
+from prefixflow.kernels import cpu_decode
+from prefixflow.kernels.paged_decode import paged_decode_attention, paged_decode_attention_cpu
+from prefixflow.kernels.prefix_attention import (prefix_shared_attention,
+                                                 prefix_shared_decode_cpu)
+
+pytestmark = pytest.mark.skipif(not cpu_decode.supports(torch.zeros(1, 1, 8),
+                                                        torch.zeros(1, 4, 1, 8)),
+                                reason="no C compiler to build the CPU kernel")
+
+# (heads, kv heads, head dim, block size): GQA 2 and 4, MHA, odd sizes, one-token blocks
+SHAPES = [(8, 4, 64, 32), (8, 2, 64, 16), (4, 4, 32, 4), (6, 3, 40, 5), (2, 1, 128, 1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_with_shared_prefixes_matches_the_oracle(shape, threads):
+    hq, hkv, d, bs = shape
+    # Two groups (prefixes of 70 and 5 keys, one with an empty prefix), members of various
+    # own lengths (1 key: only its own), and sequences with no prefix.
+    case = make_prefix_case([(70, [(1, 1), (1, 9), (1, 33)]), (5, [(1, 2)]), (0, [(1, 4)])],
+                            [(1, 1), (1, 50)], num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                            block_size=bs, dtype=torch.float32, seed=hq + d + bs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = prefix_shared_decode_cpu(*case.args())
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None
+    assert rel_error(out, naive_prefix_attention(case)) < 1e-5
+    # the public function takes the same path
+    assert torch.equal(prefix_shared_attention(*case.args()), out)
+
+
+def test_decode_without_prefix_matches_the_oracle_and_writes_a_strided_out():
+    case = make_prefix_case([], [(1, n) for n in (1, 7, 64, 65, 200)], num_heads=8,
+                            num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                            seed=3)
+    out = torch.zeros(case.q.shape[0], 8, 128)[:, :, ::2]     # last dim strided: rejected
+    with pytest.raises(ValueError):
+        paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens,
+                                   case.block_tables, case.scale, out)
+    out = torch.zeros(8, case.q.shape[0], 64).transpose(0, 1)  # not contiguous, unit stride in D
+    paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens,
+                               case.block_tables, case.scale, out)
+    assert rel_error(out, naive_prefix_attention(case)) < 1e-5
+    again = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.kv_lens,
+                                   case.block_tables, case.scale)
+    assert torch.equal(again, out)
+
+
+def test_steps_with_longer_chunks_keep_the_torch_path():
+    case = make_prefix_case([(40, [(1, 5), (3, 9)])], [(1, 3)], num_heads=4, num_kv_heads=2,
+                            head_dim=32, block_size=8, dtype=torch.float32, seed=5)
+    assert prefix_shared_decode_cpu(*case.args()) is None
+    assert rel_error(prefix_shared_attention(*case.args()), naive_prefix_attention(case)) < 1e-5
+
+
+def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
+    case = make_prefix_case([(40, [(1, 5)])], [(1, 3)], num_heads=4, num_kv_heads=2,
+                            head_dim=32, block_size=8, dtype=torch.float32, seed=6)
+    bad = case.block_tables.clone()
+    bad[0, 0] = case.k_cache.shape[0]
+    with pytest.raises(ValueError, match="block table"):
+        paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens, bad,
+                                   case.scale)
+    bad_prefix = case.prefix_block_tables.clone()
+    bad_prefix[0, 0] = -1
+    args = list(case.args())
+    args[7] = bad_prefix
+    with pytest.raises(ValueError, match="block table"):
+        prefix_shared_decode_cpu(*args)
+
+
+def test_other_dtypes_and_the_switch_keep_the_reference(monkeypatch):
+    case = make_prefix_case([(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32,
+                            block_size=8, dtype=torch.float64, seed=7)
+    assert not cpu_decode.supports(case.q, case.k_cache)
+    f32 = make_prefix_case([(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32,
+                           block_size=8, dtype=torch.float32, seed=7)
+    monkeypatch.setenv("PREFIXFLOW_CPU_KERNELS", "0")
+    assert not cpu_decode.supports(f32.q, f32.k_cache)
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_without_a_working_compiler_the_reference_runs(compiler, monkeypatch, tmp_path):
+    case = make_prefix_case([(9, [(1, 3)])], [(1, 2)], num_heads=4, num_kv_heads=2,
+                            head_dim=32, block_size=8, dtype=torch.float32, seed=8)
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("PREFIXFLOW_CACHE", str(tmp_path))   # nothing built there yet
+    cpu_decode._library.cache_clear()
+    try:
+        assert not cpu_decode.supports(case.q, case.k_cache)
+        assert rel_error(prefix_shared_attention(*case.args()), naive_prefix_attention(case)) < 1e-5
+    finally:
+        cpu_decode._library.cache_clear()
+
+
+def test_the_kernel_shares_torchs_openmp_runtime():
+    cpu_decode._library()
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
