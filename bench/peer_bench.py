@@ -2,8 +2,9 @@
 
     python -m prefixflow.bench.peer_bench [--quick] [--repeats 2] [--out bench/results/peer_bench.json]
 
-Same checkpoint for all (a random Llama, 4 layers, hidden 512, fp32 on the CPU), prompts as token
-ids, greedy with fixed output lengths (ignore_eos), the prefix cache emptied before every run.
+Same checkpoint for all (a random Llama, 4 layers, hidden 512, fp32 on the CPU; or --model, e.g.
+smollm2-135m-instruct), prompts as token ids, greedy with fixed output lengths (ignore_eos), the
+prefix cache emptied before every run.
 Each engine lives in its own process (2 threads) for the whole benchmark of one cache size; the
 driver hands the processes the runs one at a time, interleaved (workload, repeat, engine), so all
 systems see the same machine load. The engines:
@@ -47,7 +48,6 @@ from typing import Any
 MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
              num_key_value_heads=4)
 BLOCK = 32                     # vLLM's CPU block; the caches below are counted in these blocks
-KV_BYTES_PER_TOKEN = 2 * 4 * 4 * 64 * 4   # K+V x layers x KV heads x head_dim x fp32
 VOCAB = 700                    # ids below the tiny tokenizer's vocabulary
 THREADS = 2
 
@@ -111,9 +111,12 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     `cache_blocks` x 32 tokens, on the CPU with THREADS threads."""
     from prefixflow.engine.config import EngineConfig
 
+    from prefixflow.engine.loader import read_model_args
+
     backend, _, parts, in_process = ENGINES[name]
+    kv_bytes_per_token = read_model_args(path).kv_bytes_per_token_per_elem * 4  # fp32
     config = EngineConfig(model=path, device="cpu", dtype="float32",
-                          kv_cache_bytes=cache_blocks * BLOCK * KV_BYTES_PER_TOKEN,
+                          kv_cache_bytes=cache_blocks * BLOCK * kv_bytes_per_token,
                           max_model_len=min(2048, cache_blocks * BLOCK))
     if backend == "native":
         import torch
@@ -313,6 +316,8 @@ def main() -> None:
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of ENGINES")
     ap.add_argument("--caches", default=",".join(CACHES))
     ap.add_argument("--workloads", default=None, help="comma-separated subset of the workload names")
+    ap.add_argument("--model", default="tiny", help="tiny (the random 4-layer Llama) or a model "
+                    "name or folder, e.g. smollm2-135m-instruct")
     ap.add_argument("--out", default="bench/results/peer_bench.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cache-blocks", type=int, help=argparse.SUPPRESS)
@@ -320,9 +325,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.cache_blocks, args.model_path)
+    from prefixflow.engine.model_source import resolve_model
     from prefixflow.engine.tiny import tiny_checkpoint_cached
 
-    path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL))
+    path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL) if args.model == "tiny"
+               else resolve_model(args.model))
     engines = args.engines.split(",")
     repeats = args.repeats or (1 if args.quick else 2)
     loads = [w for w in workloads(args.quick) if args.workloads is None or w.name in args.workloads.split(",")]
@@ -333,7 +340,7 @@ def main() -> None:
     results = {c: bench_cache(c, CACHES[c], engines, loads, repeats, path, logs) for c in args.caches.split(",")}
     png = out.with_suffix(".png")
     plot(results, engines, png)
-    meta = dict(model=MODEL, dtype="float32", device="cpu", threads_per_engine=THREADS, block=BLOCK,
+    meta = dict(model=MODEL if args.model == "tiny" else args.model, dtype="float32", device="cpu", threads_per_engine=THREADS, block=BLOCK,
                 caches=CACHES, repeats=repeats, quick=args.quick, engines={n: ENGINES[n] for n in engines},
                 workloads={w.name: dict(rows=len(w.prompts), prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens)
                            for w in loads},
