@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixflow.kernels import cpu_kernels
 from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES,
                                         check_last_dim_contiguous, check_shape, check_tensor,
                                         once_per_step, use_triton)
@@ -46,8 +47,30 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """
     if use_triton(k, head_dims=None):
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    elif cpu_kernels.available(k, v, k_cache, v_cache) and k_cache.is_contiguous():
+        write_kv_cache_cpu(k, v, k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_cache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`write_kv_cache` in C on the CPU (kernels/cpu_kernels.py; float32, contiguous caches)."""
+    _check_args(k, v, k_cache, v_cache, slot_mapping, (torch.float32,))
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    slots = once_per_step("kv_write_cpu", (slot_mapping,), (capacity,),
+                          lambda: _checked_slots(slot_mapping, capacity))
+    cpu_kernels.write_kv_cpu(k, v, k_cache, v_cache, slots)
+
+
+def _checked_slots(slot_mapping: torch.Tensor, capacity: int) -> torch.Tensor:
+    """int64 contiguous slots, after checking that none is past the cache (the C code trusts
+    them; -1 means skip)."""
+    slots = slot_mapping.long().contiguous()
+    if slots.numel() and int(slots.max()) >= capacity:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())}, outside the cache's "
+                         f"{capacity} slots")
+    return slots
 
 
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

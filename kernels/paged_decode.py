@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.kernels import _common, cpu_decode
+from prefixflow.kernels import _common, cpu_kernels
 from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, DecodeBatch,
                                         check_cache, check_head_dim_for_triton,
                                         check_last_dim_contiguous, check_out, check_shape,
@@ -48,7 +48,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, scale,
                                              out, num_splits)
-    if cpu_decode.supports(q, k_cache):
+    if cpu_kernels.supports(q, k_cache):
         return paged_decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out)
     return paged_decode_attention_ref(q, k_cache, v_cache, kv_lens, block_tables, scale, out,
                                       num_splits)
@@ -57,14 +57,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                kv_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_decode_attention` in C on the CPU (kernels/cpu_decode.py; float32)."""
+    """`paged_decode_attention` in C on the CPU (kernels/cpu_kernels.py; float32)."""
     _check_args(q, k_cache, v_cache, kv_lens, block_tables, (torch.float32,))
     out = check_out(out, q)
     if q.shape[0] == 0:
         return out
     once_per_step("paged_decode_cpu", (kv_lens, block_tables), (k_cache.shape[:2],),
                   lambda: _check_cpu_values(kv_lens, block_tables, k_cache))
-    return cpu_decode.decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out)
+    return cpu_kernels.decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out)
 
 
 def _check_cpu_values(kv_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -73,7 +73,7 @@ def _check_cpu_values(kv_lens: torch.Tensor, block_tables: torch.Tensor,
     if min(lens) < 1:
         raise ValueError(f"kv_lens must be >= 1 (a decode query sees its own key), got "
                          f"min {min(lens)}")
-    cpu_decode.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables)
+    cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables)
     return True
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixflow.kernels import _common, cpu_decode
+from prefixflow.kernels import _common, cpu_kernels
 from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, BlockIndex,
                                         DecodeBatch, attention_lse, block_index,
                                         causal_attention, check_cache,
@@ -79,7 +79,7 @@ def prefix_shared_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             prefix_block_tables, prefix_seq_ranges, scale, out)
     if use_triton(q):
         return prefix_shared_attention_triton(*args)
-    if cpu_decode.supports(q, k_cache) and q.shape[0] == kv_lens.shape[0]:
+    if cpu_kernels.supports(q, k_cache) and q.shape[0] == kv_lens.shape[0]:
         done = prefix_shared_decode_cpu(*args)
         if done is not None:
             return done
@@ -93,7 +93,7 @@ def prefix_shared_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              prefix_seq_ranges: torch.Tensor, scale: float,
                              out: torch.Tensor | None = None) -> torch.Tensor | None:
     """`prefix_shared_attention` of a decode step (one query per sequence) in C on the CPU
-    (kernels/cpu_decode.py; float32): each query over its group's prefix and then its own keys
+    (kernels/cpu_kernels.py; float32): each query over its group's prefix and then its own keys
     in one pass, nothing gathered. None when some sequence has more than one query."""
     _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
                 prefix_block_tables, prefix_seq_ranges, (torch.float32,))
@@ -106,7 +106,7 @@ def prefix_shared_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = check_out(out, q)
     if q.shape[0] == 0:
         return out
-    return cpu_decode.decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale,
+    return cpu_kernels.decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale,
                                            out, prefix_of, prefix_lens, prefix_block_tables)
 
 
@@ -121,7 +121,7 @@ def _decode_prefix_of(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
     if cu != list(range(len(cu))):
         return None
     p_lens = prefix_lens.tolist()
-    cpu_decode.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables, p_lens,
+    cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables, p_lens,
                             prefix_block_tables)
     prefix_of = [-1] * len(lens)
     for g in range(len(p_lens)):

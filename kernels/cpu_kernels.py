@@ -1,18 +1,21 @@
-"""Paged decode attention for the CPU in C: one query per sequence, over an optional shared
-prefix and then its own keys, read straight from the paged cache.
+"""CPU kernels in C for the steps where torch's per-call cost exceeds the arithmetic: decode
+attention over the paged cache (with a group's shared prefix) and the K/V cache write. float32
+only; callers keep the torch code for everything else. (RMSNorm stays torch's: it rounds like
+Hugging Face's bit for bit, which a C reduction would not; tests/cpu/test_kernels_norm_rope.py.)
 
-Why C: the torch reference does a decode step's attention as several calls per layer (gather
-the own blocks, PyTorch's flash kernel on them, flash again per group prefix, merge the parts
-by log-sum-exp), and at decode sizes each call costs more than its arithmetic. On peer_bench's
-decode-heavy workload that was 40% of the native engine's time against 19% for vLLM's C++ CPU
-attention (issue 17). This kernel is one call per layer and copies nothing: each (sequence, kv
-head) pair streams its blocks once for all the query heads that share the kv head (GQA), with
-an online softmax per block; pairs are spread over torch's OpenMP threads (the library links
-the libgomp that torch has already loaded, so both share one thread pool).
+Why C: at decode sizes (a dozen tokens per step) each torch call costs more than its arithmetic.
+The torch reference does a decode step's attention as several calls per layer (gather the own
+blocks, PyTorch's flash kernel on them, flash again per group prefix, merge the parts by
+log-sum-exp): on peer_bench's decode-heavy workload that was 40% of the native engine's time
+against 19% for vLLM's C++ CPU attention (issue 17). `decode_attention_cpu` is one call per
+layer and copies nothing: each (sequence, kv head) pair streams its blocks once for all the
+query heads that share the kv head (GQA), with an online softmax per block. Work is spread over
+torch's OpenMP threads (the library links the libgomp that torch has already loaded, so both
+share one thread pool); row loops go parallel only for prefill-sized inputs.
 
-It is built once per machine with the system C compiler (well under a second) into
+The library is built once per machine with the system C compiler (well under a second) into
 $PREFIXFLOW_CACHE/kernels/, keyed by the source, the flags and the CPU's feature flags. Without
-a compiler, for other dtypes, or with PREFIXFLOW_CPU_KERNELS=0, callers keep the torch
+a compiler, or with PREFIXFLOW_CPU_KERNELS=0, `available()` is False and callers keep the torch
 reference, which the tests also use as the oracle.
 """
 
@@ -121,6 +124,20 @@ void pf_decode_f32(const float *q, long q_stride_s, long q_stride_h,
         }
     }
 }
+
+/* K/V rows of T tokens into their cache slots (slot = block * block_size + offset; < 0: skip). */
+void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long v_st, long v_sh,
+                     float *kc, float *vc, const int64_t *slots, int T, int hkv, int D) {
+    #pragma omp parallel for if (T > 256)
+    for (int t = 0; t < T; t++) {
+        long slot = slots[t];
+        if (slot < 0) continue;
+        for (int h = 0; h < hkv; h++) {
+            memcpy(kc + (slot * hkv + h) * D, k + t * k_st + h * k_sh, sizeof(float) * D);
+            memcpy(vc + (slot * hkv + h) * D, v + t * v_st + h * v_sh, sizeof(float) * D);
+        }
+    }
+}
 """ % dict(max_d=MAX_HEAD_DIM, max_g=MAX_GQA_GROUP, max_bs=MAX_BLOCK_SIZE)
 
 # -ffast-math lets the compiler vectorise the dot products (it reorders float sums); the kernel
@@ -137,30 +154,34 @@ def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where no C compiler can build it."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        log.info("no C compiler: CPU decode attention uses the torch reference")
+        log.info("no C compiler: the CPU kernels run as torch code")
         return None
     key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, platform.machine(), _cpu_flags()])
                          .encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"cpu_decode_{key}.so"
+    path = cache_root() / "kernels" / f"cpu_kernels_{key}.so"
     try:
         if not path.exists():
             _compile(cc, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("could not build the CPU decode kernel (%s); using the torch reference", e)
+        log.warning("could not build the CPU kernels (%s); using the torch code", e)
         return None
-    fn = lib.pf_decode_f32
     ptr, long_, int_, float_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr, long_, long_, ptr, ptr, int_, int_, int_, ptr, ptr, int_, ptr, ptr, ptr,
-                   int_, ptr, int_, int_, float_]
-    fn.restype = None
+    signatures = {
+        "pf_decode_f32": [ptr, long_, long_, ptr, ptr, int_, int_, int_, ptr, ptr, int_, ptr, ptr,
+                          ptr, int_, ptr, int_, int_, float_],
+        "pf_write_kv_f32": [ptr, long_, long_, ptr, long_, long_, ptr, ptr, ptr, int_, int_, int_],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return lib
 
 
 def _compile(cc: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "cpu_decode.c", Path(tmp) / "cpu_decode.so"
+        src, lib = Path(tmp) / "cpu_kernels.c", Path(tmp) / "cpu_kernels.so"
         src.write_text(_SOURCE)
         subprocess.run([cc, *_FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
                        capture_output=True, timeout=120)
@@ -176,14 +197,32 @@ def _cpu_flags() -> str:
         return ""
 
 
+def available(*tensors: torch.Tensor) -> bool:
+    """The library is built and every tensor is a float32 CPU one with unit stride in its
+    last dim (what each kernel reads)."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
+                for t in tensors)
+            and enabled() and _library() is not None)
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `decode_attention_cpu` takes these tensors (else use the reference)."""
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and q.stride(-1) == 1 and d <= MAX_HEAD_DIM
-            and bs <= MAX_BLOCK_SIZE and hq // hkv <= MAX_GQA_GROUP and enabled()
-            and _library() is not None)
+    return (k_cache.is_contiguous() and d <= MAX_HEAD_DIM and bs <= MAX_BLOCK_SIZE
+            and hq // hkv <= MAX_GQA_GROUP and available(q, k_cache))
+
+
+def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] float32 (unit stride in D) into contiguous caches [blocks,
+    block_size, Hkv, D] at slots [T] int64 (contiguous; < 0 skipped, the rest checked by the
+    caller to be inside the cache)."""
+    t, hkv, d = k.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
+    _library().pf_write_kv_f32(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                               v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                               slots.data_ptr(), t, hkv, d)
 
 
 def check_tables(num_blocks: int, block_size: int, kv_lens: list[int], block_tables: torch.Tensor,

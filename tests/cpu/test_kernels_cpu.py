@@ -1,5 +1,6 @@
-"""The C decode-attention kernel (kernels/cpu_decode.py) against the float64 oracle, and the
-dispatch around it: decode steps take it on the CPU in float32, everything else keeps torch."""
+"""The C CPU kernels (kernels/cpu_kernels.py) against the float64 oracle or torch, and the
+dispatch around them: decode steps and K/V writes take them on the CPU in float32,
+everything else keeps torch."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import torch
 from support.kernel_oracles import naive_prefix_attention, rel_error
 
 from prefixflow.bench.kernel_cases import make_prefix_case
-from prefixflow.kernels import cpu_decode
+from prefixflow.kernels import cpu_kernels
+from prefixflow.kernels.kv_write import write_kv_cache, write_kv_cache_ref
 from prefixflow.kernels.paged_decode import paged_decode_attention, paged_decode_attention_cpu
 from prefixflow.kernels.prefix_attention import (prefix_shared_attention,
                                                  prefix_shared_decode_cpu)
 
-pytestmark = pytest.mark.skipif(not cpu_decode.supports(torch.zeros(1, 1, 8),
+pytestmark = pytest.mark.skipif(not cpu_kernels.supports(torch.zeros(1, 1, 8),
                                                         torch.zeros(1, 4, 1, 8)),
                                 reason="no C compiler to build the CPU kernel")
 
@@ -85,11 +87,11 @@ def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
 def test_other_dtypes_and_the_switch_keep_the_reference(monkeypatch):
     case = make_prefix_case([(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32,
                             block_size=8, dtype=torch.float64, seed=7)
-    assert not cpu_decode.supports(case.q, case.k_cache)
+    assert not cpu_kernels.supports(case.q, case.k_cache)
     f32 = make_prefix_case([(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32,
                            block_size=8, dtype=torch.float32, seed=7)
     monkeypatch.setenv("PREFIXFLOW_CPU_KERNELS", "0")
-    assert not cpu_decode.supports(f32.q, f32.k_cache)
+    assert not cpu_kernels.supports(f32.q, f32.k_cache)
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
@@ -98,16 +100,32 @@ def test_without_a_working_compiler_the_reference_runs(compiler, monkeypatch, tm
                             head_dim=32, block_size=8, dtype=torch.float32, seed=8)
     monkeypatch.setenv("CC", compiler)
     monkeypatch.setenv("PREFIXFLOW_CACHE", str(tmp_path))   # nothing built there yet
-    cpu_decode._library.cache_clear()
+    cpu_kernels._library.cache_clear()
     try:
-        assert not cpu_decode.supports(case.q, case.k_cache)
+        assert not cpu_kernels.supports(case.q, case.k_cache)
         assert rel_error(prefix_shared_attention(*case.args()), naive_prefix_attention(case)) < 1e-5
     finally:
-        cpu_decode._library.cache_clear()
+        cpu_kernels._library.cache_clear()
 
 
 def test_the_kernel_shares_torchs_openmp_runtime():
-    cpu_decode._library()
+    cpu_kernels._library()
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+@pytest.mark.parametrize("tokens", [3, 400])
+def test_kv_write_matches_torch_and_skips_negative_slots(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    kv = torch.randn(tokens, 2, 3, 16, generator=gen)       # k and v interleaved: strided views
+    k, v = kv[:, 0], kv[:, 1]
+    slots = torch.randperm(40 * 16, generator=gen)[:tokens]
+    slots[::5] = -1
+    ours = [torch.zeros(40, 16, 3, 16) for _ in range(2)]
+    ref = [torch.zeros(40, 16, 3, 16) for _ in range(2)]
+    write_kv_cache(k, v, *ours, slots)
+    write_kv_cache_ref(k, v, *ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    with pytest.raises(ValueError, match="slot"):
+        write_kv_cache(k, v, *ours, torch.full((tokens,), 40 * 16))
