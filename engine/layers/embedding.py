@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prefixflow.engine.layers.linear import linear, packed_for_cpu
+
 
 class LMHead(nn.Module):
     """logits = hidden @ weight.T in fp32. `weight` is the embedding's when tied.
@@ -21,6 +23,15 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
+    packed: torch.Tensor | None = None
+
+    def prepack_for_cpu(self) -> bool:
+        """A oneDNN copy of the weight (engine/layers/linear.py). The dense weight stays: the
+        embedding may share it, and the score task reads rows of it. Costs vocab x hidden
+        floats (113 MB for SmolLM2) and reads them faster at decode sizes."""
+        self.packed = packed_for_cpu(self.weight)
+        return self.packed is not None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] (model dtype) -> [N, V] fp32
-        return torch.nn.functional.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight, self.packed).float()

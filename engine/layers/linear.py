@@ -25,31 +25,39 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def prepack_for_cpu(self) -> bool:
-        """Pack a float32 CPU weight for oneDNN; False (nothing changed) where this torch build
-        or dtype has no such path."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_prepack_available():
+        self.packed = packed_for_cpu(self.weight)
+        if self.packed is None:
             return False
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
-        except RuntimeError:
-            return False
-        self.packed = packed
-        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
-def cpu_prepack_available() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def packed_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] reordered for oneDNN's GEMM, for a float32 CPU weight where this
+    torch build has the path; else None."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+    except RuntimeError:
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, on the packed weight when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Prepack every `Linear` of a loaded CPU model; returns how many were packed."""
-    return sum(m.prepack_for_cpu() for m in model.modules() if isinstance(m, Linear))
+    """Prepack every layer of a loaded CPU model that can be (`prepack_for_cpu`, the `Linear`s
+    and the LM head); returns how many were packed."""
+    return sum(m.prepack_for_cpu() for m in model.modules() if hasattr(m, "prepack_for_cpu"))
