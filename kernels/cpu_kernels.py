@@ -59,25 +59,30 @@ static void attend(const float *qs, int G, int D, const float *k, const float *v
     float s[MAX_BS];
     for (int g = 0; g < G; g++) {
         const float *q = qs + g * D;
-        float top = m[g];
+        /* separate simple loops, so that each vectorises (the exps through libmvec) */
         for (int j = 0; j < n; j++) {
             const float *kj = k + j * stride;
             float dot = 0.f;
             for (int d = 0; d < D; d++) dot += q[d] * kj[d];
             s[j] = dot;
-            top = dot > top ? dot : top;
         }
-        float corr = expf(m[g] - top), sum = l[g] * corr;
+        float top = m[g];
+        for (int j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+        float sum = 0.f;
+        for (int j = 0; j < n; j++) {
+            s[j] = expf(s[j] - top);
+            sum += s[j];
+        }
+        float corr = expf(m[g] - top);
         float *a = acc + g * D;
         for (int d = 0; d < D; d++) a[d] *= corr;
         for (int j = 0; j < n; j++) {
-            float p = expf(s[j] - top);
             const float *vj = v + j * stride;
-            sum += p;
+            float p = s[j];
             for (int d = 0; d < D; d++) a[d] += p * vj[d];
         }
         m[g] = top;
-        l[g] = sum;
+        l[g] = l[g] * corr + sum;
     }
 }
 
