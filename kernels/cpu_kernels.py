@@ -48,6 +48,10 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
+/* glibc declares its vector expf (libmvec) only under -ffast-math; declared here so that the
+   exp loop vectorises without it. */
+float expf(float) __attribute__((simd("notinbranch")));
+
 #define MAX_D %(max_d)d
 #define MAX_G %(max_g)d
 #define MAX_BS %(max_bs)d
@@ -145,9 +149,12 @@ void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long 
 }
 """ % dict(max_d=MAX_HEAD_DIM, max_g=MAX_GQA_GROUP, max_bs=MAX_BLOCK_SIZE)
 
-# -ffast-math lets the compiler vectorise the dot products (it reorders float sums); the kernel
-# never forms an infinity (the running max starts at -FLT_MAX), so finite-math is safe too.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# Not -ffast-math: linking a shared library with it runs crtfastmath's constructor, which sets
+# flush-to-zero for the whole process (every later float op loses subnormals; hypothesis caught
+# it). The subset below lets the compiler reorder float sums, which is what vectorising the dot
+# products needs; the kernel never forms an infinity or NaN (the running max starts at -FLT_MAX).
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math", "-fopenmp", "-shared", "-fPIC"]
 
 
 def enabled() -> bool:

@@ -129,3 +129,11 @@ def test_kv_write_matches_torch_and_skips_negative_slots(tokens):
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     with pytest.raises(ValueError, match="slot"):
         write_kv_cache(k, v, *ours, torch.full((tokens,), 40 * 16))
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    # A library linked with -ffast-math would set flush-to-zero for the whole process.
+    cpu_kernels._library()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() > 0
+    assert float.fromhex("0x0.0000000000001p-1022") * float(len("1")) > 0

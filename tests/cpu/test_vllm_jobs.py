@@ -110,4 +110,5 @@ def test_unknown_vllm_argument_fails_before_any_actor_starts(ray_local, quicksta
     assert done.returncode == 2, done.stderr[-2000:]
     assert "engine.vllm.enforce_eagr: True is invalid: not a vLLM engine argument: did you mean " \
            "'enforce_eager'?" in done.stderr, done.stderr[-2000:]
-    assert not Path(spec["output"]["path"]).exists() and engine_pids() == before
+    # No new engine actor (an earlier test's actor may still be exiting: a subset, not equal).
+    assert not Path(spec["output"]["path"]).exists() and engine_pids() <= before
