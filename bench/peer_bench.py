@@ -110,7 +110,6 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     """The engine of ENGINES[name] (or PROCESS_OF's shared one) with a KV cache of
     `cache_blocks` x 32 tokens, on the CPU with THREADS threads."""
     from prefixflow.engine.config import EngineConfig
-
     from prefixflow.engine.loader import read_model_args
 
     backend, _, parts, in_process = ENGINES[name]
@@ -340,7 +339,8 @@ def main() -> None:
     results = {c: bench_cache(c, CACHES[c], engines, loads, repeats, path, logs) for c in args.caches.split(",")}
     png = out.with_suffix(".png")
     plot(results, engines, png)
-    meta = dict(model=MODEL if args.model == "tiny" else args.model, dtype="float32", device="cpu", threads_per_engine=THREADS, block=BLOCK,
+    meta = dict(model=MODEL if args.model == "tiny" else args.model, dtype="float32", device="cpu",
+                threads_per_engine=THREADS, block=BLOCK,
                 caches=CACHES, repeats=repeats, quick=args.quick, engines={n: ENGINES[n] for n in engines},
                 workloads={w.name: dict(rows=len(w.prompts), prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens)
                            for w in loads},

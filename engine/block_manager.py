@@ -122,9 +122,7 @@ class BlockManager:
             block_id, _ = self.free_ids.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:  # evict: the cached content is overwritten
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                block.hash, block.parent_hash, block.token_ids = None, None, ()
+                self._unhash(block)
                 self.num_evictions += 1
             block.ref_count = 1
             owner.block_table.append(block_id)
@@ -166,11 +164,14 @@ class BlockManager:
         """Un-hash the blocks hashed ahead by a step that did not run (their KV was never
         written); the owners holding them are aborted with the step."""
         for block_id in self.ahead:
-            block = self.blocks[block_id]
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            self._unhash(self.blocks[block_id])
         self.ahead.clear()
+
+    def _unhash(self, block: Block) -> None:
+        """Forget a block's cached content (the cache entry too, when it points to this one)."""
+        if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
 
     def _hash_full_blocks(self, owner: KVOwner, num_tokens: int, ahead: bool = False) -> None:
         if not self.enable_prefix_cache:

@@ -70,11 +70,15 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def _check_cpu_values(kv_lens: torch.Tensor, block_tables: torch.Tensor,
                       k_cache: torch.Tensor) -> bool:
     lens = kv_lens.tolist()
-    if min(lens) < 1:
-        raise ValueError(f"kv_lens must be >= 1 (a decode query sees its own key), got "
-                         f"min {min(lens)}")
+    _check_kv_lens(min(lens))
     cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables)
     return True
+
+
+def _check_kv_lens(shortest: int) -> None:
+    if shortest < 1:
+        raise ValueError(f"kv_lens must be >= 1 (a decode query sees its own key), got "
+                         f"min {shortest}")
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,9 +104,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def _plan(kv_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
           dtype: torch.dtype) -> list[DecodeBatch]:
     """The step's decode plan, after the value check (both once per step, for all layers)."""
-    if int(kv_lens.min()) < 1:
-        raise ValueError(f"kv_lens must be >= 1 (a decode query sees its own key), got "
-                         f"min {int(kv_lens.min())}")
+    _check_kv_lens(int(kv_lens.min()))
     _, block_size, hkv, d = k_cache.shape
     return decode_plan(kv_lens, block_tables, block_size, hkv * d, dtype)
 

@@ -3,8 +3,9 @@
 MKL's sgemm (what `F.linear` calls on the CPU) reads the plain [out, in] weight every call.
 oneDNN can reorder a weight once into the blocked layout its GEMM kernels stream, which is
 what vLLM's CPU build does for every linear layer (`create_onednn_mm`). Measured on peer_bench's
-tiny llama, fp32, 2 threads, same steps in one process: 12-request decode steps 10-25% faster,
-prefill steps about the same, outputs identical (issue 17; see bench/results/native_profile.json).
+tiny llama, fp32, 2 threads, A/B in one process: 12-request decode steps 10-25% faster, prefill
+steps about the same, outputs identical (issue 17's session note; the side-by-side result is
+bench/results/peer_bench_native_issue17.json).
 """
 
 from __future__ import annotations
