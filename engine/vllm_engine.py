@@ -91,7 +91,7 @@ class VllmEngine:
             NO_PARTS if group_scheduler is False else group_scheduler
         from prefixflow.engine.model_source import resolve_model
         self.model_path = str(resolve_model(config.model))
-        _set_env(in_process, config)
+        _set_env(in_process)
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine as VLLM
@@ -265,6 +265,10 @@ class VllmEngine:
             args = read_model_args(self.model_path)
             blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
             kwargs["num_gpu_blocks_override"] = blocks
+            # An explicit KV size: vLLM's CPU worker otherwise reserves gpu_memory_utilization of
+            # its NUMA node's memory, and refuses to start where that much is not free (a 10 GiB
+            # node with 7 GiB free failed at the default 0.85).
+            kwargs["kv_cache_memory_bytes"] = blocks * block * args.kv_bytes_per_token_per_elem * _elem_size(c.dtype)
             # vLLM refuses to start when max_model_len tokens do not fit the cache (less its one
             # reserved null block); a longer request gets an error output, as with our engine.
             limit = (blocks - 1) * block
@@ -282,11 +286,9 @@ def _cpu_kv_blocks(config: EngineConfig, block: int, kv_bytes_per_token_per_elem
     return max(2, (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
 
 
-def _set_env(in_process: bool, config: EngineConfig) -> None:
+def _set_env(in_process: bool) -> None:
     """vLLM reads these from the environment; set before its engine starts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-    if config.kv_cache_bytes is not None:  # CPU backend: GiB reserved for the KV cache
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_bytes / (1 << 30))))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _thread_bind())
 
 

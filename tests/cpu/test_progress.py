@@ -64,14 +64,15 @@ def test_progress_line_before_any_engine_and_quiet(capsys):
 
 
 def _job_spec(tmp_path, model, name: str) -> str:
-    """The quickstart job, slowed for a visible run: one request at a time per engine (rows
-    finish one by one; with two at a time the faster native engine of issue 17 finished
-    before a second heartbeat), one part per replica (committed at the replica's end)."""
+    """The quickstart job, slowed for a visible run: one request at a time per engine and 64
+    tokens each (rows finish one by one over several heartbeats; with 32 tokens the faster
+    native engine of issue 17 finished after one on a quiet machine), one part per replica
+    (committed at the replica's end)."""
     data = yaml.safe_load(example_path("quickstart.yaml").read_text())
     data.update(name=name, model=str(model))
     data["input"]["path"] = str(write_demo_data(tmp_path))
     data["output"].update(path=str(tmp_path / "out"), rows_per_part=1000)
-    data["sampling"]["max_tokens"] = 32
+    data["sampling"]["max_tokens"] = 64
     data["engine"]["max_num_seqs"] = 1
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
