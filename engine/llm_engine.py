@@ -128,7 +128,7 @@ class LLMEngine:
         half-updated. The hashed prefix cache is dropped with it; the model stays loaded."""
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           self.config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
 
     # ---- the step -----------------------------------------------------------------------------
 

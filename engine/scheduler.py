@@ -44,6 +44,7 @@ class SchedulerOutput:
     token_budget: int = 0
     block_size: int = 16
     blocked: bool = False       # a start failed for memory: no later start in this step (FIFO)
+    growth_blocks: int = 0      # blocks the running requests are expected to grow into
     num_preemptions: int = 0
 
     def add(self, owner: KVOwner, num_tokens: int, sample: bool, kind: str) -> None:
@@ -85,12 +86,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 max_model_len: int | None = None) -> None:
         self.bm = block_manager
+        self.max_model_len = max_model_len or config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.effective_max_num_seqs
         # Room kept free for decode growth when admitting new work while others run.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        # New groups also keep room for what running requests will still decode, and member
+        # starts for older groups' members (`_kept_from_new_groups`); not the vLLM-like
+        # baseline, which admits optimistically and preempts, as vLLM does.
+        self.reserve_growth = config.policy == "batchllm"
+        self.output_fraction = OutputFraction()
         self.waiting: deque[GroupState] = deque()
         self.active: list[GroupState] = []
         self.num_running = 0
@@ -117,14 +125,16 @@ class Scheduler:
         # 3. common prefix queue: active groups' prefix computations continue, then waiting
         #    groups are admitted in plan order (a prefix must be complete before its members).
         # Admission is memory-centric (Sec. 3.3.3): a start needs KV blocks for its whole
-        # prompt and the token budget, with no cap on the number of requests unless
-        # max_num_seqs (the vLLM-like baseline's 256). Starts are FIFO: the first one that does
+        # prompt (a new group's prefix also room to run: `_kept_from_new_groups`) and the
+        # token budget, with no cap on the number of requests unless max_num_seqs (the vLLM-like baseline's 256). Starts are FIFO: the first one that does
         # not fit stops all later starts in this step.
         # With aligned_decode_batch N, the decode queue serves at most N requests: when more
         # are ready, a batch of similar KV lengths (AlignedServe Sec. 3.3).
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens, block_size=self.bm.block_size)
         self._num_steps += 1
         self._schedule_decodes(self._decode_batch(), out)
+        if self.reserve_growth:
+            out.growth_blocks = sum(self._growth_blocks(seq) for group in self.active for seq in group.running)
         for group in list(self.active):
             self._schedule_members(group, out)
         for group in list(self.active):
@@ -198,7 +208,7 @@ class Scheduler:
         if prefix is not None:
             hits = self.bm.lookup(prefix, prefix.num_own_tokens // self.bm.block_size)
             need = (self.bm.blocks_for(prefix.num_own_tokens) - len(hits)
-                    + self.bm.num_reclaimed(hits) + self._watermark())
+                    + self.bm.num_reclaimed(hits) + self._watermark() + self._kept_from_new_groups(group, out))
             if not self.bm.can_allocate(need):
                 out.blocked = True
                 return
@@ -217,7 +227,8 @@ class Scheduler:
         """Start (or restart after preemption) a pending member if its whole prompt fits."""
         hits = self.bm.lookup(seq, (seq.num_own_tokens - 1) // self.bm.block_size)  # >= 1 token left
         while not self.bm.can_allocate(self.bm.blocks_for(seq.num_own_tokens) - len(hits)
-                                       + self.bm.num_reclaimed(hits) + self._watermark()):
+                                       + self.bm.num_reclaimed(hits) + self._watermark()
+                                       + self._held_for_older_groups(group)):
             victim = self._idle_group_victim(group, out)
             if victim is None:
                 return False
@@ -234,6 +245,8 @@ class Scheduler:
         self.num_running += 1
         seq.admit_order = next(self._order)
         self._add_prompt_chunk(out, seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
+        if self.reserve_growth:
+            out.growth_blocks += self._growth_blocks(seq, n)
         return True
 
     def _add_prompt_chunk(self, out: SchedulerOutput, owner: KVOwner, n: int, sample: bool,
@@ -244,6 +257,46 @@ class Scheduler:
 
     def _watermark(self) -> int:
         return self.watermark_blocks if self.num_running > 0 else 0
+
+    def _kept_from_new_groups(self, group: GroupState, out: SchedulerOutput) -> int:
+        """Blocks a new group's prefix must leave free (BatchLLM's KV threshold, Sec. 3.3.3):
+        what the running requests are expected to decode into, what members of older groups
+        still computing their prefix will hold, and what one member of the new group needs to
+        run. A prefix is the costly thing to lose: admitted without that room, its members
+        get preempted by older work as it grows, then the prefix with them (no member left),
+        and it is computed again (peer_bench two_level, small cache: 748 tokens recomputed)."""
+        if not self.reserve_growth:
+            return 0
+        first_member = self._growth_blocks(group.pending[0]) if group.pending else 0
+        return out.growth_blocks + self._held_for_older_groups(None) + first_member
+
+    def _held_for_older_groups(self, starting: GroupState | None) -> int:
+        """Blocks the pending members of active groups older than `starting` (None: all) are
+        expected to hold, for those whose prefix is still being computed: they start as soon
+        as it is, before any younger work."""
+        if not self.reserve_growth:
+            return 0
+        held = 0
+        for group in self.active:
+            if group is starting:
+                break
+            if not group.prefix_ready:
+                held += sum(self._growth_blocks(s) for s in group.pending)
+        return held
+
+    def _growth_blocks(self, seq: Sequence, scheduled: int = 0) -> int:
+        """Blocks `seq` is expected to add beyond those it holds (with `scheduled` more own
+        tokens allocated this step; all of them for a member not started): the rest of its
+        prompt and its remaining max_tokens scaled by the fraction of max_tokens that finished
+        requests used."""
+        final = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.max_model_len is not None:
+            final = min(final, self.max_model_len)
+        remaining = max(0, final - len(seq.token_ids))
+        expected = len(seq.token_ids) + -(-remaining * self.output_fraction.numerator
+                                          // self.output_fraction.denominator)
+        held = max(len(seq.block_table), self.bm.blocks_for(seq.num_computed_tokens + scheduled))
+        return max(0, self.bm.blocks_for(expected - seq.own_start) - held)
 
     def _below_seq_cap(self) -> bool:
         return self.max_num_seqs is None or self.num_running < self.max_num_seqs
@@ -370,6 +423,7 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self.output_fraction.add(seq.num_output_tokens, seq.params.max_tokens)
         self.num_running -= 1
         group.running.remove(seq)
         if group.is_done:
@@ -395,3 +449,25 @@ def aligned_batcher(config: EngineConfig, block_size: int) -> DensityFirstBatche
                                max_requests=n, block_size=block_size,
                                max_len=config.max_model_len or 65536,
                                starvation_s=ALIGNED_STARVATION_STEPS)
+
+
+class OutputFraction:
+    """The share of max_tokens that finished requests used (1 before any finished), kept as
+    an exact fraction: output lengths of one batch task sit in a narrow range (BatchLLM Fig. 5),
+    so a running request is expected to use as much of its remaining max_tokens."""
+
+    def __init__(self) -> None:
+        self.used = 0      # output tokens of the finished requests
+        self.allowed = 0   # their max_tokens
+
+    @property
+    def numerator(self) -> int:
+        return self.used if self.allowed else 1
+
+    @property
+    def denominator(self) -> int:
+        return self.allowed or 1
+
+    def add(self, num_output_tokens: int, max_tokens: int) -> None:
+        self.used += min(num_output_tokens, max_tokens)
+        self.allowed += max(1, max_tokens)

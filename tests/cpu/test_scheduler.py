@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.llm_engine import LLMEngine
-from prefixflow.engine.scheduler import SchedulerOutput
+from prefixflow.engine.scheduler import OutputFraction, SchedulerOutput
 from prefixflow.engine.sequence import SeqStatus
 from prefixflow.engine.step import SampledToken, StepInput, StepOutput
 from prefixflow.requests import PrefixGroup, SamplingParams
@@ -223,6 +223,35 @@ def test_tiny_kv_budget_preempts_and_gives_the_same_tokens():
     assert {r: o.token_ids for r, o in tight.items()} == {r: o.token_ids for r, o in roomy.items()}
     assert_matches_reference(tight, groups, params)
     assert max(s.num_used_blocks for s in engine.stats) <= 30
+
+
+def test_a_new_group_waits_for_room_to_run_and_its_prefix_is_computed_once():
+    # Four groups: prefix 24 tokens (6 blocks of 4), 4 members of 4 tokens, 16 output tokens:
+    # one group holds 6 + 4 * 5 = 26 blocks at the end. In 40 blocks the next group's prefix
+    # fits next to a running group, but admitted before there is room for its members to run
+    # (the prefix alone fitted at first), older members' growth preempts them and then the
+    # prefix with them, which is computed again.
+    rng = random.Random(3)
+    groups = [make_group(g, [rng.randrange(2, VOCAB) for _ in range(24)],
+                         [[rng.randrange(2, VOCAB) for _ in range(4)] for _ in range(4)], 4 * g)
+              for g in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = make_engine(num_blocks=40, max_num_batched_tokens=64)
+    log: list = []
+    outs = instrumented_run(engine, groups, params, log)
+    assert_matches_reference(outs, groups, params)
+    assert sum(s.num_prefix_tokens for s in engine.stats) == 4 * 24   # each prefix once
+    # Not one group at a time: a group's prefix was computed while another group decoded.
+    assert any("prefix" in kinds and "decode" in kinds for kinds in log)
+    assert max(s.num_used_blocks for s in engine.stats) <= 40
+
+
+def test_the_expected_output_share_comes_from_finished_requests():
+    share = OutputFraction()
+    assert (share.numerator, share.denominator) == (1, 1)   # nothing finished: all of max_tokens
+    share.add(4, 16)
+    share.add(20, 16)                                       # capped at max_tokens
+    assert (share.numerator, share.denominator) == (20, 32)
 
 
 def test_group_prefix_blocks_freed_exactly_when_last_member_finishes():
