@@ -45,6 +45,7 @@ class SchedulerOutput:
     block_size: int = 16
     blocked: bool = False       # a start failed for memory: no later start in this step (FIFO)
     growth_blocks: int = 0      # blocks the running requests are expected to grow into
+    completing: set[int] = field(default_factory=set)  # prefixes this step computes to the end
     num_preemptions: int = 0
 
     def add(self, owner: KVOwner, num_tokens: int, sample: bool, kind: str) -> None:
@@ -67,7 +68,7 @@ class SchedulerOutput:
                 key = (owner.group.group_id, owner.prefix_len)
                 if key not in index:
                     prefix = owner.group.prefix
-                    assert prefix is not None and prefix.is_complete
+                    assert prefix is not None and (prefix.is_complete or prefix.seq_id in self.completing)
                     num_blocks = -(-owner.prefix_len // self.block_size)
                     index[key] = len(prefixes)
                     prefixes.append(SharedPrefix(tuple(prefix.block_table[:num_blocks]), owner.prefix_len))
@@ -172,7 +173,7 @@ class Scheduler:
                 limit -= 1
 
     def _schedule_members(self, group: GroupState, out: SchedulerOutput) -> None:
-        if not group.active or not group.prefix_ready:
+        if not group.active or not self._prefix_usable(group, out):
             return
         for seq in list(group.running):  # partial prefills (and recomputes) continue first
             if out.token_budget == 0:
@@ -198,6 +199,16 @@ class Scheduler:
             return
         self.bm.allocate(prefix, n)
         self._add_prompt_chunk(out, prefix, n, sample=False, kind="prefix")
+        if n == prefix.num_uncomputed_tokens:
+            # Its members start in this step: each layer writes the prefix's K/V before
+            # their attention reads it (engine/step.py), so the budget left is not lost.
+            out.completing.add(prefix.seq_id)
+            self._schedule_members(group, out)
+
+    @staticmethod
+    def _prefix_usable(group: GroupState, out: SchedulerOutput) -> bool:
+        """Members may run: no prefix, or complete before or by this step."""
+        return group.prefix_ready or group.prefix.seq_id in out.completing  # type: ignore[union-attr]
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -228,7 +239,7 @@ class Scheduler:
         hits = self.bm.lookup(seq, (seq.num_own_tokens - 1) // self.bm.block_size)  # >= 1 token left
         while not self.bm.can_allocate(self.bm.blocks_for(seq.num_own_tokens) - len(hits)
                                        + self.bm.num_reclaimed(hits) + self._watermark()
-                                       + self._held_for_older_groups(group)):
+                                       + self._held_for_older_groups(group, out)):
             victim = self._idle_group_victim(group, out)
             if victim is None:
                 return False
@@ -268,9 +279,9 @@ class Scheduler:
         if not self.reserve_growth:
             return 0
         first_member = self._growth_blocks(group.pending[0]) if group.pending else 0
-        return out.growth_blocks + self._held_for_older_groups(None) + first_member
+        return out.growth_blocks + self._held_for_older_groups(None, out) + first_member
 
-    def _held_for_older_groups(self, starting: GroupState | None) -> int:
+    def _held_for_older_groups(self, starting: GroupState | None, out: SchedulerOutput) -> int:
         """Blocks the pending members of active groups older than `starting` (None: all) are
         expected to hold, for those whose prefix is still being computed: they start as soon
         as it is, before any younger work."""
@@ -280,7 +291,7 @@ class Scheduler:
         for group in self.active:
             if group is starting:
                 break
-            if not group.prefix_ready:
+            if not self._prefix_usable(group, out):
                 held += sum(self._growth_blocks(s) for s in group.pending)
         return held
 

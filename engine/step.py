@@ -14,9 +14,11 @@ Positions. A chunk's token i has logical position `start_pos + i` (used for rota
 embeddings) and own-KV index `num_cached_tokens + i`. For a member of a group,
 `start_pos == prefix.length + num_cached_tokens`.
 
-Attention. Token i of a chunk attends to (a) every token of its shared prefix, if any (the
-prefix's KV is complete before the step starts), and (b) its own KV indices
-`0 .. num_cached_tokens + i` (causal).
+Attention. Token i of a chunk attends to (a) every token of its shared prefix, if any, and
+(b) its own KV indices `0 .. num_cached_tokens + i` (causal). A shared prefix is complete in
+the cache once the step's K/V are written: before the step, or by this step's chunk of the
+prefix computation (its members then start in the step that completes it). Runners write every
+chunk's K/V of a layer before any of that layer's attention reads.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from prefixflow.requests import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class SharedPrefix:
-    """A group's shared prefix KV, complete in the cache, attended non-causally by members."""
+    """A group's shared prefix KV (complete once the step's K/V are written), attended
+    non-causally by members."""
 
     block_table: tuple[int, ...]
     length: int

@@ -62,8 +62,6 @@ class FakeRunner:
     def execute(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
         bs = self.block_size
-        # Shared prefixes are complete before the step starts (engine/step.py).
-        prefix_ctx = [self._read(p.block_table, p.length, 0) for p in step.prefixes]
         written: dict[int, int] = {}
         for c in step.chunks:
             plen = step.prefixes[c.prefix_index].length if c.prefix_index >= 0 else 0
@@ -74,8 +72,12 @@ class FakeRunner:
                 block = c.block_table[j // bs]
                 assert 0 <= block < self.num_kv_blocks
                 assert written.setdefault(block, c.seq_id) == c.seq_id, "two chunks wrote one block"
-                assert all(block not in p.block_table for p in step.prefixes), "wrote a shared block"
+                # Only a prefix's own computation writes its blocks (members never do).
+                assert c.prefix_index < 0 or all(block not in p.block_table for p in step.prefixes), \
+                    "a member wrote a shared block"
                 self.kv.setdefault(block, [None] * bs)[j % bs] = (c.start_pos + i, t)
+        # Shared prefixes are complete once the step's K/V are written (engine/step.py).
+        prefix_ctx = [self._read(p.block_table, p.length, 0) for p in step.prefixes]
         sampled = []
         for c in step.chunks:
             if not c.sample:
@@ -244,6 +246,22 @@ def test_a_new_group_waits_for_room_to_run_and_its_prefix_is_computed_once():
     # Not one group at a time: a group's prefix was computed while another group decoded.
     assert any("prefix" in kinds and "decode" in kinds for kinds in log)
     assert max(s.num_used_blocks for s in engine.stats) <= 40
+
+
+def test_members_start_in_the_step_that_completes_their_prefix():
+    # The prefix (12 tokens) and all three members fit one 64-token step: the members attend
+    # the prefix K/V written earlier in the same step, as vLLM's same-step prefix-cache hits do.
+    groups = [make_group(0, list(range(10, 22)), [[40, 41], [42], [43, 44, 45]], 0),
+              make_group(1, list(range(2, 52)), [[3], [4]], 3)]    # 18 + 50: past the budget
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = make_engine(num_blocks=100, max_num_batched_tokens=64)
+    outs = instrumented_run(engine, groups, params)
+    assert_matches_reference(outs, groups, params)
+    first = engine.runner.steps[0]
+    assert [c.prefix_index for c in first.chunks] == [-1, 0, 0, 0, -1]   # group 1's prefix: a chunk
+    assert first.prefixes[0].length == 12 and sum(len(c.token_ids) for c in first.chunks) == 64
+    second = engine.runner.steps[1]   # group 1's prefix ends: its members start next to the decodes
+    assert sorted(c.prefix_index for c in second.chunks) == [-1, 0, 0, 0, 1, 1]
 
 
 def test_the_expected_output_share_comes_from_finished_requests():
