@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -196,7 +197,12 @@ def _answer(obj: dict) -> None:
 # ---- the driver ---------------------------------------------------------------------------------
 
 class Proc:
-    """One engine process; logs under `log`."""
+    """One engine process (with its children, in a session of its own); logs under `log`.
+
+    Between its runs it is stopped (SIGSTOP to its process group): an idle engine still wakes
+    (vLLM's engine core in a child process polled about 10% of a core), and on 2 cores one
+    stray runnable thread stalls the running engine's 2 OpenMP threads at every barrier: with
+    vllm_batchllm_mp idle beside it, the native engine took up to 1.8x its time alone."""
 
     def __init__(self, process: str, cache_blocks: int, path: str, log: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
@@ -204,7 +210,14 @@ class Proc:
         self.log = open(log, "w")
         self.p = subprocess.Popen([sys.executable, "-m", "prefixflow.bench.peer_bench", "--worker", process,
                                    "--cache-blocks", str(cache_blocks), "--model-path", path],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                  start_new_session=True)
+
+    def pause(self) -> None:
+        os.killpg(self.p.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.p.pid, signal.SIGCONT)
 
     def read(self) -> dict:
         for line in self.p.stdout:
@@ -219,6 +232,8 @@ class Proc:
         return self.read()
 
     def close(self) -> None:
+        if self.p.poll() is None:
+            self.resume()
         self.p.stdin.close()
         self.p.wait(timeout=60)
         self.log.close()
@@ -234,10 +249,14 @@ def bench_cache(cache: str, blocks: int, engines: list[str], loads: list[Workloa
             if process not in procs:
                 procs[process] = Proc(process, blocks, path, logs / f"{cache}_{process}.log")
                 print(f"[{cache}] {process} started: {procs[process].read()}", flush=True)
+                procs[process].pause()
         for w in loads:
             for rep in range(repeats):
                 for name in engines:
-                    r = procs[PROCESS_OF.get(name, name)].ask(w, ENGINES[name][1])
+                    proc = procs[PROCESS_OF.get(name, name)]
+                    proc.resume()
+                    r = proc.ask(w, ENGINES[name][1])
+                    proc.pause()
                     print(f"[{cache}] {w.name} {name} rep {rep}: {r['wall_s']} s, "
                           f"{r['output_tokens_per_s']} tok/s, saving {r['token_saving_ratio']}, "
                           f"sha {r['outputs_sha']}", flush=True)
