@@ -52,12 +52,17 @@ from prefixflow.requests import SamplingParams
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # CPU steps of at most this many tokens (decode steps, small chunks) run on one thread while the
-# CPU is oversubscribed (more runnable work than cores, by the 1-minute load average): a second
-# thread's barrier waits then cost far more than it computes (peer_bench's quick decode_heavy, 2
-# threads at load 4-8: 25 s wall instead of 3.6 s on one thread). On a CPU the engine has to
-# itself they use every thread, as vLLM's CPU build does: 12-request decode steps took 20-25%
-# less wall time on 2 threads than on 1 (quiet 2-core machine, issue 17).
+# CPU is oversubscribed (by the 1-minute load average, `cpu_oversubscribed`): a second thread's
+# barrier waits then cost far more than it computes (peer_bench's quick decode_heavy, 2 threads
+# at load 4-8: 25 s wall instead of 3.6 s on one thread). On a CPU the engine has to itself
+# they use every thread, as vLLM's CPU build does: 12-request decode steps took 20-25% less wall
+# time on 2 threads than on 1 (quiet 2-core machine, issue 17).
 SINGLE_THREAD_MAX_TOKENS = 128
+# Load average per core above which the CPU counts as oversubscribed. Not 1: the engine's own
+# busy threads count, so a 2-thread engine alone on 2 cores reads 2-2.4, and at 1 it ran its
+# decode steps on one thread with nobody to share the cores with (peer_bench decode_heavy 1.5x
+# slower than alone at load 1.0-1.2).
+OVERSUBSCRIBED_LOAD_PER_CORE = 1.5
 
 
 def resolve_device(device: str) -> torch.device:
@@ -196,9 +201,10 @@ class ModelRunner:
 
 
 def cpu_oversubscribed() -> bool:
-    """More runnable threads than cores over the last minute (this process's own included)."""
+    """Clearly more runnable threads than cores over the last minute (this process's own
+    included): OVERSUBSCRIBED_LOAD_PER_CORE per core."""
     try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1)
+        return os.getloadavg()[0] > OVERSUBSCRIBED_LOAD_PER_CORE * (os.cpu_count() or 1)
     except OSError:  # no load average on this platform
         return False
 

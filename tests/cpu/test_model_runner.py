@@ -124,3 +124,15 @@ def test_small_cpu_steps_run_on_one_thread_when_oversubscribed_and_restore_the_c
         assert seen == [1, 2, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_alone_on_its_cores_is_not_oversubscribed(monkeypatch):
+    import os
+
+    from prefixflow.engine import model_runner
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for load, busy in ((2.4, False), (3.0, False), (3.2, True), (6.0, True)):
+        # 2.4: a 2-thread engine's own busy threads and a little else
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+        assert model_runner.cpu_oversubscribed() is busy, load
