@@ -232,11 +232,22 @@ class Proc:
         return self.read()
 
     def close(self) -> None:
-        if self.p.poll() is None:
+        """Resume the whole group (a dead worker's children too), then end it; killed if it
+        does not exit within a minute."""
+        try:
             self.resume()
-        self.p.stdin.close()
-        self.p.wait(timeout=60)
-        self.log.close()
+        except ProcessLookupError:
+            pass
+        try:
+            self.p.stdin.close()
+            self.p.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        finally:
+            self.log.close()
 
 
 def bench_cache(cache: str, blocks: int, engines: list[str], loads: list[Workload], repeats: int,
@@ -343,6 +354,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.cache_blocks, args.model_path)
+    # A terminated driver still resumes and ends its stopped engine processes (Proc.close).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from prefixflow.engine.model_source import resolve_model
     from prefixflow.engine.tiny import tiny_checkpoint_cached
 

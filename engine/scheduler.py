@@ -434,7 +434,11 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.output_fraction.add(seq.num_output_tokens, seq.params.max_tokens)
+        # What it could use: max_tokens, unless max_model_len ends it sooner.
+        usable = seq.params.max_tokens
+        if self.max_model_len is not None:
+            usable = min(usable, self.max_model_len - seq.num_prompt_tokens)
+        self.output_fraction.add(seq.num_output_tokens, usable)
         self.num_running -= 1
         group.running.remove(seq)
         if group.is_done:
