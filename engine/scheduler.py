@@ -95,9 +95,9 @@ class Scheduler:
         self.max_num_seqs = config.effective_max_num_seqs
         # Room kept free for decode growth when admitting new work while others run.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
-        # New groups also keep room for what running requests will still decode, and member
-        # starts for older groups' members (`_kept_from_new_groups`); not the vLLM-like
-        # baseline, which admits optimistically and preempts, as vLLM does.
+        # New groups also keep room for what running requests will still decode and for one
+        # member of their own (`_kept_from_new_groups`); not the vLLM-like baseline, which
+        # admits optimistically and preempts, as vLLM does.
         self.reserve_growth = config.policy == "batchllm"
         self.output_fraction = OutputFraction()
         self.waiting: deque[GroupState] = deque()
@@ -238,8 +238,7 @@ class Scheduler:
         """Start (or restart after preemption) a pending member if its whole prompt fits."""
         hits = self.bm.lookup(seq, (seq.num_own_tokens - 1) // self.bm.block_size)  # >= 1 token left
         while not self.bm.can_allocate(self.bm.blocks_for(seq.num_own_tokens) - len(hits)
-                                       + self.bm.num_reclaimed(hits) + self._watermark()
-                                       + self._held_for_older_groups(group, out)):
+                                       + self.bm.num_reclaimed(hits) + self._watermark()):
             victim = self._idle_group_victim(group, out)
             if victim is None:
                 return False
@@ -271,29 +270,17 @@ class Scheduler:
 
     def _kept_from_new_groups(self, group: GroupState, out: SchedulerOutput) -> int:
         """Blocks a new group's prefix must leave free (BatchLLM's KV threshold, Sec. 3.3.3):
-        what the running requests are expected to decode into, what members of older groups
-        still computing their prefix will hold, and what one member of the new group needs to
-        run. A prefix is the costly thing to lose: admitted without that room, its members
-        get preempted by older work as it grows, then the prefix with them (no member left),
-        and it is computed again (peer_bench two_level, small cache: 748 tokens recomputed)."""
+        what the running requests are expected to decode into and what one member of the new
+        group needs to run. A prefix is the costly thing to lose: admitted without that room,
+        its members get preempted by older work as it grows, then the prefix with them (no
+        member left), and it is computed again (peer_bench two_level, small cache: 748 tokens
+        recomputed). Older groups' members need no share: when a new group is admitted, every
+        older prefix completes by this step (a prefix chunk that stops short uses up the token
+        budget, which ends admission) and its members start in the step that completes it."""
         if not self.reserve_growth:
             return 0
         first_member = self._growth_blocks(group.pending[0]) if group.pending else 0
-        return out.growth_blocks + self._held_for_older_groups(None, out) + first_member
-
-    def _held_for_older_groups(self, starting: GroupState | None, out: SchedulerOutput) -> int:
-        """Blocks the pending members of active groups older than `starting` (None: all) are
-        expected to hold, for those whose prefix is still being computed: they start as soon
-        as it is, before any younger work."""
-        if not self.reserve_growth:
-            return 0
-        held = 0
-        for group in self.active:
-            if group is starting:
-                break
-            if not self._prefix_usable(group, out):
-                held += sum(self._growth_blocks(s) for s in group.pending)
-        return held
+        return out.growth_blocks + first_member
 
     def _growth_blocks(self, seq: Sequence, scheduled: int = 0) -> int:
         """Blocks `seq` is expected to add beyond those it holds (with `scheduled` more own
