@@ -64,7 +64,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     once_per_step("paged_decode_cpu", (kv_lens, block_tables), (k_cache.shape[:2],),
                   lambda: _check_cpu_values(kv_lens, block_tables, k_cache))
-    return cpu_kernels.decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out)
+    return cpu_kernels.attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out)
 
 
 def _check_cpu_values(kv_lens: torch.Tensor, block_tables: torch.Tensor,

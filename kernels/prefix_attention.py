@@ -79,54 +79,49 @@ def prefix_shared_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             prefix_block_tables, prefix_seq_ranges, scale, out)
     if use_triton(q):
         return prefix_shared_attention_triton(*args)
-    if cpu_kernels.supports(q, k_cache) and q.shape[0] == kv_lens.shape[0]:
-        done = prefix_shared_decode_cpu(*args)
-        if done is not None:
-            return done
+    if cpu_kernels.supports(q, k_cache):
+        return prefix_shared_attention_cpu(*args)
     return prefix_shared_attention_ref(*args)
 
 
-def prefix_shared_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
-                             block_tables: torch.Tensor, prefix_lens: torch.Tensor,
-                             prefix_block_tables: torch.Tensor,
-                             prefix_seq_ranges: torch.Tensor, scale: float,
-                             out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`prefix_shared_attention` of a decode step (one query per sequence) in C on the CPU
-    (kernels/cpu_kernels.py; float32): each query over its group's prefix and then its own keys
-    in one pass, nothing gathered. None when some sequence has more than one query."""
+def prefix_shared_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                                block_tables: torch.Tensor, prefix_lens: torch.Tensor,
+                                prefix_block_tables: torch.Tensor,
+                                prefix_seq_ranges: torch.Tensor, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """`prefix_shared_attention` in C on the CPU (kernels/cpu_kernels.py; float32): each query
+    over its group's prefix and then its own keys in one pass, nothing gathered."""
     _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
                 prefix_block_tables, prefix_seq_ranges, (torch.float32,))
     meta = (cu_seqlens_q, kv_lens, block_tables, prefix_lens, prefix_block_tables,
             prefix_seq_ranges)
-    prefix_of = once_per_step("prefix_shared_cpu", meta, (q.shape[0], k_cache.shape[:2]),
-                              lambda: _decode_prefix_of(*meta, q.shape[0], k_cache))
-    if prefix_of is None:
-        return None
+    prefix_of, one_query_each = once_per_step(
+        "prefix_shared_cpu", meta, (q.shape[0], k_cache.shape[:2]),
+        lambda: _cpu_prefix_of(*meta, q.shape[0], k_cache))
     out = check_out(out, q)
     if q.shape[0] == 0:
         return out
-    return cpu_kernels.decode_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale,
-                                           out, prefix_of, prefix_lens, prefix_block_tables)
+    return cpu_kernels.attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out,
+                                     prefix_of, prefix_lens, prefix_block_tables,
+                                     None if one_query_each else cu_seqlens_q)
 
 
-def _decode_prefix_of(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
-                      block_tables: torch.Tensor, prefix_lens: torch.Tensor,
-                      prefix_block_tables: torch.Tensor, prefix_seq_ranges: torch.Tensor,
-                      num_tokens: int, k_cache: torch.Tensor) -> torch.Tensor | None:
-    """[S] int32: the prefix each sequence reads (-1: none), after the value checks; None
-    unless every sequence has exactly one query."""
+def _cpu_prefix_of(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
+                   prefix_lens: torch.Tensor, prefix_block_tables: torch.Tensor,
+                   prefix_seq_ranges: torch.Tensor, num_tokens: int, k_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, bool]:
+    """([S] int32: the prefix each sequence reads, -1 for none; whether every sequence has
+    exactly one query), after the value checks."""
     cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
     _check_values(cu, lens, ranges, num_tokens)
-    if cu != list(range(len(cu))):
-        return None
     p_lens = prefix_lens.tolist()
     cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables, p_lens,
                             prefix_block_tables)
     prefix_of = [-1] * len(lens)
     for g in range(len(p_lens)):
         prefix_of[ranges[g]:ranges[g + 1]] = [g] * (ranges[g + 1] - ranges[g])
-    return torch.tensor(prefix_of, dtype=torch.int32)
+    return torch.tensor(prefix_of, dtype=torch.int32), cu == list(range(len(cu)))
 
 
 def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,10 +1,11 @@
 """Paged attention of one decoder layer over a flat token batch (no padding, no batch dim).
 
 The layer writes this step's K/V into the paged cache, then attends through `prefixflow.kernels`
-(Triton on CUDA, their torch references on the CPU). Three paths, chosen per step from the
+(Triton on CUDA, C or torch on the CPU). Three paths, chosen per step from the
 `AttentionMetadata` the model runner builds once for all layers:
 - pure fresh prefill (no cached context, no shared prefix): `packed_prefill_attention`, which
-  reads k/v directly and writes the cache in the same call;
+  reads k/v directly and writes the cache in the same call; on a CPU with the C kernels the
+  step takes the third path instead (their chunked attention beats PyTorch's flash kernel);
 - pure decode without shared prefixes: `paged_decode_attention`;
 - anything else (chunked prefill, mixed steps, members of prefix groups):
   `prefix_shared_attention`, which streams each shared prefix's KV once for all members of its
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prefixflow.kernels import (packed_prefill_attention, paged_decode_attention,
+from prefixflow.kernels import (cpu_kernels, packed_prefill_attention, paged_decode_attention,
                                 prefix_shared_attention, write_kv_cache)
 
 
@@ -74,7 +75,7 @@ class PagedAttention(nn.Module):
             raise RuntimeError("the KV cache is not bound: ModelRunner allocates it; call "
                                "bind_cache before running the model")
         kc, vc = self.k_cache, self.v_cache
-        if meta.is_prefill_only:
+        if meta.is_prefill_only and not cpu_kernels.supports(q, kc):
             return packed_prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale,
                                             k_cache=kc, v_cache=vc,
                                             slot_mapping=meta.slot_mapping)

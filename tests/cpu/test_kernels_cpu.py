@@ -1,6 +1,6 @@
 """The C CPU kernels (kernels/cpu_kernels.py) against the float64 oracle or torch, and the
-dispatch around them: decode steps and K/V writes take them on the CPU in float32,
-everything else keeps torch."""
+dispatch around them: attention over the paged cache (decode and chunked steps, with or without
+shared prefixes) and K/V writes take them on the CPU in float32; other dtypes keep torch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from prefixflow.kernels import cpu_kernels
 from prefixflow.kernels.kv_write import write_kv_cache, write_kv_cache_ref
 from prefixflow.kernels.paged_decode import paged_decode_attention, paged_decode_attention_cpu
 from prefixflow.kernels.prefix_attention import (prefix_shared_attention,
-                                                 prefix_shared_decode_cpu)
+                                                 prefix_shared_attention_cpu,
+                                                 prefix_shared_attention_ref)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supports(torch.zeros(1, 1, 8),
                                                         torch.zeros(1, 4, 1, 8)),
@@ -31,18 +32,21 @@ SHAPES = [(8, 4, 64, 32), (8, 2, 64, 16), (4, 4, 32, 4), (6, 3, 40, 5), (2, 1, 1
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_with_shared_prefixes_matches_the_oracle(shape, threads):
     hq, hkv, d, bs = shape
-    # Two groups (prefixes of 70 and 5 keys, one with an empty prefix), members of various
-    # own lengths (1 key: only its own), and sequences with no prefix.
-    case = make_prefix_case([(70, [(1, 1), (1, 9), (1, 33)]), (5, [(1, 2)]), (0, [(1, 4)])],
+    # Groups (prefixes of 70, 5 and 40 keys, one with an empty prefix), members of various
+    # own lengths (1 key: only its own), and sequences with no prefix. The 40-key group has
+    # enough members to be read as one tile of several members' queries (the kernel's group
+    # path, up to 16 rows of query heads at a time; the rest go one by one).
+    many = [(1, n) for n in (1, 3, 7, 20, 33, 2, 5, 9, 11, 64, 4)]
+    case = make_prefix_case([(70, [(1, 1), (1, 9), (1, 33)]), (5, [(1, 2)]), (0, [(1, 4)]),
+                             (40, many)],
                             [(1, 1), (1, 50)], num_heads=hq, num_kv_heads=hkv, head_dim=d,
                             block_size=bs, dtype=torch.float32, seed=hq + d + bs)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = prefix_shared_decode_cpu(*case.args())
+        out = prefix_shared_attention_cpu(*case.args())
     finally:
         torch.set_num_threads(before)
-    assert out is not None
     assert rel_error(out, naive_prefix_attention(case)) < 1e-5
     # the public function takes the same path
     assert torch.equal(prefix_shared_attention(*case.args()), out)
@@ -65,11 +69,27 @@ def test_decode_without_prefix_matches_the_oracle_and_writes_a_strided_out():
     assert torch.equal(again, out)
 
 
-def test_steps_with_longer_chunks_keep_the_torch_path():
-    case = make_prefix_case([(40, [(1, 5), (3, 9)])], [(1, 3)], num_heads=4, num_kv_heads=2,
-                            head_dim=32, block_size=8, dtype=torch.float32, seed=5)
-    assert prefix_shared_decode_cpu(*case.args()) is None
-    assert rel_error(prefix_shared_attention(*case.args()), naive_prefix_attention(case)) < 1e-5
+@pytest.mark.parametrize("shape", SHAPES + [(9, 3, 64, 16), (32, 2, 128, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunked_steps_with_shared_prefixes_match_the_oracle(shape, threads):
+    hq, hkv, d, bs = shape
+    # (queries, own keys): chunks that start the sequence (q == own), chunks after cached
+    # keys, single queries beside them, chunks longer than one tile of the kernel (64 rows),
+    # a prefix's own computation (no prefix, long), and groups whose prefix is empty.
+    case = make_prefix_case([(70, [(1, 1), (5, 9), (33, 33), (100, 140)]), (5, [(1, 2), (2, 2)]),
+                             (0, [(1, 4), (7, 7)])],
+                            [(1, 1), (1, 50), (17, 17), (3, 80), (64, 64), (65, 65)],
+                            num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                            dtype=torch.float32, seed=hq + d + bs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = prefix_shared_attention_cpu(*case.args())
+    finally:
+        torch.set_num_threads(before)
+    assert rel_error(out, naive_prefix_attention(case)) < 1e-5
+    assert torch.equal(prefix_shared_attention(*case.args()), out)
+    assert rel_error(out, prefix_shared_attention_ref(*case.args())) < 1e-5
 
 
 def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
@@ -85,7 +105,7 @@ def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
     args = list(case.args())
     args[7] = bad_prefix
     with pytest.raises(ValueError, match="block table"):
-        prefix_shared_decode_cpu(*args)
+        prefix_shared_attention_cpu(*args)
 
 
 def test_other_dtypes_and_the_switch_keep_the_reference(monkeypatch):

@@ -150,12 +150,17 @@ def test_decode_and_prefill_triton_bf16():
     assert rel_error(out, naive_packed_prefill(q, k, v, cu, 0.2)) < TOL[torch.bfloat16]
 
 
-def test_public_functions_use_the_reference_on_cpu():
-    from prefixflow.kernels import prefix_shared_attention, prefix_shared_attention_ref
+def test_public_functions_keep_triton_off_the_cpu():
+    from prefixflow.kernels import cpu_kernels, prefix_shared_attention, prefix_shared_attention_ref
+    from prefixflow.kernels.prefix_attention import prefix_shared_attention_cpu
 
-    c = make_prefix_case([(5, [(2, 3)])], [(1, 2)], num_heads=2, num_kv_heads=1, head_dim=32,
-                         block_size=4, dtype=torch.float32, seed=13)
-    assert torch.equal(prefix_shared_attention(*c.args()), prefix_shared_attention_ref(*c.args()))
+    # float32 takes the C kernel where it is built, float64 the torch reference.
+    for dtype in (torch.float32, torch.float64):
+        c = make_prefix_case([(5, [(2, 3)])], [(1, 2)], num_heads=2, num_kv_heads=1,
+                             head_dim=32, block_size=4, dtype=dtype, seed=13)
+        cpu_path = (prefix_shared_attention_cpu if cpu_kernels.supports(c.q, c.k_cache)
+                    else prefix_shared_attention_ref)
+        assert torch.equal(prefix_shared_attention(*c.args()), cpu_path(*c.args()))
 
 
 def test_prefix_shared_triton_group_of_seven_heads():
