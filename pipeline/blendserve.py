@@ -95,8 +95,9 @@ def blendserve_plan(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
     split = sort_and_split(tree, comp, mem, allowed)
     order, starts = dual_scan(split.order, comp, mem, batch_mem_s)
     # The scan cuts groups at batch edges too: if that pushes the loss past the allowance,
-    # give the splits only what the scan leaves.
-    scan_loss = _saved_tokens(split.order, grouping) - _saved_tokens(order, grouping)
+    # give the splits only what the scan leaves. (The scan can also join what the splits had
+    # parted, a negative loss: that never widens the splits' allowance.)
+    scan_loss = max(_saved_tokens(split.order, grouping) - _saved_tokens(order, grouping), 0)
     if split.num_splits and grouping.saved_tokens - _saved_tokens(order, grouping) > allowed:
         split = sort_and_split(tree, comp, mem, max(allowed - scan_loss, 0.0))
         order, starts = dual_scan(split.order, comp, mem, batch_mem_s)

@@ -162,6 +162,21 @@ def small_jobs(draw):
     return prompts, outs
 
 
+def test_a_scan_that_joins_split_requests_does_not_widen_the_split_allowance():
+    # Found by the property test below: here the dual scan put back together 1 token of
+    # sharing that the splits had cost, and the redone splits were then given 2 tokens
+    # against an allowance of 1.
+    lengths = [1] * 8 + [6] + [1] * 4 + [6, 1, 6, 1, 1, 2, 1, 1, 1, 23, 1, 22, 22, 1, 1, 1, 22]
+    outs = [0, 0, 0, 0, 0, 0, 0, -1, 450, 174, 0, 775, 723, -1, 1131, 2926, 0, 32, -1, 1861, 0,
+            37, 668, 25, 86, 499, 11, 0, 0, 0]
+    tokens = RaggedTokens.from_sequences([[0] * n for n in lengths])
+    tree = PrefixTree.build(tokens, block=4)
+    grouping = maximize_reuse(tree)
+    res = blendserve_plan(tree, grouping, tokens.lengths, np.array(outs), sharing_keep=0.99,
+                          kv_budget_bytes=1e9)
+    assert res.split_cost_tokens <= 0.01 * grouping.saved_tokens + 1e-9
+
+
 @given(small_jobs(), st.sampled_from([0.5, 0.99, 1.0]), st.sampled_from([None, 1e6, 1e9]))
 @settings(max_examples=120, deadline=None)
 def test_order_is_a_permutation_on_any_job(job, keep, kv_budget):

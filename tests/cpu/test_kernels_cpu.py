@@ -41,15 +41,7 @@ def test_decode_with_shared_prefixes_matches_the_oracle(shape, threads):
                              (40, many)],
                             [(1, 1), (1, 50)], num_heads=hq, num_kv_heads=hkv, head_dim=d,
                             block_size=bs, dtype=torch.float32, seed=hq + d + bs)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = prefix_shared_attention_cpu(*case.args())
-    finally:
-        torch.set_num_threads(before)
-    assert rel_error(out, naive_prefix_attention(case)) < 1e-5
-    # the public function takes the same path
-    assert torch.equal(prefix_shared_attention(*case.args()), out)
+    _check_the_c_path(case, threads)
 
 
 def test_decode_without_prefix_matches_the_oracle_and_writes_a_strided_out():
@@ -81,6 +73,12 @@ def test_chunked_steps_with_shared_prefixes_match_the_oracle(shape, threads):
                             [(1, 1), (1, 50), (17, 17), (3, 80), (64, 64), (65, 65)],
                             num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                             dtype=torch.float32, seed=hq + d + bs)
+    _check_the_c_path(case, threads)
+
+
+def _check_the_c_path(case, threads: int) -> None:
+    """The C kernel on `threads` threads matches the float64 oracle and the torch path, and
+    the public function takes it."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -88,8 +86,8 @@ def test_chunked_steps_with_shared_prefixes_match_the_oracle(shape, threads):
     finally:
         torch.set_num_threads(before)
     assert rel_error(out, naive_prefix_attention(case)) < 1e-5
-    assert torch.equal(prefix_shared_attention(*case.args()), out)
     assert rel_error(out, prefix_shared_attention_ref(*case.args())) < 1e-5
+    assert torch.equal(prefix_shared_attention(*case.args()), out)
 
 
 def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
