@@ -180,8 +180,20 @@ static void attend_table(const float *qs, int G, int D, const float *kc, const f
     }
 }
 
+/* G queries' softmax state (m, l, acc) carried on over a sequence's own `len` keys, then their
+   normalised outputs to heads kvh*G .. kvh*G+G-1 of out [hq][D]. */
+static void finish_over_own_keys(const float *qs, int G, int D, const float *kc, const float *vc,
+                                 const int32_t *table, int len, int bs, int hkv, int kvh,
+                                 float *m, float *l, float *acc, float *out) {
+    attend_table(qs, G, D, kc, vc, table, len, bs, hkv, kvh, m, l, acc);
+    for (int g = 0; g < G; g++) {
+        float inv = 1.f / l[g];
+        for (int d = 0; d < D; d++) out[(long)(kvh * G + g) * D + d] = acc[g * D + d] * inv;
+    }
+}
+
 /* One decode query (G heads sharing kv head kvh) of sequence s: its group's prefix, then its
-   own keys; the normalised result to out [G][D]. */
+   own keys; the normalised result to out [hq][D]. */
 static void decode_query(const float *q, long q_stride_h, const float *kc, const float *vc,
                          int bs, int hkv, int D, int G, int kvh, const int32_t *table, int len,
                          const int32_t *prefix_table, int prefix_len, float *out, float scale) {
@@ -195,11 +207,7 @@ static void decode_query(const float *q, long q_stride_h, const float *kc, const
     memset(acc, 0, sizeof(float) * G * D);
     if (prefix_table)
         attend_table(qs, G, D, kc, vc, prefix_table, prefix_len, bs, hkv, kvh, m, l, acc);
-    attend_table(qs, G, D, kc, vc, table, len, bs, hkv, kvh, m, l, acc);
-    for (int g = 0; g < G; g++) {
-        float inv = 1.f / l[g];
-        for (int d = 0; d < D; d++) out[(long)(kvh * G + g) * D + d] = acc[g * D + d] * inv;
-    }
+    finish_over_own_keys(qs, G, D, kc, vc, table, len, bs, hkv, kvh, m, l, acc, out);
 }
 
 /* Chunks of several queries: a tile of R rows (query tokens x the G heads of one kv head,
@@ -362,12 +370,8 @@ static void group_decode_tile(const float *q, long q_stride_t, long q_stride_h, 
             m[g] = t.m[r];
             l[g] = t.l[r];
         }
-        attend_table(qs, G, D, kc, vc, tables + (long)s * t_stride, kv_lens[s], bs, hkv, kvh,
-                     m, l, acc);
-        for (int g = 0; g < G; g++) {
-            float *o = out + ((long)row * hq + kvh * G + g) * D, inv = 1.f / l[g];
-            for (int d = 0; d < D; d++) o[d] = acc[g * D + d] * inv;
-        }
+        finish_over_own_keys(qs, G, D, kc, vc, tables + (long)s * t_stride, kv_lens[s], bs, hkv,
+                             kvh, m, l, acc, out + (long)row * hq * D);
     }
     free(t.qt);
 }

@@ -96,23 +96,20 @@ def prefix_shared_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                 prefix_block_tables, prefix_seq_ranges, (torch.float32,))
     meta = (cu_seqlens_q, kv_lens, block_tables, prefix_lens, prefix_block_tables,
             prefix_seq_ranges)
-    prefix_of, one_query_each = once_per_step(
-        "prefix_shared_cpu", meta, (q.shape[0], k_cache.shape[:2]),
-        lambda: _cpu_prefix_of(*meta, q.shape[0], k_cache))
+    prefix_of = once_per_step("prefix_shared_cpu", meta, (q.shape[0], k_cache.shape[:2]),
+                              lambda: _cpu_prefix_of(*meta, q.shape[0], k_cache))
     out = check_out(out, q)
     if q.shape[0] == 0:
         return out
     return cpu_kernels.attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out,
-                                     prefix_of, prefix_lens, prefix_block_tables,
-                                     None if one_query_each else cu_seqlens_q)
+                                     prefix_of, prefix_lens, prefix_block_tables, cu_seqlens_q)
 
 
 def _cpu_prefix_of(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
                    prefix_lens: torch.Tensor, prefix_block_tables: torch.Tensor,
                    prefix_seq_ranges: torch.Tensor, num_tokens: int, k_cache: torch.Tensor
-                   ) -> tuple[torch.Tensor, bool]:
-    """([S] int32: the prefix each sequence reads, -1 for none; whether every sequence has
-    exactly one query), after the value checks."""
+                   ) -> torch.Tensor:
+    """[S] int32: the prefix each sequence reads (-1: none), after the value checks."""
     cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
     _check_values(cu, lens, ranges, num_tokens)
     p_lens = prefix_lens.tolist()
@@ -121,7 +118,7 @@ def _cpu_prefix_of(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, block_tabl
     prefix_of = [-1] * len(lens)
     for g in range(len(p_lens)):
         prefix_of[ranges[g]:ranges[g + 1]] = [g] * (ranges[g + 1] - ranges[g])
-    return torch.tensor(prefix_of, dtype=torch.int32), cu == list(range(len(cu)))
+    return torch.tensor(prefix_of, dtype=torch.int32)
 
 
 def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
