@@ -38,6 +38,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from prefixflow.engine.config import EngineConfig
@@ -140,19 +141,35 @@ class ModelRunner:
     def _to_device(self, b: StepBatch
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         # Two host->device copies per step: all int64 arrays in one, all int32 ones in another.
-        longs = torch.from_numpy(b.int64_buffer).to(self.device, non_blocking=True)
-        ints = torch.from_numpy(b.int32_buffer).to(self.device, non_blocking=True)
+        last = b.last
+        longs = self._copy(b.int64_buffer if last is None else np.concatenate([b.int64_buffer, last.int64_buffer]))
+        ints = self._copy(b.int32_buffer if last is None else np.concatenate([b.int32_buffer, last.int32_buffer]))
         t, n = b.num_tokens, b.num_sampled
         s, g = b.num_seqs, b.num_prefixes
-        ids, positions, slots, logits_idx = longs.split([t, t, t, n])
-        cu, kv_lens, tables, p_lens, p_tables, ranges = ints.split(
-            [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1])
+        r, gl = (last.num_rows, last.num_prefixes) if last is not None else (0, 0)
+        ids, positions, slots, logits_idx, rows, last_slots = longs.split([t, t, t, n, r, r])
+        s32 = [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1]
+        l32 = [r + 1, r, r * b.max_blocks, gl, gl * b.max_prefix_blocks, gl + 1] if last else []
+        parts = ints.split(s32 + l32)
+        last_meta = None
+        if last is not None:
+            cu, kv_lens, tables, p_lens, p_tables, ranges = parts[6:]
+            last_meta = AttentionMetadata(
+                slot_mapping=last_slots, cu_seqlens_q=cu, kv_lens=kv_lens,
+                block_tables=tables.view(r, b.max_blocks), prefix_lens=p_lens,
+                prefix_block_tables=p_tables.view(gl, b.max_prefix_blocks), prefix_seq_ranges=ranges,
+                is_prefill_only=False, is_decode_only=gl == 0, rows=rows)
+        cu, kv_lens, tables, p_lens, p_tables, ranges = parts[:6]
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu, kv_lens=kv_lens,
             block_tables=tables.view(s, b.max_blocks), prefix_lens=p_lens,
             prefix_block_tables=p_tables.view(g, b.max_prefix_blocks), prefix_seq_ranges=ranges,
-            is_prefill_only=b.is_prefill_only, is_decode_only=b.is_decode_only)
+            is_prefill_only=b.is_prefill_only, is_decode_only=b.is_decode_only,
+            last_layer=last_meta)
         return ids, positions, meta, logits_idx
+
+    def _copy(self, host: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(host).to(self.device, non_blocking=True)
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_bytes is not None:

@@ -38,6 +38,10 @@ class AttentionMetadata:
     prefix_seq_ranges: [G + 1] int32, sequences r[g] .. r[g+1]-1 share prefix g.
     is_prefill_only: no sequence has cached context or a shared prefix.
     is_decode_only: every sequence has one query token and no shared prefix.
+    last_layer: the last layer's view when some rows are not sampled: one query per sampled
+        row (None: the last layer computes every row). Only sampled rows reach the LM head, so
+        the last layer writes every row's K/V but attends, projects and runs the MLP for these.
+    rows: in a `last_layer` view, [N] int64, the rows of the step its queries are.
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +53,8 @@ class AttentionMetadata:
     prefix_seq_ranges: torch.Tensor
     is_prefill_only: bool
     is_decode_only: bool
+    last_layer: AttentionMetadata | None = None
+    rows: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
@@ -69,17 +75,27 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+                meta: AttentionMetadata, queries: AttentionMetadata | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. With `queries` (the step's
+        `last_layer` view), q holds only the rows queries.rows, [N, Hq, D]: every row's K/V is
+        written, those N attend -> [N, Hq, D]."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("the KV cache is not bound: ModelRunner allocates it; call "
                                "bind_cache before running the model")
         kc, vc = self.k_cache, self.v_cache
+        if queries is not None:
+            write_kv_cache(k, v, kc, vc, meta.slot_mapping)
+            return self._attend(q, queries)
         if meta.is_prefill_only and not cpu_kernels.supports(q, kc):
             return packed_prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale,
                                             k_cache=kc, v_cache=vc,
                                             slot_mapping=meta.slot_mapping)
         write_kv_cache(k, v, kc, vc, meta.slot_mapping)
+        return self._attend(q, meta)
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q over the cache, which holds this step's K/V already."""
+        kc, vc = self.k_cache, self.v_cache
         if meta.is_decode_only:
             return paged_decode_attention(q, kc, vc, meta.kv_lens, meta.block_tables, self.scale)
         return prefix_shared_attention(q, kc, vc, meta.cu_seqlens_q, meta.kv_lens,

@@ -6,6 +6,14 @@ contiguous, in prefix order, before the sequences without a prefix; BatchLLM Sec
 computes, vectorised, each token's id, rotary position and KV-cache slot, plus the per-sequence
 and per-prefix tables. Everything lands in two flat buffers (int64, int32) so that the runner
 copies them to the device in two transfers.
+
+Only the sampled rows reach the LM head, so the last decoder layer needs every row's K/V but
+only the sampled rows' attention, o_proj and MLP. When a step has rows that do not sample
+(prefix computations, prefill chunks that stop short, every prompt token but a chunk's last),
+the batch also carries the last layer's view: those rows, and the tables of their sequences as
+one single query each (PrefillOnly Sec. 4's observation, which engine/scoring_forward.py uses
+for the score task; here for every mixed step). A 4-layer model's prefill steps skip almost a
+quarter of their linear work.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ class StepBatch:
     """int64_buffer: [input_ids (T), positions (T), slot_mapping (T), logits_indices (N)].
     int32_buffer: [cu_seqlens_q (S+1), kv_lens (S), block_tables (S*max_blocks),
     prefix_lens (G), prefix_block_tables (G*max_prefix_blocks), prefix_seq_ranges (G+1)].
-    logits_indices are rows of the flat stream, in the ORIGINAL order of the sampling chunks."""
+    logits_indices are rows of the last layer's output, in the ORIGINAL order of the sampling
+    chunks: rows of the flat stream, or of `last`'s rows when there is a `last`."""
 
     int64_buffer: np.ndarray
     int32_buffer: np.ndarray
@@ -35,6 +44,22 @@ class StepBatch:
     max_prefix_blocks: int
     is_prefill_only: bool
     is_decode_only: bool
+    last: LastLayerBatch | None = None  # None: the last layer computes every row
+
+
+@dataclass(frozen=True, slots=True)
+class LastLayerBatch:
+    """The last layer's queries: N sampled rows, each one query of its own sequence (in kernel
+    order: prefix groups first), over its prefix and all its own keys.
+    int64_buffer: [rows of the flat stream (N), their slots (N)].
+    int32_buffer: [cu_seqlens_q (N+1), kv_lens (N), block_tables (N*max_blocks), prefix_lens (G'),
+    prefix_block_tables (G'*max_prefix_blocks), prefix_seq_ranges (G'+1)], over the G' prefixes
+    that sampled rows read."""
+
+    int64_buffer: np.ndarray
+    int32_buffer: np.ndarray
+    num_rows: int
+    num_prefixes: int
 
 
 def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
@@ -65,12 +90,19 @@ def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
     ids = np.fromiter(chain.from_iterable(c.token_ids for c in seqs), dtype=np.int64, count=t)
     position_in_sorted = np.empty(len(chunks), dtype=np.int64)
     position_in_sorted[order] = np.arange(len(chunks))
-    logits_indices = cu[position_in_sorted[[i for i, c in enumerate(chunks) if c.sample]] + 1] - 1
+    sampled_seqs = position_in_sorted[[i for i, c in enumerate(chunks) if c.sample]]  # [N]
+    logits_indices = cu[sampled_seqs + 1] - 1
     p_lens, p_tables, ranges = _prefix_arrays(seqs, step)
     for name, tab in (("block_table", tables), ("prefix block_table", p_tables)):
         if tab.size and (tab.min() < 0 or tab.max() >= num_kv_blocks):
             raise ValueError(f"a {name} holds block ids in {tab.min()}..{tab.max()}, outside "
                              f"the cache's 0..{num_kv_blocks - 1}")
+    last = None
+    if 0 < len(sampled_seqs) < t:
+        last_seqs = np.sort(sampled_seqs)                                       # kernel order
+        last = _last_layer_batch(last_seqs, cu, slots, cached + q_lens, tables, p_lens,
+                                 p_tables, ranges)
+        logits_indices = np.searchsorted(last_seqs, sampled_seqs)              # rows of `last`
     int64_buffer = np.concatenate([ids, positions, slots, logits_indices.astype(np.int64)])
     int32_buffer = np.concatenate([cu, cached + q_lens, tables.ravel(), p_lens, p_tables.ravel(),
                                    ranges]).astype(np.int32)
@@ -80,7 +112,26 @@ def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
         num_prefixes=len(p_lens), num_sampled=len(logits_indices), max_blocks=tables.shape[1],
         max_prefix_blocks=p_tables.shape[1],
         is_prefill_only=not has_prefix and not cached.any(),
-        is_decode_only=not has_prefix and bool((q_lens == 1).all()))
+        is_decode_only=not has_prefix and bool((q_lens == 1).all()), last=last)
+
+
+def _last_layer_batch(last_seqs: np.ndarray, cu: np.ndarray, slots: np.ndarray,
+                      kv_lens: np.ndarray, tables: np.ndarray, p_lens: np.ndarray,
+                      p_tables: np.ndarray, ranges: np.ndarray) -> LastLayerBatch:
+    """The sampled sequences `last_seqs` (ascending kernel indices) as one query each: the last
+    row of each chunk, which sees all of its sequence's own keys after the step's writes."""
+    rows = cu[last_seqs + 1] - 1
+    # Sequences per prefix among the sampled ones; prefixes no sampled row reads are dropped.
+    counts = np.diff(np.searchsorted(last_seqs, ranges))
+    keep = counts > 0
+    last_ranges = np.zeros(int(keep.sum()) + 1, dtype=np.int64)
+    np.cumsum(counts[keep], out=last_ranges[1:])
+    return LastLayerBatch(
+        int64_buffer=np.concatenate([rows, slots[rows]]),
+        int32_buffer=np.concatenate([np.arange(len(rows) + 1), kv_lens[last_seqs],
+                                     tables[last_seqs].ravel(), p_lens[keep], p_tables[keep].ravel(),
+                                     last_ranges]).astype(np.int32),
+        num_rows=len(rows), num_prefixes=int(keep.sum()))
 
 
 def _prefix_arrays(seqs: list[SeqChunk], step: StepInput

@@ -61,19 +61,27 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, H] -> qkv: [T, (Hq + 2 Hkv) D]
+                meta: AttentionMetadata, queries: AttentionMetadata | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]; with `queries` (the last layer's view) every row's K/V is
+        written and only the rows queries.rows are answered: -> [N, H]."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # q and k rotate in one call (one pass per elementwise op instead of two): their heads
-        # are adjacent in each row of qkv.
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
-            t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)       # [T, Hq+Hkv, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)               # [T, Hq|Hkv, D]
+        qkv = self.qkv_proj(x)                                         # [T, (Hq + 2 Hkv) D]
         v = qkv[:, self.q_size + self.kv_size:].contiguous().view(
             t, self.num_kv_heads, self.head_dim)                                   # [T, Hkv, D]
-        o = self.attn(q, k, v, meta)                                               # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        if queries is None:
+            # q and k rotate in one call (one pass per elementwise op instead of two): their
+            # heads are adjacent in each row of qkv.
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
+                t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)   # [T, Hq+Hkv, D]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)           # [T, Hq|Hkv, D]
+        else:
+            rows = queries.rows
+            k = apply_rotary(qkv[:, self.q_size:self.q_size + self.kv_size].view(
+                t, self.num_kv_heads, self.head_dim), cos, sin)                    # [T, Hkv, D]
+            q = apply_rotary(qkv[rows, :self.q_size].view(
+                rows.shape[0], self.num_heads, self.head_dim), cos[rows], sin[rows])  # [N, Hq, D]
+        o = self.attn(q, k, v, meta, queries)                                      # [T|N, Hq, D]
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -85,13 +93,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # Pre-norm block; `residual` carries the stream, x the last sublayer's output.
+                sin: torch.Tensor, meta: AttentionMetadata, queries: AttentionMetadata | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm block; `residual` carries the stream, x the last sublayer's output. With
+        # `queries` (the last layer), rows other than queries.rows stop after their K/V.
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, meta)
+        x = self.self_attn(x, cos, sin, meta, queries)
+        if queries is not None:
+            residual = residual[queries.rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -132,13 +144,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] int64; logits_indices: [N] int64 rows of the step whose
-        next-token logits are wanted. Returns [N, V] fp32."""
+        """input_ids, positions: [T] int64; logits_indices: [N] int64 rows of the last layer's
+        output (the step's rows, or meta.last_layer's) whose next-token logits are wanted.
+        Returns [N, V] fp32."""
         x = self.model.embed_tokens(input_ids)                                     # [T, H]
         cos, sin = self.model.rotary(positions, x.dtype)
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, cos, sin, meta, meta.last_layer if i == last else None)
         # Only the sampled rows go through the last residual add, the final norm and the head.
         x = self.model.norm(x[logits_indices] + residual[logits_indices])           # [N, H]
         return self.lm_head(x)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.layers.step_batch import build_step_batch
 from prefixflow.engine.model_runner import ModelRunner
 from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
 from prefixflow.engine.tiny import make_tiny_checkpoint
@@ -57,6 +60,37 @@ def test_sampled_tokens_come_back_in_chunk_order(runner):
     logp = torch.log_softmax(logits, -1)
     for row, tok in enumerate(out.sampled):
         assert abs(tok.logprob - logp[row, tok.token_id].item()) < 1e-5
+
+
+def test_the_last_layer_answers_only_the_sampled_rows(runner):
+    """Rows that do not sample stop after their K/V in the last layer (step_batch's
+    LastLayerBatch): the logits equal those of the whole last layer, and a prefix that no
+    sampled row reads is left out of the last layer's view."""
+    prefixes = (SharedPrefix(block_table=(0, 1), length=11), SharedPrefix((2,), 5))
+    runner.execute(StepInput((SeqChunk(50, tuple(range(20, 31)), 0, 0, (0, 1)),
+                              SeqChunk(51, tuple(range(60, 65)), 0, 0, (2,))), prefixes))
+    chunks = (
+        SeqChunk(7, (40, 41, 42), 0, 0, (5,), sample=True, sampling_params=GREEDY),
+        SeqChunk(8, (43, 44), 11, 0, (6,), prefix_index=0, sample=True, sampling_params=GREEDY),
+        SeqChunk(9, (45,), 0, 0, (7,)),                        # a prompt chunk that stops short
+        SeqChunk(11, (46, 47), 5, 0, (9,), prefix_index=1),    # so does this member's
+        SeqChunk(10, (46, 47, 48, 49), 11, 0, (8,), prefix_index=0, sample=True,
+                 sampling_params=GREEDY),
+    )
+    batch = build_step_batch(StepInput(chunks, prefixes), runner.block_size,
+                             runner.max_model_len, runner.num_kv_blocks)
+    assert batch.num_tokens == 12 and batch.last is not None
+    assert (batch.last.num_rows, batch.last.num_prefixes) == (3, 1)
+    ids, positions, meta, logits_indices = runner._to_device(batch)
+    # kernel order: prefix 0's members (8, 10), prefix 1's (11), then 7 and 9
+    assert meta.last_layer.rows.tolist() == [1, 5, 10]
+    assert meta.last_layer.kv_lens.tolist() == [2, 4, 3]
+    assert logits_indices.tolist() == [2, 0, 1]  # chunk order: 7, 8, 10
+    with torch.inference_mode():
+        fast = runner.model(ids, positions, meta, logits_indices)
+        whole = runner.model(ids, positions, replace(meta, last_layer=None),
+                             meta.last_layer.rows[logits_indices])
+    torch.testing.assert_close(fast, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_step_without_sampling(runner):
