@@ -286,6 +286,14 @@ def once_per_step(name: str, tensors: tuple[torch.Tensor, ...], extra: tuple,
     return value
 
 
+def layer_key(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """What a step's argument checks depend on beyond its metadata: every layer of a step
+    passes tensors alike in these, so checks made for the first layer hold for the others."""
+    return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+            k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
+            v_cache.device)
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
     """Sequences lo .. hi-1 of a batched decode: `length` keys each (their longest one's blocks),

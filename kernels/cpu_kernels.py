@@ -27,30 +27,20 @@ copies nothing from the cache:
 Work is spread over torch's OpenMP threads (the library links the libgomp that torch has
 already loaded, so both share one thread pool).
 
-The library is built once per machine with the system C compiler (well under a second) into
-$PREFIXFLOW_CACHE/kernels/, keyed by the source, the flags and the CPU's feature flags. Without
-a compiler, or with PREFIXFLOW_CPU_KERNELS=0, `available()` is False and callers keep the torch
-reference, which the tests also use as the oracle.
+The library is built once per machine with the system C compiler (well under a second;
+kernels/cpu_build.py). Without a compiler, or with PREFIXFLOW_CPU_KERNELS=0, `available()` is
+False and callers keep the torch reference, which the tests also use as the oracle.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from prefixflow.paths import cache_root
-
-log = logging.getLogger(__name__)
+from prefixflow.kernels import cpu_build
 
 MAX_HEAD_DIM = 256
 MAX_GQA_GROUP = 16
@@ -466,60 +456,23 @@ void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long 
 # On x86, 512-bit vectors where the CPU has them (GCC picks 256 by default even then): decode
 # steps of peer_bench's shapes took 21-27% less time in the kernel (Sapphire Rapids, 2 threads).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-fopenmp", "-shared", "-fPIC",
+          "-fassociative-math", "-fopenmp",
           *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
 
 
 def enabled() -> bool:
-    return os.environ.get("PREFIXFLOW_CPU_KERNELS", "1") != "0"
+    return cpu_build.enabled()
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where no C compiler can build it."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        log.info("no C compiler: the CPU kernels run as torch code")
-        return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, platform.machine(), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"cpu_kernels_{key}.so"
-    try:
-        if not path.exists():
-            _compile(cc, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("could not build the CPU kernels (%s); using the torch code", e)
-        return None
     ptr, long_, int_, float_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    signatures = {
+    return cpu_build.load("cpu_kernels", _SOURCE, _FLAGS, {
         "pf_attention_f32": [ptr, long_, long_, ptr, ptr, int_, int_, int_, ptr, ptr, ptr, int_,
                              ptr, ptr, ptr, int_, ptr, int_, int_, float_],
         "pf_write_kv_f32": [ptr, long_, long_, ptr, long_, long_, ptr, ptr, ptr, int_, int_, int_],
-    }
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    return lib
-
-
-def _compile(cc: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "cpu_kernels.c", Path(tmp) / "cpu_kernels.so"
-        src.write_text(_SOURCE)
-        subprocess.run([cc, *_FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(lib, path)  # atomic: processes building at once each install a whole file
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (-march=native code is only valid on CPUs that have them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
+    })
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -527,7 +480,7 @@ def available(*tensors: torch.Tensor) -> bool:
     last dim (what each kernel reads)."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
                 for t in tensors)
-            and enabled() and _library() is not None)
+            and cpu_build.enabled() and _library() is not None)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -581,29 +534,50 @@ def attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables [S, W], prefix_of [S], prefix_lens [G], prefix_block_tables [G, W'],
     cu_seqlens_q [S + 1] int32, contiguous; out: [T, Hq, D] float32, unit stride in D.
     Callers check `supports` first, and the values once per step (`check_tables`): the C code
-    trusts them.
+    trusts them. Layers of one step bind the metadata once instead (`AttentionCall`).
     """
-    if not out.is_contiguous():
-        return out.copy_(attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale,
-                                       torch.empty(out.shape), prefix_of, prefix_lens,
-                                       prefix_block_tables, cu_seqlens_q))
-    _, hq, d = q.shape
-    _, bs, hkv, _ = k_cache.shape
-    assert block_tables.is_contiguous() and kv_lens.is_contiguous()
-    p_ptr = pl_ptr = pt_ptr = cu_ptr = None
-    p_stride = 0
-    if prefix_of is not None:
-        assert prefix_lens is not None and prefix_block_tables is not None
-        assert prefix_of.is_contiguous() and prefix_block_tables.is_contiguous()
-        p_ptr, pl_ptr = prefix_of.data_ptr(), prefix_lens.data_ptr()
-        pt_ptr, p_stride = prefix_block_tables.data_ptr(), prefix_block_tables.stride(0)
-    if cu_seqlens_q is not None:
-        assert cu_seqlens_q.is_contiguous()
-        cu_ptr = cu_seqlens_q.data_ptr()
-    lib = _library()
-    assert lib is not None
-    lib.pf_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
-                         v_cache.data_ptr(), bs, hkv, d, cu_ptr, kv_lens.data_ptr(),
-                         block_tables.data_ptr(), block_tables.stride(0), p_ptr, pl_ptr, pt_ptr,
-                         p_stride, out.data_ptr(), kv_lens.shape[0], hq, scale)
-    return out
+    call = AttentionCall(kv_lens, block_tables, prefix_of, prefix_lens, prefix_block_tables,
+                         cu_seqlens_q)
+    return call(q, k_cache, v_cache, scale, out)
+
+
+class AttentionCall:
+    """`attention_cpu` with one step's metadata bound: its pointers and sizes are read once,
+    then every layer's call is one C call (at decode sizes the per-call Python of a layer cost
+    as much as the kernel: SmolLM2, 30 layers a step). Holds the metadata tensors, so the
+    pointers stay valid while it lives."""
+
+    __slots__ = ("_tensors", "_meta", "_num_seqs")
+
+    def __init__(self, kv_lens: torch.Tensor, block_tables: torch.Tensor,
+                 prefix_of: torch.Tensor | None = None, prefix_lens: torch.Tensor | None = None,
+                 prefix_block_tables: torch.Tensor | None = None,
+                 cu_seqlens_q: torch.Tensor | None = None) -> None:
+        assert block_tables.is_contiguous() and kv_lens.is_contiguous()
+        p_ptr = pl_ptr = pt_ptr = cu_ptr = None
+        p_stride = 0
+        if prefix_of is not None:
+            assert prefix_lens is not None and prefix_block_tables is not None
+            assert prefix_of.is_contiguous() and prefix_block_tables.is_contiguous()
+            p_ptr, pl_ptr = prefix_of.data_ptr(), prefix_lens.data_ptr()
+            pt_ptr, p_stride = prefix_block_tables.data_ptr(), prefix_block_tables.stride(0)
+        if cu_seqlens_q is not None:
+            assert cu_seqlens_q.is_contiguous()
+            cu_ptr = cu_seqlens_q.data_ptr()
+        self._tensors = (kv_lens, block_tables, prefix_of, prefix_lens, prefix_block_tables,
+                         cu_seqlens_q)
+        self._meta = (cu_ptr, kv_lens.data_ptr(), block_tables.data_ptr(),
+                      block_tables.stride(0), p_ptr, pl_ptr, pt_ptr, p_stride)
+        self._num_seqs = kv_lens.shape[0]
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float, out: torch.Tensor) -> torch.Tensor:
+        """q, out: [T, Hq, D] float32, unit stride in D; caches as `attention_cpu` takes them."""
+        if not out.is_contiguous():
+            return out.copy_(self(q, k_cache, v_cache, scale, torch.empty(out.shape)))
+        _, hq, d = q.shape
+        _, bs, hkv, _ = k_cache.shape
+        _library().pf_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), bs, hkv, d, *self._meta, out.data_ptr(),
+                                    self._num_seqs, hq, scale)
+        return out

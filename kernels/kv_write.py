@@ -55,17 +55,21 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 def write_kv_cache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """`write_kv_cache` in C on the CPU (kernels/cpu_kernels.py; float32, contiguous caches)."""
-    _check_args(k, v, k_cache, v_cache, slot_mapping, (torch.float32,))
-    capacity = k_cache.shape[0] * k_cache.shape[1]
-    slots = once_per_step("kv_write_cpu", (slot_mapping,), (capacity,),
-                          lambda: _checked_slots(slot_mapping, capacity))
+    """`write_kv_cache` in C on the CPU (kernels/cpu_kernels.py; float32, contiguous caches).
+    The checks run once per step (every layer writes alike tensors at the same slots)."""
+    key = (k.shape, k.stride(), v.stride(), k.dtype, v.dtype, k_cache.shape, k_cache.dtype,
+           k_cache.is_contiguous(), v_cache.shape, v_cache.dtype, v_cache.is_contiguous())
+    slots = once_per_step("kv_write_cpu", (slot_mapping,), key,
+                          lambda: _checked_slots(k, v, k_cache, v_cache, slot_mapping))
     cpu_kernels.write_kv_cpu(k, v, k_cache, v_cache, slots)
 
 
-def _checked_slots(slot_mapping: torch.Tensor, capacity: int) -> torch.Tensor:
-    """int64 contiguous slots, after checking that none is past the cache (the C code trusts
-    them; -1 means skip)."""
+def _checked_slots(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """int64 contiguous slots, after the argument checks and checking that no slot is past the
+    cache (the C code trusts them; -1 means skip)."""
+    _check_args(k, v, k_cache, v_cache, slot_mapping, (torch.float32,))
+    capacity = k_cache.shape[0] * k_cache.shape[1]
     slots = slot_mapping.long().contiguous()
     if slots.numel() and int(slots.max()) >= capacity:
         raise ValueError(f"slot_mapping holds slot {int(slots.max())}, outside the cache's "

@@ -15,7 +15,8 @@ from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, DecodeBa
                                         check_cache, check_head_dim_for_triton,
                                         check_last_dim_contiguous, check_out, check_shape,
                                         check_tensor, compute_dtype, decode_attention,
-                                        decode_plan, interpreting, once_per_step, use_triton)
+                                        decode_plan, interpreting, layer_key, once_per_step,
+                                        use_triton)
 
 
 def _check_args(q, k_cache, v_cache, kv_lens, block_tables, dtypes) -> None:
@@ -57,22 +58,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                kv_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_decode_attention` in C on the CPU (kernels/cpu_kernels.py; float32)."""
-    _check_args(q, k_cache, v_cache, kv_lens, block_tables, (torch.float32,))
+    """`paged_decode_attention` in C on the CPU (kernels/cpu_kernels.py; float32); checks and
+    the kernel's bound arguments once per step."""
+    call = once_per_step("paged_decode_cpu", (kv_lens, block_tables), layer_key(q, k_cache, v_cache),
+                         lambda: _cpu_call(q, k_cache, v_cache, kv_lens, block_tables))
     out = check_out(out, q)
     if q.shape[0] == 0:
         return out
-    once_per_step("paged_decode_cpu", (kv_lens, block_tables), (k_cache.shape[:2],),
-                  lambda: _check_cpu_values(kv_lens, block_tables, k_cache))
-    return cpu_kernels.attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out)
+    return call(q, k_cache, v_cache, scale, out)
 
 
-def _check_cpu_values(kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                      k_cache: torch.Tensor) -> bool:
-    lens = kv_lens.tolist()
-    _check_kv_lens(min(lens))
-    cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables)
-    return True
+def _cpu_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              kv_lens: torch.Tensor, block_tables: torch.Tensor) -> cpu_kernels.AttentionCall:
+    _check_args(q, k_cache, v_cache, kv_lens, block_tables, (torch.float32,))
+    if q.shape[0]:
+        lens = kv_lens.tolist()
+        _check_kv_lens(min(lens))
+        cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables)
+    return cpu_kernels.AttentionCall(kv_lens, block_tables)
 
 
 def _check_kv_lens(shortest: int) -> None:

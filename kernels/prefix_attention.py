@@ -26,8 +26,8 @@ from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, BlockInd
                                         causal_attention, check_cache,
                                         check_head_dim_for_triton, check_last_dim_contiguous,
                                         check_out, check_tensor, compute_dtype, decode_attention,
-                                        decode_plan, gather_index, interpreting, once_per_step,
-                                        use_triton)
+                                        decode_plan, gather_index, interpreting, layer_key,
+                                        once_per_step, use_triton)
 
 
 def _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
@@ -91,34 +91,35 @@ def prefix_shared_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 prefix_seq_ranges: torch.Tensor, scale: float,
                                 out: torch.Tensor | None = None) -> torch.Tensor:
     """`prefix_shared_attention` in C on the CPU (kernels/cpu_kernels.py; float32): each query
-    over its group's prefix and then its own keys in one pass, nothing gathered."""
-    _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
-                prefix_block_tables, prefix_seq_ranges, (torch.float32,))
+    over its group's prefix and then its own keys in one pass, nothing gathered. The checks
+    and the kernel's bound arguments are made once per step, for the first layer."""
     meta = (cu_seqlens_q, kv_lens, block_tables, prefix_lens, prefix_block_tables,
             prefix_seq_ranges)
-    prefix_of = once_per_step("prefix_shared_cpu", meta, (q.shape[0], k_cache.shape[:2]),
-                              lambda: _cpu_prefix_of(*meta, q.shape[0], k_cache))
+    call = once_per_step("prefix_shared_cpu", meta, layer_key(q, k_cache, v_cache),
+                         lambda: _cpu_call(q, k_cache, v_cache, *meta))
     out = check_out(out, q)
     if q.shape[0] == 0:
         return out
-    return cpu_kernels.attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, scale, out,
-                                     prefix_of, prefix_lens, prefix_block_tables, cu_seqlens_q)
+    return call(q, k_cache, v_cache, scale, out)
 
 
-def _cpu_prefix_of(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                   prefix_lens: torch.Tensor, prefix_block_tables: torch.Tensor,
-                   prefix_seq_ranges: torch.Tensor, num_tokens: int, k_cache: torch.Tensor
-                   ) -> torch.Tensor:
-    """[S] int32: the prefix each sequence reads (-1: none), after the value checks."""
+def _cpu_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
+              prefix_lens: torch.Tensor, prefix_block_tables: torch.Tensor,
+              prefix_seq_ranges: torch.Tensor) -> cpu_kernels.AttentionCall:
+    """The C kernel bound to this step's metadata, after the argument and value checks."""
+    _check_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, prefix_lens,
+                prefix_block_tables, prefix_seq_ranges, (torch.float32,))
     cu, lens, ranges = cu_seqlens_q.tolist(), kv_lens.tolist(), prefix_seq_ranges.tolist()
-    _check_values(cu, lens, ranges, num_tokens)
+    _check_values(cu, lens, ranges, q.shape[0])
     p_lens = prefix_lens.tolist()
     cpu_kernels.check_tables(k_cache.shape[0], k_cache.shape[1], lens, block_tables, p_lens,
                             prefix_block_tables)
     prefix_of = [-1] * len(lens)
     for g in range(len(p_lens)):
         prefix_of[ranges[g]:ranges[g + 1]] = [g] * (ranges[g + 1] - ranges[g])
-    return torch.tensor(prefix_of, dtype=torch.int32)
+    return cpu_kernels.AttentionCall(kv_lens, block_tables, torch.tensor(prefix_of, dtype=torch.int32),
+                                     prefix_lens, prefix_block_tables, cu_seqlens_q)
 
 
 def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

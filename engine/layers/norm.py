@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixflow.kernels import cpu_exact
+
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (like HF Llama)."""
@@ -29,7 +31,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the new
-        residual stream; the add happens in the model dtype, as in HF's decoder layer."""
+        residual stream; the add happens in the model dtype, as in HF's decoder layer. The sum
+        may be written into `residual` (on a CPU, one C call does the add and the norm with
+        torch's rounding: kernels/cpu_exact.py), so pass a residual that is not needed after."""
+        if cpu_exact.supports_norm(x, residual, self.weight):
+            out = cpu_exact.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -20,6 +20,7 @@ from prefixflow.engine.layers.linear import Linear
 from prefixflow.engine.layers.mlp import SiluMLP
 from prefixflow.engine.layers.norm import RMSNorm
 from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from prefixflow.kernels import cpu_exact
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,21 +66,16 @@ class LlamaAttention(nn.Module):
         """x: [T, H] -> [T, H]; with `queries` (the last layer's view) every row's K/V is
         written and only the rows queries.rows are answered: -> [N, H]."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)                                         # [T, (Hq + 2 Hkv) D]
-        v = qkv[:, self.q_size + self.kv_size:].contiguous().view(
-            t, self.num_kv_heads, self.head_dim)                                   # [T, Hkv, D]
-        if queries is None:
-            # q and k rotate in one call (one pass per elementwise op instead of two): their
-            # heads are adjacent in each row of qkv.
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
-                t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)   # [T, Hq+Hkv, D]
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)           # [T, Hq|Hkv, D]
+        heads = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k rotate in one call: their heads are adjacent in each row of qkv.
+        qk, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if cpu_exact.supports_rotary(qk, cos, sin):
+            cpu_exact.rotary_(qk, cos, sin)        # in place, one C call (v stays a view)
         else:
-            rows = queries.rows
-            k = apply_rotary(qkv[:, self.q_size:self.q_size + self.kv_size].view(
-                t, self.num_kv_heads, self.head_dim), cos, sin)                    # [T, Hkv, D]
-            q = apply_rotary(qkv[rows, :self.q_size].view(
-                rows.shape[0], self.num_heads, self.head_dim), cos[rows], sin[rows])  # [N, Hq, D]
+            qk, v = apply_rotary(qk, cos, sin), v.contiguous()                     # [T, Hq+Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)               # [T, Hq|Hkv, D]
+        if queries is not None:
+            q = q[queries.rows]                                                    # [N, Hq, D]
         o = self.attn(q, k, v, meta, queries)                                      # [T|N, Hq, D]
         return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
@@ -154,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, meta, meta.last_layer if i == last else None)
         # Only the sampled rows go through the last residual add, the final norm and the head.
-        x = self.model.norm(x[logits_indices] + residual[logits_indices])           # [N, H]
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])           # [N, H]
         return self.lm_head(x)
 
     def slice_of(self, hf_name: str) -> tuple[str, slice | None]:

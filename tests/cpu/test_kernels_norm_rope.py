@@ -92,3 +92,59 @@ def test_engine_layers_round_like_hugging_face():
     h = torch.randn(77, 512, generator=g) * 5
     hf = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.equal(norm(h), hf)
+
+
+@pytest.mark.parametrize("hidden", [64, 576, 1000, 4096, 8200])   # 4096+: torch's cascaded sum
+@pytest.mark.parametrize("rows", [1, 7, 130])                      # 130: the C loop's threads
+def test_c_rms_norm_rounds_like_torch(hidden, rows):
+    from prefixflow.kernels import cpu_exact
+
+    g = torch.Generator().manual_seed(hidden + rows)
+    x = torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]
+    residual = torch.randn(rows, hidden, generator=g)
+    weight = torch.randn(hidden, generator=g)
+    assert cpu_exact.supports_norm(x, residual, weight)
+    want_residual = x + residual
+    want = torch.nn.functional.rms_norm(want_residual, (hidden,), weight, 1e-5)
+    assert torch.equal(cpu_exact.add_rms_norm(x, residual, weight, 1e-5), want)
+    assert torch.equal(residual, want_residual)                       # the sum, in place
+    assert torch.equal(cpu_exact.add_rms_norm(x, None, weight, 1e-5),
+                       torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-5))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_c_rotary_rotates_strided_qkv_in_place_like_torch(head_dim):
+    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+    from prefixflow.kernels import cpu_exact
+
+    g = torch.Generator().manual_seed(head_dim)
+    heads = torch.randn(90, 9 + 2 * 3, head_dim, generator=g) * 4   # a fused qkv, 9 q / 3 kv
+    cos, sin = RotaryEmbedding(head_dim, 4096, RopeConfig(theta=1e5))(
+        torch.randint(0, 4096, (90,), generator=g), torch.float32)
+    qk = heads[:, :12]
+    want, v = apply_rotary(qk, cos, sin), heads[:, 12:].clone()
+    assert cpu_exact.supports_rotary(qk, cos, sin)
+    assert cpu_exact.rotary_(qk, cos, sin) is qk
+    assert torch.equal(heads[:, :12], want) and torch.equal(heads[:, 12:], v)
+
+
+def test_layers_keep_torch_where_the_c_norm_would_round_otherwise(monkeypatch):
+    """A torch build whose sum runs in another order fails the self-check: RMSNorm then takes
+    torch's path and still rounds like Hugging Face."""
+    from prefixflow.engine.layers.norm import RMSNorm
+    from prefixflow.kernels import cpu_exact
+
+    g = torch.Generator().manual_seed(5)
+    h, r = torch.randn(2, 9, 320, generator=g)
+    norm = RMSNorm(320, 1e-6)
+    want = norm.weight * ((h + r) * torch.rsqrt((h + r).pow(2).mean(-1, keepdim=True) + 1e-6))
+    monkeypatch.setattr(cpu_exact, "_LANES", (3,))   # no such vector width: never exact
+    cpu_exact._norm_lanes.cache_clear()
+    try:
+        assert not cpu_exact.supports_norm(h, r, norm.weight)
+        out, residual = norm(h, r.clone())
+        assert torch.equal(out, want) and torch.equal(residual, h + r)
+    finally:
+        cpu_exact._norm_lanes.cache_clear()
+    monkeypatch.setenv("PREFIXFLOW_CPU_KERNELS", "0")
+    assert not cpu_exact.supports_norm(h, r, norm.weight)
