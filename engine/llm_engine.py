@@ -7,6 +7,7 @@ returns outputs in input order.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from dataclasses import replace
@@ -72,6 +73,10 @@ class LLMEngine:
                 counts["prompt"] += sum(s.num_prompt_tokens for s in group.pending)
                 sched.add_group(group)
         completed = False
+        # Everything alive before the run (modules, weights, the imports of torch and
+        # transformers) outlives it: frozen out of the collector, whose passes over them cost
+        # 5% of a SmolLM2 decode step's main thread (perf samples), and given back after.
+        gc.freeze()
         try:
             while sched.has_unfinished():
                 for out in self.step():
@@ -79,6 +84,7 @@ class LLMEngine:
                     yield out
             completed = True
         finally:
+            gc.unfreeze()
             if not completed:  # the caller stopped iterating, or a step raised
                 sched.abort_all()
         self.totals = EngineTotals(
