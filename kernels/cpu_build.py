@@ -28,7 +28,8 @@ def enabled() -> bool:
     return os.environ.get("PREFIXFLOW_CPU_KERNELS", "1") != "0"
 
 
-def load(name: str, source: str, flags: list[str], signatures: dict[str, list]) -> ctypes.CDLL | None:
+def load(name: str, source: str, flags: list[str],
+         signatures: dict[str, list]) -> ctypes.CDLL | None:
     """The library `name` built from `source` with `flags` (built on first use), its functions
     given `signatures` (argtypes; they return nothing); None where no C compiler can build it."""
     cc = shutil.which(os.environ.get("CC", "cc"))

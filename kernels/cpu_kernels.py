@@ -499,9 +499,10 @@ def _library() -> ctypes.CDLL | None:
 def available(*tensors: torch.Tensor) -> bool:
     """The library is built and every tensor is a float32 CPU one with unit stride in its
     last dim (what each kernel reads)."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
-                for t in tensors)
-            and cpu_build.enabled() and _library() is not None)
+    for t in tensors:  # a loop, not all(generator): every layer of every step asks
+        if t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+            return False
+    return cpu_build.enabled() and _library() is not None
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -20,7 +20,8 @@ class SiluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
         # silu in place in the gate_up buffer, the product into a new contiguous [T, I]: the
         # down projection copies a strided input first (oneDNN's CPU matmul calls contiguous(),
         # 9 MB a layer in a 1456-token prefill), so the product is what gets written once.

@@ -129,8 +129,8 @@ def _last_layer_batch(last_seqs: np.ndarray, cu: np.ndarray, slots: np.ndarray,
     return LastLayerBatch(
         int64_buffer=np.concatenate([rows, slots[rows]]),
         int32_buffer=np.concatenate([np.arange(len(rows) + 1), kv_lens[last_seqs],
-                                     tables[last_seqs].ravel(), p_lens[keep], p_tables[keep].ravel(),
-                                     last_ranges]).astype(np.int32),
+                                     tables[last_seqs].ravel(), p_lens[keep],
+                                     p_tables[keep].ravel(), last_ranges]).astype(np.int32),
         num_rows=len(rows), num_prefixes=int(keep.sum()))
 
 

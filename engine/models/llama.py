@@ -65,15 +65,15 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata, queries: AttentionMetadata | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]; with `queries` (the last layer's view) every row's K/V is
         written and only the rows queries.rows are answered: -> [N, H]."""
-        t = x.shape[0]
-        heads = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        t, hqk = x.shape[0], self.num_heads + self.num_kv_heads
+        heads = self.qkv_proj(x).view(t, hqk + self.num_kv_heads, self.head_dim)
         # q and k rotate in one call: their heads are adjacent in each row of qkv.
-        qk, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        qk, v = heads[:, :hqk], heads[:, hqk:]
         if cpu_exact.supports_rotary(qk, cos, sin):
             cpu_exact.rotary_(qk, cos, sin)        # in place, one C call (v stays a view)
         else:
             qk, v = apply_rotary(qk, cos, sin), v.contiguous()                     # [T, Hq+Hkv, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)               # [T, Hq|Hkv, D]
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]                      # [T, Hq|Hkv, D]
         if queries is not None:
             q = q[queries.rows]                                                    # [N, Hq, D]
         o = self.attn(q, k, v, meta, queries)                                      # [T|N, Hq, D]
