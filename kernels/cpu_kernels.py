@@ -1,7 +1,7 @@
 """CPU kernels in C: attention over the paged cache (decode and chunked prefill, with a
 group's shared prefix) and the K/V cache write. float32 only; callers keep the torch code for
-everything else. (RMSNorm stays torch's: it rounds like Hugging Face's bit for bit, which a C
-reduction would not; tests/cpu/test_kernels_norm_rope.py.)
+everything else. (RMSNorm and the rotary embedding, which must round exactly as torch does,
+are in kernels/cpu_exact.py, built with stricter flags.)
 
 Why C: the torch reference does a step's attention as several calls per layer (gather each
 sequence's blocks and each group's prefix into contiguous copies, PyTorch's flash kernel on
@@ -25,7 +25,15 @@ copies nothing from the cache:
   keys as above: peer_bench two_level decode steps 0.63 -> 0.40 ms a layer, decode_heavy
   0.33 -> 0.29 (a tile for the own keys too was 2x slower: they differ per member).
 Work is spread over torch's OpenMP threads (the library links the libgomp that torch has
-already loaded, so both share one thread pool).
+already loaded, so both share one thread pool). A layer's metadata is bound once per step
+(`AttentionCall`): each layer is then one C call.
+
+Tried and not kept (issue 17, AMD EPYC with AVX-512, 2 threads): a decode call whose keys come
+from memory (every layer's, in a real step) takes about 3x its time from cache, but neither
+software prefetch of the next block (or of all of a sequence's blocks) nor work items that take
+every kv head of a sequence at once (contiguous blocks) gained more than 10%, and a head-major
+block layout read just as slowly; the tiles taking two row blocks per key chunk (half the
+broadcast loads) were 5-20% slower.
 
 The library is built once per machine with the system C compiler (well under a second;
 kernels/cpu_build.py). Without a compiler, or with PREFIXFLOW_CPU_KERNELS=0, `available()` is
