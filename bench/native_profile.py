@@ -42,9 +42,17 @@ def _wrap(name: str, fn: Callable) -> Callable:
     return timed
 
 
+_instrumented = False
+
+
 def _instrument() -> None:
+    """Wraps each of PARTS once per process (a second profile() reuses the wrappers)."""
     import importlib
 
+    global _instrumented
+    if _instrumented:
+        return
+    _instrumented = True
     for name, (module, cls, attr) in PARTS.items():
         owner = importlib.import_module(module)
         owner = getattr(owner, cls) if cls else owner

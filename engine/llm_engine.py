@@ -75,8 +75,11 @@ class LLMEngine:
         completed = False
         # Everything alive before the run (modules, weights, the imports of torch and
         # transformers) outlives it: frozen out of the collector, whose passes over them cost
-        # 5% of a SmolLM2 decode step's main thread (perf samples), and given back after.
-        gc.freeze()
+        # 5% of a SmolLM2 decode step's main thread (perf samples), and given back after;
+        # left alone where the process froze objects itself (or another run is going on).
+        thaw = gc.get_freeze_count() == 0
+        if thaw:
+            gc.freeze()
         try:
             while sched.has_unfinished():
                 for out in self.step():
@@ -84,7 +87,8 @@ class LLMEngine:
                     yield out
             completed = True
         finally:
-            gc.unfreeze()
+            if thaw:
+                gc.unfreeze()
             if not completed:  # the caller stopped iterating, or a step raised
                 sched.abort_all()
         self.totals = EngineTotals(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,32 +141,23 @@ class ModelRunner:
 
     def _to_device(self, b: StepBatch
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        # Two host->device copies per step: all int64 arrays in one, all int32 ones in another.
+        # Two host->device copies per step: all int64 arrays in one, all int32 ones in another
+        # (the last layer's view, when there is one, after the step's own arrays).
         last = b.last
-        longs = self._copy(b.int64_buffer if last is None else np.concatenate([b.int64_buffer, last.int64_buffer]))
-        ints = self._copy(b.int32_buffer if last is None else np.concatenate([b.int32_buffer, last.int32_buffer]))
+        longs = self._copy(b.int64_buffer if last is None
+                           else np.concatenate([b.int64_buffer, last.int64_buffer]))
+        ints = self._copy(b.int32_buffer if last is None
+                          else np.concatenate([b.int32_buffer, last.int32_buffer]))
         t, n = b.num_tokens, b.num_sampled
-        s, g = b.num_seqs, b.num_prefixes
-        r, gl = (last.num_rows, last.num_prefixes) if last is not None else (0, 0)
-        ids, positions, slots, logits_idx, rows, last_slots = longs.split([t, t, t, n, r, r])
-        s32 = [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1]
-        l32 = [r + 1, r, r * b.max_blocks, gl, gl * b.max_prefix_blocks, gl + 1] if last else []
-        parts = ints.split(s32 + l32)
+        r = last.num_rows if last is not None else 0
+        ids, positions, slots, logits_idx, rows, row_slots = longs.split([t, t, t, n, r, r])
         last_meta = None
         if last is not None:
-            cu, kv_lens, tables, p_lens, p_tables, ranges = parts[6:]
-            last_meta = AttentionMetadata(
-                slot_mapping=last_slots, cu_seqlens_q=cu, kv_lens=kv_lens,
-                block_tables=tables.view(r, b.max_blocks), prefix_lens=p_lens,
-                prefix_block_tables=p_tables.view(gl, b.max_prefix_blocks), prefix_seq_ranges=ranges,
-                is_prefill_only=False, is_decode_only=gl == 0, rows=rows)
-        cu, kv_lens, tables, p_lens, p_tables, ranges = parts[:6]
-        meta = AttentionMetadata(
-            slot_mapping=slots, cu_seqlens_q=cu, kv_lens=kv_lens,
-            block_tables=tables.view(s, b.max_blocks), prefix_lens=p_lens,
-            prefix_block_tables=p_tables.view(g, b.max_prefix_blocks), prefix_seq_ranges=ranges,
-            is_prefill_only=b.is_prefill_only, is_decode_only=b.is_decode_only,
-            last_layer=last_meta)
+            ints, last_ints = ints.split([b.int32_buffer.shape[0], last.int32_buffer.shape[0]])
+            last_meta = _metadata(last_ints, row_slots, r, last.num_prefixes, b, rows=rows,
+                                  is_prefill_only=False, is_decode_only=last.num_prefixes == 0)
+        meta = _metadata(ints, slots, b.num_seqs, b.num_prefixes, b, last_layer=last_meta,
+                         is_prefill_only=b.is_prefill_only, is_decode_only=b.is_decode_only)
         return ids, positions, meta, logits_idx
 
     def _copy(self, host: np.ndarray) -> torch.Tensor:
@@ -215,6 +207,20 @@ class ModelRunner:
         for layer, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(cache[layer, 0], cache[layer, 1])
         return cache
+
+
+def _metadata(ints: torch.Tensor, slots: torch.Tensor, num_seqs: int, num_prefixes: int,
+              b: StepBatch, **flags: Any) -> AttentionMetadata:
+    """The AttentionMetadata of int32 arrays laid out as StepBatch.int32_buffer, for num_seqs
+    sequences and num_prefixes prefixes (the step's, or its last layer's view)."""
+    s, g = num_seqs, num_prefixes
+    cu, kv_lens, tables, p_lens, p_tables, ranges = ints.split(
+        [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1])
+    return AttentionMetadata(
+        slot_mapping=slots, cu_seqlens_q=cu, kv_lens=kv_lens,
+        block_tables=tables.view(s, b.max_blocks), prefix_lens=p_lens,
+        prefix_block_tables=p_tables.view(g, b.max_prefix_blocks), prefix_seq_ranges=ranges,
+        **flags)
 
 
 def cpu_oversubscribed() -> bool:

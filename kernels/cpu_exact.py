@@ -14,9 +14,10 @@ each is one call:
   product rounded before the sum, as torch computes it.
 
 The library is compiled without contraction into fused multiply-adds and without reassociation
-(unlike kernels/cpu_kernels.py), and each op checks itself against torch once per shape before
-it is used (`norm_is_exact`, `rotary_is_exact`): where a torch build sums in another order (a
-CPU without AVX-512 or AVX2 kernels, another torch release), callers keep the torch code.
+(unlike kernels/cpu_kernels.py), and each op checks itself against torch once per width (the
+hidden size, the head dim) before it is used (`_norm_lanes`, `rotary_is_exact`; on fewer rows
+than split over threads, which changes no row's result): where a torch build sums in another
+order (another vector width, another torch release), callers keep the torch code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import platform
 
 import torch
 import torch.nn.functional as F
@@ -140,8 +140,7 @@ void pf_rotary_f32(float *x, long row_stride, int T, int nheads, int D, const fl
 """ % dict(parallel_rows=PARALLEL_ROWS)
 
 # No -ffast-math subset here: no contraction into FMAs, no reassociation, no reciprocals.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
-          *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
+_FLAGS = [*cpu_build.NATIVE_FLAGS, "-ffp-contract=off"]
 
 # Vector widths (floats) torch's float sum may run with; the self-check finds the one it uses
 # (torch 2.13 on an AVX-512 CPU sums with 8 lanes).
@@ -166,7 +165,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """RMSNorm of x (+ residual, written into `residual`) in C: [T, H] float32 contiguous rows,
     residual alike; weight [H]. Returns a new [T, H]. Check `supports_norm`."""
     t, h = x.shape
-    out = torch.empty(t, h)
+    out = torch.empty(t, h, dtype=torch.float32)
     _library().pf_add_rms_norm_f32(
         x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
         out.data_ptr(), t, h, x.stride(0), eps, lanes or _norm_lanes(h))
@@ -177,8 +176,10 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     """Whether `add_rms_norm` takes these tensors (else use torch). Cheap: every norm of every
     step asks."""
     return (_is_f32_cpu(x) and x.dim() == 2 and x.is_contiguous() and cpu_build.enabled()
-            and (residual is None or (residual.is_contiguous() and _is_f32_cpu(residual)))
-            and _is_f32_cpu(weight) and _norm_lanes(x.shape[1]) is not None)
+            and (residual is None or (residual.shape == x.shape and residual.is_contiguous()
+                                      and _is_f32_cpu(residual)))
+            and _is_f32_cpu(weight) and weight.shape == x.shape[1:] and weight.is_contiguous()
+            and _norm_lanes(x.shape[1]) is not None)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -192,14 +193,11 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def supports_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `rotary_` takes these tensors (else use torch)."""
-    return (_is_f32_cpu(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and _is_f32_cpu(cos) and cos.stride() == sin.stride() and cos.stride(-1) == 1
-            and cpu_build.enabled() and rotary_is_exact(x.shape[2]))
-
-
-def norm_is_exact(hidden: int) -> bool:
-    """`add_rms_norm` equals torch's RMSNorm bit for bit at this width."""
-    return _norm_lanes(hidden) is not None
+    t, _, d = x.shape if x.dim() == 3 else (0, 0, 0)
+    return (_is_f32_cpu(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d
+            and cos.shape == sin.shape == (t, 1, d) and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1 and _is_f32_cpu(cos) and _is_f32_cpu(sin)
+            and cpu_build.enabled() and rotary_is_exact(d))
 
 
 @functools.cache

@@ -8,7 +8,7 @@ sequence's blocks and each group's prefix into contiguous copies, PyTorch's flas
 each part, merge the parts by log-sum-exp). At decode sizes each call costs more than its
 arithmetic (on peer_bench's decode-heavy workload 40% of the native engine's time against 19%
 for vLLM's C++ CPU attention, issue 17), and in prefill steps the copies and merges cost as
-much as the flash kernel. `attention_cpu` is one call per layer for every kind of step and
+much as the flash kernel. `AttentionCall` is one call per layer for every kind of step and
 copies nothing from the cache:
 - a single query (decode) streams its prefix's and then its own blocks once for all the query
   heads that share its kv head (GQA), with an online softmax per block; four keys' dot products
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 
 import torch
 
@@ -72,18 +71,20 @@ _SOURCE = r"""
 typedef float vf __attribute__((vector_size(JB * sizeof(float))));
 typedef float vfu __attribute__((vector_size(JB * sizeof(float)), aligned(sizeof(float))));
 typedef int vi __attribute__((vector_size(JB * sizeof(int))));
+typedef unsigned vu __attribute__((vector_size(JB * sizeof(unsigned))));
 
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
-/* e^x lane-wise for the softmax's x <= 0 (a score minus the running max): Cody-Waite
-   reduction to r in [-ln2/2, ln2/2], cephes' degree-5 polynomial for e^r, 2^n from the
-   exponent bits; exactly 0 below -87.3 (masked keys). Within 3e-7 relative of exp (libm's
-   expf: 1e-7); libm's vector expf took a third of the chunked-prefill time (SmolLM2 shapes:
-   1.06-1.30x faster with this). n is rounded by conversions, not by adding and subtracting
-   a large constant, which the reassociation the flags allow would fold away. */
+/* e^x lane-wise for the softmax's x <= 0 (a score minus the running max; larger x is taken as
+   0): Cody-Waite reduction to r in [-ln2/2, ln2/2], cephes' degree-5 polynomial for e^r, 2^n
+   from the exponent bits; exactly 0 below -87.3 (masked keys). Measured within 3e-7 relative
+   of exp as built (libm's expf: 1e-7); libm's vector expf took a third of the chunked-prefill
+   time (SmolLM2 shapes: 1.06-1.30x faster with this). n is rounded by conversions, not by
+   adding and subtracting a large constant, which the reassociation the flags allow would
+   fold away. */
 static inline vf vexp(vf x) {
     vi low = x < -87.3f;
-    x = vselect(low, (vf){0} - 87.3f, x);
+    x = vselect(low, (vf){0} - 87.3f, vselect(x > 0.f, (vf){0}, x));
     vf t = x * 1.44269504088896341f + 0.5f;
     vi n = __builtin_convertvector(t, vi);
     n += (vi)(__builtin_convertvector(n, vf) > t);        /* trunc -> floor (true is -1) */
@@ -97,7 +98,8 @@ static inline vf vexp(vf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
-    return vselect(low, (vf){0}, p * (vf)((n + 127) << 23));
+    vf scale = (vf)((vu)(n + 127) << 23);                  /* n + 127 in 0..127 */
+    return vselect(low, (vf){0}, p * scale);
 }
 
 static inline float sum_lanes(vf x) {
@@ -482,11 +484,7 @@ void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long 
 # flush-to-zero for the whole process (every later float op loses subnormals; hypothesis caught
 # it). The subset below lets the compiler reorder float sums, which is what vectorising the dot
 # products needs; the kernel never forms an infinity or NaN (the running max starts at -FLT_MAX).
-# On x86, 512-bit vectors where the CPU has them (GCC picks 256 by default even then): decode
-# steps of peer_bench's shapes took 21-27% less time in the kernel (Sapphire Rapids, 2 threads).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-fopenmp",
-          *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
+_FLAGS = [*cpu_build.NATIVE_FLAGS, "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 
 
 def enabled() -> bool:
@@ -514,7 +512,7 @@ def available(*tensors: torch.Tensor) -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `attention_cpu` takes these tensors (else use the reference)."""
+    """Whether `AttentionCall` takes these tensors (else use the reference)."""
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     return (k_cache.is_contiguous() and d <= MAX_HEAD_DIM and bs <= MAX_BLOCK_SIZE
@@ -548,34 +546,20 @@ def check_tables(num_blocks: int, block_size: int, kv_lens: list[int], block_tab
                                  f"cache of {num_blocks} blocks")
 
 
-def attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  kv_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                  out: torch.Tensor, prefix_of: torch.Tensor | None = None,
-                  prefix_lens: torch.Tensor | None = None,
-                  prefix_block_tables: torch.Tensor | None = None,
-                  cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
-    """Query i of sequence s attends, in one softmax, to the prefix_lens[p] keys of
+class AttentionCall:
+    """The C attention with one step's metadata bound: its pointers and sizes are read once,
+    then each layer's call is one C call (at decode sizes the per-call Python of a layer cost
+    as much as the kernel: SmolLM2, 30 layers a step). Holds the metadata tensors, so the
+    pointers stay valid while it lives.
+
+    Query i of sequence s attends, in one softmax, to the prefix_lens[p] keys of
     prefix_block_tables[p] when p = prefix_of[s] >= 0, then causally to its own keys: the
     first kv_lens[s] - q_len + i + 1 of them (its q_len queries are its last q_len keys).
-
-    q: [T, Hq, D] float32 (unit stride in D), the queries of S sequences concatenated: sequence
-    s owns rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (None: one row each, a decode step);
-    k_cache, v_cache: [blocks, block_size, Hkv, D] float32, contiguous; kv_lens [S],
-    block_tables [S, W], prefix_of [S], prefix_lens [G], prefix_block_tables [G, W'],
-    cu_seqlens_q [S + 1] int32, contiguous; out: [T, Hq, D] float32, unit stride in D.
-    Callers check `supports` first, and the values once per step (`check_tables`): the C code
-    trusts them. Layers of one step bind the metadata once instead (`AttentionCall`).
+    Sequence s owns query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (None: one row each, a
+    decode step). kv_lens [S], block_tables [S, W], prefix_of [S], prefix_lens [G],
+    prefix_block_tables [G, W'], cu_seqlens_q [S + 1]: int32, contiguous. Callers check
+    `supports` first, and the values once per step (`check_tables`): the C code trusts them.
     """
-    call = AttentionCall(kv_lens, block_tables, prefix_of, prefix_lens, prefix_block_tables,
-                         cu_seqlens_q)
-    return call(q, k_cache, v_cache, scale, out)
-
-
-class AttentionCall:
-    """`attention_cpu` with one step's metadata bound: its pointers and sizes are read once,
-    then every layer's call is one C call (at decode sizes the per-call Python of a layer cost
-    as much as the kernel: SmolLM2, 30 layers a step). Holds the metadata tensors, so the
-    pointers stay valid while it lives."""
 
     __slots__ = ("_tensors", "_meta", "_num_seqs")
 
@@ -602,7 +586,8 @@ class AttentionCall:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float, out: torch.Tensor) -> torch.Tensor:
-        """q, out: [T, Hq, D] float32, unit stride in D; caches as `attention_cpu` takes them."""
+        """q, out: [T, Hq, D] float32 (unit stride in D), the queries of the S sequences
+        concatenated; k_cache, v_cache: [blocks, block_size, Hkv, D] float32, contiguous."""
         if not out.is_contiguous():
             return out.copy_(self(q, k_cache, v_cache, scale, torch.empty(out.shape)))
         _, hq, d = q.shape

@@ -57,8 +57,7 @@ def write_kv_cache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`write_kv_cache` in C on the CPU (kernels/cpu_kernels.py; float32, contiguous caches).
     The checks run once per step (every layer writes alike tensors at the same slots)."""
-    key = (k.shape, k.stride(), v.stride(), k.dtype, v.dtype, k_cache.shape, k_cache.dtype,
-           k_cache.is_contiguous(), v_cache.shape, v_cache.dtype, v_cache.is_contiguous())
+    key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (k, v, k_cache, v_cache))
     slots = once_per_step("kv_write_cpu", (slot_mapping,), key,
                           lambda: _checked_slots(k, v, k_cache, v_cache, slot_mapping))
     cpu_kernels.write_kv_cpu(k, v, k_cache, v_cache, slots)

@@ -60,7 +60,8 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_decode_attention` in C on the CPU (kernels/cpu_kernels.py; float32); checks and
     the kernel's bound arguments once per step."""
-    call = once_per_step("paged_decode_cpu", (kv_lens, block_tables), layer_key(q, k_cache, v_cache),
+    call = once_per_step("paged_decode_cpu", (kv_lens, block_tables),
+                         layer_key(q, k_cache, v_cache),
                          lambda: _cpu_call(q, k_cache, v_cache, kv_lens, block_tables))
     out = check_out(out, q)
     if q.shape[0] == 0:

@@ -118,8 +118,9 @@ def _cpu_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     prefix_of = [-1] * len(lens)
     for g in range(len(p_lens)):
         prefix_of[ranges[g]:ranges[g + 1]] = [g] * (ranges[g + 1] - ranges[g])
-    return cpu_kernels.AttentionCall(kv_lens, block_tables, torch.tensor(prefix_of, dtype=torch.int32),
-                                     prefix_lens, prefix_block_tables, cu_seqlens_q)
+    return cpu_kernels.AttentionCall(kv_lens, block_tables,
+                                     torch.tensor(prefix_of, dtype=torch.int32), prefix_lens,
+                                     prefix_block_tables, cu_seqlens_q)
 
 
 def prefix_shared_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

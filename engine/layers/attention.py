@@ -41,7 +41,8 @@ class AttentionMetadata:
     last_layer: the last layer's view when some rows are not sampled: one query per sampled
         row (None: the last layer computes every row). Only sampled rows reach the LM head, so
         the last layer writes every row's K/V but attends, projects and runs the MLP for these.
-    rows: in a `last_layer` view, [N] int64, the rows of the step its queries are.
+    rows: in a `last_layer` view, [N] int64, the rows of the step its queries are (its
+        slot_mapping holds their slots, written with the step's metadata before it is read).
     """
 
     slot_mapping: torch.Tensor

@@ -31,13 +31,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the new
-        residual stream; the add happens in the model dtype, as in HF's decoder layer. The sum
-        may be written into `residual` (on a CPU, one C call does the add and the norm with
-        torch's rounding: kernels/cpu_exact.py), so pass a residual that is not needed after."""
+        residual stream, written into `residual` (so pass one not needed after); the add
+        happens in the model dtype, as in HF's decoder layer. On a CPU, one C call does the add
+        and the norm with torch's rounding (kernels/cpu_exact.py)."""
         if cpu_exact.supports_norm(x, residual, self.weight):
             out = cpu_exact.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        residual.add_(x)
+        return self._norm(residual), residual

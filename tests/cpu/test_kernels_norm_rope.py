@@ -148,3 +148,16 @@ def test_layers_keep_torch_where_the_c_norm_would_round_otherwise(monkeypatch):
         cpu_exact._norm_lanes.cache_clear()
     monkeypatch.setenv("PREFIXFLOW_CPU_KERNELS", "0")
     assert not cpu_exact.supports_norm(h, r, norm.weight)
+
+
+def test_c_paths_refuse_what_torch_would_broadcast():
+    """Broadcast shapes are torch's business: the C loops would read past the smaller tensor."""
+    from prefixflow.kernels import cpu_exact
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    assert cpu_exact.supports_norm(x, torch.randn(4, 64), w)
+    assert not cpu_exact.supports_norm(x, torch.randn(1, 64), w)
+    assert not cpu_exact.supports_norm(x, None, torch.randn(1))
+    qk, cs = torch.randn(4, 3, 32), torch.randn(4, 2, 32)
+    assert cpu_exact.supports_rotary(qk, cs[:, 0:1], cs[:, 1:2])
+    assert not cpu_exact.supports_rotary(qk, cs[:1, 0:1], cs[:1, 1:2])

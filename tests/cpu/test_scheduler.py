@@ -9,6 +9,7 @@ the context and so the tokens, which are compared with f applied to the plain pr
 
 from __future__ import annotations
 
+import gc
 import random
 import subprocess
 import sys
@@ -448,6 +449,24 @@ def test_an_abandoned_run_frees_everything_and_the_next_run_works():
     assert engine.block_manager.num_used_blocks == 0
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
+
+
+def test_a_run_freezes_the_collector_only_while_it_runs_and_only_if_nothing_else_did():
+    groups = random_workload(random.Random(8), 3)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = make_engine(num_blocks=300)
+    assert gc.get_freeze_count() == 0
+    stream = engine.run(groups, params)
+    next(stream)
+    assert gc.get_freeze_count() > 0            # the objects alive before the run
+    list(stream)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()                                  # the application's own freeze is left alone
+    try:
+        list(engine.run(groups, params))
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def aligned_workload(num: int = 24) -> list[PrefixGroup]:
