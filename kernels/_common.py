@@ -286,12 +286,11 @@ def once_per_step(name: str, tensors: tuple[torch.Tensor, ...], extra: tuple,
     return value
 
 
-def layer_key(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-    """What a step's argument checks depend on beyond its metadata: every layer of a step
-    passes tensors alike in these, so checks made for the first layer hold for the others."""
-    return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
-            k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
-            v_cache.device)
+def layer_key(*tensors: torch.Tensor) -> tuple:
+    """What a step's argument checks depend on beyond its metadata (each tensor's shape,
+    strides, dtype and device): every layer of a step passes tensors alike in these, so checks
+    made for the first layer hold for the others."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 @dataclass(frozen=True, slots=True)

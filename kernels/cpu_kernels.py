@@ -487,10 +487,6 @@ void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long 
 _FLAGS = [*cpu_build.NATIVE_FLAGS, "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 
 
-def enabled() -> bool:
-    return cpu_build.enabled()
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where no C compiler can build it."""

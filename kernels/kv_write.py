@@ -11,7 +11,7 @@ import torch
 from prefixflow.kernels import cpu_kernels
 from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES,
                                         check_last_dim_contiguous, check_shape, check_tensor,
-                                        once_per_step, use_triton)
+                                        layer_key, once_per_step, use_triton)
 
 try:
     import triton
@@ -57,8 +57,7 @@ def write_kv_cache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`write_kv_cache` in C on the CPU (kernels/cpu_kernels.py; float32, contiguous caches).
     The checks run once per step (every layer writes alike tensors at the same slots)."""
-    key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (k, v, k_cache, v_cache))
-    slots = once_per_step("kv_write_cpu", (slot_mapping,), key,
+    slots = once_per_step("kv_write_cpu", (slot_mapping,), layer_key(k, v, k_cache, v_cache),
                           lambda: _checked_slots(k, v, k_cache, v_cache, slot_mapping))
     cpu_kernels.write_kv_cpu(k, v, k_cache, v_cache, slots)
 
