@@ -7,11 +7,13 @@ is validated at the edge and converted into this.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
-from prefixflow.errors import invalid
+from prefixflow.errors import invalid, short
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.requests import SamplingParams
@@ -152,25 +154,58 @@ def _require(ok: bool, name: str, value: object, fix: str) -> None:
         raise invalid("ProcessorConfig", name, value, fix)
 
 
-def generation_defaults(model: str) -> dict[str, Any]:
-    """SamplingParams defaults from the model's generation_config.json ({} without one)."""
-    from prefixflow.engine.model_source import resolve_model  # torch-free
+def generation_defaults(model: str, skip: Collection[str] = ()) -> dict[str, Any]:
+    """SamplingParams defaults from the model's generation_config.json ({} without one), less
+    the fields in `skip` (the ones the user sets).
 
-    path = resolve_model(model) / "generation_config.json"
+    ValueError naming the file when it is not a JSON object, or when a value taken from it is
+    one SamplingParams refuses (top_p: 2): the user set none of it, so the message names the
+    file and the key, and says how to override it."""
+    path = generation_config_path(model)
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    fix = "fix the file (a JSON object, e.g. {\"temperature\": 0.7}), or remove it"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+                         f"{fix}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): {fix}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: {fix}")
     known = {f.name for f in fields(SamplingParams)}
-    return {name: config[key] for key, name in GENERATION_CONFIG_KEYS.items()
-            if config.get(key) is not None and name in known}
+    taken = {key: name for key, name in GENERATION_CONFIG_KEYS.items()
+             if config.get(key) is not None and name in known and name not in skip}
+    for key, name in taken.items():
+        try:
+            SamplingParams().with_overrides({name: config[key]})
+        except ValueError as e:  # "SamplingParams.top_p=2.0 is invalid: use a value in (0, 1]"
+            why = str(e).partition(" is invalid: ")[2] or str(e)
+            raise ValueError(f"{path}: {key}={short(config[key])} is invalid: {why}; fix the file "
+                             f"or set sampling.{name} in the spec") from None
+    return {name: config[key] for key, name in taken.items()}
+
+
+def generation_config_path(model: str) -> Path:
+    """Where the model's generation_config.json is (or would be)."""
+    from prefixflow.engine.model_source import resolve_model  # torch-free
+
+    return resolve_model(model) / "generation_config.json"
 
 
 def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
     """(the SamplingParams to use, the values taken from the model's generation_config.json):
-    the fields in `given` win over the model's defaults."""
-    taken = {k: v for k, v in generation_defaults(model).items() if k not in given}
-    return SamplingParams().with_overrides({**taken, **given}), taken
+    the fields in `given` win over the model's defaults. A bad value in `given` is named as the
+    user's field (SamplingParams.<field>); one in the file names the file (generation_defaults)."""
+    SamplingParams().with_overrides(given)  # the user's own values first, named as theirs
+    taken = generation_defaults(model, skip=given)
+    try:
+        return SamplingParams().with_overrides({**taken, **given}), taken
+    except ValueError as e:  # each is valid alone: the two disagree (min_tokens > max_tokens)
+        source = ", ".join(f"{k}={short(v)}" for k, v in taken.items())
+        raise ValueError(f"{e} ({source} taken from {generation_config_path(model)}: set them in "
+                         "the sampling settings to override)") from None
 
 
 def backend_of(engine: dict[str, Any]) -> str:
@@ -214,20 +249,12 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tupl
 
 
 def _vllm_arg_problems(args: dict[str, Any]) -> list[tuple[str, Any, str]]:
-    """(field, value, fix) for each key engine/vllm_args.check_vllm_args refuses (it names the
-    first bad key; one key at a time names them all). It reads vLLM's argument names without
-    importing vLLM (milliseconds)."""
-    from prefixflow.engine.vllm_args import check_vllm_args, vllm_engine_arg_names
+    """(field, value, fix) for each engine.vllm setting engine/vllm_args refuses (its allow-list,
+    nested keys and value types included). It reads vLLM's argument names without importing
+    vLLM (milliseconds)."""
+    from prefixflow.engine.vllm_args import vllm_arg_problems
 
     try:
-        vllm_engine_arg_names()
+        return vllm_arg_problems(args)
     except ValueError as e:  # vLLM is not installed
         return [("engine.backend", "vllm", str(e))]
-    problems = []
-    for key, value in args.items():
-        try:
-            check_vllm_args({key: value})
-        except ValueError as e:  # "engine.vllm.<key> is not a vLLM engine argument: ..."
-            why = str(e).removeprefix(f"engine.vllm.{key} ").removeprefix("is ")
-            problems.append((f"engine.vllm.{key}", value, why))
-    return problems

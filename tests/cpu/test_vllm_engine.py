@@ -197,11 +197,11 @@ def test_score_equals_native_scorer():
 
 def test_check_vllm_args_names_the_key():
     assert check_vllm_args({"enforce_eager": True, "max_logprobs": 5}) == {"enforce_eager": True, "max_logprobs": 5}
-    with pytest.raises(ValueError, match=r"engine.vllm.enforce_eagre .*did you mean 'enforce_eager'"):
+    with pytest.raises(ValueError, match=r"engine.vllm.enforce_eagre=True is invalid: .*did you mean 'enforce_eager'"):
         check_vllm_args({"enforce_eagre": True})
-    with pytest.raises(ValueError, match=r"engine.vllm.scheduler_cls is set by prefixflow: use engine.policy"):
+    with pytest.raises(ValueError, match=r"engine.vllm.scheduler_cls='x.Y' is invalid: set by prefixflow: use engine.policy"):
         check_vllm_args({"scheduler_cls": "x.Y"})
-    with pytest.raises(ValueError, match=r"engine.vllm.max_num_seqs .*use engine.max_num_seqs"):
+    with pytest.raises(ValueError, match=r"engine.vllm.max_num_seqs=8 .*use engine.max_num_seqs"):
         check_vllm_args({"max_num_seqs": 8})
-    with pytest.raises(ValueError, match="worker_cls makes vLLM load code"):
+    with pytest.raises(ValueError, match="worker_cls='evil.Worker' is invalid: makes vLLM load code"):
         check_vllm_args({"worker_cls": "evil.Worker"})
