@@ -9,6 +9,11 @@ The forms, tried in this order:
   - a hub id (`Qwen/Qwen2.5-0.5B-Instruct`): the local Hugging Face cache; a download only where
     the hub can be reached (never here: the project's machines have no hub access).
 
+`model_fingerprint(folder)` names what a resolved folder holds ({file: sha256} of the files
+the engine and tokenizer read), so that a resumed job can tell that the weights behind one
+path or hub id changed (operators/commit.py). Hashes are kept per machine under
+$PREFIXFLOW_CACHE/sha256, keyed by path, size, mtime and inode, so a file is read once.
+
 Every failure is one `ModelError` (a ValueError) that names the model and says what to do.
 Resolving is torch-free; only a GGUF conversion imports torch and transformers, when it runs.
 The cache is $PREFIXFLOW_CACHE/models, by default ~/.cache/prefixflow/models; delete a folder
@@ -73,6 +78,7 @@ _WHAT_TO_GIVE = ("give a Hugging Face model folder, a .gguf file, an s3:// folde
                  "the local Hugging Face cache, or 'smollm2-135m-instruct'")
 # Files a model folder needs from a hub snapshot (never *.bin, *.pth or optimizer states).
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+SOURCE_FILE = "prefixflow_source.json"  # where a converted or copied folder came from
 
 
 def model_kind(model: str) -> Kind:
@@ -197,8 +203,7 @@ def _from_gguf(gguf: Path, model: str) -> Path:
     if not gguf.is_file():
         raise ModelError(f"model {model!r}: the GGUF file {str(gguf)!r} does not exist; "
                          f"{_WHAT_TO_GIVE}")
-    stat = gguf.stat()
-    digest = _sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+    digest = file_sha256(gguf)
     dest = cache_dir() / f"gguf-{digest[:20]}"
     if not (dest / "config.json").is_file():
         log.info("converting %s into a Hugging Face folder (once) at %s", gguf.name, dest)
@@ -212,9 +217,32 @@ def _from_gguf(gguf: Path, model: str) -> Path:
     return check_folder(dest, model)
 
 
-@functools.lru_cache(maxsize=64)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    """The file's sha256; remembered per process while its size and mtime stay the same."""
+def model_fingerprint(folder: Path) -> dict[str, str]:
+    """{file name: sha256} of the files of a resolved model folder that the engine and the
+    tokenizer read (weights, configs, tokenizer files, chat templates)."""
+    files = sorted({f for pattern in _HUB_FILES for f in folder.glob(pattern)
+                    if f.is_file() and f.name != SOURCE_FILE})
+    return {f.name: file_sha256(f) for f in files}
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, read once per machine while its path, size, mtime and inode stay
+    the same (remembered in this process and under $PREFIXFLOW_CACHE/sha256)."""
+    real = path.resolve()
+    stat = real.stat()
+    return _sha256(str(real), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    key = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}\0{inode}".encode()).hexdigest()
+    memo = cache_root() / "sha256" / key
+    try:
+        digest = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    except OSError:
+        pass
     from tqdm import tqdm
 
     h = hashlib.sha256()
@@ -225,6 +253,13 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
             bar.update(len(chunk))
+    try:  # a cache that cannot be written (read-only home) only costs a second read later
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{key}.{os.getpid()}")
+        tmp.write_text(h.hexdigest())
+        os.replace(tmp, memo)
+    except OSError:
+        pass
     return h.hexdigest()
 
 
@@ -257,19 +292,27 @@ def _convert_gguf(gguf: Path, dest: Path, model: str) -> None:
 
 
 def _from_s3(uri: str, storage: Any) -> Path:
-    """An s3:// model folder, copied once per node into the cache."""
-    key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:20]
-    dest = cache_dir() / f"s3-{key}"
-    if (dest / "config.json").is_file():
-        return check_folder(dest, uri)
+    """An s3:// model folder, copied once per node into the cache. The copy is keyed by the
+    URI and the objects' names, sizes and ETags, so a model replaced on S3 is copied again."""
     if storage is None:
         from prefixflow.operators.storage import StorageOptions
 
         storage = StorageOptions()
+    fs = storage.filesystem(uri)
+    try:
+        listing = sorted((e["name"], int(e["size"]), str(e.get("ETag", "")))
+                         for e in fs.find(uri.rstrip("/"), detail=True).values())
+    except Exception as e:  # noqa: BLE001 - s3fs raises many kinds; one message for all
+        raise ModelError(f"model {uri!r} could not be listed on S3 ({type(e).__name__}: "
+                         f"{str(e)[:300]}); check the path, the credentials and "
+                         "storage.endpoint_url") from e
+    key = hashlib.sha256(json.dumps([uri.rstrip("/"), listing]).encode()).hexdigest()[:20]
+    dest = cache_dir() / f"s3-{key}"
+    if (dest / "config.json").is_file():
+        return check_folder(dest, uri)
     log.info("copying %s to %s (once per node)", uri, dest)
     tmp = _temp_sibling(dest)
     try:
-        fs = storage.filesystem(uri)
         try:
             fs.get(uri.rstrip("/") + "/", str(tmp) + "/", recursive=True)
         except Exception as e:  # noqa: BLE001 - s3fs raises many kinds; one message for all
@@ -290,7 +333,7 @@ def _temp_sibling(dest: Path) -> Path:
 
 
 def _write_source(folder: Path, source: dict[str, str]) -> None:
-    with open(folder / "prefixflow_source.json", "w", encoding="utf-8") as f:
+    with open(folder / SOURCE_FILE, "w", encoding="utf-8") as f:
         json.dump(source, f)
 
 

@@ -2,12 +2,14 @@
 
     prefixflow run job.yaml [--dry-run]      (or: python -m prefixflow.jobs.run job.yaml)
 
-This and the CLI are the only places that call ray.init: with RAY_ADDRESS set (as under
-`ray job submit`) it joins that cluster, otherwise it starts a local one.
+This and the CLI are the only places that call ray.init. Which cluster a run uses: the one
+named by --address or RAY_ADDRESS (as under `ray job submit`), else a new local one started
+for this run (never a cluster that happens to run on the machine); the first line says which.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,10 +22,10 @@ import numpy as np
 from prefixflow.jobs import report
 from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
-from prefixflow.engine.model_source import normalize_model
+from prefixflow.engine.model_source import model_fingerprint, normalize_model, resolve_model
 from prefixflow.jobs.spec import JobSpec
-from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, input_listing, job_identity,
-                                         load_committed)
+from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, drop_fenced, input_listing,
+                                         job_identity, load_committed)
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
 from prefixflow.operators.storage import StorageOptions, absolute, join
@@ -63,17 +65,26 @@ def write_options(spec: JobSpec) -> WriteOptions:
 
 
 def ensure_ray(address: str | None = None) -> None:
-    import os
-
+    """Join the cluster at `address` or RAY_ADDRESS, else start a local one for this run;
+    say which on stderr. Nothing to do when Ray is already initialized (tests, notebooks)."""
     import ray
 
     if ray.is_initialized():
         return
-    # A local start without the dashboard is quicker; with RAY_ADDRESS set we join that cluster.
-    if address or os.environ.get("RAY_ADDRESS"):
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, log_to_driver=True)
+        # "local": a new cluster, even where another one runs on this machine (plain
+        # ray.init() would join that one); without the dashboard it starts quicker.
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
+    gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
+    where = f"joined the cluster at {address}" if address else (
+        "started a local cluster for this run (set RAY_ADDRESS or --address to use another)")
+    print(f"Ray: {where}: {len(nodes)} node(s), {cpus:g} CPU(s), {gpus:g} GPU(s)",
+          file=sys.stderr, flush=True)
 
 
 def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet: bool = False,
@@ -91,8 +102,10 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     lock = None
     if not dry_run:
         check_resources(spec, source)  # before prepare_output deletes anything
-        # One job at a time on a path, from before anything there is deleted to the end.
+        # One job at a time on a path, from before anything there is deleted to the end; its
+        # writers check that the lock is still theirs before each part (operators/commit.py).
         lock = OutputLock(wopts.path, wopts.storage).acquire()
+        wopts = dataclasses.replace(wopts, fence=lock.holder["token"])
     try:
         if not dry_run:
             prepare_output(wopts, spec.output.overwrite, spec.output.resume)
@@ -121,11 +134,13 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     # The files the reader read (not every file beside them in a folder): their sizes are part
     # of what a resume must find unchanged.
     inputs = input_listing(input_files(read_options(spec)), wopts.storage)
-    identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs)
+    model = model_fingerprint(resolve_model(processor.config.model))
+    identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs, model)
     fingerprint = identity["fingerprint"]
     check_job_file(wopts.path, identity, wopts.storage, spec.output.resume)
     clear_end_markers(wopts)
-    before = load_committed(wopts.path, wopts.storage)
+    # Every committed part is read once: one damaged since its commit runs its rows again.
+    before = load_committed(wopts.path, wopts.storage, verify=True)
     # Named, so that another process can read the running job's state (operators/write.py).
     sink = ray.remote(MetricsSink).options(num_cpus=0, namespace="prefixflow",
                                            name=sink_name(fingerprint, os.getpid())).remote(spec.name)
@@ -133,6 +148,9 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
     progress.close()
+    # Parts that a dead job's actors still committed after this job took the path over: this
+    # job ran their rows itself (operators/commit.py: fencing).
+    fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence or "", before) if wopts.fence else []
     final = load_committed(wopts.path, wopts.storage)
     missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
     if len(missing) or len(final.row_ids) != planned.rows.num_rows:  # never report success short
@@ -146,7 +164,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
         "rows_committed_before": before.num_rows, "rows_written": final.num_rows - before.num_rows,
         "rows_reported": sum(m["num_rows"] for m in manifests),
         # parts without a commit record, left by a killed driver (before) or a killed actor
-        "orphans_removed": before.removed + final.removed, **faults}
+        "orphans_removed": before.removed + final.removed, "fenced_parts_removed": fenced, **faults}
     write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
                                            "parts": sorted(m["part"] for m in final.manifests),
                                            "row_ids": final.row_ids.tolist()}, wopts.storage)

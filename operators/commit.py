@@ -9,14 +9,23 @@ committed only when its record exists, so on resume:
   - parts without a record (the job died between the two writes) are deleted, and their rows
     run again; temporary files left by a killed writer are deleted too.
 
-A record also holds its part's size: a record whose part is missing or has another size (a
-part deleted or damaged by hand) does not count, and its rows run again.
+A record also holds its part's size and sha256: a record whose part is missing or has another
+size does not count, and its rows run again; a resume also reads every part once and drops the
+ones whose content no longer matches (a part damaged or replaced by hand). A record that is not
+valid JSON counts as missing too. Names read from a record must be plain part names of this
+folder (never a path that leads elsewhere): anything else is refused.
+
+Fencing: a job's parts are written under its lock (OutputLock). Each writer checks, before a
+part, that the lock is still its job's (`check_fence`), and signs its records with the lock's
+token; a driver that took the lock over from a dead job drops, before its final count, every
+record that the dead job's actors still signed after the takeover (`drop_fenced`).
 
 Part names are fixed by the plan (replica, plan rank of the first row), and the plan of the
-same input is the same on a rerun; `_job.json` holds a fingerprint of the spec, the input
-files (path, size, modification time or ETag), the input's content (a digest of every column
-the output carries) and the plan, so that a rerun over changed input or a changed spec
-refuses to mix its rows with the old ones.
+same input is the same on a rerun; `_job.json` holds a fingerprint of the spec, the model's
+content (engine/model_source.model_fingerprint: a digest of its weight, config and tokenizer
+files), the input files (path and size), the input's content (a digest of every column the
+output carries) and the plan, so that a rerun over changed input, a changed model or a changed
+spec refuses to mix its rows with the old ones.
 
 One job at a time writes to an output path: its `_lock.json` (OutputLock) is taken before
 anything is written or deleted there.
@@ -27,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -37,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixflow.errors import short
 from prefixflow.operators.storage import StorageOptions, is_s3, join, strip_scheme
 
 COMMITS = "_commits"
@@ -71,10 +82,10 @@ def record_bytes(manifest: dict[str, Any], row_ids: list[int]) -> bytes:
 
 
 def job_identity(planned: Any, num_replicas: int, spec_key: str,
-                 inputs: list[list[Any]]) -> dict[str, Any]:
+                 inputs: list[list[Any]], model: dict[str, str] | None = None) -> dict[str, Any]:
     """What a resume must find unchanged, part by part (named in the refusal), and their hash.
 
-    inputs: input_listing() of the job's input files."""
+    inputs: input_listing() of the job's input files; model: model_fingerprint() of the model."""
     plan = hashlib.sha256(np.int64(planned.rows.num_rows).tobytes())
     plan.update(np.asarray(planned.error_row_ids, np.int64).tobytes())
     for r in range(num_replicas):  # the plan table: no token ids fetched
@@ -82,8 +93,8 @@ def job_identity(planned: Any, num_replicas: int, spec_key: str,
         plan.update(np.asarray(table.column("row_id").to_numpy(), np.int64).tobytes())
         plan.update(np.asarray(table.column("group_id").to_numpy(), np.int64).tobytes())
         plan.update(np.asarray(table.column("prefix_len").to_numpy(), np.int64).tobytes())
-    parts = {"spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(), "inputs": inputs,
-             "input_content": planned.content_digest, "plan": plan.hexdigest()}
+    parts = {"spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(), "model": model or {},
+             "inputs": inputs, "input_content": planned.content_digest, "plan": plan.hexdigest()}
     fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
     return {"fingerprint": fingerprint, **parts}
 
@@ -110,30 +121,32 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def load_committed(out: str, storage: StorageOptions, clean: bool = True) -> Committed:
+# What a part may be called: the writer's names (operators/write.py), nothing with a path in it.
+PART_NAME = re.compile(r"^part-[A-Za-z0-9_-]+\.(parquet|jsonl)$")
+
+
+def load_committed(out: str, storage: StorageOptions, clean: bool = True,
+                   verify: bool = False) -> Committed:
     """Read the commit records under `out`; a record counts only when its part is there with the
-    recorded size. With `clean`, delete records that do not count, parts that have no record,
-    and temporary files. Only clean when no engine actor is writing: a part whose record is on
-    its way would be deleted."""
+    recorded size (and, with `verify`, the recorded sha256: every part is read once). With
+    `clean`, delete records that do not count, parts that have no record, and temporary files.
+    Only clean when no engine actor is writing: a part whose record is on its way would be
+    deleted. ValueError when a record names something that is not a part of this folder."""
     fs = storage.filesystem(out)
     if not fs.exists(out):
         return Committed(np.zeros(0, np.int64), [], [])
-    records_dir = join(out, COMMITS)
-    records = []
-    if fs.exists(records_dir):
-        for p in sorted(fs.ls(records_dir, detail=False)):
-            if basename(p).startswith("part-") and basename(p).endswith(".json"):
-                records.append(json.loads(fs.cat_file(p)))
+    records, unreadable = _read_records(out, fs)
     # Listed after the records are read: a part is written before its record, so every part
     # whose record was read is in this listing.
     sizes = {basename(e["name"]): int(e["size"]) for e in fs.ls(out, detail=True) if e["type"] == "file"}
     kept = [r for r in records if sizes.get(r["part"], -1) == r.get("bytes", sizes.get(r["part"]))]
+    if verify:
+        kept = [r for r in kept if _content_matches(fs, out, r)]
     names = {r["part"] for r in kept}
     removed = []
-    for r in records if clean else []:
-        if r["part"] not in names:  # its rows run again; the record goes before its part
-            fs.rm(commit_record_path(out, r["part"]))
-            removed.append(f"{COMMITS}/{r['part']}.json")
+    for part in [*(r["part"] for r in records if r["part"] not in names), *unreadable] if clean else []:
+        fs.rm(commit_record_path(out, part))  # its rows run again; the record goes before its part
+        removed.append(f"{COMMITS}/{part}.json")
     for n in sizes if clean else []:
         if n.startswith(TMP_PREFIX) or (n.startswith("part-") and n not in names):
             fs.rm(join(out, n))
@@ -147,13 +160,102 @@ def load_committed(out: str, storage: StorageOptions, clean: bool = True) -> Com
     return Committed(unique, kept, removed)
 
 
+def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the commit records that parse, the part names of those that do not). A record must name
+    its own part (`_commits/<part>.json` says part <part>) and that part a plain file here."""
+    records_dir = join(out, COMMITS)
+    records: list[dict[str, Any]] = []
+    unreadable: list[str] = []
+    if not fs.exists(records_dir):
+        return records, unreadable
+    for p in sorted(fs.ls(records_dir, detail=False)):
+        name = basename(p)
+        if not (name.startswith("part-") and name.endswith(".json")):
+            continue
+        part = name.removesuffix(".json")
+        if not PART_NAME.match(part):
+            raise ValueError(f"output.path={out!r}: {COMMITS}/{name} is not a commit record this "
+                             "job writes (a part name with a path or odd characters in it); the "
+                             "folder was changed by hand: rerun into a new path")
+        try:
+            record = json.loads(fs.cat_file(p))
+        except ValueError as e:  # damaged: its part is as good as uncommitted
+            _log.warning("%s/%s/%s is not valid JSON (%s): its part's rows run again", out,
+                         COMMITS, name, e)
+            unreadable.append(part)
+            continue
+        if not isinstance(record, dict) or record.get("part") != part:
+            raise ValueError(f"output.path={out!r}: {COMMITS}/{name} names part "
+                             f"{short(record.get('part') if isinstance(record, dict) else record)}, "
+                             f"not {part!r}; the commit records were changed by hand: rerun into "
+                             "a new path")
+        records.append(record)
+    return records, unreadable
+
+
+def _content_matches(fs: Any, out: str, record: dict[str, Any]) -> bool:
+    """Whether the part still holds what its writer committed (records without a sha256,
+    written by an older prefixflow, are trusted by their size alone)."""
+    want = record.get("sha256")
+    if want is None:
+        return True
+    if hashlib.sha256(fs.cat_file(join(out, record["part"]))).hexdigest() == want:
+        return True
+    _log.warning("%s/%s does not match the checksum in its commit record (changed since it was "
+                 "written): its rows run again", out, record["part"])
+    return False
+
+
+def check_fence(out: str, storage: StorageOptions, token: str | None) -> None:
+    """Before a writer commits a part: the output's lock must still be `token`'s (None: no lock,
+    as for the Python API). Raises JobFenced when another job took the path over."""
+    if token is None:
+        return
+    try:
+        held = json.loads(storage.filesystem(out).cat_file(join(out, LOCK_FILE)))
+    except FileNotFoundError:
+        held = None
+    except ValueError:
+        held = {}
+    if not isinstance(held, dict) or held.get("token") != token:
+        raise JobFenced(f"output.path={out!r} was taken over by another job (its lock is no "
+                        "longer this job's): this job's writers stop")
+
+
+class JobFenced(RuntimeError):
+    """This job's lock on its output path is gone: another job took the path over."""
+
+
+def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed) -> list[str]:
+    """Delete the commit records (then their parts) written since `before` by a job other than
+    `token`'s: a dead job's actor that committed after this job took its lock over. This job
+    ran every row that `before` did not hold, so nothing is lost. Returns what was deleted."""
+    fs = storage.filesystem(out)
+    old = {m["part"] for m in before.manifests}
+    records, _ = _read_records(out, fs)
+    removed = []
+    for r in records:
+        if r["part"] not in old and r.get("writer") not in (None, token):
+            fs.rm(commit_record_path(out, r["part"]))
+            if fs.exists(join(out, r["part"])):
+                fs.rm(join(out, r["part"]))
+            removed.append(r["part"])
+    return removed
+
+
 def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> None:
     """Write `_job.json` (job_identity()), or on resume check that it is the same job and input."""
     fs = storage.filesystem(out)
     path = join(out, JOB_FILE)
     if resume and fs.exists(path):
-        old = json.loads(fs.cat_file(path))
-        if old.get("fingerprint") != identity["fingerprint"]:
+        try:
+            old = json.loads(fs.cat_file(path))
+        except ValueError as e:
+            raise ValueError(f"output.path={out!r}: its {JOB_FILE} is not valid JSON ({e}), so "
+                             "this cannot be checked to be the same job: choose a new path, or "
+                             "set output.overwrite: true to start again") from None
+        if not isinstance(old, dict) or old.get("fingerprint") != identity["fingerprint"]:
+            old = old if isinstance(old, dict) else {}
             raise ValueError(f"output.path={out!r} holds parts of a different job or input: "
                              f"{_what_changed(old, identity)}; resume needs the same spec and "
                              "input: choose a new path or set output.overwrite: true")
@@ -168,6 +270,8 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
         return f"its {JOB_FILE} was written by an older prefixflow, whose fingerprint covers less"
     if old["spec"] != new["spec"]:
         return "the spec changed since the first run"
+    if old.get("model") != new["model"]:
+        return _model_changed(old.get("model") or {}, new["model"])
     if old.get("inputs") != new["inputs"]:
         before = {f[0]: f for f in old.get("inputs") or []}
         changed = [f[0] for f in new["inputs"] if before.pop(f[0], None) != f] + sorted(before)
@@ -176,6 +280,14 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     if old.get("input_content") != new["input_content"]:
         return "the input's content changed since the first run"
     return "the plan differs from the first run's"
+
+
+def _model_changed(old: dict[str, str], new: dict[str, str]) -> str:
+    if not old:
+        return "the first run recorded no model fingerprint (an older prefixflow)"
+    changed = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
+    return (f"the model's files changed since the first run ({', '.join(changed[:5])}): its "
+            "answers would mix two models")
 
 
 class OutputLock:

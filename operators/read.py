@@ -7,9 +7,20 @@ Every row gets two bookkeeping columns:
 
 JSONL, CSV and OpenAI files are parsed by our own per-file task instead of Ray's JSON reader,
 which fails the whole job on one broken line or one non-UTF-8 byte. Parquet is typed, so
-Ray's reader is used as it is, unless the files' schemas clash (a column int in one file and
-string in another): then each file is read here and the clashing columns become text.
-Nothing here evaluates data: JSON is parsed, never executed.
+Ray's reader is used as it is, unless the files' schemas clash. Nothing here evaluates data:
+JSON is parsed, never executed.
+
+Types are kept. A column is converted only where Arrow cannot hold its values as one type, and
+then by one documented rule (`to_text`): strings stay exactly as they are, any other value
+becomes its compact JSON text (42 -> "42", {"a": "é"} -> '{"a": "é"}'). That happens
+  - inside one file, for a column whose rows disagree (1 in one row, "a" in the next);
+  - across files (or byte ranges of one large file), for a column int in one and string in
+    another: the parquet files' footers, or a first pass over the JSONL/CSV ranges
+    (`clashing_columns`), name such columns, and every file reads them as text.
+Integers beyond int64 are kept exactly as decimal128(38, 0). Column names that start with
+`_pf_` are reserved for the bookkeeping columns: a row that has one becomes an error record
+(those columns dropped, the others kept), and so does every row of a CSV file whose header
+names one column twice.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import logging
+
 import pyarrow as pa
 
 from prefixflow.operators.retry import with_retries
@@ -27,6 +40,8 @@ from prefixflow.operators.storage import StorageOptions, is_s3, list_input_files
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 SOURCE, ERROR = "_pf_source", "_pf_error"
+RESERVED = "_pf_"  # the prefix of every bookkeeping column; input columns may not use it
+_log = logging.getLogger(__name__)
 # A JSON escape of a UTF-16 surrogate (half of a pair, or a lone one the line cannot store).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "csv": (".csv",),
@@ -62,14 +77,19 @@ def read_dataset(opts: ReadOptions) -> Any:
     import ray.data
 
     files = input_files(opts)
-    clash = clashing_columns(files, opts.storage) if opts.format == "parquet" else []
+    items = file_ranges(files, opts) if opts.format != "parquet" else []
+    clash = clashing_columns(files, opts.storage, opts.format, items)
+    if clash:
+        _log.info("input: column(s) %s have different types in different files (or parts of a "
+                  "file): read as text (strings as they are, other values as JSON)",
+                  ", ".join(map(repr, clash)))
     if opts.format == "parquet" and not clash:
         fs = opts.storage.filesystem(files[0]) if is_s3(files[0]) else None
         ds = ray.data.read_parquet(files, filesystem=fs).map_batches(
             _add_bookkeeping, batch_format="pyarrow", batch_size=None)
     else:
         # Parquet files whose schemas clash are read one by one here (Ray's reader fails on them).
-        items = file_ranges(files, opts)
+        items = items or file_ranges(files, opts)
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             parse_files, fn_kwargs={"fmt": opts.format, "storage": opts.storage, "text_columns": clash},
             batch_size=1, batch_format="pyarrow")
@@ -85,29 +105,37 @@ def input_files(opts: ReadOptions) -> list[str]:
 
 
 def _add_bookkeeping(table: pa.Table) -> pa.Table:
-    n = table.num_rows
-    if SOURCE not in table.column_names:
-        table = table.append_column(SOURCE, pa.nulls(n, pa.string()))
-    if ERROR not in table.column_names:
-        table = table.append_column(ERROR, pa.nulls(n, pa.string()))
-    return table
+    """A typed (parquet) table with the bookkeeping columns added. Input columns named `_pf_*`
+    are dropped and make every row an error record that says so."""
+    reserved = [c for c in table.column_names if c.startswith(RESERVED)]
+    why = _reserved_error(reserved, "the file")
+    table = table.drop_columns(reserved)
+    table = table.append_column(SOURCE, pa.nulls(table.num_rows, pa.string()))
+    return table.append_column(ERROR, pa.array([why] * table.num_rows, pa.string()))
 
 
-def clashing_columns(files: list[str], storage: StorageOptions) -> list[str]:
-    """Columns whose type differs between parquet files beyond what Arrow can promote (int in
-    one file, string in another): they are read as text. Reads only the files' footers."""
-    import pyarrow.parquet as pq
-    from concurrent.futures import ThreadPoolExecutor
+def _reserved_error(names: list[str], where: str) -> str | None:
+    if not names:
+        return None
+    return (f"{where} has column(s) {', '.join(map(repr, names))}: names starting with {RESERVED} "
+            "are reserved for prefixflow's bookkeeping columns; rename them")
 
-    def read_schema(path: str) -> pa.Schema:
-        with storage.filesystem(path).open(path, "rb") as f:
-            return pq.read_schema(f)
 
-    def schema(path: str) -> pa.Schema:
-        return with_retries(lambda: read_schema(path), f"read the schema of {path}", storage.retry)
+def clashing_columns(files: list[str], storage: StorageOptions, fmt: Format = "parquet",
+                     items: list[dict[str, Any]] | None = None) -> list[str]:
+    """Columns whose type differs between files (or byte ranges) beyond what Arrow can promote
+    (int in one, string in another): every file reads them as text (`to_text`).
 
-    with ThreadPoolExecutor(max_workers=min(len(files), 16)) as pool:
-        schemas = list(pool.map(schema, files))
+    Parquet: only the files' footers are read. JSONL and CSV carry no schema, so each of their
+    work items (`items`, file_ranges()) is parsed once by a Ray task that returns only its
+    schema: the job reads such input twice, and only when it has more than one work item.
+    """
+    if fmt == "parquet":
+        schemas = _parquet_schemas(files, storage)
+    elif fmt in ("jsonl", "csv") and items is not None and len(items) > 1:
+        schemas = _parsed_schemas(items, fmt, storage)
+    else:  # one work item cannot clash with itself; OpenAI rows have one fixed schema
+        return []
     fields: dict[str, list[pa.Schema]] = {}
     for s in schemas:
         for field in s:
@@ -121,12 +149,46 @@ def clashing_columns(files: list[str], storage: StorageOptions) -> list[str]:
     return clash
 
 
+def _parquet_schemas(files: list[str], storage: StorageOptions) -> list[pa.Schema]:
+    import pyarrow.parquet as pq
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read_schema(path: str) -> pa.Schema:
+        with storage.filesystem(path).open(path, "rb") as f:
+            return pq.read_schema(f)
+
+    def schema(path: str) -> pa.Schema:
+        return with_retries(lambda: read_schema(path), f"read the schema of {path}", storage.retry)
+
+    with ThreadPoolExecutor(max_workers=min(len(files), 16)) as pool:
+        return list(pool.map(schema, files))
+
+
+def _parsed_schemas(items: list[dict[str, Any]], fmt: Format, storage: StorageOptions) -> list[pa.Schema]:
+    """The schema each work item parses to, from one small Ray task per item (no rows return)."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def schema(item: dict[str, Any]) -> pa.Schema:
+        return parse_file(item["path"], fmt, storage, item["start"], item["end"]).schema
+
+    return ray.get([schema.remote(item) for item in items])
+
+
+def to_text(value: Any) -> str | None:
+    """The text form of a value in a column Arrow cannot type (see the module docstring):
+    None and strings as they are; anything else as compact JSON with its characters kept."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def as_text(table: pa.Table, names: list[str]) -> pa.Table:
-    """The columns `names` as text: strings as they are, other values as JSON (as rows_to_table)."""
+    """The columns `names` as text (`to_text`); string columns stay as they are."""
     for name in names:
         if name not in table.column_names or pa.types.is_string(table.schema.field(name).type):
             continue
-        values = [None if v is None else json.dumps(v, default=str) for v in table.column(name).to_pylist()]
+        values = [to_text(v) for v in table.column(name).to_pylist()]
         table = table.set_column(table.column_names.index(name), name, pa.array(values, pa.string()))
     return table
 
@@ -161,17 +223,19 @@ def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, 
     data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {path}",
                                storage.retry)
     if fmt == "csv":
-        return parse_csv(data, path)
-    if fmt == "parquet":
+        table = parse_csv(data, path)
+    elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return _add_bookkeeping(as_text(pq.read_table(io.BytesIO(data)), text_columns or []))
-    records = parse_jsonl(data, path, byte_offset=begin)
-    if fmt == "openai":
-        from prefixflow.operators.openai_batch import parse_requests
+        table = _add_bookkeeping(pq.read_table(io.BytesIO(data)))
+    else:
+        records = parse_jsonl(data, path, byte_offset=begin)
+        if fmt == "openai":
+            from prefixflow.operators.openai_batch import parse_requests
 
-        records = parse_requests(records)
-    return rows_to_table(records)
+            records = parse_requests(records)
+        table = rows_to_table(records)
+    return as_text(table, text_columns or [])
 
 
 def _read_bytes(path: str, storage: StorageOptions, start: int, end: int) -> tuple[bytes, int | None]:
@@ -240,7 +304,10 @@ def parse_jsonl(data: bytes, source: str, byte_offset: int | None = None) -> lis
             records.append({SOURCE: where, ERROR: f"{name} is a JSON {type(value).__name__},"
                             " not an object: each line must be one JSON object", "_pf_raw": text})
             continue
-        value[SOURCE], value[ERROR] = where, None
+        reserved = [k for k in value if k.startswith(RESERVED)]
+        for k in reserved:  # the row's other columns stay in its error record
+            del value[k]
+        value[SOURCE], value[ERROR] = where, _reserved_error(reserved, name)
         records.append(value)
     return records
 
@@ -270,13 +337,40 @@ def parse_csv(data: bytes, source: str) -> pa.Table:
 
     table = csv.read_csv(io.BytesIO(data),
                          parse_options=csv.ParseOptions(invalid_row_handler=on_invalid))
+    twice = _name_twice(table.column_names, source)
+    if twice is not None:  # columns cannot be told apart: every row says why
+        return _rows_as_errors(table, source, twice)
+    reserved = [c for c in table.column_names if c.startswith(RESERVED)]
+    table = table.drop_columns(reserved)
     table, errors = _decode_text_columns(table)
+    why = _reserved_error(reserved, f"the CSV header of {source}")
+    errors = [e or why for e in errors]
     sources = [f"{source}:row {i + 1}" for i in range(table.num_rows)]
     table = table.append_column(SOURCE, pa.array(sources, pa.string()))
     table = table.append_column(ERROR, pa.array(errors, pa.string()))
     if bad:
         table = pa.concat_tables([table, rows_to_table(bad)], promote_options="permissive")
     return table
+
+
+def _name_twice(names: list[str], source: str) -> str | None:
+    """Why a CSV header cannot name the columns: one name given twice."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names, start=1):
+        if name in seen:
+            return (f"the CSV header of {source} names column {name!r} twice (columns {seen[name]} "
+                    f"and {i}): rename one of them")
+        seen[name] = i
+    return None
+
+
+def _rows_as_errors(table: pa.Table, source: str, why: str) -> pa.Table:
+    """Every row of a CSV file an error record (its values kept as text in _pf_raw)."""
+    columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
+    raw = [json.dumps([to_text(c[r]) for c in columns], ensure_ascii=False, default=str)
+           for r in range(table.num_rows)]
+    return rows_to_table([{SOURCE: f"{source}:row {r + 1}", ERROR: why, "_pf_raw": raw[r]}
+                          for r in range(table.num_rows)])
 
 
 def _decode_text_columns(table: pa.Table) -> tuple[pa.Table, list[str | None]]:
@@ -301,8 +395,9 @@ def _decode_text_columns(table: pa.Table) -> tuple[pa.Table, list[str | None]]:
 def rows_to_table(records: list[dict[str, Any]]) -> pa.Table:
     """Build a table from dicts whose keys and value types may differ from row to row.
 
-    A column whose values have no common Arrow type (1 in one row, "a" in the next) is kept as
-    JSON text rather than failing the file.
+    A column whose values have no common Arrow type (1 in one row, "a" in the next) becomes
+    text by `to_text` (its strings unchanged) rather than failing the file; integers beyond
+    int64 are kept exactly as decimal128(38, 0).
     """
     names: dict[str, None] = {}
     for r in records:
@@ -315,9 +410,18 @@ def rows_to_table(records: list[dict[str, Any]]) -> pa.Table:
         if name in (SOURCE, ERROR, "_pf_raw"):
             columns[name] = pa.array(values, pa.string())
             continue
-        try:
-            columns[name] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            columns[name] = pa.array([None if v is None else json.dumps(v) for v in values],
-                                     pa.string())
+        columns[name] = _typed_column(values)
     return pa.table(columns)
+
+
+def _typed_column(values: list[Any]) -> pa.Array:
+    try:
+        return pa.array(values)
+    except OverflowError:  # an integer beyond int64
+        try:
+            return pa.array(values, pa.decimal128(38, 0))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+            pass
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        pass
+    return pa.array([to_text(v) for v in values], pa.string())

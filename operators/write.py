@@ -9,13 +9,17 @@ writes metrics.json (and plot.png, jobs/report.py) and an empty _SUCCESS marker 
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import json
+import math
 import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -23,7 +27,7 @@ import pyarrow.compute as pc
 
 from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
-                                         commit_record_path, record_bytes)
+                                         check_fence, commit_record_path, record_bytes)
 from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, is_s3, join
 
@@ -41,6 +45,9 @@ class WriteOptions:
     model_name: str = "prefixflow"
     created: int = 0  # unix time stamped into OpenAI responses
     model: str = ""  # the model path: its tokenizer spells OpenAI logprobs' tokens
+    # The output lock's token of the job that writes (operators/commit.py: fencing); None where
+    # no lock is held (the Python API).
+    fence: str | None = None
 
 
 def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
@@ -61,10 +68,13 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
         "worker": [f"{socket.gethostname()}:{os.getpid()}"],
     }
     data = encode_part(table, opts)
+    check_fence(opts.path, opts.storage, opts.fence)  # this job still holds the path
     commit_bytes(join(opts.path, name), data, opts.storage)
     # The record goes second: a part without one is an orphan that resume deletes and redoes.
-    # Its size lets a resume notice a part deleted or damaged since (operators/commit.py).
-    record = {**{k: v[0] for k, v in manifest.items()}, "bytes": len(data)}
+    # Its size and checksum let a resume notice a part deleted or damaged since, its writer's
+    # token a part that a fenced job wrote (operators/commit.py).
+    record = {**{k: v[0] for k, v in manifest.items()}, "bytes": len(data),
+              "sha256": hashlib.sha256(data).hexdigest(), "writer": opts.fence}
     commit_bytes(commit_record_path(opts.path, name),
                  record_bytes(record, table.column("row_id").to_pylist()), opts.storage)
     return pa.table(manifest)
@@ -79,13 +89,32 @@ def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
         return ("\n".join(lines) + "\n").encode("utf-8")
     table = table.drop_columns([c for c in table.column_names if c.startswith("_pf_")])
     if opts.format == "jsonl":
-        lines = [json.dumps(r, ensure_ascii=False, default=str) for r in table.to_pylist()]
+        lines = [json.dumps(json_value(r), ensure_ascii=False, allow_nan=False, default=str)
+                 for r in table.to_pylist()]
         return ("\n".join(lines) + "\n").encode("utf-8")
     import pyarrow.parquet as pq
 
     sink = io.BytesIO()
     pq.write_table(table, sink)
     return sink.getvalue()
+
+
+def json_value(value: Any) -> Any:
+    """`value` as strict JSON can hold it (JSONL output; parquet keeps every type as it is):
+    NaN and infinities become null (JSON has no such numbers), decimals numbers (integral ones,
+    such as integers beyond int64, exactly), bytes base64 text; dates and times are written by
+    json.dumps' default (str)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else json_value(float(value))
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return value
 
 
 def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
@@ -111,8 +140,8 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     """Create the output directory; refuse to mix with an earlier job's parts unless asked.
 
     resume: keep everything (the run skips the committed rows; a refused resume loses nothing).
-    A folder that holds files but no prefixflow job is refused (its files are not ours to
-    delete). The caller holds the path's OutputLock (operators/commit.py), which stays.
+    overwrite: delete the earlier job's output files (only those). A folder that holds files but
+    no prefixflow job is refused either way (its files are not ours to keep or delete). The caller holds the path's OutputLock (operators/commit.py), which stays.
     """
     if overwrite and resume:
         raise ValueError(f"output.overwrite=True and output.resume=True for {opts.path!r}: "
@@ -120,9 +149,11 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     fs = opts.storage.filesystem(opts.path)
     names = [basename(p) for p in fs.ls(opts.path, detail=False)] if fs.exists(opts.path) else []
     names = [n for n in names if n != LOCK_FILE and not n.startswith(".")]
-    if resume and names and JOB_FILE not in names:
-        raise ValueError(f"output.resume=True but output.path={opts.path!r} holds no prefixflow "
-                         f"job (files such as {names[0]!r}, no {JOB_FILE}): choose a new path")
+    if (resume or overwrite) and names and JOB_FILE not in names:
+        flag = "resume" if resume else "overwrite"
+        raise ValueError(f"output.{flag}=True but output.path={opts.path!r} holds no prefixflow "
+                         f"job (files such as {names[0]!r}, no {JOB_FILE}), so none of its files "
+                         "are a job's to keep or delete: choose a new path")
     existing = [n for n in names if n.startswith(OUTPUT_NAMES)]
     if resume:
         existing = []  # the end markers go once the job file matches (clear_end_markers)

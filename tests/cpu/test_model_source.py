@@ -5,6 +5,7 @@ s3:// folder is copied once; dtype "auto" picks the checkpoint's dtype on a GPU 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -27,19 +28,19 @@ def own_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def add_to_hf_cache(cache: Path, repo: str, folder: Path) -> Path:
+def add_to_hf_cache(cache: Path, repo: str, folder: Path, commit: str = COMMIT) -> Path:
     """Lay `folder` out as huggingface_hub caches a download: blobs, a snapshot of links to
     them, and refs/main naming the snapshot's commit."""
     root = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = root / "snapshots" / COMMIT
+    snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    (root / "blobs").mkdir()
+    (root / "blobs").mkdir(exist_ok=True)
     for i, f in enumerate(sorted(folder.iterdir())):
-        blob = root / "blobs" / f"blob{i}"
+        blob = root / "blobs" / f"{commit[:8]}-blob{i}"
         shutil.copy(f, blob)
         (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(COMMIT)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
     return snapshot
 
 
@@ -111,13 +112,56 @@ def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
     with caplog.at_level("INFO", logger="prefixflow.engine.model_source"):
         local = resolve_model("s3://models/tiny", storage)
         assert (local / "config.json").is_file() and model_kind(str(local)) == "folder"
-        fs.rm("models/tiny", recursive=True)
-        assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, no S3 read
+        assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, one listing
     # the copy is reported through the module's logger (not print), once
     assert [r.getMessage() for r in caplog.records] == [
         f"copying s3://models/tiny to {local} (once per node)"]
+    # Weights replaced on S3 under the same path: copied again, not served from the old copy
+    # (issue 27: a resume must not mix two models behind one path).
+    config = json.loads((tiny_model / "config.json").read_text())
+    fs.pipe_file("models/tiny/config.json", json.dumps({**config, "rms_norm_eps": 1e-5}).encode())
+    fresh = resolve_model("s3://models/tiny", storage)
+    assert fresh != local and json.loads((fresh / "config.json").read_text())["rms_norm_eps"] == 1e-5
     with pytest.raises(ModelError, match="'s3://models/absent' could not be copied"):
         resolve_model("s3://models/absent", storage)
+
+
+def test_hub_id_fingerprint_changes_with_its_revision(tiny_model, tmp_path):
+    """A hub id whose cached snapshot moves to a new revision with other weights: resolving
+    it gives the new snapshot, and its fingerprint differs (a resume refuses to mix them)."""
+    from prefixflow.engine.model_source import model_fingerprint
+
+    add_to_hf_cache(tmp_path / "hf-hub", REPO, tiny_model)
+    first = model_fingerprint(resolve_model(REPO))
+    retrained = tmp_path / "retrained"
+    shutil.copytree(tiny_model, retrained)
+    data = bytearray((retrained / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (retrained / "model.safetensors").write_bytes(bytes(data))
+    snapshot = add_to_hf_cache(tmp_path / "hf-hub", REPO, retrained, commit="f" * 40)
+    assert resolve_model(REPO) == snapshot
+    second = model_fingerprint(resolve_model(REPO))
+    assert second["model.safetensors"] != first["model.safetensors"]
+    assert second["config.json"] == first["config.json"]
+
+
+def test_model_fingerprint_follows_content_not_path(tiny_model, tmp_path):
+    """The fingerprint a resume compares: same files, same digest; weights rewritten in place
+    (even to the same size) change it, and the hashes are cached per machine."""
+    from prefixflow.engine.model_source import model_fingerprint
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    first = model_fingerprint(folder)
+    assert {"config.json", "model.safetensors"} <= set(first) and model_fingerprint(folder) == first
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, other content
+    weights.write_bytes(bytes(data))
+    changed = model_fingerprint(folder)
+    assert changed["model.safetensors"] != first["model.safetensors"]
+    assert {k: v for k, v in changed.items() if k != "model.safetensors"} == {
+        k: v for k, v in first.items() if k != "model.safetensors"}
 
 
 def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_gpu(tiny_model, tmp_path):

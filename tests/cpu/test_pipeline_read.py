@@ -23,11 +23,17 @@ def test_jsonl_bad_lines_are_kept_as_errors():
     assert [r["_pf_source"] for r in recs] == ["f.jsonl:1", "f.jsonl:3", "f.jsonl:4", "f.jsonl:5", "f.jsonl:6"]
 
 
-def test_rows_to_table_mixed_types_become_json_text():
-    table = rows_to_table([{"x": 1, "y": "a"}, {"x": "two", "z": [1, 2]}])
-    assert table.column("x").to_pylist() == ["1", '"two"']
-    assert table.column("y").to_pylist() == ["a", None]
-    assert table.column("z").to_pylist() == [None, [1, 2]]
+def test_rows_to_table_mixed_types_become_text_leaving_strings_as_they_are():
+    """A column Arrow cannot type is text by one rule: strings unchanged (not JSON-quoted, no
+    escaped newlines or accents), other values as their JSON (issue 27, class 1)."""
+    table = rows_to_table([{"x": 1, "y": "a"}, {"x": "two", "z": [1, 2]},
+                           {"x": "Qu'est-ce qu'une \"rivière\"?\nDis-moi."}, {"x": {"k": "é"}}])
+    assert table.column("x").to_pylist() == ["1", "two", "Qu'est-ce qu'une \"rivière\"?\nDis-moi.",
+                                             '{"k": "é"}']
+    assert table.column("y").to_pylist() == ["a", None, None, None]
+    assert table.column("z").to_pylist() == [None, [1, 2], None, None]
+    big = rows_to_table([{"n": 2 ** 70}, {"n": 3}])  # beyond int64: kept exactly, not as text
+    assert [int(v) for v in big.column("n").to_pylist()] == [2 ** 70, 3]
 
 
 def test_csv_malformed_rows_become_errors():
