@@ -1,6 +1,7 @@
 """Checks before any work: the spec against the world it will run in.
 
-    preflight(spec)          model folder, input files and a sample of their rows, output path
+    preflight(spec)          model folder (tokenizer, vocab_size, chat template), input files and a
+                             sample of their rows, output path (writable, its S3 bucket reachable)
     check_resources(spec)    after ray.init: can the cluster ever place one engine actor?
     sample_rows(spec, n)     the first n input rows, read by the job's own readers (no Ray)
     row_report(spec, rows)   which sampled rows would become error records, and why
@@ -15,16 +16,18 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixflow.errors import did_you_mean
+from prefixflow.errors import did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
 from prefixflow.operators.storage import StorageOptions, absolute, is_s3, list_input_files, strip_scheme
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
+from prefixflow.operators.tokenize import OPENAI_MESSAGES
 from prefixflow.requests import SamplingParams
 
 SAMPLE_ROWS = 32
@@ -36,21 +39,29 @@ Problems = list[tuple[str, str]]
 def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
     """Checks that touch the outside world, before any work; returns the sampled rows.
 
-    Raises SpecError naming each field: the model folder and its context length, the input
-    files, the output path (never the input's), and the columns and sampling overrides of the
-    first SAMPLE_ROWS rows.
+    Raises SpecError naming each field: the model folder (its tokenizer, vocab_size against
+    the weights, a chat template where the prompt needs one) and its context length, the input
+    files, the output path (never the input's; writable; its S3 bucket reachable), and the
+    columns and sampling overrides of the first SAMPLE_ROWS rows.
     """
     storage = StorageOptions(**spec.storage.model_dump())
     problems = _model_problems(spec)
+    storage_failed = False
     try:
         files = list_input_files(spec.input.path, storage)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         files = []
         problems.append(("input.path", str(e).removeprefix("input.path=")))
+    except Exception as e:  # noqa: BLE001 - s3fs and botocore raise many kinds; one line each
+        if not isinstance(e, OSError) and not is_s3(_first_path(spec.input.path)):
+            raise
+        files, storage_failed = [], True
+        problems.append(("input.path", _storage_failure(_first_path(spec.input.path), e, storage)))
     if spec.output_format() == "openai" and spec.input_format() != "openai":
         problems.append(("output.format", "openai output needs input.format: openai (the lines "
                          "are keyed by the requests' custom_id): use parquet or jsonl"))
-    problems += _output_problems(spec, files)
+    # The same storage settings failed for the input: one line says so, not a second wait.
+    problems += _output_problems(spec, files) or _output_access_problems(spec, storage, storage_failed)
     rows: list[dict[str, Any]] = []
     if files:
         try:
@@ -58,6 +69,7 @@ def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
         except (ValueError, OSError) as e:  # pyarrow's errors are ValueErrors too
             problems.append(("input.path", f"cannot read the first input file: {e}"))
         problems += row_problems(spec, rows)
+    problems += _chat_template_problems(spec, rows)
     if problems:
         raise SpecError(source, problems)
     return rows
@@ -74,18 +86,157 @@ def _model_problems(spec: JobSpec) -> Problems:
         model = resolve_model(spec.model)  # config.json and safetensors weights are there
     except ValueError as e:
         return [("model", str(e))]
+    try:
+        config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # json.JSONDecodeError, UnicodeDecodeError
+        return [("model", f"{str(model / 'config.json')!r} is not valid JSON ({e}): fix the file")]
+    if not isinstance(config, dict):
+        return [("model", f"{str(model / 'config.json')!r} holds a {type(config).__name__}, not "
+                 "a JSON object: fix the file")]
+    # Remote code may read a tokenizer from files of any name.
+    problem = (None if spec.engine.trust_remote_code else _tokenizer_problem(model)) \
+        or _vocab_problem(model, config)
+    if problem is not None:
+        return [("model", problem)]
     from prefixflow.operators.tokenize import model_max_len
 
-    try:
-        limit = model_max_len(str(model), None)  # what tokenization uses: config.json, no torch
-    except ValueError as e:  # json.JSONDecodeError
-        return [("model", f"{str(model / 'config.json')!r} is not valid JSON ({e}): fix the file")]
+    limit = model_max_len(str(model), None)  # what tokenization uses: config.json, no torch
     wanted = spec.engine.max_model_len
     if wanted is not None and wanted > limit:
         return [("engine.max_model_len", f"{wanted} is more than the model allows ({limit}, "
                  "max_position_embeddings in its config.json): use at most "
                  f"{limit}, or leave it unset to use the model's")]
     return []
+
+
+def _local_model(spec: JobSpec) -> Path | None:
+    """The model's folder when `model` names a local folder that resolves, else None."""
+    from prefixflow.engine.model_source import model_kind, resolve_model
+
+    if model_kind(spec.model) != "folder":
+        return None
+    try:
+        return resolve_model(spec.model)
+    except ValueError:
+        return None
+
+
+# Files that hold a tokenizer's vocabulary: engine/tokenizer.py reads tokenizer.json directly,
+# transformers' AutoTokenizer the others; tokenizer_config.json alone is not a tokenizer.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt", "tekken.json")
+
+
+def _tokenizer_problem(model: Path) -> str | None:
+    names = {p.name for p in model.iterdir()}
+    if names & set(VOCAB_FILES) or any(n.endswith(".tiktoken") for n in names):
+        return None
+    if {"vocab.json", "merges.txt"} <= names:
+        return None
+    missing = ("merges.txt (beside vocab.json)" if "vocab.json" in names else
+               "tokenizer.json (or a vocabulary file: tokenizer.model, vocab.json with merges.txt, "
+               "vocab.txt)")
+    return (f"{str(model)!r} has no tokenizer: {missing} is missing (config.json and the weights "
+            "are there); copy the tokenizer files from where the model came from "
+            "(tokenizer.save_pretrained writes them)")
+
+
+# Names of the token embedding in the architectures transformers and vLLM load.
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
+
+
+def _vocab_problem(model: Path, config: dict[str, Any]) -> str | None:
+    """config.json's vocab_size against the rows of the embedding in the weights (read from
+    the safetensors headers only: no weights are loaded). A mismatch fails the weight load
+    late; a huge vocab_size asks for memory no machine has."""
+    vocab = config.get("vocab_size")
+    if vocab is None:  # a nested config (text_config): left to the engine
+        return None
+    where = str(model / "config.json")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+        return f"{where!r} has vocab_size={short(vocab)}, not a positive integer: fix vocab_size"
+    try:
+        found = _embedding_rows(model)
+    except ValueError as e:
+        return str(e)
+    if found is None or found[2] == vocab:
+        return None
+    name, file, rows = found
+    return (f"{where!r} has vocab_size {vocab}, which disagrees with the weights ({name} has "
+            f"{rows} rows in {file}): fix vocab_size (to {rows}), or copy the model again")
+
+
+def _embedding_rows(model: Path) -> tuple[str, str, int] | None:
+    """(tensor name, file name, rows) of the token embedding, or None when no tensor has one
+    of the EMBEDDINGS names. Raises ValueError naming a file that is not safetensors."""
+    from prefixflow.engine.model_source import weight_files
+
+    files = weight_files(model)
+    index = model / "model.safetensors.index.json"
+    if index.is_file():  # read only the shard that holds the embedding
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = {weight_map[n] for n in weight_map if n.endswith(EMBEDDINGS)}
+        files = [f for f in files if f.name in shards]
+    for file in files:
+        header = _safetensors_header(file)
+        name = next((n for n in header if n.endswith(EMBEDDINGS)), None)
+        shape = header[name].get("shape") if name is not None else None
+        if isinstance(shape, list) and shape and isinstance(shape[0], int):
+            return name, file.name, shape[0]
+    return None
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """The JSON header at the start of a safetensors file: 8 bytes of little-endian length,
+    then {tensor name: {dtype, shape, data_offsets}}."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+            raise ValueError("a header that is not a table of tensors")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(file)!r} is not a safetensors file ({e}): copy the weights "
+                         "again") from None
+    return header
+
+
+def _chat_template_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Problems:
+    """A chat prompt (prompt.user, prompt.messages_column, OpenAI chat requests) for a local
+    model without a chat template: every row would become an error record."""
+    if spec.prompt is not None:
+        field = next((f for f in ("messages_column", "user") if getattr(spec.prompt, f)), None)
+        fix = "use prompt.template (a plain-text prompt)"
+    else:  # OpenAI batch input: the sampled requests say whether they are chat requests
+        good = [r for r in rows if r.get(ERROR) is None]
+        field = "input" if good and all(r.get(OPENAI_MESSAGES) is not None for r in good) else None
+        fix = "send /v1/completions requests (a prompt)"
+    model = _local_model(spec) if field is not None else None
+    if model is None or spec.engine.trust_remote_code or _has_chat_template(model):
+        return []
+    what = "the /v1/chat/completions requests need" if field == "input" else "a chat prompt needs"
+    return [(field if field == "input" else f"prompt.{field}",
+             f"{what} the model's chat template, and {str(model)!r} has no chat template (no "
+             f"chat_template.jinja, no chat_template in tokenizer_config.json): {fix}, or add the "
+             "model's template as chat_template.jinja in its folder")]
+
+
+def _has_chat_template(model: Path) -> bool:
+    """Where tokenizers find one: chat_template.jinja (what engine/tokenizer.py reads first),
+    tokenizer_config.json's chat_template (a string, or named templates), and, counted to be
+    safe from refusing a model that has one, chat_template.json and additional_chat_templates/."""
+    if (model / "chat_template.jinja").is_file() or (model / "additional_chat_templates").is_dir():
+        return True
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        try:
+            config = json.loads((model / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("chat_template"):
+            return True
+    return False
 
 
 def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
@@ -107,6 +258,68 @@ def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
             return [("output.path", f"{spec.output.path!r} holds the input file {file!r}: "
                      "write the output to a folder of its own")]
     return []
+
+
+def _output_access_problems(spec: JobSpec, storage: StorageOptions, skip_s3: bool) -> Problems:
+    """The output can be written: a local folder that is not a file and can be created in its
+    nearest existing folder; an s3:// bucket that exists and answers with these credentials."""
+    path = spec.output.path
+    if not is_s3(path):
+        problem = _local_output_problem(path)
+        return [] if problem is None else [("output.path", problem)]
+    if skip_s3:
+        return []
+    bucket, _, key = strip_scheme(path).partition("/")
+    try:  # one cheap request: the job lists this prefix (its commit records) anyway
+        storage.filesystem(path).call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+    except Exception as e:  # noqa: BLE001 - s3fs and botocore raise many kinds; one line each
+        return [("output.path", _storage_failure(path, e, storage))]
+    return []
+
+
+def _local_output_problem(path: str) -> str | None:
+    out = Path(absolute(path))
+    try:
+        existing = next(p for p in (out, *out.parents) if p.exists())
+        is_dir = existing.is_dir()
+    except OSError as e:  # a parent this user may not look into
+        return f"{path!r} cannot be checked ({e}): choose a folder this user can write"
+    if not is_dir:
+        where = "is a file" if existing == out else f"is inside {str(existing)!r}, which is a file"
+        return f"{path!r} {where}: give a folder (it is created when missing)"
+    if not os.access(existing, os.W_OK | os.X_OK):  # also False on a read-only mount
+        return (f"{str(existing)!r} is not writable by this user, so the job cannot write "
+                f"{path!r}: choose a folder this user can write, or change its permissions")
+    return None
+
+
+def _storage_failure(path: str, e: BaseException, storage: StorageOptions) -> str:
+    """One line for an S3 request about `path` that failed: what failed, and the fix."""
+    if not is_s3(path):
+        return f"{path!r} cannot be read ({type(e).__name__}: {e})"
+    from botocore import exceptions as boto
+
+    endpoint = storage.endpoint() or "of AWS"
+    if isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError)):
+        return (f"{path!r}: no AWS credentials were found: set storage.aws_access_key_id and "
+                "storage.aws_secret_access_key (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), "
+                "or storage.anonymous: true for a public bucket")
+    if isinstance(e, (boto.ConnectionError, boto.HTTPClientError)):
+        return (f"{path!r}: cannot reach the S3 endpoint {endpoint} ({type(e).__name__}): check "
+                "storage.endpoint_url (or AWS_ENDPOINT_URL) and the network")
+    if isinstance(e, FileNotFoundError):
+        bucket = strip_scheme(path).partition("/")[0]
+        return (f"{path!r}: the bucket {bucket!r} does not exist (endpoint {endpoint}): create "
+                "it, or fix the bucket name or storage.endpoint_url")
+    if isinstance(e, PermissionError):
+        return (f"{path!r}: access denied ({e}): check the credentials (storage.aws_access_key_id "
+                "and storage.aws_secret_access_key, or the AWS_* variables) and the bucket's policy")
+    return (f"{path!r} cannot be listed ({type(e).__name__}: {str(e)[:200]}): check "
+            "storage.endpoint_url, storage.region and the credentials (or the AWS_* variables)")
+
+
+def _first_path(path: str | list[str]) -> str:
+    return path if isinstance(path, str) else next((p for p in path if is_s3(p)), path[0])
 
 
 def _location(path: str) -> str:

@@ -6,8 +6,9 @@
     prefixflow validate SPEC.yaml     check the spec and its paths; start nothing
 
 Exit codes: 0 ok (bad rows are error records in the output), 2 invalid spec, input, output
-path or model (one line per problem; nothing run), 1 a job that started and stopped (engines
-that keep dying, storage that keeps failing: one message; committed rows are kept for resume).
+path or model, or storage that failed before generation (one line per problem; nothing
+generated), 1 a job that started generating and stopped (engines that keep dying, storage that
+keeps failing: one message; committed rows are kept for resume).
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the job refused its input, output path or model: nothing was run
         print(f"error: {_message(e)}", file=sys.stderr)
         return 2
-    except _job_failures() as e:  # the job started and stopped; what it committed stays
+    except _job_failures() as e:
+        if isinstance(e, OSError) and not _generating(e):  # nothing committed: nothing to resume
+            print(f"error: {_message(e)} (before generation: no rows were committed)", file=sys.stderr)
+            return 2
+        # The job started generating and stopped; what it committed stays.
         print(f"error: the job stopped: {_message(e)}\nCommitted rows are kept: fix the cause "
               "and rerun with output.resume: true to finish the rest.", file=sys.stderr)
         return 1
@@ -84,6 +89,26 @@ def _job_failures() -> tuple[type[BaseException], ...]:
     from prefixflow.operators.isolate import EngineBroken
 
     return (EnginesKeepDying, EngineBroken, OSError)
+
+
+def _generating(e: BaseException) -> bool:
+    """Whether `e`, or an error it interrupted, came out of jobs/run._generate: only a job that
+    reached generation can have committed rows to resume from. (Storage can fail before, while
+    taking the output's lock or clearing it, or while planning reads the input.)"""
+    from prefixflow.jobs import run
+
+    code = run._generate.__code__
+    seen: set[int] = set()
+    error: BaseException | None = e
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                return True
+            tb = tb.tb_next
+        error = error.__context__
+    return False
 
 
 def _message(e: BaseException) -> str:
