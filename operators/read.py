@@ -335,22 +335,33 @@ def parse_csv(data: bytes, source: str) -> pa.Table:
                            f"{row.expected_columns}: quote fields that contain commas"})
         return "skip"
 
-    table = csv.read_csv(io.BytesIO(data),
-                         parse_options=csv.ParseOptions(invalid_row_handler=on_invalid))
+    if not data.lstrip(b"\xef\xbb\xbf").strip():  # an empty file (a BOM at most): no rows
+        return rows_to_table([])
+    try:
+        table = csv.read_csv(io.BytesIO(data),
+                             parse_options=csv.ParseOptions(invalid_row_handler=on_invalid))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # e.g. a header whose quote never closes
+        return rows_to_table([{SOURCE: source, ERROR: f"{source} cannot be read as CSV ({e}): fix "
+                               "the file", "_pf_raw": data[:1000].decode("utf-8", "replace")}])
     twice = _name_twice(table.column_names, source)
     if twice is not None:  # columns cannot be told apart: every row says why
-        return _rows_as_errors(table, source, twice)
-    reserved = [c for c in table.column_names if c.startswith(RESERVED)]
-    table = table.drop_columns(reserved)
-    table, errors = _decode_text_columns(table)
-    why = _reserved_error(reserved, f"the CSV header of {source}")
-    errors = [e or why for e in errors]
-    sources = [f"{source}:row {i + 1}" for i in range(table.num_rows)]
-    table = table.append_column(SOURCE, pa.array(sources, pa.string()))
-    table = table.append_column(ERROR, pa.array(errors, pa.string()))
+        table = _rows_as_errors(table, source, twice)
+    else:
+        table = _with_bookkeeping(table, source)
     if bad:
         table = pa.concat_tables([table, rows_to_table(bad)], promote_options="permissive")
     return table
+
+
+def _with_bookkeeping(table: pa.Table, source: str) -> pa.Table:
+    """A CSV table with its text decoded and the bookkeeping columns; reserved columns dropped
+    (their rows become error records)."""
+    reserved = [c for c in table.column_names if c.startswith(RESERVED)]
+    table, errors = _decode_text_columns(table.drop_columns(reserved))
+    why = _reserved_error(reserved, f"the CSV header of {source}")
+    sources = [f"{source}:row {i + 1}" for i in range(table.num_rows)]
+    table = table.append_column(SOURCE, pa.array(sources, pa.string()))
+    return table.append_column(ERROR, pa.array([e or why for e in errors], pa.string()))
 
 
 def _name_twice(names: list[str], source: str) -> str | None:

@@ -8,7 +8,10 @@ Every example runs `prefixflow run` in-process and checks what a user relies on:
   - the rows built to be good have text, the rows built to be bad have an error saying why;
   - `_SUCCESS` and `metrics.json` are written, also when no row at all is good.
 
-Bounded in time: 6 whole jobs (about 10 s each on the tiny model), no shrinking.
+  - the JSONL output is strict JSON (no NaN), and no file outside the output folder (the
+    input, the spec, the model, a file beside them) changes.
+
+Bounded in time: 10 whole jobs (about 10 s each on the tiny model), no shrinking.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow
 
-JOBS = settings(max_examples=6, deadline=None, phases=[Phase.generate],
+JOBS = settings(max_examples=10, deadline=None, phases=[Phase.generate],
                 suppress_health_check=list(HealthCheck), derandomize=True)
 
 # Each kind of line: (is it good?, its bytes given a row number). Bad lines cover what issue 12
@@ -51,6 +54,11 @@ LINES = {
                                                      {"max_tokens": 2 ** 70}})),
     "unknown_key": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
                                                  {"beam_width": 2}})),
+    # Issue 27: values the reader must keep as they are, and reserved column names.
+    "int_question": (True, lambda i: json.dumps({"id": i, "q": 40 + i})),
+    "accented": (True, lambda i: json.dumps({"id": i, "q": f"Qu'est-ce qu'une \"rivière\" {i}?\nDis."})),
+    "nan_and_big": (True, lambda i: '{"id": %d, "q": "row %d", "score": NaN, "n": %d}' % (i, i, 2 ** 70)),
+    "reserved": (False, lambda i: json.dumps({"id": i, "q": "x", "_pf_tokens": [1, 2]})),
 }
 BAD_UTF8 = b'{"id": %d, "q": "caf\xe9"}'
 
@@ -98,8 +106,11 @@ def test_fuzzed_jobs_keep_every_row_and_never_crash(ray_local, tiny_model, tmp_p
         section, _, key = field.rpartition(".")
         (data.setdefault(section, {}) if section else data)[key] = value
     (root / "job.yaml").write_text(yaml.safe_dump(data))
+    (root / "beside.txt").write_text("not the job's")
+    untouched = _files(root, skip=root / "out") | _files(tiny_model)
 
     code = cli(["run", str(root / "job.yaml")])
+    assert _files(root, skip=root / "out") | _files(tiny_model) == untouched
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
     if spec["broken_spec"] is not None:
@@ -119,6 +130,10 @@ def test_fuzzed_jobs_keep_every_row_and_never_crash(ray_local, tiny_model, tmp_p
     records = _records(read_output(str(out)))
     assert len(records) == len(lines)
     assert sorted(r["row_id"] for r in records) == list(range(len(lines)))
+    if spec["format"] == "jsonl":  # strict JSON: json.loads' NaN/Infinity constants refused
+        for part in out.glob("part-*"):
+            for line in part.read_text().splitlines():
+                json.loads(line, parse_constant=_refuse)
     by_id = {}
     for r in records:
         if isinstance(r.get("id"), int):
@@ -133,6 +148,16 @@ def test_fuzzed_jobs_keep_every_row_and_never_crash(ray_local, tiny_model, tmp_p
     assert all(r["error"].strip() for r in records if r["error"])
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["rows"] == len(lines) and metrics["rows_error"] == good.count(False)
+
+
+def _refuse(constant: str) -> None:
+    raise AssertionError(f"the JSONL output holds {constant}, which is not JSON")
+
+
+def _files(folder: Path, skip: Path | None = None) -> frozenset[tuple[str, int, int]]:
+    """(path, size, mtime) of every file under `folder` but those under `skip`."""
+    return frozenset((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+                     if p.is_file() and (skip is None or not p.is_relative_to(skip)))
 
 
 def _records(output: pa.Table | list[dict]) -> list[dict]:
