@@ -242,22 +242,57 @@ def _has_chat_template(model: Path) -> bool:
 def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
     """The output must not be an input file, lie in an input folder or hold an input file:
     a job would read its own parts, and overwrite would delete its input."""
-    out = _location(spec.output.path)
+    problem = _clashes_with_input(spec, files, spec.output.path)
+    return [] if problem is None else [("output.path", problem)]
+
+
+def _clashes_with_input(spec: JobSpec, files: list[str], path: str) -> str | None:
+    """Why something written at `path` would read or replace the job's input (None: it would
+    not)."""
+    out = _location(path)
     given = [spec.input.path] if isinstance(spec.input.path, str) else list(spec.input.path)
-    for path in given:
-        if any(ch in path for ch in "*?["):  # a glob: the output must not match it
-            clash = fnmatch.fnmatch(out, _location(path))
+    for pattern in given:
+        if any(ch in pattern for ch in "*?["):  # a glob: what is written must not match it
+            clash = fnmatch.fnmatch(out, _location(pattern))
         else:
-            where = _location(path)
+            where = _location(pattern)
             clash = out == where or _inside(out, where)
         if clash:
-            return [("output.path", f"{spec.output.path!r} is inside the input "
-                     f"(input.path {path!r}): write the output to a folder of its own")]
+            return (f"{path!r} is inside the input (input.path {pattern!r}): write it to a "
+                    "folder of its own")
     for file in files:
         if _inside(_location(file), out) or _location(file) == out:
-            return [("output.path", f"{spec.output.path!r} holds the input file {file!r}: "
-                     "write the output to a folder of its own")]
-    return []
+            return f"{path!r} holds the input file {file!r}: write it to a folder of its own"
+    return None
+
+
+def plan_out_problems(spec: JobSpec, out: str) -> Problems:
+    """`prefixflow plan --out FILE`: the plan table may not replace or sit in the job's input or
+    output, nor replace a file that is not a plan table."""
+    storage = StorageOptions(**spec.storage.model_dump())
+    try:
+        files = list_input_files(spec.input.path, storage)
+    except (ValueError, OSError):
+        files = []
+    problem = _clashes_with_input(spec, files, out)
+    if problem is None and (_location(out) == _location(spec.output.path)
+                            or _inside(_location(out), _location(spec.output.path))):
+        problem = (f"{out!r} is inside the job's output.path {spec.output.path!r}: write the "
+                   "plan elsewhere")
+    if problem is None and Path(out).exists() and not _is_plan_table(Path(out)):
+        problem = (f"{out!r} exists and is not a plan table written by `prefixflow plan`: "
+                   "choose a new file name (nothing was written)")
+    return [] if problem is None else [("--out", problem)]
+
+
+def _is_plan_table(path: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    try:
+        names = set(pq.read_schema(path).names)
+    except Exception:  # noqa: BLE001 - not parquet, a folder, unreadable: not a plan table
+        return False
+    return {"row_id", "replica", "rank", "group_id", "prefix_len"} <= names
 
 
 def _output_access_problems(spec: JobSpec, storage: StorageOptions, skip_s3: bool) -> Problems:

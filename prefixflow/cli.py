@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -163,16 +164,22 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from prefixflow.jobs import report
-    from prefixflow.jobs.preflight import preflight
+    from prefixflow.jobs.preflight import plan_out_problems, preflight
     from prefixflow.jobs.run import ensure_ray, processor_config, read_options
+    from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
 
     preflight(spec, args.spec)
+    problems = plan_out_problems(spec, args.out)  # never over the input, the output or a stranger's file
+    if problems:
+        raise SpecError(args.spec, problems)
     ensure_ray(args.address)
     planned = Processor(processor_config(spec)).plan(read_dataset(read_options(spec)))
     print(report.plan_text(planned))
-    pq.write_table(planned.plan.table, args.out)
+    tmp = f"{args.out}.tmp-{os.getpid()}"  # complete or not there: renamed once written
+    pq.write_table(planned.plan.table, tmp)
+    os.replace(tmp, args.out)
     print(f"plan table ({planned.plan.table.num_rows} rows) written to {args.out}")
     return report.dry_run_result(planned, 0.0)
 

@@ -4,7 +4,8 @@ says is taken on its word.
 - a resume refuses a model whose files changed since the first run (same path or hub id);
 - a part damaged since its commit (same size, other bytes) is found by its checksum and its
   rows run again;
-- overwrite never deletes files of a folder that holds no prefixflow job;
+- overwrite never deletes files of a folder that holds no prefixflow job, and `prefixflow plan
+  --out` never replaces the input, the output or a file that is not a plan table;
 - names read from commit records never lead outside the output folder;
 - a commit record or `_job.json` that is not valid JSON is named, not a bare JSON error;
 - a job whose lock was taken over (its driver died, a resume started) commits nothing more,
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import yaml
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
@@ -195,3 +197,23 @@ def test_a_job_whose_lock_was_taken_over_commits_nothing_more(ray_local, tmp_pat
     final = load_committed(out, storage)
     assert final.row_ids.tolist() == [0, 1, 2, 3, 4, 5]
     new.release()
+
+
+def test_plan_out_never_replaces_the_input_or_a_stranger_file(ray_local, tiny_model, tmp_path, capsys):
+    from prefixflow.cli import main as cli
+
+    spec = _spec(tmp_path, tiny_model, _rows(6))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    original = (tmp_path / "in.jsonl").read_bytes()
+    (tmp_path / "notes.parquet").write_bytes(b"my own notes")
+    for target, why in [(tmp_path / "in.jsonl", "is inside the input"),
+                        (tmp_path / "out" / "plan.parquet", "inside the job's output.path"),
+                        (tmp_path / "notes.parquet", "is not a plan table")]:
+        assert cli(["plan", str(tmp_path / "job.yaml"), "--out", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out: '{target}' " in err and why in err, err
+    assert (tmp_path / "in.jsonl").read_bytes() == original
+    assert (tmp_path / "notes.parquet").read_bytes() == b"my own notes"
+    plan = tmp_path / "plan.parquet"
+    assert cli(["plan", str(tmp_path / "job.yaml"), "--out", str(plan)]) == 0
+    assert cli(["plan", str(tmp_path / "job.yaml"), "--out", str(plan)]) == 0  # its own table: replaced
