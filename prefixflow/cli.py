@@ -50,9 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _show_our_logs()
     from prefixflow.jobs.spec import SpecError
+    from prefixflow.operators.commit import JobFenced
 
     try:
         return _dispatch(args)
+    except JobFenced as e:  # another job took the output path over: it finishes the rows
+        print(f"error: the job stopped: {_message(e)}", file=sys.stderr)
+        return 1
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
