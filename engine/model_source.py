@@ -147,8 +147,12 @@ def weight_files(path: Path, model: str | None = None) -> list[Path]:
     name = model or str(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(f"model {name!r}: {str(index)!r} is not a safetensors index "
+                             f"({type(e).__name__}: {e}); copy the file again") from None
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ModelError(f"model {name!r}: shards listed in {index.name} are missing: "

@@ -203,3 +203,11 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
     used = report.sampling_used(spec)  # what metrics.json records
     assert used["from_generation_config"] == {"temperature": 0.7, "top_p": 0.9}
     assert used["params"]["max_tokens"] == 8 and used["params"]["temperature"] == 0.7
+
+
+def test_a_damaged_safetensors_index_is_named(tiny_model, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')
+    with pytest.raises(ModelError, match=r"model.safetensors.index.json' is not a safetensors index"):
+        resolve_model(str(folder))
