@@ -73,7 +73,8 @@ class VllmEngine:
     config: the same EngineConfig as the native engine (model, dtype, block_size,
         kv_cache_bytes, max_num_batched_tokens, max_num_seqs, max_model_len,
         enable_prefix_cache, seed); on a CPU block_size is raised to a multiple of 32.
-    vllm_args: more vLLM engine arguments (checked by check_vllm_args).
+    vllm_args: more vLLM engine arguments, from the allow-list engine/vllm_args.ALLOWED (checked
+        again here by check_vllm_args, before vLLM is imported).
     group_scheduler: True (all parts), False (vLLM's stock scheduler) or a GroupScheduling.
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
         the scheduler object is then `self.scheduler`, and step statistics come from it), else
