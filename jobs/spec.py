@@ -12,8 +12,9 @@ The engine, sampling, storage, prompt and score sections mirror `EngineConfig`,
 from their dataclasses by `_mirror`, so they cannot drift apart, and the Python API refuses the
 same values with the same messages); task, order and engine.backend take their choices from
 operators/config.TASKS, pipeline/ordering.ORDER_POLICIES and operators/config.BACKENDS.
-YAML is read with a safe loader (no python/* tags) that also refuses duplicate keys and nesting
-deeper than a spec needs; `--set KEY=VALUE` values are read the same way.
+YAML is read with a safe loader (no python/* tags) that also refuses duplicate keys, nesting
+deeper than a spec needs and alias bombs (`_SpecLoader`); `--set KEY=VALUE` values are read the
+same way. The spec file and each `--set` value have a size cap.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ class SpecError(ValueError):
 # A spec needs four or five levels; deeper YAML is refused before PyYAML's recursive composer
 # (three frames per level) runs out of stack.
 MAX_DEPTH = 32
+# A spec holds tens of values (a long stop list or JSON schema: a few thousand). An alias counts
+# the values of what it points to, so a "billion laughs" bomb (anchors of lists of aliases, 836
+# bytes for 9**9 values) is refused while it is read: before pydantic, model_dump or the vLLM
+# argument checks would expand it (31.6 s and 1.7 GB for 9 levels, ~17 GB for 10).
+MAX_NODES = 100_000
+MAX_SPEC_BYTES = 1 << 20  # a spec with a long prompt is a few KiB
+MAX_SET_BYTES = 64 << 10  # per --set value (Linux caps one argument at 128 KiB anyway)
 
 
 class _YAMLProblem(yaml.YAMLError):
@@ -68,11 +76,18 @@ class _YAMLProblem(yaml.YAMLError):
 
 class _SpecLoader(yaml.SafeLoader):
     """SafeLoader (python/* tags stay refused) that also refuses duplicate keys, which plain
-    YAML silently resolves to the last one, and nesting deeper than MAX_DEPTH."""
+    YAML silently resolves to the last one, nesting deeper than MAX_DEPTH, and documents that
+    expand to more than MAX_NODES values.
+
+    Composing yields a graph in which an alias is the very node its anchor names; each node's
+    expanded size and height are computed once, from its children's, when it is composed (an
+    alias is looked up, never walked), so the check is linear in the text whatever it expands to.
+    """
 
     def __init__(self, stream: str):
         super().__init__(stream)
         self._path: list[str | None] = []
+        self._sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (values expanded, levels)
 
     def _field(self, *more: str) -> str:
         return ".".join(p for p in [*self._path, *more] if p is not None)
@@ -86,11 +101,38 @@ class _SpecLoader(yaml.SafeLoader):
         # index: the key node of a mapping value, the position in a sequence, None for a key.
         part = index.value if isinstance(index, yaml.ScalarNode) else (
             str(index) if isinstance(index, int) else None)
+        alias = self.check_event(yaml.AliasEvent)
         self._path.append(part)
         try:
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
+            self._measure(node, alias)
+            return node
         finally:
             self._path.pop()
+
+    def _measure(self, node: Any, alias: bool) -> None:
+        """Record the node's expanded size and height; refuse a bomb, a self-reference, or
+        aliases that stack deeper than MAX_DEPTH."""
+        line = node.start_mark.line + 1
+        if alias:
+            if id(node) not in self._sizes:  # its anchor is still being composed
+                raise _YAMLProblem(self._field(), f"an alias refers to itself (line {line}): a spec "
+                                   "holds plain data; write the value out")
+            levels = self._sizes[id(node)][1]
+            if len(self._path) - 1 + levels > MAX_DEPTH:
+                raise _YAMLProblem(self._field(), f"nested more than {MAX_DEPTH} levels deep through "
+                                   f"aliases (line {line}): a job spec needs only a few levels")
+            return
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else [])
+        measured = [self._sizes[id(child)] for child in children]
+        size = 1 + sum(n for n, _ in measured)
+        if size > MAX_NODES:
+            raise _YAMLProblem(self._field(), f"expands to more than {MAX_NODES:,} values (line "
+                               f"{line}; aliases count as the values they stand for): a job spec "
+                               "needs far fewer; remove the aliases that repeat large values")
+        self._sizes[id(node)] = (size, 1 + max((h for _, h in measured), default=0))
 
     def compose_mapping_node(self, anchor: Any) -> Any:
         node = super().compose_mapping_node(anchor)
@@ -109,6 +151,9 @@ class _SpecLoader(yaml.SafeLoader):
 
 def load_yaml(text: str, source: str, field: str = "") -> Any:
     """Parse YAML text with the spec loader; raise SpecError (one line) on any problem."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(source, [(field, f"the YAML is {len(text):,} characters; a job spec is at "
+                                  f"most {MAX_SPEC_BYTES >> 20} MiB: is this the right file?")])
     try:
         return yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader subclass)
     except _YAMLProblem as e:
@@ -130,8 +175,12 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key or "" in key.split("."):
-            raise SpecError("--set", [("", f"{pair!r} is not KEY=VALUE: write e.g. "
+            raise SpecError("--set", [("", f"{short(pair)} is not KEY=VALUE: write e.g. "
                                        "--set sampling.max_tokens=32")])
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > MAX_SET_BYTES:
+            raise SpecError("--set", [(key, f"the value is {size:,} bytes; a --set value is at most "
+                                       f"{MAX_SET_BYTES >> 10} KiB: put long values in the spec file")])
         out[key] = load_yaml(value, "--set", key)
     return out
 
@@ -314,6 +363,11 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobS
     path = Path(path)
     if not path.is_file():
         raise SpecError(str(path), [("", "no such file: give the path of a job YAML")])
+    size = path.stat().st_size
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(str(path), [("", f"the file is {size:,} bytes; a job spec is at most "
+                                     f"{MAX_SPEC_BYTES >> 20} MiB (a few KiB is usual): is this the "
+                                     "right file?")])
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
