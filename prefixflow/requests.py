@@ -19,7 +19,9 @@ import numpy as np
 class SamplingParams:
     """How to sample one request's output. Defaults follow vLLM's, except `max_tokens`.
 
-    temperature: 0 means greedy; otherwise logits are divided by it.
+    temperature: 0 means greedy; otherwise logits are divided by it, and it must be at least
+        MIN_TEMPERATURE (vLLM raises smaller ones to that floor; in float32 a much smaller one
+        overflows the logits and yields token 0 over and over), so both backends agree.
     top_k: keep the k most likely tokens (at most the vocabulary); 0 or -1 disables.
     top_p: keep the smallest set whose probability reaches p; 1.0 disables.
     seed: per-request seed in [0, 2**63-1]; the same seed gives the same tokens whatever the batch.
@@ -87,6 +89,8 @@ class SamplingParams:
             _check(isinstance(getattr(self, flag), bool), flag, getattr(self, flag), "use true or false")
         self._check_vllm_fields()
         _check(self.temperature >= 0, "temperature", self.temperature, "use 0 for greedy or a positive value")
+        _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
+               self.temperature, f"use 0 for greedy decoding or at least {MIN_TEMPERATURE}")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "use a value in (0, 1]")
         _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                "use a value between 0 and max_tokens")
@@ -137,6 +141,9 @@ class SamplingParams:
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 MAX_N = 1024
+# vLLM's SamplingParams raises 0 < temperature < 1e-2 to 1e-2 (its _MAX_TEMP, "may cause
+# numerical errors nan or inf"); refusing those values keeps one behaviour on both backends.
+MIN_TEMPERATURE = 1e-2
 # vLLM's StructuredOutputsParams keys (one per request) and what each needs.
 STRUCTURED_KINDS = {
     "json": "a JSON schema object or its JSON text",
