@@ -12,7 +12,8 @@ no particular order, and `results.jsonl` (`write_results`, once the job complete
 order, one line per request, as vLLM's run-batch writes its output file.
 
 Body fields: each is honoured or the request becomes an error record naming it.
-  - honoured: messages (chat) / prompt (completions); the SamplingParams fields in `_SAMPLING`
+  - honoured: messages (chat; content parts of type text only: an image_url, input_audio or
+    file part makes the request an error record) / prompt (completions); the SamplingParams fields in `_SAMPLING`
     (max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
     stop_token_ids, min_tokens, ignore_eos, n, presence_penalty, frequency_penalty,
     repetition_penalty, include_stop_str_in_output, skip_special_tokens); logprobs and
@@ -35,6 +36,7 @@ import re
 from typing import Any, Callable
 
 from prefixflow.operators.read import ERROR
+from prefixflow.operators.template import content_text
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -110,6 +112,9 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
             raise ValueError("body.messages must be a list of chat messages for /v1/chat/completions")
+        for i, message in enumerate(body["messages"]):
+            if isinstance(message, dict) and isinstance(message.get("content"), list):
+                content_text(message["content"], i)  # an image or audio part: this request's error
         row["_pf_messages"] = json.dumps(body["messages"])
     else:
         prompt = body.get("prompt")
