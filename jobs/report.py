@@ -149,6 +149,8 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
         "sampling": sampling_used(spec),
         "per_replica": [_replica(r) for r in replica_records],
         "plan": plain(planned.plan.summary),
+        # Planning moves metadata, not prompts: compare with prompt_tokens * 4 (int32 token ids).
+        "plan_driver_bytes": planned.driver_bytes,
         "parts": sorted(m["part"] for m in manifests),
     }
 

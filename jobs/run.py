@@ -127,7 +127,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     import ray
 
     from prefixflow.jobs.supervise import run_replicas
-    from prefixflow.operators.write import MetricsSink, clear_end_markers, sink_name, write_json
+    from prefixflow.operators.write import clear_end_markers, sink_name, start_sink, write_json
 
     from prefixflow.operators.read import input_files
 
@@ -142,8 +142,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     # Every committed part is read once: one damaged since its commit runs its rows again.
     before = load_committed(wopts.path, wopts.storage, verify=True)
     # Named, so that another process can read the running job's state (operators/write.py).
-    sink = ray.remote(MetricsSink).options(num_cpus=0, namespace="prefixflow",
-                                           name=sink_name(fingerprint, os.getpid())).remote(spec.name)
+    sink = start_sink(spec.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)

@@ -254,7 +254,10 @@ class ReplicaGenerator:
         rows = fetch_rows(self.rows, row_ids)
         yield from self.runner.run(item, groups, rows, row_ids, np.union1d(self.done, self.skip))
         if self.runner.record is not None and self.sink is not None:
-            ray.get(self.sink.put.remote(self.runner.record))  # recorded before the item ends
+            from prefixflow.operators.write import ray_node_id
+
+            record = {**self.runner.record, "node_id": ray_node_id()}
+            ray.get(self.sink.put.remote(record))  # recorded before the item ends
 
     def _error_records(self) -> Iterator[pa.Table]:
         ids = self.error_row_ids

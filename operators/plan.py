@@ -62,6 +62,7 @@ class PlannedJob:
     extra_errors: dict[int, str] = field(default_factory=dict)  # row id -> error found here
     timings: dict[str, float] = field(default_factory=dict)
     content_digest: str = ""    # sha256 over every row's columns but the tokens, in row order
+    driver_bytes: int = 0       # what planning brought to the driver: metadata and hash windows
 
 
 def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
@@ -144,8 +145,15 @@ def _hash_window(hashes: tuple, local: np.ndarray, depth: int, width: int) -> np
     return ragged_gather(RaggedTokens(*hashes))(local, depth, width)
 
 
-def gather_hashes(rows: RowIndex, hash_refs: list[Any], row_ids: np.ndarray, seqs: np.ndarray,
-                  depth: int, width: int) -> np.ndarray:
+@dataclass
+class ReceivedBytes:
+    """Bytes the driver received while planning (counted, to show that token ids stay put)."""
+
+    total: int = 0
+
+
+def gather_hashes(rows: RowIndex, hash_refs: list[Any], row_ids: np.ndarray, received: ReceivedBytes,
+                  seqs: np.ndarray, depth: int, width: int) -> np.ndarray:
     """The plan sort's `gather` (pipeline/prefix_tree.sort_by_gather) over the blocks: one small
     task per block that holds any of the prompts `seqs` (positions in `row_ids`)."""
     import ray
@@ -159,6 +167,7 @@ def gather_hashes(rows: RowIndex, hash_refs: list[Any], row_ids: np.ndarray, seq
     windows = [task.remote(hash_refs[int(blocks[idx[0]])], local[idx], depth, width) for idx in parts]
     for idx, vals in zip(parts, ray.get(windows)):
         out[idx] = vals
+    received.total += out.nbytes
     return out
 
 
@@ -221,7 +230,8 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
         sel = np.flatnonzero(keep)
         good_ids, lengths = good_ids[sel], lengths[sel]
         out_lens = None if out_lens is None else out_lens[sel]
-    prompts = HashedPrompts(lengths, partial(gather_hashes, rows, hash_refs, good_ids), block_size,
+    received = ReceivedBytes(sum(v.nbytes for m in metas for v in m.values() if isinstance(v, np.ndarray)))
+    prompts = HashedPrompts(lengths, partial(gather_hashes, rows, hash_refs, good_ids, received), block_size,
                             partial(fetch_tokens, rows, good_ids), max_cells=DEFAULT_MAX_CELLS)
     t2 = time.perf_counter()
     plan = build_plan(prompts, row_ids=good_ids, output_lens=out_lens, order=order,
@@ -231,7 +241,7 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
     error_ids = np.setdiff1d(np.arange(offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
     timings = {"read_tokenize_s": t1 - t0, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
     digest = hashlib.sha256(b"".join(m["digest"].tobytes() for m in metas)).hexdigest()  # block order
-    return PlannedJob(plan, rows, error_ids, extra, timings, digest)
+    return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total)
 
 
 def _output_lens(metas: list[dict[str, Any]], default_max_tokens: int | None) -> np.ndarray | None:

@@ -39,15 +39,13 @@ class Processor:
         self.sink: Any = None
 
     def __call__(self, ds: Any) -> Any:
-        import ray
-
-        from prefixflow.operators.write import MetricsSink
+        from prefixflow.operators.write import start_sink
 
         if self.preprocess is not None:
             ds = ds.map(Merged(self.preprocess))
         self.last_plan = self.plan(ds)
         if self.sink is None:  # one small actor per processor collects per-replica records
-            self.sink = ray.remote(MetricsSink).options(num_cpus=0).remote()
+            self.sink = start_sink()
         out = self.generate(self.last_plan, self.sink)
         out = out.drop_columns(["_pf_rank", "_pf_computed"])
         if self.postprocess is not None:
@@ -124,10 +122,11 @@ class Merged:
 
 def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
     """Ray options of an engine actor: its resources (none when it only writes error records,
-    needs_engine=False); no restarts, no task retries (a death is handled by whoever runs the
-    actors, which knows what was committed)."""
+    needs_engine=False); spread over the cluster's nodes (data-parallel replicas share no
+    state, and each one wants a node's memory bandwidth to itself); no restarts, no task
+    retries (a death is handled by whoever runs the actors, which knows what was committed)."""
     opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
-                            "max_restarts": 0, "max_task_retries": 0}
+                            "max_restarts": 0, "max_task_retries": 0, "scheduling_strategy": "SPREAD"}
     if cfg.num_gpus_per_replica and needs_engine:
         opts["num_gpus"] = cfg.num_gpus_per_replica
     return opts

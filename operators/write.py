@@ -65,7 +65,7 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
         "generated_tokens": [int(pc.sum(table.column("num_generated_tokens")).as_py() or 0)],
         "written_at": [time.time()],
         # Which engine actor wrote it: where to look when a part is wrong, or a worker dies.
-        "worker": [f"{socket.gethostname()}:{os.getpid()}"],
+        "worker": [f"{socket.gethostname()}:{os.getpid()}"], "node_id": [ray_node_id()],
     }
     data = encode_part(table, opts)
     check_fence(opts.path, opts.storage, opts.fence)  # this job still holds the path
@@ -78,6 +78,14 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
     commit_bytes(commit_record_path(opts.path, name),
                  record_bytes(record, table.column("row_id").to_pylist()), opts.storage)
     return pa.table(manifest)
+
+
+def ray_node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray): which node wrote a part or ran a
+    replica, on a cluster where every node has the same host name."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
@@ -293,6 +301,18 @@ class JobMetrics:
         self.gauges["live_rows"].set(float(counts["rows"]), tags=tags)
         self.gauges["live_generated_tokens"].set(float(counts["generated_tokens"]), tags=tags)
         self.gauges["live_generated_tokens_per_s"].set(counts["generated_tokens"] / seconds, tags=tags)
+
+
+def start_sink(job: str = "prefixflow", name: str | None = None) -> Any:
+    """A MetricsSink actor on the driver's own node: it lives as long as the driver does (on
+    another node it would die with that node, and take the job with it). name: for another
+    process to find it (namespace "prefixflow")."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    named = {"namespace": "prefixflow", "name": name} if name is not None else {}
+    return ray.remote(MetricsSink).options(num_cpus=0, scheduling_strategy=here, **named).remote(job)
 
 
 def sink_name(fingerprint: str, driver_pid: int) -> str:

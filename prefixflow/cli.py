@@ -89,11 +89,16 @@ def _show_our_logs() -> None:
 
 def _job_failures() -> tuple[type[BaseException], ...]:
     """Failures of a running job that deserve one message, not a traceback: engines that keep
-    dying or are broken, storage that keeps failing. Anything else is a bug: its traceback shows."""
+    dying or are broken, storage that keeps failing, a lost node's data. Anything else is a bug:
+    its traceback shows."""
+    from ray.exceptions import ObjectLostError
+
     from prefixflow.jobs.attempts import EnginesKeepDying
     from prefixflow.operators.isolate import EngineBroken
 
-    return (EnginesKeepDying, EngineBroken, OSError)
+    # ObjectLostError: a node lost with input blocks that no other node held (a resume reads
+    # the input again).
+    return (EnginesKeepDying, EngineBroken, OSError, ObjectLostError)
 
 
 def _generating(e: BaseException) -> bool:
