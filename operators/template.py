@@ -12,6 +12,7 @@ RowError too.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,7 @@ class PromptTemplate:
 
     def render(self, row: dict[str, Any]) -> str | list[dict[str, str]]:
         """Plain text for `template`, else a list of chat messages. Raises RowError."""
-        values = {k: v for k, v in row.items() if v is not None and not k.startswith("_pf_")}
+        values = self._values(row)
         if self.template is not None:
             text = _render(self.template, values, "prompt.template")
             if not text.strip():
@@ -102,6 +103,32 @@ class PromptTemplate:
             raise RowError("empty prompt: prompt.user rendered to blank text for this row")
         messages.append({"role": "user", "content": user})
         return messages
+
+
+    def _values(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row's values a template sees: no nulls, no bookkeeping, and binary values as the
+        UTF-8 text they hold (a parquet binary column would otherwise render as "b'...'"). A
+        binary value that is not UTF-8 fails the row only where the prompt reads it."""
+        values = {}
+        for k, v in row.items():
+            if v is None or k.startswith("_pf_"):
+                continue
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    if k in self.columns:
+                        raise RowError(f"column {k!r} holds bytes that are not UTF-8 text (byte "
+                                       f"{v[e.start]:#04x} at {e.start}): a prompt is text; "
+                                       "store the column as text") from None
+                    continue
+            values[k] = v
+        return values
+
+    @functools.cached_property
+    def columns(self) -> frozenset[str]:
+        """The columns this prompt reads (template_columns), worked out once."""
+        return frozenset(template_columns(self))
 
 
 def _invalid(name: str, value: object, fix: str) -> None:

@@ -129,3 +129,17 @@ def test_jsonl_output_is_strict_json(ray_local, tiny_model, tmp_path):
     rows = {r["q"]: r for r in (json.loads(line, parse_constant=strict) for line in lines)}
     assert rows["a"]["score"] is None and rows["b"]["score"] is None and rows["c"]["score"] == 1.5
     assert rows["a"]["big"] == 2 ** 70 and isinstance(rows["b"]["big"], int)
+
+
+def test_a_binary_parquet_column_renders_as_its_text(ray_local, tiny_model, tmp_path):
+    """Binary values reach the prompt as the UTF-8 text they hold (it rendered "b'...'"); bytes
+    that are not text fail only a row whose prompt reads them; other binary columns pass."""
+    table = pa.table({"q": pa.array(["héllo".encode(), b"\xff\xfe", b"plain"], pa.binary()),
+                      "blob": pa.array([b"\x00\x01", b"\xff", b""], pa.binary())})
+    pq.write_table(table, tmp_path / "in.parquet")
+    rows = _run(tmp_path, tiny_model, str(tmp_path / "in.parquet"), {"template": "Q: {{ q }}"},
+                fmt="parquet")
+    by_q = {r["q"]: r for r in rows}
+    assert by_q["héllo".encode()]["prompt"] == "Q: héllo" and by_q[b"plain"]["prompt"] == "Q: plain"
+    assert "column 'q' holds bytes that are not UTF-8 text" in by_q[b"\xff\xfe"]["error"]
+    assert sorted(r["blob"] for r in rows) == [b"", b"\x00\x01", b"\xff"]  # kept as bytes
