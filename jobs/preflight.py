@@ -95,7 +95,7 @@ def _model_problems(spec: JobSpec) -> Problems:
                  "a JSON object: fix the file")]
     # Remote code may read a tokenizer from files of any name.
     problem = (None if spec.engine.trust_remote_code else _tokenizer_problem(model)) \
-        or _vocab_problem(model, config)
+        or _vocab_problem(model, config) or _generation_config_problem(spec)
     if problem is not None:
         return [("model", problem)]
     from prefixflow.operators.tokenize import model_max_len
@@ -107,6 +107,19 @@ def _model_problems(spec: JobSpec) -> Problems:
                  "max_position_embeddings in its config.json): use at most "
                  f"{limit}, or leave it unset to use the model's")]
     return []
+
+
+def _generation_config_problem(spec: JobSpec) -> str | None:
+    """The model's generation_config.json as the job will read it (invalid JSON, a bad value
+    the spec does not override), named by its file."""
+    from prefixflow.jobs.report import sampling_set
+    from prefixflow.operators.config import sampling_with_defaults
+
+    try:
+        sampling_with_defaults(spec.model, sampling_set(spec))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _local_model(spec: JobSpec) -> Path | None:

@@ -229,3 +229,20 @@ def test_a_bad_value_in_generation_config_is_blamed_on_the_file(tiny_model, tmp_
     # each valid alone, together not: the file's share is named
     with pytest.raises(ValueError, match=r"min_tokens=9 .*max_tokens=5 taken from .*generation_config"):
         ProcessorConfig(model=str(model), sampling={"top_p": 0.5, "min_tokens": 9})
+
+
+def test_validate_names_a_bad_generation_config(tiny_model, tmp_path, capsys):
+    """`prefixflow validate` reads the model's generation_config.json as the job will (it
+    passed, and the job failed later)."""
+    import yaml
+
+    from prefixflow.cli import main as cli
+
+    model = _model_with(tiny_model, tmp_path, json.dumps({"top_p": 2}))
+    (tmp_path / "in.jsonl").write_text('{"q": "hi"}\n')
+    spec = {"model": str(model), "input": {"path": str(tmp_path / "in.jsonl")},
+            "prompt": {"template": "{{ q }}"}, "output": {"path": str(tmp_path / "out")}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"model: {model / 'generation_config.json'}: top_p=2 is invalid" in err, err
