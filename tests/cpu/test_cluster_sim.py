@@ -243,8 +243,16 @@ def test_prediction_matches_vllm_in_arrival_and_sorted_order(tmp_path):
 # ---- the CLI ------------------------------------------------------------------------------------
 
 def test_quick_run_writes_every_mix_and_policy(tmp_path):
+    """The CLI, in a process of its own, which must not import numba: vLLM's CPU build cannot
+    start in a process that did (llvmlite), and the suite runs vLLM in its own process."""
+    import subprocess
+    import sys
+
     out = tmp_path / "cluster_sim.json"
-    cs.main(["--quick", "--out", str(out)])
+    code = (f"import sys; from prefixflow.bench import cluster_sim; cluster_sim.main(['--quick', "
+            f"'--out', '{out}']); print('numba imported:', 'numba' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "numba imported: False" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert (tmp_path / "cluster_sim.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert set(report["mixes"]) == {"docs_questions", "conversations", "no_sharing"}
