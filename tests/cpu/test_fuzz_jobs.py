@@ -59,6 +59,8 @@ LINES = {
     "accented": (True, lambda i: json.dumps({"id": i, "q": f"Qu'est-ce qu'une \"rivière\" {i}?\nDis."})),
     "nan_and_big": (True, lambda i: '{"id": %d, "q": "row %d", "score": NaN, "n": %d}' % (i, i, 2 ** 70)),
     "reserved": (False, lambda i: json.dumps({"id": i, "q": "x", "_pf_tokens": [1, 2]})),
+    "tiny_temperature": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
+                                                       {"temperature": 1e-40}})),
 }
 BAD_UTF8 = b'{"id": %d, "q": "caf\xe9"}'
 
@@ -74,7 +76,8 @@ specs = st.fixed_dictionaries({
     # One in five specs is broken on purpose: the job must refuse it up front.
     "broken_spec": st.sampled_from([None, None, None, None,
                                     ("sampling.temperature", -1), ("output.rows_per_part", 0),
-                                    ("order", "random"), ("sampling.top_k", 1e20)]),
+                                    ("order", "random"), ("sampling.top_k", 1e20),
+                                    ("sampling.temperature", 1e-40)]),
 })
 rows = st.lists(st.sampled_from([*LINES, "bad_utf8"]), max_size=7)
 
