@@ -67,7 +67,7 @@ def parse_requests(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for rec in records:
         row = {"custom_id": None, "_pf_url": None, "_pf_model": None, "_pf_messages": None,
-               "_pf_prompt_text": None, "_pf_sampling": None, "_pf_max_tokens": None,
+               "_pf_prompt_text": None, "_pf_sampling": None,
                "_pf_source": rec.get("_pf_source"), ERROR: rec.get(ERROR)}
         if row[ERROR] is not None:  # broken line: recover the custom_id if it is readable
             row["custom_id"] = _recover_custom_id(rec.get("_pf_raw") or "")
@@ -122,9 +122,8 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("body.prompt must be one string for /v1/completions")
         row["_pf_prompt_text"] = prompt
     overrides = _overrides(body, url)
-    params = _check_sampling(overrides)
+    _check_sampling(overrides)
     row["_pf_sampling"] = json.dumps(overrides) if overrides else None
-    row["_pf_max_tokens"] = params.max_tokens if "max_tokens" in overrides else None
     return row
 
 

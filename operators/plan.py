@@ -29,10 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prefixflow.operators.read import ERROR
-from prefixflow.operators.tokenize import TOKENS
+from prefixflow.operators.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS
-
-MAX_TOKENS = "_pf_max_tokens"  # per-row max_tokens (OpenAI body), used as the output-length hint
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,7 @@ def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
         "digest": _block_digest(block),
     }
     if MAX_TOKENS in block.column_names:
-        # Most OpenAI bodies omit max_tokens: null -> -1, "unknown" to the planner (plan_dataset).
+        # Rows without their own max_tokens: null -> -1, the job's default (plan_dataset).
         col = block.column(MAX_TOKENS).cast(pa.int64()).take(pa.array(good))
         meta["max_tokens"] = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64)
     if custom_ids and "custom_id" in block.column_names:

@@ -1,6 +1,7 @@
 """Tokenize stage: rows -> prompt token ids, in parallel CPU actors (one tokenizer each).
 
-Adds `_pf_tokens` (list<int32>; empty for a bad row) and updates `_pf_error`: a row whose
+Adds `_pf_tokens` (list<int32>; empty for a bad row) and `_pf_max_tokens` (the row's own
+max_tokens, null where its overrides set none) and updates `_pf_error`: a row whose
 template fails, whose prompt is empty or longer than the context becomes an error record
 here and is left out of the plan. Chat prompts go through the tokenizer's own chat template,
 which transformers renders in Jinja's sandbox; plain templates render in ours.
@@ -18,6 +19,9 @@ from prefixflow.operators.read import ERROR
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
 
 TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
+# A row's own max_tokens (from its sampling overrides; null: the job's default): the plan's
+# output-length hint, so that replicas are balanced for the outputs they will really make.
+MAX_TOKENS = "_pf_max_tokens"
 # Columns the OpenAI batch reader fills in place of a template (operators/openai_batch.py).
 OPENAI_MESSAGES, OPENAI_PROMPT = "_pf_messages", "_pf_prompt_text"
 
@@ -45,11 +49,12 @@ class Tokenize:
         rows = table.to_pylist()
         errors: list[str | None] = [r.get(ERROR) for r in rows]
         texts: list[str | None] = [None] * len(rows)
+        max_tokens: list[int | None] = [None] * len(rows)
         chat = [False] * len(rows)
         for i, row in enumerate(rows):
             if errors[i] is None:
                 try:
-                    self._check_sampling(row)
+                    max_tokens[i] = self._check_sampling(row)
                     texts[i], chat[i] = self._render(row)
                 except RowError as e:
                     errors[i] = str(e)
@@ -61,13 +66,15 @@ class Tokenize:
                 tokens[i] = []
         table = _set_column(table, ERROR, pa.array(errors, pa.string()))
         table = _set_column(table, TOKENS, pa.array(tokens, pa.list_(pa.int32())))
+        table = _set_column(table, MAX_TOKENS, pa.array(max_tokens, pa.int64()))
         if self.opts.keep_prompt:
             table = _set_column(table, PROMPT, pa.array(texts, pa.string()))
         return table
 
-    def _check_sampling(self, row: dict[str, Any]) -> None:
-        if self.opts.sampling is not None:
-            check_row_sampling(self.opts.sampling, row)
+    def _check_sampling(self, row: dict[str, Any]) -> int | None:
+        if self.opts.sampling is None:
+            return None
+        return check_row_sampling(self.opts.sampling, row)
 
     def _render(self, row: dict[str, Any]) -> tuple[str, bool]:
         """The prompt text of a row and whether it came from a chat template."""
@@ -118,16 +125,17 @@ class Tokenize:
         return None
 
 
-def check_row_sampling(default: Any, row: dict[str, Any]) -> None:
+def check_row_sampling(default: Any, row: dict[str, Any]) -> int | None:
     """A row's sampling overrides must make valid SamplingParams over `default` (else RowError:
-    the row becomes an error record). Used by the tokenize stage and by preflight."""
+    the row becomes an error record); returns the row's max_tokens when it has overrides.
+    Used by the tokenize stage and by preflight."""
     from prefixflow.operators.outputs import SAMPLING_COLUMNS, row_sampling
 
     value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
     if value is None:
-        return
+        return None
     try:
-        row_sampling(default, value)
+        return row_sampling(default, value).max_tokens
     except ValueError as e:
         raise RowError(f"invalid sampling parameters for this row: {e}") from None
 

@@ -49,10 +49,11 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": dashboard,
+        # Each node's agent on a port of its own: the session's Ray holds the default one, and
+        # the head's agent is what `ray job submit` talks to.
+        "dashboard_agent_listen_port": free_port(),
         "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")}})
-    workers = [c.add_node(num_cpus=1, node_ip_address="127.0.0.1",
-                          env_vars={"PREFIXFLOW_CACHE": str(root / f"node{k}-cache")})
-               for k in range(3)]
+    workers = [_add_worker(c, root / f"node{k}-cache") for k in range(3)]
     c.wait_for_nodes()
     import boto3
 
@@ -71,6 +72,11 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _add_worker(c, cache: Path):
+    return c.add_node(num_cpus=1, node_ip_address="127.0.0.1", dashboard_agent_listen_port=free_port(),
+                      env_vars={"PREFIXFLOW_CACHE": str(cache)})
 
 
 def _s3(endpoint: str):
@@ -168,9 +174,8 @@ def test_a_node_lost_mid_job_loses_and_repeats_no_row(cluster, tmp_path):
     faults = _metrics(cluster, "lost")["fault_tolerance"]
     assert faults["rows_committed_before"] > 0 or faults["engine_failures"] >= 1, faults
     cluster.workers.remove(victim)
-    cluster.workers.append(cluster.cluster.add_node(  # back to three workers for the next test
-        num_cpus=1, node_ip_address="127.0.0.1",
-        env_vars={"PREFIXFLOW_CACHE": str(cluster.root / "node-new-cache")}))
+    # back to three workers for the next test
+    cluster.workers.append(_add_worker(cluster.cluster, cluster.root / "node-new-cache"))
 
 
 def _first_committing_worker(cl, name: str, proc: subprocess.Popen, log: Path):

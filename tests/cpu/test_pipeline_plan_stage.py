@@ -50,7 +50,7 @@ def test_plan_stage_moves_no_full_rows(ray_local, tiny_model, tmp_path):
     # (those stay in the blocks, with their KV-block hashes beside them).
     block = ray.get(planned.rows.block_refs[0])
     meta = _block_meta(block, custom_ids=False)
-    assert set(meta) == {"num_rows", "good", "lengths", "digest"}  # digest: 32 bytes
+    assert set(meta) == {"num_rows", "good", "lengths", "max_tokens", "digest"}  # digest: 32 bytes
     assert all(isinstance(v, int) or np.issubdtype(v.dtype, np.integer) for v in meta.values())
     text_bytes = sum(len(r["document"]) + len(r["question"]) for r in rows)
     meta_bytes = sum(v.nbytes for v in meta.values() if isinstance(v, np.ndarray))
@@ -91,3 +91,18 @@ def test_read_csv_parquet_and_limit(ray_local, tmp_path):
     pq.write_table(pa.table({"q": ["x", "y", "z"]}), tmp_path / "b.parquet")
     got = read_dataset(ReadOptions(path=str(tmp_path / "b.parquet"), format="parquet", limit=2)).take_all()
     assert len(got) == 2 and all(r["_pf_error"] is None for r in got)
+
+
+def test_each_rows_own_max_tokens_is_the_plans_output_length(ray_local, tiny_model, tmp_path):
+    """Rows that set their own max_tokens are planned (balanced across replicas) for that
+    output; the others for the job's default."""
+    rows = [{"q": f"question {i}", "sampling_params": {"max_tokens": 8 + 30 * i}} for i in range(4)]
+    rows.append({"q": "no override"})
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    processor = Processor(ProcessorConfig(model=str(tiny_model), prompt={"template": "Q: {{ q }}"},
+                                          sampling={"max_tokens": 50}, replicas=2, engine={"device": "cpu"}))
+    planned = processor.plan(read_dataset(ReadOptions(path=str(path), format="jsonl")))
+    table = planned.plan.table
+    lens = dict(zip(table.column("row_id").to_pylist(), table.column("output_len").to_pylist()))
+    assert lens == {0: 8, 1: 38, 2: 68, 3: 98, 4: 50}
