@@ -147,10 +147,11 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
     progress.close()
-    # Parts that a dead job's actors still committed after this job took the path over: this
-    # job ran their rows itself (operators/commit.py: fencing).
-    fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence or "", before) if wopts.fence else []
     final = load_committed(wopts.path, wopts.storage)
+    # Without the parts a dead job's actors still committed after this job took the path over:
+    # this job ran their rows itself (operators/commit.py: fencing).
+    final, fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence, before, final) \
+        if wopts.fence else (final, [])
     missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
     if len(missing) or len(final.row_ids) != planned.rows.num_rows:  # never report success short
         raise RuntimeError(f"rows {missing[:10].tolist()} ({len(missing)} in all) of "

@@ -226,21 +226,23 @@ class JobFenced(RuntimeError):
     """This job's lock on its output path is gone: another job took the path over."""
 
 
-def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed) -> list[str]:
-    """Delete the commit records (then their parts) written since `before` by a job other than
-    `token`'s: a dead job's actor that committed after this job took its lock over. This job
-    ran every row that `before` did not hold, so nothing is lost. Returns what was deleted."""
-    fs = storage.filesystem(out)
+def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed,
+                final: Committed) -> tuple[Committed, list[str]]:
+    """`final` (this job's last read of the commit records) without the parts a job other than
+    `token`'s committed since `before`: a dead job's actor that committed after this job took
+    its lock over. Their records (then the parts) are deleted; this job ran every row that
+    `before` did not hold, so nothing is lost. Returns the counted parts and the names dropped."""
     old = {m["part"] for m in before.manifests}
-    records, _ = _read_records(out, fs)
-    removed = []
-    for r in records:
-        if r["part"] not in old and r.get("writer") not in (None, token):
-            fs.rm(commit_record_path(out, r["part"]))
-            if fs.exists(join(out, r["part"])):
-                fs.rm(join(out, r["part"]))
-            removed.append(r["part"])
-    return removed
+    fenced = [m["part"] for m in final.manifests
+              if m["part"] not in old and m.get("writer") not in (None, token)]
+    if not fenced:
+        return final, []
+    fs = storage.filesystem(out)
+    for part in fenced:
+        fs.rm(commit_record_path(out, part))
+        if fs.exists(join(out, part)):
+            fs.rm(join(out, part))
+    return load_committed(out, storage), fenced
 
 
 def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> None:

@@ -192,10 +192,10 @@ def test_a_job_whose_lock_was_taken_over_commits_nothing_more(ray_local, tmp_pat
     # The new job writes rows 2-5 itself, then drops what the dead job signed after `before`.
     new_opts = WriteOptions(path=out, format="jsonl", fence=new.holder["token"])
     write_part(_table([4, 5]), new_opts)
-    assert drop_fenced(out, storage, new.holder["token"], before) == ["part-r000-000000002.jsonl"]
+    final, dropped = drop_fenced(out, storage, new.holder["token"], before, load_committed(out, storage))
+    assert dropped == ["part-r000-000000002.jsonl"] and final.row_ids.tolist() == [0, 1, 4, 5]
     write_part(_table([2, 3]), new_opts)
-    final = load_committed(out, storage)
-    assert final.row_ids.tolist() == [0, 1, 2, 3, 4, 5]
+    assert load_committed(out, storage).row_ids.tolist() == [0, 1, 2, 3, 4, 5]
     new.release()
 
 
