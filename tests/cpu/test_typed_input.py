@@ -42,12 +42,14 @@ def _run(tmp_path: Path, model: Path, path: str, prompt: dict, fmt: str = "jsonl
     return out.to_pylist() if isinstance(out, pa.Table) else out
 
 
-def test_a_mixed_column_keeps_its_strings_in_prompt_and_output(ray_local, tiny_model, tmp_path):
+def test_a_mixed_column_keeps_its_strings_and_reserved_names_are_refused(ray_local, tiny_model, tmp_path):
     questions = ["What is a river?", "Qu'est-ce qu'une \"rivière\"?\nDis-moi.", 42, "naïve café"]
     lines = [json.dumps({"id": i, "q": q}, ensure_ascii=False) for i, q in enumerate(questions)]
     # sampling_params as JSON text in one row, as an object in the others: both are read.
     lines.append(json.dumps({"id": 4, "q": "text params", "sampling_params": '{"max_tokens": 1}'}))
     lines.append(json.dumps({"id": 5, "q": "object params", "sampling_params": {"max_tokens": 1}}))
+    # A reserved column name: the row is an error record that says why; its other columns stay.
+    lines.append(json.dumps({"id": 6, "q": "hi", "_pf_note": "mine"}))
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     rows = {r["id"]: r for r in _run(tmp_path, tiny_model, str(tmp_path / "in.jsonl"),
                                      {"template": "Q: {{ q }}"})}
@@ -57,6 +59,7 @@ def test_a_mixed_column_keeps_its_strings_in_prompt_and_output(ray_local, tiny_m
         assert rows[i]["error"] is None
     for i in (4, 5):
         assert rows[i]["error"] is None and rows[i]["num_generated_tokens"] == 1, rows[i]
+    assert "'_pf_note'" in rows[6]["error"] and "reserved" in rows[6]["error"]
 
 
 def test_files_whose_column_types_differ_are_read(ray_local, tiny_model, tmp_path):
@@ -97,7 +100,7 @@ def test_byte_ranges_of_one_file_whose_types_differ_are_read(ray_local, tmp_path
     assert table.column("id").to_pylist() == [str(i) if i < 50 else f"r{i}" for i in range(100)]
 
 
-def test_csv_header_with_a_name_twice_and_reserved_columns(ray_local, tiny_model, tmp_path):
+def test_a_csv_header_that_names_a_column_twice(ray_local, tiny_model, tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "a.csv").write_text("q,id\nhello,1\nbye,2\n")
@@ -106,40 +109,28 @@ def test_csv_header_with_a_name_twice_and_reserved_columns(ray_local, tiny_model
     assert len(rows) == 3
     bad = [r for r in rows if r["error"]]
     assert len(bad) == 1 and "names column 'q' twice (columns 1 and 3)" in bad[0]["error"]
-    # Reserved names: the row is an error record that says why; its other columns stay.
-    (tmp_path / "r.jsonl").write_text(json.dumps({"id": 7, "q": "hi", "_pf_note": "mine"}) + "\n"
-                                      + json.dumps({"id": 8, "q": "fine"}) + "\n")
-    rows = {r["id"]: r for r in _run(tmp_path / "r", tiny_model, str(tmp_path / "r.jsonl"),
-                                     {"template": "Q: {{ q }}"})}
-    assert "'_pf_note'" in rows[7]["error"] and "reserved" in rows[7]["error"]
-    assert rows[8]["error"] is None
 
 
-def test_jsonl_output_is_strict_json(ray_local, tiny_model, tmp_path):
-    table = pa.table({"q": ["a", "b", "c"], "score": [float("nan"), float("inf"), 1.5],
+def test_parquet_values_reach_prompts_as_text_and_jsonl_as_strict_json(ray_local, tiny_model, tmp_path):
+    """Binary values reach the prompt as the UTF-8 text they hold (it rendered "b'...'"); bytes
+    that are not text fail only a row whose prompt reads them. The JSONL writer writes strict
+    JSON: NaN and infinities as null, integers beyond int64 exactly, bytes as base64."""
+    import base64
+
+    table = pa.table({"q": pa.array(["héllo".encode(), b"\xff\xfe", b"plain"], pa.binary()),
+                      "blob": pa.array([b"\x00\x01", b"\xff", b""], pa.binary()),
+                      "score": [float("nan"), float("inf"), 1.5],
                       "big": pa.array([2 ** 70, 1, 2], pa.decimal128(38, 0))})
     pq.write_table(table, tmp_path / "in.parquet")
     _run(tmp_path, tiny_model, str(tmp_path / "in.parquet"), {"template": "Q: {{ q }}"})
-    lines = [line for p in sorted((tmp_path / "out").glob("part-*"))
-             for line in p.read_text().splitlines()]
 
     def strict(token: str) -> float:
         raise ValueError(f"not JSON: {token}")
 
-    rows = {r["q"]: r for r in (json.loads(line, parse_constant=strict) for line in lines)}
-    assert rows["a"]["score"] is None and rows["b"]["score"] is None and rows["c"]["score"] == 1.5
-    assert rows["a"]["big"] == 2 ** 70 and isinstance(rows["b"]["big"], int)
-
-
-def test_a_binary_parquet_column_renders_as_its_text(ray_local, tiny_model, tmp_path):
-    """Binary values reach the prompt as the UTF-8 text they hold (it rendered "b'...'"); bytes
-    that are not text fail only a row whose prompt reads them; other binary columns pass."""
-    table = pa.table({"q": pa.array(["héllo".encode(), b"\xff\xfe", b"plain"], pa.binary()),
-                      "blob": pa.array([b"\x00\x01", b"\xff", b""], pa.binary())})
-    pq.write_table(table, tmp_path / "in.parquet")
-    rows = _run(tmp_path, tiny_model, str(tmp_path / "in.parquet"), {"template": "Q: {{ q }}"},
-                fmt="parquet")
-    by_q = {r["q"]: r for r in rows}
-    assert by_q["héllo".encode()]["prompt"] == "Q: héllo" and by_q[b"plain"]["prompt"] == "Q: plain"
-    assert "column 'q' holds bytes that are not UTF-8 text" in by_q[b"\xff\xfe"]["error"]
-    assert sorted(r["blob"] for r in rows) == [b"", b"\x00\x01", b"\xff"]  # kept as bytes
+    lines = [line for p in sorted((tmp_path / "out").glob("part-*")) for line in p.read_text().splitlines()]
+    rows = {r["big"]: r for r in (json.loads(line, parse_constant=strict) for line in lines)}
+    hello, bad, plain = rows[2 ** 70], rows[1], rows[2]
+    assert hello["prompt"] == "Q: héllo" and plain["prompt"] == "Q: plain" and hello["error"] is None
+    assert "column 'q' holds bytes that are not UTF-8 text" in bad["error"]
+    assert hello["score"] is None and bad["score"] is None and plain["score"] == 1.5
+    assert [base64.b64decode(r["blob"]) for r in (hello, bad, plain)] == [b"\x00\x01", b"\xff", b""]
