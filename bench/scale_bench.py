@@ -5,7 +5,10 @@ with the same model and the same rows:
     ray_llm_arrival   ray.data.llm (build_processor, vLLM's CPU build, its default batch size),
                       rows in arrival order;
     ray_llm_sorted    the same after `ds.sort` on the prompt text (what a careful user does; the
-                      actor pool still hands consecutive batches to whichever replica is free);
+                      actor pool still hands consecutive batches to whichever replica is free),
+                      vLLM's engine core in the actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+    ray_llm_sorted_mp the same with vLLM's engine core in a child process (vLLM's default): the
+                      comparisons take the faster of the two;
     prefixflow_vllm   prefixflow, engine.backend: vllm;
     prefixflow_native prefixflow's own engine.
 
@@ -51,7 +54,8 @@ SYSTEM = ("You are a careful reader working through a large batch of documents. 
           "below and answer the question about it in one short sentence, using only what the "
           "document says.")
 USER = "Document: {{ document }}\n\nQuestion: {{ question }}"
-SYSTEMS = ("ray_llm_arrival", "ray_llm_sorted", "prefixflow_vllm", "prefixflow_native")
+SYSTEMS = ("ray_llm_arrival", "ray_llm_sorted", "ray_llm_sorted_mp", "prefixflow_vllm",
+           "prefixflow_native")
 BLOCK = 32                # vLLM's CPU attention wants multiples of 32; every system uses 32
 KV_CACHE_BYTES = 64 << 20  # per replica: about 16k tokens of the bench model (fp32)
 MODEL_SHAPE = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512,
@@ -128,7 +132,7 @@ def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> d
     if system.startswith("prefixflow"):
         record = _run_prefixflow(system.removeprefix("prefixflow_"), replicas, data, model, out)
     else:
-        record = _run_ray_llm(system == "ray_llm_sorted", replicas, data, model, out)
+        record = _run_ray_llm("sorted" in system, system.endswith("_mp"), replicas, data, model)
     record["wall_s"] = time.time() - t0
     record["engine_start_s"] = max(record.pop("ready_at")) - t0
     record["wall_without_start_s"] = record["wall_s"] - record["engine_start_s"]
@@ -150,14 +154,17 @@ def _run_prefixflow(backend: str, replicas: int, data: Path, model: Path, out: P
     metrics = run_job(spec, quiet=True)
     rows = read_output(str(out)).to_pylist()
     per = metrics["per_replica"]
+    from prefixflow.engine.loader import read_model_args
+
     return {"computed_prompt_tokens": sum(r["engine_totals"]["num_computed_prompt_tokens"] for r in per),
+            "kv_bytes_per_token": read_model_args(str(model)).kv_bytes_per_token_per_elem * 4,
             "prompt_tokens": sum(r["num_input_tokens"] for r in rows),
             "engine_s": [r["run_seconds"] for r in per], "nodes": [r.get("node_id") for r in per],
             "ready_at": [r["engine_ready_s"] for r in per],
             "outputs": {int(r["id"]): [int(t) for t in r["generated_tokens"]] for r in rows}}
 
 
-def _run_ray_llm(sort: bool, replicas: int, data: Path, model: Path, out: Path) -> dict[str, Any]:
+def _run_ray_llm(sort: bool, multiprocess: bool, replicas: int, data: Path, model: Path) -> dict[str, Any]:
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
@@ -172,7 +179,7 @@ def _run_ray_llm(sort: bool, replicas: int, data: Path, model: Path, out: Path) 
                            max_model_len=margs.max_position_embeddings),
         placement_group_config={"bundles": [{"CPU": 1}]}, log_engine_metrics=False,
         runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                  "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}})
+                                  "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}})
     processor = build_processor(
         config,
         preprocess=lambda r: dict(id=r["id"], tokenized_prompt=r["tokenized_prompt"],
@@ -192,7 +199,8 @@ def _run_ray_llm(sort: bool, replicas: int, data: Path, model: Path, out: Path) 
             "engine_s": [max(r["finished_at"] for r in rs) - min(r["arrival_time"] for r in rs)
                          for rs in by_pid.values()],
             "ready_at": [min(r["arrival_time"] for r in rs) for rs in by_pid.values()],
-            "batch_size": config.batch_size,
+            "batch_size": config.batch_size, "num_gpu_blocks": blocks,
+            "row_pid": {int(r["id"]): r["pid"] for r in rows},
             "outputs": {int(r["id"]): r["generated_tokens"] for r in rows}}
 
 
@@ -283,17 +291,50 @@ def summarize(runs: dict[str, dict[str, Any]], reference: dict[int, list[int]]) 
     for key, run in runs.items():
         engine = run["engine_s"]
         outputs = run.pop("outputs")
+        run.pop("row_pid", None)
         out[key] = {**run, "slowest_over_mean": max(engine) / (sum(engine) / len(engine)),
                     "outputs_equal": sum(outputs.get(i) == t for i, t in reference.items()),
                     "outputs": len(outputs)}
     return out
 
 
+def simulator_check(runs: dict[str, dict[str, Any]], token_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """cluster_sim's prediction of each run's computed prompt tokens (same prompts in arrival
+    order, same cache, same block size; for ray.data.llm the replica each row really ran on),
+    against the measured count (issue 28 item 3's check)."""
+    from prefixflow.bench.cluster_sim import predict_computed_tokens
+
+    prompts = [r["tokenized_prompt"] for r in token_rows]
+    outs = [r["max_tokens"] for r in token_rows]
+    cache_blocks = next((r["num_gpu_blocks"] for r in runs.values() if "num_gpu_blocks" in r), None)
+    out = {}
+    for key, run in runs.items():
+        system, n = key.split("/")
+        if system.startswith("ray_llm"):
+            pids = {int(i): pid for i, pid in run["row_pid"].items()}
+            index = {pid: k for k, pid in enumerate(sorted(set(pids.values())))}
+            pred = predict_computed_tokens(
+                prompts, len(index), (cache_blocks - 1) * BLOCK, "sorted" if "sorted" in system else "arrival",
+                block_size=BLOCK, output_lens=outs, batch_size=run["batch_size"],
+                row_replica=[index[pids[r["id"]]] for r in token_rows])
+        else:  # vLLM keeps one of its blocks as the null block
+            vllm = system == "prefixflow_vllm"
+            blocks = KV_CACHE_BYTES // (BLOCK * run["kv_bytes_per_token"])
+            pred = predict_computed_tokens(prompts, int(n), (blocks - vllm) * BLOCK,
+                                           "plan_vllm" if vllm else "plan", block_size=BLOCK, output_lens=outs)
+        measured = run["computed_prompt_tokens"]
+        out[key] = {"measured": measured, "predicted": pred.computed_prompt_tokens,
+                    "error": pred.computed_prompt_tokens / measured - 1}
+    return out
+
+
 def ratios(summary: dict[str, Any], replicas: list[int]) -> dict[str, Any]:
-    """The acceptance's comparisons at each N (ours vs ray.data.llm with sorted input)."""
+    """The acceptance's comparisons at each N: ours vs ray.data.llm with sorted input (the
+    faster of its two vLLM process modes), and vs our own count at N = 1."""
     out = {}
     for n in replicas:
-        sorted_ = summary.get(f"ray_llm_sorted/{n}")
+        modes = [summary[k] for k in (f"ray_llm_sorted/{n}", f"ray_llm_sorted_mp/{n}") if k in summary]
+        sorted_ = min(modes, key=lambda r: r["wall_without_start_s"]) if modes else None
         for system in ("prefixflow_native", "prefixflow_vllm"):
             ours, one = summary.get(f"{system}/{n}"), summary.get(f"{system}/1")
             if ours is None:
@@ -372,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
         cluster.shutdown()
     reference_key = next(k for k in (f"prefixflow_native/{replicas[0]}", *runs) if k in runs)
     reference = runs[reference_key]["outputs"]
+    token_rows = [json.loads(line) for line in open(theirs)]
+    check = simulator_check(runs, token_rows)
     summary = summarize(runs, reference)
     docs = {r["doc_id"] for r in rows}
     result = {
@@ -383,7 +426,8 @@ def main(argv: list[str] | None = None) -> None:
                      "output_tokens": sum(r["max_tokens"] for r in rows)},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_average_at_end": os.getloadavg()},
-        "reference_outputs": reference_key, "runs": summary, "acceptance": ratios(summary, replicas)}
+        "reference_outputs": reference_key, "runs": summary, "acceptance": ratios(summary, replicas),
+        "simulator_check": check}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
