@@ -1,4 +1,4 @@
-"""Retries with exponential backoff for transient storage errors.
+"""Retries with exponential backoff for transient storage errors (tenacity does the retrying).
 
 Two layers: botocore retries each S3 request itself (standard mode: 5xx, throttling, dropped
 connections; set up in operators/storage.py), and `with_retries` repeats a whole operation
@@ -9,10 +9,11 @@ and that committed parts are kept, so `output.resume: true` finishes the job lat
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
+
+import tenacity
 
 T = TypeVar("T")
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -24,25 +25,27 @@ class RetryPolicy:
     base_delay_s: float = 0.2  # backoff: base * 2**k with full jitter, capped
     max_delay_s: float = 5.0
 
-    def delay(self, attempt: int) -> float:
-        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** attempt))
+    def retrying(self, sleep: Callable[[float], None] = time.sleep) -> tenacity.Retrying:
+        """tenacity's loop for this policy: transient errors only, full-jitter backoff
+        (AWS's "Full Jitter": uniform in [0, min(max, base * 2**k)] before try k + 2)."""
+        return tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.max_attempts),
+            wait=tenacity.wait_random_exponential(multiplier=self.base_delay_s, max=self.max_delay_s),
+            retry=tenacity.retry_if_exception(is_transient), sleep=sleep)
 
 
 def is_transient(error: BaseException) -> bool:
     return isinstance(error, (OSError, TimeoutError)) and not isinstance(error, PERMANENT)
 
 
-def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy()) -> T:
-    """Call fn until it succeeds, a permanent error occurs, or the attempts run out."""
-    for attempt in range(policy.max_attempts):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - classified right below
-            if not is_transient(e):
-                raise
-            if attempt + 1 == policy.max_attempts:
-                raise OSError(f"storage: {what} failed {policy.max_attempts} times, last error: "
-                              f"{type(e).__name__}: {e}. Parts committed so far are kept: fix "
-                              "storage and rerun with output.resume: true") from e
-            time.sleep(policy.delay(attempt))
-    raise AssertionError("unreachable")
+def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(),
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call fn until it succeeds, a permanent error occurs (raised as it is), or the attempts
+    run out (an OSError naming `what`, the attempts and the last error)."""
+    try:
+        return policy.retrying(sleep)(fn)
+    except tenacity.RetryError as e:
+        last = e.last_attempt.exception()
+        raise OSError(f"storage: {what} failed {policy.max_attempts} times, last error: "
+                      f"{type(last).__name__}: {last}. Parts committed so far are kept: fix "
+                      "storage and rerun with output.resume: true") from last
