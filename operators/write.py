@@ -204,7 +204,8 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
 class MetricsSink:
     """A small Ray actor that the engine actors report to: per-replica stats when a replica
     finishes, and for the job driver (jobs/supervise.py) each committed part, each engine that
-    has loaded its model and each replica's live counters. Named, so that another process can
+    has loaded its model and each replica's live counters (for the Python API it draws them as
+    a live bar, `show_progress`). Named, so that another process can
     read a running job's state. It also feeds Ray's metrics (JobMetrics): the dashboard and
     Prometheus see a running job."""
 
@@ -214,6 +215,7 @@ class MetricsSink:
         self.engines: dict[str, dict[str, int]] = {}  # run token -> {"pid", "item"}
         self.live: dict[int, dict[str, Any]] = {}     # replica -> its last live report
         self.metrics = JobMetrics(job)
+        self.bar: Any = None  # the Python API's live bar on the driver (show_progress)
 
     def put(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -235,6 +237,19 @@ class MetricsSink:
         """A replica's live counters (operators/generate.Heartbeat): the latest one is kept."""
         self.live[int(counts["replica"])] = counts
         self.metrics.progress(counts)
+        if self.bar is not None:
+            self.bar.report(counts)
+
+    def show_progress(self, total_rows: int, error_rows: int) -> None:
+        """Draw a live bar of the replicas' counters on the driver (the Python API; a job's
+        driver draws its own line): operators/progress.LiveBar."""
+        from prefixflow.operators.progress import LiveBar
+
+        if self.bar is not None:
+            self.bar.close()
+        self.live = {}
+        self.bar = LiveBar("prefixflow", total_rows, error_rows)
+        self.bar.draw(force=True)
 
     def take_committed(self) -> list[dict[str, Any]]:
         """Manifest rows of the parts committed since the last call."""
