@@ -54,8 +54,9 @@ Model (the simulator's assumptions):
   request costs T_comp (prefill of its computed tokens, attention over the cached ones, and
   its decode) and T_mem (decode reading the KV); a replica's predicted time is
   max(sum T_comp, sum T_mem) over its requests; GPU hours are the sum over replicas. Output
-  lengths: uniform 8..128 tokens per row; the planner is not told them (it assumes
-  cost_model.DEFAULT_OUTPUT_LEN, as a job without max_tokens hints does). "Free first" means
+  lengths: uniform 8..128 tokens per row, each row's max_tokens, which the planner is told (a
+  job's rows carry them in their sampling_params; operators/tokenize.py passes them as the
+  plan's output-length hints). "Free first" means
   the lowest predicted time so far.
 - Bytes moved before generation starts: arrival moves nothing beyond handing rows to the
   replicas (which every approach does, and is not counted). `ds.sort` range-partitions every
@@ -341,7 +342,8 @@ def plan_workload(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
         prompts: Any = tokens
     else:
         prompts = _SortedPrompts(w.prompt_lens, None, block_size, None, None, *(order_lcp or trie_order_lcp(w)))
-    return build_plan(prompts, order="batchllm", num_replicas=num_replicas, min_prefix_len=block_size)
+    return build_plan(prompts, output_lens=w.output_len, order="batchllm", num_replicas=num_replicas,
+                      min_prefix_len=block_size)
 
 
 PLAN_SLICE_ROWS = 2_500_000
@@ -781,10 +783,11 @@ def simulate(w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel
     seqs = max(1, min(cluster.max_num_seqs, len(items.kind)))
     pool = cluster.num_replicas * (cluster.cache_blocks + seqs * (levels + 2) + 4)
     kernel = _compiled() if len(items.kind) >= NUMBA_MIN_ITEMS else globals()["_simulate"]
-    start, where, comp, mem = kernel(
-        items.kind, items.node, items.anchor, items.replica, items.output_len, w.parent, w.depth,
-        cluster.num_replicas, cluster.block_size, cluster.cache_blocks, seqs, cluster.batch_size,
-        cost_coefficients(cost_model), pool, levels)
+    with np.errstate(over="ignore"):  # _home's multiplicative hash wraps on purpose (as in numba)
+        start, where, comp, mem = kernel(
+            items.kind, items.node, items.anchor, items.replica, items.output_len, w.parent, w.depth,
+            cluster.num_replicas, cluster.block_size, cluster.cache_blocks, seqs, cluster.batch_size,
+            cost_coefficients(cost_model), pool, levels)
     return Run(items, start, where, comp, mem)
 
 
@@ -1012,7 +1015,8 @@ def measure_native_plan(prompts: list[list[int]], model: str) -> list[int]:
     engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", block_size=v["native_block_size"],
                                     kv_cache_bytes=v["native_blocks"] * v["native_block_size"] * per_token))
     assert engine.runner.num_kv_blocks == v["native_blocks"]
-    plan = build_plan(prompts, order="batchllm", num_replicas=v["plan_replicas"], min_prefix_len=v["native_block_size"])
+    plan = build_plan(prompts, output_lens=[v["max_tokens"]] * len(prompts), order="batchllm",  # as a job tells it
+                      num_replicas=v["plan_replicas"], min_prefix_len=v["native_block_size"])
     params = SamplingParams(temperature=0, max_tokens=v["max_tokens"], ignore_eos=True)
     computed = []
     for r in range(v["plan_replicas"]):
@@ -1171,7 +1175,7 @@ def run_all(num_prompts: int, num_replicas: int, validate_engines: bool, command
         "config": {"num_prompts": num_prompts, "num_replicas": num_replicas, "cache_tokens": cluster.cache_tokens,
                    "block_size": cluster.block_size, "max_num_seqs": cluster.max_num_seqs,
                    "batch_size": cluster.batch_size, "model": "Llama-3.1-8B", "hardware": "h100",
-                   "output_lens": "uniform 8..128 per row; the planner is not told them",
+                   "output_lens": "uniform 8..128 per row (max_tokens); the planner is told them",
                    "text_bytes_per_token": TEXT_BYTES_PER_TOKEN, "replicas_per_node": REPLICAS_PER_NODE,
                    "plan_slice_rows_when_nothing_is_shared": PLAN_SLICE_ROWS},
         "assumptions": "see the module docstring of prefixflow.bench.cluster_sim", "mixes": {}}

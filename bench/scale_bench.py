@@ -58,6 +58,7 @@ SYSTEMS = ("ray_llm_arrival", "ray_llm_sorted", "ray_llm_sorted_mp", "prefixflow
            "prefixflow_native")
 BLOCK = 32                # vLLM's CPU attention wants multiples of 32; every system uses 32
 KV_CACHE_BYTES = 64 << 20  # per replica: about 16k tokens of the bench model (fp32)
+FILE_ROWS = 32            # rows per input file of the ray.data.llm runs: one block per batch
 MODEL_SHAPE = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
 RESULTS = Path(__file__).parent / "results"
@@ -106,21 +107,25 @@ def messages(row: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def write_inputs(model: Path, rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
-    """(prefixflow's input: the rows with their `sampling_params`, ray.data.llm's input: the rows
-    with `tokenized_prompt`, the chat template's text tokenized as prefixflow tokenizes chat
-    prompts (the template holds the BOS), and `prompt_text`, what a careful user sorts by)."""
+    """(prefixflow's input: the rows with their `sampling_params`, ray.data.llm's input: a folder
+    of files of FILE_ROWS rows each, as a real dataset is, holding the rows with `tokenized_prompt`,
+    the chat template's text tokenized as prefixflow tokenizes chat prompts (the template holds the
+    BOS), and `prompt_text`, what a careful user sorts by). Several files matter: Ray Data's sort
+    makes as many output blocks as its input had read tasks, and one block reaches one replica."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    ours, theirs = folder / "rows.jsonl", folder / "rows_tokens.jsonl"
-    with open(ours, "w") as a, open(theirs, "w") as b:
-        for r in rows:
+    ours, theirs = folder / "rows.jsonl", folder / "rows_tokens"
+    theirs.mkdir()
+    with open(ours, "w") as a:
+        for k, r in enumerate(rows):
             params = {"max_tokens": r["max_tokens"], "ignore_eos": True}
             a.write(json.dumps({**r, "sampling_params": params}) + "\n")
             text = tok.apply_chat_template(messages(r), add_generation_prompt=True, tokenize=False)
             ids = tok(text, add_special_tokens=False)["input_ids"]
-            b.write(json.dumps({"id": r["id"], "max_tokens": r["max_tokens"], "prompt_text": text,
-                                "tokenized_prompt": ids}) + "\n")
+            with open(theirs / f"part-{k // FILE_ROWS:05d}.jsonl", "a") as b:
+                b.write(json.dumps({"id": r["id"], "max_tokens": r["max_tokens"], "prompt_text": text,
+                                    "tokenized_prompt": ids}) + "\n")
     return ours, theirs
 
 
@@ -136,6 +141,7 @@ def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> d
     record["wall_s"] = time.time() - t0
     record["engine_start_s"] = max(record.pop("ready_at")) - t0
     record["wall_without_start_s"] = record["wall_s"] - record["engine_start_s"]
+    record["load_average"] = os.getloadavg()  # this 2-core machine is shared by every replica
     return record
 
 
@@ -187,6 +193,10 @@ def _run_ray_llm(sort: bool, multiprocess: bool, replicas: int, data: Path, mode
                                                        ignore_eos=True)),
         postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
                                    num_input_tokens=r["num_input_tokens"], **_engine_fields(r)))
+    # ray.data.llm at its best: every replica started before the first batch is handed out (else
+    # the first engine up takes up to 2 x max_concurrent_batches blocks at once, all of a small
+    # sorted dataset), and one block per batch (a folder of files; a sort keeps the count).
+    ray.data.DataContext.get_current().wait_for_min_actors_s = 3600
     ds = ray.data.read_json(str(data))
     if sort:
         ds = ds.sort("prompt_text")
@@ -201,6 +211,7 @@ def _run_ray_llm(sort: bool, multiprocess: bool, replicas: int, data: Path, mode
             "ready_at": [min(r["arrival_time"] for r in rs) for rs in by_pid.values()],
             "batch_size": config.batch_size, "num_gpu_blocks": blocks,
             "row_pid": {int(r["id"]): r["pid"] for r in rows},
+            "rows_per_replica": [len(rs) for rs in by_pid.values()],
             "outputs": {int(r["id"]): r["generated_tokens"] for r in rows}}
 
 
@@ -413,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         cluster.shutdown()
     reference_key = next(k for k in (f"prefixflow_native/{replicas[0]}", *runs) if k in runs)
     reference = runs[reference_key]["outputs"]
-    token_rows = [json.loads(line) for line in open(theirs)]
+    token_rows = [json.loads(line) for f in sorted(theirs.iterdir()) for line in open(f)]
     check = simulator_check(runs, token_rows)
     summary = summarize(runs, reference)
     docs = {r["doc_id"] for r in rows}

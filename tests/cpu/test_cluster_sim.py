@@ -173,7 +173,8 @@ def test_compact_plan_equals_build_plan_on_the_token_ids(make, replicas):
     w = make(400, seed=replicas)
     tokens = cs.trie_tokens(w)
     compact = cs.plan_workload(w, replicas)
-    real = build_plan(tokens, order="batchllm", num_replicas=replicas, min_prefix_len=cs.BLOCK_SIZE)
+    real = build_plan(tokens, output_lens=w.output_len, order="batchllm", num_replicas=replicas,
+                      min_prefix_len=cs.BLOCK_SIZE)
     for col in ("row_id", "replica", "group_id", "prefix_len", "prompt_len"):
         assert compact.table.column(col).to_pylist() == real.table.column(col).to_pylist()
     assert compact.summary["computed_prompt_tokens"] == real.summary["computed_prompt_tokens"]

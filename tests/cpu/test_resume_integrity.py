@@ -100,6 +100,17 @@ def test_a_part_damaged_after_its_commit_runs_its_rows_again(ray_local, tiny_mod
     assert sorted(r["id"] for r in rows) == list(range(12))
     assert metrics["fault_tolerance"]["rows_committed_before"] == 8  # the damaged part's 4 ran again
     assert f"{COMMITS}/{damaged.name}.json" in metrics["fault_tolerance"]["orphans_removed"]
+    # A commit record planted to name a file outside the folder: the resume refuses by name,
+    # and the file it names (and every part) is left alone.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    _as_if_killed(out, keep=3)
+    part = sorted(out.glob("part-*"))[0].name
+    record = out / COMMITS / f"{part}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "part": "../victim.txt"}))
+    with pytest.raises(ValueError, match=r"names part '../victim.txt'"):
+        run_job(_resume(spec), quiet=True)
+    assert victim.read_text() == "keep me" and (out / part).exists()
 
 
 def test_overwrite_refuses_a_folder_without_a_prefixflow_job(tmp_path):
