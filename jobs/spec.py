@@ -198,7 +198,9 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        fields[f.name] = (hints[f.name], f.default)
+        default = f.default if f.default_factory is dataclasses.MISSING else \
+            Field(default_factory=f.default_factory)
+        fields[f.name] = (hints[f.name], default)
     own = list(fields)
     fields.update(extra or {})
 
@@ -232,12 +234,14 @@ EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
 SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
 
 
-# Object storage settings; anything left out comes from the AWS environment variables.
+# Object storage settings (operators/storage.py); anything left out comes from the AWS
+# environment variables, or for other schemes from their fsspec driver's.
 StorageSpec = _mirror(StorageOptions, "StorageSpec")
 
 
 class InputSpec(_Strict):
-    path: str | list[str] = Field(description="file, directory, glob or list; local or s3://")
+    path: str | list[str] = Field(description="file, directory, glob or list; a local path or "
+                                  "a URL (s3://, gs://, abfss://, file://, ...)")
     format: Literal["auto", "jsonl", "csv", "parquet", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1, description="read only the first N rows")
 
@@ -271,7 +275,8 @@ class ResourcesSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    path: str = Field(description="directory for parts and metrics.json; local or s3://")
+    path: str = Field(description="directory for parts and metrics.json; a local path or a URL "
+                      "(s3://, gs://, abfss://, file://, ...)")
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     rows_per_part: int = Field(default=1000, ge=1)
     overwrite: bool = False

@@ -1,9 +1,10 @@
 """Commit protocol for output parts: exactly-once output and resume after a failure.
 
-A part becomes visible only when complete: locally it is written to a temporary name and
-renamed, on S3 it is one PUT. Right after its part, the writer puts a commit record
-`_commits/<part>.json` holding the part's manifest row and its row ids. A part counts as
-committed only when its record exists, so on resume:
+A part becomes visible only when complete: locally (a plain path or file://) it is written to
+a temporary name and renamed; on an object store (s3://, gs://, abfss://: any fsspec scheme
+whose filesystem is not local) it is one PUT, visible complete or not at all. Right after its
+part, the writer puts a commit record `_commits/<part>.json` holding the part's manifest row
+and its row ids. A part counts as committed only when its record exists, so on resume:
 
   - rows named by commit records are skipped (they are in the output already);
   - parts without a record (the job died between the two writes) are deleted, and their rows
@@ -48,7 +49,8 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
-from prefixflow.operators.storage import StorageOptions, is_s3, join, strip_scheme
+from prefixflow.operators.storage import (StorageOptions, is_local, is_s3, join, local_path,
+                                          strip_scheme)
 
 COMMITS = "_commits"
 JOB_FILE = "_job.json"
@@ -296,10 +298,12 @@ class OutputLock:
     """`_lock.json`: one job at a time on an output path (two would replace each other's parts).
 
     Taken atomically before anything is written or deleted there (locally a hard link, which
-    fails when the name exists; on S3 a PUT with If-None-Match: *), refreshed by a thread while
-    the job runs, deleted at the end, success or failure. A lock whose holder is gone (on this
-    host and its pid dead, or no heartbeat for STALE_S) is taken over, so that a rerun after a
-    killed driver needs no wait.
+    fails when the name exists; on S3 a PUT with If-None-Match: *; on other object stores
+    fsspec's exclusive create, atomic where the driver offers one, else a check then a PUT:
+    a job that lost such a race is stopped by fencing before its first part), refreshed by a
+    thread while the job runs, deleted at the end, success or failure. A lock whose holder is
+    gone (on this host and its pid dead, or no heartbeat for STALE_S) is taken over, so that a
+    rerun after a killed driver needs no wait.
     """
 
     def __init__(self, out: str, storage: StorageOptions):
@@ -349,19 +353,18 @@ class OutputLock:
                 bucket, key, _ = fs.split_path(self.path)
                 fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
                 return True
-            os.makedirs(self.out, exist_ok=True)
-            tmp = self._local_tmp(data)
-            try:
-                os.link(tmp, self.path)  # atomic, and fails when the lock exists
-            finally:
-                os.unlink(tmp)
+            if not is_local(self.path):
+                _create_object(fs, self.path, data)
+                return True
+            os.makedirs(local_path(self.out), exist_ok=True)
+            _link_new(self._local_tmp(data), local_path(self.path), data)
             return True
         except FileExistsError:  # s3fs raises it for 412 Precondition Failed
             return False
 
     def _local_tmp(self, data: bytes) -> str:
         # Hidden, not TMP_PREFIX: load_committed's cleaning must not take it for a part's.
-        tmp = join(self.out, f".{LOCK_FILE}-{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(local_path(self.out), f".{LOCK_FILE}-{uuid.uuid4().hex[:8]}")
         with open(tmp, "wb") as f:
             f.write(data)
         return tmp
@@ -392,12 +395,37 @@ class OutputLock:
                     return  # taken over (this job looked dead): leave the new holder's lock alone
                 self.holder["heartbeat"] = time.time()
                 data = json.dumps(self.holder).encode("utf-8")
-                if is_s3(self.path):
+                if not is_local(self.path):
                     self.storage.filesystem(self.out).pipe_file(self.path, data)
                 else:
-                    os.replace(self._local_tmp(data), self.path)
+                    os.replace(self._local_tmp(data), local_path(self.path))
             except Exception:  # a missed beat is only late: STALE_S leaves room for many
                 pass
+
+
+def _create_object(fs: Any, path: str, data: bytes) -> None:
+    """Write `path` on an object store unless it exists (FileExistsError)."""
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except TypeError:  # a driver older than fsspec's `mode`: check, then write
+        if fs.exists(path):
+            raise FileExistsError(path) from None
+        fs.pipe_file(path, data)
+
+
+def _link_new(tmp: str, path: str, data: bytes) -> None:
+    """Give the complete file `tmp` the name `path` unless that exists (FileExistsError); `tmp`
+    is removed. A hard link is atomic; file systems without hard links (some FUSE mounts, such
+    as /dbfs) get an exclusive create instead, which a reader may see empty for a moment."""
+    try:
+        os.link(tmp, path)  # atomic, and fails when the lock exists
+    except FileExistsError:
+        raise
+    except OSError:
+        with open(path, "xb") as f:
+            f.write(data)
+    finally:
+        os.unlink(tmp)
 
 
 def _stale(held: dict[str, Any]) -> bool:

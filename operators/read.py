@@ -36,7 +36,7 @@ import logging
 import pyarrow as pa
 
 from prefixflow.operators.retry import with_retries
-from prefixflow.operators.storage import StorageOptions, is_s3, list_input_files
+from prefixflow.operators.storage import StorageOptions, list_input_files, same_filesystem
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 SOURCE, ERROR = "_pf_source", "_pf_error"
@@ -83,12 +83,14 @@ def read_dataset(opts: ReadOptions) -> Any:
         _log.info("input: column(s) %s have different types in different files (or parts of a "
                   "file): read as text (strings as they are, other values as JSON)",
                   ", ".join(map(repr, clash)))
-    if opts.format == "parquet" and not clash:
-        fs = opts.storage.filesystem(files[0]) if is_s3(files[0]) else None
-        ds = ray.data.read_parquet(files, filesystem=fs).map_batches(
+    if opts.format == "parquet" and not clash and same_filesystem(files):
+        # Ray's reader gets the files' fsspec filesystem (wrapped for pyarrow), whatever the scheme.
+        paths, fs = opts.storage.arrow_filesystem(files)
+        ds = ray.data.read_parquet(paths, filesystem=fs).map_batches(
             _add_bookkeeping, batch_format="pyarrow", batch_size=None)
     else:
-        # Parquet files whose schemas clash are read one by one here (Ray's reader fails on them).
+        # Parquet files whose schemas clash, or that lie on different filesystems, are read one
+        # by one here (Ray's reader fails on the first and takes one filesystem).
         items = items or file_ranges(files, opts)
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             parse_files, fn_kwargs={"fmt": opts.format, "storage": opts.storage, "text_columns": clash},

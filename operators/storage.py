@@ -1,29 +1,118 @@
-"""Where job files live: local paths or s3:// URIs, behind one fsspec filesystem.
+"""Where job files live: local paths, or any URL fsspec knows, behind one fsspec filesystem.
 
-S3 settings come from the job spec when given, otherwise from the usual AWS environment
+Every path a job reads or writes (input, output and its commit protocol, the model, plan
+files) goes through this module. A path is
+  - local: a plain path, or a `file://` URL (fsspec's local filesystem);
+  - `s3://` (s3fs), `gs://` (gcsfs), `abfss://` / `az://` (adlfs) or any other scheme that
+    fsspec knows, through that scheme's driver package, which must be installed on every node;
+  - `dbfs:/x`: on a Databricks node the same file as `/dbfs/x` (the DBFS mount every node of a
+    Databricks cluster has), so it is used as that local path.
+A scheme fsspec does not know, or whose driver package is missing, is a ValueError naming the
+package to install (`check_scheme`): preflight reports it before any work.
+
+S3 settings come from the fields below when given, otherwise from the usual AWS environment
 variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION,
-AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL), which botocore reads itself. The options object is
-small and plain so that it travels to Ray workers, which build their own filesystem.
+AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL), which botocore reads itself. Other schemes take
+their driver's keyword arguments from `options[scheme]`, else the driver's own environment
+(GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_NAME, ...). The options object is small
+and plain so that it travels to Ray workers, which build their own filesystem.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixflow.operators.retry import RetryPolicy
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+LOCAL = ("file", "local")   # fsspec's names for the local filesystem
+S3 = ("s3", "s3a")
+DBFS_MOUNT = "/dbfs"
+# The package that serves a scheme, where it is not fsspec itself: named in the error when it
+# is missing (adlfs registers abfss only once installed, so fsspec alone does not know it).
+DRIVERS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs",
+           "abfss": "adlfs", "az": "adlfs", "adl": "adlfs", "oci": "ocifs", "hf": "huggingface_hub"}
+
+
+def protocol(path: str) -> str | None:
+    """The URL scheme of `path` ("s3", "gs", "abfss", "file", ...); None for a plain path."""
+    match = _URL.match(str(path))
+    if match:
+        return match.group(1).lower()
+    return "dbfs" if str(path).startswith("dbfs:") else None
+
 
 def is_s3(path: str) -> bool:
-    return str(path).startswith(("s3://", "s3a://"))
+    return protocol(path) in S3
+
+
+def is_local(path: str) -> bool:
+    """A plain path or a file:// URL: a filesystem with folders, renames and hard links."""
+    return protocol(path) in (None, *LOCAL)
+
+
+def local_path(path: str) -> str:
+    """The plain path of a local path or file:// URL (a plain path is returned as it is)."""
+    path = str(path)
+    if protocol(path) is None:
+        return path
+    if not is_local(path):
+        raise ValueError(f"{path!r} is not a local path")
+    from fsspec.implementations.local import LocalFileSystem
+
+    return LocalFileSystem._strip_protocol(path)
+
+
+def mount_dbfs(path: str) -> str:
+    """`dbfs:/x` as `/dbfs/x` where this machine has the DBFS mount (a Databricks node); any
+    other path as it is."""
+    path = str(path)
+    if protocol(path) != "dbfs" or not os.path.isdir(DBFS_MOUNT):
+        return path
+    return posixpath.join(DBFS_MOUNT, path.removeprefix("dbfs:").lstrip("/"))
+
+
+def check_scheme(path: str) -> None:
+    """Raise ValueError, naming the fix, when no filesystem here can serve `path`: a scheme
+    fsspec does not know, or one whose driver package is not installed."""
+    proto = protocol(path)
+    if proto is None or proto in LOCAL:
+        return
+    if proto == "dbfs" and os.path.isdir(DBFS_MOUNT):  # a path that missed absolute()
+        raise ValueError(f"{path!r}: give it as {mount_dbfs(path)!r} (the DBFS mount)")
+    if proto == "dbfs":
+        raise ValueError(f"{path!r}: dbfs:/ paths are read through the {DBFS_MOUNT} mount of "
+                         f"Databricks nodes (dbfs:/x is {DBFS_MOUNT}/x there), and this machine "
+                         f"has no {DBFS_MOUNT}: run on Databricks, or give the URL of the storage "
+                         "behind it (abfss://, s3://, gs://)")
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    try:
+        fsspec.get_filesystem_class(proto)
+        return
+    except ImportError:
+        pass
+    except ValueError:  # "Protocol not known"
+        if proto not in DRIVERS:
+            raise ValueError(f"{path!r}: {proto}:// is not a storage scheme fsspec knows: check "
+                             "the path (local paths and s3://, gs://, abfss://, az://, file:// "
+                             "and the other schemes of fsspec's registry work)") from None
+    known = known_implementations.get(proto, {})
+    package = DRIVERS.get(proto) or known.get("class", proto).split(".")[0]
+    raise ValueError(f"{path!r}: {proto}:// needs the package {package!r}, which is not "
+                     f"installed: `pip install {package}` on every node of the cluster")
 
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """How to reach object storage. All None: the AWS environment decides."""
+    """How to reach object storage. All None: the AWS environment decides (S3); other schemes
+    take their driver's arguments from `options`, else the driver's own environment."""
 
     endpoint_url: str | None = None
     region: str | None = None
@@ -33,6 +122,9 @@ class StorageOptions:
     aws_session_token: str | None = None
     max_attempts: int = 5            # per S3 request (botocore) and per part write (with_retries)
     retry_base_delay_s: float = 0.2
+    # {scheme: {argument: value}}: keyword arguments of that scheme's fsspec filesystem, e.g.
+    # {"gs": {"project": "p"}, "abfss": {"account_name": "a"}}; for s3 over the fields above.
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Checked here, so that a job spec (jobs/spec.py mirrors this class) and Python callers
@@ -43,6 +135,11 @@ class StorageOptions:
         if not 0 <= self.retry_base_delay_s <= 60:
             raise ValueError(f"StorageOptions.retry_base_delay_s={self.retry_base_delay_s!r} is "
                              "invalid: use a first backoff of 0 to 60 seconds")
+        bad = [k for k, v in self.options.items()
+               if not isinstance(v, dict) or _URL.match(f"{k}://") is None]
+        if bad:  # values stay out of the message: they may hold credentials
+            raise ValueError(f"StorageOptions.options[{bad[0]!r}] is invalid: give "
+                             "{scheme: {argument: value}}, e.g. {gs: {project: my-project}}")
 
     @property
     def retry(self) -> RetryPolicy:
@@ -53,11 +150,24 @@ class StorageOptions:
                 or os.environ.get("AWS_ENDPOINT_URL") or None)
 
     def filesystem(self, path: str) -> Any:
-        """An fsspec filesystem for `path` (s3fs for s3://, the local one otherwise)."""
-        if not is_s3(path):
+        """An fsspec filesystem for `path`: the local one, s3fs, or the driver of its scheme.
+        ValueError (check_scheme) where no installed driver serves the scheme."""
+        check_scheme(path)
+        proto = protocol(path)
+        if proto is None or proto in LOCAL:
             import fsspec
 
             return fsspec.filesystem("file")
+        if proto in S3:
+            return self._s3(self.options.get(proto, {}))
+        from fsspec.core import url_to_fs
+
+        # A fresh instance, as for S3; url_to_fs also reads arguments the URL carries (the
+        # account of abfss://container@account.dfs.core.windows.net/...).
+        fs, _ = url_to_fs(str(path), skip_instance_cache=True, **self.options.get(proto, {}))
+        return fs
+
+    def _s3(self, extra: dict[str, Any]) -> Any:
         import s3fs
 
         client_kwargs: dict[str, Any] = {}
@@ -68,41 +178,88 @@ class StorageOptions:
             client_kwargs["region_name"] = region
         # A fresh instance: s3fs caches instances per argument set, and a cached one may carry
         # listings that are stale after another worker wrote a part.
-        return s3fs.S3FileSystem(anon=self.anonymous, key=self.aws_access_key_id,
-                                 secret=self.aws_secret_access_key, token=self.aws_session_token,
-                                 client_kwargs=client_kwargs, skip_instance_cache=True,
-                                 # botocore retries 5xx, throttling and dropped connections with
-                                 # backoff on every request, reads included.
-                                 config_kwargs={"retries": {"max_attempts": self.max_attempts,
-                                                            "mode": "standard"}})
+        kwargs = dict(anon=self.anonymous, key=self.aws_access_key_id,
+                      secret=self.aws_secret_access_key, token=self.aws_session_token,
+                      client_kwargs=client_kwargs, skip_instance_cache=True,
+                      # botocore retries 5xx, throttling and dropped connections with
+                      # backoff on every request, reads included.
+                      config_kwargs={"retries": {"max_attempts": self.max_attempts,
+                                                 "mode": "standard"}})
+        return s3fs.S3FileSystem(**{**kwargs, **extra})
+
+    def arrow_filesystem(self, paths: list[str]) -> tuple[list[str], Any]:
+        """(paths, filesystem) for Ray Data's readers: plain local paths as they are with None
+        (Ray's own local filesystem); URLs without their scheme, with their fsspec filesystem
+        wrapped as a pyarrow one. The paths must share one filesystem (same_filesystem)."""
+        if all(protocol(p) is None for p in paths):
+            return list(paths), None
+        import pyarrow.fs as pafs
+
+        fs = self.filesystem(paths[0])
+        return [strip_scheme(p) for p in paths], pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def same_filesystem(paths: list[str]) -> bool:
+    """Whether one filesystem serves all `paths` (one scheme; and one account, for URLs that
+    name it before the first '/')."""
+    def key(p: str) -> tuple[str, str]:
+        if is_local(p):
+            return ("file", "")
+        authority = p.split("://", 1)[-1].split("/", 1)[0]
+        return (protocol(p) or "", authority.split("@", 1)[1] if "@" in authority else "")
+
+    return len({key(p) for p in paths}) <= 1
 
 
 def absolute(path: str) -> str:
-    """Local paths become absolute (Ray workers may run elsewhere); URIs stay as they are."""
-    if is_s3(path):
-        return str(path)
-    return str(Path(path).expanduser().resolve())
+    """Local paths become absolute (Ray workers may run elsewhere), file:// URLs too; dbfs:/
+    paths become /dbfs/ paths on a Databricks node; other URLs stay as they are."""
+    path = mount_dbfs(str(path))
+    proto = protocol(path)
+    if proto is None:
+        return str(Path(path).expanduser().resolve())
+    if proto in LOCAL:
+        return "file://" + local_path(path)
+    return path
 
 
 def join(base: str, *parts: str) -> str:
-    if is_s3(base):
+    if protocol(base) is not None:
         return posixpath.join(base.rstrip("/"), *parts)
     return str(Path(base, *parts))
 
 
 def strip_scheme(path: str) -> str:
-    """s3fs and fsspec accept both forms; listings come back without the scheme."""
-    for scheme in ("s3://", "s3a://"):
-        if path.startswith(scheme):
-            return path[len(scheme):]
-    return path
+    """`path` as its filesystem's listings name it: s3://b/k -> b/k, file:///x -> /x,
+    abfss://c@account.dfs.core.windows.net/k -> c/k. Plain paths are returned as they are."""
+    proto = protocol(path)
+    if proto is None:
+        return path
+    if proto in S3:
+        return path.split("://", 1)[1]
+    import fsspec
+
+    try:  # the driver's own rule
+        return fsspec.get_filesystem_class(proto)._strip_protocol(path)
+    except (ImportError, ValueError):  # no driver: filesystem() refuses the path anyway
+        authority, slash, rest = path.split("://", 1)[-1].partition("/")
+        return authority.split("@", 1)[0] + slash + rest
 
 
 def with_scheme(original: str, listed: str) -> str:
     """Put the scheme of `original` back on a path that a listing returned."""
-    if is_s3(original) and not is_s3(listed):
+    proto = protocol(original)
+    if proto is None or protocol(listed) is not None:
+        return listed
+    if proto in S3:
         return "s3://" + listed.lstrip("/")
-    return listed
+    if proto in LOCAL:
+        return "file://" + listed
+    authority = original.split("://", 1)[1].split("/", 1)[0]
+    if "@" in authority:  # container@account.dfs.core.windows.net: listings name the container
+        container, _, rest = listed.lstrip("/").partition("/")
+        return f"{proto}://{container}@{authority.split('@', 1)[1]}/{rest}"
+    return f"{proto}://{listed.lstrip('/')}"
 
 
 def list_input_files(path: str | list[str], storage: StorageOptions,
@@ -128,7 +285,7 @@ def list_input_files(path: str | list[str], storage: StorageOptions,
         else:
             matches = []
         if not matches:
-            raise ValueError(f"input.path={p!r} matches no file: check the path (and, for "
-                             "s3://, the bucket, endpoint and credentials)")
+            raise ValueError(f"input.path={p!r} matches no file: check the path (and, for a "
+                             "URL, the bucket, endpoint and credentials)")
         found.extend(with_scheme(p, m) for m in matches)
     return found

@@ -1,10 +1,11 @@
-"""Write stage: output blocks -> committed part files, local or s3://, plus metrics.json.
+"""Write stage: output blocks -> committed part files, local or a URL, plus metrics.json.
 
 A part is named after its first row's (replica, rank), which the plan fixes, so a retried
 write task writes the same name again: each row lands in exactly one part. Local parts are
-written to a temporary name and renamed; an S3 PUT is atomic by itself. After each part its
-commit record is written (operators/commit.py: what makes resume exactly-once). The driver
-writes metrics.json (and plot.png, jobs/report.py) and an empty _SUCCESS marker last.
+written to a temporary name and renamed; an object store's PUT (s3://, gs://, abfss://, ...)
+is atomic by itself. After each part its commit record is written (operators/commit.py: what
+makes resume exactly-once). The driver writes metrics.json (and plot.png, jobs/report.py) and
+an empty _SUCCESS marker last.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
                                          check_fence, commit_record_path, record_bytes)
 from prefixflow.operators.retry import with_retries
-from prefixflow.operators.storage import StorageOptions, is_s3, join
+from prefixflow.operators.storage import StorageOptions, absolute, is_local, join, local_path
 
 RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_batch.write_results)
 OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
@@ -132,10 +133,10 @@ def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
 
 def _put(path: str, data: bytes, storage: StorageOptions) -> None:
     fs = storage.filesystem(path)
-    if is_s3(path):
+    if not is_local(path):
         fs.pipe_file(path, data)  # one PUT: visible complete or not at all
         return
-    head, name = os.path.split(path)
+    head, name = os.path.split(local_path(path))
     fs.makedirs(head, exist_ok=True)
     # Same directory (atomic rename on POSIX); the prefix keeps readers from taking it for a part.
     tmp = os.path.join(head, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
@@ -170,7 +171,7 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
                          "path, set output.resume: true to finish it, or output.overwrite: true")
     for n in existing:
         fs.rm(join(opts.path, n), recursive=True)
-    if not is_s3(opts.path):
+    if is_local(opts.path):  # object stores have no folders (gcsfs would create a bucket)
         fs.makedirs(opts.path, exist_ok=True)
 
 
@@ -190,6 +191,7 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
     """All parts of a job's output: a table for parquet, a list of records for JSONL."""
     fs = storage.filesystem(path)
     parts = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("part-"))
+    path = absolute(path)
     if parts and parts[0].endswith(".parquet"):
         import pyarrow.parquet as pq
 

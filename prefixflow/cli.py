@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -186,9 +185,15 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     ensure_ray(args.address)
     planned = Processor(processor_config(spec)).plan(read_dataset(read_options(spec)))
     print(report.plan_text(planned))
-    tmp = f"{args.out}.tmp-{os.getpid()}"  # complete or not there: renamed once written
-    pq.write_table(planned.plan.table, tmp)
-    os.replace(tmp, args.out)
+    import io
+
+    from prefixflow.operators.storage import StorageOptions, absolute
+    from prefixflow.operators.write import commit_bytes
+
+    sink = io.BytesIO()
+    pq.write_table(planned.plan.table, sink)
+    # Complete or not there (a temporary file renamed, or one PUT), local or a URL.
+    commit_bytes(absolute(args.out), sink.getvalue(), StorageOptions(**spec.storage.model_dump()))
     print(f"plan table ({planned.plan.table.num_rows} rows) written to {args.out}")
     return report.dry_run_result(planned, 0.0)
 
