@@ -179,7 +179,7 @@ def _run_ray_llm(sort: bool, multiprocess: bool, replicas: int, data: Path, mode
     margs = read_model_args(str(model))
     blocks = KV_CACHE_BYTES // (BLOCK * margs.kv_bytes_per_token_per_elem * 4)
     config = vLLMEngineProcessorConfig(
-        model_source=str(model), concurrency=replicas, chat_template_stage=False, tokenize_stage=False,
+        model_source=str(model), concurrency=(replicas, replicas), chat_template_stage=False, tokenize_stage=False,
         engine_kwargs=dict(dtype="float32", block_size=BLOCK, num_gpu_blocks_override=blocks,
                            kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True,
                            max_model_len=margs.max_position_embeddings),
@@ -193,9 +193,11 @@ def _run_ray_llm(sort: bool, multiprocess: bool, replicas: int, data: Path, mode
                                                        ignore_eos=True)),
         postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
                                    num_input_tokens=r["num_input_tokens"], **_engine_fields(r)))
-    # ray.data.llm at its best: every replica started before the first batch is handed out (else
-    # the first engine up takes up to 2 x max_concurrent_batches blocks at once, all of a small
-    # sorted dataset), and one block per batch (a folder of files; a sort keeps the count).
+    # ray.data.llm at its best: a fixed pool of `replicas` engines (an int `concurrency` is an
+    # autoscaling pool from 1, which a small job never grows), all started before the first batch
+    # is handed out (else the first engine up takes up to 2 x max_concurrent_batches blocks at
+    # once: all of a small sorted dataset), and one block per batch (a folder of files; a sort
+    # keeps the count).
     ray.data.DataContext.get_current().wait_for_min_actors_s = 3600
     ds = ray.data.read_json(str(data))
     if sort:
