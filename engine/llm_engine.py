@@ -17,7 +17,8 @@ from typing import Any
 from prefixflow.engine.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, TokenLogprob, append_text,
-                                       check_finish, error_output, finished_output, with_samples)
+                                       check_finish, error_output, finished_output, greedy_copies,
+                                       with_samples)
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
 from prefixflow.engine.step import SampledToken
@@ -51,6 +52,7 @@ class LLMEngine:
         self.totals: EngineTotals | None = None
         self._ids = itertools.count()
         self._samples: dict[int, list[RequestOutput | None]] = {}  # row -> its n samples so far
+        self._copies: dict[int, int] = {}  # greedy row asking n > 1 -> n (run once, copied)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -61,7 +63,7 @@ class LLMEngine:
         With policy="vllm" the groups are dissolved: requests run alone in row_id (arrival)
         order and share KV only through the hashed prefix cache.
         """
-        self.stats, self._samples = [], {}
+        self.stats, self._samples, self._copies = [], {}, {}
         sched = self.scheduler
         start = time.perf_counter()
         counts = {"requests": 0, "prompt": 0, "output": 0, "computed0": sched.num_computed_prompt_tokens,
@@ -84,7 +86,7 @@ class LLMEngine:
             while sched.has_unfinished():
                 for out in self.step():
                     counts["output"] += sum(len(s.token_ids) for s in out.samples) or len(out.token_ids)
-                    yield out
+                    yield greedy_copies(out, self._copies.pop(out.row_id, 1))
             completed = True
         finally:
             if thaw:
@@ -190,27 +192,39 @@ class LLMEngine:
 
     def _make_groups(self, groups: Iterable[PrefixGroup], params: Params
                      ) -> Iterator[tuple[GroupState | None, list[RequestOutput]]]:
-        """Our GroupStates in plan order; a row asking n > 1 samples leaves its group for a
-        group of its own right after it, whose prefix is its prompt (computed once)."""
+        """Our GroupStates in plan order; a row sampling n > 1 times leaves its group for a
+        group of its own right after it, whose prefix is its prompt (computed once). A greedy
+        row asking n > 1 stays a member and runs once (`_once`)."""
         if self.config.policy == "vllm":
             rows = sorted((int(row_id), g.prompt(i).tolist()) for g in groups for i, row_id in enumerate(g.row_ids))
             for row_id, prompt in rows:
                 p = params_for_row(params, row_id)
-                if p.n > 1:
+                if p.n > 1 and not p.greedy:
                     yield self._sample_group(row_id, prompt, p)
                 else:
-                    yield self._make_group(next(self._ids), [], [(row_id, [], prompt, p, 0)])
+                    yield self._make_group(next(self._ids), [], [(row_id, [], prompt, self._once(row_id, p), 0)])
             return
         for g in groups:
             prefix = g.prefix.tolist()
             members, several = [], []
             for i, r in enumerate(g.row_ids):
                 p = params_for_row(params, int(r))
-                (several if p.n > 1 else members).append((int(r), prefix, g.distinct[i].tolist(), p, 0))
+                if p.n > 1 and not p.greedy:
+                    several.append((int(r), prefix, g.distinct[i].tolist(), p, 0))
+                else:
+                    members.append((int(r), prefix, g.distinct[i].tolist(), self._once(int(r), p), 0))
             if members:
                 yield self._make_group(g.group_id, prefix, members)
             for row_id, _, distinct, p, _ in several:
                 yield self._sample_group(row_id, prefix + distinct, p)
+
+    def _once(self, row_id: int, p: SamplingParams) -> SamplingParams:
+        """The params a row runs with as one sequence: a greedy row asking n > 1 samples runs
+        once, and its output is copied n times when it finishes (greedy_copies)."""
+        if p.n == 1:
+            return p
+        self._copies[row_id] = p.n
+        return p.sample_params(0)
 
     def _sample_group(self, row_id: int, prompt: list[int], p: SamplingParams
                       ) -> tuple[GroupState | None, list[RequestOutput]]:

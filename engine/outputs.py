@@ -45,10 +45,12 @@ class RequestOutput:
         max_model_len) or "abort" (the request could not run; see `error`).
     logprobs: one entry per token when SamplingParams.logprobs is not None, else None.
     prefix_len: prompt tokens taken from the group's shared prefix KV (BatchLLM grouping).
-    num_cached_tokens: prompt tokens this request did not compute itself at its first start:
-        prefix_len plus hashed-block cache hits.
+    num_cached_tokens: prompt tokens found computed at the request's first start, as vLLM's
+        num_cached_tokens: hashed-block cache hits, and its group's shared prefix where an
+        earlier member had it computed (the group's first member to start carries the
+        prefix's computation). With n > 1, what the samples had in common (their minimum).
     samples: with SamplingParams.n > 1, every sample in index order (the fields above are
-        sample 0's); else empty.
+        sample 0's); else empty. A greedy request's n samples are one answer n times.
     """
 
     row_id: int
@@ -67,8 +69,18 @@ class RequestOutput:
 
 
 def with_samples(outs: list[RequestOutput]) -> RequestOutput:
-    """The n sample outputs of one request (index order) as one: sample 0's fields + samples."""
-    return replace(outs[0], samples=tuple(o.as_sample(i) for i, o in enumerate(outs)))
+    """The n sample outputs of one request (index order) as one: sample 0's fields + samples.
+    The prompt was computed once for all of them: cached is what none of them computed."""
+    return replace(outs[0], samples=tuple(o.as_sample(i) for i, o in enumerate(outs)),
+                   num_cached_tokens=min(o.num_cached_tokens for o in outs))
+
+
+def greedy_copies(out: RequestOutput, n: int) -> RequestOutput:
+    """A greedy request that asked n > 1 samples, run once: its answer as n samples (as
+    OpenAI's API returns it; n runs would compute the same tokens n times)."""
+    if n == 1 or out.error is not None:
+        return out
+    return replace(out, samples=tuple(out.as_sample(i) for i in range(n)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,6 +206,17 @@ class Scheduler:
             self._schedule_members(group, out)
 
     @staticmethod
+    def _shared_tokens(group: GroupState, seq: Sequence) -> int:
+        """Prefix tokens `seq` finds computed at its first start (its num_cached_tokens less its
+        own cache hits): the prefix it reads, except for the group's first member to start,
+        which carries the prefix's computation and finds only the prefix's cache hits. So the
+        requests' counts add up to the engine's computed tokens, as vLLM's do."""
+        if group.prefix is None or group.prefix_carried or seq.prefix_len == 0:
+            return seq.prefix_len
+        group.prefix_carried = True
+        return min(max(group.prefix.num_cached_tokens, 0), seq.prefix_len)
+
+    @staticmethod
     def _prefix_usable(group: GroupState, out: SchedulerOutput) -> bool:
         """Members may run: no prefix, or complete before or by this step."""
         return group.prefix_ready or group.prefix.seq_id in out.completing  # type: ignore[union-attr]
@@ -225,6 +236,8 @@ class Scheduler:
                 return
             self.bm.take_cached(prefix, hits)
             prefix.prompt_high_water = max(prefix.prompt_high_water, prefix.num_computed_tokens)
+            if prefix.num_cached_tokens < 0:
+                prefix.num_cached_tokens = prefix.num_computed_tokens
         self.waiting.popleft()
         group.active = True
         group.admit_order = next(self._order)
@@ -245,7 +258,7 @@ class Scheduler:
             self._preempt_group(victim)  # may free some of `hits`: the cost is recounted
         self.bm.take_cached(seq, hits)
         if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = seq.prefix_len + seq.num_computed_tokens
+            seq.num_cached_tokens = self._shared_tokens(group, seq) + seq.num_computed_tokens
         seq.prompt_high_water = max(seq.prompt_high_water, seq.num_computed_tokens)
         n = min(seq.num_uncomputed_tokens, out.token_budget)
         self.bm.allocate(seq, n)

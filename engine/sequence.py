@@ -66,6 +66,8 @@ class KVOwner:
 class PrefixSeq(KVOwner):
     """The chunked computation of a group's shared prefix (a chunk with prefix_index -1)."""
 
+    num_cached_tokens: int = -1       # hashed-cache hits at first admission; -1: unset
+
     @property
     def is_complete(self) -> bool:
         return self.num_computed_tokens == self.num_own_tokens
@@ -125,6 +127,7 @@ class GroupState:
     running: list[Sequence] = field(default_factory=list)
     active: bool = False
     admit_order: int = -1
+    prefix_carried: bool = False      # a member has started: it carries the prefix's computation
 
     @property
     def prefix_ready(self) -> bool:

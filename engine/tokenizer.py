@@ -18,6 +18,8 @@ the tokens always equal transformers' (tests/cpu/test_tokenizer.py checks both p
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,55 @@ class FastTokenizer:
             self._compiled = _compile(self.chat_template)
         return self._compiled.render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+    """token id -> the bytes it stands for in the text, a whole UTF-8 character or part of one
+    (OpenAI logprobs' `bytes`): decode() of a token that holds part of a character gives U+FFFD.
+
+    Read from the token's vocabulary entry: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2)
+    spells each byte as one printable character (`_byte_level_chars`); byte fallback
+    (SentencePiece models such as Llama 2) spells a lone byte `<0xHH>` and a space `\u2581`.
+    Added tokens are their own text. Any other tokenizer: the token's decoded text.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers
+    if backend is None and hasattr(getattr(tokenizer, "backend", None), "to_str"):
+        backend = tokenizer.backend  # FastTokenizer
+    if backend is None:
+        return lambda token_id: tokenizer.decode([int(token_id)]).encode("utf-8")
+    spec = json.loads(backend.to_str())
+    added = {int(a["id"]): a["content"].encode("utf-8") for a in spec.get("added_tokens") or []}
+    kinds = _decoder_kinds(spec.get("decoder"))
+    chars = _byte_level_chars()
+
+    def piece_bytes(token_id: int) -> bytes:
+        piece = backend.id_to_token(int(token_id))
+        if token_id in added or piece is None:
+            return added.get(token_id, b"")
+        if "ByteLevel" in kinds:
+            return b"".join(bytes([chars[c]]) if c in chars else c.encode("utf-8") for c in piece)
+        if "ByteFallback" in kinds and (lone := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)):
+            return bytes([int(lone.group(1), 16)])
+        if kinds & {"ByteFallback", "Metaspace", "Replace"}:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return backend.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+    return piece_bytes
+
+
+def _decoder_kinds(decoder: Any) -> set[str]:
+    """The types of a tokenizer.json decoder and of the decoders a Sequence holds."""
+    if not isinstance(decoder, dict):
+        return set()
+    return {str(decoder.get("type"))}.union(*(_decoder_kinds(d) for d in decoder.get("decoders") or []))
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's character for each byte -> the byte: a printable Latin-1 byte is its
+    own character; the others, in byte order, take the code points from 256 up."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0x100)}
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _compile(template: str) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
-                                       decode_output, error_output)
+                                       decode_output, error_output, greedy_copies)
 from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_ids
 from prefixflow.engine.scoring_choices import error_output as score_error
 from prefixflow.engine.scoring_options import ScoreOptions
@@ -65,6 +65,7 @@ class _Req:
     params: SamplingParams
     options: dict[str, Any]            # more vLLM SamplingParams fields (scoring's logprob_token_ids)
     error: str | None = None           # known before the run: the row is not sent
+    copies: int = 1                    # a greedy row asking n > 1: run once, its answer n times
 
 
 class VllmEngine:
@@ -125,13 +126,14 @@ class VllmEngine:
         """Run planned groups (in plan order); yield each request's output when it finishes.
 
         params: one SamplingParams for all, or a mapping row_id -> SamplingParams (every
-        field maps onto vLLM's SamplingParams; n > 1 is vLLM's own n).
+        field maps onto vLLM's SamplingParams; n > 1 is vLLM's own n, except that a greedy
+        row, which vLLM refuses with n > 1, runs once and gets its answer n times).
         """
-        members = ([_Req(row, prompt, p, params_for_row(params, row), {}) for row, prompt, p in _rows(g)]
+        members = ([_member(row, prompt, p, params_for_row(params, row)) for row, prompt, p in _rows(g)]
                    for g in groups)
         for out, m in self._execute(members):
             yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
-                else _to_output(out, m, self.tokenizer)
+                else greedy_copies(_to_output(out, m, self.tokenizer), m.copies)
 
     def reset(self) -> None:
         """Abort whatever is in flight (after a failed or abandoned run). vLLM's prefix cache
@@ -313,6 +315,13 @@ def _rows(g: PrefixGroup) -> list[tuple[int, list[int], int]]:
     prefix = [int(t) for t in g.prefix]
     return [(int(row), prefix + [int(t) for t in g.distinct[i]], g.prefix_len)
             for i, row in enumerate(g.row_ids)]
+
+
+def _member(row: int, prompt: list[int], prefix_len: int, p: SamplingParams) -> _Req:
+    """One member to generate for; a greedy one asking n > 1 samples is asked once."""
+    if p.n > 1 and p.greedy:
+        return _Req(row, prompt, prefix_len, p.sample_params(0), {}, copies=p.n)
+    return _Req(row, prompt, prefix_len, p, {})
 
 
 def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:

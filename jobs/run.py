@@ -136,6 +136,9 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     inputs = input_listing(input_files(read_options(spec)), wopts.storage)
     model = model_fingerprint(resolve_model(processor.config.model))
     identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs, model)
+    if wopts.format == "openai":
+        from prefixflow.operators.openai_output import system_fingerprint
+        wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, spec.engine.model_dump()))
     fingerprint = identity["fingerprint"]
     check_job_file(wopts.path, identity, wopts.storage, spec.output.resume)
     clear_end_markers(wopts)
@@ -171,8 +174,8 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch
-        from prefixflow.operators.openai_batch import write_results
-        write_results(wopts.path, wopts.storage)
+        from prefixflow.operators.openai_output import write_results
+        write_results(wopts.path, wopts.storage, spec.output.error_file)
     write_json(join(wopts.path, "_SUCCESS"), {}, wopts.storage)
     if not quiet:
         print(report.metrics_text(metrics, wopts.path), flush=True)

@@ -283,6 +283,9 @@ class OutputSpec(_Strict):
     resume: bool = Field(default=False, description="finish an interrupted job at this path: "
                          "committed rows are kept and skipped")
     include_prompt: bool = False
+    error_file: bool = Field(default=False, description="format openai: the failed requests' "
+                             "lines go to errors.jsonl, results.jsonl keeps the others (as "
+                             "OpenAI's output and error files)")
 
     @model_validator(mode="after")
     def _resume_or_overwrite(self) -> "OutputSpec":
@@ -326,6 +329,10 @@ class JobSpec(_Strict):
         if self.prompt is None and fmt != "openai":
             raise ValueError("prompt is required unless input.format is openai: add prompt.template "
                              "(e.g. \"Q: {{ question }}\") or prompt.user, or prompt.messages_column")
+        if self.output.error_file and self.output_format() != "openai":
+            raise ValueError(f"output.error_file is true but the output format is {self.output_format()}: "
+                             "errors.jsonl is written for output.format: openai only; remove error_file "
+                             "(error rows carry their `error` column)")
         self._device_has_a_gpu()
         self._backend_can_run()
         return self

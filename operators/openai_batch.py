@@ -1,15 +1,14 @@
-"""OpenAI Batch API files: request lines in, output lines out.
+"""OpenAI Batch API input: request lines -> request rows (their output lines: openai_output.py).
 
 Input line:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "...", "messages": [...], "max_tokens": 64, ...}}
              (or url "/v1/completions" with body.prompt)
-Output line: {"id": "batch_req_...", "custom_id": "r1",
+Output lines (operators/openai_output.py): {"id": "batch_req_...", "custom_id": "r1",
               "response": {"status_code": 200, "request_id": "...", "body": {chat.completion}},
-              "error": null}
-A failed request has "response": null and "error": {"code": ..., "message": ...}. Every
-custom_id of the input appears in the output: the parts (the commit unit, kept for resume) in
-no particular order, and `results.jsonl` (`write_results`, once the job completes) in input
-order, one line per request, as vLLM's run-batch writes its output file.
+              "error": null}; a failed request has status_code 400 (500: the engine failed)
+              and body {"error": {message, type, param, code}}. Every custom_id of the input
+              appears in the output: the parts (the commit unit, kept for resume) in no
+              particular order, and `results.jsonl` (once the job completes) in input order.
 
 Body fields: each is honoured or the request becomes an error record naming it.
   - honoured: messages (chat; content parts of type text only: an image_url, input_audio or
@@ -18,7 +17,8 @@ Body fields: each is honoured or the request becomes an error record naming it.
     stop_token_ids, min_tokens, ignore_eos, n, presence_penalty, frequency_penalty,
     repetition_penalty, include_stop_str_in_output, skip_special_tokens); logprobs and
     top_logprobs (filled in as the API shapes them: chat's content list, completions' legacy
-    tokens/token_logprobs/top_logprobs/text_offset); n > 1 (one choice per sample);
+    tokens/token_logprobs/top_logprobs/text_offset); n > 1 (one choice per sample; a greedy
+    request's one answer n times);
     response_format json_object / json_schema -> SamplingParams.structured_outputs (vLLM
     backend; the native engine answers such a request with an error record).
   - accepted, no meaning for generation: `NO_MEANING` (model, user, metadata, store,
@@ -29,11 +29,9 @@ Body fields: each is honoured or the request becomes an error record naming it.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import re
-from typing import Any, Callable
+from typing import Any
 
 from prefixflow.operators.read import ERROR
 from prefixflow.operators.template import content_text
@@ -204,109 +202,3 @@ def _check_sampling(overrides: dict[str, Any]) -> Any:
         return SamplingParams(max_tokens=INT32_MAX).with_overrides(overrides)
     except ValueError as e:
         raise ValueError(f"body has invalid sampling parameters: {e}") from None
-
-
-def output_line(row: dict[str, Any], created: int, default_model: str, model: str = "") -> dict[str, Any]:
-    """The OpenAI batch output record of one output row. model: the model path, whose tokenizer
-    spells the tokens of `logprobs` (needed only when the row has logprobs)."""
-    cid = row.get("custom_id")
-    digest = hashlib.sha256(f"{cid}:{row['row_id']}".encode()).hexdigest()
-    rec: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": cid}
-    if row.get("error"):
-        rec["response"] = None
-        rec["error"] = {"code": "invalid_request", "message": row["error"]}
-        return rec
-    samples = _samples(row)
-    generated = (sum(len(s["token_ids"] or []) for s in samples) if row.get("samples")
-                 else row["num_generated_tokens"])
-    usage = {"prompt_tokens": row["num_input_tokens"], "completion_tokens": generated,
-             "total_tokens": row["num_input_tokens"] + generated}
-    chat = row.get("_pf_url") != "/v1/completions"
-    choices = [_choice(s, chat, model) for s in samples]
-    body = ({"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion"} if chat
-            else {"id": f"cmpl-{digest[:24]}", "object": "text_completion"})
-    body.update({"created": created, "model": row.get("_pf_model") or default_model,
-                 "choices": choices, "usage": usage})
-    rec["response"] = {"status_code": 200, "request_id": f"req_{digest[24:48]}", "body": body}
-    rec["error"] = None
-    return rec
-
-
-def _samples(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The row's answers: its `samples` (n > 1) or the one generated text."""
-    if row.get("samples"):
-        return sorted(row["samples"], key=lambda s: s["index"])
-    return [{"index": 0, "text": row["generated_text"], "token_ids": row.get("generated_tokens"),
-             "finish_reason": row["finish_reason"], "logprobs": row.get("logprobs")}]
-
-
-def _choice(sample: dict[str, Any], chat: bool, model: str) -> dict[str, Any]:
-    logprobs = sample.get("logprobs")
-    if isinstance(logprobs, str):  # the `logprobs` output column holds JSON text
-        logprobs = json.loads(logprobs)
-    if logprobs is not None:
-        logprobs = (chat_logprobs if chat else completion_logprobs)(logprobs, _decoder(model))
-    choice: dict[str, Any] = {"index": sample["index"]}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": sample["text"]}
-    else:
-        choice["text"] = sample["text"]
-    choice.update({"logprobs": logprobs, "finish_reason": sample["finish_reason"]})
-    return choice
-
-
-def chat_logprobs(entries: list[dict[str, Any]], decode: Callable[[int], str]) -> dict[str, Any]:
-    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]} from the engine's
-    per-token entries ({token_id, logprob, top: [[token_id, logprob], ...]})."""
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**item(e["token_id"], e["logprob"]),
-                         "top_logprobs": [item(t, lp) for t, lp in e.get("top") or []]}
-                        for e in entries]}
-
-
-def completion_logprobs(entries: list[dict[str, Any]], decode: Callable[[int], str]) -> dict[str, Any]:
-    """The completions API's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [decode(e["token_id"]) for e in entries]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{decode(t): lp for t, lp in e.get("top") or []} for e in entries],
-            "text_offset": offsets}
-
-
-@functools.lru_cache(maxsize=4)
-def _decoder(model: str) -> Callable[[int], str]:
-    """token id -> its text, by the model's tokenizer (loaded once per process)."""
-    if not model:
-        raise ValueError("logprobs need the model's tokenizer: output_line was given no model path")
-    from prefixflow.engine.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(model)
-    return lambda token_id: tokenizer.decode([int(token_id)])
-
-
-def write_results(out: str, storage: Any) -> str:
-    """Write `<out>/results.jsonl`: every output line of the job's committed parts, in input
-    order (as vLLM's run-batch writes its one file), all at once (commit_bytes: a temporary
-    file renamed, or one PUT). The parts stay the commit unit a resume works from; a rerun of a
-    completed job writes this file again. Each part's commit record lists its row ids in the
-    part's line order, and row ids are input positions. Returns the file's path."""
-    from prefixflow.operators.commit import COMMITS, load_committed
-    from prefixflow.operators.storage import join
-    from prefixflow.operators.write import RESULTS_FILE, commit_bytes
-
-    fs = storage.filesystem(out)
-    keyed: list[tuple[int, bytes]] = []
-    for manifest in load_committed(out, storage, clean=False).manifests:
-        record = json.loads(fs.cat_file(join(out, COMMITS, f"{manifest['part']}.json")))
-        lines = [line for line in fs.cat_file(join(out, manifest["part"])).splitlines() if line]
-        if len(lines) != len(record["row_ids"]):
-            raise RuntimeError(f"{manifest['part']} in {out!r} has {len(lines)} lines but its commit "
-                               f"record {len(record['row_ids'])} rows: rerun with output.resume: true")
-        keyed.extend(zip(record["row_ids"], lines))
-    keyed.sort(key=lambda pair: pair[0])
-    path = join(out, RESULTS_FILE)
-    commit_bytes(path, b"".join(line + b"\n" for _, line in keyed), storage)
-    return path

@@ -18,6 +18,10 @@ import pyarrow as pa
 from prefixflow.operators.score import SCORE_FIELDS, score_columns, with_score_fields
 
 RANK, COMPUTED = "_pf_rank", "_pf_computed"
+# Prompt tokens the engine found computed (RequestOutput.num_cached_tokens; OpenAI's
+# usage.prompt_tokens_details.cached_tokens); null on rows that did not run (error records,
+# scores). Internal, as COMPUTED: the OpenAI writer reads it, the other formats drop it.
+CACHED = "_pf_cached"
 SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
 # Output columns added to every row (names follow ray.data.llm where it has one).
 OUTPUT_FIELDS = [
@@ -31,7 +35,9 @@ OUTPUT_FIELDS = [
     pa.field("replica", pa.int32()),
     pa.field(RANK, pa.int64()),
     pa.field(COMPUTED, pa.float64()),
+    pa.field(CACHED, pa.int32()),
 ]
+OPTIONAL = (CACHED,)  # with_outputs fills it with nulls where a caller has no value
 # With SamplingParams.n > 1 (any row of a chunk): every sample of each row, in index order
 # (OpenAI batch `choices` are built from it: keep the names).
 SAMPLE_TYPE = pa.struct([
@@ -93,6 +99,7 @@ def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_le
         "replica": [replica] * len(outs),
         RANK: idx.tolist(),
         COMPUTED: computed[idx].tolist(),
+        CACHED: [None if e else o.num_cached_tokens for o, e in zip(outs, errors)],
     }
     table = with_outputs(rows.take(pa.array(idx)), columns)
     if any(getattr(o, "logprobs", None) is not None for o in outs):
@@ -138,7 +145,8 @@ def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = Fa
     ours = output_names(score, include_prompt="_pf_prompt" in user)
     table = table.rename_columns([input_name(c, user) if c in ours else c for c in user])
     for f in OUTPUT_FIELDS:
-        table = table.append_column(f, pa.array(columns[f.name], f.type))
+        values = columns.get(f.name, [None] * table.num_rows) if f.name in OPTIONAL else columns[f.name]
+        table = table.append_column(f, pa.array(values, f.type))
     if "_pf_prompt" in table.column_names:  # include_prompt
         table = table.rename_columns(["prompt" if c == "_pf_prompt" else c for c in table.column_names])
     return table

@@ -47,7 +47,7 @@ class Processor:
         if self.sink is None:  # one small actor per processor collects per-replica records
             self.sink = start_sink()
         out = self.generate(self.last_plan, self.sink)
-        out = out.drop_columns(["_pf_rank", "_pf_computed"])
+        out = out.drop_columns(["_pf_rank", "_pf_computed", "_pf_cached"])
         if self.postprocess is not None:
             out = out.map(self.postprocess)
         return out

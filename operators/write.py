@@ -32,9 +32,10 @@ from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST,
 from prefixflow.operators.retry import with_retries
 from prefixflow.operators.storage import StorageOptions, absolute, is_local, join, local_path
 
-RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_batch.write_results)
+RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_output.write_results)
+ERRORS_FILE = "errors.jsonl"  # format openai with output.error_file: the failed requests' lines
 OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
-                TMP_PREFIX, RESULTS_FILE)
+                TMP_PREFIX, RESULTS_FILE, ERRORS_FILE)
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 
@@ -46,6 +47,7 @@ class WriteOptions:
     model_name: str = "prefixflow"
     created: int = 0  # unix time stamped into OpenAI responses
     model: str = ""  # the model path: its tokenizer spells OpenAI logprobs' tokens
+    system_fingerprint: str | None = None  # OpenAI bodies' (openai_output.system_fingerprint)
     # The output lock's token of the job that writes (operators/commit.py: fencing); None where
     # no lock is held (the Python API).
     fence: str | None = None
@@ -91,9 +93,9 @@ def ray_node_id() -> str | None:
 
 def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
     if opts.format == "openai":
-        from prefixflow.operators.openai_batch import output_line
+        from prefixflow.operators.openai_output import output_line
 
-        lines = [json.dumps(output_line(r, opts.created, opts.model_name, opts.model))
+        lines = [json.dumps(output_line(r, opts.created, opts.model_name, opts.model, opts.system_fingerprint))
                  for r in table.to_pylist()]
         return ("\n".join(lines) + "\n").encode("utf-8")
     table = table.drop_columns([c for c in table.column_names if c.startswith("_pf_")])
@@ -178,7 +180,7 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
 def clear_end_markers(opts: WriteOptions) -> None:
     """Before a resume writes: the old `_SUCCESS` and summaries no longer describe the output."""
     fs = opts.storage.filesystem(opts.path)
-    for name in ("_SUCCESS", "metrics.json", "plot.png", MANIFEST, RESULTS_FILE):
+    for name in ("_SUCCESS", "metrics.json", "plot.png", MANIFEST, RESULTS_FILE, ERRORS_FILE):
         if fs.exists(join(opts.path, name)):
             fs.rm(join(opts.path, name))
 

@@ -34,6 +34,7 @@ class SamplingParams:
         sampled token's log-probability).
     n: samples per prompt; the row keeps sample 0 and lists all in `samples`. A seeded
         request's sample i uses seed + i (as vLLM), so each is reproducible and they differ.
+        A greedy request (temperature 0) runs once and lists its answer n times (as OpenAI).
     presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logits of tokens the
         output already has: once (presence) and per occurrence (frequency). 0 disables.
     repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from prefixflow.operators.openai_batch import output_line, parse_requests
+from prefixflow.operators.openai_batch import parse_requests
+from prefixflow.operators.openai_output import output_line
 from prefixflow.operators.read import infer_format, parse_csv, parse_jsonl, rows_to_table
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
 
@@ -98,7 +99,8 @@ def test_openai_output_lines():
     line = output_line(ok, created=1, default_model="m")
     assert line["error"] is None and line["response"]["body"]["choices"][0]["message"]["content"] == "hi"
     bad = output_line({**ok, "error": "boom"}, created=1, default_model="m")
-    assert bad["response"] is None and bad["error"]["message"] == "boom"
+    assert bad["error"] is None and bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"]["message"] == "boom"
     assert output_line(ok, 1, "m")["id"] == line["id"]  # deterministic ids
 
 

@@ -134,12 +134,18 @@ def test_n_samples_share_the_prompt_kv_greedy_equal_seeded_reproducible(native):
     engine, _ = native
     engine.reset_prefix_cache()  # earlier tests cached this prompt's blocks
     greedy = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, n=2))[0]
-    # prompt once (its last token once per sample), not twice; output tokens of both samples
-    assert engine.totals.num_computed_prompt_tokens == len(PROMPT) - 1 + 2
-    assert engine.totals.num_output_tokens == 12 and engine.totals.num_requests == 1
-    assert [s.index for s in greedy.samples] == [0, 1]
+    # greedy: run once, its answer n times (as OpenAI returns it)
+    assert engine.totals.num_computed_prompt_tokens == len(PROMPT)
+    assert engine.totals.num_output_tokens == 6 and engine.totals.num_requests == 1
+    assert [s.index for s in greedy.samples] == [0, 1] and greedy.num_cached_tokens == 0
     assert greedy.samples[0].token_ids == greedy.samples[1].token_ids == greedy.token_ids
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=6, n=2)
+    engine.reset_prefix_cache()
+    both = engine.generate([PROMPT], seeded)[0]
+    # prompt once (its last token once per sample), not twice; output tokens of both samples;
+    # none of the prompt was found computed (the first sample computed it for the other)
+    assert engine.totals.num_computed_prompt_tokens == len(PROMPT) - 1 + 2
+    assert engine.totals.num_output_tokens == 12 and both.num_cached_tokens == 0
     first = engine.generate([PROMPT, PROMPT[:9]], seeded)
     again = engine.generate([PROMPT[:9], PROMPT], seeded)
     assert [s.token_ids for s in first[0].samples] == [s.token_ids for s in again[1].samples]

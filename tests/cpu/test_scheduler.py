@@ -360,6 +360,10 @@ def test_prefix_cache_reuses_blocks_across_runs_and_groups():
     first = instrumented_run(engine, [g], params)
     computed_first = engine.totals.num_computed_prompt_tokens
     assert computed_first == 20 + 9 + 1
+    # The member that started first carries the prefix's computation; the other found it
+    # computed: the requests' cached counts add up to the engine's (as vLLM's do).
+    assert sorted(o.num_cached_tokens for o in first.values()) == [0, 20]
+    assert sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in first.values()) == computed_first
     second = instrumented_run(engine, [g], params)
     assert engine.totals.num_computed_prompt_tokens < computed_first
     assert second[0].num_cached_tokens >= 20 + 8

@@ -83,6 +83,10 @@ def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
         assert (o.token_ids, o.text, o.finish_reason, o.error) == (n.token_ids, n.text, n.finish_reason, None)
     # Members after a group's first read its two whole prefix blocks from vLLM's cache.
     assert sum(o.num_cached_tokens >= 64 for o in ours.values()) >= 9
+    # Ours count the same way: a group's first member carries its prefix's computation.
+    assert sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in native.values()) == \
+        engines(arch)[1].totals.num_computed_prompt_tokens
+    assert sum(n.num_cached_tokens >= 70 for n in native.values()) == 9
     vllm = engines(arch)[0]
     assert vllm.totals.num_requests == 14 and vllm.totals.num_output_tokens == 14 * 8
     assert vllm.totals.token_saving_ratio > 0.3
@@ -156,6 +160,11 @@ def test_new_sampling_fields_match_the_native_engine_and_n_and_json_object():
                                                                detokenize=False)))[0]
     assert many.error is None and [s.index for s in many.samples] == [0, 1] and many.text == ""
     assert many.samples[0].token_ids == many.token_ids != many.samples[1].token_ids
+    # Greedy n > 1 (vLLM refuses it): run once, the answer n times, as the native engine.
+    twice, native_twice = run_both("llama", rows[:1], SamplingParams(temperature=0, max_tokens=4, n=2))
+    for out in (twice[0], native_twice[0]):
+        assert out.error is None and [s.token_ids for s in out.samples] == [out.token_ids] * 2
+    assert twice[0].token_ids == native_twice[0].token_ids
     js = list(vllm.run(plan_groups(rows[:1]), SamplingParams(temperature=0, max_tokens=48,
                                                              structured_outputs={"json_object": True})))[0]
     assert js.error is None, js.error
