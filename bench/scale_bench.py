@@ -242,15 +242,16 @@ def record_cached_tokens() -> None:
 # ---- the cluster and the driver ----------------------------------------------------------------
 
 class TestCluster:
-    """Ray's multi-node test cluster on this machine: a head (2 CPU slots: drivers, tokenizing,
-    ray.data.llm's other stages) and `workers` nodes of 2 CPU slots each, all on 127.0.0.1."""
+    """Ray's multi-node test cluster on this machine: a head (6 CPU slots: drivers, tokenizing,
+    ray.data.llm's other stages, whose actors hold a slot each: its detokenizer pool is as large
+    as the engine pool) and `workers` nodes of 2 CPU slots each, all on 127.0.0.1."""
 
     def __init__(self, workers: int, root: Path):
         from ray.cluster_utils import Cluster
 
         os.environ.update(LOOPBACK)
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "node_ip_address": "127.0.0.1",
+            "num_cpus": 6, "node_ip_address": "127.0.0.1",
             "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")}})
         for k in range(workers):
             self.cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1",
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=3, help="worker nodes of the test cluster")
     p.add_argument("--quick", action="store_true", help="256 rows, N = 1 and 2 (a smoke run)")
     p.add_argument("--out", default=str(RESULTS / "scale_bench.json"))
+    p.add_argument("--reuse", help="a work folder of an earlier run (same rows and model): its "
+                   "finished runs are taken as they are, the others run")
     p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -416,6 +419,11 @@ def main(argv: list[str] | None = None) -> None:
             for system in systems:  # interleaved: every system at one N before the next N
                 data = ours if system.startswith("prefixflow") else theirs
                 key = f"{system}/{n}"
+                earlier = Path(args.reuse or work) / f"{key.replace('/', '-')}.json"
+                if args.reuse and earlier.exists():
+                    runs[key] = json.loads(earlier.read_text())
+                    print(f"{key}: taken from {earlier}", flush=True)
+                    continue
                 print(f"{key} ...", flush=True)
                 runs[key] = cluster.run(system, n, data, model, work / key.replace("/", "-"),
                                         work / f"{key.replace('/', '-')}.log")
