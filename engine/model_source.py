@@ -291,12 +291,17 @@ def _convert_gguf(gguf: Path, dest: Path, model: str) -> None:
     model built from the same config (all keys match), which saves normally.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:  # transformers 5 asks for dequantization; 4.x always dequantizes a GGUF file
+        from transformers import GgufConfig
+
+        dequantize = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:
+        dequantize = {}
     folder, name = str(gguf.parent), gguf.name
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, quantization_config=GgufConfig(dequantize=True))
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **dequantize)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as e:  # noqa: BLE001 - whatever the reader says, the file is unusable
         raise ModelError(f"model {model!r}: {str(gguf)!r} is not a GGUF file transformers can "

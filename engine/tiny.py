@@ -161,8 +161,11 @@ def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict
 
     fields = dict(_DEFAULTS, vocab_size=vocab_size, pad_token_id=SPECIAL_TOKENS.index(PAD),
                   bos_token_id=SPECIAL_TOKENS.index(BOS), eos_token_id=SPECIAL_TOKENS.index(EOS))
-    if llama3_rope:
+    if llama3_rope and int(version("transformers").split(".")[0]) >= 5:
         fields["rope_parameters"] = dict(_LLAMA3_ROPE)
+    elif llama3_rope:  # transformers 4 reads rope_theta beside rope_scaling
+        fields["rope_scaling"] = dict(_LLAMA3_ROPE)
+        fields["rope_theta"] = fields["rope_scaling"].pop("rope_theta")
     if arch == "mistral":
         fields["sliding_window"] = None  # we attend to the whole context, like HF then
     fields.update(overrides)

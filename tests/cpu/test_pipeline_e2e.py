@@ -93,7 +93,7 @@ def test_outputs_equal_the_engine_run_directly(job):
         messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"{r['document']}\n\n{r['question']}"}]
         prompts.append(list(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                    tokenize=True)["input_ids"]))
+                                                    tokenize=True, return_dict=True)["input_ids"]))
     engine = LLMEngine(EngineConfig(model=str(job["model"]), device="cpu", max_model_len=MAX_MODEL_LEN,
                                     kv_cache_bytes=16 << 20))
     direct = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
