@@ -1,4 +1,4 @@
-"""What a job prints and records: the plan summary, a live progress line, metrics.json."""
+"""What a job prints and records: the plan summary, a live progress line (tqdm), metrics.json."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import sys
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 from prefixflow.operators.outputs import plain
+from prefixflow.operators.progress import RunProgress
 
 
 def plan_text(planned: Any) -> str:
@@ -34,33 +37,32 @@ def dry_run_result(planned: Any, wall_s: float) -> dict[str, Any]:
 
 
 class Progress:
-    """One live line: rows done of total, generated tokens/s, ETA, token saving, each replica's
-    rate. Fed by the driver's poll of the job's MetricsSink (jobs/supervise.py, twice a second):
-    committed parts (`update`) and the engines' live counters (`live`), which move between
-    commits. On a terminal the line is redrawn in place; otherwise a plain line every `every_s`.
+    """The CLI's live line: a RunProgress (operators/progress.py: the numbers the Python API's
+    bar shows too) drawn with tqdm: rows generated of rows to generate, generated tokens/s, ETA
+    (from generated rows only), token saving, elapsed time, error records (never progress),
+    each replica's rate. Fed by the driver's poll of the job's MetricsSink (jobs/supervise.py,
+    twice a second): committed parts (`update`) and the engines' live counters (`live`), which
+    move between commits. On a terminal tqdm redraws the line in place; otherwise a plain line
+    every `every_s` (tqdm's carriage-return redraws would make a log one endless line).
     """
 
-    def __init__(self, total_rows: int, quiet: bool = False, every_s: float = 10.0,
-                 redraw_s: float = 0.5):
-        self.total = total_rows
+    def __init__(self, total_rows: int, error_rows: int = 0, quiet: bool = False,
+                 every_s: float = 10.0, redraw_s: float = 0.5):
+        self.source = RunProgress(total_rows, error_rows)
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.every_s = redraw_s if self.tty else every_s
-        self.started = time.perf_counter()
+        self.started = time.time()
         self.last = 0.0
-        self.rows = self.generated = 0  # committed
-        self.prompt = self.computed = 0.0
-        self.replicas: dict[int, dict[str, Any]] = {}  # replica -> its last live counters
+        self.bar = _Line(self) if self.tty and not quiet else None
 
     def update(self, manifest: dict[str, Any]) -> None:
-        self.rows += manifest["num_rows"]
-        self.generated += manifest["generated_tokens"]
-        self.prompt += manifest["prompt_tokens"]
-        self.computed += manifest["computed_prompt_tokens"]
-        self._draw(force=self.rows >= self.total)
+        self.source.committed(manifest)
+        s = self.source.snapshot()
+        self._draw(force=s.rows >= s.rows_to_generate)
 
     def live(self, replicas: dict[int, dict[str, Any]]) -> None:
-        self.replicas.update({int(r): c for r, c in replicas.items()})
+        self.source.live(replicas)
         self._draw()
 
     def _draw(self, force: bool = False) -> None:
@@ -68,41 +70,59 @@ class Progress:
         if self.quiet or not (force or now - self.last >= self.every_s):
             return
         self.last = now
-        if self.tty:  # \r and erase to the end: the line is redrawn in place
-            print("\r" + self.line() + "\x1b[K", end="", file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.refresh()
         else:
             print(self.line(), file=sys.stderr, flush=True)
 
-    def counts(self) -> tuple[int, int]:
-        """(rows, generated tokens) so far: the engines' live counts run ahead of the commits
-        (a restarted replica's count starts again at 0: the commits then lead)."""
-        live = self.replicas.values()
-        rows = max(self.rows, sum(int(c["rows"]) for c in live))
-        tokens = max(self.generated, sum(int(c["generated_tokens"]) for c in live))
-        return min(rows, self.total), tokens
+    def fields(self) -> dict[str, Any]:
+        """tqdm.format_meter's arguments for the line (LINE names the extra ones)."""
+        s = self.source.snapshot()
+        more = [f"{s.error_rows} error rows"] if s.error_rows else []
+        if s.engine_s is None and s.rows < s.rows_to_generate:
+            more.append("loading engines")
+        more += _replica_rates(self.source.replicas)
+        # rate 0: tqdm shows the ETA as "?" (None would make it count from the line's start)
+        return {"n": s.rows, "total": s.rows_to_generate, "elapsed": time.time() - self.started,
+                "rate": s.rows_per_s or 0.0, "bar_format": LINE, "ncols": None,
+                "tok_s": s.tokens_per_s or 0.0, "saving": _pct(s.saving),
+                "more": "".join(" | " + m for m in more)}
 
     def line(self) -> str:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        rows, tokens = self.counts()
-        saving = 1 - self.computed / self.prompt if self.prompt else None
-        # Rates since the first engine was ready: model loading would drag the ETA down.
-        since = min((c["run_started"] for c in self.replicas.values()), default=None)
-        gen_s = max(time.time() - since, 1e-9) if since is not None else None
-        if rows >= self.total:
-            eta = "0 s"
-        else:
-            eta = f"{(self.total - rows) * gen_s / rows:.0f} s" if gen_s and rows else "--"
-        pct = rows / self.total if self.total else 1.0
-        parts = [f"[prefixflow] rows {rows}/{self.total} ({pct:.0%})",
-                 f"{tokens / gen_s if gen_s else 0.0:.1f} generated tok/s", f"ETA {eta}",
-                 f"saving {_pct(saving)}", f"{elapsed:.0f} s"]
-        if since is None and rows < self.total:
-            parts.append("loading engines")
-        return " | ".join(parts + _replica_rates(self.replicas))
+        return tqdm.format_meter(**self.fields())
 
     def close(self) -> None:
-        if not self.quiet and self.tty:
-            print(file=sys.stderr)
+        if self.bar is not None:
+            self.bar.close()
+
+
+LINE = ("[prefixflow] rows {n}/{total} ({percentage:.0f}%) | {tok_s:.1f} generated tok/s | "
+        "ETA {remaining} | saving {saving} | {elapsed}{more}")
+
+
+class _Line(tqdm):
+    """tqdm as the terminal's redraw of a Progress's line: its numbers are the Progress's (tqdm's
+    own count and rate would start with the line, model loading included)."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        super().__init__(total=progress.source.total_rows, file=sys.stderr, leave=True,
+                         dynamic_ncols=True, mininterval=0, bar_format=LINE)
+        self._sized()
+        self.refresh()
+
+    def _sized(self) -> None:
+        """A terminal that gives no size (a bare pty) reads as 0 or -1 rows: then none (tqdm's
+        display() would find no row to draw on and draw nothing)."""
+        if self.nrows is not None and self.nrows < 1:
+            self.nrows = None
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        d = super().format_dict  # reads the terminal's size again
+        self._sized()
+        width = d["ncols"] if d["ncols"] and d["ncols"] > 0 else None  # None: no trimming
+        return {**d, **self.progress.fields(), "ncols": width}
 
 
 def _replica_rates(replicas: dict[int, dict[str, Any]], most: int = 4) -> list[str]:

@@ -147,7 +147,8 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     # Named, so that another process can read the running job's state (operators/write.py).
     sink = start_sink(spec.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
-    progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet)
+    progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet,
+                               error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)))
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
     progress.close()
     final = load_committed(wopts.path, wopts.storage)

@@ -19,6 +19,7 @@ import pyarrow as pa
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ReplicaRunner
 from prefixflow.operators.outputs import CACHED, COMPUTED, RANK, input_name, with_outputs
+from prefixflow.operators.progress import LiveBar
 from prefixflow.operators.read import ERROR
 from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
 
@@ -34,7 +35,9 @@ class Generator:
             max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
             trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
             keep_prompt=cfg.include_prompt, sampling=cfg.sampling))
-        self.runner = ReplicaRunner(cfg)  # the engine of cfg's backend, loaded once here
+        # A live bar of this actor's rows on the driver (operators/progress.py); more may come.
+        self.progress = LiveBar("prefixflow Generator", close_when_done=False)
+        self.runner = ReplicaRunner(cfg, report=self.progress.report)  # cfg's backend, loaded once here
         self.runner.load()
         self.batches = 0
 
@@ -47,6 +50,7 @@ class Generator:
         table = self.tokenize(table)
         errors = table.column(ERROR).is_valid().to_numpy(zero_copy_only=False)
         good = np.flatnonzero(~errors)
+        self.progress.add_rows(table.num_rows, int(errors.sum()))
         pieces = []
         if len(good):
             tokens = RaggedTokens.from_sequences(table.column(TOKENS).take(pa.array(good)))
@@ -55,6 +59,7 @@ class Generator:
             order = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
             rows = table.drop_columns([TOKENS]).take(pa.array(order))
             pieces += list(self.runner.run(0, groups, rows, order))
+            self.progress.run_done(0)
         bad = np.flatnonzero(errors)
         if len(bad):
             rows = table.drop_columns([TOKENS]).take(pa.array(bad))

@@ -95,6 +95,8 @@ class Processor:
         # No restarts and no task retries: a restarted actor would silently redo its whole
         # replica, and one dying at every model load (OOM, bad node) would loop forever.
         remote_args: dict[str, Any] = engine_actor_options(cfg)
+        if sink is not None:  # a live bar of the replicas' rows on the driver (operators/progress.py)
+            sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
         return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
                                 batch_format="pyarrow", compute=pool, **remote_args)
 

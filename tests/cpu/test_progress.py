@@ -1,5 +1,6 @@
-"""What a running job shows: the live progress line (fed by the engines between part commits),
-Ray's metrics of the job, and plot.png beside metrics.json."""
+"""What a running job shows: the live progress line (fed by the engines between part commits;
+rows, rate and ETA of generated rows, error records apart), the Python API's live bar, Ray's
+metrics of the job, and plot.png beside metrics.json."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import yaml
 from prefixflow.jobs.demo import example_path, write_demo_data
 from prefixflow.jobs import plot
 from prefixflow.jobs.report import Progress
+from prefixflow.operators.progress import LiveBar, RunProgress
 
 
 def _live(replica: int, rows: int, tokens: int, seconds: float = 2.0) -> dict:
@@ -39,7 +41,7 @@ def test_progress_line_moves_with_the_engines_between_commits(capsys):
     p.live({0: _live(0, 6, 120), 1: _live(1, 4, 80)})
     line = capsys.readouterr().err.strip()
     assert line.startswith("[prefixflow] rows 10/48 (21%)") and "\r" not in line
-    assert re.search(r"ETA \d+ s", line) and "saving n/a" in line  # nothing committed yet
+    assert re.search(r"ETA \d\d:\d\d", line) and "saving n/a" in line  # nothing committed yet
     assert "r0 6 rows 60.0 tok/s" in line and "r1 4 rows 40.0 tok/s" in line
     assert re.search(r"\| 1\d\d\.\d generated tok/s", line)  # 200 tokens in ~2 s
     # A restarted replica counts from 0 again: the committed rows lead then.
@@ -48,7 +50,7 @@ def test_progress_line_moves_with_the_engines_between_commits(capsys):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "rows 24/48" in line and "saving 60.0%" in line and "r0 1 rows" in line
     p.update(_part(1, 24))
-    assert "rows 48/48 (100%)" in capsys.readouterr().err and "ETA 0 s" in p.line()
+    assert "rows 48/48 (100%)" in capsys.readouterr().err and "ETA 00:00" in p.line()
     # Many replicas: their range, so that the line still fits a terminal.
     p.live({r: _live(r, 1, 10 * (r + 1)) for r in range(8)})
     assert "8 replicas 5.0-40.0 tok/s each" in p.line()
@@ -56,11 +58,52 @@ def test_progress_line_moves_with_the_engines_between_commits(capsys):
 
 def test_progress_line_before_any_engine_and_quiet(capsys):
     p = Progress(total_rows=12, every_s=0.0)
-    assert "rows 0/12 (0%)" in p.line() and "ETA --" in p.line() and "loading engines" in p.line()
+    assert "rows 0/12 (0%)" in p.line() and "ETA ?" in p.line() and "loading engines" in p.line()
     q = Progress(total_rows=12, quiet=True, every_s=0.0)
     q.live({0: _live(0, 3, 9)})
     q.update(_part(0, 12))
     assert capsys.readouterr().err == ""
+
+
+def test_error_rows_are_not_progress():
+    """A job with 16 bad rows of 48: their error records commit at once, but rows, rate and ETA
+    are those of the 32 rows the engines generate (counted as progress, the records made the
+    line say 16/48 before any row was generated, and the ETA came from that count)."""
+    source = RunProgress(total_rows=48, error_rows=16)
+    started = 1000.0
+    assert source.snapshot(now=started).rows_to_generate == 32 and source.snapshot().eta_s is None
+    source.committed({**_part(-1, 16), "num_errors": 16, "generated_tokens": 0})
+    source.live({0: {**_live(0, 4, 40), "run_started": started}, 1: {**_live(1, 4, 40), "run_started": started}})
+    s = source.snapshot(now=started + 2.0)
+    assert (s.rows, s.rows_to_generate, s.error_rows) == (8, 32, 16)
+    assert s.rows_per_s == 4.0 and s.tokens_per_s == 40.0 and s.eta_s == 6.0  # 24 rows at 4 rows/s
+    # Rows given up later become error records too: fewer rows are left to generate.
+    source.committed({**_part(-1, 4), "num_errors": 4, "generated_tokens": 0})
+    s = source.snapshot(now=started + 2.0)
+    assert (s.rows, s.rows_to_generate, s.error_rows, s.eta_s) == (8, 28, 20, 5.0)
+
+    # The CLI line and the Python API's bar show that source.
+    p = Progress(total_rows=48, error_rows=16, every_s=60.0)
+    p.update({**_part(-1, 16), "num_errors": 16, "generated_tokens": 0})
+    p.live({0: _live(0, 4, 40), 1: _live(1, 4, 40)})
+    assert re.search(r"rows 8/32 \(25%\) \| 40\.\d generated tok/s \| ETA 00:0[56] \|", p.line())
+    assert "16 error rows" in p.line()
+    bar = LiveBar("prefixflow", total_rows=48, error_rows=16)
+    bar.source.live({0: {**_live(0, 4, 40), "run_started": started}})
+    assert bar.fields(now=started + 2.0) == (4, 32, "prefixflow (20.0 generated tok/s, 16 error rows)")
+
+
+def test_generator_bar_adds_each_batch():
+    """A map_batches Generator runs one engine run per batch: the bar adds the batches' rows and
+    each finished run's counts (its next run's counters start at 0)."""
+    bar = LiveBar("prefixflow Generator", close_when_done=False)
+    bar.source.add_rows(4, error_rows=1)
+    assert bar.fields(now=0.0) == (0, 3, "prefixflow Generator (loading engines, 1 error row)")
+    bar.source.live({0: {"replica": 0, "rows": 3, "generated_tokens": 12, "run_started": 10.0, "time": 11.0}})
+    bar.source.run_done(0)
+    bar.source.add_rows(4)
+    bar.source.live({0: {"replica": 0, "rows": 1, "generated_tokens": 4, "run_started": 12.0, "time": 13.0}})
+    assert bar.fields(now=14.0) == (4, 7, "prefixflow Generator (4.0 generated tok/s, 1 error row)")
 
 
 def _job_spec(tmp_path, model, name: str) -> str:
@@ -129,13 +172,13 @@ def test_live_progress_in_a_terminal_and_ray_metrics(ray_local, tiny_model, tmp_
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     text = _run_in_terminal([sys.executable, "-m", "prefixflow.cli", "run",
                              _job_spec(tmp_path, tiny_model, job)], env)
-    assert "\r[prefixflow] rows" in text and "\x1b[K" in text  # redrawn in place
+    assert "\r[prefixflow] rows" in text  # redrawn in place (tqdm)
     lines = [s for s in re.split(r"[\r\n]", text) if s.startswith("[prefixflow] rows")]
     # Before the first commit ("saving n/a"), the engines' counters moved the line.
     live = [s for s in lines if "saving n/a" in s and re.search(r"r[01] \d+ rows", s)]
     assert len(live) >= 2, lines
     partial = [s for s in live if re.search(r"rows ([1-9]|[1-3]\d|4[0-7])/48", s)]
-    assert partial and any(re.search(r"ETA \d+ s", s) for s in partial), lines
+    assert partial and any(re.search(r"ETA \d\d:\d\d", s) for s in partial), lines
     assert any(re.search(r"r0 \d+ rows [\d.]+ tok/s, r1 \d+ rows [\d.]+ tok/s", s)
                for s in live), lines
     assert "rows 48/48 (100%)" in lines[-1] and "done: 48 rows" in text
