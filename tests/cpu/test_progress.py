@@ -194,6 +194,70 @@ def test_live_progress_in_a_terminal_and_ray_metrics(ray_local, tiny_model, tmp_
     assert found.get("prefixflow_live_rows") == 48 and found["prefixflow_live_generated_tokens_per_s"] > 0
 
 
+# A Python API user's script: both faces, 9 rows of which one is bad. Its stderr is kept (and
+# passed on) so that it can wait for the bars Ray forwards from the actors before it exits.
+API_SCRIPT = r"""
+import io, os, re, sys, time
+
+
+class Tee(io.TextIOBase):
+    encoding = "utf-8"
+
+    def __init__(self, out):
+        self.out, self.parts = out, []
+
+    def write(self, text):
+        self.parts.append(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+
+sys.stderr = tee = Tee(sys.__stderr__)
+import ray
+import prefixflow
+
+
+def wait_for(pattern):
+    deadline = time.monotonic() + 60
+    while not re.search(pattern, "".join(tee.parts)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+ray.init(address=os.environ["RAY_ADDRESS"])  # log_to_driver, the default: the actors' bars come here
+config = prefixflow.ProcessorConfig(model=sys.argv[1], sampling={"temperature": 0, "max_tokens": 4},
+                                    replicas=1, engine={"device": "cpu", "kv_cache_bytes": 16 << 20})
+rows = [{"prompt": f"The quick brown fox jumps over the lazy dog. Question {i % 3}?",
+         "sampling_params": {"bogus": 1} if i == 1 else None} for i in range(9)]
+assert len(prefixflow.build_processor(config)(ray.data.from_items(rows)).take_all()) == 9
+wait_for(r"prefixflow \([^)]*\): 100%")
+ds = ray.data.from_items(rows).map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
+                                           batch_size=5, concurrency=1, batch_format="pyarrow")
+assert len(ds.take_all()) == 9
+wait_for(r"prefixflow Generator \([^)]*\): 100%")
+"""
+
+
+@pytest.mark.slow
+def test_python_api_shows_a_live_bar_of_generated_rows(ray_local, tiny_model, tmp_path):
+    """build_processor(...)(ds) and map_batches(Generator): a bar on the driver (tqdm_ray, drawn
+    from the MetricsSink and from the Generator actor) of the 8 rows to generate, the bad row
+    apart, with generated tokens/s and an ETA."""
+    script = tmp_path / "api.py"
+    script.write_text(API_SCRIPT)
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    done = subprocess.run([sys.executable, str(script), str(tiny_model)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # tqdm's line: "<desc>: 100%|<bar>| 8.00/8.00 [elapsed<ETA, rate]" (rate scaled: 9.96krow/s;
+    # below 1 row/s: s/row)
+    rest = r": 100%\|[^\r\n]*\| 8(\.00)?/8(\.00)? \[\d\d:\d\d<00:00, [\d.]+ ?[kMG]?(row/s|s/row)\]"
+    for name in ("prefixflow", "prefixflow Generator"):
+        assert re.search(re.escape(name) + r" \(\d+\.\d generated tok/s, 1 error row\)" + rest,
+                         done.stderr), done.stderr[-3000:]
+
+
 def _metrics(steps: list[dict]) -> dict:
     return {"job": "j", "rows": 8, "wall_seconds": 1.0, "token_saving_ratio": 0.5, "order": "batchllm",
             "per_replica": [{"replica": 0, "num_rows": 8, "seconds": 1.0, "steps": steps}]}
