@@ -79,12 +79,20 @@ class ProcessorConfig:
     order: plan order policy: fcfs, dfs, batchllm or blendserve.
     replicas: data-parallel engine actors (Ray's `concurrency`).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
+        num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
+        engine's tensor_parallel_size x pipeline_parallel_size GPUs where the cluster has GPUs,
+        none where it has none), as ray.data.llm sizes its engines.
     tokenize_concurrency / tokenize_batch_size: tokenizer actors and their batch size.
     rows_per_chunk: outputs per streamed output block (and per written part).
     include_prompt: add the rendered prompt text as a `prompt` column.
     openai_batch: rows are OpenAI batch requests (custom_id + body), see operators/openai_batch.
     task: "generate" (text) or "score" (choice probabilities; needs `score`).
     score: ScoreConfig (or a dict of its fields) for task "score".
+    chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
+        instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
+        False}); transformers renders them in its sandbox. Python API only.
+    runtime_env: the Ray runtime environment of every task and actor the job starts (tokenize,
+        engine), e.g. {"env_vars": {"HF_TOKEN": ...}}. Python API only.
     """
 
     model: str
@@ -93,7 +101,7 @@ class ProcessorConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     order: str = "batchllm"
     replicas: int = 1
-    num_gpus_per_replica: float = 0.0
+    num_gpus_per_replica: float | None = 0.0
     num_cpus_per_replica: float = 1.0
     tokenize_concurrency: int = 1
     tokenize_batch_size: int = 256
@@ -102,6 +110,9 @@ class ProcessorConfig:
     openai_batch: bool = False
     task: str = "generate"
     score: ScoreConfig | dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    runtime_env: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, dict):
@@ -120,6 +131,12 @@ class ProcessorConfig:
                  f"use one of {', '.join(ORDER_POLICIES)}")
         for name in ("replicas", "tokenize_concurrency", "tokenize_batch_size", "rows_per_chunk"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "use a positive integer")
+        gpus = self.num_gpus_per_replica
+        _require(gpus is None or gpus >= 0, "num_gpus_per_replica", gpus,
+                 "use a number >= 0, or None to decide when the job runs")
+        for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("runtime_env", dict)):
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, kind), name, value, f"give a {kind.__name__} or None")
         _require("model" not in self.engine, "engine", self.engine,
                  "give the model as ProcessorConfig.model, not inside engine")
         self.engine_config()  # EngineConfig checks its own fields, naming them

@@ -1,16 +1,21 @@
 """Processor: the stages chained on a Ray Dataset: tokenize -> plan -> generate.
 
     processor = Processor(config)
-    out = processor(ds)              # lazy Dataset of outputs (the plan barrier runs now)
+    out = processor(ds)              # a lazy Dataset: nothing runs yet
+    out.take_all()                   # tokenizes, plans (the global barrier), generates
 
-Calling a processor runs tokenization and the plan immediately, because the plan needs every
-prompt (the global barrier); generation stays lazy, like any Ray Dataset transform. The CLI
+Calling a processor only builds the Dataset, as any Ray Dataset transform (and ray.data.llm's
+processor) does: the job runs when the Dataset executes, once per execution
+(operators/lazy_job.py: one read task plans and runs the replicas, Processor.run). The CLI
 uses the pieces (`plan`, `generate`) to add the part writer and progress.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
 
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
@@ -18,6 +23,8 @@ from prefixflow.operators.plan import PlannedJob, plan_dataset, replica_group_re
 from prefixflow.operators.tokenize import Tokenize, TokenizeOptions, model_max_len
 
 Row = dict[str, Any]
+INTERNAL = ("_pf_rank", "_pf_computed", "_pf_cached")  # bookkeeping the output rows drop
+PLAN_RECORD = "plan"  # the sink record of a run's plan summary (Processor.plan_summary)
 
 
 class Processor:
@@ -31,39 +38,76 @@ class Processor:
     """
 
     def __init__(self, config: ProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
-                 postprocess: Callable[[Row], Row] | None = None):
+                 postprocess: Callable[[Row], Row] | None = None, *,
+                 preprocess_map_kwargs: dict[str, Any] | None = None,
+                 postprocess_map_kwargs: dict[str, Any] | None = None):
         self.config = config
         self.preprocess = preprocess
         self.postprocess = postprocess
-        self.last_plan: PlannedJob | None = None
+        # Dataset.map arguments of the two user stages (resources, concurrency), as ray.data.llm's
+        self.preprocess_map_kwargs = dict(preprocess_map_kwargs or {})
+        self.postprocess_map_kwargs = dict(postprocess_map_kwargs or {})
         self.sink: Any = None
+        self.generate_started = 0.0  # when the running job's replicas were asked for (Processor.run)
 
     def __call__(self, ds: Any) -> Any:
-        from prefixflow.operators.write import start_sink
-
         if self.preprocess is not None:
-            ds = ds.map(Merged(self.preprocess))
-        self.last_plan = self.plan(ds)
-        if self.sink is None:  # one small actor per processor collects per-replica records
-            self.sink = start_sink()
-        out = self.generate(self.last_plan, self.sink)
-        out = out.drop_columns(["_pf_rank", "_pf_computed", "_pf_cached"])
+            ds = ds.map(Merged(self.preprocess), **self.preprocess_map_kwargs)
+        out = self.outputs(ds)
         if self.postprocess is not None:
-            out = out.map(self.postprocess)
+            out = out.map(self.postprocess, **self.postprocess_map_kwargs)
         return out
 
-    def tokenize(self, ds: Any) -> Any:
-        from ray.data import ActorPoolStrategy
+    def outputs(self, ds: Any) -> Any:
+        """The output rows of `ds` as a lazy Dataset: the job runs when it executes."""
+        from prefixflow.operators.lazy_job import job_dataset
+        from prefixflow.operators.write import start_sink
 
+        if self.sink is None:  # one small actor per processor collects the runs' records
+            self.sink = start_sink()
+        return job_dataset(self, ds)
+
+    def run(self, ds: Any) -> Iterator[pa.Table]:
+        """The job, where its Dataset executes (operators/lazy_job.py): tokenize and plan `ds`,
+        run the replicas, and yield their output blocks as they come."""
+        import ray
+
+        planned = self.plan(ds)
+        summary = {"replica": -1, "kind": PLAN_RECORD, "summary": dict(planned.plan.summary),
+                   "timings": dict(planned.timings), "error_rows": len(planned.error_row_ids)}
+        ray.get(self.sink.put.remote(summary))
+        self.generate_started = time.time()
+        for block in self.generate(planned, self.sink).iter_batches(batch_size=None, batch_format="pyarrow"):
+            yield self.finish(block, planned)
+
+    def finish(self, block: pa.Table, planned: PlannedJob) -> pa.Table:
+        """An output block as it leaves the job, bookkeeping dropped (ray_llm.RayLLMProcessor
+        turns it into ray.data.llm's columns)."""
+        return block.drop_columns([c for c in INTERNAL if c in block.column_names])
+
+    def tokenize_options(self) -> TokenizeOptions:
         cfg = self.config
-        opts = TokenizeOptions(
+        return TokenizeOptions(
             model=cfg.model, prompt=cfg.prompt,  # type: ignore[arg-type]
             max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
             trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
-            keep_prompt=cfg.include_prompt, sampling=cfg.sampling)
-        out = ds.map_batches(Tokenize, fn_constructor_kwargs={"opts": opts},
-                             batch_size=cfg.tokenize_batch_size, batch_format="pyarrow",
-                             compute=ActorPoolStrategy(size=cfg.tokenize_concurrency))
+            keep_prompt=cfg.include_prompt, sampling=cfg.sampling,
+            chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs)
+
+    def tokenize_args(self) -> dict[str, Any]:
+        """map_batches arguments of the tokenize actors (their pool, resources, environment)."""
+        from ray.data import ActorPoolStrategy
+
+        cfg = self.config
+        args: dict[str, Any] = {"compute": ActorPoolStrategy(size=cfg.tokenize_concurrency)}
+        if cfg.runtime_env is not None:
+            args["runtime_env"] = cfg.runtime_env
+        return args
+
+    def tokenize(self, ds: Any) -> Any:
+        out = ds.map_batches(Tokenize, fn_constructor_kwargs={"opts": self.tokenize_options()},
+                             batch_size=self.config.tokenize_batch_size, batch_format="pyarrow",
+                             **self.tokenize_args())
         # Row ids are positions in the materialized dataset: keep block order deterministic.
         out.context.execution_options.preserve_order = True
         return out
@@ -91,17 +135,34 @@ class Processor:
         kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
                       error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink)
         # One work item per actor at a time, so R replicas really run side by side.
-        pool = ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=1)
+        pool = ActorPoolStrategy(**self.engine_pool(), max_tasks_in_flight_per_actor=1)
         # No restarts and no task retries: a restarted actor would silently redo its whole
         # replica, and one dying at every model load (OOM, bad node) would loop forever.
-        remote_args: dict[str, Any] = engine_actor_options(cfg)
+        remote_args: dict[str, Any] = self.engine_options()
         if sink is not None:  # a live bar of the replicas' rows on the driver (operators/progress.py)
             sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
         return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
                                 batch_format="pyarrow", compute=pool, **remote_args)
 
+    def engine_pool(self) -> dict[str, int]:
+        """ActorPoolStrategy sizes of the engine actors: one per replica."""
+        return {"size": self.config.replicas}
+
+    def engine_options(self) -> dict[str, Any]:
+        """Ray options of the engine actors, decided now (when the job runs)."""
+        return engine_actor_options(self.config)
+
     def metrics(self) -> list[dict[str, Any]]:
-        """Per-replica records (times, per-step token counts) of the last executed run."""
+        """Per-replica records (times, per-step token counts) of the runs so far."""
+        return [r for r in self._records() if r.get("kind") != PLAN_RECORD]
+
+    def plan_summary(self) -> dict[str, Any] | None:
+        """The last executed run's plan summary (groups, token saving ratios; Plan.summary),
+        None before a run."""
+        plans = [r for r in self._records() if r.get("kind") == PLAN_RECORD]
+        return plans[-1]["summary"] if plans else None
+
+    def _records(self) -> list[dict[str, Any]]:
         import ray
 
         return [] if self.sink is None else ray.get(self.sink.get.remote())
@@ -129,6 +190,23 @@ def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dic
     retries (a death is handled by whoever runs the actors, which knows what was committed)."""
     opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
                             "max_restarts": 0, "max_task_retries": 0, "scheduling_strategy": "SPREAD"}
-    if cfg.num_gpus_per_replica and needs_engine:
-        opts["num_gpus"] = cfg.num_gpus_per_replica
+    gpus = gpus_per_replica(cfg) if needs_engine else 0
+    if gpus:
+        opts["num_gpus"] = gpus
+    if cfg.runtime_env is not None:
+        opts["runtime_env"] = cfg.runtime_env
     return opts
+
+
+def gpus_per_replica(cfg: ProcessorConfig) -> float:
+    """An engine actor's GPUs: num_gpus_per_replica, or where that is None (decide when the job
+    runs) the engine's tensor_parallel_size x pipeline_parallel_size on a cluster with GPUs,
+    none on one without (vLLM's CPU backend, the native engine on CPUs)."""
+    if cfg.num_gpus_per_replica is not None:
+        return cfg.num_gpus_per_replica
+    import ray
+
+    if not ray.cluster_resources().get("GPU"):
+        return 0.0
+    args = cfg.vllm_args
+    return float(args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1))

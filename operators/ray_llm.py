@@ -1,247 +1,292 @@
-"""ray.data.llm's face on prefixflow's planned Processor: switch by changing one import.
+"""ray.data.llm's face (Ray 2.60) on prefixflow's planned Processor: switch by changing one import.
 
     from prefixflow import build_processor, vLLMEngineProcessorConfig   # was ray.data.llm
     (build_llm_processor, Ray's older name, works too)
 
-`vLLMEngineProcessorConfig` takes ray.data.llm's field names and becomes a ProcessorConfig:
-    model_source -> model; engine_kwargs -> engine.backend: vllm, the vLLM arguments prefixflow
-    sets itself (max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
-    dtype, ...) -> their EngineConfig fields (`engine_settings`), the rest -> vLLM engine
-    arguments, checked against vLLM's argument names before any actor starts;
-    concurrency (an int) -> replicas;
-    batch_size -> rows_per_chunk (rows per output block); tokenize_stage's batch_size and
-    concurrency -> the tokenize actors'; order (prefixflow's own) -> the plan order.
-Accepted as they are, because prefixflow always does what they ask for or they only tune Ray's
-streaming: apply_chat_template / chat_template_stage (a row's `messages` get the tokenizer's
-chat template, a `prompt` is used as it is), tokenize / tokenize_stage, detokenize /
-detokenize_stage (text always comes back), should_continue_on_error (a failed row is an error
-row either way, never a failed job; True adds ray.data.llm's `__inference_error__` column),
-log_engine_metrics, max_concurrent_batches, max_pending_requests, max_tasks_in_flight_per_actor.
-Anything else prefixflow cannot honour (a custom chat_template, autoscaling concurrency,
-runtime_env, LoRA, multimodal, task_type other than generate, ...) raises a ValueError naming
-the field, never dropped in silence.
-
-The result is prefixflow's Processor (tokenize -> global plan -> replicas), so rows sharing a
-prefix run together. Preprocess output is merged into the row; postprocess runs on each output
-row, which has ray.data.llm's columns (generated_text, generated_tokens, num_input_tokens,
-num_generated_tokens, prompt, prompt_token_ids, time_taken_llm) beside prefixflow's
-(finish_reason, error, row_id, replica). time_taken_llm is null: a planned group's rows are
-computed together, so no per-row engine time exists (Processor.metrics() has per-replica times).
-prompt_token_ids cost a second tokenizer pass over the output rows (the plan keeps token ids
-away from the output rows). The engine is always vLLM here, as the config's name says; for
-prefixflow's native engine use ProcessorConfig.
+The configuration classes and how their fields map are in operators/ray_llm_config.py. The
+processor is prefixflow's (tokenize -> global plan -> replicas, so rows sharing a prefix run
+together) and as lazy as Ray's: `processor(ds)` builds the Dataset, the job runs when it
+executes (operators/lazy_job.py). Preprocess output is merged into the row; the rows then carry
+ray.data.llm's columns, as Ray 2.60 writes them (RAY_COLUMNS), beside the input's and
+prefixflow's finish_reason:
+    prompt (the chat template applied), prompt_token_ids, num_input_tokens, generated_tokens,
+    generated_text, num_generated_tokens, embeddings (null), metrics, logprobs, prompt_logprobs,
+    request_id (the row's id in the job), batch_uuid (one per output block), time_taken_llm
+    (seconds from the start of the row's replica run, all its rows queued then as Ray queues a
+    batch, to its output block), params (the row's sampling parameters), __inference_error__.
+The engine consumes `sampling_params` and `tokenized_prompt`, as Ray's does. A row that fails
+(a bad sampling parameter, a prompt past the context, an engine error) fails the dataset, as in
+ray.data.llm, unless should_continue_on_error=True: then it comes back with its
+__inference_error__ and empty outputs, and bypasses postprocess, which gets the good rows only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+import logging
+import time
+import uuid
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.processor import Merged, Processor
-from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
+from prefixflow.operators.processor import INTERNAL, Merged, Processor, engine_actor_options
+from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,  # noqa: F401
+                                                 HttpRequestProcessorConfig, HttpRequestStageConfig,
+                                                 PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
+                                                 ServeDeploymentProcessorConfig, TokenizerStageConfig,
+                                                 engine_settings, vLLMEngineProcessorConfig)
+from prefixflow.operators.tokenize import TOKENS, TokenizeOptions
 
 Row = dict[str, Any]
-STAGES = ("chat_template_stage", "tokenize_stage", "detokenize_stage")
+logger = logging.getLogger(__name__)
+ERROR_COLUMN = "__inference_error__"
+# The columns ray.data.llm 2.60's vLLM stage writes on every row (stage outputs overwrite an
+# input column of the same name); the engine pops these inputs.
+RAY_COLUMNS = ("prompt", "prompt_token_ids", "num_input_tokens", "generated_tokens", "generated_text",
+               "num_generated_tokens", "embeddings", "metrics", "logprobs", "prompt_logprobs",
+               "request_id", "batch_uuid", "time_taken_llm", "params", ERROR_COLUMN)
+CONSUMED = ("sampling_params", "tokenized_prompt")
+OURS_DROPPED = ("error", "row_id", "replica")  # Ray has them as __inference_error__, request_id
+METRICS_TYPE = pa.struct([pa.field("num_generation_tokens", pa.int64()),
+                          pa.field("num_cached_tokens", pa.int64())])
 
 
-@dataclass(frozen=True)
-class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
-    """ray.data.llm.vLLMEngineProcessorConfig's fields (see the module docstring for how each
-    maps); a field whose value prefixflow cannot honour raises ValueError naming it."""
+class RayLLMProcessor(Processor):
+    """prefixflow's Processor with ray.data.llm's stages, columns and error rule."""
 
-    model_source: str
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    concurrency: int | tuple[int, int] = 1
-    batch_size: int = 32
-    apply_chat_template: bool = True
-    chat_template: str | None = None
-    tokenize: bool = True
-    detokenize: bool = True
-    has_image: bool = False
-    chat_template_stage: bool | dict[str, Any] = True
-    tokenize_stage: bool | dict[str, Any] = True
-    detokenize_stage: bool | dict[str, Any] = True
-    prepare_multimodal_stage: bool | dict[str, Any] = False
-    task_type: str = "generate"
-    runtime_env: dict[str, Any] | None = None
-    accelerator_type: str | None = None
-    resources_per_bundle: dict[str, Any] | None = None
-    placement_group_config: dict[str, Any] | None = None
-    dynamic_lora_loading_path: str | None = None
-    max_pending_requests: int | None = None
-    max_concurrent_batches: int = 8
-    max_tasks_in_flight_per_actor: int | None = None
-    should_continue_on_error: bool = False
-    log_engine_metrics: bool = True
-    order: str = "batchllm"  # prefixflow's: the plan order (fcfs, dfs, batchllm, blendserve)
-
-    def __post_init__(self) -> None:
-        for name, value, fix in self.problems():
-            raise ValueError(f"vLLMEngineProcessorConfig.{name}={value!r} is invalid: {fix}")
-        self.processor_config()  # ProcessorConfig checks the rest (engine_kwargs by name)
-
-    def problems(self) -> list[tuple[str, Any, str]]:
-        """(field, value, fix) for each setting prefixflow cannot honour."""
-        unsupported = {
-            "chat_template": "prefixflow renders the tokenizer's own chat template: remove it, "
-                             "or render the prompt in preprocess and return it as `prompt`",
-            "has_image": "images are not supported: remove it",
-            "prepare_multimodal_stage": "multimodal inputs are not supported: remove it",
-            "runtime_env": "engine actors run in the job's environment: remove it",
-            "accelerator_type": "prefixflow asks Ray for GPUs, not a type: remove it",
-            "resources_per_bundle": "each replica is one actor: remove it",
-            "placement_group_config": "each replica is one actor: remove it",
-            "dynamic_lora_loading_path": "LoRA adapters are not supported: remove it",
-        }
-        defaults = {f.name: f.default for f in fields(self)}
-        out = [(name, getattr(self, name), fix) for name, fix in unsupported.items()
-               if getattr(self, name) != defaults[name]]
-        if self.task_type != "generate":
-            out.append(("task_type", self.task_type, "only 'generate' is supported"))
-        if not isinstance(self.concurrency, int) or isinstance(self.concurrency, bool):
-            out.append(("concurrency", self.concurrency, "the plan splits the rows among a fixed "
-                        "number of replicas up front: give an int, not an autoscaling range"))
-        if not isinstance(self.engine_kwargs, dict):
-            out.append(("engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments"))
-        return out + [p for name in STAGES for p in _stage_problems(name, getattr(self, name))]
-
-    def processor_config(self, num_gpus_per_replica: float = 0.0) -> ProcessorConfig:
-        tokenize = self.tokenize_stage if isinstance(self.tokenize_stage, dict) else {}
-        return ProcessorConfig(
-            model=self.model_source, engine=engine_settings(self.engine_kwargs),
-            replicas=self.concurrency, rows_per_chunk=self.batch_size,  # type: ignore[arg-type]
-            tokenize_batch_size=tokenize.get("batch_size") or 256,
-            tokenize_concurrency=tokenize.get("concurrency") or 1,
-            num_gpus_per_replica=num_gpus_per_replica, include_prompt=True, order=self.order)
-
-
-def engine_settings(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """ProcessorConfig.engine for ray.data.llm's engine_kwargs: the vLLM arguments prefixflow
-    derives from its own EngineConfig (engine/vllm_args.OWN_ARGS: max_model_len,
-    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, dtype, ...) become those
-    fields, so both backends read one setting; the rest pass to vLLM as they are."""
-    from prefixflow.engine.vllm_args import OWN_ARGS  # torch-free, does not import vLLM
-
-    engine: dict[str, Any] = {"backend": "vllm", "vllm": {}}
-    for key, value in engine_kwargs.items():
-        ours = OWN_ARGS.get(key, "").removeprefix("engine.")
-        # model is model_source; num_gpu_blocks_override counts blocks, not bytes: both stay
-        # vLLM arguments, which the check then refuses by name.
-        if ours.isidentifier() and key not in ("model", "num_gpu_blocks_override"):
-            engine[ours] = value
-        else:
-            engine["vllm"][key] = value
-    return engine
-
-
-def _stage_problems(name: str, value: Any) -> list[tuple[str, Any, str]]:
-    """A stage config (bool or dict): `enabled`, and for tokenize_stage batch_size/concurrency;
-    resource keys left unset. prefixflow renders chat templates inside its tokenize actors and
-    detokenizes inside the engine, so those stages have no actors of their own to size."""
-    if isinstance(value, bool):
-        return []
-    if not isinstance(value, dict):
-        return [(name, value, "give a bool or a dict")]
-    sized = ("batch_size", "concurrency") if name == "tokenize_stage" else ()
-    fix = ("prefixflow runs it inside the tokenize actors (size them with tokenize_stage)"
-           if name == "chat_template_stage" else "prefixflow runs it inside its own actors")
-    return [(f"{name}.{key}", v, f"not supported here: {fix}; remove it") for key, v in value.items()
-            if key != "enabled" and key not in sized and v not in (None, {}, False)]
-
-
-class RayLLMProcessor:
-    """A callable Dataset -> Dataset: preprocess (merged) -> prefixflow's Processor ->
-    ray.data.llm's output columns -> postprocess."""
-
-    def __init__(self, config: vLLMEngineProcessorConfig, processor: Processor,
-                 preprocess: Callable[[Row], Row] | None, postprocess: Callable[[Row], Row] | None,
-                 preprocess_map_kwargs: dict[str, Any], postprocess_map_kwargs: dict[str, Any]):
+    def __init__(self, config: vLLMEngineProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
+                 postprocess: Callable[[Row], Row] | None = None,
+                 preprocess_map_kwargs: dict[str, Any] | None = None,
+                 postprocess_map_kwargs: dict[str, Any] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
+        super().__init__(config.processor_config(chat_template_kwargs), preprocess, postprocess,
+                         preprocess_map_kwargs=preprocess_map_kwargs,
+                         postprocess_map_kwargs=postprocess_map_kwargs)
         self.ray_config = config
-        self.processor = processor
-        self.preprocess, self.postprocess = preprocess, postprocess
-        self.pre_kwargs, self.post_kwargs = preprocess_map_kwargs, postprocess_map_kwargs
+        self.stages = config.stages()
+        self._tokenizer: Any = None
+        self._run_started: dict[int, float] = {}
 
     def __call__(self, ds: Any) -> Any:
-        from ray.data import ActorPoolStrategy
-
         if self.preprocess is not None:
-            ds = ds.map(Merged(self.preprocess), **self.pre_kwargs)
-        out = self.processor(ds)
-        cfg = self.processor.config
-        opts = TokenizeOptions(model=cfg.model, prompt=None, max_model_len=model_max_len(
-            cfg.model, cfg.engine.get("max_model_len")))
-        rc = self.ray_config
-        detokenize = rc.detokenize and rc.detokenize_stage not in (False, {"enabled": False})
-        out = out.map_batches(RayColumns, fn_constructor_kwargs={
-            "opts": opts, "error_column": rc.should_continue_on_error, "detokenize": detokenize},
-            batch_size=cfg.tokenize_batch_size, batch_format="pyarrow",
-            compute=ActorPoolStrategy(size=cfg.tokenize_concurrency))
+            ds = ds.map(Merged(self.preprocess), **self.preprocess_map_kwargs)
+        out = self.outputs(ds)
         if self.postprocess is not None:
-            out = out.map(self.postprocess, **self.post_kwargs)
+            wrapped = SkipErrors(self.postprocess, self.ray_config.should_continue_on_error)
+            out = out.map(wrapped, **self.postprocess_map_kwargs)
         return out
 
-    def metrics(self) -> list[dict[str, Any]]:
-        return self.processor.metrics()
+    # ---- the stages -------------------------------------------------------------------------
+
+    def tokenize_options(self) -> TokenizeOptions:
+        opts = super().tokenize_options()
+        return TokenizeOptions(**{**vars(opts), "messages": self.stages["chat_template"].enabled,
+                                  "continue_last": True})
+
+    def tokenize_args(self) -> dict[str, Any]:
+        from ray.data import ActorPoolStrategy
+
+        chat, tok = self.stages["chat_template"], self.stages["tokenize"]
+        stage = tok if tok.enabled or not chat.enabled else chat
+        c = stage.concurrency
+        args: dict[str, Any] = {"compute": ActorPoolStrategy(min_size=1, max_size=c) if isinstance(c, int)
+                                else ActorPoolStrategy(min_size=c[0], max_size=c[1])}
+        for key in ("runtime_env", "num_cpus", "memory"):
+            if getattr(stage, key) is not None:
+                args[key] = getattr(stage, key)
+        return args
+
+    def engine_pool(self) -> dict[str, int]:
+        c = self.ray_config.concurrency
+        return {"size": c} if isinstance(c, int) else {"min_size": c[0], "max_size": c[1]}
+
+    def engine_options(self) -> dict[str, Any]:
+        opts = engine_actor_options(self.config)
+        bundle = dict(self.ray_config.engine_bundle())
+        bundle.pop("CPU", None)  # num_cpus_per_replica already
+        if "GPU" in bundle:
+            gpus = bundle.pop("GPU")
+            opts.pop("num_gpus", None)
+            if gpus:
+                opts["num_gpus"] = gpus
+        if bundle:
+            opts["resources"] = bundle
+        if self.ray_config.accelerator_type:
+            opts["accelerator_type"] = self.ray_config.accelerator_type
+        return opts
+
+    def run(self, ds: Any) -> Iterator[pa.Table]:
+        check_context(self.config, self.engine_options().get("num_gpus", 0))
+        yield from super().run(ds)
+
+    # ---- the columns ------------------------------------------------------------------------
+
+    def finish(self, block: pa.Table, planned: Any) -> pa.Table:
+        """ray.data.llm's columns on an output block (see the module docstring)."""
+        from prefixflow.operators.outputs import row_sampling
+        from prefixflow.operators.plan import fetch_rows
+
+        rows = block.to_pylist()
+        errors = [r.get("error") for r in rows]
+        bad = next((i for i, e in enumerate(errors) if e), None)
+        if bad is not None and not self.ray_config.should_continue_on_error:
+            raise RuntimeError(f"row {rows[bad].get('row_id')} failed: {errors[bad]} (ray.data.llm fails the "
+                               "dataset on a row's error; with should_continue_on_error=True such rows come "
+                               f"back with their {ERROR_COLUMN})")
+        ids = np.array([r["row_id"] for r in rows], dtype=np.int64)
+        good = [i for i, e in enumerate(errors) if not e]
+        prompt_ids: list[Any] = [None] * len(rows)
+        if good:
+            tokens = fetch_rows(planned.rows, ids[good], columns=(TOKENS,)).column(TOKENS).to_pylist()
+            for i, t in zip(good, tokens):
+                prompt_ids[i] = t
+        detokenize = self.stages["detokenize"].enabled
+        batch = uuid.uuid4().hex
+        out: dict[str, list[Any]] = {name: [] for name in RAY_COLUMNS}
+        for r, e, p in zip(rows, errors, prompt_ids):
+            text = r.get("generated_text") or ""
+            if detokenize and not text and r.get("generated_tokens") and not e:
+                text = self._decode(r["generated_tokens"])
+            params = "" if e else repr(row_sampling(self.config.sampling, r.get("sampling_params")))
+            values = {"prompt": r.get("prompt") or "", "prompt_token_ids": p,
+                      "num_input_tokens": 0 if e else r["num_input_tokens"],
+                      "generated_tokens": [] if e else r["generated_tokens"], "generated_text": text,
+                      "num_generated_tokens": 0 if e else r["num_generated_tokens"], "embeddings": None,
+                      "metrics": None if e else {"num_generation_tokens": r["num_generated_tokens"],
+                                                 "num_cached_tokens": r.get("_pf_cached")},
+                      "logprobs": r.get("logprobs"), "prompt_logprobs": None,
+                      "request_id": -1 if e else r["row_id"], "batch_uuid": batch,
+                      "time_taken_llm": -1.0 if e else self._time_taken(r["replica"]),
+                      "params": params, ERROR_COLUMN: e or ""}
+            for name in RAY_COLUMNS:
+                out[name].append(values[name])
+        return _with_ray_columns(block, out)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self._tokenizer is None:
+            from prefixflow.engine.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.model, bool(self.config.engine.get("trust_remote_code")))
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _time_taken(self, replica: int) -> float:
+        """Seconds since the replica's engine run started (its Heartbeat's run_started, in the
+        job's sink), else since the job's generate stage started."""
+        if replica not in self._run_started:
+            import ray
+
+            live = ray.get(self.sink.status.remote()).get("live", {})
+            started = (live.get(replica) or {}).get("run_started")
+            if started is None:
+                return max(0.0, time.time() - self.generate_started)
+            self._run_started[replica] = float(started)
+        return max(0.0, time.time() - self._run_started[replica])
+
+    # ---- ray.data.llm's Processor methods -----------------------------------------------------
+
+    def list_stage_names(self) -> list[str]:
+        names = {"chat_template": "ChatTemplateStage", "tokenize": "TokenizeStage"}
+        out = [names[k] for k in ("chat_template", "tokenize") if self.stages[k].enabled]
+        out.append("vLLMEngineStage")
+        return out + (["DetokenizeStage"] if self.stages["detokenize"].enabled else [])
+
+    def log_input_column_names(self) -> None:
+        if self.stages["chat_template"].enabled:
+            message = ("The first stage of the processor is ChatTemplateStage.\nRequired input columns:\n"
+                       "\tmessages: A list of messages in OpenAI chat format.")
+        else:
+            message = ("The first stage of the processor is TokenizeStage.\nRequired input columns:\n"
+                       "\tprompt: The text prompt (str) to tokenize.")
+        logger.info(message + "\nOptional input columns:\n\tsampling_params: vLLM's sampling parameters.")
 
 
-class RayColumns:
-    """map_batches class: adds prompt_token_ids (the tokenize stage's ids: the same Tokenize
-    on the row's `messages` or `prompt`; prefixflow's plan keeps ids away from the output),
-    time_taken_llm (null) and, when asked, `__inference_error__` ("" on a good row). With
-    ray.data.llm's detokenize stage on (its default), a row whose sampling_params said
-    detokenize=False still gets its text, as there (the stage decodes generated_tokens)."""
-
-    def __init__(self, opts: TokenizeOptions, error_column: bool, detokenize: bool):
-        self.tokenize = Tokenize(opts)
-        self.error_column, self.detokenize = error_column, detokenize
-
-    def __call__(self, table: pa.Table) -> pa.Table:
-        ids = self.tokenize(table.select([c for c in ("messages", "prompt") if c in table.column_names]))
-        errors = table.column("error").to_pylist()
-        ids_col = [None if e else v for e, v in zip(errors, ids.column(TOKENS).to_pylist())]
-        table = table.append_column("prompt_token_ids", pa.array(ids_col, pa.list_(pa.int32())))
-        table = table.append_column("time_taken_llm", pa.nulls(len(table), pa.float64()))
-        if self.detokenize:
-            table = self._texts(table)
-        if self.error_column:
-            table = table.append_column("__inference_error__",
-                                        pa.array([e or "" for e in errors], pa.string()))
-        return table
-
-    def _texts(self, table: pa.Table) -> pa.Table:
-        texts = table.column("generated_text").to_pylist()
-        tokens = table.column("generated_tokens").to_pylist()
-        texts = [self.tokenize.tokenizer.decode(ids, skip_special_tokens=True) if t == "" and ids else t
-                 for t, ids in zip(texts, tokens)]
-        i = table.column_names.index("generated_text")
-        return table.set_column(i, "generated_text", pa.array(texts, pa.string()))
+def _with_ray_columns(block: pa.Table, values: dict[str, list[Any]]) -> pa.Table:
+    """The block with Ray's columns written (replacing input columns of those names, and the
+    `input_<name>` copies prefixflow kept of them), prefixflow's own error/row_id/replica dropped
+    (an input column they displaced gets its name back), bookkeeping dropped."""
+    names = block.column_names
+    drop = set(INTERNAL) | set(OURS_DROPPED) | set(CONSUMED) | {f"input_{n}" for n in (*RAY_COLUMNS, *CONSUMED)}
+    keep = [c for c in names if c not in drop and c not in RAY_COLUMNS]
+    table = block.select(keep)
+    back = {f"input_{n}": n for n in OURS_DROPPED if f"input_{n}" in names}
+    table = table.rename_columns([back.get(c, c) for c in table.column_names])
+    types = {"prompt_token_ids": pa.list_(pa.int64()), "num_input_tokens": pa.int64(),
+             "generated_tokens": pa.list_(pa.int64()), "num_generated_tokens": pa.int64(),
+             "request_id": pa.int64(), "time_taken_llm": pa.float64(), "metrics": METRICS_TYPE,
+             "embeddings": pa.null(), "prompt_logprobs": pa.null()}
+    for name in RAY_COLUMNS:
+        kind = types.get(name)
+        if name == "logprobs":
+            kind = pa.string() if any(v is not None for v in values[name]) else pa.null()
+        table = table.append_column(name, pa.array(values[name], kind or pa.string()))
+    return table
 
 
-def build_llm_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
-                        postprocess: Callable[[Row], Row] | None = None,
-                        preprocess_map_kwargs: dict[str, Any] | None = None,
-                        postprocess_map_kwargs: dict[str, Any] | None = None,
-                        builder_kwargs: dict[str, Any] | None = None) -> RayLLMProcessor:
-    """ray.data.llm.build_llm_processor (build_processor in newer Ray): a planned prefixflow
-    Processor. A replica gets tensor_parallel_size x pipeline_parallel_size GPUs when the Ray
-    cluster has GPUs (as ray.data.llm), none otherwise (vLLM's CPU backend)."""
+class SkipErrors:
+    """ray.data.llm's postprocess wrapper: a row with an __inference_error__ bypasses the user's
+    function and comes back whole; with should_continue_on_error each good row's result gets
+    __inference_error__ "" (one schema for both kinds)."""
+
+    def __init__(self, fn: Callable[[Row], Row], add_error_column: bool):
+        self.fn, self.add_error_column = fn, add_error_column
+
+    def __call__(self, row: Row) -> Row:
+        if row.get(ERROR_COLUMN):
+            return row
+        out = self.fn(row)
+        if self.add_error_column:
+            out[ERROR_COLUMN] = ""
+        return out
+
+
+def check_context(config: Any, num_gpus: float) -> None:
+    """A max_model_len given in engine_kwargs is kept or refused, never lowered: on a CPU the
+    vLLM backend's context is bounded by its KV cache (engine.kv_cache_bytes) and the model's
+    max_position_embeddings, so a longer one is a ValueError naming both and the fix."""
+    engine = config.engine_config()
+    if engine.max_model_len is None or num_gpus or str(engine.device).startswith("cuda"):
+        return
+    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.engine.vllm_engine import CPU_BLOCK_MULTIPLE, _cpu_kv_blocks
+
+    args = read_model_args(str(resolve_model(config.model)))
+    block = engine.block_size if engine.block_size % CPU_BLOCK_MULTIPLE == 0 else CPU_BLOCK_MULTIPLE
+    fits = (_cpu_kv_blocks(engine, block, args.kv_bytes_per_token_per_elem) - 1) * block
+    if engine.max_model_len > args.max_position_embeddings:
+        raise ValueError(f"engine_kwargs max_model_len={engine.max_model_len} is past the model's "
+                         f"max_position_embeddings ({args.max_position_embeddings}): lower it")
+    if engine.max_model_len > fits:
+        raise ValueError(f"engine_kwargs max_model_len={engine.max_model_len} does not fit the CPU KV "
+                         f"cache ({fits} tokens): raise engine_kwargs kv_cache_memory_bytes (now "
+                         f"{engine.kv_cache_bytes or 'the 1 GiB default'}) or lower max_model_len")
+
+
+def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
+                    postprocess: Callable[[Row], Row] | None = None,
+                    preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None,
+                    builder_kwargs: dict[str, Any] | None = None) -> RayLLMProcessor:
+    """ray.data.llm.build_processor for a vLLMEngineProcessorConfig: prefixflow's planned,
+    lazy processor. builder_kwargs: as Ray's vLLM builder, `chat_template_kwargs` only."""
     if not isinstance(config, vLLMEngineProcessorConfig):
-        raise TypeError(f"build_llm_processor needs a vLLMEngineProcessorConfig, got {type(config).__name__}")
-    if builder_kwargs:
-        raise ValueError(f"build_llm_processor builder_kwargs={builder_kwargs!r} is invalid: "
-                         "prefixflow renders the tokenizer's own chat template: remove it")
-    processor = Processor(config.processor_config(_gpus_per_replica(config.engine_kwargs)))
-    return RayLLMProcessor(config, processor, preprocess, postprocess,
-                           dict(preprocess_map_kwargs or {}), dict(postprocess_map_kwargs or {}))
+        raise TypeError(f"build_processor needs a vLLMEngineProcessorConfig, got {type(config).__name__}")
+    builder_kwargs = dict(builder_kwargs or {})
+    reserved = {"preprocess", "postprocess", "preprocess_map_kwargs", "postprocess_map_kwargs"} & set(builder_kwargs)
+    if reserved:
+        raise ValueError(f"builder_kwargs cannot contain {sorted(reserved)}: pass them to build_processor itself")
+    unknown = set(builder_kwargs) - {"chat_template_kwargs"}
+    if unknown:
+        raise TypeError(f"builder_kwargs {sorted(unknown)} are not arguments of the vLLM processor "
+                        "builder: it takes chat_template_kwargs")
+    return RayLLMProcessor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs,
+                           builder_kwargs.get("chat_template_kwargs"))
 
 
-def _gpus_per_replica(engine_kwargs: dict[str, Any]) -> float:
-    import ray
+build_llm_processor = build_processor  # Ray's older name, for code written for earlier Ray
 
-    if not ray.is_initialized() or not ray.cluster_resources().get("GPU"):
-        return 0.0
-    tp, pp = engine_kwargs.get("tensor_parallel_size", 1), engine_kwargs.get("pipeline_parallel_size", 1)
-    return float(tp * pp)
+__all__ = ["ChatTemplateStageConfig", "DetokenizeStageConfig", "HttpRequestProcessorConfig",
+           "HttpRequestStageConfig", "PrepareMultimodalStageConfig", "RayLLMProcessor",
+           "SGLangEngineProcessorConfig", "ServeDeploymentProcessorConfig", "TokenizerStageConfig",
+           "build_llm_processor", "build_processor", "engine_settings", "vLLMEngineProcessorConfig"]

@@ -34,6 +34,14 @@ class TokenizeOptions:
     trust_remote_code: bool = False
     keep_prompt: bool = False
     sampling: Any = None  # default SamplingParams, to check a row's `sampling_params` overrides
+    # Rows' own `messages` (no template): the tokenizer's chat template or this one, with these
+    # extra variables; messages=False reads only `prompt` (ray.data.llm's chat stage off);
+    # continue_last: a conversation that ends with an assistant message is continued, as
+    # ray.data.llm's chat stage does, not answered.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    messages: bool = True
+    continue_last: bool = False
 
 
 class Tokenize:
@@ -44,6 +52,7 @@ class Tokenize:
 
         self.opts = opts
         self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
+        self._transformers: Any = None  # loaded when a chat needs it (_chat_tokenizer)
 
     def __call__(self, table: pa.Table) -> pa.Table:
         rows = table.to_pylist()
@@ -85,7 +94,7 @@ class Tokenize:
             return self._chat(rendered), True
         # No template: the row carries its prompt (OpenAI batch body, or ray.data.llm's
         # `messages` / `prompt` columns).
-        for column in (OPENAI_MESSAGES, "messages"):
+        for column in (OPENAI_MESSAGES, "messages") if self.opts.messages else (OPENAI_MESSAGES,):
             if row.get(column) is not None:
                 return self._chat(messages_from_value(row[column], "messages")), True
         for column in (OPENAI_PROMPT, "prompt"):
@@ -99,10 +108,32 @@ class Tokenize:
 
     def _chat(self, messages: list[dict[str, str]]) -> str:
         add = self.opts.prompt.add_generation_prompt if self.opts.prompt is not None else True
+        if self.opts.continue_last and messages and messages[-1].get("role") != "user":
+            add = False
+        more = dict(self.opts.chat_template_kwargs or {})
+        if self.opts.chat_template is not None:
+            more["chat_template"] = self.opts.chat_template
+        if self.opts.continue_last and not add:
+            more["continue_final_message"] = True
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
+            return self._chat_tokenizer(bool(more)).apply_chat_template(
+                messages, add_generation_prompt=add, tokenize=False, **more)
         except Exception as e:  # the model's template may reject roles or orders: a row error
             raise RowError(f"the tokenizer's chat template failed for this row: {e}") from None
+
+    def _chat_tokenizer(self, extras: bool) -> Any:
+        """The tokenizer that renders chats: transformers' own where the chat needs more than
+        the template's standard variables (engine.tokenizer.FastTokenizer renders only those)."""
+        if not extras or hasattr(self.tokenizer, "backend_tokenizer"):
+            return self.tokenizer
+        if self._transformers is None:
+            from transformers import AutoTokenizer
+
+            from prefixflow.engine.model_source import resolve_model
+
+            self._transformers = AutoTokenizer.from_pretrained(
+                str(resolve_model(self.opts.model)), trust_remote_code=self.opts.trust_remote_code)
+        return self._transformers
 
     def _encode(self, texts: list[str | None], chat: list[bool]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in texts]

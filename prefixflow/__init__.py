@@ -6,9 +6,10 @@ operators/, jobs/, bench/) and install as `prefixflow.<folder>`.
     import prefixflow
     processor = prefixflow.build_processor(prefixflow.ProcessorConfig(model=...))
 
-or, for ray.data.llm users, its names (only the import line changes):
+or, for ray.data.llm users, its names (Ray 2.60; only the import line changes):
 
-    from prefixflow import build_processor, vLLMEngineProcessorConfig   # or build_llm_processor
+    from prefixflow import build_processor, vLLMEngineProcessorConfig, ChatTemplateStageConfig
+    (build_llm_processor, Ray's older name, works too)
 
 The API names below are imported lazily: `import prefixflow` loads neither torch nor ray.
 """
@@ -19,8 +20,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = ("build_processor", "ProcessorConfig", "Generator", "PromptTemplate",
-        "build_llm_processor", "vLLMEngineProcessorConfig")
+_API = ("build_processor", "ProcessorConfig", "Generator", "PromptTemplate", "build_llm_processor",
+        "vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
+        "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
+        "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig", "ServeDeploymentProcessorConfig")
 
 __all__ = ["__version__", *_API]
 

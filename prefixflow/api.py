@@ -4,16 +4,17 @@
     config = prefixflow.ProcessorConfig(model="/models/tiny", prompt={"template": "Q: {{ q }}"},
                                         sampling={"temperature": 0, "max_tokens": 32}, replicas=2)
     processor = prefixflow.build_processor(config, postprocess=lambda row: {...})
-    out = processor(ds)            # plans the whole dataset now; returns a lazy Dataset
+    out = processor(ds)            # a lazy Dataset: the job (tokenize, plan, generate) runs when it executes
 
 or, the lighter per-batch mode (no global plan):
 
     ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
                    batch_size=512, concurrency=2, batch_format="pyarrow")
 
-ray.data.llm's names work too (operators/ray_llm.py): `build_llm_processor(
-vLLMEngineProcessorConfig(model_source=..., engine_kwargs={...}, concurrency=2), preprocess=...,
-postprocess=...)` gives the same planned processor on the vLLM backend.
+ray.data.llm's names (Ray 2.60) work too, changing only the import line (operators/ray_llm.py):
+`build_processor(vLLMEngineProcessorConfig(model_source=..., engine_kwargs={...}, concurrency=2,
+chat_template_stage=ChatTemplateStageConfig(...)), preprocess=..., postprocess=...,
+builder_kwargs=...)` gives the same planned processor on the vLLM backend, with Ray's columns.
 
 Neither imports torch or ray until used. The caller owns `ray.init`.
 """
@@ -25,32 +26,52 @@ from typing import Any, Callable
 from prefixflow.operators.batch_generator import Generator
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.processor import Processor
-from prefixflow.operators.ray_llm import RayLLMProcessor, build_llm_processor, vLLMEngineProcessorConfig
+from prefixflow.operators.ray_llm import RayLLMProcessor
+from prefixflow.operators.ray_llm import build_processor as build_ray_llm_processor
+from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
+                                                 HttpRequestProcessorConfig, HttpRequestStageConfig,
+                                                 PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
+                                                 ServeDeploymentProcessorConfig, TokenizerStageConfig,
+                                                 vLLMEngineProcessorConfig)
 from prefixflow.operators.template import PromptTemplate
 
+RAY_LLM_NAMES = ("vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
+                 "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
+                 "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig",
+                 "ServeDeploymentProcessorConfig")
 __all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_llm_processor",
-           "build_processor", "vLLMEngineProcessorConfig"]
+           "build_processor", *RAY_LLM_NAMES]
 
 
 def build_processor(config: ProcessorConfig | vLLMEngineProcessorConfig,
                     preprocess: Callable[[dict], dict] | None = None,
                     postprocess: Callable[[dict], dict] | None = None,
-                    **ray_llm_kwargs: Any) -> Processor | RayLLMProcessor:
-    """A callable Dataset -> Dataset that tokenizes, plans globally and generates.
+                    preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None,
+                    builder_kwargs: dict[str, Any] | None = None) -> Processor | RayLLMProcessor:
+    """A callable Dataset -> Dataset that tokenizes, plans globally and generates when the
+    Dataset it returns executes.
 
     preprocess: row -> dict before tokenization (e.g. build `messages` or `prompt`), merged
         into the row (the row's other columns stay), as in ray.data.llm.
     postprocess: row -> row on each output row (input columns carried through, plus
         generated_text, generated_tokens, num_input_tokens, num_generated_tokens,
         finish_reason, error, row_id, replica).
-    A vLLMEngineProcessorConfig goes to build_llm_processor (ray.data.llm's newer name for it
-    is build_processor too), with its keyword arguments (preprocess_map_kwargs, ...).
+    preprocess_map_kwargs / postprocess_map_kwargs: Dataset.map arguments of those two stages.
+    A vLLMEngineProcessorConfig gives ray.data.llm's processor (its columns and error rule;
+    builder_kwargs: its `chat_template_kwargs`).
     """
     if isinstance(config, vLLMEngineProcessorConfig):
-        return build_llm_processor(config, preprocess, postprocess, **ray_llm_kwargs)
+        return build_ray_llm_processor(config, preprocess, postprocess, preprocess_map_kwargs,
+                                       postprocess_map_kwargs, builder_kwargs)
     if not isinstance(config, ProcessorConfig):
-        raise TypeError(f"build_processor needs a ProcessorConfig, got {type(config).__name__}")
-    if ray_llm_kwargs:
-        raise TypeError(f"build_processor got {', '.join(ray_llm_kwargs)}: those are "
-                        "ray.data.llm's, taken with a vLLMEngineProcessorConfig only")
-    return Processor(config, preprocess=preprocess, postprocess=postprocess)
+        raise TypeError(f"build_processor needs a ProcessorConfig or a vLLMEngineProcessorConfig, "
+                        f"got {type(config).__name__}")
+    if builder_kwargs:
+        raise TypeError(f"build_processor got builder_kwargs={builder_kwargs!r}: that is ray.data.llm's, "
+                        "taken with a vLLMEngineProcessorConfig; give ProcessorConfig(chat_template_kwargs=...)")
+    return Processor(config, preprocess=preprocess, postprocess=postprocess,
+                     preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs)
+
+
+build_llm_processor = build_processor  # ray.data.llm's older name, for code written for earlier Ray

@@ -61,7 +61,7 @@ def test_processor_and_generator_agree(ray_local, config):
     assert [r["k"] for r in out] == list(range(9))
     assert [r["error"] is None for r in out] == [True, False] + [True] * 7
     assert "bogus" in out[1]["error"] and len(out[0]["tokens"]) <= 2 < len(out[2]["tokens"])
-    assert processor.last_plan.plan.summary["token_saving_ratio"] > 0
+    assert processor.plan_summary()["token_saving_ratio"] > 0
     assert processor.metrics()[0]["num_rows"] == 8
 
     # The lighter mode: the same requests through map_batches, one plan per batch.

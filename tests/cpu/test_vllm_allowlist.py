@@ -170,7 +170,8 @@ def test_ray_data_llm_engine_kwargs_still_map(tiny_model):
         enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=4096,
         max_model_len=256, tensor_parallel_size=1, enforce_eager=True))
     ours = config.processor_config()
-    assert ours.vllm_args == {"enable_chunked_prefill": True, "tensor_parallel_size": 1, "enforce_eager": True}
+    assert ours.vllm_args == {"enable_chunked_prefill": True, "tensor_parallel_size": 1, "enforce_eager": True,
+                              "disable_log_stats": False}  # log_engine_metrics (Ray's default True)
     with pytest.raises(ValueError, match="engine.vllm.compilation_config.inductor_passes"):
         vLLMEngineProcessorConfig(model_source=str(tiny_model),
                                   engine_kwargs={"compilation_config": {"inductor_passes": {"p": "os.system"}}})

@@ -1,0 +1,310 @@
+"""ray.data.llm's configuration classes (Ray 2.60), taking the same arguments, and how each maps
+onto prefixflow's ProcessorConfig.
+
+    from prefixflow import vLLMEngineProcessorConfig, ChatTemplateStageConfig   # was ray.data.llm
+
+vLLMEngineProcessorConfig -> ProcessorConfig (`processor_config()`):
+    model_source -> model; engine_kwargs -> engine.backend: vllm, where the vLLM arguments that
+    prefixflow derives itself (max_model_len, max_num_batched_tokens, max_num_seqs,
+    enable_prefix_caching, dtype, ...) become those EngineConfig fields and the rest pass to vLLM,
+    checked by name before anything starts; log_engine_metrics -> vLLM's stats logging on
+    (disable_log_stats False) unless engine_kwargs set it; the sampling defaults -> vLLM's (a
+    row's sampling_params over them, as Ray passes them to vllm.SamplingParams; the model's
+    generation_config.json is not read); concurrency n or (m, n) -> n replicas
+    (the plan's partitions; with (m, n) the engine pool may start with m); batch_size -> rows per
+    output block and, unless the stages say otherwise, rows per tokenize batch; runtime_env ->
+    every task and actor of the job; the GPUs of a replica are decided when the job runs
+    (num_gpus_per_replica None: tensor_parallel_size x pipeline_parallel_size where the cluster
+    has GPUs, none where it has none); accelerator_type and placement_group_config's bundles ->
+    the engine actors' Ray options; order (prefixflow's own) -> the plan order.
+Stage configs (bool, dict or the classes below): chat_template_stage (enabled: rows' `messages`
+get the chat template, its chat_template / chat_template_kwargs included; off: rows give
+`prompt`), tokenize_stage (batch_size, concurrency, num_cpus, memory, runtime_env size the
+tokenize actors; prefixflow always tokenizes, for the plan), detokenize_stage (on: text comes
+back even where sampling_params said detokenize=False). Accepted without effect, because
+prefixflow's replicas take their rows in plan order themselves: max_pending_requests,
+max_concurrent_batches, max_tasks_in_flight_per_actor. Refused with a ValueError naming the
+field and what to use instead: other task types, LoRA, multimodal inputs, a stage on another
+model, and the SGLang, HTTP and Serve-deployment processors. Ray's older fields
+(apply_chat_template, chat_template, tokenize, detokenize) are taken as the stages they became.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.requests import SamplingParams
+
+# A row's sampling_params go to vLLM's SamplingParams as they are in ray.data.llm: the fields a
+# row leaves out take vLLM's defaults (ours, but max_tokens 16), not generation_config.json's.
+VLLM_MAX_TOKENS = 16
+
+Concurrency = int | tuple[int, int]
+
+
+def _problem(cls: str, name: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"{cls}.{name}={value!r} is invalid: {fix}")
+
+
+def check_concurrency(cls: str, name: str, value: Any) -> Concurrency | None:
+    """An int n >= 1 or a (min, max) pair with 1 <= min <= max (a list is taken as the pair)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and \
+            all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 1 <= value[0] <= value[1]:
+        return (value[0], value[1])
+    raise _problem(cls, name, value, "give a positive int, or a (min, max) pair with 1 <= min <= max")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StageConfig:
+    """Fields every ray.data.llm stage config has; None: the processor's value."""
+
+    enabled: bool = True
+    batch_size: int | None = None
+    concurrency: Concurrency | None = None
+    runtime_env: dict[str, Any] | None = None
+    num_cpus: float | None = None
+    memory: float | None = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.enabled, bool):
+            raise _problem(name, "enabled", self.enabled, "give True or False")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise _problem(name, "batch_size", self.batch_size, "give a positive int or None")
+        object.__setattr__(self, "concurrency", check_concurrency(name, "concurrency", self.concurrency))
+        if self.runtime_env is not None and not isinstance(self.runtime_env, dict):
+            raise _problem(name, "runtime_env", self.runtime_env, "give a dict or None")
+
+    def with_defaults(self, defaults: dict[str, Any]) -> Any:
+        """A copy whose unset fields (batch_size, concurrency, runtime_env, model_source) take
+        the processor's values."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update({k: v for k, v in defaults.items() if k in values and values[k] is None})
+        return type(self)(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatTemplateStageConfig(_StageConfig):
+    model_source: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerStageConfig(_StageConfig):
+    model_source: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetokenizeStageConfig(_StageConfig):
+    model_source: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareMultimodalStageConfig(_StageConfig):
+    model_config_kwargs: dict[str, Any] | None = None
+    chat_template_content_format: str | None = "string"
+    apply_sys_msg_formatting: bool | None = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpRequestStageConfig(_StageConfig):
+    pass
+
+
+def resolve_stage(value: Any, cls: type, field_name: str, defaults: dict[str, Any]) -> Any:
+    """A stage config given as a bool, a dict or `cls`, with the processor's defaults."""
+    if isinstance(value, bool):
+        stage = cls(enabled=value)
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise _problem("vLLMEngineProcessorConfig", f"{field_name}.{unknown[0]}", value[unknown[0]],
+                           f"{cls.__name__} has no such field")
+        stage = cls(**value)
+    elif isinstance(value, cls):
+        stage = value
+    else:
+        raise _problem("vLLMEngineProcessorConfig", field_name, value, f"give a bool, a dict or a {cls.__name__}")
+    return stage.with_defaults(defaults)
+
+
+TASK_TYPES = ("generate", "embed", "classify", "score")
+REFUSED = {  # field -> why prefixflow cannot honour a value other than the default, and the fix
+    "dynamic_lora_loading_path": "LoRA adapters are not supported: remove it",
+    "has_image": "multimodal inputs are not supported: remove it",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
+    """ray.data.llm.vLLMEngineProcessorConfig of Ray 2.60, field for field (see the module
+    docstring for what each becomes). Frozen: build another to change a field."""
+
+    model_source: str
+    batch_size: int = 32
+    accelerator_type: str | None = None
+    concurrency: Concurrency = 1
+    runtime_env: dict[str, Any] | None = None
+    max_pending_requests: int | None = None
+    max_concurrent_batches: int = 8
+    max_tasks_in_flight_per_actor: int | None = None
+    should_continue_on_error: bool = False
+    chat_template_stage: Any = True
+    tokenize_stage: Any = True
+    detokenize_stage: Any = True
+    prepare_multimodal_stage: Any = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    task_type: str = "generate"
+    log_engine_metrics: bool = True
+    dynamic_lora_loading_path: str | None = None
+    placement_group_config: dict[str, Any] | None = None
+    # Ray's older boolean fields (before stage configs): None = not given.
+    apply_chat_template: bool | None = None
+    chat_template: str | None = None
+    tokenize: bool | None = None
+    detokenize: bool | None = None
+    has_image: bool | None = None
+    order: str = "batchllm"  # prefixflow's own: the plan order (fcfs, dfs, batchllm, blendserve)
+
+    def __post_init__(self) -> None:
+        name = "vLLMEngineProcessorConfig"
+        if not isinstance(self.model_source, str) or not self.model_source:
+            raise _problem(name, "model_source", self.model_source, "give the model: a folder, hub id or .gguf")
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise _problem(name, "batch_size", self.batch_size, "give a positive int")
+        object.__setattr__(self, "concurrency", check_concurrency(name, "concurrency", self.concurrency))
+        if not isinstance(self.engine_kwargs, dict):
+            raise _problem(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
+        if self.task_type not in TASK_TYPES:
+            raise _problem(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
+        if self.task_type != "generate":
+            raise _problem(name, "task_type", self.task_type, "prefixflow's ray.data.llm face generates "
+                           "text only: use 'generate' (choice probabilities: prefixflow.ProcessorConfig("
+                           "task='score'))")
+        for key, fix in REFUSED.items():
+            if getattr(self, key):
+                raise _problem(name, key, getattr(self, key), fix)
+        self.stages()                # each stage config checked, by name
+        self.processor_config()      # ProcessorConfig checks the rest (engine_kwargs by name)
+        self.engine_bundle()
+
+    def stages(self) -> dict[str, Any]:
+        """The four stage configs, resolved (legacy booleans folded in, processor defaults filled)."""
+        defaults = {"batch_size": self.batch_size, "concurrency": self.concurrency,
+                    "runtime_env": self.runtime_env, "model_source": self.model_source}
+        chat = resolve_stage(self.chat_template_stage, ChatTemplateStageConfig, "chat_template_stage", defaults)
+        if self.apply_chat_template is not None or self.chat_template is not None:
+            chat = _replace(chat, enabled=chat.enabled if self.apply_chat_template is None else self.apply_chat_template,
+                            chat_template=self.chat_template or chat.chat_template)
+        tok = resolve_stage(self.tokenize_stage, TokenizerStageConfig, "tokenize_stage", defaults)
+        if self.tokenize is not None:
+            tok = _replace(tok, enabled=self.tokenize)
+        detok = resolve_stage(self.detokenize_stage, DetokenizeStageConfig, "detokenize_stage", defaults)
+        if self.detokenize is not None:
+            detok = _replace(detok, enabled=self.detokenize)
+        mm = resolve_stage(self.prepare_multimodal_stage, PrepareMultimodalStageConfig,
+                           "prepare_multimodal_stage", defaults)
+        if mm.enabled:
+            raise _problem("vLLMEngineProcessorConfig", "prepare_multimodal_stage", self.prepare_multimodal_stage,
+                           "multimodal inputs are not supported: leave the stage off")
+        for stage_name, stage in (("chat_template_stage", chat), ("tokenize_stage", tok), ("detokenize_stage", detok)):
+            if stage.model_source != self.model_source:
+                raise _problem("vLLMEngineProcessorConfig", f"{stage_name}.model_source", stage.model_source,
+                               "prefixflow renders, tokenizes and decodes with model_source's own "
+                               "tokenizer: remove it")
+        return {"chat_template": chat, "tokenize": tok, "detokenize": detok, "prepare_multimodal": mm}
+
+    def processor_config(self, chat_template_kwargs: dict[str, Any] | None = None) -> ProcessorConfig:
+        """The ProcessorConfig these settings become. chat_template_kwargs: build_processor's
+        builder_kwargs' (the chat template stage's own win, as in ray.data.llm)."""
+        stages = self.stages()
+        chat, tok = stages["chat_template"], stages["tokenize"]
+        sized = tok if tok.enabled or not chat.enabled else chat  # who sizes the tokenize actors
+        replicas = self.concurrency if isinstance(self.concurrency, int) else self.concurrency[1]
+        stage_concurrency = sized.concurrency if isinstance(sized.concurrency, int) else sized.concurrency[1]
+        kwargs = chat.chat_template_kwargs if chat.chat_template_kwargs is not None else chat_template_kwargs
+        return ProcessorConfig(
+            model=self.model_source, engine=engine_settings(self.engine_kwargs, self.log_engine_metrics,
+                                                            self.task_type),
+            replicas=replicas, rows_per_chunk=self.batch_size, tokenize_batch_size=sized.batch_size,
+            tokenize_concurrency=stage_concurrency, num_gpus_per_replica=None, include_prompt=True,
+            order=self.order, chat_template=chat.chat_template if chat.enabled else None,
+            chat_template_kwargs=dict(kwargs) if kwargs and chat.enabled else None,
+            runtime_env=self.runtime_env, num_cpus_per_replica=self.engine_bundle().get("CPU", 1.0),
+            sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS))
+
+    def engine_bundle(self) -> dict[str, float]:
+        """An engine actor's resources from placement_group_config ({} when not given): its
+        bundles summed (bundle_per_worker once per tensor x pipeline worker)."""
+        pg = self.placement_group_config
+        if pg is None:
+            return {}
+        name = "vLLMEngineProcessorConfig"
+        if not isinstance(pg, dict) or not (set(pg) <= {"bundles", "bundle_per_worker", "strategy"}):
+            raise _problem(name, "placement_group_config", pg, "give {'bundles': [...]} or "
+                           "{'bundle_per_worker': {...}}, optionally with 'strategy'")
+        if pg.get("bundle_per_worker") is not None:
+            workers = self.engine_kwargs.get("tensor_parallel_size", 1) * self.engine_kwargs.get("pipeline_parallel_size", 1)
+            bundles = [pg["bundle_per_worker"]] * workers
+        else:
+            bundles = pg.get("bundles") or []
+        if not bundles or not all(isinstance(b, dict) for b in bundles):
+            raise _problem(name, "placement_group_config", pg, "give at least one bundle, each a dict of resources")
+        total: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                total[key] = total.get(key, 0.0) + float(amount)
+        return total
+
+
+def _replace(stage: Any, **changes: Any) -> Any:
+    values = {f.name: getattr(stage, f.name) for f in fields(stage)}
+    return type(stage)(**{**values, **changes})
+
+
+def engine_settings(engine_kwargs: dict[str, Any], log_engine_metrics: bool = True,
+                    task_type: str = "generate") -> dict[str, Any]:
+    """ProcessorConfig.engine for ray.data.llm's engine_kwargs: the vLLM arguments prefixflow
+    derives from its own EngineConfig (engine/vllm_args.OWN_ARGS: max_model_len,
+    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, dtype, ...) become those
+    fields, so both backends read one setting; the rest pass to vLLM as they are. vLLM logs its
+    stats when log_engine_metrics asks (as ray.data.llm) unless disable_log_stats is given."""
+    from prefixflow.engine.vllm_args import OWN_ARGS  # torch-free, does not import vLLM
+
+    engine: dict[str, Any] = {"backend": "vllm", "vllm": {}}
+    for key, value in engine_kwargs.items():
+        if key == "task_type" and value == task_type:
+            continue  # ray.data.llm copies task_type into engine_kwargs itself
+        ours = OWN_ARGS.get(key, "").removeprefix("engine.")
+        # model is model_source; num_gpu_blocks_override counts blocks, not bytes: both stay
+        # vLLM arguments, which the check then refuses by name.
+        if ours.isidentifier() and key not in ("model", "num_gpu_blocks_override"):
+            engine[ours] = value
+        else:
+            engine["vllm"][key] = value
+    engine["vllm"].setdefault("disable_log_stats", not log_engine_metrics)
+    return engine
+
+
+def _refused(name: str, instead: str) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(f"{name} is not supported by prefixflow, which runs the model itself with "
+                         f"vLLM or its own engine: {instead}")
+
+    return type(name, (), {"__init__": __init__, "__doc__": f"Refused: {instead}"})
+
+
+SGLangEngineProcessorConfig = _refused(
+    "SGLangEngineProcessorConfig", "use vLLMEngineProcessorConfig (the same fields, vLLM's "
+    "engine_kwargs) or prefixflow.ProcessorConfig")
+HttpRequestProcessorConfig = _refused(
+    "HttpRequestProcessorConfig", "to query an HTTP endpoint keep ray.data.llm's; to run the model "
+    "here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig")
+ServeDeploymentProcessorConfig = _refused(
+    "ServeDeploymentProcessorConfig", "to query a Ray Serve deployment keep ray.data.llm's; to run "
+    "the model here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig")
