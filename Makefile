@@ -46,7 +46,7 @@ test-faults: $(STAMP)
 # the plan stage, the Python API and one whole job on local Ray with the native engine.
 FLOOR_VENV ?= .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
-FLOOR_PINS := ray transformers tokenizers numpy
+FLOOR_PINS := ray transformers tokenizers numpy pyarrow
 FLOOR_TESTS := tests/cpu/test_planner.py tests/cpu/test_partition.py tests/cpu/test_jobs_spec.py \
 	tests/cpu/test_pipeline_read.py tests/cpu/test_tokenizer.py tests/cpu/test_tiny.py \
 	tests/cpu/test_loader.py tests/cpu/test_model_parity.py tests/cpu/test_pipeline_plan_stage.py \
