@@ -191,9 +191,9 @@ def write_json(path: str, value: Any, storage: StorageOptions) -> None:
 
 def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Table | list[dict]:
     """All parts of a job's output: a table for parquet, a list of records for JSONL."""
+    path = absolute(path)
     fs = storage.filesystem(path)
     parts = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("part-"))
-    path = absolute(path)
     if parts and parts[0].endswith(".parquet"):
         import pyarrow.parquet as pq
 
