@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from prefixflow.errors import invalid
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.requests import SamplingParams
 
@@ -44,10 +45,6 @@ VLLM_MAX_TOKENS = 16
 Concurrency = int | tuple[int, int]
 
 
-def _problem(cls: str, name: str, value: Any, fix: str) -> ValueError:
-    return ValueError(f"{cls}.{name}={value!r} is invalid: {fix}")
-
-
 def check_concurrency(cls: str, name: str, value: Any) -> Concurrency | None:
     """An int n >= 1 or a (min, max) pair with 1 <= min <= max (a list is taken as the pair)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -55,7 +52,7 @@ def check_concurrency(cls: str, name: str, value: Any) -> Concurrency | None:
     if isinstance(value, (tuple, list)) and len(value) == 2 and \
             all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 1 <= value[0] <= value[1]:
         return (value[0], value[1])
-    raise _problem(cls, name, value, "give a positive int, or a (min, max) pair with 1 <= min <= max")
+    raise invalid(cls, name, value, "give a positive int, or a (min, max) pair with 1 <= min <= max")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,12 +69,12 @@ class _StageConfig:
     def __post_init__(self) -> None:
         name = type(self).__name__
         if not isinstance(self.enabled, bool):
-            raise _problem(name, "enabled", self.enabled, "give True or False")
+            raise invalid(name, "enabled", self.enabled, "give True or False")
         if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
-            raise _problem(name, "batch_size", self.batch_size, "give a positive int or None")
+            raise invalid(name, "batch_size", self.batch_size, "give a positive int or None")
         object.__setattr__(self, "concurrency", check_concurrency(name, "concurrency", self.concurrency))
         if self.runtime_env is not None and not isinstance(self.runtime_env, dict):
-            raise _problem(name, "runtime_env", self.runtime_env, "give a dict or None")
+            raise invalid(name, "runtime_env", self.runtime_env, "give a dict or None")
 
     def with_defaults(self, defaults: dict[str, Any]) -> Any:
         """A copy whose unset fields (batch_size, concurrency, runtime_env, model_source) take
@@ -123,13 +120,13 @@ def resolve_stage(value: Any, cls: type, field_name: str, defaults: dict[str, An
     elif isinstance(value, dict):
         unknown = sorted(set(value) - {f.name for f in fields(cls)})
         if unknown:
-            raise _problem("vLLMEngineProcessorConfig", f"{field_name}.{unknown[0]}", value[unknown[0]],
+            raise invalid("vLLMEngineProcessorConfig", f"{field_name}.{unknown[0]}", value[unknown[0]],
                            f"{cls.__name__} has no such field")
         stage = cls(**value)
     elif isinstance(value, cls):
         stage = value
     else:
-        raise _problem("vLLMEngineProcessorConfig", field_name, value, f"give a bool, a dict or a {cls.__name__}")
+        raise invalid("vLLMEngineProcessorConfig", field_name, value, f"give a bool, a dict or a {cls.__name__}")
     return stage.with_defaults(defaults)
 
 
@@ -174,21 +171,21 @@ class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
     def __post_init__(self) -> None:
         name = "vLLMEngineProcessorConfig"
         if not isinstance(self.model_source, str) or not self.model_source:
-            raise _problem(name, "model_source", self.model_source, "give the model: a folder, hub id or .gguf")
+            raise invalid(name, "model_source", self.model_source, "give the model: a folder, hub id or .gguf")
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
-            raise _problem(name, "batch_size", self.batch_size, "give a positive int")
+            raise invalid(name, "batch_size", self.batch_size, "give a positive int")
         object.__setattr__(self, "concurrency", check_concurrency(name, "concurrency", self.concurrency))
         if not isinstance(self.engine_kwargs, dict):
-            raise _problem(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
+            raise invalid(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
         if self.task_type not in TASK_TYPES:
-            raise _problem(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
+            raise invalid(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
         if self.task_type != "generate":
-            raise _problem(name, "task_type", self.task_type, "prefixflow's ray.data.llm face generates "
+            raise invalid(name, "task_type", self.task_type, "prefixflow's ray.data.llm face generates "
                            "text only: use 'generate' (choice probabilities: prefixflow.ProcessorConfig("
                            "task='score'))")
         for key, fix in REFUSED.items():
             if getattr(self, key):
-                raise _problem(name, key, getattr(self, key), fix)
+                raise invalid(name, key, getattr(self, key), fix)
         self.stages()                # each stage config checked, by name
         self.processor_config()      # ProcessorConfig checks the rest (engine_kwargs by name)
         self.engine_bundle()
@@ -210,11 +207,11 @@ class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
         mm = resolve_stage(self.prepare_multimodal_stage, PrepareMultimodalStageConfig,
                            "prepare_multimodal_stage", defaults)
         if mm.enabled:
-            raise _problem("vLLMEngineProcessorConfig", "prepare_multimodal_stage", self.prepare_multimodal_stage,
+            raise invalid("vLLMEngineProcessorConfig", "prepare_multimodal_stage", self.prepare_multimodal_stage,
                            "multimodal inputs are not supported: leave the stage off")
         for stage_name, stage in (("chat_template_stage", chat), ("tokenize_stage", tok), ("detokenize_stage", detok)):
             if stage.model_source != self.model_source:
-                raise _problem("vLLMEngineProcessorConfig", f"{stage_name}.model_source", stage.model_source,
+                raise invalid("vLLMEngineProcessorConfig", f"{stage_name}.model_source", stage.model_source,
                                "prefixflow renders, tokenizes and decodes with model_source's own "
                                "tokenizer: remove it")
         return {"chat_template": chat, "tokenize": tok, "detokenize": detok, "prepare_multimodal": mm}
@@ -246,7 +243,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
             return {}
         name = "vLLMEngineProcessorConfig"
         if not isinstance(pg, dict) or not (set(pg) <= {"bundles", "bundle_per_worker", "strategy"}):
-            raise _problem(name, "placement_group_config", pg, "give {'bundles': [...]} or "
+            raise invalid(name, "placement_group_config", pg, "give {'bundles': [...]} or "
                            "{'bundle_per_worker': {...}}, optionally with 'strategy'")
         if pg.get("bundle_per_worker") is not None:
             workers = self.engine_kwargs.get("tensor_parallel_size", 1) * self.engine_kwargs.get("pipeline_parallel_size", 1)
@@ -254,7 +251,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
         else:
             bundles = pg.get("bundles") or []
         if not bundles or not all(isinstance(b, dict) for b in bundles):
-            raise _problem(name, "placement_group_config", pg, "give at least one bundle, each a dict of resources")
+            raise invalid(name, "placement_group_config", pg, "give at least one bundle, each a dict of resources")
         total: dict[str, float] = {}
         for bundle in bundles:
             for key, amount in bundle.items():
