@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from prefixflow.errors import invalid
+from prefixflow.errors import require
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Policy = Literal["batchllm", "vllm"]
@@ -94,5 +94,4 @@ class EngineConfig:
 
 
 def _require(ok: bool, name: str, value: object, fix: str) -> None:
-    if not ok:
-        raise invalid("EngineConfig", name, value, fix)
+    require(ok, "EngineConfig", name, value, fix)

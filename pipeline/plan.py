@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from prefixflow.errors import one_of, require
 from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.blendserve import estimate_output_lens
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
@@ -24,6 +25,8 @@ from prefixflow.pipeline.partition import Partition, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.requests import PrefixGroup
+
+DEFAULT_ORDER = "batchllm"  # the one default plan order (ProcessorConfig and the job spec use it)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -96,7 +99,7 @@ class Plan:
 def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts | Any, *,
                row_ids: Sequence[int] | np.ndarray | None = None,
                output_lens: Sequence[int] | np.ndarray | None = None,
-               order: str = "batchllm", num_replicas: int = 1, min_prefix_len: int = 1,
+               order: str = DEFAULT_ORDER, num_replicas: int = 1, min_prefix_len: int = 1,
                model: ModelShape | dict | str | None = None,
                hardware: str | HardwareProfile = "h100") -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
@@ -122,8 +125,7 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     n = len(lengths)
     ids = _check_row_ids(row_ids, n)
     outs = _check_output_lens(output_lens, n)
-    if order not in ORDER_POLICIES:
-        raise ValueError(f"order={order!r} is not a known policy: use one of {', '.join(ORDER_POLICIES)}")
+    require(order in ORDER_POLICIES, "build_plan", "order", order, one_of(ORDER_POLICIES))
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
 

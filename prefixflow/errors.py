@@ -2,6 +2,9 @@
 
     invalid("EngineConfig", "block_size", 3, "use a power of two")
         -> ValueError("EngineConfig.block_size=3 is invalid: use a power of two")
+    require(block_size in SIZES, "EngineConfig", "block_size", block_size, "use a power of two")
+        -> raises that ValueError when the condition is false (every dataclass's check)
+    one_of(("fcfs", "dfs")) -> "use one of 'fcfs', 'dfs'" (the fix of every choice check)
     did_you_mean("pathh", ["path", "format"]) -> "did you mean 'path'?"
 
 The job spec (jobs/spec.py `_describe`) reads the field back out of "<Owner>.<field>=<value> is
@@ -18,16 +21,31 @@ from typing import Any
 _repr = reprlib.Repr()
 _repr.maxlevel, _repr.maxstring, _repr.maxother = 2, 80, 80
 _repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 4
+HUGE_INT = 10**40  # repr of a longer int is long, or refused (Python's int-to-str digit limit)
 
 
 def short(value: Any) -> str:
     """repr of a value from a user, bounded: a YAML alias or a long template may make it huge."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= HUGE_INT:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
     return _repr.repr(value)
 
 
 def invalid(owner: str, name: str, value: Any, fix: str) -> ValueError:
     """The ValueError for `owner.name=value`, saying how to fix it (raise what it returns)."""
     return ValueError(f"{owner}.{name}={short(value)} is invalid: {fix}")
+
+
+def require(ok: bool, owner: str, name: str, value: Any, fix: str) -> None:
+    """Raise invalid(owner, name, value, fix) unless `ok`: the one argument check of every
+    config dataclass (EngineConfig, ProcessorConfig, SamplingParams, ...)."""
+    if not ok:
+        raise invalid(owner, name, value, fix)
+
+
+def one_of(choices: Iterable[Any]) -> str:
+    """The fix of a value outside a fixed set of choices, the same wherever it is checked."""
+    return f"use one of {', '.join(repr(c) for c in choices)}"
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from prefixflow.errors import require
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -251,12 +253,7 @@ def _structured(value: object) -> FrozenDict:
 
 
 def _check(ok: bool, name: str, value: object, fix: str) -> None:
-    if not ok:
-        if isinstance(value, int) and abs(value) >= 10**40:  # repr would be long, or refused
-            shown = f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
-        else:
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ValueError(f"SamplingParams.{name}={shown} is invalid: {fix}")
+    require(ok, "SamplingParams", name, value, fix)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
