@@ -4,7 +4,7 @@
         [--model smollm2-135m-instruct] [--out bench/results/engine_bench.json]
 
 Model: a tiny-but-not-trivial random Llama (4 layers, hidden 512), fp32 on the CPU; or, with
---model, any model engine.model_source resolves (results then in engine_bench_<model>.json).
+--model, any model prefixflow.model_source resolves (results then in engine_bench_<model>.json).
 Datasets: (a) BatchLLM's shared-prefix microbenchmark shape scaled to a CPU (prefix 1024,
 distinct 128, output 32, sharing degree 16, `--groups` groups); (b) no sharing: prompts of
 varied lengths. Outputs have a fixed length (ignore_eos; HF: min_new_tokens = max_new_tokens).
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
-from prefixflow.engine.model_source import resolve_model
+from prefixflow.model_source import resolve_model
 from prefixflow.engine.tiny import tiny_checkpoint_cached
 
 MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,

@@ -220,7 +220,7 @@ def run_s3(model: Path, root: Path, rows: list, args: Any, address: str, fail_ev
     import boto3
 
     from prefixflow.bench.fault_proxy import FaultProxy, start_moto_server
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
 
     moto, endpoint = start_moto_server()
     creds = {"region": "us-east-1", "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}

@@ -64,7 +64,7 @@ def profile(model: str, quick: bool, cache: str, workload: str, repeats: int) ->
     from torch.profiler import ProfilerActivity
 
     from prefixflow.bench import peer_bench as pb
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
     from prefixflow.engine.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0, **pb.MODEL) if model == "tiny"

@@ -356,7 +356,7 @@ def main() -> None:
         return worker(args.worker, args.cache_blocks, args.model_path)
     # A terminated driver still resumes and ends its stopped engine processes (Proc.close).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
     from prefixflow.engine.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL) if args.model == "tiny"

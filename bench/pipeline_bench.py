@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--baseline-batch-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=None, help="a larger random model than the demo's")
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--model", default=None, help="a model engine.model_source resolves, e.g. "
+    p.add_argument("--model", default=None, help="a model prefixflow.model_source resolves, e.g. "
                    "smollm2-135m-instruct (default: the demo's tiny random Llama)")
     p.add_argument("--out", default="bench/results/pipeline_bench.json")
     p.add_argument("--peer", choices=("transformers", "ray-data-llm"), default="transformers",
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="pf_pipeline_bench_"))
     if args.model:
-        from prefixflow.engine.model_source import resolve_model
+        from prefixflow.model_source import resolve_model
 
         model = resolve_model(args.model)
     elif args.hidden or args.layers:

@@ -154,10 +154,10 @@ def memory_section(long_tokens: int, short_tokens: int) -> dict:
 
 
 def real_model_section(model: str, num_users: int, hf_requests: int) -> dict:
-    """(c): the post recommendation requests, offline, on a model engine.model_source resolves."""
+    """(c): the post recommendation requests, offline, on a model prefixflow.model_source resolves."""
     from prefixflow.bench.score_workload import CHOICES, _hf_rate, _summary, make_workload
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
     from prefixflow.engine.scoring import Scorer, ScoreOptions
 
     path = str(resolve_model(model))

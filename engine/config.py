@@ -19,7 +19,7 @@ class EngineConfig:
     """Options of one engine replica.
 
     model: a Hugging Face model folder, hub id (from the local cache), .gguf file, s3:// folder
-        or "smollm2-135m-instruct" (engine.model_source resolves it where the engine runs).
+        or "smollm2-135m-instruct" (prefixflow.model_source resolves it where the engine runs).
     dtype: weights, activations and KV dtype; "auto": the checkpoint's own dtype on a GPU,
         float32 on a CPU (as vLLM does).
     device: "cpu", "cuda", "cuda:N", or "auto" (cuda when available).

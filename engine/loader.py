@@ -1,13 +1,13 @@
 """Hugging Face model directory -> our model and tokenizer.
 
-The folder comes from engine.model_source, which also takes hub ids, .gguf files, s3:// folders
+The folder comes from prefixflow.model_source, which also takes hub ids, .gguf files, s3:// folders
 and the short name of the packaged real model.
 
 Reads config.json ourselves (both the transformers-4 fields `rope_theta`/`rope_scaling` and the
 transformers-5 `rope_parameters`), builds `models.llama.LlamaForCausalLM` on the meta device,
 materialises it on the target device in the target dtype and copies the safetensors weights in
 (one file, or shards listed by model.safetensors.index.json). transformers' model classes are
-never used for inference; the tokenizer comes from engine/tokenizer.py.
+never used for inference; the tokenizer comes from prefixflow/tokenizer.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from prefixflow.engine.layers.linear import prepack_linears
 from prefixflow.engine.layers.rotary import RopeConfig
-from prefixflow.engine.model_source import resolve_model, weight_files
+from prefixflow.model_source import resolve_model, weight_files
 from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -32,7 +32,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def model_dir(path: str | Path) -> Path:
     """The local Hugging Face folder of `path`: a folder, hub id, .gguf file, s3:// folder or
-    short name, resolved (converted or copied once) by engine.model_source."""
+    short name, resolved (converted or copied once) by prefixflow.model_source."""
     return resolve_model(path)
 
 
@@ -166,9 +166,9 @@ def _slice_index(model: LlamaForCausalLM, hf_name: str) -> int:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """The checkpoint's tokenizer (engine/tokenizer.py: tokenizer.json read directly where that
+    """The checkpoint's tokenizer (prefixflow/tokenizer.py: tokenizer.json read directly where that
     equals transformers' AutoTokenizer, which is used otherwise)."""
-    from prefixflow.engine.tokenizer import load_tokenizer as load
+    from prefixflow.tokenizer import load_tokenizer as load
 
     return load(model_dir(path), trust_remote_code)
 

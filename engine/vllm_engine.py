@@ -91,7 +91,7 @@ class VllmEngine:
         self.config = config
         self.parts = ALL_PARTS if group_scheduler is True else \
             NO_PARTS if group_scheduler is False else group_scheduler
-        from prefixflow.engine.model_source import resolve_model
+        from prefixflow.model_source import resolve_model
         self.model_path = str(resolve_model(config.model))
         _set_env(in_process)
         from vllm import EngineArgs

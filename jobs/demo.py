@@ -85,7 +85,7 @@ def demo_spec(directory: str | Path) -> Any:
 
 def run_demo(directory: str | Path = "demo_output", plan_only: bool = False) -> dict[str, Any]:
     """Run (or only plan) the demo job; prints the plan, some answers, then the metrics."""
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
     from prefixflow.jobs.run import run_job
 
     spec = demo_spec(directory)

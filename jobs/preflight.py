@@ -25,9 +25,8 @@ from typing import Any
 from prefixflow.errors import did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
-from prefixflow.operators.storage import (StorageOptions, absolute, check_scheme, is_local, is_s3,
-                                          list_input_files, local_path, mount_dbfs, protocol,
-                                          strip_scheme)
+from prefixflow.storage import (StorageOptions, absolute, check_scheme, is_local, is_s3,
+                                list_input_files, local_path, mount_dbfs, protocol, strip_scheme)
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
 from prefixflow.operators.tokenize import OPENAI_MESSAGES
 from prefixflow.requests import SamplingParams
@@ -78,9 +77,9 @@ def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
 
 
 def _model_problems(spec: JobSpec) -> Problems:
-    """A local model folder is checked here; the other forms engine.model_source takes (an
+    """A local model folder is checked here; the other forms prefixflow.model_source takes (an
     s3:// folder, a .gguf file, a hub id, a short name) are resolved where the engine runs."""
-    from prefixflow.engine.model_source import model_kind, resolve_model  # torch-free
+    from prefixflow.model_source import model_kind, resolve_model  # torch-free
 
     kind = model_kind(spec.model)
     if kind in ("s3", "url"):  # copied where the engine runs; its scheme must be served there
@@ -132,7 +131,7 @@ def _generation_config_problem(spec: JobSpec) -> str | None:
 
 def _local_model(spec: JobSpec) -> Path | None:
     """The model's folder when `model` names a local folder that resolves, else None."""
-    from prefixflow.engine.model_source import model_kind, resolve_model
+    from prefixflow.model_source import model_kind, resolve_model
 
     if model_kind(spec.model) != "folder":
         return None
@@ -142,7 +141,7 @@ def _local_model(spec: JobSpec) -> Path | None:
         return None
 
 
-# Files that hold a tokenizer's vocabulary: engine/tokenizer.py reads tokenizer.json directly,
+# Files that hold a tokenizer's vocabulary: prefixflow/tokenizer.py reads tokenizer.json directly,
 # transformers' AutoTokenizer the others; tokenizer_config.json alone is not a tokenizer.
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt", "tekken.json")
 
@@ -190,7 +189,7 @@ def _vocab_problem(model: Path, config: dict[str, Any]) -> str | None:
 def _embedding_rows(model: Path) -> tuple[str, str, int] | None:
     """(tensor name, file name, rows) of the token embedding, or None when no tensor has one
     of the EMBEDDINGS names. Raises ValueError naming a file that is not safetensors."""
-    from prefixflow.engine.model_source import weight_files
+    from prefixflow.model_source import weight_files
 
     files = weight_files(model)
     index = model / "model.safetensors.index.json"
@@ -245,7 +244,7 @@ def _chat_template_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Proble
 
 
 def _has_chat_template(model: Path) -> bool:
-    """Where tokenizers find one: chat_template.jinja (what engine/tokenizer.py reads first),
+    """Where tokenizers find one: chat_template.jinja (what prefixflow/tokenizer.py reads first),
     tokenizer_config.json's chat_template (a string, or named templates), and, counted to be
     safe from refusing a model that has one, chat_template.json and additional_chat_templates/."""
     if (model / "chat_template.jinja").is_file() or (model / "additional_chat_templates").is_dir():

@@ -22,13 +22,13 @@ import numpy as np
 from prefixflow.jobs import report
 from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
-from prefixflow.engine.model_source import model_fingerprint, normalize_model, resolve_model
+from prefixflow.model_source import model_fingerprint, normalize_model, resolve_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, drop_fenced, input_listing,
                                          job_identity, load_committed)
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
-from prefixflow.operators.storage import StorageOptions, absolute, join
+from prefixflow.storage import StorageOptions, absolute, join
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.write import WriteOptions
 

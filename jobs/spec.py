@@ -33,7 +33,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_mode
 from prefixflow.engine.config import EngineConfig
 from prefixflow.errors import did_you_mean, short
 from prefixflow.operators.config import BACKENDS, TASKS, ScoreConfig, backend_problems
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.requests import SamplingParams
@@ -234,7 +234,7 @@ EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
 SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
 
 
-# Object storage settings (operators/storage.py); anything left out comes from the AWS
+# Object storage settings (prefixflow/storage.py); anything left out comes from the AWS
 # environment variables, or for other schemes from their fsspec driver's.
 StorageSpec = _mirror(StorageOptions, "StorageSpec")
 

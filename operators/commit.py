@@ -23,7 +23,7 @@ record that the dead job's actors still signed after the takeover (`drop_fenced`
 
 Part names are fixed by the plan (replica, plan rank of the first row), and the plan of the
 same input is the same on a rerun; `_job.json` holds a fingerprint of the spec, the model's
-content (engine/model_source.model_fingerprint: a digest of its weight, config and tokenizer
+content (prefixflow/model_source.model_fingerprint: a digest of its weight, config and tokenizer
 files), the input files (path and size), the input's content (a digest of every column the
 output carries) and the plan, so that a rerun over changed input, a changed model or a changed
 spec refuses to mix its rows with the old ones.
@@ -49,8 +49,7 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
-from prefixflow.operators.storage import (StorageOptions, is_local, is_s3, join, local_path,
-                                          strip_scheme)
+from prefixflow.storage import StorageOptions, is_local, is_s3, join, local_path, strip_scheme
 
 COMMITS = "_commits"
 JOB_FILE = "_job.json"

@@ -66,7 +66,7 @@ class ProcessorConfig:
     """Options of a prefixflow processor (see `prefixflow.build_processor`).
 
     model: a Hugging Face model folder, a hub id in the local Hugging Face cache, a .gguf file,
-        an s3:// folder or "smollm2-135m-instruct" (see engine.model_source).
+        an s3:// folder or "smollm2-135m-instruct" (see prefixflow.model_source).
     prompt: how a row becomes a prompt (a PromptTemplate or a dict of its fields). None: each
         row carries `messages` (chat) or `prompt` (text) itself, as in ray.data.llm.
     sampling: default SamplingParams, or a dict of the fields you set: the others then come from
@@ -206,7 +206,7 @@ def generation_defaults(model: str, skip: Collection[str] = ()) -> dict[str, Any
 
 def generation_config_path(model: str) -> Path:
     """Where the model's generation_config.json is (or would be)."""
-    from prefixflow.engine.model_source import resolve_model  # torch-free
+    from prefixflow.model_source import resolve_model  # torch-free
 
     return resolve_model(model) / "generation_config.json"
 

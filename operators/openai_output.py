@@ -81,7 +81,7 @@ def error_body(message: str, chat: bool = True) -> tuple[int, dict[str, Any]]:
 
 def system_fingerprint(model: dict[str, str], engine: dict[str, Any]) -> str:
     """A body's system_fingerprint: the same while the model's files (their sha256,
-    engine/model_source.model_fingerprint) and the engine settings stay the same."""
+    prefixflow/model_source.model_fingerprint) and the engine settings stay the same."""
     key = json.dumps({"model": model, "engine": engine}, sort_keys=True, default=str)
     return f"fp_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -142,7 +142,7 @@ def _token_bytes(model: str) -> Callable[[int], bytes]:
     """token id -> its bytes, by the model's tokenizer (loaded once per process)."""
     if not model:
         raise ValueError("logprobs need the model's tokenizer: output_line was given no model path")
-    from prefixflow.engine.tokenizer import load_tokenizer, token_bytes
+    from prefixflow.tokenizer import load_tokenizer, token_bytes
 
     return token_bytes(load_tokenizer(model))
 
@@ -155,7 +155,7 @@ def write_results(out: str, storage: Any, error_file: bool = False) -> str:
     from; a rerun of a completed job writes the files again. Each part's commit record lists
     its row ids in the part's line order, and row ids are input positions. Returns the path."""
     from prefixflow.operators.commit import COMMITS, load_committed
-    from prefixflow.operators.storage import join
+    from prefixflow.storage import join
     from prefixflow.operators.write import ERRORS_FILE, RESULTS_FILE, commit_bytes
 
     fs = storage.filesystem(out)

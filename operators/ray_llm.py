@@ -165,7 +165,7 @@ class RayLLMProcessor(Processor):
 
     def _decode(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:
-            from prefixflow.engine.tokenizer import load_tokenizer
+            from prefixflow.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.config.model, bool(self.config.engine.get("trust_remote_code")))
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -248,7 +248,7 @@ def check_context(config: Any, num_gpus: float) -> None:
     if engine.max_model_len is None or num_gpus or str(engine.device).startswith("cuda"):
         return
     from prefixflow.engine.loader import read_model_args
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
     from prefixflow.engine.vllm_engine import CPU_BLOCK_MULTIPLE, _cpu_kv_blocks
 
     args = read_model_args(str(resolve_model(config.model)))

@@ -35,8 +35,8 @@ import logging
 
 import pyarrow as pa
 
-from prefixflow.operators.retry import with_retries
-from prefixflow.operators.storage import StorageOptions, list_input_files, same_filesystem
+from prefixflow.retry import with_retries
+from prefixflow.storage import StorageOptions, list_input_files, same_filesystem
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 SOURCE, ERROR = "_pf_source", "_pf_error"

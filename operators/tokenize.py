@@ -48,7 +48,7 @@ class Tokenize:
     """map_batches callable class: loads the tokenizer once per actor."""
 
     def __init__(self, opts: TokenizeOptions):
-        from prefixflow.engine.tokenizer import load_tokenizer  # transformers only when needed
+        from prefixflow.tokenizer import load_tokenizer  # transformers only when needed
 
         self.opts = opts
         self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
@@ -123,13 +123,13 @@ class Tokenize:
 
     def _chat_tokenizer(self, extras: bool) -> Any:
         """The tokenizer that renders chats: transformers' own where the chat needs more than
-        the template's standard variables (engine.tokenizer.FastTokenizer renders only those)."""
+        the template's standard variables (prefixflow.tokenizer.FastTokenizer renders only those)."""
         if not extras or hasattr(self.tokenizer, "backend_tokenizer"):
             return self.tokenizer
         if self._transformers is None:
             from transformers import AutoTokenizer
 
-            from prefixflow.engine.model_source import resolve_model
+            from prefixflow.model_source import resolve_model
 
             self._transformers = AutoTokenizer.from_pretrained(
                 str(resolve_model(self.opts.model)), trust_remote_code=self.opts.trust_remote_code)
@@ -181,7 +181,7 @@ def model_max_len(model: str, override: int | None) -> int:
     """The context length: the spec's max_model_len, else the model config's."""
     if override is not None:
         return override
-    from prefixflow.engine.model_source import resolve_model  # torch-free
+    from prefixflow.model_source import resolve_model  # torch-free
 
     config = json.loads((resolve_model(model) / "config.json").read_text())
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):

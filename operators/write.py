@@ -29,8 +29,8 @@ import pyarrow.compute as pc
 from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
                                          check_fence, commit_record_path, record_bytes)
-from prefixflow.operators.retry import with_retries
-from prefixflow.operators.storage import StorageOptions, absolute, is_local, join, local_path
+from prefixflow.retry import with_retries
+from prefixflow.storage import StorageOptions, absolute, is_local, join, local_path
 
 RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_output.write_results)
 ERRORS_FILE = "errors.jsonl"  # format openai with output.error_file: the failed requests' lines

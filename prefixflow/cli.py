@@ -187,7 +187,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     print(report.plan_text(planned))
     import io
 
-    from prefixflow.operators.storage import StorageOptions, absolute
+    from prefixflow.storage import StorageOptions, absolute
     from prefixflow.operators.write import commit_bytes
 
     sink = io.BytesIO()

@@ -15,7 +15,7 @@ import yaml
 
 from prefixflow.bench.fault_proxy import FaultProxy
 from prefixflow.jobs.demo import demo_rows
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from prefixflow.operators.commit import COMMITS, check_job_file, load_committed
 from prefixflow.operators.read import ERROR, SOURCE, parse_csv, parse_jsonl, rows_to_table, to_text
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 
 FAST = settings(max_examples=50, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

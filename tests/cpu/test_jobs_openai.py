@@ -255,7 +255,7 @@ def test_logprob_tokens_carry_the_real_bytes_of_split_characters(tiny_model):
 
     from transformers import AutoTokenizer
 
-    from prefixflow.engine.tokenizer import load_tokenizer, token_bytes
+    from prefixflow.tokenizer import load_tokenizer, token_bytes
     from prefixflow.operators.openai_output import chat_logprobs, completion_logprobs
 
     text = "naïve café — 日本 😀"

@@ -12,7 +12,7 @@ from prefixflow.jobs.demo import demo_rows
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.read import ReadOptions, read_dataset
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow  # end to end on a real local Ray

@@ -1,4 +1,4 @@
-"""What `model:` names -> a local folder (engine/model_source.py), on the tiny checkpoint: a hub
+"""What `model:` names -> a local folder (prefixflow/model_source.py), on the tiny checkpoint: a hub
 id in a temporary Hugging Face cache loads; a missing hub id, a broken GGUF file, a folder
 without weights and an unknown path each give one error naming the model and what to do; an
 s3:// folder is copied once; dtype "auto" picks the checkpoint's dtype on a GPU only."""
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from prefixflow.engine.loader import load_model, load_tokenizer, torch_dtype
-from prefixflow.engine.model_source import (ModelError, model_kind, normalize_model,
-                                            resolve_model)
+from prefixflow.model_source import ModelError, model_kind, normalize_model, resolve_model
 
 REPO = "prefixflow-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -101,7 +100,7 @@ def test_forms_and_normalized_names(tiny_model, tmp_path, monkeypatch):
 def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
     import boto3
 
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
 
     storage = StorageOptions(endpoint_url=s3_server, region="us-east-1",
                              aws_access_key_id="testing", aws_secret_access_key="testing")
@@ -109,7 +108,7 @@ def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
                  aws_secret_access_key="testing").create_bucket(Bucket="models")
     fs = storage.filesystem("s3://models")
     fs.put(str(tiny_model) + "/", "models/tiny/", recursive=True)
-    with caplog.at_level("INFO", logger="prefixflow.engine.model_source"):
+    with caplog.at_level("INFO", logger="prefixflow.model_source"):
         local = resolve_model("s3://models/tiny", storage)
         assert (local / "config.json").is_file() and model_kind(str(local)) == "folder"
         assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, one listing
@@ -129,7 +128,7 @@ def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
 def test_hub_id_fingerprint_changes_with_its_revision(tiny_model, tmp_path):
     """A hub id whose cached snapshot moves to a new revision with other weights: resolving
     it gives the new snapshot, and its fingerprint differs (a resume refuses to mix them)."""
-    from prefixflow.engine.model_source import model_fingerprint
+    from prefixflow.model_source import model_fingerprint
 
     add_to_hf_cache(tmp_path / "hf-hub", REPO, tiny_model)
     first = model_fingerprint(resolve_model(REPO))
@@ -148,7 +147,7 @@ def test_hub_id_fingerprint_changes_with_its_revision(tiny_model, tmp_path):
 def test_model_fingerprint_follows_content_not_path(tiny_model, tmp_path):
     """The fingerprint a resume compares: same files, same digest; weights rewritten in place
     (even to the same size) change it, and the hashes are cached per machine."""
-    from prefixflow.engine.model_source import model_fingerprint
+    from prefixflow.model_source import model_fingerprint
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)

@@ -80,7 +80,7 @@ def _add_worker(c, cache: Path):
 
 
 def _s3(endpoint: str):
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
 
     return StorageOptions(endpoint_url=endpoint).filesystem("s3://pf-data")
 
@@ -119,7 +119,7 @@ def _finish(proc: subprocess.Popen, log: Path) -> int:
 
 
 def _output(cl, name: str) -> list[dict]:
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
     from prefixflow.operators.write import read_output
 
     return read_output(f"s3://pf-out/{name}", StorageOptions(endpoint_url=cl.endpoint))

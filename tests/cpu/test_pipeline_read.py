@@ -108,7 +108,7 @@ def test_byte_ranges_cover_every_line_once(tmp_path):
     import random
 
     from prefixflow.operators.read import ReadOptions, file_ranges, parse_file
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
 
     rng = random.Random(0)
     lines = [json.dumps({"i": i, "pad": "x" * rng.randrange(0, 40)}) for i in range(300)]
@@ -129,7 +129,7 @@ def test_parquet_clashing_columns_are_read_as_text(tmp_path):
     import pyarrow.parquet as pq
 
     from prefixflow.operators.read import clashing_columns, parse_file
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
 
     files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
     pq.write_table(pa.table({"q": [1, 2], "n": pa.array([1, 2], pa.int32()), "s": [{"x": 1}, None]}), files[0])

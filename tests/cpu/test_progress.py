@@ -264,7 +264,7 @@ def _metrics(steps: list[dict]) -> dict:
 
 
 def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
-    from prefixflow.operators.storage import StorageOptions
+    from prefixflow.storage import StorageOptions
 
     steps = [{"num_prefill_tokens": 300, "num_prefix_tokens": 100, "num_decode_tokens": 0}] + \
         [{"num_prefill_tokens": 0, "num_prefix_tokens": 0, "num_decode_tokens": 8}] * 6

@@ -23,7 +23,7 @@ def smollm2():
     """(folder, transformers model, tokenizer); the first use on a machine converts the GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
 
     path = resolve_model(MODEL)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

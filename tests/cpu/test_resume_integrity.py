@@ -27,7 +27,7 @@ import yaml
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.commit import (COMMITS, JobFenced, OutputLock, drop_fenced, load_committed)
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 from prefixflow.operators.write import WriteOptions, prepare_output, read_output, write_part
 
 TEMPLATE = "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"

@@ -1,11 +1,11 @@
-"""operators/retry.py: which storage errors are retried, how long it waits, and what a
+"""prefixflow/retry.py: which storage errors are retried, how long it waits, and what a
 persistent failure says (tenacity runs the loop)."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixflow.operators.retry import RetryPolicy, with_retries
+from prefixflow.retry import RetryPolicy, with_retries
 
 
 def _failing(errors: list[BaseException], result: str = "ok"):

@@ -16,7 +16,7 @@ def test_question_counts_follow_a_zipf_law():
 
 
 def test_rows_have_long_documents_varied_outputs_and_arrive_shuffled(tiny_model):
-    from prefixflow.engine.tokenizer import load_tokenizer
+    from prefixflow.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model))
     rows = make_rows(tok, 300, seed=1)

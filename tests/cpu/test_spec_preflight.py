@@ -226,7 +226,7 @@ def test_resource_problems_per_node():
 
 
 def test_models_the_engine_resolves_are_left_to_it(tmp_path, tiny_model):
-    # engine.model_source copies an s3:// folder on each node: not refused up front any more.
+    # prefixflow.model_source copies an s3:// folder on each node: not refused up front any more.
     preflight(parse_spec({**_job(tmp_path, tiny_model), "model": "s3://bucket/models/tiny"}))
     got = _problems({**_job(tmp_path, tiny_model), "model": str(tmp_path / "no-such-folder")})
     assert "does not exist" in got["model"]

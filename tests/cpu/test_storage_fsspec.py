@@ -19,7 +19,7 @@ from prefixflow.jobs.demo import demo_rows
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.commit import COMMITS, OutputLock, load_committed
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 from prefixflow.operators.write import commit_bytes, read_output
 
 # A scheme whose driver package is not installed here (gcsfs, adlfs and ocifs are not in .venv).
@@ -70,7 +70,7 @@ def test_object_store_commit_protocol_on_another_scheme(tiny_model, tmp_path, mo
     exclusive create, parts are one PUT each, and a model folder is copied once into the cache."""
     import fsspec
 
-    from prefixflow.engine.model_source import model_kind, resolve_model
+    from prefixflow.model_source import model_kind, resolve_model
 
     storage, out = StorageOptions(), "memory://pf-storage-test/out"
     fs = fsspec.filesystem("memory")

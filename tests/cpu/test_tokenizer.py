@@ -1,4 +1,4 @@
-"""engine/tokenizer.py: the prompt tokenizer read from tokenizer.json alone gives exactly the
+"""prefixflow/tokenizer.py: the prompt tokenizer read from tokenizer.json alone gives exactly the
 tokens and chat text transformers' AutoTokenizer gives, and anything it cannot vouch for goes
 through transformers."""
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from prefixflow.engine.tiny import tiny_checkpoint_cached
-from prefixflow.engine.tokenizer import FastTokenizer, load_tokenizer
+from prefixflow.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = ["Hello world", "", "  leading and trailing  ", "tabs\tand\nnew lines\n\n", "Ünïcödé — ✓ 日本語 🚀",
          "a" * 300, "<s> looks special </s> <pad>", "Document: the ship sailed.\nQuestion: where?\nAnswer:"]
@@ -22,7 +22,7 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
 
 
 def _models():
-    from prefixflow.engine.model_source import resolve_model
+    from prefixflow.model_source import resolve_model
 
     models = {arch: tiny_checkpoint_cached(arch) for arch in ("llama", "mistral", "qwen2")}
     try:

@@ -22,7 +22,7 @@ import pytest
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.read import ReadOptions, file_ranges, parse_file
-from prefixflow.operators.storage import StorageOptions
+from prefixflow.storage import StorageOptions
 from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixflow.operators.retry import RetryPolicy
+from prefixflow.retry import RetryPolicy
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 LOCAL = ("file", "local")   # fsspec's names for the local filesystem

@@ -32,9 +32,9 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False) -> Any:
-    """The tokenizer of `model` (anything engine.model_source resolves): a FastTokenizer when
+    """The tokenizer of `model` (anything prefixflow.model_source resolves): a FastTokenizer when
     the checkpoint allows it, else transformers' AutoTokenizer."""
-    from prefixflow.engine.model_source import resolve_model  # hub ids, .gguf, s3://, short names
+    from prefixflow.model_source import resolve_model  # hub ids, .gguf, s3://, short names
 
     folder = resolve_model(str(model))
     if not trust_remote_code and FastTokenizer.supports(folder):

@@ -1,7 +1,7 @@
 """Retries with exponential backoff for transient storage errors (tenacity does the retrying).
 
 Two layers: botocore retries each S3 request itself (standard mode: 5xx, throttling, dropped
-connections; set up in operators/storage.py), and `with_retries` repeats a whole operation
+connections; set up in prefixflow/storage.py), and `with_retries` repeats a whole operation
 (a part's PUT, a rename) that still failed. Errors that retrying cannot fix (no such bucket or
 key, access denied) fail at once. A persistent failure raises an OSError that says what failed
 and that committed parts are kept, so `output.resume: true` finishes the job later.

