@@ -5,10 +5,12 @@ Torch-free: the scheduler and block manager are built from this without a model 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from prefixflow.errors import require
+from prefixflow.requests import SamplingParams, params_for_row
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Policy = Literal["batchllm", "vllm"]
@@ -84,6 +86,12 @@ class EngineConfig:
         _require(self.aligned_decode_batch is None or self.aligned_decode_batch >= 1,
                  "aligned_decode_batch", self.aligned_decode_batch,
                  "use None (off) or a positive number of requests per decode step")
+
+    def row_params(self, params: SamplingParams | Mapping[int, SamplingParams], row_id: int) -> SamplingParams:
+        """A row's SamplingParams as this engine runs them: the one place both backends
+        (LLMEngine, VllmEngine) read a request's parameters, so an engine-wide limit on them
+        is a field of this class and nothing else."""
+        return params_for_row(params, row_id)
 
     @property
     def effective_max_num_seqs(self) -> int | None:

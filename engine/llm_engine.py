@@ -22,7 +22,7 @@ from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, T
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
 from prefixflow.engine.step import SampledToken
-from prefixflow.requests import PrefixGroup, SamplingParams, params_for_row
+from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Member = tuple[int, list[int], list[int], SamplingParams, int]  # row, prefix, distinct, params, sample
@@ -198,7 +198,7 @@ class LLMEngine:
         if self.config.policy == "vllm":
             rows = sorted((int(row_id), g.prompt(i).tolist()) for g in groups for i, row_id in enumerate(g.row_ids))
             for row_id, prompt in rows:
-                p = params_for_row(params, row_id)
+                p = self.config.row_params(params, row_id)
                 if p.n > 1 and not p.greedy:
                     yield self._sample_group(row_id, prompt, p)
                 else:
@@ -208,7 +208,7 @@ class LLMEngine:
             prefix = g.prefix.tolist()
             members, several = [], []
             for i, r in enumerate(g.row_ids):
-                p = params_for_row(params, int(r))
+                p = self.config.row_params(params, int(r))
                 if p.n > 1 and not p.greedy:
                     several.append((int(r), prefix, g.distinct[i].tolist(), p, 0))
                 else:

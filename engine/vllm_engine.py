@@ -9,7 +9,8 @@ finds the shared prefix by its block hashes) and streams outputs as they finish.
 scheduler runs them: fed in plan order, its queue keeps each group's members together (why no
 scheduling of our own: engine/vllm_scheduler.py). With GroupScheduling each request carries its
 group's plan rank as its priority and the request cap is lifted (max_num_seqs =
-max_num_batched_tokens); the benchmark's ablation runs vLLM with and without them.
+max_num_batched_tokens); the benchmark's ablation runs vLLM with and without them. On a CPU,
+EngineConfig.max_model_len is kept as given or refused (cpu_context), never lowered.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_
 from prefixflow.engine.scoring_choices import error_output as score_error
 from prefixflow.engine.scoring_options import ScoreOptions
 from prefixflow.engine.vllm_args import check_vllm_args
-from prefixflow.requests import PrefixGroup, SamplingParams, params_for_row
+from prefixflow.errors import require
+from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
@@ -129,7 +131,7 @@ class VllmEngine:
         field maps onto vLLM's SamplingParams; n > 1 is vLLM's own n, except that a greedy
         row, which vLLM refuses with n > 1, runs once and gets its answer n times).
         """
-        members = ([_member(row, prompt, p, params_for_row(params, row)) for row, prompt, p in _rows(g)]
+        members = ([_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in _rows(g)]
                    for g in groups)
         for out, m in self._execute(members):
             yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
@@ -252,9 +254,7 @@ class VllmEngine:
 
     def _engine_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
         c, parts = self.config, self.parts
-        block = c.block_size
-        if self.is_cpu and block % CPU_BLOCK_MULTIPLE:
-            block = CPU_BLOCK_MULTIPLE  # powers of two below 32 -> 32
+        block = cpu_block_size(c) if self.is_cpu else c.block_size
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype="float32" if c.dtype == "auto" and self.is_cpu else c.dtype,
             block_size=block, seed=c.seed, max_num_batched_tokens=c.max_num_batched_tokens,
@@ -272,15 +272,44 @@ class VllmEngine:
             # its NUMA node's memory, and refuses to start where that much is not free (a 10 GiB
             # node with 7 GiB free failed at the default 0.85).
             kwargs["kv_cache_memory_bytes"] = blocks * block * args.kv_bytes_per_token_per_elem * _elem_size(c.dtype)
-            # vLLM refuses to start when max_model_len tokens do not fit the cache (less its one
-            # reserved null block); a longer request gets an error output, as with our engine.
-            limit = (blocks - 1) * block
-            kwargs["max_model_len"] = min(c.max_model_len or limit, limit, args.max_position_embeddings)
+            kwargs["max_model_len"] = cpu_context(c, self.model_path)  # as given, or refused
         else:  # GPU: kv_cache_memory_bytes when a budget is given, else memory utilization
             kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
             if c.max_model_len is not None:
                 kwargs["max_model_len"] = c.max_model_len
         return {**kwargs, **extra}
+
+
+def cpu_block_size(config: EngineConfig) -> int:
+    """The KV block size vLLM runs with on a CPU: EngineConfig.block_size where it is a multiple
+    of CPU_BLOCK_MULTIPLE, else that multiple (vLLM's CPU attention needs it)."""
+    return config.block_size if config.block_size % CPU_BLOCK_MULTIPLE == 0 else CPU_BLOCK_MULTIPLE
+
+
+def cpu_context(config: EngineConfig, model_path: str) -> int:
+    """max_model_len of a vLLM engine on a CPU. EngineConfig.max_model_len is kept as given, or
+    refused: a ValueError naming engine.max_model_len, the limit it passes and the fix, never a
+    silent lower value (vLLM on a GPU refuses such a value too). None: the most the model
+    (max_position_embeddings) and the KV cache (EngineConfig.kv_cache_bytes, less vLLM's one
+    reserved block) allow. Checked in the driver before a job starts (Processor.plan,
+    jobs/preflight) and again where the engine starts. Reads config.json only."""
+    from prefixflow.engine.loader import read_model_args
+
+    args = read_model_args(model_path)
+    block = cpu_block_size(config)
+    fits = (_cpu_kv_blocks(config, block, args.kv_bytes_per_token_per_elem) - 1) * block
+    wanted = config.max_model_len
+    if wanted is None:
+        return min(fits, args.max_position_embeddings)
+    require(wanted <= args.max_position_embeddings, "engine", "max_model_len", wanted,
+            f"it is past the model's max_position_embeddings ({args.max_position_embeddings}): "
+            "lower it, or leave it unset for the most that fits")
+    budget = config.kv_cache_bytes or f"{DEFAULT_CPU_KV_BYTES} (the CPU default)"
+    require(wanted <= fits, "engine", "max_model_len", wanted,
+            f"it does not fit the CPU KV cache ({fits} tokens in engine.kv_cache_bytes={budget}): "
+            "raise engine.kv_cache_bytes (ray.data.llm: engine_kwargs kv_cache_memory_bytes), or "
+            "lower max_model_len, or leave it unset for the most that fits")
+    return wanted
 
 
 def _cpu_kv_blocks(config: EngineConfig, block: int, kv_bytes_per_token_per_elem: int) -> int:

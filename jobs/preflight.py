@@ -113,17 +113,23 @@ def _model_problems(spec: JobSpec) -> Problems:
         return [("engine.max_model_len", f"{wanted} is more than the model allows ({limit}, "
                  "max_position_embeddings in its config.json): use at most "
                  f"{limit}, or leave it unset to use the model's")]
+    if wanted is not None and spec.engine.backend == "vllm" and not spec.resources.num_gpus_per_replica:
+        from prefixflow.engine.vllm_engine import cpu_context  # vLLM on CPUs: kept or refused
+
+        try:
+            cpu_context(spec.to_config().engine_config, str(model))
+        except ValueError as e:
+            return [("engine.max_model_len", str(e).removeprefix("engine.max_model_len="))]
     return []
 
 
 def _generation_config_problem(spec: JobSpec) -> str | None:
     """The model's generation_config.json as the job will read it (invalid JSON, a bad value
     the spec does not override), named by its file."""
-    from prefixflow.jobs.report import sampling_set
     from prefixflow.operators.config import sampling_with_defaults
 
     try:
-        sampling_with_defaults(spec.model, sampling_set(spec))
+        sampling_with_defaults(spec.model, spec.sampling_given())
     except ValueError as e:
         return str(e)
     return None

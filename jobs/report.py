@@ -175,19 +175,13 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
     }
 
 
-def sampling_set(spec: Any) -> dict[str, Any]:
-    """The sampling fields the spec sets itself (the model's generation_config.json fills the
-    others, see operators.config.sampling_with_defaults)."""
-    return spec.sampling.model_dump(include=spec.sampling.model_fields_set)
-
-
 def sampling_used(spec: Any) -> dict[str, Any]:
     """The job's default sampling parameters, and which of them came from the model."""
     from dataclasses import asdict
 
     from prefixflow.operators.config import sampling_with_defaults
 
-    params, taken = sampling_with_defaults(spec.model, sampling_set(spec))
+    params, taken = sampling_with_defaults(spec.model, spec.sampling_given())
     return {"params": plain(asdict(params)), "from_generation_config": plain(taken)}
 
 

@@ -22,33 +22,16 @@ import numpy as np
 from prefixflow.jobs import report
 from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
-from prefixflow.model_source import model_fingerprint, normalize_model, resolve_model
+from prefixflow.model_source import model_fingerprint, resolve_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, drop_fenced, input_listing,
                                          job_identity, load_committed)
-from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.read import ReadOptions
 from prefixflow.storage import StorageOptions, absolute, join
-from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.write import WriteOptions
 
 def storage_options(spec: JobSpec) -> StorageOptions:
     return StorageOptions(**spec.storage.model_dump())
-
-
-def processor_config(spec: JobSpec) -> ProcessorConfig:
-    engine = {k: v for k, v in spec.engine.model_dump().items()}
-    return ProcessorConfig(
-        model=normalize_model(spec.model),  # local paths absolute; hub ids and short names kept
-        prompt=PromptTemplate(**spec.prompt.model_dump()) if spec.prompt is not None else None,
-        sampling=report.sampling_set(spec),  # the model's generation_config.json fills the rest
-        engine=engine, order=spec.order, replicas=spec.replicas,
-        num_gpus_per_replica=spec.resources.num_gpus_per_replica,
-        num_cpus_per_replica=spec.resources.num_cpus_per_replica,
-        tokenize_concurrency=spec.tokenize.concurrency, tokenize_batch_size=spec.tokenize.batch_size,
-        rows_per_chunk=spec.output.rows_per_part, include_prompt=spec.output.include_prompt,
-        openai_batch=spec.input_format() == "openai", task=spec.task,
-        score=spec.score.model_dump() if spec.score is not None else None)
 
 
 def read_options(spec: JobSpec) -> ReadOptions:
@@ -96,7 +79,7 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
 
     started = time.perf_counter()
     preflight(spec, source)
-    config = processor_config(spec)
+    config = spec.to_config()
     wopts = write_options(spec)
     ensure_ray(address)
     lock = None

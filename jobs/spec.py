@@ -10,8 +10,10 @@ Unknown keys and bad values fail before anything starts, with the field path and
 The engine, sampling, storage, prompt and score sections mirror `EngineConfig`,
 `SamplingParams`, `StorageOptions`, `PromptTemplate` and `ScoreConfig` field for field (generated
 from their dataclasses by `_mirror`, so they cannot drift apart, and the Python API refuses the
-same values with the same messages); task, order and engine.backend take their choices from
-operators/config.TASKS, pipeline/ordering.ORDER_POLICIES and operators/config.BACKENDS.
+same values with the same messages); task, order and engine.backend are checked by
+operators/config.setting_problems, the check ProcessorConfig runs, and the other top-level
+defaults are ProcessorConfig's. `JobSpec.to_config()` is the one place a spec becomes the
+ProcessorConfig the Python API takes.
 YAML is read with a safe loader (no python/* tags) that also refuses duplicate keys, nesting
 deeper than a spec needs and alias bombs (`_SpecLoader`); `--set KEY=VALUE` values are read the
 same way. The spec file and each `--set` value have a size cap.
@@ -24,18 +26,19 @@ import math
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model,
+                      field_validator, model_validator)
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.errors import did_you_mean, short
-from prefixflow.operators.config import BACKENDS, TASKS, ScoreConfig, backend_problems
+from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
+                                         setting_problems)
 from prefixflow.storage import StorageOptions
 from prefixflow.operators.template import PromptTemplate
-from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.requests import SamplingParams
 
 
@@ -224,11 +227,27 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
         "_check": model_validator(mode="after")(check)}, **fields)
 
 
-# engine.backend and engine.vllm choose the engine (operators/config.py checks them for both
-# the spec and ProcessorConfig); the other engine fields are EngineConfig's.
+def _default(name: str) -> Any:
+    """ProcessorConfig's default of `name`: the spec's top-level settings have no other."""
+    return ProcessorConfig.__dataclass_fields__[name].default
+
+
+def _choice(name: str) -> Any:
+    """A str annotated with ProcessorConfig's check of `name` (operators/config.CHOICES), run
+    per field so that it is reported beside the spec's other problems."""
+    def check(value: str) -> str:
+        for _, bad, fix in choice_problems({name: value}):
+            raise ValueError(f"{short(bad)} is invalid: {fix}")
+        return value
+
+    return Annotated[str, AfterValidator(check)]
+
+
+# engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
+# them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
 EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
-    "backend": (Literal[BACKENDS], Field(default="native", description="native: "
-                "prefixflow's engine; vllm: vLLM's engine (pip install prefixflow[vllm])")),
+    "backend": (_choice("engine.backend"), Field(default=DEFAULT_BACKEND, description="native: prefixflow's engine; "
+                "vllm: vLLM's engine (pip install prefixflow[vllm])")),
     "vllm": (dict[str, Any], Field(default_factory=dict, description="vLLM engine arguments, "
              "passed through (like ray.data.llm's engine_kwargs); backend vllm only"))})
 SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
@@ -265,24 +284,24 @@ ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
 
 
 class TokenizeSpec(_Strict):
-    concurrency: int = Field(default=1, ge=1, description="tokenizer actors")
-    batch_size: int = Field(default=256, ge=1)
+    concurrency: int = Field(default=_default("tokenize_concurrency"), ge=1, description="tokenizer actors")
+    batch_size: int = Field(default=_default("tokenize_batch_size"), ge=1)
 
 
 class ResourcesSpec(_Strict):
-    num_gpus_per_replica: float = Field(default=0, ge=0)
-    num_cpus_per_replica: float = Field(default=1, ge=0)
+    num_gpus_per_replica: float = Field(default=_default("num_gpus_per_replica"), ge=0)
+    num_cpus_per_replica: float = Field(default=_default("num_cpus_per_replica"), ge=0)
 
 
 class OutputSpec(_Strict):
     path: str = Field(description="directory for parts and metrics.json; a local path or a URL "
                       "(s3://, gs://, abfss://, file://, ...)")
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
-    rows_per_part: int = Field(default=1000, ge=1)
+    rows_per_part: int = Field(default=_default("rows_per_chunk"), ge=1)
     overwrite: bool = False
     resume: bool = Field(default=False, description="finish an interrupted job at this path: "
                          "committed rows are kept and skipped")
-    include_prompt: bool = False
+    include_prompt: bool = _default("include_prompt")
     error_file: bool = Field(default=False, description="format openai: the failed requests' "
                              "lines go to errors.jsonl, results.jsonl keeps the others (as "
                              "OpenAI's output and error files)")
@@ -300,15 +319,16 @@ class JobSpec(_Strict):
 
     name: str = "prefixflow-job"
     model: str = Field(description="Hugging Face model directory (config.json, weights, tokenizer)")
-    task: Literal[TASKS] = "generate"
+    task: _choice("task") = Field(default=_default("task"), description="generate or score")  # type: ignore[valid-type]
     input: InputSpec
     prompt: PromptSpec | None = None  # type: ignore[valid-type]
     score: ScoreSpec | None = Field(default=None,  # type: ignore[valid-type]
                                     description="settings of task: score")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
     engine: EngineSpec = Field(default_factory=EngineSpec)  # type: ignore[valid-type]
-    order: Literal[ORDER_POLICIES] = "batchllm"
-    replicas: int = Field(default=1, ge=1, description="data-parallel engine actors")
+    order: _choice("order") = Field(default=_default("order"),  # type: ignore[valid-type]
+                                    description="plan order: fcfs, dfs, batchllm or blendserve")
+    replicas: int = Field(default=_default("replicas"), ge=1, description="data-parallel engine actors")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
                                      "dies this many more times in a row without committing a row "
@@ -317,6 +337,17 @@ class JobSpec(_Strict):
     tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
     output: OutputSpec
     storage: StorageSpec = Field(default_factory=StorageSpec)
+
+    @model_validator(mode="after")
+    def _settings(self) -> "JobSpec":
+        """task, order, engine.backend and what the backend cannot run: ProcessorConfig's
+        check (operators/config.setting_problems), every problem on its own line."""
+        score = self.score.model_dump() if self.score is not None else None
+        problems = setting_problems(self.engine.model_dump(), self.task, score, self.order)
+        if problems:  # parse_spec unpacks them
+            raise _SpecProblems([(field, f"{short(value)} is invalid: {fix}")
+                                 for field, value, fix in problems])
+        return self
 
     @model_validator(mode="after")
     def _prompt_for_format(self) -> "JobSpec":
@@ -334,15 +365,7 @@ class JobSpec(_Strict):
                              "errors.jsonl is written for output.format: openai only; remove error_file "
                              "(error rows carry their `error` column)")
         self._device_has_a_gpu()
-        self._backend_can_run()
         return self
-
-    def _backend_can_run(self) -> None:
-        score = self.score.model_dump() if self.score is not None else None
-        problems = backend_problems(self.engine.model_dump(), self.task, score)
-        if problems:  # every one, each on its own line (parse_spec unpacks them)
-            raise _SpecProblems([(field, f"{short(value)} is invalid: {fix}")
-                                 for field, value, fix in problems])
 
     def _device_has_a_gpu(self) -> None:
         # An actor without a GPU slot sees no GPU, so a cuda engine could never start in it.
@@ -368,6 +391,26 @@ class JobSpec(_Strict):
         if fmt != "auto":
             return fmt
         return "openai" if self.input_format() == "openai" else "parquet"
+
+    def sampling_given(self) -> dict[str, Any]:
+        """The sampling fields the spec sets itself (the model's generation_config.json fills
+        the others: operators/config.sampling_with_defaults)."""
+        return self.sampling.model_dump(include=self.sampling.model_fields_set)
+
+    def to_config(self) -> ProcessorConfig:
+        """The ProcessorConfig this job runs with, the one the Python API takes: the only place
+        a spec's sections become its fields."""
+        return ProcessorConfig(
+            model=normalize_model(self.model),  # local paths absolute; hub ids and short names kept
+            prompt=PromptTemplate(**self.prompt.model_dump()) if self.prompt is not None else None,
+            sampling=self.sampling_given(),  # the model's generation_config.json fills the rest
+            engine=self.engine.model_dump(), order=self.order, replicas=self.replicas,
+            num_gpus_per_replica=self.resources.num_gpus_per_replica,
+            num_cpus_per_replica=self.resources.num_cpus_per_replica,
+            tokenize_concurrency=self.tokenize.concurrency, tokenize_batch_size=self.tokenize.batch_size,
+            rows_per_chunk=self.output.rows_per_part, include_prompt=self.output.include_prompt,
+            openai_batch=self.input_format() == "openai", task=self.task,
+            score=self.score.model_dump() if self.score is not None else None)
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:

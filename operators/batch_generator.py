@@ -6,7 +6,9 @@
 Each actor plans within each batch (prefix tree, groups, order over the batch's rows only) and
 runs it through its own engine. No global barrier: it streams like any map_batches, but
 sharing across batches is only caught by the engine's prefix cache. Use `build_processor` for
-the global plan. Outputs come back in the batch's row order.
+the global plan. Outputs come back in the batch's row order. Its tokenizer and engine take
+their settings from the ProcessorConfig (tokenize_options(), engine_config), as every other
+face does: chat_template and chat_template_kwargs included.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from prefixflow.operators.generate import ReplicaRunner
 from prefixflow.operators.outputs import CACHED, COMPUTED, RANK, input_name, with_outputs
 from prefixflow.operators.progress import LiveBar
 from prefixflow.operators.read import ERROR
-from prefixflow.operators.tokenize import TOKENS, Tokenize, TokenizeOptions, model_max_len
+from prefixflow.operators.tokenize import TOKENS, Tokenize
 
 
 class Generator:
@@ -30,11 +32,9 @@ class Generator:
     def __init__(self, config: ProcessorConfig | None = None, **fields: Any):
         self.config = config if config is not None else ProcessorConfig(**fields)
         cfg = self.config
-        self.tokenize = Tokenize(TokenizeOptions(
-            model=cfg.model, prompt=cfg.prompt,  # type: ignore[arg-type]
-            max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
-            trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
-            keep_prompt=cfg.include_prompt, sampling=cfg.sampling))
+        # The config's tokenize options, chat_template and chat_template_kwargs included, as
+        # every other face takes them.
+        self.tokenize = Tokenize(cfg.tokenize_options())
         # A live bar of this actor's rows on the driver (operators/progress.py); more may come.
         self.progress = LiveBar("prefixflow Generator", close_when_done=False)
         self.runner = ReplicaRunner(cfg, report=self.progress.report)  # cfg's backend, loaded once here

@@ -1,7 +1,13 @@
-"""ProcessorConfig: what the Python API takes and what a job spec becomes.
+"""ProcessorConfig: what the Python API takes and what a job spec becomes (JobSpec.to_config).
 
-A frozen dataclass so that it travels to Ray actors as it is; the YAML JobSpec (jobs/spec.py)
-is validated at the edge and converted into this.
+A frozen dataclass so that it travels to Ray actors as it is. Settings flow one way: the job
+spec, the Python API, ray.data.llm's config (operators/ray_llm_config.py) and map_batches all
+end in a ProcessorConfig, which checks every setting once (each check raising through
+prefixflow.errors, one message per setting) and builds, once, the typed pieces every stage
+reads: `engine_config` (EngineConfig), `backend`, `vllm_args` (checked against
+engine/vllm_args' allow-list) and `tokenize_options()`. Nothing downstream reads the `engine`
+dict again. The job spec (jobs/spec.py) asks the same checks (`setting_problems`), so it
+names the same fields with the same fixes before anything starts.
 """
 
 from __future__ import annotations
@@ -12,15 +18,21 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
-from prefixflow.errors import invalid, short
+from prefixflow.engine.vllm_args import vllm_arg_problems  # torch-free, does not import vLLM
+from prefixflow.errors import did_you_mean, invalid, one_of, require, short
 from prefixflow.operators.template import PromptTemplate
+from prefixflow.operators.tokenize import TokenizeOptions, model_max_len
 from prefixflow.pipeline.ordering import ORDER_POLICIES
+from prefixflow.pipeline.plan import DEFAULT_ORDER
 from prefixflow.requests import SamplingParams
 
 # The job spec (jobs/spec.py) takes its choices for task and engine.backend from these.
 TASKS = ("generate", "score")
 BACKENDS = ("native", "vllm")
+DEFAULT_BACKEND = "native"
+CHOICES = {"task": TASKS, "order": ORDER_POLICIES, "engine.backend": BACKENDS}
 # The engine dict's keys that choose the backend; the others are EngineConfig fields.
 BACKEND_KEYS = ("backend", "vllm")
 # Score settings only the native Scorer honours (hybrid prefilling, its KV discard, SRJF order):
@@ -32,6 +44,7 @@ NATIVE_SCORE_FIELDS = ("chunk_size", "prefix_cache_bytes", "max_forward_bytes", 
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                           "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty",
                           "min_p": "min_p"}
+Problem = tuple[str, Any, str]  # (field path from the top, value, fix)
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,8 @@ class ProcessorConfig:
     engine: EngineConfig fields other than `model` (dtype, device, max_num_batched_tokens, ...),
         plus `backend`: "native" (prefixflow's engine, the default) or "vllm", and `vllm`: vLLM
         engine arguments passed through (like ray.data.llm's engine_kwargs), backend vllm only.
-    order: plan order policy: fcfs, dfs, batchllm or blendserve.
+        Read once, into `engine_config`, `backend` and `vllm_args`.
+    order: plan order policy: fcfs, dfs, batchllm (the default) or blendserve.
     replicas: data-parallel engine actors (Ray's `concurrency`).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
         num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
@@ -90,16 +104,20 @@ class ProcessorConfig:
     score: ScoreConfig (or a dict of its fields) for task "score".
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
         instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
-        False}); transformers renders them in its sandbox. Python API only.
+        False}); transformers renders them in its sandbox. Python API, map_batches and
+        ray.data.llm's stages.
     runtime_env: the Ray runtime environment of every task and actor the job starts (tokenize,
         engine), e.g. {"env_vars": {"HF_TOKEN": ...}}. Python API only.
+
+    Built from these once, typed, for every caller: engine_config (the EngineConfig of each
+    replica), backend ("native" | "vllm"), vllm_args (the checked vLLM arguments).
     """
 
     model: str
     prompt: PromptTemplate | dict[str, Any] | None = None
     sampling: SamplingParams | dict[str, Any] | None = None
     engine: dict[str, Any] = field(default_factory=dict)
-    order: str = "batchllm"
+    order: str = DEFAULT_ORDER
     replicas: int = 1
     num_gpus_per_replica: float | None = 0.0
     num_cpus_per_replica: float = 1.0
@@ -113,6 +131,10 @@ class ProcessorConfig:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     runtime_env: dict[str, Any] | None = None
+    # Derived in __post_init__ (not arguments): what every stage reads.
+    engine_config: EngineConfig = field(init=False, repr=False, compare=False)
+    backend: str = field(init=False, repr=False, compare=False)
+    vllm_args: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, dict):
@@ -122,13 +144,26 @@ class ProcessorConfig:
             SamplingParams().with_overrides(self.sampling or {})
         if isinstance(self.score, dict):
             object.__setattr__(self, "score", ScoreConfig(**self.score))
-        _require(self.task in TASKS, "task", self.task, f"use one of {', '.join(TASKS)}")
+        self._check()
+        engine = dict(self.engine)
+        object.__setattr__(self, "engine_config", EngineConfig(model=self.model, **{
+            k: v for k, v in engine.items() if k not in BACKEND_KEYS}))  # it checks its fields
+        problems = setting_problems(engine, self.task, self.score, self.order)
+        if problems:  # every one, a line each
+            raise ValueError("\n".join(str(invalid("ProcessorConfig", name, value, fix))
+                                        for name, value, fix in problems))
+        object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
+        object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
+        if not isinstance(self.sampling, SamplingParams):
+            object.__setattr__(self, "sampling",
+                               sampling_with_defaults(self.model, self.sampling or {})[0])
+
+    def _check(self) -> None:
+        """The fields' own checks (task, order and the engine's are setting_problems')."""
         _require(self.task != "score" or self.score is not None, "score", self.score,
                  "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}")
         _require(self.task != "score" or not self.openai_batch, "task", self.task,
                  "OpenAI batch files are chat/completion requests: use task 'generate' for them")
-        _require(self.order in ORDER_POLICIES, "order", self.order,
-                 f"use one of {', '.join(ORDER_POLICIES)}")
         for name in ("replicas", "tokenize_concurrency", "tokenize_batch_size", "rows_per_chunk"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "use a positive integer")
         gpus = self.num_gpus_per_replica
@@ -137,38 +172,39 @@ class ProcessorConfig:
         for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("runtime_env", dict)):
             value = getattr(self, name)
             _require(value is None or isinstance(value, kind), name, value, f"give a {kind.__name__} or None")
+        _require(isinstance(self.engine, dict), "engine", self.engine, "give a dict of EngineConfig "
+                 "fields, plus backend and vllm")
         _require("model" not in self.engine, "engine", self.engine,
                  "give the model as ProcessorConfig.model, not inside engine")
-        self.engine_config()  # EngineConfig checks its own fields, naming them
-        problems = backend_problems(self.engine, self.task, self.score)
-        if problems:  # every one, a line each
-            raise ValueError("\n".join(str(invalid("ProcessorConfig", name, value, fix))
-                                        for name, value, fix in problems))
-        if not isinstance(self.sampling, SamplingParams):
-            object.__setattr__(self, "sampling",
-                               sampling_with_defaults(self.model, self.sampling or {})[0])
+        known = [f.name for f in fields(EngineConfig) if f.name != "model"] + list(BACKEND_KEYS)
+        for key in self.engine:
+            hint = did_you_mean(str(key), known)
+            _require(key in known, f"engine.{key}", self.engine[key], "not an engine setting: "
+                     f"{hint + ' ' if hint else ''}use one of {', '.join(known)}")
 
-    def engine_config(self) -> Any:
-        from prefixflow.engine.config import EngineConfig
-
-        fields = {k: v for k, v in self.engine.items() if k not in BACKEND_KEYS}
-        return EngineConfig(model=self.model, **fields)
-
-    @property
-    def backend(self) -> str:
-        return backend_of(self.engine)
+    def tokenize_options(self) -> TokenizeOptions:
+        """The tokenize stage's options, built here for every caller (the Processor's tokenize
+        actors, the map_batches Generator, ray.data.llm's stages). Reads the model's config
+        for its context length unless engine.max_model_len is given."""
+        return TokenizeOptions(
+            model=self.model, prompt=self.prompt,  # type: ignore[arg-type]
+            max_model_len=model_max_len(self.model, self.engine_config.max_model_len),
+            trust_remote_code=self.engine_config.trust_remote_code, keep_prompt=self.include_prompt,
+            sampling=self.sampling, chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs)
 
     @property
-    def vllm_args(self) -> dict[str, Any]:
-        return dict(self.engine.get("vllm") or {})
+    def engine_workers(self) -> int:
+        """Devices one replica's engine spans: vLLM's tensor x pipeline parallel size (1 native)."""
+        args = self.vllm_args
+        return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
 
     def with_(self, **changes: Any) -> "ProcessorConfig":
         return replace(self, **changes)
 
 
 def _require(ok: bool, name: str, value: object, fix: str) -> None:
-    if not ok:
-        raise invalid("ProcessorConfig", name, value, fix)
+    require(ok, "ProcessorConfig", name, value, fix)
 
 
 def generation_defaults(model: str, skip: Collection[str] = ()) -> dict[str, Any]:
@@ -225,18 +261,26 @@ def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingP
                          "the sampling settings to override)") from None
 
 
-def backend_of(engine: dict[str, Any]) -> str:
-    """The backend an engine dict chooses: "native" unless engine.backend says otherwise."""
-    return engine.get("backend") or "native"
+def choice_problems(values: dict[str, Any]) -> list[Problem]:
+    """(field, value, fix) for each value of CHOICES' fields outside its choices: the one check
+    of task, order and engine.backend (ProcessorConfig's, and the job spec's per field)."""
+    return [(name, value, one_of(CHOICES[name])) for name, value in values.items()
+            if value not in CHOICES[name]]
 
 
-def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tuple[str, Any, str]]:
-    """(field, value, fix) for each setting the chosen backend cannot run; the job spec and
-    ProcessorConfig both check with this, before any actor starts. score: a ScoreConfig, a
-    dict of its fields or None. Fields are named from the top: engine.vllm.<key>, score.<field>."""
-    backend = backend_of(engine)
-    if backend not in BACKENDS:
-        return [("engine.backend", backend, f"use one of {', '.join(BACKENDS)}")]
+def setting_problems(engine: dict[str, Any], task: str, score: Any, order: str) -> list[Problem]:
+    """(field, value, fix) for each choice outside its set (task, order, engine.backend) and each
+    setting the chosen backend cannot run: the check ProcessorConfig and the job spec both
+    ask, before any actor starts. score: a ScoreConfig, a dict of its fields or None. Fields
+    are named from the top: engine.vllm.<key>, score.<field>."""
+    backend = engine.get("backend") or DEFAULT_BACKEND
+    choices = choice_problems({"task": task, "order": order, "engine.backend": backend})
+    return choices + (backend_problems(engine, task, score) if backend in BACKENDS else [])
+
+
+def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Problem]:
+    """setting_problems' part for what the chosen backend (native or vllm) cannot run."""
+    backend = engine.get("backend") or DEFAULT_BACKEND
     args = engine.get("vllm") or {}
     if not isinstance(args, dict):
         return [("engine.vllm", args, "give a mapping of vLLM engine arguments, e.g. "
@@ -253,24 +297,28 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[tupl
     if device.startswith("cuda:"):
         problems.append(("engine.device", device, "vLLM runs on the GPU(s) of the replica's "
                          "actor (resources.num_gpus_per_replica): use cuda or auto"))
-    if task == "score":
-        # fields(), not vars(): ScoreOptions' fields live in slots
-        given = score if isinstance(score, dict) else {
-            f.name: getattr(score, f.name) for f in fields(score)} if score is not None else {}
-        defaults = ScoreConfig.__dataclass_fields__
-        problems += [(f"score.{name}", given[name], "only engine.backend: native honours it "
-                      "(vLLM scores with the choices' first-token log-probabilities): remove it "
-                      "or use the native backend") for name in NATIVE_SCORE_FIELDS
-                     if name in given and given[name] != defaults[name].default]
-    return problems
+    return problems + _native_score_problems(task, score)
 
 
-def _vllm_arg_problems(args: dict[str, Any]) -> list[tuple[str, Any, str]]:
+def _native_score_problems(task: str, score: Any) -> list[Problem]:
+    """score.<field> settings the vLLM backend cannot honour (it scores with the choices'
+    first-token log-probabilities)."""
+    if task != "score":
+        return []
+    # fields(), not vars(): ScoreOptions' fields live in slots
+    given = score if isinstance(score, dict) else {
+        f.name: getattr(score, f.name) for f in fields(score)} if score is not None else {}
+    defaults = ScoreConfig.__dataclass_fields__
+    return [(f"score.{name}", given[name], "only engine.backend: native honours it (vLLM scores "
+             "with the choices' first-token log-probabilities): remove it or use the native "
+             "backend") for name in NATIVE_SCORE_FIELDS
+            if name in given and given[name] != defaults[name].default]
+
+
+def _vllm_arg_problems(args: dict[str, Any]) -> list[Problem]:
     """(field, value, fix) for each engine.vllm setting engine/vllm_args refuses (its allow-list,
     nested keys and value types included). It reads vLLM's argument names without importing
     vLLM (milliseconds)."""
-    from prefixflow.engine.vllm_args import vllm_arg_problems
-
     try:
         return vllm_arg_problems(args)
     except ValueError as e:  # vLLM is not installed

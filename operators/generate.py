@@ -12,6 +12,7 @@ vLLM) once, runs the groups in plan order and yields output blocks as requests f
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -27,6 +28,7 @@ from prefixflow.operators.plan import RowIndex, fetch_rows
 from prefixflow.operators.read import ERROR, SOURCE
 from prefixflow.operators.score import row_choices, with_score_fields
 
+logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
 PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 
@@ -115,6 +117,7 @@ class Heartbeat:
         self.decode_tokens = self.steps = 0  # from engine steps (this thread)
         self._seen: list[Any] | None = None  # the stats list read last, and how far
         self._index = 0
+        self._report_failed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True,
                                         name=f"prefixflow-heartbeat-{replica}")
@@ -141,8 +144,12 @@ class Heartbeat:
         try:
             self.report({"replica": self.replica, "rows": self.rows, "generated_tokens": tokens,
                          "steps": self.steps, "run_started": self.run_started, "time": time.time()})
-        except Exception:  # a progress report must never fail the replica
-            pass
+        except Exception as e:  # noqa: BLE001 - a progress report must never fail the replica
+            # said once (twice a second would flood the log): the bar stalls, the rows do not
+            log = logger.debug if self._report_failed else logger.warning
+            log("replica %d: a progress report failed (%s: %s); the run goes on without live "
+                "progress", self.replica, type(e).__name__, e)
+            self._report_failed = True
 
     def _read_steps(self) -> None:
         stats = getattr(self.engine, "stats", None)
@@ -166,7 +173,7 @@ def make_engine(config: ProcessorConfig) -> Any:
     if config.backend == "vllm":
         from prefixflow.engine.vllm_engine import GroupScheduling, VllmEngine
 
-        engine = config.engine_config()
+        engine = config.engine_config
         # policy batchllm: our group scheduler inside vLLM (a request cap only when one is set);
         # policy vllm: vLLM's own scheduler, as the native engine's vllm policy imitates it.
         parts = GroupScheduling(no_cap=engine.max_num_seqs is None) if engine.policy == "batchllm" else False
@@ -174,10 +181,10 @@ def make_engine(config: ProcessorConfig) -> Any:
     if config.task == "score":
         from prefixflow.engine import Scorer
 
-        return Scorer(config.engine_config(), config.score.options())
+        return Scorer(config.engine_config, config.score.options())
     from prefixflow.engine import LLMEngine
 
-    return LLMEngine(config.engine_config())
+    return LLMEngine(config.engine_config)
 
 
 class ReplicaGenerator:

@@ -7,7 +7,9 @@
 Calling a processor only builds the Dataset, as any Ray Dataset transform (and ray.data.llm's
 processor) does: the job runs when the Dataset executes, once per execution
 (operators/lazy_job.py: one read task plans and runs the replicas, Processor.run). The CLI
-uses the pieces (`plan`, `generate`) to add the part writer and progress.
+uses the pieces (`plan`, `generate`) to add the part writer and progress. Every setting comes
+from the ProcessorConfig's typed pieces (tokenize_options(), engine_config, backend, vllm_args);
+`plan` first refuses a vLLM context the CPU's KV cache cannot hold (check_context).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pyarrow as pa
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.plan import PlannedJob, plan_dataset, replica_group_refs
-from prefixflow.operators.tokenize import Tokenize, TokenizeOptions, model_max_len
+from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
 
 Row = dict[str, Any]
 INTERNAL = ("_pf_rank", "_pf_computed", "_pf_cached")  # bookkeeping the output rows drop
@@ -86,13 +88,8 @@ class Processor:
         return block.drop_columns([c for c in INTERNAL if c in block.column_names])
 
     def tokenize_options(self) -> TokenizeOptions:
-        cfg = self.config
-        return TokenizeOptions(
-            model=cfg.model, prompt=cfg.prompt,  # type: ignore[arg-type]
-            max_model_len=model_max_len(cfg.model, cfg.engine.get("max_model_len")),
-            trust_remote_code=bool(cfg.engine.get("trust_remote_code", False)),
-            keep_prompt=cfg.include_prompt, sampling=cfg.sampling,
-            chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs)
+        """The tokenize actors' options: the config's (RayLLMProcessor adds its stages' flags)."""
+        return self.config.tokenize_options()
 
     def tokenize_args(self) -> dict[str, Any]:
         """map_batches arguments of the tokenize actors (their pool, resources, environment)."""
@@ -114,10 +111,23 @@ class Processor:
 
     def plan(self, ds: Any) -> PlannedJob:
         """Tokenize `ds` and plan it (materializes; the rows stay in the object store)."""
+        self.check_context()
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
                             default_max_tokens=self.config.sampling.max_tokens,
-                            block_size=self.config.engine_config().block_size)
+                            block_size=self.config.engine_config.block_size)
+
+    def check_context(self) -> None:
+        """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache
+        cannot hold is refused here, before tokenizing (engine/vllm_engine.cpu_context, which
+        the engine asks again where it starts)."""
+        if self.config.backend != "vllm" or self.engine_options().get("num_gpus") or \
+                self.config.engine_config.device.startswith("cuda"):
+            return
+        from prefixflow.model_source import resolve_model
+        from prefixflow.engine.vllm_engine import cpu_context
+
+        cpu_context(self.config.engine_config, str(resolve_model(self.config.model)))
 
     def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
         """A lazy Dataset of output blocks: R engine actors run their partitions.
@@ -208,5 +218,4 @@ def gpus_per_replica(cfg: ProcessorConfig) -> float:
 
     if not ray.cluster_resources().get("GPU"):
         return 0.0
-    args = cfg.vllm_args
-    return float(args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1))
+    return float(cfg.engine_workers)

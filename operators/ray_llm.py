@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from dataclasses import replace
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -80,9 +81,10 @@ class RayLLMProcessor(Processor):
     # ---- the stages -------------------------------------------------------------------------
 
     def tokenize_options(self) -> TokenizeOptions:
-        opts = super().tokenize_options()
-        return TokenizeOptions(**{**vars(opts), "messages": self.stages["chat_template"].enabled,
-                                  "continue_last": True})
+        # ray.data.llm's chat stage: rows give `messages` only while it is on, and a
+        # conversation ending with an assistant message is continued
+        return replace(super().tokenize_options(), messages=self.stages["chat_template"].enabled,
+                       continue_last=True)
 
     def tokenize_args(self) -> dict[str, Any]:
         from ray.data import ActorPoolStrategy
@@ -115,10 +117,6 @@ class RayLLMProcessor(Processor):
         if self.ray_config.accelerator_type:
             opts["accelerator_type"] = self.ray_config.accelerator_type
         return opts
-
-    def run(self, ds: Any) -> Iterator[pa.Table]:
-        check_context(self.config, self.engine_options().get("num_gpus", 0))
-        yield from super().run(ds)
 
     # ---- the columns ------------------------------------------------------------------------
 
@@ -167,7 +165,7 @@ class RayLLMProcessor(Processor):
         if self._tokenizer is None:
             from prefixflow.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.config.model, bool(self.config.engine.get("trust_remote_code")))
+            self._tokenizer = load_tokenizer(self.config.model, self.config.engine_config.trust_remote_code)
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _time_taken(self, replica: int) -> float:
@@ -238,29 +236,6 @@ class SkipErrors:
         if self.add_error_column:
             out[ERROR_COLUMN] = ""
         return out
-
-
-def check_context(config: Any, num_gpus: float) -> None:
-    """A max_model_len given in engine_kwargs is kept or refused, never lowered: on a CPU the
-    vLLM backend's context is bounded by its KV cache (engine.kv_cache_bytes) and the model's
-    max_position_embeddings, so a longer one is a ValueError naming both and the fix."""
-    engine = config.engine_config()
-    if engine.max_model_len is None or num_gpus or str(engine.device).startswith("cuda"):
-        return
-    from prefixflow.engine.loader import read_model_args
-    from prefixflow.model_source import resolve_model
-    from prefixflow.engine.vllm_engine import CPU_BLOCK_MULTIPLE, _cpu_kv_blocks
-
-    args = read_model_args(str(resolve_model(config.model)))
-    block = engine.block_size if engine.block_size % CPU_BLOCK_MULTIPLE == 0 else CPU_BLOCK_MULTIPLE
-    fits = (_cpu_kv_blocks(engine, block, args.kv_bytes_per_token_per_elem) - 1) * block
-    if engine.max_model_len > args.max_position_embeddings:
-        raise ValueError(f"engine_kwargs max_model_len={engine.max_model_len} is past the model's "
-                         f"max_position_embeddings ({args.max_position_embeddings}): lower it")
-    if engine.max_model_len > fits:
-        raise ValueError(f"engine_kwargs max_model_len={engine.max_model_len} does not fit the CPU KV "
-                         f"cache ({fits} tokens): raise engine_kwargs kv_cache_memory_bytes (now "
-                         f"{engine.kv_cache_bytes or 'the 1 GiB default'}) or lower max_model_len")
 
 
 def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[Row], Row] | None = None,

@@ -6,8 +6,9 @@ onto prefixflow's ProcessorConfig.
 vLLMEngineProcessorConfig -> ProcessorConfig (`processor_config()`):
     model_source -> model; engine_kwargs -> engine.backend: vllm, where the vLLM arguments that
     prefixflow derives itself (max_model_len, max_num_batched_tokens, max_num_seqs,
-    enable_prefix_caching, dtype, ...) become those EngineConfig fields and the rest pass to vLLM,
-    checked by name before anything starts; log_engine_metrics -> vLLM's stats logging on
+    enable_prefix_caching, dtype, ...) become those EngineConfig fields, a key naming an
+    EngineConfig field (kv_cache_bytes, ...) is that field, and the rest pass to vLLM, checked
+    by name before anything starts; log_engine_metrics -> vLLM's stats logging on
     (disable_log_stats False) unless engine_kwargs set it; the sampling defaults -> vLLM's (a
     row's sampling_params over them, as Ray passes them to vllm.SamplingParams; the model's
     generation_config.json is not read); concurrency n or (m, n) -> n replicas
@@ -34,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from prefixflow.engine.config import EngineConfig  # torch-free
+from prefixflow.engine.vllm_args import OWN_ARGS  # torch-free, does not import vLLM
 from prefixflow.errors import invalid
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.requests import SamplingParams
@@ -43,6 +46,7 @@ from prefixflow.requests import SamplingParams
 VLLM_MAX_TOKENS = 16
 
 Concurrency = int | tuple[int, int]
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
 
 def check_concurrency(cls: str, name: str, value: Any) -> Concurrency | None:
@@ -267,12 +271,13 @@ def _replace(stage: Any, **changes: Any) -> Any:
 def engine_settings(engine_kwargs: dict[str, Any], log_engine_metrics: bool = True,
                     task_type: str = "generate") -> dict[str, Any]:
     """ProcessorConfig.engine for ray.data.llm's engine_kwargs: the vLLM arguments prefixflow
-    derives from its own EngineConfig (engine/vllm_args.OWN_ARGS: max_model_len,
-    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, dtype, ...) become those
-    fields, so both backends read one setting; the rest pass to vLLM as they are. vLLM logs its
-    stats when log_engine_metrics asks (as ray.data.llm) unless disable_log_stats is given."""
-    from prefixflow.engine.vllm_args import OWN_ARGS  # torch-free, does not import vLLM
-
+    derives from its own EngineConfig (engine/vllm_args.OWN_ARGS, the one mapping of vLLM names
+    to EngineConfig fields: max_model_len, max_num_batched_tokens, max_num_seqs,
+    enable_prefix_caching, dtype, ...) become those fields, so both backends read one setting;
+    a key that names an EngineConfig field itself (kv_cache_bytes, device, ...: prefixflow's
+    own, not vLLM arguments) is that field; the rest pass to vLLM as they are, checked by name.
+    vLLM logs its stats when log_engine_metrics asks (as ray.data.llm) unless
+    disable_log_stats is given."""
     engine: dict[str, Any] = {"backend": "vllm", "vllm": {}}
     for key, value in engine_kwargs.items():
         if key == "task_type" and value == task_type:
@@ -282,6 +287,8 @@ def engine_settings(engine_kwargs: dict[str, Any], log_engine_metrics: bool = Tr
         # vLLM arguments, which the check then refuses by name.
         if ours.isidentifier() and key not in ("model", "num_gpu_blocks_override"):
             engine[ours] = value
+        elif key in ENGINE_FIELDS and key not in OWN_ARGS:
+            engine[key] = value
         else:
             engine["vllm"][key] = value
     engine["vllm"].setdefault("disable_log_stats", not log_engine_metrics)

@@ -173,7 +173,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     from prefixflow.jobs import report
     from prefixflow.jobs.preflight import plan_out_problems, preflight
-    from prefixflow.jobs.run import ensure_ray, processor_config, read_options
+    from prefixflow.jobs.run import ensure_ray, read_options
     from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
@@ -183,7 +183,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise SpecError(args.spec, problems)
     ensure_ray(args.address)
-    planned = Processor(processor_config(spec)).plan(read_dataset(read_options(spec)))
+    planned = Processor(spec.to_config()).plan(read_dataset(read_options(spec)))
     print(report.plan_text(planned))
     import io
 

@@ -55,7 +55,7 @@ def test_the_switch_in_a_spec_and_in_processor_config(tiny_model):
         parse_spec(_spec({"aligned_decode_batch": 0}))
     assert "aligned_decode_batch" in str(e.value) and "positive number" in str(e.value)
     config = ProcessorConfig(model=str(tiny_model), engine={"aligned_decode_batch": 16})
-    assert config.engine_config().aligned_decode_batch == 16
+    assert config.engine_config.aligned_decode_batch == 16
     with pytest.raises(ValueError, match="EngineConfig.aligned_decode_batch=0"):
         ProcessorConfig(model=str(tiny_model), engine={"aligned_decode_batch": 0})
 

@@ -182,7 +182,6 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
     import json
 
     from prefixflow.jobs import report
-    from prefixflow.jobs.run import processor_config
     from prefixflow.jobs.spec import parse_spec
     from prefixflow.operators.config import ProcessorConfig
     from prefixflow.requests import SamplingParams
@@ -198,7 +197,7 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
 
     spec = parse_spec({"model": str(model), "input": {"path": "in.jsonl"}, "output": {"path": "o"},
                        "prompt": {"template": "{{ q }}"}, "sampling": {"max_tokens": 8}})
-    assert processor_config(spec).sampling == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
+    assert spec.to_config().sampling == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
     used = report.sampling_used(spec)  # what metrics.json records
     assert used["from_generation_config"] == {"temperature": 0.7, "top_p": 0.9}
     assert used["params"]["max_tokens"] == 8 and used["params"]["temperature"] == 0.7

@@ -27,7 +27,6 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 def test_config_fields_map_or_fail_by_name(tiny_model):
     from prefixflow import (ChatTemplateStageConfig, DetokenizeStageConfig, TokenizerStageConfig,
                             vLLMEngineProcessorConfig)
-    from prefixflow.operators.ray_llm import check_context
 
     m = str(tiny_model)
     config = vLLMEngineProcessorConfig(
@@ -42,7 +41,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
         (m, 2, 16, 8, 2)
     # vLLM arguments prefixflow sets itself become the EngineConfig fields both backends read;
     # max_model_len is kept as given; vLLM logs its stats (log_engine_metrics, Ray's default)
-    engine = ours.engine_config()
+    engine = ours.engine_config
     assert (engine.enable_prefix_cache, engine.max_num_seqs, engine.max_model_len) == (False, 4, 256)
     assert ours.backend == "vllm" and ours.vllm_args == {"enforce_eager": True, "disable_log_stats": False}
     assert vLLMEngineProcessorConfig(model_source=m, log_engine_metrics=False).processor_config().vllm_args == \
@@ -57,8 +56,10 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     # A context longer than the CPU's KV cache holds is refused, not lowered
     small = vLLMEngineProcessorConfig(model_source=m, engine_kwargs={"max_model_len": 1024,
                                                                     "kv_cache_memory_bytes": 1 << 20})
-    with pytest.raises(ValueError, match="max_model_len=1024 does not fit the CPU KV cache"):
-        check_context(small.processor_config(), num_gpus=0)
+    from prefixflow.engine.vllm_engine import cpu_context
+
+    with pytest.raises(ValueError, match=r"max_model_len=1024 is invalid: it does not fit the CPU KV cache"):
+        cpu_context(small.processor_config().engine_config, m)
 
     bad = {"task_type": "embed", "dynamic_lora_loading_path": "/loras", "prepare_multimodal_stage": True,
            "concurrency": (2, 1), "chat_template_stage": {"bogus": 1}, "tokenize_stage": {"model_source": "other"}}

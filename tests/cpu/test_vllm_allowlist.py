@@ -211,8 +211,6 @@ def test_invalid_json_in_generation_config_names_the_file(tiny_model, tmp_path):
 
 
 def test_a_bad_value_in_generation_config_is_blamed_on_the_file(tiny_model, tmp_path):
-    from prefixflow.jobs.run import processor_config
-
     model = _model_with(tiny_model, tmp_path, json.dumps({"top_p": 2, "max_new_tokens": 5}))
     path = model / "generation_config.json"
     with pytest.raises(ValueError) as e:
@@ -221,7 +219,7 @@ def test_a_bad_value_in_generation_config_is_blamed_on_the_file(tiny_model, tmp_
                             "or set sampling.top_p in the spec")
     spec = parse_spec({**_spec({}), "model": str(model), "engine": {}})
     with pytest.raises(ValueError, match=f"^{path}: top_p=2 is invalid"):
-        processor_config(spec)
+        spec.to_config()
     # set by the user, the file's value is not used, so not refused
     assert ProcessorConfig(model=str(model), sampling={"top_p": 0.5}).sampling.top_p == 0.5
     # a bad value the user set is still named as theirs
@@ -247,3 +245,26 @@ def test_validate_names_a_bad_generation_config(tiny_model, tmp_path, capsys):
     assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert f"model: {model / 'generation_config.json'}: top_p=2 is invalid" in err, err
+
+
+def test_a_cpu_context_past_the_kv_cache_is_refused_at_validate_time(tiny_model, tmp_path):
+    """engine.max_model_len with backend vllm on a CPU is kept as given or refused when the job
+    is validated, naming the field, the limit and the fix (vLLM's CPU engine used to lower it
+    silently); unset, the engine takes the most that fits."""
+    from prefixflow.jobs.preflight import preflight
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"q": "hi"}) + "\n")
+
+    def spec(**engine):
+        return parse_spec({"model": str(tiny_model), "input": {"path": str(data)},
+                           "output": {"path": str(tmp_path / "out")}, "prompt": {"template": "{{ q }}"},
+                           "engine": {"backend": "vllm", "kv_cache_bytes": 1 << 20, **engine}})
+
+    with pytest.raises(SpecError) as e:
+        preflight(spec(max_model_len=1024))
+    message = dict(e.value.problems)["engine.max_model_len"]
+    assert message.startswith("1024 is invalid: it does not fit the CPU KV cache (")
+    assert "raise engine.kv_cache_bytes" in message
+    preflight(spec())                   # unset: what fits
+    preflight(spec(max_model_len=64))   # fits: kept
