@@ -6,7 +6,7 @@ Torch-free: the scheduler and block manager are built from this without a model 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from prefixflow.errors import require
@@ -46,6 +46,10 @@ class EngineConfig:
         Native engine only.
     trust_remote_code: never needed for the supported architectures; kept False by default.
     seed: default seed for requests without their own.
+    max_tokens_cap: the most tokens one request may generate, whatever its max_tokens asks
+        (the job's sampling, a row's sampling_params, an OpenAI body's max_completion_tokens);
+        a request asking more stops there, finish_reason "length". None: no cap. A guard for
+        jobs whose rows set their own max_tokens. Both backends.
     """
 
     model: str
@@ -62,6 +66,7 @@ class EngineConfig:
     aligned_decode_batch: int | None = None
     trust_remote_code: bool = False
     seed: int = 0
+    max_tokens_cap: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", self.model,
@@ -86,12 +91,18 @@ class EngineConfig:
         _require(self.aligned_decode_batch is None or self.aligned_decode_batch >= 1,
                  "aligned_decode_batch", self.aligned_decode_batch,
                  "use None (off) or a positive number of requests per decode step")
+        _require(self.max_tokens_cap is None or self.max_tokens_cap >= 1, "max_tokens_cap",
+                 self.max_tokens_cap, "use None (no cap) or a positive number of tokens")
 
     def row_params(self, params: SamplingParams | Mapping[int, SamplingParams], row_id: int) -> SamplingParams:
         """A row's SamplingParams as this engine runs them: the one place both backends
         (LLMEngine, VllmEngine) read a request's parameters, so an engine-wide limit on them
         is a field of this class and nothing else."""
-        return params_for_row(params, row_id)
+        p = params_for_row(params, row_id)
+        cap = self.max_tokens_cap
+        if cap is None or p.max_tokens <= cap:
+            return p
+        return replace(p, max_tokens=cap, min_tokens=min(p.min_tokens, cap))
 
     @property
     def effective_max_num_seqs(self) -> int | None:
