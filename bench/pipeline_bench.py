@@ -229,7 +229,7 @@ def agreement(pf_out: Path, base_out: Path) -> float:
     return float(np.mean(same)) if same else 0.0
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-docs", type=int, default=24)
     p.add_argument("--questions", type=int, default=8)
@@ -250,7 +250,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--peer-prompts", choices=("chat", "tokens"), default="chat",
                    help="chat: ray.data.llm renders and tokenizes messages itself (it adds a second "
                    "BOS after the chat template's); tokens: it gets our prompts' token ids")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
 
     import ray
 

@@ -386,7 +386,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", default="1,2,4")
     p.add_argument("--rows", type=int, default=2048)
@@ -399,7 +399,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.run_one:
         _driver_main(args)
         return

@@ -398,8 +398,9 @@ class OutputLock:
                     self.storage.filesystem(self.out).pipe_file(self.path, data)
                 else:
                     os.replace(self._local_tmp(data), local_path(self.path))
-            except Exception:  # a missed beat is only late: STALE_S leaves room for many
-                pass
+            except Exception as e:  # noqa: BLE001 - a missed beat is only late: STALE_S leaves room for many
+                _log.debug("output lock %s: a heartbeat failed (%s: %s); the next one is in %s s",
+                           self.path, type(e).__name__, e, HEARTBEAT_S)
 
 
 def _create_object(fs: Any, path: str, data: bytes) -> None:

@@ -18,10 +18,13 @@ One source of numbers, drawn in two places:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,9 @@ class LiveBar:
             self.bar.set_description(desc)  # sends the state
             if self.close_when_done and n >= total:
                 self.close()
-        except Exception:  # noqa: BLE001 - drawing must never fail a replica or the sink
-            pass
+        except Exception as e:  # noqa: BLE001 - drawing must never fail a replica or the sink
+            _log.debug("progress bar %r: drawing failed (%s: %s); the counts go on", self.name,
+                       type(e).__name__, e)
 
     def close(self) -> None:
         if self.bar is not None and not self.closed:
