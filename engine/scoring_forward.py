@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixflow.engine.layers.rotary import apply_rotary
+from prefixflow.kernels.rotary import apply_rotary
 from prefixflow.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelArgs
 
 MASK_BYTES = 8 << 20

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixflow.kernels import cpu_build
+from prefixflow.kernels.rotary import apply_rotary
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +227,9 @@ def _norm_lanes(hidden: int) -> int | None:
 
 @functools.cache
 def rotary_is_exact(head_dim: int) -> bool:
-    """`rotary_` equals the torch rotary (engine/layers/rotary.apply_rotary) bit for bit."""
+    """`rotary_` equals the torch rotary (kernels/rotary.apply_rotary) bit for bit."""
     if head_dim % 2 or not cpu_build.enabled() or _library() is None:
         return False
-    from prefixflow.engine.layers.rotary import apply_rotary
-
     gen = torch.Generator().manual_seed(head_dim)
     x = torch.randn(9, 5, head_dim, generator=gen)
     cs = torch.randn(9, 2, head_dim, generator=gen)

@@ -4,6 +4,10 @@ cos_sin is the engine's table (engine/layers/rotary.py `RotaryEmbedding.cos_sin`
 [max_positions, 2, D] fp32 with cos at [:, 0] and sin at [:, 1], halves duplicated. Rounding
 matches HF: cos/sin cast to the model dtype, x*cos and rotate_half(x)*sin each rounded to the
 model dtype, then added.
+
+`apply_rotary` is the model's own torch rotary on one tensor (cos and sin already indexed by
+position and cast): the engine's layers and the CPU C kernel's self-check (cpu_exact.py) both
+take it from here, below the engine.
 """
 
 from __future__ import annotations
@@ -33,6 +37,21 @@ def _check_args(q, k, positions, cos_sin, dtypes) -> None:
     check_tensor("cos_sin", cos_sin, 3, (torch.float32,), q.device, contiguous=True)
     if tuple(cos_sin.shape[1:]) != (2, d):
         raise ValueError(f"cos_sin has shape {tuple(cos_sin.shape)}, expected [P, 2, {d}]")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (any strides); cos, sin: [T, 1, D]. HF's rotate-half convention (not
+    interleaved): x * cos + cat(-x2, x1) * sin, bit for bit. Returns a new contiguous
+    [T, H, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    # No negated copy and no concatenation; the same roundings as HF (x1*c + (-x2)*s equals
+    # x1*c - x2*s exactly). addcmul_ would save two passes but may fuse the multiply-add,
+    # which changes the last bit and can flip a greedy near-tie.
+    out = x * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

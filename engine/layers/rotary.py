@@ -3,7 +3,8 @@
 Frequencies follow Hugging Face's `modeling_rope_utils` exactly (same fp32 operations), so the
 engine's logits match transformers': "default", "linear" (positions divided by `factor`) and
 "llama3" (Llama 3.1's frequency-dependent scaling). The cos/sin table is computed once for all
-positions up to `max_positions` and indexed by each token's position.
+positions up to `max_positions` and indexed by each token's position; the rotation itself,
+`apply_rotary`, is kernels/rotary.py's (the CPU C kernel checks itself against it).
 """
 
 from __future__ import annotations
@@ -92,18 +93,3 @@ class RotaryEmbedding(nn.Module):
         """positions: [T] int64 -> (cos, sin), each [T, 1, D] in `dtype` (broadcast over heads)."""
         cs = self.cos_sin[positions].to(dtype)                             # [T, 2, D]
         return cs[:, 0:1], cs[:, 1:2]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] (any strides); cos, sin: [T, 1, D]. HF's rotate-half convention (not
-    interleaved): x * cos + cat(-x2, x1) * sin, bit for bit. Returns a new contiguous
-    [T, H, D]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    # No negated copy and no concatenation; the same roundings as HF (x1*c + (-x2)*s equals
-    # x1*c - x2*s exactly). addcmul_ would save two passes but may fuse the multiply-add,
-    # which changes the last bit and can flip a greedy near-tie.
-    out = x * cos
-    out[..., :half] -= x2 * sin[..., :half]
-    out[..., half:] += x1 * sin[..., half:]
-    return out

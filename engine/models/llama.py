@@ -19,8 +19,9 @@ from prefixflow.engine.layers.embedding import LMHead
 from prefixflow.engine.layers.linear import Linear
 from prefixflow.engine.layers.mlp import SiluMLP
 from prefixflow.engine.layers.norm import RMSNorm
-from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding
 from prefixflow.kernels import cpu_exact
+from prefixflow.kernels.rotary import apply_rotary
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,8 @@ def test_engine_layers_round_like_hugging_face():
     """The engine's rotary and fp32 RMSNorm give HF Llama's values bit for bit: a last-bit
     difference (a fused multiply-add) can flip a greedy near-tie of a real run."""
     from prefixflow.engine.layers.norm import RMSNorm
-    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding
+    from prefixflow.kernels.rotary import apply_rotary
 
     g = torch.Generator().manual_seed(0)
     cos, sin = RotaryEmbedding(64, 2048, RopeConfig())(torch.randint(0, 2048, (300,), generator=g),
@@ -114,7 +115,8 @@ def test_c_rms_norm_rounds_like_torch(hidden, rows):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_c_rotary_rotates_strided_qkv_in_place_like_torch(head_dim):
-    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding
+    from prefixflow.kernels.rotary import apply_rotary
     from prefixflow.kernels import cpu_exact
 
     g = torch.Generator().manual_seed(head_dim)
