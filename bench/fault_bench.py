@@ -58,7 +58,7 @@ def job_spec(model: Path, inp: str, out: str, args: argparse.Namespace,
 
 
 class Driver:
-    """`python -m prefixflow.jobs.run SPEC` as its own process, joined to the bench's Ray."""
+    """`python -m prefixflow.cli run SPEC` as its own process, joined to the bench's Ray."""
 
     def __init__(self, spec: dict[str, Any], root: Path, name: str, address: str):
         path = root / f"{name}.yaml"
@@ -66,7 +66,7 @@ class Driver:
         self.log = root / f"{name}.log"
         env = {**os.environ, "RAY_ADDRESS": address}
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "prefixflow.jobs.run", str(path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "prefixflow.cli", "run", str(path)],
                                      env=env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
 
     def wait(self) -> float:

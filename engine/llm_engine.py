@@ -22,6 +22,7 @@ from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, T
 from prefixflow.engine.scheduler import Scheduler
 from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
 from prefixflow.engine.step import SampledToken
+from prefixflow.pipeline import build_plan
 from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
@@ -122,7 +123,6 @@ class LLMEngine:
             by_row = dict(enumerate(params))
         if not token_lists:
             return []
-        from prefixflow.pipeline import build_plan
         plan = build_plan(token_lists, row_ids=list(range(len(token_lists))), order="batchllm",
                           min_prefix_len=self.runner.block_size)
         results = {out.row_id: out for out in self.run(plan.groups(0), by_row)}

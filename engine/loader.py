@@ -22,6 +22,7 @@ from prefixflow.engine.layers.linear import prepack_linears
 from prefixflow.engine.layers.rotary import RopeConfig
 from prefixflow.model_source import resolve_model, weight_files
 from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
+from prefixflow.tokenizer import load_tokenizer as load
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -168,8 +169,6 @@ def _slice_index(model: LlamaForCausalLM, hf_name: str) -> int:
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """The checkpoint's tokenizer (prefixflow/tokenizer.py: tokenizer.json read directly where that
     equals transformers' AutoTokenizer, which is used otherwise)."""
-    from prefixflow.tokenizer import load_tokenizer as load
-
     return load(model_dir(path), trust_remote_code)
 
 

@@ -36,6 +36,7 @@ from prefixflow.engine.scoring_forward import forward_bytes, hybrid_forward, max
 from prefixflow.engine.scoring_options import ScoreOptions
 from prefixflow.requests import PrefixGroup
 from prefixflow.engine.srjf import SRJFScheduler
+from prefixflow.pipeline import build_plan
 
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
@@ -102,8 +103,6 @@ class Scorer:
         """Score each prompt (a string or token ids); outputs in input order. choices: one
         list for every row, or one list per row. Prompts are planned (build_plan) so that
         shared prefixes are computed once."""
-        from prefixflow.pipeline import build_plan
-
         ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
         if len(ids) != len(prompts):
             raise ValueError(f"row_ids has {len(ids)} entries for {len(prompts)} prompts")

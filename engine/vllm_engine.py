@@ -31,6 +31,7 @@ from prefixflow.engine.scoring_choices import error_output as score_error
 from prefixflow.engine.scoring_options import ScoreOptions
 from prefixflow.engine.vllm_args import check_vllm_args
 from prefixflow.errors import require
+from prefixflow.model_source import resolve_model
 from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
@@ -93,7 +94,6 @@ class VllmEngine:
         self.config = config
         self.parts = ALL_PARTS if group_scheduler is True else \
             NO_PARTS if group_scheduler is False else group_scheduler
-        from prefixflow.model_source import resolve_model
         self.model_path = str(resolve_model(config.model))
         _set_env(in_process)
         from vllm import EngineArgs
@@ -109,6 +109,7 @@ class VllmEngine:
         self.max_model_len = vconfig.model_config.max_model_len
         self.vocab_size = vconfig.model_config.get_vocab_size()
         self.tokenizer = self.engine.get_tokenizer()
+        # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
         from prefixflow.engine.loader import read_eos_token_ids
         self.eos_token_ids = tuple(read_eos_token_ids(self.model_path, self.tokenizer))
         self.stats: list[StepStats] = []
@@ -264,6 +265,7 @@ class VllmEngine:
             scheduling_policy="priority" if parts.priority else "fcfs")
         kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
         if self.is_cpu:
+            # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
             from prefixflow.engine.loader import read_model_args
             args = read_model_args(self.model_path)
             blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
@@ -293,6 +295,7 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     (max_position_embeddings) and the KV cache (EngineConfig.kv_cache_bytes, less vLLM's one
     reserved block) allow. Checked in the driver before a job starts (Processor.plan,
     jobs/preflight) and again where the engine starts. Reads config.json only."""
+    # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
     from prefixflow.engine.loader import read_model_args
 
     args = read_model_args(model_path)

@@ -17,6 +17,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+from prefixflow.jobs.run import run_job
+from prefixflow.jobs.spec import parse_spec
+from prefixflow.model_source import resolve_model
+
 _SUBJECTS = ("The model", "A student", "The scheduler", "My friend", "The engine", "A small cat",
              "The teacher", "Our team", "The river", "This system")
 _VERBS = ("reads", "writes", "computes", "finds", "shares", "answers", "likes", "builds", "plans",
@@ -58,6 +62,7 @@ def write_demo_data(directory: str | Path, **kwargs: Any) -> Path:
 
 def demo_checkpoint(directory: str | Path) -> Path:
     """The demo's tiny Llama under `directory`/tiny-llama (reused when already there)."""
+    # lazy: tiny imports torch; only the tiny checkpoint needs it
     from prefixflow.engine.tiny import make_tiny_checkpoint
 
     path = Path(directory) / "tiny-llama"
@@ -74,8 +79,6 @@ def demo_spec(directory: str | Path) -> Any:
     """demo.yaml with its dataset found in the installed package and its output in `directory`."""
     import yaml
 
-    from prefixflow.jobs.spec import parse_spec
-
     directory = Path(directory).resolve()
     data = yaml.safe_load(example_path("demo.yaml").read_text())
     overrides = {"input.path": str(example_path("passages.jsonl")),
@@ -85,9 +88,6 @@ def demo_spec(directory: str | Path) -> Any:
 
 def run_demo(directory: str | Path = "demo_output", plan_only: bool = False) -> dict[str, Any]:
     """Run (or only plan) the demo job; prints the plan, some answers, then the metrics."""
-    from prefixflow.model_source import resolve_model
-    from prefixflow.jobs.run import run_job
-
     spec = demo_spec(directory)
     print(f"prefixflow demo: {spec.model} answers {sum(1 for _ in open(spec.input.path))} "
           f"questions about {spec.input.path}")

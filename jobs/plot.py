@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from prefixflow.operators.commit import commit_bytes
+
 
 PLOT_MISSING = "plot.png skipped: matplotlib is not installed (pip install 'prefixflow[plot]')"
 MAX_PLOTTED_REPLICAS = 8  # one panel each; more would make every panel too thin to read
@@ -21,8 +23,6 @@ def write_plot(m: dict[str, Any], plan_table: Any, path: str, storage: Any) -> s
         png = plot_png(m, group_sizes(plan_table))
     except ImportError:
         return PLOT_MISSING
-    from prefixflow.operators.write import commit_bytes
-
     commit_bytes(path, png, storage)
     return "plot.png written"
 

@@ -24,11 +24,15 @@ from typing import Any
 
 from prefixflow.errors import did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
-from prefixflow.operators.read import ERROR, SOURCE, SUFFIXES, parse_file
+from prefixflow.model_source import model_kind, resolve_model, weight_files
+from prefixflow.operators.columns import ERROR, SOURCE
+from prefixflow.operators.config import sampling_with_defaults
+from prefixflow.operators.read import SUFFIXES, parse_file
+from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
 from prefixflow.storage import (StorageOptions, absolute, check_scheme, is_local, is_s3,
                                 list_input_files, local_path, mount_dbfs, protocol, strip_scheme)
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
-from prefixflow.operators.tokenize import OPENAI_MESSAGES
+from prefixflow.operators.tokenize import OPENAI_MESSAGES, check_row_sampling, model_max_len
 from prefixflow.requests import SamplingParams
 
 SAMPLE_ROWS = 32
@@ -79,8 +83,6 @@ def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
 def _model_problems(spec: JobSpec) -> Problems:
     """A local model folder is checked here; the other forms prefixflow.model_source takes (an
     s3:// folder, a .gguf file, a hub id, a short name) are resolved where the engine runs."""
-    from prefixflow.model_source import model_kind, resolve_model  # torch-free
-
     kind = model_kind(spec.model)
     if kind in ("s3", "url"):  # copied where the engine runs; its scheme must be served there
         try:
@@ -105,8 +107,6 @@ def _model_problems(spec: JobSpec) -> Problems:
         or _vocab_problem(model, config) or _generation_config_problem(spec)
     if problem is not None:
         return [("model", problem)]
-    from prefixflow.operators.tokenize import model_max_len
-
     limit = model_max_len(str(model), None)  # what tokenization uses: config.json, no torch
     wanted = spec.engine.max_model_len
     if wanted is not None and wanted > limit:
@@ -126,8 +126,6 @@ def _model_problems(spec: JobSpec) -> Problems:
 def _generation_config_problem(spec: JobSpec) -> str | None:
     """The model's generation_config.json as the job will read it (invalid JSON, a bad value
     the spec does not override), named by its file."""
-    from prefixflow.operators.config import sampling_with_defaults
-
     try:
         sampling_with_defaults(spec.model, spec.sampling_given())
     except ValueError as e:
@@ -137,8 +135,6 @@ def _generation_config_problem(spec: JobSpec) -> str | None:
 
 def _local_model(spec: JobSpec) -> Path | None:
     """The model's folder when `model` names a local folder that resolves, else None."""
-    from prefixflow.model_source import model_kind, resolve_model
-
     if model_kind(spec.model) != "folder":
         return None
     try:
@@ -195,8 +191,6 @@ def _vocab_problem(model: Path, config: dict[str, Any]) -> str | None:
 def _embedding_rows(model: Path) -> tuple[str, str, int] | None:
     """(tensor name, file name, rows) of the token embedding, or None when no tensor has one
     of the EMBEDDINGS names. Raises ValueError naming a file that is not safetensors."""
-    from prefixflow.model_source import weight_files
-
     files = weight_files(model)
     index = model / "model.safetensors.index.json"
     if index.is_file():  # read only the shard that holds the embedding
@@ -488,8 +482,6 @@ def _no_column(name: str, columns: list[str]) -> str:
 def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
     """Per-row sampling overrides with keys SamplingParams does not know, in every sampled row.
     (Fewer rows: those become error records. Values are checked per row: see row_report.)"""
-    from prefixflow.operators.outputs import SAMPLING_COLUMNS
-
     known = [f.name for f in dataclasses.fields(SamplingParams)]
     unknown_per_row = []
     for row in rows:
@@ -535,8 +527,6 @@ def row_report(spec: JobSpec, rows: list[dict[str, Any]], max_reasons: int = 3) 
 
 
 def _row_error(prompt: PromptTemplate | None, default: SamplingParams, row: dict[str, Any]) -> str | None:
-    from prefixflow.operators.tokenize import check_row_sampling
-
     try:
         check_row_sampling(default, row)  # the tokenize stage's own per-row check
         if prompt is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from prefixflow.operators.config import sampling_with_defaults
 from prefixflow.operators.outputs import plain
 from prefixflow.operators.progress import RunProgress
 
@@ -178,8 +179,6 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
 def sampling_used(spec: Any) -> dict[str, Any]:
     """The job's default sampling parameters, and which of them came from the model."""
     from dataclasses import asdict
-
-    from prefixflow.operators.config import sampling_with_defaults
 
     params, taken = sampling_with_defaults(spec.model, spec.sampling_given())
     return {"params": plain(asdict(params)), "from_generation_config": plain(taken)}

@@ -1,6 +1,9 @@
 """Run a job spec: read -> tokenize -> plan -> generate -> write, on the Ray cluster at hand.
 
-    prefixflow run job.yaml [--dry-run]      (or: python -m prefixflow.jobs.run job.yaml)
+    prefixflow run job.yaml [--dry-run]      (or: python -m prefixflow.cli run job.yaml)
+
+The command line (prefixflow/cli.py) sits above this module and calls `run_job`; nothing here
+imports it.
 
 This and the CLI are the only places that call ray.init. Which cluster a run uses: the one
 named by --address or RAY_ADDRESS (as under `ray job submit`), else a new local one started
@@ -24,11 +27,15 @@ from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
 from prefixflow.model_source import model_fingerprint, resolve_model
 from prefixflow.jobs.spec import JobSpec
+from prefixflow.jobs.supervise import run_replicas
 from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, drop_fenced, input_listing,
                                          job_identity, load_committed)
-from prefixflow.operators.read import ReadOptions
+from prefixflow.operators.openai_output import system_fingerprint, write_results
+from prefixflow.operators.processor import Processor
+from prefixflow.operators.read import ReadOptions, input_files, read_dataset
 from prefixflow.storage import StorageOptions, absolute, join
-from prefixflow.operators.write import WriteOptions
+from prefixflow.operators.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
+                                        start_sink, write_json)
 
 def storage_options(spec: JobSpec) -> StorageOptions:
     return StorageOptions(**spec.storage.model_dump())
@@ -73,10 +80,6 @@ def ensure_ray(address: str | None = None) -> None:
 def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet: bool = False,
             address: str | None = None) -> dict[str, Any]:
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
-    from prefixflow.operators.processor import Processor
-    from prefixflow.operators.read import read_dataset
-    from prefixflow.operators.write import prepare_output
-
     started = time.perf_counter()
     preflight(spec, source)
     config = spec.to_config()
@@ -109,18 +112,12 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     """Run every row not committed yet, check that every row is, and write the end files."""
     import ray
 
-    from prefixflow.jobs.supervise import run_replicas
-    from prefixflow.operators.write import clear_end_markers, sink_name, start_sink, write_json
-
-    from prefixflow.operators.read import input_files
-
     # The files the reader read (not every file beside them in a folder): their sizes are part
     # of what a resume must find unchanged.
     inputs = input_listing(input_files(read_options(spec)), wopts.storage)
     model = model_fingerprint(resolve_model(processor.config.model))
     identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs, model)
     if wopts.format == "openai":
-        from prefixflow.operators.openai_output import system_fingerprint
         wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, spec.engine.model_dump()))
     fingerprint = identity["fingerprint"]
     check_job_file(wopts.path, identity, wopts.storage, spec.output.resume)
@@ -158,7 +155,6 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch
-        from prefixflow.operators.openai_output import write_results
         write_results(wopts.path, wopts.storage, spec.output.error_file)
     write_json(join(wopts.path, "_SUCCESS"), {}, wopts.storage)
     if not quiet:
@@ -173,13 +169,3 @@ def _spec_key(spec: JobSpec) -> str:
         data["output"].pop(key, None)
     data.pop("storage", None)  # credentials and retry settings may change between attempts
     return json.dumps(data, sort_keys=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from prefixflow.cli import main as cli_main
-
-    return cli_main(["run", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,7 @@ from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.errors import did_you_mean, short
 from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
                                          setting_problems)
+from prefixflow.operators.read import infer_format
 from prefixflow.storage import StorageOptions
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.requests import SamplingParams
@@ -381,8 +382,6 @@ class JobSpec(_Strict):
                              "engine.device: cuda")
 
     def input_format(self) -> str:
-        from prefixflow.operators.read import infer_format
-
         fmt = self.input.format
         return infer_format(self.input.path) if fmt == "auto" else fmt
 

@@ -22,8 +22,9 @@ from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ReplicaRunner
 from prefixflow.operators.outputs import CACHED, COMPUTED, RANK, input_name, with_outputs
 from prefixflow.operators.progress import LiveBar
-from prefixflow.operators.read import ERROR
+from prefixflow.operators.columns import ERROR
 from prefixflow.operators.tokenize import TOKENS, Tokenize
+from prefixflow.pipeline import RaggedTokens, build_plan
 
 
 class Generator:
@@ -42,8 +43,6 @@ class Generator:
         self.batches = 0
 
     def __call__(self, batch: Any) -> pa.Table:
-        from prefixflow.pipeline import RaggedTokens, build_plan
-
         table = _to_table(batch)
         if ERROR not in table.column_names:
             table = table.append_column(ERROR, pa.nulls(table.num_rows, pa.string()))

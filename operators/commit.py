@@ -4,7 +4,8 @@ A part becomes visible only when complete: locally (a plain path or file://) it 
 a temporary name and renamed; on an object store (s3://, gs://, abfss://: any fsspec scheme
 whose filesystem is not local) it is one PUT, visible complete or not at all. Right after its
 part, the writer puts a commit record `_commits/<part>.json` holding the part's manifest row
-and its row ids. A part counts as committed only when its record exists, so on resume:
+and its row ids (both written by `commit_bytes`, which every other file of the output folder
+goes through too). A part counts as committed only when its record exists, so on resume:
 
   - rows named by commit records are skipped (they are in the output already);
   - parts without a record (the job died between the two writes) are deleted, and their rows
@@ -49,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
+from prefixflow.retry import with_retries
 from prefixflow.storage import StorageOptions, is_local, is_s3, join, local_path, strip_scheme
 
 COMMITS = "_commits"
@@ -246,6 +248,25 @@ def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed
     return load_committed(out, storage), fenced
 
 
+def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
+    """Make `path` hold `data`, all or nothing, retrying transient storage errors."""
+    with_retries(lambda: _put(path, data, storage), f"write {path}", storage.retry)
+
+
+def _put(path: str, data: bytes, storage: StorageOptions) -> None:
+    fs = storage.filesystem(path)
+    if not is_local(path):
+        fs.pipe_file(path, data)  # one PUT: visible complete or not at all
+        return
+    head, name = os.path.split(local_path(path))
+    fs.makedirs(head, exist_ok=True)
+    # Same directory (atomic rename on POSIX); the prefix keeps readers from taking it for a part.
+    tmp = os.path.join(head, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
 def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> None:
     """Write `_job.json` (job_identity()), or on resume check that it is the same job and input."""
     fs = storage.filesystem(out)
@@ -263,8 +284,6 @@ def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, 
                              f"{_what_changed(old, identity)}; resume needs the same spec and "
                              "input: choose a new path or set output.overwrite: true")
         return
-    from prefixflow.operators.write import commit_bytes
-
     commit_bytes(path, json.dumps(identity).encode("utf-8"), storage)
 
 

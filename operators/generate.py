@@ -11,7 +11,6 @@ vLLM) once, runs the groups in plan order and yields output blocks as requests f
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -21,12 +20,16 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from prefixflow.engine.outputs import error_output
+from prefixflow.engine.scoring_choices import ScoreOutput
+from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.outputs import (COMPUTED, RANK, output_chunk, plain, row_params, token_counts,
-                                          with_outputs)
+from prefixflow.operators.isolate import run_isolated, without_rows
+from prefixflow.operators.outputs import COMPUTED, RANK, output_chunk, plain, token_counts, with_outputs
 from prefixflow.operators.plan import RowIndex, fetch_rows
-from prefixflow.operators.read import ERROR, SOURCE
+from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.score import row_choices, with_score_fields
+from prefixflow.operators.write import ray_node_id, write_part
 
 logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
@@ -171,6 +174,7 @@ class Heartbeat:
 def make_engine(config: ProcessorConfig) -> Any:
     """The engine of one replica: the one place that picks its class by backend and task."""
     if config.backend == "vllm":
+        # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine.vllm_engine import GroupScheduling, VllmEngine
 
         engine = config.engine_config
@@ -179,9 +183,11 @@ def make_engine(config: ProcessorConfig) -> Any:
         parts = GroupScheduling(no_cap=engine.max_num_seqs is None) if engine.policy == "batchllm" else False
         return VllmEngine(engine, config.vllm_args, group_scheduler=parts)
     if config.task == "score":
+        # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine import Scorer
 
         return Scorer(config.engine_config, config.score.options())
+    # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
     from prefixflow.engine import LLMEngine
 
     return LLMEngine(config.engine_config)
@@ -221,8 +227,6 @@ class ReplicaGenerator:
             if self.write is None:
                 yield from chunks
                 continue
-            from prefixflow.operators.write import write_part
-
             for chunk in chunks:
                 yield write_part(chunk, self.write)
 
@@ -235,8 +239,6 @@ class ReplicaGenerator:
         gets each committed part's manifest row, for the driver's progress line.
         """
         import ray
-
-        from prefixflow.operators.write import write_part
 
         if item != ERRORS_ITEM:
             self.runner.load()
@@ -261,8 +263,6 @@ class ReplicaGenerator:
         rows = fetch_rows(self.rows, row_ids)
         yield from self.runner.run(item, groups, rows, row_ids, np.union1d(self.done, self.skip))
         if self.runner.record is not None and self.sink is not None:
-            from prefixflow.operators.write import ray_node_id
-
             record = {**self.runner.record, "node_id": ray_node_id()}
             ray.get(self.sink.put.remote(record))  # recorded before the item ends
 
@@ -295,39 +295,14 @@ def engine_outputs(engine: Any, config: ProcessorConfig, todo: list[Any], rows: 
                    row_ids: np.ndarray) -> Iterator[Any]:
     """The engine's outputs for a replica's groups (generated requests, or scored rows), one per
     row: an exception inside the engine fails only the rows it hits (operators/isolate.py)."""
-    from prefixflow.operators.isolate import run_isolated
-
     if config.task == "score":
-        from prefixflow.engine.scoring_choices import ScoreOutput
-
         choices = row_choices(config.score, rows, row_ids)
         # The native Scorer took its options when it was built; VllmEngine takes them per run.
         more = {"options": config.score.options()} if config.backend == "vllm" else {}
         return run_isolated(lambda groups: engine.score_groups(groups, choices, **more), todo, lambda: None,
                             lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
-    from prefixflow.engine.outputs import error_output
-
     params = row_params(config.sampling, rows, row_ids)
     return run_isolated(lambda groups: engine.run(groups, params), todo, engine.reset,
                         lambda rid, why: error_output(rid, [], why))
-
-
-def without_rows(group: Any, done: np.ndarray) -> Any:
-    """The group minus its members in `done`; None when none is left."""
-    if not len(done):
-        return group
-    keep = ~np.isin(group.row_ids, done)
-    if keep.all():
-        return group
-    if not keep.any():
-        return None
-    idx = np.flatnonzero(keep)
-    distinct = tuple(group.distinct[i] for i in idx)
-    prefix = group.prefix
-    if len(idx) == 1 and len(prefix):  # a group of one has an empty prefix (PrefixGroup)
-        distinct, prefix = (np.concatenate([prefix, distinct[0]]),), prefix[:0]
-    lens = None if group.output_lens is None else group.output_lens[idx]
-    return dataclasses.replace(group, prefix=prefix, row_ids=group.row_ids[idx],
-                               distinct=distinct, output_lens=lens)
 
 

@@ -12,11 +12,15 @@ kernel): once MAX_FAILURES_IN_A_ROW rows run alone have failed with none running
 EngineBroken is raised instead of turning the rest of the replica into error records.
 The job then stops with its committed rows kept for `output.resume`.
 
+`without_rows` (a group less the rows already done) is shared with the replica runner
+(operators/generate.py), which skips the rows an earlier attempt committed.
+
 Torch-free: the engine is reached only through the callables given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TypeVar
@@ -97,9 +101,26 @@ def _attempt(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[Pre
 
 
 def _without(group: PrefixGroup, done: set[int]) -> PrefixGroup | None:
-    from prefixflow.operators.generate import without_rows
-
     return without_rows(group, np.fromiter(done, np.int64, len(done)))
+
+
+def without_rows(group: PrefixGroup, done: np.ndarray) -> PrefixGroup | None:
+    """The group minus its members in `done`; None when none is left."""
+    if not len(done):
+        return group
+    keep = ~np.isin(group.row_ids, done)
+    if keep.all():
+        return group
+    if not keep.any():
+        return None
+    idx = np.flatnonzero(keep)
+    distinct = tuple(group.distinct[i] for i in idx)
+    prefix = group.prefix
+    if len(idx) == 1 and len(prefix):  # a group of one has an empty prefix (PrefixGroup)
+        distinct, prefix = (np.concatenate([prefix, distinct[0]]),), prefix[:0]
+    lens = None if group.output_lens is None else group.output_lens[idx]
+    return dataclasses.replace(group, prefix=prefix, row_ids=group.row_ids[idx],
+                               distinct=distinct, output_lens=lens)
 
 
 def _members(group: PrefixGroup, done: set[int]) -> Iterator[PrefixGroup]:

@@ -33,8 +33,9 @@ import json
 import re
 from typing import Any
 
-from prefixflow.operators.read import ERROR
+from prefixflow.operators.columns import ERROR
 from prefixflow.operators.template import content_text
+from prefixflow.requests import INT32_MAX, SamplingParams
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -196,8 +197,6 @@ def _check_sampling(overrides: dict[str, Any]) -> Any:
     The job's own defaults are not known here, so a body without max_tokens is checked against
     the largest max_tokens (a min_tokens of 100 is no error on its own); the tokenize stage
     checks each request again against the job's sampling settings."""
-    from prefixflow.requests import INT32_MAX, SamplingParams
-
     try:
         return SamplingParams(max_tokens=INT32_MAX).with_overrides(overrides)
     except ValueError as e:

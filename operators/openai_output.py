@@ -27,11 +27,16 @@ import json
 import re
 from typing import Any, Callable
 
+from prefixflow.operators.commit import COMMITS, commit_bytes, load_committed
 from prefixflow.operators.outputs import CACHED
+from prefixflow.storage import join
+from prefixflow.tokenizer import load_tokenizer, token_bytes
 
 # The message isolate.py and jobs/supervise.py give a row the engine failed on: our failure
 # (500), not the request's.
 ENGINE_FAILED = "the engine failed on this row"
+RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (write_results)
+ERRORS_FILE = "errors.jsonl"  # format openai with output.error_file: the failed requests' lines
 _PARAM = re.compile(r"\bbody\.(\w+)|\bSamplingParams\.(\w+)=")
 
 
@@ -142,8 +147,6 @@ def _token_bytes(model: str) -> Callable[[int], bytes]:
     """token id -> its bytes, by the model's tokenizer (loaded once per process)."""
     if not model:
         raise ValueError("logprobs need the model's tokenizer: output_line was given no model path")
-    from prefixflow.tokenizer import load_tokenizer, token_bytes
-
     return token_bytes(load_tokenizer(model))
 
 
@@ -154,10 +157,6 @@ def write_results(out: str, storage: Any, error_file: bool = False) -> str:
     `<out>/errors.jsonl` instead. The parts stay the commit unit a resume works
     from; a rerun of a completed job writes the files again. Each part's commit record lists
     its row ids in the part's line order, and row ids are input positions. Returns the path."""
-    from prefixflow.operators.commit import COMMITS, load_committed
-    from prefixflow.storage import join
-    from prefixflow.operators.write import ERRORS_FILE, RESULTS_FILE, commit_bytes
-
     fs = storage.filesystem(out)
     keyed: list[tuple[int, bytes]] = []
     for manifest in load_committed(out, storage, clean=False).manifests:

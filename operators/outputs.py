@@ -1,9 +1,9 @@
 """Output rows: the typed columns every engine's outputs become, beside the input columns.
 
 One definition for every path (Processor.generate, the job driver, batch_generator.Generator)
-and both backends: a row's sampling overrides (`row_params`), the output columns
-(`OUTPUT_FIELDS`, `output_chunk`, `with_outputs`) and the names input columns keep when an
-output column takes theirs (`input_name`).
+and both backends: the output columns (`OUTPUT_FIELDS`, `output_chunk`, `with_outputs`) and the
+names input columns keep when an output column takes theirs (`input_name`). A row's sampling
+overrides are operators/row_sampling.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ RANK, COMPUTED = "_pf_rank", "_pf_computed"
 # usage.prompt_tokens_details.cached_tokens); null on rows that did not run (error records,
 # scores). Internal, as COMPUTED: the OpenAI writer reads it, the other formats drop it.
 CACHED = "_pf_cached"
-SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
 # Output columns added to every row (names follow ray.data.llm where it has one).
 OUTPUT_FIELDS = [
     pa.field("row_id", pa.int64()),
@@ -49,30 +48,6 @@ SAMPLE_TYPE = pa.struct([
 ])
 SAMPLES_FIELD = pa.field("samples", pa.list_(SAMPLE_TYPE))
 KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
-
-
-def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
-    """One SamplingParams, or a row_id -> SamplingParams map when rows override fields
-    (an OpenAI request body, or ray.data.llm's `sampling_params` column)."""
-    column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
-    if column is None:
-        return default
-    values = rows.column(column).to_pylist()
-    return {rid: row_sampling(default, value) for rid, value in zip(row_ids.tolist(), values)}
-
-
-def row_sampling(default: Any, value: Any) -> Any:
-    """A row's SamplingParams: `default` with the row's overrides (a mapping, or its JSON text
-    when the column was stored as text). ValueError naming the bad key or value."""
-    if value is None:
-        return default
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as e:
-            raise ValueError(f"sampling parameters are not a JSON object ({type(e).__name__}): "
-                             "give a mapping like {\"temperature\": 0}") from None
-    return default.with_overrides(value)
 
 
 def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_len: np.ndarray,

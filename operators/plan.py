@@ -28,9 +28,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.read import ERROR
+from prefixflow.operators.columns import ERROR
 from prefixflow.operators.tokenize import MAX_TOKENS, TOKENS
-from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS
+from prefixflow.pipeline import RaggedTokens, build_plan
+from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts, block_hashes
+from prefixflow.pipeline.prefix_tree import ragged_gather
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,6 @@ def _block_digest(block: pa.Table) -> np.ndarray:
 def _meta_and_hashes(block: pa.Table, custom_ids: bool, block_size: int) -> tuple[dict[str, Any], tuple]:
     """The block's metadata, and the KV-block hashes of all its rows (none for error rows) as
     (flat, offsets): a task's second return, so the hashes stay in the object store."""
-    from prefixflow.pipeline import RaggedTokens
-    from prefixflow.pipeline.block_hash import block_hashes
-
     meta = _block_meta(block, custom_ids)
     if TOKENS not in block.column_names:
         return meta, (np.zeros(0, np.int64), np.zeros(1, np.int64))
@@ -137,9 +136,6 @@ def _gather_meta(refs: list[Any], custom_ids: bool, block_size: int) -> tuple[li
 
 def _hash_window(hashes: tuple, local: np.ndarray, depth: int, width: int) -> np.ndarray:
     """Hashes depth .. depth+width-1 of the given rows of one block (-1 past a row's end)."""
-    from prefixflow.pipeline import RaggedTokens
-    from prefixflow.pipeline.prefix_tree import ragged_gather
-
     return ragged_gather(RaggedTokens(*hashes))(local, depth, width)
 
 
@@ -171,8 +167,6 @@ def gather_hashes(rows: RowIndex, hash_refs: list[Any], row_ids: np.ndarray, rec
 
 def fetch_tokens(rows: RowIndex, row_ids: np.ndarray, seqs: np.ndarray) -> Any:
     """Token ids of the prompts `seqs` (positions in `row_ids`), in that order (Plan.groups)."""
-    from prefixflow.pipeline import RaggedTokens
-
     if len(seqs) == 0:
         return RaggedTokens(np.zeros(0, np.int32), np.zeros(1, np.int64))
     table = fetch_rows(rows, row_ids[np.asarray(seqs, dtype=np.int64)], columns=(TOKENS,))
@@ -207,9 +201,6 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
     sampling default, which they run with); None leaves them unknown (estimated per subtree).
     block_size: the engine's KV block size; shared prefixes are planned in whole blocks.
     """
-    from prefixflow.pipeline import build_plan
-    from prefixflow.pipeline.block_hash import HashedPrompts
-
     t0 = time.perf_counter()
     refs = ds.to_arrow_refs()  # executes read + tokenize; blocks stay in the object store
     t1 = time.perf_counter()

@@ -19,10 +19,13 @@ from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
+from prefixflow.engine.vllm_engine import cpu_context
+from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.plan import PlannedJob, plan_dataset, replica_group_refs
 from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
+from prefixflow.operators.write import start_sink
 
 Row = dict[str, Any]
 INTERNAL = ("_pf_rank", "_pf_computed", "_pf_cached")  # bookkeeping the output rows drop
@@ -62,8 +65,8 @@ class Processor:
 
     def outputs(self, ds: Any) -> Any:
         """The output rows of `ds` as a lazy Dataset: the job runs when it executes."""
+        # lazy: lazy_job imports Ray's datasource API; building a processor needs no Ray
         from prefixflow.operators.lazy_job import job_dataset
-        from prefixflow.operators.write import start_sink
 
         if self.sink is None:  # one small actor per processor collects the runs' records
             self.sink = start_sink()
@@ -124,9 +127,6 @@ class Processor:
         if self.config.backend != "vllm" or self.engine_options().get("num_gpus") or \
                 self.config.engine_config.device.startswith("cuda"):
             return
-        from prefixflow.model_source import resolve_model
-        from prefixflow.engine.vllm_engine import cpu_context
-
         cpu_context(self.config.engine_config, str(resolve_model(self.config.model)))
 
     def generate(self, planned: PlannedJob, sink: Any = None) -> Any:

@@ -31,13 +31,16 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from prefixflow.operators.plan import fetch_rows
 from prefixflow.operators.processor import INTERNAL, Merged, Processor, engine_actor_options
 from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,  # noqa: F401
                                                  HttpRequestProcessorConfig, HttpRequestStageConfig,
                                                  PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
                                                  ServeDeploymentProcessorConfig, TokenizerStageConfig,
                                                  engine_settings, vLLMEngineProcessorConfig)
+from prefixflow.operators.row_sampling import row_sampling
 from prefixflow.operators.tokenize import TOKENS, TokenizeOptions
+from prefixflow.tokenizer import load_tokenizer
 
 Row = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -122,9 +125,6 @@ class RayLLMProcessor(Processor):
 
     def finish(self, block: pa.Table, planned: Any) -> pa.Table:
         """ray.data.llm's columns on an output block (see the module docstring)."""
-        from prefixflow.operators.outputs import row_sampling
-        from prefixflow.operators.plan import fetch_rows
-
         rows = block.to_pylist()
         errors = [r.get("error") for r in rows]
         bad = next((i for i, e in enumerate(errors) if e), None)
@@ -163,8 +163,6 @@ class RayLLMProcessor(Processor):
 
     def _decode(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:
-            from prefixflow.tokenizer import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.config.model, self.config.engine_config.trust_remote_code)
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 

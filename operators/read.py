@@ -1,6 +1,6 @@
 """Read a job's input into a Ray Dataset of rows: JSONL, CSV, Parquet or OpenAI batch JSONL.
 
-Every row gets two bookkeeping columns:
+Every row gets two bookkeeping columns (their names: operators/columns.py):
   _pf_source  where it came from ("file.jsonl:17"), for error messages;
   _pf_error   None for a good row, else why the row cannot run. A bad row is kept (it becomes
               an error record in the output) so that the job goes on and no row disappears.
@@ -35,12 +35,12 @@ import logging
 
 import pyarrow as pa
 
+from prefixflow.operators.columns import ERROR, RESERVED, SOURCE
+from prefixflow.operators.openai_batch import parse_requests
 from prefixflow.retry import with_retries
 from prefixflow.storage import StorageOptions, list_input_files, same_filesystem
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
-SOURCE, ERROR = "_pf_source", "_pf_error"
-RESERVED = "_pf_"  # the prefix of every bookkeeping column; input columns may not use it
 _log = logging.getLogger(__name__)
 # A JSON escape of a UTF-16 surrogate (half of a pair, or a lone one the line cannot store).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -233,8 +233,6 @@ def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, 
     else:
         records = parse_jsonl(data, path, byte_offset=begin)
         if fmt == "openai":
-            from prefixflow.operators.openai_batch import parse_requests
-
             records = parse_requests(records)
         table = rows_to_table(records)
     return as_text(table, text_columns or [])

@@ -15,8 +15,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from prefixflow.operators.read import ERROR
+from prefixflow.model_source import resolve_model
+from prefixflow.operators.columns import ERROR
+from prefixflow.operators.row_sampling import SAMPLING_COLUMNS, row_sampling
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
+from prefixflow.tokenizer import load_tokenizer
 
 TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # A row's own max_tokens (from its sampling overrides; null: the job's default): the plan's
@@ -48,8 +51,6 @@ class Tokenize:
     """map_batches callable class: loads the tokenizer once per actor."""
 
     def __init__(self, opts: TokenizeOptions):
-        from prefixflow.tokenizer import load_tokenizer  # transformers only when needed
-
         self.opts = opts
         self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
         self._transformers: Any = None  # loaded when a chat needs it (_chat_tokenizer)
@@ -129,8 +130,6 @@ class Tokenize:
         if self._transformers is None:
             from transformers import AutoTokenizer
 
-            from prefixflow.model_source import resolve_model
-
             self._transformers = AutoTokenizer.from_pretrained(
                 str(resolve_model(self.opts.model)), trust_remote_code=self.opts.trust_remote_code)
         return self._transformers
@@ -160,8 +159,6 @@ def check_row_sampling(default: Any, row: dict[str, Any]) -> int | None:
     """A row's sampling overrides must make valid SamplingParams over `default` (else RowError:
     the row becomes an error record); returns the row's max_tokens when it has overrides.
     Used by the tokenize stage and by preflight."""
-    from prefixflow.operators.outputs import SAMPLING_COLUMNS, row_sampling
-
     value = next((row[c] for c in SAMPLING_COLUMNS if row.get(c) is not None), None)
     if value is None:
         return None
@@ -181,8 +178,6 @@ def model_max_len(model: str, override: int | None) -> int:
     """The context length: the spec's max_model_len, else the model config's."""
     if override is not None:
         return override
-    from prefixflow.model_source import resolve_model  # torch-free
-
     config = json.loads((resolve_model(model) / "config.json").read_text())
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         if isinstance(config.get(key), int):

@@ -18,7 +18,6 @@ import math
 import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -26,14 +25,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
-                                         check_fence, commit_record_path, record_bytes)
-from prefixflow.retry import with_retries
-from prefixflow.storage import StorageOptions, absolute, is_local, join, local_path
-
-RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_output.write_results)
-ERRORS_FILE = "errors.jsonl"  # format openai with output.error_file: the failed requests' lines
+                                         check_fence, commit_bytes, commit_record_path, record_bytes)
+from prefixflow.operators.openai_output import ERRORS_FILE, RESULTS_FILE, output_line
+from prefixflow.operators.outputs import COMPUTED, RANK
+from prefixflow.operators.progress import LiveBar
+from prefixflow.storage import StorageOptions, absolute, is_local, join
 OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
                 TMP_PREFIX, RESULTS_FILE, ERRORS_FILE)
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
@@ -93,8 +90,6 @@ def ray_node_id() -> str | None:
 
 def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
     if opts.format == "openai":
-        from prefixflow.operators.openai_output import output_line
-
         lines = [json.dumps(output_line(r, opts.created, opts.model_name, opts.model, opts.system_fingerprint))
                  for r in table.to_pylist()]
         return ("\n".join(lines) + "\n").encode("utf-8")
@@ -126,25 +121,6 @@ def json_value(value: Any) -> Any:
     if isinstance(value, bytes):
         return base64.b64encode(value).decode("ascii")
     return value
-
-
-def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
-    """Make `path` hold `data`, all or nothing, retrying transient storage errors."""
-    with_retries(lambda: _put(path, data, storage), f"write {path}", storage.retry)
-
-
-def _put(path: str, data: bytes, storage: StorageOptions) -> None:
-    fs = storage.filesystem(path)
-    if not is_local(path):
-        fs.pipe_file(path, data)  # one PUT: visible complete or not at all
-        return
-    head, name = os.path.split(local_path(path))
-    fs.makedirs(head, exist_ok=True)
-    # Same directory (atomic rename on POSIX); the prefix keeps readers from taking it for a part.
-    tmp = os.path.join(head, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)
 
 
 def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) -> None:
@@ -247,8 +223,6 @@ class MetricsSink:
     def show_progress(self, total_rows: int, error_rows: int) -> None:
         """Draw a live bar of the replicas' counters on the driver (the Python API; a job's
         driver draws its own line): operators/progress.LiveBar."""
-        from prefixflow.operators.progress import LiveBar
-
         if self.bar is not None:
             self.bar.close()
         self.live = {}

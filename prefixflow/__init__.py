@@ -30,6 +30,7 @@ __all__ = ["__version__", *_API]
 
 def __getattr__(name: str) -> Any:
     if name in _API:
+        # lazy: `import prefixflow` loads neither torch nor ray (see the docstring)
         from prefixflow import api
 
         return getattr(api, name)

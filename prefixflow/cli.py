@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _show_our_logs()
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.commit import JobFenced
 
@@ -92,6 +93,7 @@ def _job_failures() -> tuple[type[BaseException], ...]:
     its traceback shows."""
     from ray.exceptions import ObjectLostError
 
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.attempts import EnginesKeepDying
     from prefixflow.operators.isolate import EngineBroken
 
@@ -104,6 +106,7 @@ def _generating(e: BaseException) -> bool:
     """Whether `e`, or an error it interrupted, came out of jobs/run._generate: only a job that
     reached generation can have committed rows to resume from. (Storage can fail before, while
     taking the output's lock or clearing it, or while planning reads the input.)"""
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs import run
 
     code = run._generate.__code__
@@ -128,10 +131,12 @@ def _message(e: BaseException) -> str:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import load_spec, parse_overrides
 
     if args.command == "demo":
+        # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
         from prefixflow.jobs.demo import run_demo
 
         run_demo(args.dir, plan_only=args.plan_only)
@@ -150,6 +155,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _validate(spec: Any, source: str) -> int:
     """Check the spec, its paths and a sample of its rows; report rows that would fail."""
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.preflight import preflight, row_report
 
     report = row_report(spec, preflight(spec, source))
@@ -164,6 +170,7 @@ def _validate(spec: Any, source: str) -> int:
 
 
 def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.run import run_job
 
     if args.out is None:
@@ -171,6 +178,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     # Keep the Plan object to save its table: run the same steps as the dry run.
     import pyarrow.parquet as pq
 
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs import report
     from prefixflow.jobs.preflight import plan_out_problems, preflight
     from prefixflow.jobs.run import ensure_ray, read_options
@@ -187,8 +195,9 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     print(report.plan_text(planned))
     import io
 
+    # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.storage import StorageOptions, absolute
-    from prefixflow.operators.write import commit_bytes
+    from prefixflow.operators.commit import commit_bytes
 
     sink = io.BytesIO()
     pq.write_table(planned.plan.table, sink)

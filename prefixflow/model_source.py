@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefixflow.paths import cache_root
+from prefixflow.storage import S3, StorageOptions, is_local, local_path, mount_dbfs, protocol
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ SOURCE_FILE = "prefixflow_source.json"  # where a converted or copied folder cam
 
 def model_kind(model: str) -> Kind:
     """Which form `model` names (see the module docstring); a path that exists is a path."""
-    from prefixflow.storage import S3, is_local, mount_dbfs, protocol
-
     url = mount_dbfs(model)
     if protocol(url) in S3:
         return "s3"
@@ -112,8 +111,6 @@ def normalize_model(model: str) -> str:
 
 def _as_local(model: str) -> str:
     """A file:// URL, or dbfs:/ on a Databricks node, as the plain path it names."""
-    from prefixflow.storage import is_local, local_path, mount_dbfs
-
     url = mount_dbfs(model)
     return local_path(url) if is_local(url) else model
 
@@ -321,8 +318,6 @@ def _from_url(uri: str, storage: Any) -> Path:
     """A model folder behind a URL (s3://, gs://, abfss://, ...), copied once per node into the
     cache. The copy is keyed by the URI and the objects' names, sizes and versions (ETag,
     generation or modification time), so a model replaced there is copied again."""
-    from prefixflow.storage import S3, StorageOptions, protocol
-
     storage = StorageOptions() if storage is None else storage
     proto = protocol(uri) or "url"
     where, prefix = ("S3", "s3") if proto in S3 else (f"{proto}://", proto)

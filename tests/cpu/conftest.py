@@ -51,7 +51,7 @@ def s3_server():
 
 @pytest.fixture
 def start_driver(ray_local, tmp_path):
-    """Starts `python -m prefixflow.jobs.run SPEC` as its own Ray driver on the session's
+    """Starts `python -m prefixflow.cli run SPEC` as its own Ray driver on the session's
     cluster and returns the process (output in tmp_path/driver-N.log). A driver in its own
     process takes its engine actors with it when it exits, however it ends, so a failed or
     killed job never holds the CPUs that later tests need."""
@@ -60,7 +60,7 @@ def start_driver(ray_local, tmp_path):
 
     def start(spec: Path) -> subprocess.Popen:
         log = open(tmp_path / f"driver-{len(procs)}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "prefixflow.jobs.run", str(spec)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "prefixflow.cli", "run", str(spec)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
         procs.append(proc)

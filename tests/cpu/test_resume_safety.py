@@ -21,10 +21,10 @@ import yaml
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.commit import (LOCK_FILE, STALE_S, OutputLock, commit_record_path,
+from prefixflow.operators.commit import (LOCK_FILE, STALE_S, OutputLock, commit_bytes, commit_record_path,
                                          load_committed, record_bytes)
+from prefixflow.operators.write import WriteOptions, prepare_output, read_output
 from prefixflow.storage import StorageOptions
-from prefixflow.operators.write import WriteOptions, commit_bytes, prepare_output, read_output
 
 TEMPLATE = "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"
 JOB_TIMEOUT_S = 300

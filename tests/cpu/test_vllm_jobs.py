@@ -104,7 +104,7 @@ def test_unknown_vllm_argument_fails_before_any_actor_starts(ray_local, quicksta
     path.write_text(yaml.safe_dump(spec))
     before = engine_pids()
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    done = subprocess.run([sys.executable, "-m", "prefixflow.jobs.run", str(path), "--set",
+    done = subprocess.run([sys.executable, "-m", "prefixflow.cli", "run", str(path), "--set",
                            "engine.backend=vllm", "--set", "engine.vllm.enforce_eagr=true"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -1,0 +1,15 @@
+"""The bookkeeping columns every stage shares, from the read stage on.
+
+  _pf_source  where a row came from ("file.jsonl:17"), for error messages;
+  _pf_error   None for a good row, else why the row cannot run (it becomes an error record).
+
+Every bookkeeping column starts with `_pf_` (RESERVED), so input columns may not. The read
+stage adds these two (operators/read.py), the OpenAI batch reader fills them from each request
+line (openai_batch.py), and every later stage reads them; they live here, below all of those,
+so that none of them imports another stage for a column's name.
+"""
+
+from __future__ import annotations
+
+SOURCE, ERROR = "_pf_source", "_pf_error"
+RESERVED = "_pf_"  # the prefix of every bookkeeping column; input columns may not use it

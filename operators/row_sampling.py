@@ -1,0 +1,41 @@
+"""A row's own sampling parameters: the columns that carry them and the SamplingParams they make.
+
+An OpenAI request body (`_pf_sampling`, filled by operators/openai_batch.py) or ray.data.llm's
+`sampling_params` column overrides fields of the job's SamplingParams for its row. The
+tokenize stage checks a row's overrides (a bad one makes the row an error record), preflight
+checks a sample of rows, and the engine actors build each row's SamplingParams: all from here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
+
+
+def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
+    """One SamplingParams, or a row_id -> SamplingParams map when rows override fields
+    (an OpenAI request body, or ray.data.llm's `sampling_params` column)."""
+    column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
+    if column is None:
+        return default
+    values = rows.column(column).to_pylist()
+    return {rid: row_sampling(default, value) for rid, value in zip(row_ids.tolist(), values)}
+
+
+def row_sampling(default: Any, value: Any) -> Any:
+    """A row's SamplingParams: `default` with the row's overrides (a mapping, or its JSON text
+    when the column was stored as text). ValueError naming the bad key or value."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"sampling parameters are not a JSON object ({type(e).__name__}): "
+                             "give a mapping like {\"temperature\": 0}") from None
+    return default.with_overrides(value)
