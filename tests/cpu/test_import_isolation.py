@@ -8,6 +8,12 @@ import pytest
 LIGHT_MODULES = [
     "prefixflow",
     "prefixflow.requests",
+    "prefixflow.errors",
+    "prefixflow.paths",
+    "prefixflow.model_source",   # the torch-free pieces every layer needs (tests/cpu/test_layers.py)
+    "prefixflow.tokenizer",
+    "prefixflow.storage",
+    "prefixflow.retry",
     "prefixflow.pipeline",
     "prefixflow.engine.config",
     "prefixflow.engine.srjf",
