@@ -36,8 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, density
-from prefixflow.pipeline.grouping import Grouping
-from prefixflow.pipeline.ordering import group_keys, runs
+from prefixflow.pipeline.grouping import Grouping, group_keys, runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
 

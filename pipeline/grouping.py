@@ -130,3 +130,17 @@ def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
     formed = np.flatnonzero(counts > 0)
     saved = int(((counts[formed] - 1) * tree.depth[formed]).sum())
     return Grouping(group_node, prefix_len, saved)
+
+
+def group_keys(grouping: Grouping) -> np.ndarray:
+    """One key per prompt naming its group; ungrouped prompts get a key of their own."""
+    n = len(grouping.group_node)
+    alone = grouping.group_node == 0
+    return np.where(alone, -1 - np.arange(n, dtype=np.int64), grouping.group_node)
+
+
+def runs(order: np.ndarray, grouping: Grouping) -> np.ndarray:
+    """Start positions (in `order`) of maximal runs of prompts from one group, plus len(order)."""
+    key = group_keys(grouping)[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(order) else np.zeros(0, np.int64)
+    return np.r_[starts, len(order)].astype(np.int64)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixflow.pipeline.grouping import Grouping
+from prefixflow.pipeline.blendserve import blendserve_order
+from prefixflow.pipeline.grouping import Grouping, group_keys, runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
+
+__all__ = ["ORDER_POLICIES", "batchllm_order", "dfs_order", "group_keys", "order_prompts", "runs"]
 
 ORDER_POLICIES = ("fcfs", "dfs", "batchllm", "blendserve")
 
@@ -32,8 +35,6 @@ def order_prompts(policy: str, tree: PrefixTree, grouping: Grouping, lengths: np
     if policy == "batchllm":
         return batchllm_order(grouping, lengths, output_lens)
     if policy == "blendserve":
-        from prefixflow.pipeline.blendserve import blendserve_order  # issue 3
-
         return blendserve_order(tree, grouping, lengths, output_lens, cost_model=cost_model)
     raise ValueError(f"order={policy!r} is not a known policy: use one of {', '.join(ORDER_POLICIES)}")
 
@@ -87,17 +88,3 @@ def dfs_order(tree: PrefixTree, lengths: np.ndarray) -> np.ndarray:
         children = sorted(children, key=lambda c: -weight[c])
         stack.extend(reversed(children))
     return np.asarray(out, dtype=np.int64)
-
-
-def group_keys(grouping: Grouping) -> np.ndarray:
-    """One key per prompt naming its group; ungrouped prompts get a key of their own."""
-    n = len(grouping.group_node)
-    alone = grouping.group_node == 0
-    return np.where(alone, -1 - np.arange(n, dtype=np.int64), grouping.group_node)
-
-
-def runs(order: np.ndarray, grouping: Grouping) -> np.ndarray:
-    """Start positions (in `order`) of maximal runs of prompts from one group, plus len(order)."""
-    key = group_keys(grouping)[order]
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(order) else np.zeros(0, np.int64)
-    return np.r_[starts, len(order)].astype(np.int64)

@@ -54,13 +54,15 @@ class Partition:
 
 def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: np.ndarray,
                    run_prefix_compute: np.ndarray, run_prefix_len: np.ndarray,
-                   num_replicas: int) -> Partition:
+                   num_replicas: int, run_density: np.ndarray | None = None) -> Partition:
     """Split the order's runs across replicas, balanced on predicted time (dual-scan fill).
 
     run_starts: [num_runs + 1] row boundaries of the runs in the policy order.
     row_compute, row_memory: [num_rows] seconds per row in policy order, without its run's prefix.
     run_prefix_compute: [num_runs] seconds to compute each run's shared prefix once.
     run_prefix_len: [num_runs] tokens of each run's shared prefix (0 for a run of one).
+    run_density: [num_runs] the scan's sort key (default: each run's T_comp / T_mem); equal keys
+    keep the runs' order, so runs given one key stay together.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
@@ -69,7 +71,8 @@ def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: 
     cum_m = np.r_[0.0, np.cumsum(row_memory)]
     run_c = cum_c[run_starts[1:]] - cum_c[run_starts[:-1]] + run_prefix_compute
     run_m = cum_m[run_starts[1:]] - cum_m[run_starts[:-1]]
-    seq = np.argsort(-density(run_c, run_m), kind="stable")
+    key = density(run_c, run_m) if run_density is None else run_density
+    seq = np.argsort(-key, kind="stable")
     filler = _Filler(run_starts, cum_c, cum_m, run_prefix_compute)
     if num_replicas == 1 or num_runs == 0:
         pieces = [(int(r), int(run_starts[r]), int(run_starts[r + 1]), 0) for r in range(num_runs)]
@@ -78,7 +81,7 @@ def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: 
         # compute, the second aims the targets at the total including it.
         first = filler.fill(seq.tolist(), num_replicas, 0.0)
         extra = sum(float(run_prefix_compute[r]) for r, lo, _, _ in first if lo != run_starts[r])
-        pieces = filler.fill(seq.tolist(), num_replicas, extra)
+        pieces = filler.fill(seq.tolist(), num_replicas, extra) if extra > 0 else first
     return _assemble(pieces, run_starts, cum_c, cum_m, run_prefix_compute, run_prefix_len, num_replicas)
 
 

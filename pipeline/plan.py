@@ -1,9 +1,12 @@
 """Plan: the global stage's output, and `build_plan`, the planner's entry point.
 
-build_plan: prompts -> prefix tree -> single-level grouping (BatchLLM Alg. 1, exact) -> order
-policy -> runs of one group -> replicas. The plan is an Arrow table, one row per prompt in plan
-order (replica, then rank), plus a summary of token counts and saving ratios. Token ids are
-never copied: groups hand out views into the planner's flat token buffer.
+build_plan: prompts -> prefix tree -> groups -> order -> runs of one group -> replicas. The
+batchllm order (the default) nests groups at every level of the tree and runs them depth first
+(multilevel.py); fcfs, dfs and blendserve use the single-level grouping (BatchLLM Alg. 1,
+exact) and the policy's order (ordering.py), split by partition.py. The plan is an Arrow
+table, one row per prompt in plan order (replica, then rank), plus a summary of token counts
+and saving ratios. Token ids are never copied: groups hand out views into the planner's flat
+token buffer.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ from prefixflow.errors import one_of, require
 from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.blendserve import estimate_output_lens
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
-from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse
-from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts, runs
+from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse, runs
+from prefixflow.pipeline.multilevel import nested_groups, plan_multi_level
+from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts
 from prefixflow.pipeline.partition import Partition, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.requests import PrefixGroup
+
+# The single-level grouping (maximize_reuse, a Python pass per node) is the batchllm plan's
+# yardstick only: above this many tree nodes its summary ratio is NaN (not computed).
+SINGLE_LEVEL_METRIC_MAX_NODES = 2_000_000
 
 DEFAULT_ORDER = "batchllm"  # the one default plan order (ProcessorConfig and the job spec use it)
 
@@ -37,9 +45,10 @@ class Plan:
         replica's order), group_id, prefix_len, distinct_len, prompt_len, output_len (null when
         unknown).
     summary: num_rows, num_groups, prompt_tokens, computed_prompt_tokens, token_saving_ratio
-        (what this plan's order and grouping achieve), single_level_token_saving_ratio (the
-        enlarged first level), first_level_token_saving_ratio (the tree's plain first level),
-        optimal_token_saving_ratio (multi-level optimum of the tree), per-replica counts, ...
+        (what this plan's order and grouping achieve, with the engines' prefix cache for the
+        nested groups of batchllm), single_level_token_saving_ratio (the enlarged first level;
+        NaN for batchllm above SINGLE_LEVEL_METRIC_MAX_NODES tree nodes),
+        first_level_token_saving_ratio (the tree's plain first level), optimal_token_saving_ratio (multi-level optimum of the tree), per-replica counts, ...
     """
 
     table: pa.Table
@@ -131,28 +140,52 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
 
     tree = PrefixTree.from_sorted(*hashed.sort_with_lcp(), lengths) if hashed is not None else \
         PrefixTree.build(tokens)
-    grouping = maximize_reuse(tree, min_prefix_len)
+    single = order != "batchllm" or tree.num_nodes <= SINGLE_LEVEL_METRIC_MAX_NODES
+    grouping = maximize_reuse(tree, min_prefix_len) if single else None
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
     cost_model = CostModel.create(model, hardware)
+    if order == "batchllm":
+        block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
+        seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part, ref = \
+            _multi_level(tree, lengths, est, cost_model, num_replicas, min_prefix_len, block)
+    else:
+        seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part = \
+            _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
+        ref = grouping
+    table = _plan_table(ids, seq_index, lengths, outs, new_starts, part_prefix, part_replica, replica_runs)
+    summary = _summary(tree, grouping, lengths, np.diff(new_starts), part_computed, part_replica,
+                       num_replicas, order)
+    _add_predictions(summary, part, cost_model, ref, outs is None)
+    summary["planning_seconds"] = time.perf_counter() - started
+    return Plan(table, summary, tokens, seq_index, new_starts, replica_runs, hashed)
+
+
+def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est: np.ndarray | None,
+                  cost_model: CostModel, order: str, num_replicas: int) -> tuple:
+    """fcfs, dfs, blendserve: one level of groups (BatchLLM Alg. 1), the policy's order cut into
+    runs of one group, runs split across replicas (partition.py)."""
     seq_order = order_prompts(order, tree, grouping, lengths, est, cost_model=cost_model)
     starts = runs(seq_order, grouping)
     run_len = np.diff(starts)
     # A run of one shares nothing: it is planned as a group of one with an empty prefix.
     run_prefix = np.where(run_len > 1, grouping.prefix_len[seq_order[starts[:-1]]], 0)
     part = _partition(cost_model, seq_order, starts, run_prefix, lengths, est, num_replicas)
-
-    seq_index, new_starts, part_len, part_prefix = _parts_in_plan_order(seq_order, starts,
-                                                                         grouping, part)
-    part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if n else np.zeros(0, np.int64)
+    seq_index, new_starts, part_len, part_prefix = _parts_in_plan_order(seq_order, starts, grouping, part)
+    part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if len(lengths) else np.zeros(0, np.int64)
     part_computed = part_prompt - (part_len - 1) * part_prefix
-    table = _plan_table(ids, seq_index, lengths, outs, new_starts, part_prefix,
-                        part.part_replica, part.replica_parts)
-    summary = _summary(tree, grouping, lengths, part_len, part_computed, part.part_replica,
-                       num_replicas, order)
-    _add_predictions(summary, part, cost_model, grouping, outs is None)
-    summary["planning_seconds"] = time.perf_counter() - started
-    return Plan(table, summary, tokens, seq_index, new_starts, part.replica_parts, hashed)
+    return seq_index, new_starts, part_prefix, part_computed, part.part_replica, part.replica_parts, part
+
+
+def _multi_level(tree: PrefixTree, lengths: np.ndarray, est: np.ndarray | None, cost_model: CostModel,
+                 num_replicas: int, min_prefix_len: int, block: int) -> tuple:
+    """batchllm: nested groups run depth first, units of subtrees split across replicas with
+    compute-dense and memory-dense work paired on each (multilevel.py)."""
+    ng = nested_groups(tree, lengths, est, min_prefix_len, block)
+    outs = np.full(len(lengths), DEFAULT_OUTPUT_LEN) if est is None else est
+    ml = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block)
+    return (ml.seq_index, ml.run_starts, ml.run_prefix, ml.run_computed, ml.run_replica.astype(np.int32),
+            ml.replica_runs, ml.partition, ng.grouping)
 
 
 def _parts_in_plan_order(seq_order: np.ndarray, starts: np.ndarray, grouping: Grouping,
@@ -223,7 +256,7 @@ def _plan_table(ids, seq_index, lengths, outs, run_starts, run_prefix, run_repli
     })
 
 
-def _summary(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, run_len: np.ndarray,
+def _summary(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, run_len: np.ndarray,
              run_computed: np.ndarray, run_replica: np.ndarray, num_replicas: int,
              order: str) -> dict[str, Any]:
     total = int(lengths.sum())
@@ -244,7 +277,7 @@ def _summary(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, run_len:
         "prompt_tokens": total,
         "computed_prompt_tokens": computed,
         "token_saving_ratio": ratio(total - computed),
-        "single_level_token_saving_ratio": ratio(grouping.saved_tokens),
+        "single_level_token_saving_ratio": ratio(grouping.saved_tokens) if grouping else float("nan"),
         "first_level_token_saving_ratio": ratio(first_level_saved_tokens(tree)),
         "optimal_token_saving_ratio": ratio(total - tree.tree_tokens()),
         "tree_nodes": int(tree.num_nodes),

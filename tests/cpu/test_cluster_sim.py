@@ -304,3 +304,44 @@ def test_prediction_with_measured_replicas_runs_each_replica_alone():
         assert both.replica_computed[r] == alone.computed_prompt_tokens
     with pytest.raises(ValueError, match="row_replica"):
         cs.predict_computed_tokens(tokens, 3, 512, "plan", row_replica=given)
+
+
+# ---- the plan's multi-level sharing and its balance, as the simulator sees them --------------
+
+@pytest.mark.parametrize("mix", ["conversations", "docs_questions"])
+def test_plan_prediction_is_what_the_simulated_engines_compute(mix):
+    """Nested groups run depth first: the planner's computed tokens and per-replica time are the
+    simulator's (with a cache large enough to keep the path), the conversations' turns each
+    computed once (the tree's optimum up to a partial block per turn), replicas balanced."""
+    w = cs.MIXES[mix](3000, seed=2)
+    cluster = cs.h100_cluster(4, CM)
+    plan = cs.make_plan(w, 4)
+    run = cs.simulate(w, cs.policy_items(w, "plan", 4, plan=plan)[0], cluster, CM)
+    s = plan.summary
+    assert run.computed_tokens(w).sum() == s["computed_prompt_tokens"]
+    predicted = np.array([r["predicted_seconds"] for r in s["replicas"]])
+    busy = np.maximum(run.compute_s, run.memory_s)
+    assert busy == pytest.approx(predicted, rel=1e-6)
+    assert busy.max() / busy.mean() <= 1.02
+    optimum = w.prompt_lens.sum() * (1 - s["optimal_token_saving_ratio"])
+    assert s["computed_prompt_tokens"] <= optimum + 16 * s["num_groups"] + 16 * s["num_rows"] // 8
+    assert s["token_saving_ratio"] > s["single_level_token_saving_ratio"] or mix == "docs_questions"
+    sorted_run = cs.simulate(w, cs.policy_items(w, "sorted", 4)[0], cluster, CM)
+    assert s["computed_prompt_tokens"] < sorted_run.computed_tokens(w).sum()
+
+
+def test_partition_pairs_compute_and_memory_bound_work_on_every_replica():
+    """Documents asked many questions are decode-heavy (memory-bound), documents asked once
+    compute-bound: every replica gets both, so no replica waits on memory while another waits
+    on compute, and the GPU time is the job's lower bound max(sum T_comp, sum T_mem)."""
+    w = cs.docs_questions(6000, seed=5, doc_len=(300, 6000))
+    plan = cs.make_plan(w, 8)
+    comp = np.array([r["predicted_compute_seconds"] for r in plan.summary["replicas"]])
+    mem = np.array([r["predicted_memory_seconds"] for r in plan.summary["replicas"]])
+    assert 0.8 < comp.sum() / mem.sum() < 1.25            # a mixed job: neither side dominates
+    busy = np.maximum(comp, mem)
+    assert busy.sum() <= 1.01 * max(comp.sum(), mem.sum())
+    assert busy.max() / busy.mean() <= 1.03
+    # and what each replica's predicted time is, the simulated engines spend
+    run = cs.simulate(w, cs.policy_items(w, "plan", 8, plan=plan)[0], cs.h100_cluster(8, CM), CM)
+    assert run.compute_s == pytest.approx(comp, rel=1e-6) and run.memory_s == pytest.approx(mem, rel=1e-6)

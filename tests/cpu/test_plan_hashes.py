@@ -74,17 +74,22 @@ def test_batchllm_shapes_plan_the_same_from_hashes(order, prefix_len, distinct_l
 
 
 def test_multi_level_shape_plans_whole_blocks_and_runs_the_whole_prefix():
-    # 490 + 11 shared tokens are 30 blocks + 10 and 31 blocks + 5: the hash plan counts the
-    # whole blocks (what a KV cache of 16-token blocks can share), the same groups form, and
-    # the groups the replica gets share all 490 tokens again (the tokens settle the last block).
+    # 490 + 11 shared tokens: the nested groups are the sub-categories' pairs (the 490-token
+    # level reaches them through the cache), 501 tokens = 31 blocks + 5. The hash plan counts
+    # the whole blocks (what a KV cache of 16-token blocks can share), the same groups form,
+    # and the groups the replica gets share all 501 tokens again (the tokens settle the last
+    # block).
     tokens = multi_level_set(groups=3, subcategories=8, per_sub=2)
     from_tokens = build_plan(tokens)
     from_hashes = build_plan(HashedPrompts.from_tokens(tokens, 16))
     members = lambda plan: sorted(g[1] for g in _groups(plan))  # noqa: E731
     assert members(from_hashes) == members(from_tokens)
-    assert set(from_hashes.table.column("prefix_len").to_pylist()) == {480}
-    assert from_hashes.summary["token_saving_ratio"] == pytest.approx(
-        from_tokens.summary["token_saving_ratio"] * 480 / 490)
+    assert set(from_hashes.table.column("prefix_len").to_pylist()) == {496}
+    assert set(from_tokens.table.column("prefix_len").to_pylist()) == {501}
+    # each 490-token level computed once per group of 16 prompts, in whole blocks from hashes
+    tree_tokens = 3 * 490 + 3 * 8 * 11 + 48 * (1000 - 501)
+    assert from_tokens.summary["computed_prompt_tokens"] == tree_tokens
+    assert from_hashes.summary["computed_prompt_tokens"] <= tree_tokens + 3 * 8 * 16
     assert _groups(from_hashes) == _groups(from_tokens)
 
 
