@@ -18,9 +18,10 @@ Each is fed to R replicas four ways:
   sorted     the same after a global sort on the prompt text (`ds.sort`): the batches are
              consecutive runs of the sorted rows, handed out the same way, so a document asked
              more questions than a batch holds is split across replicas;
-  plan       prefixflow's plan: `pipeline.build_plan` (BatchLLM grouping and order, partition by
-             predicted cost) on the compact prompts, each replica running its groups in order on
-             the native engine;
+  plan       prefixflow's plan: `pipeline.build_plan` (order batchllm: nested groups run depth
+             first, subtrees split across replicas by predicted cost, compute- and memory-bound
+             work paired on each; pipeline/multilevel.py) on the compact prompts, each replica
+             running its groups in order on the native engine;
   plan_vllm  the same plan on prefixflow's vLLM backend (members as whole prompts in plan
              order, sharing only through vLLM's prefix cache).
 
@@ -1097,13 +1098,18 @@ def policy_metrics(w: Workload, run: Run, cluster: Cluster, moved: int | dict[st
     if plan is not None:
         s = plan.summary
         row["planner"] = {"num_slices": s.get("num_slices", 1),
-                          "computed_prompt_tokens_without_cache": s["computed_prompt_tokens"],
+                          "predicted_computed_prompt_tokens": s["computed_prompt_tokens"],
                           "num_groups": s["num_groups"], "num_shared_groups": s["num_shared_groups"],
                           "predicted_seconds_max_over_mean": round(s["predicted_seconds_max_over_mean"], 4),
-                          "single_level_token_saving_ratio": round(s["single_level_token_saving_ratio"], 5),
+                          "single_level_token_saving_ratio": _finite(s["single_level_token_saving_ratio"]),
                           "optimal_token_saving_ratio": round(s["optimal_token_saving_ratio"], 5),
                           "planning_seconds": round(s["planning_seconds"], 1)}
     return row
+
+
+def _finite(x: float) -> float | None:
+    """A ratio for the JSON; None where the planner did not compute it (NaN)."""
+    return None if x != x else round(x, 5)
 
 
 def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, seed: int = 0) -> dict[str, Any]:
