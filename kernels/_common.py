@@ -151,6 +151,23 @@ _DECODE_MAX_ELEMENTS = 1 << 25
 _SCRATCH_MAX_ELEMENTS = 1 << 25
 
 
+@functools.cache
+def flash_cpu_reads_gqa() -> bool:
+    """Whether `_FLASH_CPU` maps query head h to kv head h // (Hq // Hkv) itself. torch 2.8's
+    does not: it reads kv heads past Hkv (garbage or NaN, no error), where 2.13's is right; so
+    one tiny case is asked instead of a version number. Its k/v are views of 2 heads holding NaN
+    past the first, so that a kernel reading too far reads NaN inside the allocation."""
+    if _FLASH_CPU is None:
+        return False
+    q = torch.linspace(-1, 1, 2 * 3 * 4).view(1, 2, 3, 4)                 # [B, Hq=2, L, D]
+    kv = torch.full((1, 2, 3, 4), float("nan"))
+    kv[:, 0] = torch.linspace(1, -1, 12).view(3, 4)
+    k = v = kv[:, :1]                                                     # [B, Hkv=1, L, D]
+    out, _ = _FLASH_CPU(q, k, v, 0.0, False, scale=0.5)
+    want, _ = attention_lse(q, k, v, 0.5, use_flash=False)
+    return bool(torch.allclose(out, want, atol=1e-5))
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool = False, bias: torch.Tensor | None = None,
                   use_flash: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +185,10 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         # The kernel reads q/k/v through their strides (unit stride in D assumed); Lq = 0
         # crashes it, so callers skip empty query sets.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        if q.shape[1] != k.shape[1] and not flash_cpu_reads_gqa():
+            # an older torch's kernel: one kv head per query head
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]

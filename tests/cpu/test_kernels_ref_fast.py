@@ -231,3 +231,20 @@ def test_kv_write_works_out_its_slots_once_per_step(monkeypatch):
         assert torch.equal(flat_v[[5, 0, 9]], v[[0, 2, 3]])
         assert int((flat_k != 0).any(-1).any(-1).sum()) == 3
     assert len(calls) == 1
+
+
+def test_attention_lse_gives_an_older_torchs_flash_kernel_one_kv_head_per_query_head(monkeypatch):
+    """torch 2.8's CPU flash kernel reads kv heads past Hkv under GQA (NaN, no error); the probe
+    says so there, and attention_lse then repeats the kv heads. Both branches run here."""
+    if _common._FLASH_CPU is None:
+        pytest.skip("no CPU flash kernel in this torch build")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 3, 8, generator=gen, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 2, 6, 8, generator=gen, dtype=torch.float64)
+    want, want_lse = _common.attention_lse(q, k, v, 0.5, use_flash=False)
+    for reads_gqa in (True, False):
+        if reads_gqa and not _common.flash_cpu_reads_gqa():
+            continue  # this torch's kernel is the older one: only the repeated heads are right
+        monkeypatch.setattr(_common, "flash_cpu_reads_gqa", lambda: reads_gqa)
+        out, lse = _common.attention_lse(q, k, v, 0.5, use_flash=True)
+        assert torch.allclose(out, want, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
