@@ -16,6 +16,24 @@ UNUSED := torchvision torchaudio torchcodec
 # multi-GB CUDA build.
 TORCH := torch==2.13.0
 
+# The floor venv: the project with the lowest versions pyproject.toml allows of FLOOR_PINS (read
+# off its dependency lines by tests/floor_constraints.py, so the floors claimed are the floors
+# tested); no vLLM, whose tests skip. `make test-floor` (and `make test`) runs FLOOR_TESTS there, a
+# fast part of the suite: planner, spec and validate, read and templates, tokenizers, tiny
+# checkpoints, the attention references and our model against transformers, the plan stage, the
+# Python API and one whole job on local Ray with the native engine. Its torch is FLOOR_TORCH, by
+# default this machine's CPU wheel: torch's own floor (pyproject) is a CUDA build of 7.5 GB here,
+# tested by hand with `make test-floor FLOOR_VENV=.venv-floor-torch FLOOR_TORCH=torch==2.8.0`.
+FLOOR_VENV ?= .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR_PINS := ray transformers tokenizers numpy pyarrow
+FLOOR_TORCH ?= $(TORCH)
+FLOOR_TESTS := tests/cpu/test_planner.py tests/cpu/test_partition.py tests/cpu/test_jobs_spec.py \
+	tests/cpu/test_pipeline_read.py tests/cpu/test_tokenizer.py tests/cpu/test_tiny.py \
+	tests/cpu/test_loader.py tests/cpu/test_model_parity.py tests/cpu/test_pipeline_plan_stage.py \
+	tests/cpu/test_kernels_ref.py tests/cpu/test_kernels_ref_fast.py \
+	tests/cpu/test_kernels_norm_rope.py tests/cpu/test_api_processor.py tests/cpu/test_pipeline_e2e.py
+
 .PHONY: demo test test-faults test-floor install clean
 
 $(STAMP): pyproject.toml
@@ -31,32 +49,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/prefixflow demo
 
-test: $(STAMP)
+# The whole suite, then its fast part again in the floor venv (below): CI runs both.
+test: $(STAMP) $(FLOOR_STAMP)
 	$(VENV)/bin/pytest
+	$(FLOOR_VENV)/bin/pytest $(FLOOR_TESTS)
 
 # Only the fault-tolerance tests (they are part of `make test` too).
 test-faults: $(STAMP)
 	$(VENV)/bin/pytest -s tests/cpu/test_faults_resume.py tests/cpu/test_faults_s3.py tests/cpu/test_fuzz_inputs.py
 
-# The floor venv: the project with the lowest versions pyproject.toml allows of FLOOR_PINS (read
-# off its dependency lines by tests/floor_constraints.py, so the floors claimed are the floors
-# tested), and this machine's torch (its CPU wheel is the only one here); no vLLM, whose tests
-# skip. `make test-floor` runs FLOOR_TESTS there, a fast part of the suite: planner, spec and
-# validate, read and templates, tokenizers, tiny checkpoints and our model against transformers,
-# the plan stage, the Python API and one whole job on local Ray with the native engine.
-FLOOR_VENV ?= .venv-floor
-FLOOR_STAMP := $(FLOOR_VENV)/.installed
-FLOOR_PINS := ray transformers tokenizers numpy pyarrow
-FLOOR_TESTS := tests/cpu/test_planner.py tests/cpu/test_partition.py tests/cpu/test_jobs_spec.py \
-	tests/cpu/test_pipeline_read.py tests/cpu/test_tokenizer.py tests/cpu/test_tiny.py \
-	tests/cpu/test_loader.py tests/cpu/test_model_parity.py tests/cpu/test_pipeline_plan_stage.py \
-	tests/cpu/test_api_processor.py tests/cpu/test_pipeline_e2e.py
-
 $(FLOOR_STAMP): pyproject.toml tests/floor_constraints.py
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/pip install -q --upgrade pip
 	$(FLOOR_VENV)/bin/python tests/floor_constraints.py $(FLOOR_PINS) > $(FLOOR_VENV)/constraints.txt
-	$(FLOOR_VENV)/bin/pip install -q -e '.[test]' $(TORCH) -c $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_VENV)/bin/pip install -q -e '.[test]' $(FLOOR_TORCH) -c $(FLOOR_VENV)/constraints.txt
 	touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
