@@ -35,7 +35,7 @@ import torch
 
 from prefixflow.bench.engine_bench import MODEL, Clock
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
-from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 from prefixflow.pipeline.cost_model import LLAMA3_8B, CostModel, ModelShape
 
 OUTPUT_LEN = 32

@@ -981,8 +981,8 @@ def measure_vllm(cases: dict[str, list[list[int]]], model: str,
 
 def _vllm_worker(src: str, dst: str) -> None:
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.loader import read_model_args
-    from prefixflow.engine.vllm_engine import VllmEngine
+    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.vllm_backend.engine import VllmEngine
     from prefixflow.requests import SamplingParams
 
     job, v = json.loads(Path(src).read_text()), VALIDATION
@@ -1007,8 +1007,8 @@ def _vllm_worker(src: str, dst: str) -> None:
 def measure_native_plan(prompts: list[list[int]], model: str) -> list[int]:
     """Prompt tokens the native engine computes per replica running build_plan's groups."""
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.llm_engine import LLMEngine
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.native.llm_engine import LLMEngine
+    from prefixflow.engine.models.loader import read_model_args
     from prefixflow.requests import SamplingParams
 
     v = VALIDATION

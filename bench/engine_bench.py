@@ -29,7 +29,7 @@ import torch
 
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
 from prefixflow.model_source import resolve_model
-from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
 MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
              num_key_value_heads=4)

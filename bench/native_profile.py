@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 # The parts torch's profiler cannot see into (ctypes calls, Python), by what calls them.
 PARTS = {
-    "attention": ("prefixflow.engine.layers.attention", "PagedAttention", "forward"),
-    "schedule": ("prefixflow.engine.scheduler", "Scheduler", "schedule"),
-    "update": ("prefixflow.engine.scheduler", "Scheduler", "update"),
-    "sample": ("prefixflow.engine.sampler", "Sampler", "sample"),
-    "step_arrays": ("prefixflow.engine.model_runner", None, "build_step_batch"),
+    "attention": ("prefixflow.engine.models.layers.attention", "PagedAttention", "forward"),
+    "schedule": ("prefixflow.engine.native.scheduler", "Scheduler", "schedule"),
+    "update": ("prefixflow.engine.native.scheduler", "Scheduler", "update"),
+    "sample": ("prefixflow.engine.native.sampler", "Sampler", "sample"),
+    "step_arrays": ("prefixflow.engine.native.model_runner", None, "build_step_batch"),
 }
 
 
@@ -65,7 +65,7 @@ def profile(model: str, quick: bool, cache: str, workload: str, repeats: int) ->
 
     from prefixflow.bench import peer_bench as pb
     from prefixflow.model_source import resolve_model
-    from prefixflow.engine.tiny import tiny_checkpoint_cached
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0, **pb.MODEL) if model == "tiny"
                else resolve_model(model))

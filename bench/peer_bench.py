@@ -111,7 +111,7 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     """The engine of ENGINES[name] (or PROCESS_OF's shared one) with a KV cache of
     `cache_blocks` x 32 tokens, on the CPU with THREADS threads."""
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.models.loader import read_model_args
 
     backend, _, parts, in_process = ENGINES[name]
     kv_bytes_per_token = read_model_args(path).kv_bytes_per_token_per_elem * 4  # fp32
@@ -121,11 +121,11 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     if backend == "native":
         import torch
 
-        from prefixflow.engine.llm_engine import LLMEngine
+        from prefixflow.engine.native.llm_engine import LLMEngine
 
         torch.set_num_threads(THREADS)
         return LLMEngine(config)
-    from prefixflow.engine.vllm_engine import GroupScheduling, VllmEngine
+    from prefixflow.engine.vllm_backend.engine import GroupScheduling, VllmEngine
 
     scheduling = GroupScheduling(**parts) if parts else False
     return VllmEngine(config, {"enforce_eager": True}, scheduling, in_process=in_process)
@@ -357,7 +357,7 @@ def main() -> None:
     # A terminated driver still resumes and ends its stopped engine processes (Proc.close).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from prefixflow.model_source import resolve_model
-    from prefixflow.engine.tiny import tiny_checkpoint_cached
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL) if args.model == "tiny"
                else resolve_model(args.model))

@@ -112,7 +112,7 @@ def run_ray_data_llm(model: Path, data: Path, out: Path, args: argparse.Namespac
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.models.loader import read_model_args
 
     margs = read_model_args(str(model))
     block = 32  # vLLM's CPU attention wants multiples of 32; prefixflow's vLLM replicas use 32 too
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         model = resolve_model(args.model)
     elif args.hidden or args.layers:
-        from prefixflow.engine.tiny import make_tiny_checkpoint
+        from prefixflow.engine.models.tiny import make_tiny_checkpoint
 
         overrides = {k: v for k, v in dict(hidden_size=args.hidden, num_hidden_layers=args.layers,
                                            intermediate_size=args.hidden and 2 * args.hidden).items() if v}

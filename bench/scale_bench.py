@@ -160,7 +160,7 @@ def _run_prefixflow(backend: str, replicas: int, data: Path, model: Path, out: P
     metrics = run_job(spec, quiet=True)
     rows = read_output(str(out)).to_pylist()
     per = metrics["per_replica"]
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.models.loader import read_model_args
 
     return {"computed_prompt_tokens": sum(r["engine_totals"]["num_computed_prompt_tokens"] for r in per),
             "kv_bytes_per_token": read_model_args(str(model)).kv_bytes_per_token_per_elem * 4,
@@ -174,7 +174,7 @@ def _run_ray_llm(sort: bool, multiprocess: bool, replicas: int, data: Path, mode
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.models.loader import read_model_args
 
     margs = read_model_args(str(model))
     blocks = KV_CACHE_BYTES // (BLOCK * margs.kv_bytes_per_token_per_elem * 4)
@@ -290,7 +290,7 @@ def _driver_main(args: argparse.Namespace) -> None:
 def bench_model(folder: Path) -> Path:
     """The random-weight Llama every system runs (4 layers, hidden 256, 4k context): big enough
     that prefill compute, not per-step overhead, sets the pace of a prompt."""
-    from prefixflow.engine.tiny import make_tiny_checkpoint
+    from prefixflow.engine.models.tiny import make_tiny_checkpoint
 
     path = folder / "scale-llama"
     if not (path / "config.json").exists():

@@ -15,7 +15,7 @@ whole prompt as one prefill chunk; its paged KV cache for all layers is allocate
 baseline and added from its size), `transformers` (AutoModelForCausalLM forward, default:
 logits of every position) and `transformers_keep1` (logits_to_keep=1). Model: 4 layers, hidden
 512, intermediate 1536, 8 heads, 2 KV heads, max_position_embeddings 32768 (random weights,
-engine/tiny.py).
+engine/models/tiny.py).
 
 (b) Post recommendation (Table 1 / 10): U users, profiles ~ N(1400, 300) tokens (clipped to
 [800, 1900]), 50 posts of ~15 tokens each, one request per (user, post) on the default tiny
@@ -61,7 +61,7 @@ def measure(variant: str, tokens: int, chunk: int) -> dict:
     """One variant's forward in this process (the subprocess side of (a))."""
     import torch
 
-    from prefixflow.engine.tiny import tiny_checkpoint_cached
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0, **DEMO))
     ids = torch.randint(3, 600, (tokens,), generator=torch.Generator().manual_seed(0))
@@ -85,13 +85,13 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
     from prefixflow.engine.config import EngineConfig
 
     if variant == "hybrid":
-        from prefixflow.engine.scoring import Scorer, ScoreOptions
+        from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
 
         s = Scorer(EngineConfig(model=path, device="cpu"), ScoreOptions(chunk_size=chunk))
         return (lambda ids: s.score([ids.tolist()], [5, 6])), 0.0
     if variant == "generate":
-        from prefixflow.engine.model_runner import ModelRunner
-        from prefixflow.engine.step import SeqChunk, StepInput
+        from prefixflow.engine.native.model_runner import ModelRunner
+        from prefixflow.engine.native.step import SeqChunk, StepInput
         from prefixflow.requests import SamplingParams
 
         probe = ModelRunner(EngineConfig(model=path, device="cpu", kv_cache_bytes=1 << 20))
@@ -117,9 +117,9 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
 
 
 def memory_section(long_tokens: int, short_tokens: int) -> dict:
-    from prefixflow.engine.loader import read_model_args
-    from prefixflow.engine.scoring_forward import forward_bytes
-    from prefixflow.engine.tiny import tiny_checkpoint_cached
+    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.scoring.forward import forward_bytes
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     args = read_model_args(tiny_checkpoint_cached("llama", seed=0, **DEMO))
     rows = []
@@ -158,7 +158,7 @@ def real_model_section(model: str, num_users: int, hf_requests: int) -> dict:
     from prefixflow.bench.score_workload import CHOICES, _hf_rate, _summary, make_workload
     from prefixflow.engine.config import EngineConfig
     from prefixflow.model_source import resolve_model
-    from prefixflow.engine.scoring import Scorer, ScoreOptions
+    from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
 
     path = str(resolve_model(model))
     prompts, _ = make_workload(num_users)

@@ -69,8 +69,8 @@ def _summary(scorer, n: int) -> dict:
 
 def workload_section(num_users: int, hf_requests: int) -> dict:
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.scoring import Scorer, ScoreOptions
-    from prefixflow.engine.tiny import tiny_checkpoint_cached
+    from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0))
     prompts, users = make_workload(num_users)
@@ -78,7 +78,7 @@ def workload_section(num_users: int, hf_requests: int) -> dict:
     cfg = EngineConfig(model=path, device="cpu")
     make = lambda **o: Scorer(cfg, ScoreOptions(choice_leading_space=True, **o))  # noqa: E731
     out: dict = dict(users=num_users, requests=n, posts_per_user=POSTS_PER_USER,
-                     prompt_tokens=int(sum(map(len, prompts))), model="tiny llama (engine/tiny.py)")
+                     prompt_tokens=int(sum(map(len, prompts))), model="tiny llama (engine/models/tiny.py)")
 
     rng = np.random.default_rng(1)
     sample = sorted(rng.choice(n, size=min(hf_requests, n), replace=False).tolist())

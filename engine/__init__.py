@@ -1,9 +1,15 @@
-"""One replica's engine: paged KV, grouped scheduling, the model and its runner.
+"""One replica's engine, in four rooms over two shared modules.
 
     from prefixflow.engine import LLMEngine, EngineConfig, SamplingParams, RequestOutput
 
-Names are imported lazily, so that `prefixflow.engine.scheduler` and
-`prefixflow.engine.block_manager` can be imported without torch.
+config.py (EngineConfig, every engine's settings) and outputs.py (what every engine hands back)
+are shared; native/ is our engine (LLMEngine), scoring/ the score task (Scorer), vllm_backend/
+the same interface on vLLM, models/ the model, its layers and its loading. The rooms import the
+shared modules and models/, never each other, except that vllm_backend/ scores through
+scoring/'s torch-free choices and options.
+
+Names are imported lazily, so that `prefixflow.engine.native.scheduler` and
+`prefixflow.engine.native.block_manager` can be imported without torch.
 """
 
 from __future__ import annotations
@@ -12,16 +18,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLMEngine": "prefixflow.engine.llm_engine",
+    "LLMEngine": "prefixflow.engine.native.llm_engine",
     "EngineConfig": "prefixflow.engine.config",
     "SamplingParams": "prefixflow.requests",
     "RequestOutput": "prefixflow.engine.outputs",
     "TokenLogprob": "prefixflow.engine.outputs",
     "StepStats": "prefixflow.engine.outputs",
     "EngineTotals": "prefixflow.engine.outputs",
-    "Scorer": "prefixflow.engine.scoring",
-    "ScoreOptions": "prefixflow.engine.scoring_options",
-    "ScoreOutput": "prefixflow.engine.scoring_choices",
+    "Scorer": "prefixflow.engine.scoring.scorer",
+    "ScoreOptions": "prefixflow.engine.scoring.options",
+    "ScoreOutput": "prefixflow.engine.scoring.choices",
 }
 
 __all__ = sorted(_EXPORTS)

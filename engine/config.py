@@ -39,7 +39,7 @@ class EngineConfig:
     aligned_decode_batch: AlignedServe's KV-length-aligned decode batches (Sec. 3.3-3.4).
         None (off): every request ready to decode decodes in every step. N: a step decodes at
         most N of them (and at most max_num_batched_tokens); when more are ready, the N of
-        similar KV length that Density First Search picks (engine/alignedserve.py), while the
+        similar KV length that Density First Search picks (engine/native/alignedserve.py), while the
         others keep their KV in the cache and wait. The step's other tokens go to prefill, so
         the cache fills with requests to choose from (AlignedServe's KV pool). Outputs are the
         same; the gain is a GPU one (a decode step waits for its longest KV read, Sec. 2.3).

@@ -63,7 +63,7 @@ def write_demo_data(directory: str | Path, **kwargs: Any) -> Path:
 def demo_checkpoint(directory: str | Path) -> Path:
     """The demo's tiny Llama under `directory`/tiny-llama (reused when already there)."""
     # lazy: tiny imports torch; only the tiny checkpoint needs it
-    from prefixflow.engine.tiny import make_tiny_checkpoint
+    from prefixflow.engine.models.tiny import make_tiny_checkpoint
 
     path = Path(directory) / "tiny-llama"
     if not (path / "config.json").exists():

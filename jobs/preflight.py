@@ -114,7 +114,7 @@ def _model_problems(spec: JobSpec) -> Problems:
                  "max_position_embeddings in its config.json): use at most "
                  f"{limit}, or leave it unset to use the model's")]
     if wanted is not None and spec.engine.backend == "vllm" and not spec.resources.num_gpus_per_replica:
-        from prefixflow.engine.vllm_engine import cpu_context  # vLLM on CPUs: kept or refused
+        from prefixflow.engine.vllm_backend.engine import cpu_context  # vLLM on CPUs: kept or refused
 
         try:
             cpu_context(spec.to_config().engine_config, str(model))

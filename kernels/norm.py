@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it (pre-norm decoder layers).
 
-Rounding matches Hugging Face Llama and engine/layers/norm.py exactly: the residual add in
+Rounding matches Hugging Face Llama and engine/models/layers/norm.py exactly: the residual add in
 the model dtype, the normalisation in fp32, the result cast to the model dtype and multiplied
 by the weight in the model dtype.
 """

@@ -1,6 +1,6 @@
 """Rotary position embeddings of q and k in one pass (Hugging Face's rotate-half convention).
 
-cos_sin is the engine's table (engine/layers/rotary.py `RotaryEmbedding.cos_sin`):
+cos_sin is the engine's table (engine/models/layers/rotary.py `RotaryEmbedding.cos_sin`):
 [max_positions, 2, D] fp32 with cos at [:, 0] and sin at [:, 1], halves duplicated. Rounding
 matches HF: cos/sin cast to the model dtype, x*cos and rotate_half(x)*sin each rounded to the
 model dtype, then added.

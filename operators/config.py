@@ -5,7 +5,7 @@ spec, the Python API, ray.data.llm's config (operators/ray_llm_config.py) and ma
 end in a ProcessorConfig, which checks every setting once (each check raising through
 prefixflow.errors, one message per setting) and builds, once, the typed pieces every stage
 reads: `engine_config` (EngineConfig), `backend`, `vllm_args` (checked against
-engine/vllm_args' allow-list) and `tokenize_options()`. Nothing downstream reads the `engine`
+engine/vllm_backend/args' allow-list) and `tokenize_options()`. Nothing downstream reads the `engine`
 dict again. The job spec (jobs/spec.py) asks the same checks (`setting_problems`), so it
 names the same fields with the same fixes before anything starts.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig  # torch-free
-from prefixflow.engine.scoring_options import ScoreOptions  # torch-free
-from prefixflow.engine.vllm_args import vllm_arg_problems  # torch-free, does not import vLLM
+from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
+from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
 from prefixflow.errors import did_you_mean, invalid, one_of, require, short
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.tokenize import TokenizeOptions, model_max_len
@@ -53,7 +53,7 @@ class ScoreConfig(ScoreOptions):
 
     choices: the labels every row is scored on (strings or token ids), e.g. ("Yes", "No").
     choices_column: a list column giving each row its own labels (instead of `choices`).
-    The rest are the `engine.scoring_options.ScoreOptions` fields (inherited, so they are
+    The rest are the `engine.scoring.options.ScoreOptions` fields (inherited, so they are
     written once): chunk_size (hybrid prefilling), prefix_cache_bytes, max_forward_bytes
     (longer rows become error records), choice_leading_space, policy ("srjf" | "fcfs"),
     calibrate, lam, add_special_tokens. The job spec's `score` section is generated from
@@ -316,7 +316,7 @@ def _native_score_problems(task: str, score: Any) -> list[Problem]:
 
 
 def _vllm_arg_problems(args: dict[str, Any]) -> list[Problem]:
-    """(field, value, fix) for each engine.vllm setting engine/vllm_args refuses (its allow-list,
+    """(field, value, fix) for each engine.vllm setting engine/vllm_backend/args refuses (its allow-list,
     nested keys and value types included). It reads vLLM's argument names without importing
     vLLM (milliseconds)."""
     try:

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.engine.outputs import error_output
-from prefixflow.engine.scoring_choices import ScoreOutput
+from prefixflow.engine.scoring.choices import ScoreOutput
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.isolate import run_isolated, without_rows
@@ -175,7 +175,7 @@ def make_engine(config: ProcessorConfig) -> Any:
     """The engine of one replica: the one place that picks its class by backend and task."""
     if config.backend == "vllm":
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
-        from prefixflow.engine.vllm_engine import GroupScheduling, VllmEngine
+        from prefixflow.engine.vllm_backend.engine import GroupScheduling, VllmEngine
 
         engine = config.engine_config
         # policy batchllm: our group scheduler inside vLLM (a request cap only when one is set);

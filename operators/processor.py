@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
-from prefixflow.engine.vllm_engine import cpu_context
+from prefixflow.engine.vllm_backend.engine import cpu_context
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
@@ -122,7 +122,7 @@ class Processor:
 
     def check_context(self) -> None:
         """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache
-        cannot hold is refused here, before tokenizing (engine/vllm_engine.cpu_context, which
+        cannot hold is refused here, before tokenizing (engine/vllm_backend/engine.cpu_context, which
         the engine asks again where it starts)."""
         if self.config.backend != "vllm" or self.engine_options().get("num_gpus") or \
                 self.config.engine_config.device.startswith("cuda"):

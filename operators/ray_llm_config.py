@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig  # torch-free
-from prefixflow.engine.vllm_args import OWN_ARGS  # torch-free, does not import vLLM
+from prefixflow.engine.vllm_backend.args import OWN_ARGS  # torch-free, does not import vLLM
 from prefixflow.errors import invalid
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.requests import SamplingParams
@@ -271,7 +271,7 @@ def _replace(stage: Any, **changes: Any) -> Any:
 def engine_settings(engine_kwargs: dict[str, Any], log_engine_metrics: bool = True,
                     task_type: str = "generate") -> dict[str, Any]:
     """ProcessorConfig.engine for ray.data.llm's engine_kwargs: the vLLM arguments prefixflow
-    derives from its own EngineConfig (engine/vllm_args.OWN_ARGS, the one mapping of vLLM names
+    derives from its own EngineConfig (engine/vllm_backend/args.OWN_ARGS, the one mapping of vLLM names
     to EngineConfig fields: max_model_len, max_num_batched_tokens, max_num_seqs,
     enable_prefix_caching, dtype, ...) become those fields, so both backends read one setting;
     a key that names an EngineConfig field itself (kv_cache_bytes, device, ...: prefixflow's

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prefixflow.engine.layers.attention import AttentionMetadata, PagedAttention
-from prefixflow.engine.layers.embedding import LMHead
-from prefixflow.engine.layers.linear import Linear
-from prefixflow.engine.layers.mlp import SiluMLP
-from prefixflow.engine.layers.norm import RMSNorm
-from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding
+from prefixflow.engine.models.layers.attention import AttentionMetadata, PagedAttention
+from prefixflow.engine.models.layers.embedding import LMHead
+from prefixflow.engine.models.layers.linear import Linear
+from prefixflow.engine.models.layers.mlp import SiluMLP
+from prefixflow.engine.models.layers.norm import RMSNorm
+from prefixflow.engine.models.layers.rotary import RopeConfig, RotaryEmbedding
 from prefixflow.kernels import cpu_exact
 from prefixflow.kernels.rotary import apply_rotary
 

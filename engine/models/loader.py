@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from prefixflow.engine.layers.linear import prepack_linears
-from prefixflow.engine.layers.rotary import RopeConfig
-from prefixflow.model_source import resolve_model, weight_files
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.models.layers.linear import prepack_linears
+from prefixflow.engine.models.layers.rotary import RopeConfig
 from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
+from prefixflow.model_source import resolve_model, weight_files
 from prefixflow.tokenizer import load_tokenizer as load
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -105,6 +106,30 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     if torch.device(device).type == "cpu":
         prepack_linears(model)  # after the weights are in: it reorders them for oneDNN
     return model.eval().requires_grad_(False)
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu; checks that a requested CUDA device exists."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={device!r} but CUDA is not available; use "
+                         "'cpu' or 'auto'")
+    return dev
+
+
+def resolve_max_model_len(config: EngineConfig, args: ModelArgs) -> int:
+    limit = args.max_position_embeddings
+    if args.sliding_window is not None:
+        limit = min(limit, args.sliding_window)  # full attention is exact only inside the window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds what the "
+                         f"model supports ({limit}: max_position_embeddings, or the sliding "
+                         "window); use a smaller value or None")
+    return config.max_model_len
 
 
 def torch_dtype(dtype: str, path: str | Path, device: str | torch.device) -> torch.dtype:

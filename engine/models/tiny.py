@@ -5,7 +5,7 @@ write one: transformers' own config and model classes (the correctness oracle re
 files), random weights from `torch.manual_seed(seed)`, and a byte-level BPE tokenizer trained
 here on a small built-in English corpus, with a chat template. Same arguments -> same bytes.
 
-    python -m prefixflow.engine.tiny PATH --arch llama [--seed 0] [--layers 4 --hidden 512]
+    python -m prefixflow.engine.models.tiny PATH --arch llama [--seed 0] [--layers 4 --hidden 512]
 """
 
 from __future__ import annotations

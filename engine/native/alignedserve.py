@@ -21,7 +21,7 @@ The tree is implicit: requests sorted by KV length make every node a contiguous 
 with a binary search, so a call costs O(n log n) for n waiting requests.
 
 A batch "fits" when its blocks are within `max_blocks` and, if given, it holds at most
-`max_requests` requests. The engine's scheduler (engine/scheduler.py) asks for exactly
+`max_requests` requests. The engine's scheduler (engine/native/scheduler.py) asks for exactly
 EngineConfig.aligned_decode_batch requests (min = max) and lets the memory threshold never bind:
 its running requests' KV stays in the cache whether they decode or wait (the cache plays the
 KV pool of AlignedServe Sec. 3.2).

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from prefixflow.engine.sequence import KVOwner
+from prefixflow.engine.native.sequence import KVOwner
 
 
 @dataclass(eq=False, slots=True)

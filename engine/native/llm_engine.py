@@ -14,14 +14,14 @@ from dataclasses import replace
 from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
 from typing import Any
 
-from prefixflow.engine.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, TokenLogprob, append_text,
-                                       check_finish, error_output, finished_output, greedy_copies,
-                                       with_samples)
-from prefixflow.engine.scheduler import Scheduler
-from prefixflow.engine.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
-from prefixflow.engine.step import SampledToken
+from prefixflow.engine.native.block_manager import BlockManager
+from prefixflow.engine.native.finish import append_text, check_finish, finished_output
+from prefixflow.engine.native.scheduler import Scheduler
+from prefixflow.engine.native.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
+from prefixflow.engine.native.step import SampledToken
+from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, TokenLogprob, error_output,
+                                       greedy_copies, with_samples)
 from prefixflow.pipeline import build_plan
 from prefixflow.requests import PrefixGroup, SamplingParams
 
@@ -40,7 +40,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model_runner: Any = None) -> None:
         if model_runner is None:
-            from prefixflow.engine.model_runner import ModelRunner  # torch only from here
+            from prefixflow.engine.native.model_runner import ModelRunner  # torch only from here
             model_runner = ModelRunner(config)
         self.config = config
         self.runner = model_runner

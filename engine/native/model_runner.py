@@ -24,7 +24,7 @@ answers in the original order. Blocks are the scheduler's business: the runner t
 tables, but checks that they cover the tokens (ValueError otherwise). Token i of a chunk sits
 at position start_pos + i, which must stay below max_model_len.
 
-Sampling (engine/sampler.py): greedy when temperature is 0, else temperature, top-k, top-p; a
+Sampling (engine/native/sampler.py): greedy when temperature is 0, else temperature, top-k, top-p; a
 request's seed makes its tokens independent of the batch; logprobs are those of the raw logits.
 
 KV cache size: `EngineConfig.kv_cache_bytes` when given; otherwise 1 GiB on CPU, and on CUDA
@@ -43,13 +43,12 @@ import numpy as np
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.layers.attention import AttentionMetadata
-from prefixflow.engine.layers.step_batch import StepBatch, build_step_batch
-from prefixflow.engine.loader import (load_model, load_tokenizer, read_eos_token_ids,
-                                      read_model_args, torch_dtype)
-from prefixflow.engine.models.llama import ModelArgs
-from prefixflow.engine.sampler import Sampler
-from prefixflow.engine.step import SampledToken, SeqChunk, StepInput, StepOutput
+from prefixflow.engine.models.layers.attention import AttentionMetadata
+from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_eos_token_ids, read_model_args,
+                                             resolve_device, resolve_max_model_len, torch_dtype)
+from prefixflow.engine.native.sampler import Sampler
+from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
+from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
 from prefixflow.requests import SamplingParams
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -65,30 +64,6 @@ SINGLE_THREAD_MAX_TOKENS = 128
 # decode steps on one thread with nobody to share the cores with (peer_bench decode_heavy 1.5x
 # slower than alone at load 1.0-1.2).
 OVERSUBSCRIBED_LOAD_PER_CORE = 1.5
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu; checks that a requested CUDA device exists."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"EngineConfig.device={device!r} but CUDA is not available; use "
-                         "'cpu' or 'auto'")
-    return dev
-
-
-def resolve_max_model_len(config: EngineConfig, args: ModelArgs) -> int:
-    limit = args.max_position_embeddings
-    if args.sliding_window is not None:
-        limit = min(limit, args.sliding_window)  # full attention is exact only inside the window
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds what the "
-                         f"model supports ({limit}: max_position_embeddings, or the sliding "
-                         "window); use a smaller value or None")
-    return config.max_model_len
 
 
 class ModelRunner:

@@ -15,7 +15,7 @@ no cumulative sums over the vocabulary and makes seeding simple:
   the same sequence of steps, not across batch compositions).
 
 Log-probabilities are always those of the RAW logits (log_softmax before temperature, top-k
-and top-p), as the contract in engine/step.py says.
+and top-p), as the contract in engine/native/step.py says.
 """
 
 from __future__ import annotations

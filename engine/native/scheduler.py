@@ -4,7 +4,7 @@ The scheduler owns the queues of one replica: planned groups waiting in plan ord
 active groups (admitted, in admission order) with their pending and running members. Each
 `schedule()` forms one token batch; `update()` records what the model computed and sampled.
 With `EngineConfig.aligned_decode_batch`, the decode queue serves batches of similar KV length
-(AlignedServe Sec. 3.3, engine/alignedserve.py).
+(AlignedServe Sec. 3.3, engine/native/alignedserve.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixflow.engine.alignedserve import DensityFirstBatcher
-from prefixflow.engine.block_manager import BlockManager
+from prefixflow.engine.native.alignedserve import DensityFirstBatcher
+from prefixflow.engine.native.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.sequence import GroupState, KVOwner, Sequence, SeqStatus
-from prefixflow.engine.step import SampledToken, SeqChunk, SharedPrefix, StepInput
+from prefixflow.engine.native.sequence import GroupState, KVOwner, Sequence, SeqStatus
+from prefixflow.engine.native.step import SampledToken, SeqChunk, SharedPrefix, StepInput
 
 # AlignedServe's starvation guard (Sec. 3.5), counted in steps: a KV-length range whose ready
 # requests were passed over for this many steps is served next.
@@ -58,7 +58,7 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks if kind is None or c.kind == kind)
 
     def to_step_input(self) -> StepInput:
-        """The model runner's view (engine/step.py); call before `update()`."""
+        """The model runner's view (engine/native/step.py); call before `update()`."""
         prefixes: list[SharedPrefix] = []
         index: dict[tuple[int, int], int] = {}
         chunks = []
@@ -201,7 +201,7 @@ class Scheduler:
         self._add_prompt_chunk(out, prefix, n, sample=False, kind="prefix")
         if n == prefix.num_uncomputed_tokens:
             # Its members start in this step: each layer writes the prefix's K/V before
-            # their attention reads it (engine/step.py), so the budget left is not lost.
+            # their attention reads it (engine/native/step.py), so the budget left is not lost.
             out.completing.add(prefix.seq_id)
             self._schedule_members(group, out)
 

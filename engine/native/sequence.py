@@ -1,7 +1,7 @@
 """Per-request and per-prefix state of one engine replica (torch-free).
 
 Both a request (`Sequence`) and a group's shared prefix computation (`PrefixSeq`) own a paged
-KV range, the "own KV" of `engine/step.py`: token_ids[own_start:]. They share the `KVOwner`
+KV range, the "own KV" of `engine/native/step.py`: token_ids[own_start:]. They share the `KVOwner`
 fields the block manager works on. `GroupState` ties a prefix to its members (BatchLLM
 Sec. 3.3.1: a group is scheduled as a unit and its prefix KV lives exactly as long as it).
 """
@@ -13,7 +13,7 @@ from enum import Enum
 
 from prefixflow.requests import SamplingParams
 
-# Seeds of the block hash chains (engine/block_manager.py). KV at an own index depends on every
+# Seeds of the block hash chains (engine/native/block_manager.py). KV at an own index depends on every
 # earlier token and on the positions, so a chain's seed names what comes before own index 0.
 ROOT_HASH_SEED = 0x5EED
 

@@ -11,7 +11,7 @@ Only the sampled rows reach the LM head, so the last decoder layer needs every r
 only the sampled rows' attention, o_proj and MLP. When a step has rows that do not sample
 (prefix computations, prefill chunks that stop short, every prompt token but a chunk's last),
 the batch also carries the last layer's view: those rows, and the tables of their sequences as
-one single query each (PrefillOnly Sec. 4's observation, which engine/scoring_forward.py uses
+one single query each (PrefillOnly Sec. 4's observation, which engine/scoring/forward.py uses
 for the score task; here for every mixed step). A 4-layer model's prefill steps skip almost a
 quarter of their linear work.
 """
@@ -23,7 +23,7 @@ from itertools import chain
 
 import numpy as np
 
-from prefixflow.engine.step import SeqChunk, StepInput
+from prefixflow.engine.native.step import SeqChunk, StepInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class LastLayerBatch:
 
 def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
                      num_kv_blocks: int) -> StepBatch:
-    """Flatten `step`; raises ValueError when a chunk contradicts the contract (engine/step.py)."""
+    """Flatten `step`; raises ValueError when a chunk contradicts the contract (engine/native/step.py)."""
     chunks = step.chunks
     if not chunks:
         raise ValueError("StepInput.chunks is empty; the scheduler must not run an empty step")

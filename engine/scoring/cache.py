@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from prefixflow.engine.scoring_forward import PrefixKV
+from prefixflow.engine.scoring.forward import PrefixKV
 
 
 class PrefixCache:

@@ -18,7 +18,7 @@ class ScoreOptions:
         kv_cache_bytes, else 1 GiB. 0 disables sharing across members (each recomputes).
     max_forward_bytes: memory budget of one forward (activations, one layer's KV, the group's
         prefix KV; `forward_bytes`); longer rows get an error. None: only max_model_len.
-    choice_leading_space: encode string choices with a leading space (scoring_choices.py).
+    choice_leading_space: encode string choices with a leading space (scoring/choices.py).
     add_special_tokens: string prompts get the tokenizer's BOS, as in LLMEngine.generate.
     policy: "srjf" (Alg. 1) or "fcfs" (plan / arrival order). calibrate: recompute the cached
         length before every pick (False: plain SRJF, cached length taken at arrival).

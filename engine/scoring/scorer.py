@@ -5,12 +5,12 @@
     outs[0].probs, outs[0].logprobs, outs[0].label, outs[0].error
 
 Each row is a prompt and its choices; the model runs ONE forward pass over the prompt (hybrid
-prefilling, engine/scoring_forward.py) and the last position's logits give, per choice, the
+prefilling, engine/scoring/forward.py) and the last position's logits give, per choice, the
 softmax over the choices' first-token logits and the first token's log-probability under the
-full vocabulary (engine/scoring_choices.py says how choices are tokenized). No KV is kept after
+full vocabulary (engine/scoring/choices.py says how choices are tokenized). No KV is kept after
 a request, except a planned group's shared prefix KV while the group has members left
-(Sec. 5.1, engine/scoring_cache.py). Requests run one at a time (Sec. 6.1) in the order of
-PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.engine.srjf`):
+(Sec. 5.1, engine/scoring/cache.py). Requests run one at a time (Sec. 6.1) in the order of
+PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.engine.scoring.srjf`):
 before each pick, every waiting request is scored by the tokens the prefix cache does not
 cover now, minus lam * its queueing time. Rows longer than the maximum input length of the
 memory budget (`ScoreOptions.max_forward_bytes`) or than max_model_len get an error.
@@ -27,15 +27,15 @@ import numpy as np
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.loader import load_model, load_tokenizer, read_model_args
-from prefixflow.engine.model_runner import resolve_device, resolve_max_model_len
-from prefixflow.engine.scoring_cache import PrefixCache
-from prefixflow.engine.scoring_choices import (Choice, ScoreOutput, choice_token_ids,
+from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_model_args, resolve_device,
+                                             resolve_max_model_len)
+from prefixflow.engine.scoring.cache import PrefixCache
+from prefixflow.engine.scoring.choices import (Choice, ScoreOutput, choice_token_ids,
                                                error_output, make_output)
-from prefixflow.engine.scoring_forward import forward_bytes, hybrid_forward, max_input_len
-from prefixflow.engine.scoring_options import ScoreOptions
+from prefixflow.engine.scoring.forward import forward_bytes, hybrid_forward, max_input_len
+from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.requests import PrefixGroup
-from prefixflow.engine.srjf import SRJFScheduler
+from prefixflow.engine.scoring.srjf import SRJFScheduler
 from prefixflow.pipeline import build_plan
 
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]

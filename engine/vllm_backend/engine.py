@@ -7,7 +7,7 @@ vLLM's engine is built once (import 15-50 s, start 10-90 s on a small CPU box). 
 planner's groups in plan order as vLLM requests (one per member, prompt = prefix + distinct; vLLM
 finds the shared prefix by its block hashes) and streams outputs as they finish. vLLM's own
 scheduler runs them: fed in plan order, its queue keeps each group's members together (why no
-scheduling of our own: engine/vllm_scheduler.py). With GroupScheduling each request carries its
+scheduling of our own: engine/vllm_backend/scheduler.py). With GroupScheduling each request carries its
 group's plan rank as its priority and the request cap is lifted (max_num_seqs =
 max_num_batched_tokens); the benchmark's ablation runs vLLM with and without them. On a CPU,
 EngineConfig.max_model_len is kept as given or refused (cpu_context), never lowered.
@@ -26,17 +26,17 @@ from typing import Any
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
                                        decode_output, error_output, greedy_copies)
-from prefixflow.engine.scoring_choices import Choice, ScoreOutput, choice_token_ids
-from prefixflow.engine.scoring_choices import error_output as score_error
-from prefixflow.engine.scoring_options import ScoreOptions
-from prefixflow.engine.vllm_args import check_vllm_args
+from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids
+from prefixflow.engine.scoring.choices import error_output as score_error
+from prefixflow.engine.scoring.options import ScoreOptions
+from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.errors import require
 from prefixflow.model_source import resolve_model
 from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
-SCHEDULER = "prefixflow.engine.vllm_scheduler"
+SCHEDULER = "prefixflow.engine.vllm_backend.scheduler"
 CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 DEFAULT_CPU_KV_BYTES = 1 << 30   # as our ModelRunner on a CPU
 NO_CAP_SEQS = 256                # vLLM's (and our vllm policy's) request cap when one is asked
@@ -77,7 +77,7 @@ class VllmEngine:
     config: the same EngineConfig as the native engine (model, dtype, block_size,
         kv_cache_bytes, max_num_batched_tokens, max_num_seqs, max_model_len,
         enable_prefix_cache, seed); on a CPU block_size is raised to a multiple of 32.
-    vllm_args: more vLLM engine arguments, from the allow-list engine/vllm_args.ALLOWED (checked
+    vllm_args: more vLLM engine arguments, from the allow-list engine/vllm_backend/args.ALLOWED (checked
         again here by check_vllm_args, before vLLM is imported).
     group_scheduler: True (all parts), False (vLLM's stock scheduler) or a GroupScheduling.
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
@@ -110,7 +110,7 @@ class VllmEngine:
         self.vocab_size = vconfig.model_config.get_vocab_size()
         self.tokenizer = self.engine.get_tokenizer()
         # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
-        from prefixflow.engine.loader import read_eos_token_ids
+        from prefixflow.engine.models.loader import read_eos_token_ids
         self.eos_token_ids = tuple(read_eos_token_ids(self.model_path, self.tokenizer))
         self.stats: list[StepStats] = []
         self.totals: EngineTotals | None = None
@@ -266,7 +266,7 @@ class VllmEngine:
         kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
         if self.is_cpu:
             # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
-            from prefixflow.engine.loader import read_model_args
+            from prefixflow.engine.models.loader import read_model_args
             args = read_model_args(self.model_path)
             blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
             kwargs["num_gpu_blocks_override"] = blocks
@@ -296,7 +296,7 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     reserved block) allow. Checked in the driver before a job starts (Processor.plan,
     jobs/preflight) and again where the engine starts. Reads config.json only."""
     # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.models.loader import read_model_args
 
     args = read_model_args(model_path)
     block = cpu_block_size(config)
@@ -382,7 +382,7 @@ def _vllm_params(m: _Req) -> Any:
 
 
 def _to_output(out: Any, m: _Req, tokenizer: Any) -> RequestOutput:
-    """vLLM's output as ours (engine/outputs.finished_output): sample 0's fields, and with
+    """vLLM's output as ours (engine/native/finish.finished_output): sample 0's fields, and with
     n > 1 every sample in `samples`."""
     samples = sorted((_sample(c, m.params, tokenizer) for c in out.outputs), key=lambda s: s.index)
     first, cached = samples[0], int(out.num_cached_tokens or 0)

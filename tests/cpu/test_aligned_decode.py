@@ -9,7 +9,7 @@ import random
 import pytest
 
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
-from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.config import ProcessorConfig
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixflow.engine.alignedserve import DensityFirstBatcher
+from prefixflow.engine.native.alignedserve import DensityFirstBatcher
 
 
 def blocks_of(kv_lens: np.ndarray, block_size: int) -> np.ndarray:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixflow.engine.block_manager import BlockManager
-from prefixflow.engine.sequence import ROOT_HASH_SEED, KVOwner, member_hash_seed
+from prefixflow.engine.native.block_manager import BlockManager
+from prefixflow.engine.native.sequence import ROOT_HASH_SEED, KVOwner, member_hash_seed
 
 _ids = iter(range(10**6))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
-from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
 ARCHS = ("llama", "mistral", "qwen2")
 BLOCK = 4

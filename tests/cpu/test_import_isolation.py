@@ -16,11 +16,11 @@ LIGHT_MODULES = [
     "prefixflow.retry",
     "prefixflow.pipeline",
     "prefixflow.engine.config",
-    "prefixflow.engine.srjf",
-    "prefixflow.engine.scheduler",
-    "prefixflow.engine.block_manager",
-    "prefixflow.engine.step",
-    "prefixflow.engine.scoring_options",
+    "prefixflow.engine.scoring.srjf",
+    "prefixflow.engine.native.scheduler",
+    "prefixflow.engine.native.block_manager",
+    "prefixflow.engine.native.step",
+    "prefixflow.engine.scoring.options",
 ]
 
 

@@ -78,8 +78,8 @@ def test_rotary_triton_matches_ref_on_strided_views(dtype):
 def test_engine_layers_round_like_hugging_face():
     """The engine's rotary and fp32 RMSNorm give HF Llama's values bit for bit: a last-bit
     difference (a fused multiply-add) can flip a greedy near-tie of a real run."""
-    from prefixflow.engine.layers.norm import RMSNorm
-    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding
+    from prefixflow.engine.models.layers.norm import RMSNorm
+    from prefixflow.engine.models.layers.rotary import RopeConfig, RotaryEmbedding
     from prefixflow.kernels.rotary import apply_rotary
 
     g = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def test_c_rms_norm_rounds_like_torch(hidden, rows):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_c_rotary_rotates_strided_qkv_in_place_like_torch(head_dim):
-    from prefixflow.engine.layers.rotary import RopeConfig, RotaryEmbedding
+    from prefixflow.engine.models.layers.rotary import RopeConfig, RotaryEmbedding
     from prefixflow.kernels.rotary import apply_rotary
     from prefixflow.kernels import cpu_exact
 
@@ -133,7 +133,7 @@ def test_c_rotary_rotates_strided_qkv_in_place_like_torch(head_dim):
 def test_layers_keep_torch_where_the_c_norm_would_round_otherwise(monkeypatch):
     """A torch build whose sum runs in another order fails the self-check: RMSNorm then takes
     torch's path and still rounds like Hugging Face."""
-    from prefixflow.engine.layers.norm import RMSNorm
+    from prefixflow.engine.models.layers.norm import RMSNorm
     from prefixflow.kernels import cpu_exact
 
     g = torch.Generator().manual_seed(5)

@@ -22,6 +22,11 @@ import graph has no cycle. A function-level import of a `prefixflow` module in t
 import lines (torch kept out of a torch-free module, Ray out of `import prefixflow`, ...): a
 function-level import that only dodges a cycle is not allowed.
 
+Inside engine/, the rooms: its shared modules (engine/*.py: config, outputs) < models/ (the
+model, its layers, loading) < native/, scoring/ and vllm_backend/, which never import one
+another, except that vllm_backend/ may import scoring/ (the score task's choices and options,
+which both backends answer).
+
 `from prefixflow.kernels import cpu_build` is an import of the submodule cpu_build (its
 package's __init__ runs first, as for any import, and is not counted as an edge).
 """
@@ -40,6 +45,9 @@ FOLDERS = {"prefixflow": "prefixflow", "pipeline": "prefixflow.pipeline", "kerne
            "bench": "prefixflow.bench"}
 RANKS = {"base": 0, "pipeline": 1, "kernels": 1, "engine": 2, "operators": 3, "jobs": 4, "face": 5, "bench": 6}
 FACES = ("prefixflow", "prefixflow.api", "prefixflow.cli")
+# engine/'s rooms and the rooms each may import besides its own (the module docstring)
+ENGINE_ROOMS = {"shared": set(), "models": {"shared"}, "native": {"shared", "models"},
+                "scoring": {"shared", "models"}, "vllm_backend": {"shared", "models", "scoring"}}
 _IMPORT_LINE = re.compile(r"\s*(from|import)\s")
 
 
@@ -58,6 +66,14 @@ def layer(module: str) -> str:
         return "face"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in RANKS else "base"
+
+
+def engine_room(module: str) -> str | None:
+    """The room of a `prefixflow.engine.*` module (None outside engine/)."""
+    parts = module.split(".")
+    if parts[:2] != ["prefixflow", "engine"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in ENGINE_ROOMS else "shared"
 
 
 def find_modules(root: Path, folders: dict[str, str] = FOLDERS) -> dict[str, Path]:
@@ -126,6 +142,16 @@ def upward_imports(edges: list[Edge]) -> list[str]:
     return bad
 
 
+def engine_room_imports(edges: list[Edge]) -> list[str]:
+    """Imports between engine/'s rooms that ENGINE_ROOMS does not allow."""
+    bad = []
+    for e in edges:
+        src, dst = engine_room(e.src), engine_room(e.dst)
+        if src and dst and src != dst and dst not in ENGINE_ROOMS[src]:
+            bad.append(f"{e.src}:{e.line} (engine/{src}) imports {e.dst} (engine/{dst})")
+    return bad
+
+
 def cycles(edges: list[Edge]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan, iterative)."""
     graph: dict[str, set[str]] = {}
@@ -179,7 +205,7 @@ def unexplained_lazy_imports(edges: list[Edge]) -> list[str]:
 
 def problems(root: Path, folders: dict[str, str] = FOLDERS) -> list[str]:
     edges = import_edges(find_modules(root, folders))
-    return (upward_imports(edges) + [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
+    return (upward_imports(edges) + engine_room_imports(edges) + [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
             + unexplained_lazy_imports(edges))
 
 
@@ -209,7 +235,7 @@ def test_layers_cover_every_module():
     assert {layer(m) for m in modules} == set(RANKS)
     assert layer("prefixflow.errors") == "base" and layer("prefixflow.storage") == "base"
     assert layer("prefixflow.cli") == layer("prefixflow.api") == layer("prefixflow") == "face"
-    assert layer("prefixflow.engine.layers.rotary") == "engine"
+    assert layer("prefixflow.engine.models.layers.rotary") == "engine"
 
 
 # ---- the checker, on planted trees ------------------------------------------------------------
@@ -280,3 +306,22 @@ def test_a_lazy_import_must_say_why(tmp_path):
     })
     assert problems(root) == ["prefixflow.operators.generate:2 imports prefixflow.engine.runner inside a "
                               "function without saying why"]
+
+
+def test_engine_rooms_import_only_shared_models_and_what_they_may(tmp_path):
+    root = _tree(tmp_path, {
+        "engine/config.py": "X = 1\n",
+        "engine/outputs.py": "from prefixflow.engine.native.sequence import X\n",     # shared -> room
+        "engine/models/loader.py": "from prefixflow.engine.config import X\n",        # fine
+        "engine/native/sequence.py": "from prefixflow.engine.models.loader import X\n",  # fine
+        "engine/scoring/scorer.py": "from prefixflow.engine.native.sequence import X\n",  # sibling
+        "engine/scoring/options.py": "X = 1\n",
+        "engine/vllm_backend/engine.py": "from prefixflow.engine.scoring.options import X\n",  # allowed
+    })
+    for folder in ("engine/models", "engine/native", "engine/scoring", "engine/vllm_backend"):
+        (root / folder / "__init__.py").touch()
+    assert sorted(problems(root)) == sorted([
+        "prefixflow.engine.outputs:1 (engine/shared) imports prefixflow.engine.native.sequence (engine/native)",
+        "prefixflow.engine.scoring.scorer:1 (engine/scoring) imports prefixflow.engine.native.sequence "
+        "(engine/native)",
+    ])

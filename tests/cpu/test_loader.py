@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.loader import (SUPPORTED_ARCHITECTURES, load_model, read_eos_token_ids,
-                                      read_model_args)
-from prefixflow.engine.model_runner import ModelRunner
-from prefixflow.engine.step import SeqChunk, StepInput
-from prefixflow.engine.tiny import make_tiny_checkpoint
+from prefixflow.engine.models.loader import (SUPPORTED_ARCHITECTURES, load_model, read_eos_token_ids,
+                                             read_model_args)
+from prefixflow.engine.native.model_runner import ModelRunner
+from prefixflow.engine.native.step import SeqChunk, StepInput
+from prefixflow.engine.models.tiny import make_tiny_checkpoint
 from prefixflow.requests import SamplingParams
 
 PROMPT = (5, 17, 99, 4, 250, 31, 8, 77, 140, 61, 3)

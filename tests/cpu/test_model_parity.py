@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.model_runner import ModelRunner
-from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
-from prefixflow.engine.tiny import make_tiny_checkpoint
+from prefixflow.engine.native.model_runner import ModelRunner
+from prefixflow.engine.native.step import SeqChunk, SharedPrefix, StepInput
+from prefixflow.engine.models.tiny import make_tiny_checkpoint
 from prefixflow.requests import SamplingParams
 
 BLOCK = 4  # small blocks: prefixes and chunks end in the middle of blocks

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.layers.step_batch import build_step_batch
-from prefixflow.engine.model_runner import ModelRunner
-from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
-from prefixflow.engine.tiny import make_tiny_checkpoint
+from prefixflow.engine.native.step_batch import build_step_batch
+from prefixflow.engine.native.model_runner import ModelRunner
+from prefixflow.engine.native.step import SeqChunk, SharedPrefix, StepInput
+from prefixflow.engine.models.tiny import make_tiny_checkpoint
 from prefixflow.requests import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -132,7 +132,7 @@ def test_sliding_window_bounds_max_model_len(tmp_path):
 
 def test_small_cpu_steps_run_on_one_thread_when_oversubscribed_and_restore_the_count(
         runner, monkeypatch):
-    from prefixflow.engine import model_runner
+    from prefixflow.engine.native import model_runner
 
     if runner.device.type != "cpu":
         pytest.skip("thread counts are a CPU matter")
@@ -163,7 +163,7 @@ def test_small_cpu_steps_run_on_one_thread_when_oversubscribed_and_restore_the_c
 def test_an_engine_alone_on_its_cores_is_not_oversubscribed(monkeypatch):
     import os
 
-    from prefixflow.engine import model_runner
+    from prefixflow.engine.native import model_runner
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     for load, busy in ((2.4, False), (3.0, False), (3.2, True), (6.0, True)):

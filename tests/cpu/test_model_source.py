@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixflow.engine.loader import load_model, load_tokenizer, torch_dtype
+from prefixflow.engine.models.loader import load_model, load_tokenizer, torch_dtype
 from prefixflow.model_source import ModelError, model_kind, normalize_model, resolve_model
 
 REPO = "prefixflow-test/tiny-llama"

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.layers import attention
-from prefixflow.engine.model_runner import ModelRunner
-from prefixflow.engine.step import SeqChunk, SharedPrefix, StepInput
-from prefixflow.engine.tiny import make_tiny_checkpoint
+from prefixflow.engine.models.layers import attention
+from prefixflow.engine.native.model_runner import ModelRunner
+from prefixflow.engine.native.step import SeqChunk, SharedPrefix, StepInput
+from prefixflow.engine.models.tiny import make_tiny_checkpoint
 from prefixflow.kernels.kv_write import write_kv_cache_triton
 from prefixflow.kernels.packed_prefill import packed_prefill_attention_triton
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
@@ -78,6 +78,6 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
 
 def runner_bytes(path) -> int:
     """K+V bytes per token of the tiny checkpoint (fp32)."""
-    from prefixflow.engine.loader import read_model_args
+    from prefixflow.engine.models.loader import read_model_args
 
     return read_model_args(path).kv_bytes_per_token_per_elem * 4

@@ -56,7 +56,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     # A context longer than the CPU's KV cache holds is refused, not lowered
     small = vLLMEngineProcessorConfig(model_source=m, engine_kwargs={"max_model_len": 1024,
                                                                     "kv_cache_memory_bytes": 1 << 20})
-    from prefixflow.engine.vllm_engine import cpu_context
+    from prefixflow.engine.vllm_backend.engine import cpu_context
 
     with pytest.raises(ValueError, match=r"max_model_len=1024 is invalid: it does not fit the CPU KV cache"):
         cpu_context(small.processor_config().engine_config, m)

@@ -37,7 +37,7 @@ def chat_ids(tokenizer, user: str, system: str = SYSTEM) -> list[int]:
 
 
 def test_engine_equals_transformers_greedy(smollm2):
-    from prefixflow.engine.llm_engine import LLMEngine
+    from prefixflow.engine.native.llm_engine import LLMEngine
 
     path, hf, tokenizer = smollm2
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
@@ -63,7 +63,7 @@ EITHER_OR = [("What is the capital of France?", "Paris", "Berlin"),
 
 
 def test_score_prefers_the_right_answer(smollm2):
-    from prefixflow.engine.scoring import Scorer, ScoreOptions
+    from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
 
     _, _, tokenizer = smollm2
     prompts = [chat_ids(tokenizer, q, system="Answer with one word.") for q, _, _ in EITHER_OR]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.engine.sampler import Sampler, apply_top_k_top_p
+from prefixflow.engine.native.sampler import Sampler, apply_top_k_top_p
 from prefixflow.requests import SamplingParams
 
 V = 300

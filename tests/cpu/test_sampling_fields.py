@@ -89,7 +89,7 @@ def native():
     from transformers import AutoModelForCausalLM
 
     from prefixflow.engine import EngineConfig, LLMEngine
-    from prefixflow.engine.tiny import tiny_checkpoint_cached
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=1))
     engine = LLMEngine(EngineConfig(model=path, device="cpu", block_size=4, kv_cache_bytes=16 << 20))
@@ -100,7 +100,7 @@ def test_penalty_and_min_p_masks_match_transformers_processors():
     import torch
     from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-    from prefixflow.engine.sampler import apply_min_p, apply_penalties
+    from prefixflow.engine.native.sampler import apply_min_p, apply_penalties
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 3
     history = [[1, 7, 7, 30], [4, 4, 9]]

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.llm_engine import LLMEngine
-from prefixflow.engine.scheduler import OutputFraction, SchedulerOutput
-from prefixflow.engine.sequence import SeqStatus
-from prefixflow.engine.step import SampledToken, StepInput, StepOutput
+from prefixflow.engine.native.llm_engine import LLMEngine
+from prefixflow.engine.native.scheduler import OutputFraction, SchedulerOutput
+from prefixflow.engine.native.sequence import SeqStatus
+from prefixflow.engine.native.step import SampledToken, StepInput, StepOutput
 from prefixflow.requests import PrefixGroup, SamplingParams
 
 VOCAB = 97
@@ -77,7 +77,7 @@ class FakeRunner:
                 assert c.prefix_index < 0 or all(block not in p.block_table for p in step.prefixes), \
                     "a member wrote a shared block"
                 self.kv.setdefault(block, [None] * bs)[j % bs] = (c.start_pos + i, t)
-        # Shared prefixes are complete once the step's K/V are written (engine/step.py).
+        # Shared prefixes are complete once the step's K/V are written (engine/native/step.py).
         prefix_ctx = [self._read(p.block_table, p.length, 0) for p in step.prefixes]
         sampled = []
         for c in step.chunks:
@@ -192,7 +192,7 @@ def assert_matches_reference(outs, groups, params: SamplingParams) -> None:
 
 
 def test_scheduler_and_block_manager_import_without_torch():
-    code = ("import sys; import prefixflow.engine.scheduler, prefixflow.engine.block_manager, "
+    code = ("import sys; import prefixflow.engine.native.scheduler, prefixflow.engine.native.block_manager, "
             "prefixflow.engine.outputs; import prefixflow.engine; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'transformers')]; "
             "assert not bad, bad")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.scoring import Scorer, ScoreOptions
-from prefixflow.engine.scoring_forward import forward_bytes, max_input_len
-from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
+from prefixflow.engine.scoring.forward import forward_bytes, max_input_len
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 from prefixflow.requests import PrefixGroup
 
 ATOL = 1e-5

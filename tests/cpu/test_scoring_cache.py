@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixflow.engine.scoring_cache import PrefixCache
-from prefixflow.engine.scoring_forward import PrefixKV
+from prefixflow.engine.scoring.cache import PrefixCache
+from prefixflow.engine.scoring.forward import PrefixKV
 
 
 def kv(tokens: int) -> PrefixKV:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixflow.engine.srjf import SRJFScheduler
+from prefixflow.engine.scoring.srjf import SRJFScheduler
 
 
 class OneRequestCache:

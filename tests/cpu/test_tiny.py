@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from prefixflow.engine import tiny
-from prefixflow.engine.tiny import make_tiny_checkpoint, tiny_checkpoint_cached
+from prefixflow.engine.models import tiny
+from prefixflow.engine.models.tiny import make_tiny_checkpoint, tiny_checkpoint_cached
 
 
 def digests(path) -> dict[str, str]:

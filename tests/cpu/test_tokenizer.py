@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from prefixflow.engine.tiny import tiny_checkpoint_cached
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 from prefixflow.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = ["Hello world", "", "  leading and trailing  ", "tabs\tand\nnew lines\n\n", "Ünïcödé — ✓ 日本語 🚀",

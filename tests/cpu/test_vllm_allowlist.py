@@ -96,7 +96,7 @@ def test_the_engine_refuses_them_before_vllm_is_imported(tiny_model, trace_modul
         folder, model, settings, trace = sys.argv[1:]
         sys.path.insert(0, folder)
         from prefixflow.engine.config import EngineConfig
-        from prefixflow.engine.vllm_engine import VllmEngine
+        from prefixflow.engine.vllm_backend.engine import VllmEngine
         try:
             VllmEngine(EngineConfig(model=model, device="cpu"), json.loads(settings))
         except ValueError as e:
@@ -149,7 +149,7 @@ def test_wrong_types_are_refused_one_line_each_naming_path_value_and_type():
 
 
 def test_allowed_settings_pass_unchanged():
-    from prefixflow.engine.vllm_args import ALLOWED, check_vllm_args
+    from prefixflow.engine.vllm_backend.args import ALLOWED, check_vllm_args
 
     good = {"enforce_eager": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
             "distributed_executor_backend": "mp", "max_logprobs": -1, "enable_chunked_prefill": False,
@@ -178,7 +178,7 @@ def test_ray_data_llm_engine_kwargs_still_map(tiny_model):
 
 
 def test_an_allowed_name_the_installed_vllm_lacks_is_named(monkeypatch):
-    from prefixflow.engine import vllm_args
+    from prefixflow.engine.vllm_backend import args as vllm_args
 
     real = vllm_args._vllm_class_fields
 

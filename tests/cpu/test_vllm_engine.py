@@ -14,8 +14,8 @@ import random
 import pytest
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.tiny import tiny_checkpoint_cached
-from prefixflow.engine.vllm_args import check_vllm_args
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
+from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.pipeline import build_plan
 from prefixflow.requests import SamplingParams
 
@@ -38,8 +38,8 @@ _ENGINES: dict[str, tuple] = {}
 def engines(arch: str):
     """(vLLM engine, native engine) for `arch`, built once per module."""
     if arch not in _ENGINES:
-        from prefixflow.engine.llm_engine import LLMEngine
-        from prefixflow.engine.vllm_engine import VllmEngine
+        from prefixflow.engine.native.llm_engine import LLMEngine
+        from prefixflow.engine.vllm_backend.engine import VllmEngine
 
         cfg = config(arch)
         _ENGINES[arch] = (VllmEngine(cfg, {"enforce_eager": True}), LLMEngine(cfg))
@@ -185,7 +185,7 @@ def test_bad_rows_become_error_outputs():
 
 
 def test_score_equals_native_scorer():
-    from prefixflow.engine.scoring import Scorer
+    from prefixflow.engine.scoring.scorer import Scorer
 
     vllm = engines("llama")[0]
     rows = prompts(seed=6, groups=2, members=3, singles=1)

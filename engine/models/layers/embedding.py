@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prefixflow.engine.layers.linear import linear, packed_for_cpu
+from prefixflow.engine.models.layers.linear import linear, packed_for_cpu
 
 
 class LMHead(nn.Module):
@@ -26,7 +26,7 @@ class LMHead(nn.Module):
     packed: torch.Tensor | None = None
 
     def prepack_for_cpu(self) -> bool:
-        """A oneDNN copy of the weight (engine/layers/linear.py). The dense weight stays: the
+        """A oneDNN copy of the weight (engine/models/layers/linear.py). The dense weight stays: the
         embedding may share it, and the score task reads rows of it. Costs vocab x hidden
         floats (113 MB for SmolLM2) and reads them faster at decode sizes."""
         self.packed = packed_for_cpu(self.weight)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixflow.engine.layers.linear import Linear
+from prefixflow.engine.models.layers.linear import Linear
 
 
 class SiluMLP(nn.Module):
