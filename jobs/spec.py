@@ -36,7 +36,7 @@ from prefixflow.engine.config import EngineConfig
 from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.errors import did_you_mean, short
 from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
-                                         setting_problems)
+                                         limit_problems, setting_problems)
 from prefixflow.operators.read import infer_format
 from prefixflow.storage import StorageOptions
 from prefixflow.operators.template import PromptTemplate
@@ -244,6 +244,17 @@ def _choice(name: str) -> Any:
     return Annotated[str, AfterValidator(check)]
 
 
+def _limited(name: str, kind: Any) -> Any:
+    """A number annotated with ProcessorConfig's limit of `name` (operators/config.LIMITS), run
+    per field so that the spec names its own field path (output.rows_per_part, ...)."""
+    def check(value: Any) -> Any:
+        for _, bad, fix in limit_problems({name: value}):
+            raise ValueError(f"{short(bad)} is invalid: {fix}")
+        return value
+
+    return Annotated[kind, AfterValidator(check)]
+
+
 # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
 # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
 EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
@@ -285,20 +296,21 @@ ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
 
 
 class TokenizeSpec(_Strict):
-    concurrency: int = Field(default=_default("tokenize_concurrency"), ge=1, description="tokenizer actors")
-    batch_size: int = Field(default=_default("tokenize_batch_size"), ge=1)
+    concurrency: _limited("tokenize_concurrency", int) = Field(  # type: ignore[valid-type]
+        default=_default("tokenize_concurrency"), description="tokenizer actors")
+    batch_size: _limited("tokenize_batch_size", int) = _default("tokenize_batch_size")  # type: ignore[valid-type]
 
 
 class ResourcesSpec(_Strict):
-    num_gpus_per_replica: float = Field(default=_default("num_gpus_per_replica"), ge=0)
-    num_cpus_per_replica: float = Field(default=_default("num_cpus_per_replica"), ge=0)
+    num_gpus_per_replica: _limited("num_gpus_per_replica", float) = _default("num_gpus_per_replica")  # type: ignore[valid-type]
+    num_cpus_per_replica: _limited("num_cpus_per_replica", float) = _default("num_cpus_per_replica")  # type: ignore[valid-type]
 
 
 class OutputSpec(_Strict):
     path: str = Field(description="directory for parts and metrics.json; a local path or a URL "
                       "(s3://, gs://, abfss://, file://, ...)")
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
-    rows_per_part: int = Field(default=_default("rows_per_chunk"), ge=1)
+    rows_per_part: _limited("rows_per_chunk", int) = _default("rows_per_chunk")  # type: ignore[valid-type]
     overwrite: bool = False
     resume: bool = Field(default=False, description="finish an interrupted job at this path: "
                          "committed rows are kept and skipped")
@@ -329,7 +341,8 @@ class JobSpec(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)  # type: ignore[valid-type]
     order: _choice("order") = Field(default=_default("order"),  # type: ignore[valid-type]
                                     description="plan order: fcfs, dfs, batchllm or blendserve")
-    replicas: int = Field(default=_default("replicas"), ge=1, description="data-parallel engine actors")
+    replicas: _limited("replicas", int) = Field(default=_default("replicas"),  # type: ignore[valid-type]
+                                                description="data-parallel engine actors")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
                                      "dies this many more times in a row without committing a row "

@@ -45,6 +45,15 @@ GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k
                           "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty",
                           "min_p": "min_p"}
 Problem = tuple[str, Any, str]  # (field path from the top, value, fix)
+# The numeric settings' limits, (lowest value, integer only, None allowed, fix): ProcessorConfig's
+# check and the job spec's (replicas, tokenize.*, output.rows_per_part, resources.*), one message.
+_COUNT = (1, True, False, "use a positive integer")
+LIMITS: dict[str, tuple[float, bool, bool, str]] = {
+    "replicas": _COUNT, "tokenize_concurrency": _COUNT, "tokenize_batch_size": _COUNT,
+    "rows_per_chunk": _COUNT,
+    "num_gpus_per_replica": (0, False, True, "use a number >= 0, or None to decide when the job runs"),
+    "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
+}
 
 
 @dataclass(frozen=True)
@@ -164,11 +173,8 @@ class ProcessorConfig:
                  "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}")
         _require(self.task != "score" or not self.openai_batch, "task", self.task,
                  "OpenAI batch files are chat/completion requests: use task 'generate' for them")
-        for name in ("replicas", "tokenize_concurrency", "tokenize_batch_size", "rows_per_chunk"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "use a positive integer")
-        gpus = self.num_gpus_per_replica
-        _require(gpus is None or gpus >= 0, "num_gpus_per_replica", gpus,
-                 "use a number >= 0, or None to decide when the job runs")
+        for name, value, fix in limit_problems({name: getattr(self, name) for name in LIMITS}):
+            raise invalid("ProcessorConfig", name, value, fix)
         for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("runtime_env", dict)):
             value = getattr(self, name)
             _require(value is None or isinstance(value, kind), name, value, f"give a {kind.__name__} or None")
@@ -266,6 +272,20 @@ def choice_problems(values: dict[str, Any]) -> list[Problem]:
     of task, order and engine.backend (ProcessorConfig's, and the job spec's per field)."""
     return [(name, value, one_of(CHOICES[name])) for name, value in values.items()
             if value not in CHOICES[name]]
+
+
+def limit_problems(values: dict[str, Any]) -> list[Problem]:
+    """(field, value, fix) for each value of LIMITS' fields outside its limit: the one check of
+    the numeric settings (ProcessorConfig's, and the job spec's per field)."""
+    problems = []
+    for name, value in values.items():
+        lowest, integer, none_ok, fix = LIMITS[name]
+        if value is None and none_ok:
+            continue
+        number = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+        if not number or not value >= lowest:  # `not >=` refuses NaN too
+            problems.append((name, value, fix))
+    return problems
 
 
 def setting_problems(engine: dict[str, Any], task: str, score: Any, order: str) -> list[Problem]:

@@ -33,6 +33,7 @@ import json
 import re
 from typing import Any
 
+from prefixflow.errors import invalid
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.template import content_text
 from prefixflow.requests import INT32_MAX, SamplingParams
@@ -167,9 +168,8 @@ def structured_outputs(fmt: Any) -> dict[str, Any] | None:
     schema = (fmt.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
     if kind == "json_schema" and isinstance(schema, dict):
         return {"json": schema}
-    raise ValueError(f"body.response_format={fmt!r} is invalid: use {{\"type\": \"text\"}}, "
-                     "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
-                     "{\"name\": ..., \"schema\": {...}}}")
+    raise invalid("body", "response_format", fmt, 'use {"type": "text"}, {"type": "json_object"} or '
+                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
 
 
 def _logprobs(body: dict[str, Any], url: str) -> Any:
@@ -180,14 +180,14 @@ def _logprobs(body: dict[str, Any], url: str) -> Any:
     asked = body.get("logprobs")
     if url == "/v1/chat/completions":
         if asked is not None and not isinstance(asked, bool):
-            raise ValueError(f"body.logprobs={asked!r} is invalid: use true, false or null "
-                             "(the count goes in body.top_logprobs)")
+            raise invalid("body", "logprobs", asked, "use true, false or null (the count goes in "
+                          "body.top_logprobs)")
         top = body.get("top_logprobs")
         if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float))):
-            raise ValueError(f"body.top_logprobs={top!r} is invalid: use an integer in [0, 20] or null")
+            raise invalid("body", "top_logprobs", top, "use an integer in [0, 20] or null")
         return (0 if top is None else top) if asked else None
     if asked is not None and not isinstance(asked, (bool, int, float)):
-        raise ValueError(f"body.logprobs={asked!r} is invalid: use an integer in [0, 20] or null")
+        raise invalid("body", "logprobs", asked, "use an integer in [0, 20] or null")
     return (0 if asked is True else asked) if asked else None
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixflow.errors import invalid, require
 from prefixflow.retry import RetryPolicy
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
@@ -129,17 +130,15 @@ class StorageOptions:
     def __post_init__(self) -> None:
         # Checked here, so that a job spec (jobs/spec.py mirrors this class) and Python callers
         # get the same errors.
-        if not 1 <= self.max_attempts <= 20:
-            raise ValueError(f"StorageOptions.max_attempts={self.max_attempts!r} is invalid: "
-                             "use 1 to 20 tries per storage request")
-        if not 0 <= self.retry_base_delay_s <= 60:
-            raise ValueError(f"StorageOptions.retry_base_delay_s={self.retry_base_delay_s!r} is "
-                             "invalid: use a first backoff of 0 to 60 seconds")
+        require(1 <= self.max_attempts <= 20, "StorageOptions", "max_attempts", self.max_attempts,
+                "use 1 to 20 tries per storage request")
+        require(0 <= self.retry_base_delay_s <= 60, "StorageOptions", "retry_base_delay_s",
+                self.retry_base_delay_s, "use a first backoff of 0 to 60 seconds")
         bad = [k for k, v in self.options.items()
                if not isinstance(v, dict) or _URL.match(f"{k}://") is None]
-        if bad:  # values stay out of the message: they may hold credentials
-            raise ValueError(f"StorageOptions.options[{bad[0]!r}] is invalid: give "
-                             "{scheme: {argument: value}}, e.g. {gs: {project: my-project}}")
+        if bad:  # the scheme names the entry; its value stays out of the message (credentials)
+            raise invalid("StorageOptions", "options", {bad[0]: "..."},
+                          "give {scheme: {argument: value}}, e.g. {gs: {project: my-project}}")
 
     @property
     def retry(self) -> RetryPolicy:

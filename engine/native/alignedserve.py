@@ -33,6 +33,8 @@ import math
 
 import numpy as np
 
+from prefixflow.errors import require
+
 
 class DensityFirstBatcher:
     """Picks decode batches of similar KV length. The engine calls `select` when it needs one.
@@ -48,15 +50,13 @@ class DensityFirstBatcher:
     def __init__(self, max_blocks: int, min_requests: int, block_size: int = 16,
                  max_len: int = 65536, starvation_s: float = 30.0, starvation_level: int = 4,
                  max_requests: int | None = None) -> None:
+        owner = "DensityFirstBatcher"
         for name, value in (("max_blocks", max_blocks), ("min_requests", min_requests),
                             ("block_size", block_size), ("max_len", max_len)):
-            if value < 1:
-                raise ValueError(f"{name}={value} is invalid: use a positive integer")
-        if max_requests is not None and max_requests < min_requests:
-            raise ValueError(f"max_requests={max_requests} is invalid: use None or at least "
-                             f"min_requests ({min_requests})")
-        if starvation_s <= 0:
-            raise ValueError(f"starvation_s={starvation_s} is invalid: use a positive number of seconds")
+            require(value >= 1, owner, name, value, "use a positive integer")
+        require(max_requests is None or max_requests >= min_requests, owner, "max_requests", max_requests,
+                f"use None or at least min_requests ({min_requests})")
+        require(starvation_s > 0, owner, "starvation_s", starvation_s, "use a positive number of seconds")
         self.max_requests = max_requests if max_requests is not None else np.iinfo(np.int64).max
         self.max_blocks, self.min_requests, self.block_size = max_blocks, min_requests, block_size
         self.depth = max(1, math.ceil(math.log(max_len, 4)))

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from prefixflow.engine.native.sequence import KVOwner
+from prefixflow.errors import require
 
 
 @dataclass(eq=False, slots=True)
@@ -32,9 +33,8 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks} is invalid: the KV cache needs at least one "
-                             "block; raise EngineConfig.kv_cache_bytes")
+        require(num_blocks >= 1, "BlockManager", "num_blocks", num_blocks,
+                "the KV cache needs at least one block; raise EngineConfig.kv_cache_bytes")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_cache = enable_prefix_cache

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prefixflow.errors import invalid
+
 Choice = str | int
 
 
@@ -49,8 +51,8 @@ def choice_token_ids(choices: Sequence[Choice], tokenizer: Any, vocab_size: int,
     """First token id of each choice; ValueError naming the choice for empty, out-of-vocabulary
     or colliding choices."""
     if isinstance(choices, (str, bytes)) or len(choices) < 1:
-        raise ValueError(f"choices={choices!r} is invalid: give a non-empty list of labels "
-                         "(strings or token ids), e.g. ['Yes', 'No']")
+        raise invalid("ScoreConfig", "choices", choices, "give a non-empty list of labels (strings or "
+                      "token ids), e.g. ['Yes', 'No']")
     ids: list[int] = []
     for c in choices:
         if isinstance(c, bool) or not isinstance(c, (str, int)):

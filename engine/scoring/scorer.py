@@ -34,9 +34,10 @@ from prefixflow.engine.scoring.choices import (Choice, ScoreOutput, choice_token
                                                error_output, make_output)
 from prefixflow.engine.scoring.forward import forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
-from prefixflow.requests import PrefixGroup
 from prefixflow.engine.scoring.srjf import SRJFScheduler
+from prefixflow.errors import require
 from prefixflow.pipeline import build_plan
+from prefixflow.requests import PrefixGroup
 
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
@@ -127,8 +128,8 @@ class Scorer:
         advances by computed tokens / tokens_per_s per request (the JCT proxy of Sec. 6.3)
         instead of the wall clock, so that online studies do not depend on the machine's
         load; latencies are then in virtual seconds."""
-        if tokens_per_s is not None and tokens_per_s <= 0:
-            raise ValueError(f"tokens_per_s={tokens_per_s} is invalid: use None or a rate > 0")
+        require(tokens_per_s is None or tokens_per_s > 0, "Scorer.score_groups", "tokens_per_s", tokens_per_s,
+                "use None or a rate > 0")
         start, skipped = time.perf_counter(), 0.0
         virtual = 0.0
         clock = (lambda: virtual + skipped) if tokens_per_s else \

@@ -21,6 +21,8 @@ from typing import Callable, Hashable
 
 import numpy as np
 
+from prefixflow.errors import require
+
 CachedLen = Callable[[np.ndarray], int]   # tokens -> leading tokens the prefix cache holds
 JCT = Callable[[int, int], float]         # (n_input, n_cached) -> predicted job time
 
@@ -48,8 +50,7 @@ class SRJFScheduler:
     """
 
     def __init__(self, lam: float = 0.0, calibrate: bool = True, jct: JCT | None = None) -> None:
-        if lam < 0:
-            raise ValueError(f"lam={lam} is invalid: use 0 (pure SRJF) or a positive weight")
+        require(lam >= 0, "SRJFScheduler", "lam", lam, "use 0 (pure SRJF) or a positive weight")
         self.lam, self.calibrate, self.jct = lam, calibrate, jct or miss_tokens
         self._queue: list[_Waiting] = []
         self._seq = 0

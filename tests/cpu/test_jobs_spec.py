@@ -45,7 +45,7 @@ def test_wrong_type_and_bad_values_name_the_field():
     p = _problems(_spec(sampling={"max_tokens": "many"}, replicas=0, order="random",
                         engine={"dtype": "fp8"}))
     assert "wrong type" in p["sampling.max_tokens"]
-    assert "out of range" in p["replicas"]
+    assert "0 is invalid: use a positive integer" in p["replicas"]
     assert "'batchllm'" in p["order"]
     assert "'float16'" in p["engine.dtype"]
 
