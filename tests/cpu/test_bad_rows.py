@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.outputs import OUTPUT_FIELDS, with_outputs
 from prefixflow.operators.openai_batch import parse_requests
-from prefixflow.operators.read import ERROR, parse_csv, parse_jsonl, rows_to_table
+from prefixflow.operators.columns import ERROR
+from prefixflow.operators.read import parse_csv, parse_jsonl, rows_to_table
 from prefixflow.requests import SamplingParams
 
 BAD_SAMPLING = [  # (override, the field its error names)

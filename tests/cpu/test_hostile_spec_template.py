@@ -26,7 +26,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from prefixflow.jobs.spec import SpecError, load_spec, load_yaml, parse_overrides, parse_spec
 from prefixflow.operators.openai_batch import parse_requests
-from prefixflow.operators.read import ERROR, parse_jsonl
+from prefixflow.operators.columns import ERROR
+from prefixflow.operators.read import parse_jsonl
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
 from prefixflow.requests import SamplingParams
 

@@ -100,7 +100,7 @@ def test_a_block_whose_max_tokens_are_all_null():
     import pyarrow as pa
 
     from prefixflow.operators.plan import MAX_TOKENS, _block_meta
-    from prefixflow.operators.read import ERROR
+    from prefixflow.operators.columns import ERROR
     from prefixflow.operators.tokenize import TOKENS
 
     block = pa.table({TOKENS: pa.array([[1, 2], [3]], pa.list_(pa.int32())),
