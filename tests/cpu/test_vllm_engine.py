@@ -86,7 +86,10 @@ def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
     # Ours count the same way: a group's first member carries its prefix's computation.
     assert sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in native.values()) == \
         engines(arch)[1].totals.num_computed_prompt_tokens
-    assert sum(n.num_cached_tokens >= 70 for n in native.values()) == 9
+    # Every member after a group's first reads the group's 70-token prefix: within a group all of
+    # it, and the first member of a nested group (two members that happen to share 71 tokens) the
+    # parent prefix's whole blocks from the cache.
+    assert sum(n.num_cached_tokens >= 64 for n in native.values()) == 9
     vllm = engines(arch)[0]
     assert vllm.totals.num_requests == 14 and vllm.totals.num_output_tokens == 14 * 8
     assert vllm.totals.token_saving_ratio > 0.3
