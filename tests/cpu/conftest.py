@@ -16,11 +16,14 @@ from prefixflow.bench.fault_proxy import start_moto_server
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A real local Ray (2 CPUs, loopback only) shared by every test that asks for it."""
+    """A real local Ray (4 CPU slots on this 2-core machine, loopback only) shared by every test
+    that asks for it. 4, not 2: a job's pipeline holds an actor per stage (tokenize, engine) and
+    needs a slot for its small tasks besides; with 2, an actor pool a finished test left behind
+    for a moment can hold the slot that the next job's engine waits for, and that job waits forever."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(num_cpus=4, address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False, configure_logging=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
