@@ -117,7 +117,9 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     kv_bytes_per_token = read_model_args(path).kv_bytes_per_token_per_elem * 4  # fp32
     config = EngineConfig(model=path, device="cpu", dtype="float32",
                           kv_cache_bytes=cache_blocks * BLOCK * kv_bytes_per_token,
-                          max_model_len=min(2048, cache_blocks * BLOCK))
+                          # vLLM keeps one block of its cache in reserve, and refuses a longer
+                          # context than the rest holds (engine/vllm_backend/engine.cpu_context)
+                          max_model_len=min(2048, (cache_blocks - 1) * BLOCK))
     if backend == "native":
         import torch
 
