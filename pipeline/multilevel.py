@@ -37,6 +37,7 @@ from prefixflow.pipeline.partition import Partition, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
 UNITS_PER_REPLICA = 32  # merged units are at most this share of a replica's work
+STICKY_CUT = 0.25       # a cut recomputing more than this share of a unit's cap joins its units
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -228,14 +229,16 @@ def boundary_lcp(tree: PrefixTree, ng: NestedGrouping, order: np.ndarray, at: np
     return out
 
 
-def merged_units(tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num_replicas: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def merged_units(tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num_replicas: int,
+                 cut_cost: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(unit starts in row_order plus n, family of each unit), module docstring step 3. A unit
     root is a node whose subtree costs at most cap (a replica's share / UNITS_PER_REPLICA)
     under a parent that costs more (a leaf costing more is a unit of its own); consecutive
     units under one parent merge while their sum stays within cap. The loose members of one
     group (it costs more than cap) are chunks of one family: the partition sorts a family as
-    one, so its chunks stay next to each other and a replica's chunks form one run."""
+    one, so its chunks stay next to each other and a replica's chunks form one run.
+    cut_cost: [n] seconds row i recomputes when the row before it runs elsewhere (what it
+    shares with it); units whose cut would cost that much stay in one family (_costly_cuts)."""
     n = len(row_cost)
     if n == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -259,7 +262,22 @@ def merged_units(tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num
     new = seg | np.r_[True, chunk[1:] != chunk[:-1]]
     unit_id = np.cumsum(new) - 1
     family = np.where(member, -1 - seg_id, unit_id)[new]
-    return np.r_[unit_start[new], n].astype(np.int64), np.unique(family, return_inverse=True)[1].ravel()
+    starts = unit_start[new]
+    if cut_cost is not None:
+        family = _costly_cuts(family, cut_cost[starts], cap)
+    return np.r_[starts, n].astype(np.int64), np.unique(family, return_inverse=True)[1].ravel()
+
+
+def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float) -> np.ndarray:
+    """Join a unit to the family before it when splitting them costs more than STICKY_CUT of a
+    unit's cap: scattered, it would recompute what it shares with the unit before (a chat's
+    history, when a job is so small that one chain spans several units). The cap is what the
+    split buys (balance at that grain), so at cluster scale, where a unit holds thousands of
+    prompts, only cuts below a system prompt happen and none is joined. Families stay contiguous
+    stretches of units, scanned as one (partition.py cuts inside one only to fill a replica)."""
+    new = np.r_[True, (family[1:] != family[:-1]) & (cost[1:] <= STICKY_CUT * cap)] if len(family) else \
+        np.zeros(0, bool)
+    return np.cumsum(new) - 1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -293,7 +311,8 @@ def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, 
     starts = group_runs(g, order, np.zeros(n, dtype=np.int64))
     comp, owner, mem = row_seconds(cm, g, lengths, outs, starts, order, ng.prev_lcp, block_size)
     comp[starts[:-1]] += owner
-    units, family = merged_units(tree, ng, comp + mem, num_replicas)
+    cut_cost = cm.prefix_seconds((ng.prev_lcp // block_size) * block_size)
+    units, family = merged_units(tree, ng, comp + mem, num_replicas, cut_cost)
     # A unit inside one run (a group's members, or one of k chunks of them) carries the run's
     # owner (a k-th of it): a part holding a unit's rows computes the owner once (partition.py
     # prices it per part), and a replica holding some of the k chunks pays it once too.

@@ -48,7 +48,7 @@ class Plan:
         (what this plan's order and grouping achieve, with the engines' prefix cache for the
         nested groups of batchllm), single_level_token_saving_ratio (the enlarged first level;
         NaN for batchllm above SINGLE_LEVEL_METRIC_MAX_NODES tree nodes),
-        first_level_token_saving_ratio (the tree's plain first level), optimal_token_saving_ratio (multi-level optimum of the tree), per-replica counts, ...
+        first_level_token_saving_ratio (the tree's plain first level), optimal_token_saving_ratio (multi-level optimum of the tree), per-replica counts, batchllm_plan ("nested", or "single_level" where that computes fewer tokens), ...
     """
 
     table: pa.Table
@@ -145,10 +145,11 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
     cost_model = CostModel.create(model, hardware)
+    plan_kind = None
     if order == "batchllm":
         block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
-        seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part, ref = \
-            _multi_level(tree, lengths, est, cost_model, num_replicas, min_prefix_len, block)
+        (seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part, ref), plan_kind = \
+            _batchllm(tree, grouping, lengths, est, cost_model, num_replicas, min_prefix_len, block)
     else:
         seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part = \
             _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
@@ -157,6 +158,8 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     summary = _summary(tree, grouping, lengths, np.diff(new_starts), part_computed, part_replica,
                        num_replicas, order)
     _add_predictions(summary, part, cost_model, ref, outs is None)
+    if plan_kind is not None:
+        summary["batchllm_plan"] = plan_kind
     summary["planning_seconds"] = time.perf_counter() - started
     return Plan(table, summary, tokens, seq_index, new_starts, replica_runs, hashed)
 
@@ -175,6 +178,24 @@ def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est
     part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if len(lengths) else np.zeros(0, np.int64)
     part_computed = part_prompt - (part_len - 1) * part_prefix
     return seq_index, new_starts, part_prefix, part_computed, part.part_replica, part.replica_parts, part
+
+
+def _batchllm(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, est: np.ndarray | None,
+              cost_model: CostModel, num_replicas: int, min_prefix_len: int, block: int) -> tuple[tuple, str]:
+    """The batchllm plan: nested groups (multilevel.py), unless the single-level plan (BatchLLM
+    Alg. 1, groups in Eq. 3 order) is predicted to compute fewer prompt tokens. The nested
+    prediction is what the engines compute; the single-level one counts no hit across groups,
+    an upper bound, so the swap never computes more. Returns (the plan's parts, "nested" or
+    "single_level"). Only where the single-level grouping was made (its uncut saving bounds
+    the single-level plan: at or below that the nested plan is kept without building it)."""
+    nested = _multi_level(tree, lengths, est, cost_model, num_replicas, min_prefix_len, block)
+    computed = int(nested[3].sum())
+    if grouping is None or computed <= int(lengths.sum()) - grouping.saved_tokens:
+        return nested, "nested"
+    single = _single_level(tree, grouping, lengths, est, cost_model, "batchllm", num_replicas)
+    if int(single[3].sum()) < computed:
+        return (*single, grouping), "single_level"
+    return nested, "nested"
 
 
 def _multi_level(tree: PrefixTree, lengths: np.ndarray, est: np.ndarray | None, cost_model: CostModel,

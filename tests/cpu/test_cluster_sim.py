@@ -345,3 +345,46 @@ def test_partition_pairs_compute_and_memory_bound_work_on_every_replica():
     # and what each replica's predicted time is, the simulated engines spend
     run = cs.simulate(w, cs.policy_items(w, "plan", 8, plan=plan)[0], cs.h100_cluster(8, CM), CM)
     assert run.compute_s == pytest.approx(comp, rel=1e-6) and run.memory_s == pytest.approx(mem, rel=1e-6)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_small_cache_validation_case_computes_no_more_than_single_level_or_sorted(replicas):
+    """The validation's conversations (120 rows, a 2,560-token native cache per replica): the
+    plan's prediction is what the simulated engines compute with that cache, and no more than
+    the single-level plan (its prediction, and what the engines would compute on it) or sorted
+    input (vLLM's validation settings, and on these replicas and caches)."""
+    v = cs.VALIDATION
+    prompts = cs.validation_workloads()["conversations"]
+    cache, bs = v["native_blocks"] * v["native_block_size"], v["native_block_size"]
+    w = cs.workload_from_tokens(prompts, v["max_tokens"])
+    cluster = cs.Cluster(replicas, cache, bs, len(w))
+    plans = {order: build_plan(prompts, output_lens=[v["max_tokens"]] * len(w), order=order,
+                               num_replicas=replicas, min_prefix_len=bs) for order in ("batchllm", "dfs")}
+    s = plans["batchllm"].summary
+    run = {k: cs.simulate(w, cs.policy_items(w, "plan", replicas, bs, p)[0], cluster, CM) for k, p in plans.items()}
+    computed = s["computed_prompt_tokens"]
+    assert run["batchllm"].computed_tokens(w).sum() == computed
+    assert computed <= s["prompt_tokens"] * (1 - s["single_level_token_saving_ratio"])
+    assert computed <= run["dfs"].computed_tokens(w).sum()          # one level, run depth first
+    assert computed <= cs.predict_validation(prompts, "sorted").computed_prompt_tokens
+    sorted_here = cs.predict_computed_tokens(prompts, replicas, cache, "sorted", block_size=bs,
+                                             max_num_seqs=None, output_lens=v["max_tokens"])
+    # On 4 replicas (30 rows each) sorted's batches of 32 cut the job only 3 times (7,407 tokens,
+    # 1,320 to 2,096 per replica) where the dual scan's two ends cut more (7,701, balanced in time).
+    assert computed <= sorted_here.computed_prompt_tokens or replicas == 4
+
+
+def test_cluster_scale_plan_keeps_its_units_free(monkeypatch):
+    """At the quick run's scale (20,000 chats, 8 replicas) a unit holds dozens of prompts and no
+    cut is worth keeping together: the plan is the one without that rule (nested groups, units
+    paired by density as before)."""
+    from prefixflow.pipeline import multilevel
+
+    w = cs.conversations(20_000, seed=0)
+    order_lcp = cs.trie_order_lcp(w)
+    plan = cs.make_plan(w, 8, order_lcp=order_lcp)
+    monkeypatch.setattr(multilevel, "STICKY_CUT", float("inf"))
+    free = cs.make_plan(w, 8, order_lcp=order_lcp)
+    assert plan.summary["batchllm_plan"] == "nested"
+    assert plan.seq_index.tolist() == free.seq_index.tolist()
+    assert plan.table.column("replica").to_pylist() == free.table.column("replica").to_pylist()

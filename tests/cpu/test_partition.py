@@ -71,8 +71,12 @@ def test_replicas_balance_and_keep_the_sharing(order):
         assert s["predicted_seconds_max_over_mean"] == pytest.approx(max(times) / np.mean(times))
         assert s["token_saving_ratio"] >= 0.99 * single.summary["token_saving_ratio"]
         assert s["lost_saving_tokens"] == sum(r["lost_saving_tokens"] for r in s["replicas"])
-        saved_drop = single.summary["computed_prompt_tokens"] - s["computed_prompt_tokens"]
-        assert -saved_drop == s["lost_saving_tokens"]
+        # lost: against the same plan uncut. batchllm takes the single-level plan where its
+        # split computes fewer tokens than the nested one's (here: 133,341 vs 133,468 on 2)
+        uncut = single.summary["computed_prompt_tokens"]
+        if s.get("batchllm_plan") != single.summary.get("batchllm_plan"):
+            uncut = round(s["prompt_tokens"] * (1 - s["single_level_token_saving_ratio"]))
+        assert s["computed_prompt_tokens"] - uncut == s["lost_saving_tokens"]
 
 
 def test_a_group_larger_than_a_share_is_one_group_per_replica_with_the_full_prefix():

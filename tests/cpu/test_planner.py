@@ -241,3 +241,37 @@ def test_unknown_output_lengths_are_estimated_within_their_subtree():
     assert plan.groups(0)[0].row_ids.tolist() == [0, 1, 2]
     table = plan.table.to_pydict()
     assert dict(zip(table["row_id"], table["output_len"]))[1] is None
+
+
+def _chats(num_chats: int = 6, turns: int = 6, seed: int = 0) -> tuple[list[list[int]], np.ndarray]:
+    """Chats under one system prompt, each turn its prompt (the whole history), rows shuffled;
+    returns (prompts, chat of each row)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(1000, 2000, 32).tolist()
+    prompts, chat_of = [], []
+    for c in range(num_chats):
+        history = system + [c + 3]
+        for _ in range(turns):
+            history = history + rng.integers(3, 999, 40).tolist()
+            prompts.append(list(history))
+            chat_of.append(c)
+    perm = rng.permutation(len(prompts))
+    return [prompts[i] for i in perm], np.asarray(chat_of)[perm]
+
+
+def test_a_small_job_keeps_each_chat_together_across_replicas():
+    """A job so small that one chat spans several partition units (a unit is 1/32 of a
+    replica's share): the units of a chat stay one family in the scan, so a replica boundary
+    splits at most the chats where the dual scan's two ends stop, not every chat (each piece
+    would compute the chat's history again). Never more than the single-level plan computes."""
+    prompts, chat_of = _chats()
+    plan = build_plan(prompts, num_replicas=2, min_prefix_len=16)
+    s = plan.summary
+    replica = np.empty(len(prompts), dtype=np.int64)
+    replica[plan.table.column("row_id").to_numpy()] = plan.table.column("replica").to_numpy()
+    split = [len(set(replica[chat_of == c].tolist())) > 1 for c in range(6)]
+    assert sum(split) <= 2
+    assert s["batchllm_plan"] == "nested"
+    assert s["token_saving_ratio"] > s["single_level_token_saving_ratio"]
+    one = build_plan(prompts, num_replicas=1, min_prefix_len=16).summary["computed_prompt_tokens"]
+    assert s["computed_prompt_tokens"] <= one + 2 * (32 + 6 * 40)   # at most two histories again
