@@ -144,6 +144,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     metrics = report.metrics(spec, planned, final.manifests, ray.get(sink.get.remote()),
                              wall_s=time.perf_counter() - started,
                              generate_s=time.perf_counter() - gen_started)
+    ray.kill(sink)  # now, not when Ray collects it: a resume in this process takes the same name
     metrics["fault_tolerance"] = {
         "rows_committed_before": before.num_rows, "rows_written": final.num_rows - before.num_rows,
         "rows_reported": sum(m["num_rows"] for m in manifests),
