@@ -129,6 +129,27 @@ def write_inputs(model: Path, rows: list[dict[str, Any]], folder: Path) -> tuple
     return ours, theirs
 
 
+def prompt_token_floors(prompts: list[list[int]], block: int = BLOCK) -> dict[str, int]:
+    """The fewest prompt tokens any system can compute on these prompts, with a cache as large as
+    it likes and any order: every distinct token once (the prefix tree's tokens), and, with a
+    cache that reuses whole blocks only (vLLM's), every distinct whole block once plus each
+    prompt's tokens past its last shared whole block (a prompt met whole still computes its last
+    token). In sorted order each prompt shares the most with the one before it, so the sum over
+    sorted neighbours is that floor."""
+    import numpy as np
+
+    from prefixflow.pipeline.prefix_tree import PrefixTree, sort_with_lcp
+    from prefixflow.pipeline.ragged import RaggedTokens
+
+    tokens = RaggedTokens.from_sequences(prompts)
+    order, lcp = sort_with_lcp(tokens, block)
+    lens = tokens.lengths[order]
+    shared = np.minimum(np.r_[0, lcp], np.maximum(lens - 1, 0)) // block * block
+    return {"prompt_tokens": int(lens.sum()),
+            "distinct_prompt_tokens": PrefixTree.from_sorted(order, lcp, tokens.lengths).tree_tokens(),
+            "whole_block_floor": int((lens - shared).sum())}
+
+
 # ---- one run: a driver process on the cluster ---------------------------------------------------
 
 def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> dict[str, Any]:
@@ -448,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
                                           "block_size": BLOCK, "model": MODEL_SHAPE},
         "workload": {"rows": len(rows), "documents": len(docs),
                      "questions_per_document_top": sorted(zipf_counts(num_rows, max(8, num_rows * 3 // 10), 1.3), reverse=True)[:5],
-                     "output_tokens": sum(r["max_tokens"] for r in rows)},
+                     "output_tokens": sum(r["max_tokens"] for r in rows),
+                     "floors": prompt_token_floors([r["tokenized_prompt"] for r in token_rows])},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_average_at_end": os.getloadavg()},
         "reference_outputs": reference_key, "runs": summary, "acceptance": ratios(summary, replicas),

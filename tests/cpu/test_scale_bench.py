@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from prefixflow.bench.scale_bench import make_rows, zipf_counts
+from prefixflow.bench.scale_bench import make_rows, prompt_token_floors, zipf_counts
 
 
 def test_question_counts_follow_a_zipf_law():
@@ -30,3 +30,12 @@ def test_rows_have_long_documents_varied_outputs_and_arrive_shuffled(tiny_model)
     positions = [i for i, r in enumerate(rows) if r["doc_id"] == hot]
     assert positions[-1] - positions[0] > len(positions)
     assert len({(r["doc_id"], r["question"]) for r in rows}) == 300
+
+
+def test_prompt_token_floors_count_distinct_tokens_and_whole_blocks():
+    # Sorted: abcd, abcd (shares 3 of its 4: one whole block of 2), abce (the same), z.
+    prompts = [[1, 2, 3, 5], [9], [1, 2, 3, 4], [1, 2, 3, 4]]
+    assert prompt_token_floors(prompts, block=2) == {
+        "prompt_tokens": 13, "distinct_prompt_tokens": 6, "whole_block_floor": 4 + 2 + 2 + 1}
+    # One token per block: every shared token is reused, but a prompt met whole recomputes its last.
+    assert prompt_token_floors(prompts, block=1)["whole_block_floor"] == 4 + 1 + 1 + 1
