@@ -33,7 +33,7 @@ import numpy as np
 
 from prefixflow.pipeline.cost_model import CostModel, density
 from prefixflow.pipeline.grouping import Grouping
-from prefixflow.pipeline.partition import Partition, partition_runs
+from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
 UNITS_PER_REPLICA = 32  # merged units are at most this share of a replica's work
@@ -280,27 +280,8 @@ def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float) -> np.ndarray
     return np.cumsum(new) - 1
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class MultiLevelPlan:
-    """The batchllm plan's rows (replica by replica) and runs, with per-replica predictions.
-
-    seq_index: [n] prompt of each plan row. run_starts: [num_runs + 1]. run_prefix,
-    run_computed: [num_runs] shared prefix and prompt tokens computed. run_replica: [num_runs].
-    replica_runs: [R + 1] run boundaries of each replica. partition: predicted seconds and the
-    saved tokens the split gave up, per replica.
-    """
-
-    seq_index: np.ndarray
-    run_starts: np.ndarray
-    run_prefix: np.ndarray
-    run_computed: np.ndarray
-    run_replica: np.ndarray
-    replica_runs: np.ndarray
-    partition: Partition
-
-
 def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, outs: np.ndarray,
-                     cm: CostModel, num_replicas: int, block_size: int) -> MultiLevelPlan:
+                     cm: CostModel, num_replicas: int, block_size: int) -> ReplicaRuns:
     """Split the depth-first order's units across replicas (dual scan, BlendServe Sec. 5.5),
     each replica running its parts in depth-first order, then cut into runs. Depth-first, not
     in the order the scan took them: a replica's rows are then a subsequence of a preorder,
@@ -344,7 +325,7 @@ def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, 
     preds = Partition(part.part_lo, part.part_hi, part.part_run, part.part_replica, part.replica_parts,
                       per(final_c), per(final_m), np.maximum(np.rint(lost), 0).astype(np.int64))
     replica_runs = np.searchsorted(run_replica, np.arange(num_replicas + 1)).astype(np.int64)
-    return MultiLevelPlan(seq_index, run_starts, run_prefix_lens(g, lengths, run_starts, seq_index), run_computed,
+    return ReplicaRuns(seq_index, run_starts, run_prefix_lens(g, lengths, run_starts, seq_index), run_computed,
                           run_replica, replica_runs, preds)
 
 

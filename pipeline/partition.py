@@ -52,6 +52,26 @@ class Partition:
         return np.maximum(self.compute_s, self.memory_s)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ReplicaRuns:
+    """A plan's rows replica by replica, cut into runs of one group, with the partition's
+    per-replica predictions (what every order's planning hands build_plan).
+
+    seq_index: [n] prompt of each plan row. run_starts: [num_runs + 1]. run_prefix,
+    run_computed: [num_runs] shared prefix and prompt tokens computed. run_replica: [num_runs].
+    replica_runs: [R + 1] run boundaries of each replica. partition: predicted seconds and the
+    saved tokens the split gave up, per replica.
+    """
+
+    seq_index: np.ndarray
+    run_starts: np.ndarray
+    run_prefix: np.ndarray
+    run_computed: np.ndarray
+    run_replica: np.ndarray
+    replica_runs: np.ndarray
+    partition: Partition
+
+
 def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: np.ndarray,
                    run_prefix_compute: np.ndarray, run_prefix_len: np.ndarray,
                    num_replicas: int, run_density: np.ndarray | None = None) -> Partition:

@@ -25,7 +25,7 @@ from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, Hardwa
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse, runs
 from prefixflow.pipeline.multilevel import nested_groups, plan_multi_level
 from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts
-from prefixflow.pipeline.partition import Partition, partition_runs
+from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.requests import PrefixGroup
@@ -145,27 +145,26 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
     cost_model = CostModel.create(model, hardware)
-    plan_kind = None
     if order == "batchllm":
         block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
-        (seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part, ref), plan_kind = \
-            _batchllm(tree, grouping, lengths, est, cost_model, num_replicas, min_prefix_len, block)
+        planned, ref, plan_kind = _batchllm(tree, grouping, lengths, est, cost_model, num_replicas,
+                                            min_prefix_len, block)
     else:
-        seq_index, new_starts, part_prefix, part_computed, part_replica, replica_runs, part = \
-            _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
-        ref = grouping
-    table = _plan_table(ids, seq_index, lengths, outs, new_starts, part_prefix, part_replica, replica_runs)
-    summary = _summary(tree, grouping, lengths, np.diff(new_starts), part_computed, part_replica,
-                       num_replicas, order)
-    _add_predictions(summary, part, cost_model, ref, outs is None)
+        planned = _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
+        ref, plan_kind = grouping, None
+    table = _plan_table(ids, planned.seq_index, lengths, outs, planned.run_starts, planned.run_prefix,
+                        planned.run_replica, planned.replica_runs)
+    summary = _summary(tree, grouping, lengths, np.diff(planned.run_starts), planned.run_computed,
+                       planned.run_replica, num_replicas, order)
+    _add_predictions(summary, planned.partition, cost_model, ref, outs is None)
     if plan_kind is not None:
         summary["batchllm_plan"] = plan_kind
     summary["planning_seconds"] = time.perf_counter() - started
-    return Plan(table, summary, tokens, seq_index, new_starts, replica_runs, hashed)
+    return Plan(table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs, hashed)
 
 
 def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est: np.ndarray | None,
-                  cost_model: CostModel, order: str, num_replicas: int) -> tuple:
+                  cost_model: CostModel, order: str, num_replicas: int) -> ReplicaRuns:
     """fcfs, dfs, blendserve: one level of groups (BatchLLM Alg. 1), the policy's order cut into
     runs of one group, runs split across replicas (partition.py)."""
     seq_order = order_prompts(order, tree, grouping, lengths, est, cost_model=cost_model)
@@ -177,36 +176,30 @@ def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est
     seq_index, new_starts, part_len, part_prefix = _parts_in_plan_order(seq_order, starts, grouping, part)
     part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if len(lengths) else np.zeros(0, np.int64)
     part_computed = part_prompt - (part_len - 1) * part_prefix
-    return seq_index, new_starts, part_prefix, part_computed, part.part_replica, part.replica_parts, part
+    return ReplicaRuns(seq_index, new_starts, part_prefix, part_computed, part.part_replica, part.replica_parts,
+                       part)
 
 
 def _batchllm(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, est: np.ndarray | None,
-              cost_model: CostModel, num_replicas: int, min_prefix_len: int, block: int) -> tuple[tuple, str]:
+              cost_model: CostModel, num_replicas: int, min_prefix_len: int,
+              block: int) -> tuple[ReplicaRuns, Grouping, str]:
     """The batchllm plan: nested groups (multilevel.py), unless the single-level plan (BatchLLM
     Alg. 1, groups in Eq. 3 order) is predicted to compute fewer prompt tokens. The nested
     prediction is what the engines compute; the single-level one counts no hit across groups,
-    an upper bound, so the swap never computes more. Returns (the plan's parts, "nested" or
-    "single_level"). Only where the single-level grouping was made (its uncut saving bounds
-    the single-level plan: at or below that the nested plan is kept without building it)."""
-    nested = _multi_level(tree, lengths, est, cost_model, num_replicas, min_prefix_len, block)
-    computed = int(nested[3].sum())
-    if grouping is None or computed <= int(lengths.sum()) - grouping.saved_tokens:
-        return nested, "nested"
-    single = _single_level(tree, grouping, lengths, est, cost_model, "batchllm", num_replicas)
-    if int(single[3].sum()) < computed:
-        return (*single, grouping), "single_level"
-    return nested, "nested"
-
-
-def _multi_level(tree: PrefixTree, lengths: np.ndarray, est: np.ndarray | None, cost_model: CostModel,
-                 num_replicas: int, min_prefix_len: int, block: int) -> tuple:
-    """batchllm: nested groups run depth first, units of subtrees split across replicas with
-    compute-dense and memory-dense work paired on each (multilevel.py)."""
+    an upper bound, so the swap never computes more. Returns (the plan's runs, their grouping,
+    "nested" or "single_level"). Only where the single-level grouping was made (its uncut
+    saving bounds the single-level plan: at or below that the nested plan is kept without
+    building it)."""
     ng = nested_groups(tree, lengths, est, min_prefix_len, block)
     outs = np.full(len(lengths), DEFAULT_OUTPUT_LEN) if est is None else est
-    ml = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block)
-    return (ml.seq_index, ml.run_starts, ml.run_prefix, ml.run_computed, ml.run_replica.astype(np.int32),
-            ml.replica_runs, ml.partition, ng.grouping)
+    nested = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block)
+    computed = int(nested.run_computed.sum())
+    if grouping is None or computed <= int(lengths.sum()) - grouping.saved_tokens:
+        return nested, ng.grouping, "nested"
+    single = _single_level(tree, grouping, lengths, est, cost_model, "batchllm", num_replicas)
+    if int(single.run_computed.sum()) < computed:
+        return single, grouping, "single_level"
+    return nested, ng.grouping, "nested"
 
 
 def _parts_in_plan_order(seq_order: np.ndarray, starts: np.ndarray, grouping: Grouping,
