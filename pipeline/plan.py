@@ -23,7 +23,7 @@ from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.blendserve import estimate_output_lens
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse, runs
-from prefixflow.pipeline.multilevel import nested_groups, plan_multi_level
+from prefixflow.pipeline.multilevel import UNITS_PER_REPLICA, nested_groups, plan_multi_level
 from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts
 from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
@@ -35,6 +35,26 @@ from prefixflow.requests import PrefixGroup
 SINGLE_LEVEL_METRIC_MAX_NODES = 2_000_000
 
 DEFAULT_ORDER = "batchllm"  # the one default plan order (ProcessorConfig and the job spec use it)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlanUnit:
+    """A stretch of one replica's plan that shares nothing with the rest of it but its parents'
+    prefixes (a subtree, or a piece of a group larger than a unit): the grain at which a
+    replica that runs dry takes work from another, never split.
+
+    unit_id: its index in the plan (Plan.unit_starts); replica: the replica the plan gave it
+    to; groups: its runs in order; predicted_seconds: the cost model's time for it."""
+
+    unit_id: int
+    replica: int
+    groups: list[PrefixGroup]
+    predicted_seconds: float
+
+    @property
+    def row_ids(self) -> np.ndarray:
+        return np.concatenate([g.row_ids for g in self.groups]).astype(np.int64) if self.groups else \
+            np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -57,11 +77,19 @@ class Plan:
     seq_index: np.ndarray     # [num_rows] prompt index of each table row
     run_starts: np.ndarray    # [num_runs + 1] table-row boundaries of the runs (groups)
     replica_runs: np.ndarray  # [num_replicas + 1] run boundaries of each replica
+    # Units: the partition's parts in plan order (a subtree, or a piece of a large group), what
+    # a replica that runs dry may take from another, whole (units(), operators/work_queue.py).
+    unit_starts: np.ndarray   # [num_units + 1] table-row boundaries of the units
+    unit_seconds: np.ndarray  # [num_units] predicted seconds of each unit (cost_model.py)
     hashed: HashedPrompts | None = None
 
     @property
     def num_replicas(self) -> int:
         return len(self.replica_runs) - 1
+
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_starts) - 1
 
     def groups(self, replica: int = 0) -> list[PrefixGroup]:
         """The replica's prefix-sharing groups in run order.
@@ -70,27 +98,52 @@ class Plan:
         sets each group's prefix to what its members really share (block_hash.shared_prefix): a
         hash collision shrinks it, the tokens after the last whole block extend it. The table
         keeps the planned (whole-block) prefix_len."""
+        first, last = self._replica_range(replica)
+        return self._groups(replica, self.run_starts[first:last + 1])
+
+    def units(self, replica: int = 0) -> list[PlanUnit]:
+        """The replica's units in plan order, each with its groups: a run that a unit boundary
+        cuts gives each unit its piece, with the run's prefix (computed once per piece: on one
+        replica the second finds it in the prefix cache; on a thief it is computed there)."""
+        first, last = self._replica_range(replica)
+        lo, hi = int(self.run_starts[first]), int(self.run_starts[last])
+        u_lo, u_hi = np.searchsorted(self.unit_starts, [lo, hi])
+        cuts = np.union1d(self.run_starts[first:last + 1], self.unit_starts[u_lo:u_hi + 1])
+        groups = self._groups(replica, cuts)
+        unit_of = np.searchsorted(self.unit_starts, cuts[:-1], side="right") - 1
+        units = []
+        for u in range(int(u_lo), int(u_hi)):
+            mine = [g for g, k in zip(groups, unit_of) if k == u]
+            units.append(PlanUnit(u, replica, mine, float(self.unit_seconds[u])))
+        return units
+
+    def _replica_range(self, replica: int) -> tuple[int, int]:
         if not 0 <= replica < self.num_replicas:
             raise ValueError(f"replica={replica} is out of range: the plan has {self.num_replicas}")
+        return int(self.replica_runs[replica]), int(self.replica_runs[replica + 1])
+
+    def _groups(self, replica: int, cuts: np.ndarray) -> list[PrefixGroup]:
+        """One group per stretch between consecutive `cuts` (table rows of one replica, each
+        inside one run), with its run's id and prefix."""
         cols = {name: self.table.column(name).to_numpy() for name in ("row_id", "prefix_len")}
         out_col = self.table.column("output_len")
         out_lens = None if out_col.null_count == len(out_col) else out_col.to_numpy(zero_copy_only=False)
-        first, last = int(self.replica_runs[replica]), int(self.replica_runs[replica + 1])
-        base = int(self.run_starts[first])
+        base, end = int(cuts[0]), int(cuts[-1])
         if self.tokens is not None:
             tokens, index = self.tokens, self.seq_index
         else:  # positions base.. of this replica, fetched in plan order
-            tokens = self.hashed.fetch_tokens(self.seq_index[base:int(self.run_starts[last])])
+            tokens = self.hashed.fetch_tokens(self.seq_index[base:end])
             index = np.arange(len(self.seq_index), dtype=np.int64) - base
+        run_of = np.searchsorted(self.run_starts, cuts[:-1], side="right") - 1
         groups = []
-        for run in range(first, last):
-            lo, hi = int(self.run_starts[run]), int(self.run_starts[run + 1])
+        for k in range(len(cuts) - 1):
+            lo, hi = int(cuts[k]), int(cuts[k + 1])
             prompts = [tokens[int(s)] for s in index[lo:hi]]
-            plen = int(cols["prefix_len"][lo])
+            plen = int(cols["prefix_len"][lo]) if hi - lo > 1 else 0  # a piece of one shares nothing
             if self.tokens is None:
                 plen = shared_prefix(plen, prompts, self.hashed.block_size)
             groups.append(PrefixGroup(
-                group_id=run,
+                group_id=int(run_of[k]),
                 prefix=prompts[0][:plen],
                 row_ids=cols["row_id"][lo:hi],
                 distinct=tuple(p[plen:] for p in prompts),
@@ -159,8 +212,41 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     _add_predictions(summary, planned.partition, cost_model, ref, outs is None)
     if plan_kind is not None:
         summary["batchllm_plan"] = plan_kind
+    unit_starts, unit_s = _units(cost_model, lengths, est, planned, num_replicas)
+    summary["num_units"] = int(len(unit_starts) - 1)
     summary["planning_seconds"] = time.perf_counter() - started
-    return Plan(table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs, hashed)
+    return Plan(table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs,
+                unit_starts, unit_s, hashed)
+
+
+def _units(cm: CostModel, lengths: np.ndarray, est: np.ndarray | None, planned: ReplicaRuns,
+           num_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+    """(unit starts in plan order, predicted seconds of each unit). A unit is a part of the
+    partition (a subtree, a group, or a piece of one), cut further where it is predicted to
+    take more than a replica's share / UNITS_PER_REPLICA, so that a replica that runs dry finds
+    work of that grain to take (a single-level group asked a million questions is one part).
+    The cuts change neither the plan's order nor its runs. A row's time: its compute (members
+    attend to their run's prefix; each run's prefix once, on its first row) and memory time;
+    a unit's: BlendServe's T = max(T_comp, T_mem) (cost_model.py)."""
+    n = len(planned.seq_index)
+    parts = np.r_[0, np.cumsum(planned.partition.part_hi - planned.partition.part_lo)].astype(np.int64)
+    if n == 0:
+        return parts, np.zeros(0)
+    run_len = np.diff(planned.run_starts)
+    prefix = np.repeat(planned.run_prefix, run_len)
+    prompt = lengths[planned.seq_index]
+    out = np.full(n, DEFAULT_OUTPUT_LEN) if est is None else est[planned.seq_index]
+    comp = cm.compute_seconds(prompt, out, prefix).astype(np.float64)
+    comp[planned.run_starts[:-1]] += cm.prefix_seconds(planned.run_prefix)
+    mem = cm.memory_seconds(prompt, out).astype(np.float64)
+    cum = np.r_[0.0, np.cumsum(comp + mem)]
+    cap = cum[-1] / (num_replicas * UNITS_PER_REPLICA)
+    # Within each part, a new unit every `cap` of cumulative time (at row boundaries).
+    part_of = np.repeat(np.arange(len(parts) - 1), np.diff(parts))
+    chunk = np.floor((cum[:-1] - cum[parts[part_of]]) / max(cap, 1e-30)).astype(np.int64)
+    new = np.r_[True, (part_of[1:] != part_of[:-1]) | (chunk[1:] != chunk[:-1])]
+    starts = np.r_[np.flatnonzero(new), n].astype(np.int64)
+    return starts, np.maximum(np.add.reduceat(comp, starts[:-1]), np.add.reduceat(mem, starts[:-1]))
 
 
 def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est: np.ndarray | None,

@@ -65,7 +65,7 @@ class SchedulerOutput:
         for c in self.chunks:
             owner, prefix_index, start_pos = c.owner, -1, c.start
             if isinstance(owner, Sequence) and owner.prefix_len > 0:
-                key = (owner.group.group_id, owner.prefix_len)
+                key = (id(owner.group), owner.prefix_len)  # plan pieces of one run share its id
                 if key not in index:
                     prefix = owner.group.prefix
                     assert prefix is not None and (prefix.is_complete or prefix.seq_id in self.completing)

@@ -1,0 +1,71 @@
+"""Plan units: the grain of work stealing (pipeline/plan.py Plan.units)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixflow.pipeline import build_plan
+from prefixflow.pipeline.multilevel import UNITS_PER_REPLICA
+
+
+def zipf_docs(num_rows: int, seed: int = 0) -> list[list[int]]:
+    """Documents asked Zipf-many questions: one document holds a large share of the rows."""
+    rng = np.random.default_rng(seed)
+    docs = [list(rng.integers(0, 500, size=int(rng.integers(50, 300)))) for _ in range(30)]
+    return [[1, 2, 3] + docs[min(int(rng.zipf(1.5)) - 1, 29)] + list(rng.integers(0, 500, size=10))
+            for _ in range(num_rows)]
+
+
+@pytest.mark.parametrize("order", ["batchllm", "fcfs", "dfs", "blendserve"])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_units_cover_each_replica_in_plan_order(order, replicas):
+    prompts = zipf_docs(400)
+    outs = np.random.default_rng(1).integers(8, 128, size=len(prompts))
+    plan = build_plan(prompts, order=order, num_replicas=replicas, min_prefix_len=16, output_lens=outs)
+    seen = 0
+    for r in range(replicas):
+        units = plan.units(r)
+        assert all(u.replica == r for u in units)
+        # Units in order are the replica's plan rows in order, and groups keep their prefixes.
+        rows = np.concatenate([u.row_ids for u in units])
+        assert rows.tolist() == np.concatenate([g.row_ids for g in plan.groups(r)]).tolist()
+        assert rows.tolist() == plan.replica_table(r).column("row_id").to_pylist()
+        for u in units:
+            assert u.groups and u.predicted_seconds == plan.unit_seconds[u.unit_id]
+            for g in u.groups:
+                assert all(list(g.prompt(i)) == prompts[int(row)] for i, row in enumerate(g.row_ids))
+                assert g.num_members > 1 or g.prefix_len == 0  # a group of one shares nothing
+        seen += len(units)
+    assert seen == plan.num_units == plan.summary["num_units"]
+
+
+def test_a_large_group_is_cut_into_units_of_a_replicas_share():
+    """One document asked most of the questions is one single-level group; its units are each
+    at most a share of a replica's time (so a replica that runs dry finds work of that grain)."""
+    prompts = zipf_docs(600)
+    plan = build_plan(prompts, order="dfs", num_replicas=4, min_prefix_len=16)
+    sizes = np.diff(plan.table.column("group_id").to_numpy(), prepend=-1) != 0
+    assert np.diff(np.flatnonzero(np.r_[sizes, True])).max() > 600 // 8  # one large group
+    cap = plan.unit_seconds.sum() / (4 * UNITS_PER_REPLICA)
+    assert plan.num_units >= 4 * UNITS_PER_REPLICA // 2
+    assert plan.unit_seconds.max() <= 2 * cap
+    # Cutting units changes neither the runs nor the order.
+    plain = build_plan(prompts, order="dfs", num_replicas=4, min_prefix_len=16)
+    assert plan.table.equals(plain.table)
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=40),
+       st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+def test_units_partition_the_plan(prompts, replicas):
+    plan = build_plan(prompts, order="batchllm", num_replicas=replicas)
+    starts = plan.unit_starts
+    assert starts[0] == 0 and starts[-1] == len(prompts) and np.all(np.diff(starts) > 0)
+    replica = plan.table.column("replica").to_numpy()
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        assert len(set(replica[lo:hi].tolist())) == 1  # a unit never spans replicas
+    got = sorted(int(r) for k in range(replicas) for u in plan.units(k) for r in u.row_ids)
+    assert got == list(range(len(prompts)))
