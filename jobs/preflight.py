@@ -568,4 +568,18 @@ def resource_problems(spec: JobSpec, nodes: list[dict[str, float]]) -> Problems:
     if not any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes):
         return [("resources", f"no node of the Ray cluster has both {cpus:g} CPU(s) and {gpus:g} "
                  "GPU(s) (num_cpus_per_replica, num_gpus_per_replica): lower one of them")]
+    least = spec.replicas.min if not isinstance(spec.replicas, int) else None
+    slots = engine_slots(nodes, cpus, gpus)
+    if least is not None and slots < least:
+        return [("replicas.min", f"{least} but the Ray cluster holds {slots} engine(s) of {cpus:g} CPU(s) "
+                 f"and {gpus:g} GPU(s) at once: lower replicas.min, or start the job on more nodes")]
     return []
+
+
+def engine_slots(nodes: list[dict[str, float]], cpus: float, gpus: float) -> int:
+    """How many engine actors of `cpus` CPUs and `gpus` GPUs the nodes hold at once."""
+    def fits(have: float, need: float) -> float:
+        return have // need if need > 0 else float("inf")
+
+    total = sum(min(fits(n.get("CPU", 0), cpus), fits(n.get("GPU", 0), gpus)) for n in nodes)
+    return int(min(total, 1 << 30))

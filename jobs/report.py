@@ -153,7 +153,7 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
     t = planned.timings
     plan_s = t["gather_s"] + t["build_plan_s"]
     return {
-        "job": spec.name, "model": spec.model, "order": spec.order, "replicas": spec.replicas,
+        "job": spec.name, "model": spec.model, "order": spec.order, "replicas": spec.num_replicas,
         "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
         "prompt_tokens": prompt, "computed_prompt_tokens": round(computed),
         "generated_tokens": generated,

@@ -116,7 +116,7 @@ def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, 
     # of what a resume must find unchanged.
     inputs = input_listing(input_files(read_options(spec)), wopts.storage)
     model = model_fingerprint(resolve_model(processor.config.model))
-    identity = job_identity(planned, spec.replicas, _spec_key(spec), inputs, model)
+    identity = job_identity(planned, spec.num_replicas, _spec_key(spec), inputs, model)
     if wopts.format == "openai":
         wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, spec.engine.model_dump()))
     fingerprint = identity["fingerprint"]

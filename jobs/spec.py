@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      ValidationError, create_model, field_validator, model_validator)
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.model_source import normalize_model  # torch-free
@@ -252,7 +252,12 @@ def _limited(name: str, kind: Any) -> Any:
             raise ValueError(f"{short(bad)} is invalid: {fix}")
         return value
 
-    return Annotated[kind, AfterValidator(check)]
+    def no_bool(value: Any) -> Any:
+        if isinstance(value, bool):  # YAML's true is not a count
+            raise ValueError(f"{value!r} is invalid: give a number, not true or false")
+        return value
+
+    return Annotated[kind, BeforeValidator(no_bool), AfterValidator(check)]
 
 
 # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
@@ -301,6 +306,21 @@ class TokenizeSpec(_Strict):
     batch_size: _limited("tokenize_batch_size", int) = _default("tokenize_batch_size")  # type: ignore[valid-type]
 
 
+class ReplicasSpec(_Strict):
+    """replicas as a range, as ray.data.llm's concurrency=(min, max): the plan is made for max
+    engines and max are started; min of them must fit the cluster when the job starts, the
+    others start when resources come (a node added) and take work then."""
+
+    min: _limited("replicas", int)  # type: ignore[valid-type]
+    max: _limited("replicas", int)  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ReplicasSpec":
+        if self.min > self.max:
+            raise ValueError(f"min={self.min} is more than max={self.max}: give min <= max")
+        return self
+
+
 class ResourcesSpec(_Strict):
     num_gpus_per_replica: _limited("num_gpus_per_replica", float) = _default("num_gpus_per_replica")  # type: ignore[valid-type]
     num_cpus_per_replica: _limited("num_cpus_per_replica", float) = _default("num_cpus_per_replica")  # type: ignore[valid-type]
@@ -341,8 +361,14 @@ class JobSpec(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)  # type: ignore[valid-type]
     order: _choice("order") = Field(default=_default("order"),  # type: ignore[valid-type]
                                     description="plan order: fcfs, dfs, batchllm or blendserve")
-    replicas: _limited("replicas", int) = Field(default=_default("replicas"),  # type: ignore[valid-type]
-                                                description="data-parallel engine actors")
+    # A count or a {min, max} range; the discriminator picks the one a value means, so that its
+    # problems are that form's alone.
+    replicas: Annotated[Annotated[_limited("replicas", int), Tag("tag:count")]  # type: ignore[valid-type]
+                        | Annotated[ReplicasSpec, Tag("tag:range")],
+                        Discriminator(lambda v: "tag:range" if isinstance(v, (dict, ReplicasSpec)) else "tag:count")] = \
+        Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
+    work_stealing: bool = Field(default=_default("work_stealing"), description="a replica that runs "
+                                "dry takes the last unstarted plan units of the busiest one")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
                                      "dies this many more times in a row without committing a row "
@@ -404,6 +430,11 @@ class JobSpec(_Strict):
             return fmt
         return "openai" if self.input_format() == "openai" else "parquet"
 
+    @property
+    def num_replicas(self) -> int:
+        """The replicas the plan is made for (the range's max)."""
+        return self.replicas.max if isinstance(self.replicas, ReplicasSpec) else self.replicas
+
     def sampling_given(self) -> dict[str, Any]:
         """The sampling fields the spec sets itself (the model's generation_config.json fills
         the others: operators/config.sampling_with_defaults)."""
@@ -416,7 +447,9 @@ class JobSpec(_Strict):
             model=normalize_model(self.model),  # local paths absolute; hub ids and short names kept
             prompt=PromptTemplate(**self.prompt.model_dump()) if self.prompt is not None else None,
             sampling=self.sampling_given(),  # the model's generation_config.json fills the rest
-            engine=self.engine.model_dump(), order=self.order, replicas=self.replicas,
+            engine=self.engine.model_dump(), order=self.order, replicas=self.num_replicas,
+            min_replicas=self.replicas.min if isinstance(self.replicas, ReplicasSpec) else None,
+            work_stealing=self.work_stealing,
             num_gpus_per_replica=self.resources.num_gpus_per_replica,
             num_cpus_per_replica=self.resources.num_cpus_per_replica,
             tokenize_concurrency=self.tokenize.concurrency, tokenize_batch_size=self.tokenize.batch_size,
@@ -496,7 +529,7 @@ def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
 
 def _describe(err: dict[str, Any]) -> tuple[str, str]:
     """One pydantic error -> (field path, message with a fix)."""
-    loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "str", "list["))]
+    loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "str", "list[", "tag:"))]
     path = ".".join(loc)
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
@@ -550,9 +583,11 @@ def _field_annotation(loc: list[str]) -> Any:
 
 
 def _model_of(annotation: Any) -> Any:
+    """The spec model an annotation holds (itself, or inside an Optional, a union or Annotated)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
+        found = _model_of(arg)
+        if found is not None:
+            return found
     return None

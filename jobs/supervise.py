@@ -1,12 +1,17 @@
-"""The generate stage of a job: R engine actors under Ray core, each restarted alone when it dies.
+"""The generate stage of a job: R engine actors under Ray core, fed by one work queue, each
+restarted alone when it dies.
 
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
 
-One actor per work item (a replica's partition of the plan, or ERRORS_ITEM for the error
-records) runs `ReplicaGenerator.run_item`, committing each part itself (operators/commit.py).
-When an actor dies, only its item starts again, on a new actor that skips the rows committed
-by then; the other replicas never stop. Whether a death is a row's fault, and when to give a
-replica up or stop the job, is decided by jobs/attempts.py.
+One actor per replica runs `ReplicaGenerator.run_item`, taking plan units from the job's
+WorkQueue (operators/work_queue.py: its own replica's in plan order, then, run dry, the last
+unstarted units of the busiest replica) and committing each part itself (operators/commit.py);
+one more writes the error records (ERRORS_ITEM). When an actor dies, the units it held go back
+to its replica's queue with their uncommitted rows, and its replica starts again on a new
+actor; the others never stop, and take those units themselves when the new actor cannot start
+(a node lost). An actor whose resources do not exist yet (a node to be added) starts when they
+do and takes work then. Whether a death is a row's fault, and when to give a replica up or stop
+the job, is decided by jobs/attempts.py.
 
 Ray Data's actor pool is not used here on purpose: a dead actor fails its whole execution,
 which stops every replica (and reloads every model) for one death.
@@ -25,8 +30,9 @@ from prefixflow.jobs.attempts import AttemptLedger
 from prefixflow.operators.commit import Committed, load_committed
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.plan import replica_group_refs, replica_row_ids
+from prefixflow.operators.plan import unit_payload_refs
 from prefixflow.operators.processor import engine_actor_options
+from prefixflow.operators.work_queue import WorkQueue
 from prefixflow.operators.write import WriteOptions
 
 
@@ -36,7 +42,7 @@ class _Running:
     actor: Any
     token: str         # names this run of the item to the sink
     started: float
-    rows: np.ndarray   # the item's rows when it started (committed ones included)
+    rows: np.ndarray   # the error item's rows when it started (committed ones included)
 
 
 def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, spec: Any,
@@ -57,26 +63,52 @@ class Supervisor:
         self.config, self.planned, self.sink, self.wopts, self.progress = (
             config, planned, sink, wopts, progress)
         self.actor_cls = ray.remote(ReplicaGenerator)
-        self.group_refs = replica_group_refs(planned, config.replicas)
-        self.replica_rows = [replica_row_ids(planned, r) for r in range(config.replicas)]
+        self.payloads = unit_payload_refs(planned, config.replicas)
+        plan = planned.plan
+        row_ids = plan.table.column("row_id").to_numpy().astype(np.int64)
+        self.unit_rows = np.split(row_ids, plan.unit_starts[1:-1])
         self.ledger = AttemptLedger(max_retries=max_retries_per_row)
         self.poisoned: list[int] = []  # in the order given up, so that error ranks never move
         self.given_up: set[int] = set()
         self.failures: list[dict[str, Any]] = []
         self.manifests: list[dict] = []
         self.running: dict[Any, _Running] = {}  # task ref -> its run
-        self.finished: set[int] = set()
         self.last = load_committed(wopts.path, wopts.storage, clean=False)
+        self.queue = self._start_queue(self.last)
+
+    def _start_queue(self, committed: Committed) -> Any:
+        """The WorkQueue actor, on the driver's node (it lives as long as the driver), holding
+        every unit with rows left (a resume: less the committed ones)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        plan = self.planned.plan
+        rows_left, done = {}, []
+        for u, rows in enumerate(self.unit_rows):
+            left = np.setdiff1d(rows, committed.row_ids)
+            if not len(left):
+                done.append(u)
+            elif len(left) < len(rows):
+                rows_left[u] = left.tolist()
+        replica = plan.table.column("replica").to_numpy()[plan.unit_starts[:-1]].tolist()
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.remote(WorkQueue).options(num_cpus=0, scheduling_strategy=here).remote(
+            replica, plan.unit_seconds.tolist(), self.config.replicas, rows_left, done, self.config.work_stealing)
 
     def run(self) -> tuple[list[dict], dict[str, Any]]:
         import ray
 
         self._start_missing(self.last)
+        # Every unit's payload is built on this node before anything else happens (while the
+        # engines load): from here on, a lost worker node loses no unit another must take.
+        refs = [ref for refs in self.payloads for ref in refs]
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
         try:
             while self.running:
                 ready, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
                 self._drain()
                 if not ready:
+                    self._stop_idle()
                     continue
                 # One read of the commit records serves every item that just ended: an ended
                 # item's actor writes nothing more, so its rows are all in this read.
@@ -88,37 +120,63 @@ class Supervisor:
         finally:
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
+        self.queue_status = ray.get(self.queue.status.remote())
+        ray.kill(self.queue)
         return self.manifests, self._report()
 
-    def _item_rows(self, item: int) -> np.ndarray:
-        if item == ERRORS_ITEM:
-            return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64),
-                                   np.asarray(self.poisoned, np.int64)])
-        return self.replica_rows[item]
-
     def _start_missing(self, committed: Committed) -> None:
-        """Start an actor for every item that has uncommitted rows and none running."""
-        busy = {r.item for r in self.running.values()}
-        for item in [*range(self.config.replicas), ERRORS_ITEM]:
-            if item in busy or item in self.given_up or (item in self.finished and item != ERRORS_ITEM):
-                continue
-            if len(np.setdiff1d(self._item_rows(item), committed.row_ids)):
-                self._start(item, committed)
-
-    def _start(self, item: int, committed: Committed) -> None:
+        """Start an actor for every replica that has none running (not given up) while the
+        queue holds units nobody has taken (at the start; after a death handed some back, an
+        ended replica starts again too), and for the error records when some are left."""
         import ray
 
+        busy = {r.item for r in self.running.values()}
+        work = ray.get(self.queue.status.remote())["num_queued"] > 0
+        if work and self.given_up.issuperset(range(self.config.replicas)):
+            self._give_up_the_rest(committed)  # no replica left to take the queued units
+            work = False
+        for item in range(self.config.replicas):
+            if work and item not in busy and item not in self.given_up:
+                self._start(item, committed)
+        if ERRORS_ITEM not in busy and len(np.setdiff1d(self._error_rows(), committed.row_ids)):
+            self._start(ERRORS_ITEM, committed)
+
+    def _give_up_the_rest(self, committed: Committed) -> None:
+        """Every replica was given up: the rows still queued become error records too."""
+        known = set(self.poisoned)
+        left = np.setdiff1d(np.concatenate(self.unit_rows or [np.zeros(0, np.int64)]), committed.row_ids)
+        self.poisoned += [int(r) for r in left if int(r) not in known]
+
+    def _error_rows(self) -> np.ndarray:
+        return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64),
+                               np.asarray(self.poisoned, np.int64)])
+
+    def _start(self, item: int, committed: Committed) -> None:
         why = self.failures[-1]["error"] if self.failures else ""
         job = _with_error_rows(self.planned, self.poisoned, why)
         # The error records need no engine: that actor takes no GPU and no CPU slot.
         opts = engine_actor_options(self.config, needs_engine=item != ERRORS_ITEM)
         actor = self.actor_cls.options(**opts).remote(
-            config=self.config, rows=self.planned.rows, group_refs=self.group_refs,
+            config=self.config, rows=self.planned.rows, payloads=self.payloads,
             error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=self.sink,
             done=committed.row_ids, skip=np.asarray(self.poisoned, np.int64), write=self.wopts)
         token = uuid.uuid4().hex
-        self.running[actor.run_item.remote(item, token)] = _Running(
-            item, actor, token, time.time(), self._item_rows(item))
+        queue = None if item == ERRORS_ITEM else self.queue
+        self.running[actor.run_item.remote(item, token, queue)] = _Running(
+            item, actor, token, time.time(), self._error_rows() if item == ERRORS_ITEM else np.zeros(0, np.int64))
+
+    def _stop_idle(self) -> None:
+        """Once every unit is done, stop the replica actors that never loaded their engine
+        (waiting for resources that may never come: a node lost): none has work left."""
+        import ray
+
+        if not ray.get(self.queue.status.remote())["all_done"]:
+            return
+        ready = ray.get(self.sink.status.remote())["engines_ready"]
+        for ref, run in list(self.running.items()):
+            if run.item != ERRORS_ITEM and run.token not in ready:
+                ray.kill(run.actor)
+                del self.running[ref]
 
     def _drain(self) -> None:
         """The parts committed since the last call, and the replicas' live counters, to the
@@ -142,38 +200,45 @@ class Supervisor:
             self.last = now
             return
         ray.kill(run.actor)  # its work is done: free its CPUs/GPU now
-        self.finished.add(run.item)
         left = np.setdiff1d(run.rows, now.row_ids)
         if len(left):  # a bug, not a fault: starting it again would loop
             raise RuntimeError(f"work item {run.item} finished without committing "
                                f"rows {left[:10].tolist()}")
 
     def _on_death(self, run: _Running, error: BaseException, now: Committed) -> None:
-        """Record a dead engine actor; give its replica up when the ledger says so."""
+        """Record a dead engine actor; hand its units back to the queue (their uncommitted
+        rows), or give its replica up when the ledger says so (those rows become errors)."""
         import ray
 
         # A death before the engine was loaded is no row's fault (a node lost, OOM at load).
         loaded = run.token in ray.get(self.sink.status.remote())["engines_ready"]
         self.sink.engine_died.remote(run.item)  # Ray's metrics: engine deaths
-        mine = self._item_rows(run.item)
-        committed_mine = int(np.isin(mine, now.row_ids).sum())
+        held = ray.get(self.queue.held.remote(run.token)) if run.item != ERRORS_ITEM else []
+        left = {u: np.setdiff1d(self.unit_rows[u], np.union1d(now.row_ids, self.poisoned)) for u in held}
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         self.failures.append({"item": run.item, "error": why, "engine_loaded": loaded,
-                              "rows_committed": now.num_rows, "item_rows_committed": committed_mine,
-                              "item_rows_left": int(len(mine) - committed_mine),
+                              "rows_committed": now.num_rows, "units_held": len(held),
+                              "item_rows_left": int(sum(len(v) for v in left.values())),
                               "after_s": round(time.time() - run.started, 2)})
         give_up = self.ledger.record_failure([run.item] if loaded else [], _gained(self.last, now),
                                              now.num_rows, why)
-        for replica in give_up:
-            left = np.setdiff1d(self._item_rows(replica), now.row_ids)
+        if run.item in give_up:  # its rows failed every attempt: error records now
+            if not self.config.work_stealing:  # nobody else will take its queued units either
+                queued = ray.get(self.queue.drop.remote(run.item))
+                left.update({u: np.setdiff1d(self.unit_rows[u], now.row_ids) for u in queued})
             known = set(self.poisoned)
-            self.poisoned += [int(r) for r in left if int(r) not in known]
-            self.given_up.add(replica)
+            self.poisoned += [int(r) for rows in left.values() for r in rows if int(r) not in known]
+            left = {}
+        if run.item != ERRORS_ITEM:
+            ray.get(self.queue.release.remote(run.token, {u: v.tolist() for u, v in left.items()}, run.item))
+        self.given_up.update(give_up)
 
     def _report(self) -> dict[str, Any]:
+        status = self.queue_status
         return {"engine_failures": len(self.failures), "failures": self.failures,
                 "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
-                "replicas_given_up": sorted(self.given_up), "rows_given_up": len(self.poisoned)}
+                "replicas_given_up": sorted(self.given_up), "rows_given_up": len(self.poisoned),
+                "work_queue": {"units": status["units"], "steals": status["steals"]}}
 
 
 def _gained(before: Committed, after: Committed) -> dict[int, int]:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ReplicaRunner
-from prefixflow.operators.outputs import CACHED, COMPUTED, RANK, input_name, with_outputs
+from prefixflow.operators.outputs import COMPUTED, INTERNAL, RANK, input_name, with_outputs
 from prefixflow.operators.progress import LiveBar
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.tokenize import TOKENS, Tokenize
@@ -72,7 +72,7 @@ class Generator:
         out = pa.concat_tables(pieces, promote_options="permissive")
         # Back to the batch's row order; row_id is the position within this batch.
         out = out.take(pc_sort_indices(out.column("row_id")))
-        return _own_names_back(out.drop_columns([RANK, COMPUTED, CACHED, "replica", "row_id"]), table.column_names)
+        return _own_names_back(out.drop_columns([*INTERNAL, "replica", "row_id"]), table.column_names)
 
 
 def _own_names_back(out: pa.Table, names: list[str]) -> pa.Table:

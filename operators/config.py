@@ -100,7 +100,13 @@ class ProcessorConfig:
         engine arguments passed through (like ray.data.llm's engine_kwargs), backend vllm only.
         Read once, into `engine_config`, `backend` and `vllm_args`.
     order: plan order policy: fcfs, dfs, batchllm (the default) or blendserve.
-    replicas: data-parallel engine actors (Ray's `concurrency`).
+    replicas: data-parallel engine actors (Ray's `concurrency`): the plan is made for this many,
+        and this many are started; one the cluster cannot hold yet starts when it can (a node
+        added) and takes work then.
+    min_replicas: the fewest engines the cluster must hold when the job starts (None: replicas),
+        as ray.data.llm's `concurrency=(min, max)`.
+    work_stealing: a replica that runs dry takes the last unstarted plan units of the busiest
+        (operators/work_queue.py); False: each runs only its own partition (the static plan).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
         num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
         engine's tensor_parallel_size x pipeline_parallel_size GPUs where the cluster has GPUs,
@@ -128,6 +134,8 @@ class ProcessorConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     order: str = DEFAULT_ORDER
     replicas: int = 1
+    min_replicas: int | None = None
+    work_stealing: bool = True
     num_gpus_per_replica: float | None = 0.0
     num_cpus_per_replica: float = 1.0
     tokenize_concurrency: int = 1
@@ -175,6 +183,9 @@ class ProcessorConfig:
                  "OpenAI batch files are chat/completion requests: use task 'generate' for them")
         for name, value, fix in limit_problems({name: getattr(self, name) for name in LIMITS}):
             raise invalid("ProcessorConfig", name, value, fix)
+        _require(self.min_replicas is None or 1 <= self.min_replicas <= self.replicas, "min_replicas",
+                 self.min_replicas, f"use None or an integer from 1 to replicas ({self.replicas})")
+        _require(isinstance(self.work_stealing, bool), "work_stealing", self.work_stealing, "use True or False")
         for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("runtime_env", dict)):
             value = getattr(self, name)
             _require(value is None or isinstance(value, kind), name, value, f"give a {kind.__name__} or None")

@@ -1,12 +1,14 @@
-"""Generate stage: R engine actors, each running its partition of the plan.
+"""Generate stage: engine actors, each running the plan units it is given.
 
-Used through Ray Data by the Python API: a dataset of work items (replica indices, plus -1 for
-the error records) goes through `map_batches(ReplicaGenerator, concurrency=R, batch_size=1)`.
-A job run from a spec uses the same class as plain Ray actors (`run_item`, jobs/supervise.py),
-so that a dead actor can be replaced alone. An actor pulls its replica's groups and rows from
-the object store and hands them to a ReplicaRunner, which every path shares (the streaming
+A job run from a spec (jobs/supervise.py) starts one `ReplicaGenerator` actor per replica and
+calls `run_item`: the actor takes units from the job's WorkQueue (operators/work_queue.py) as
+its engine has room, its own replica's first, then (run dry) the last unstarted ones of the
+busiest replica, and commits each part itself. The Python API (Processor.generate) runs the
+same class through Ray Data (`map_batches(ReplicaGenerator, concurrency=R, batch_size=1)` over
+replica indices, plus -1 for the error records), each actor running its own replica's units in
+plan order. Both hand the units to a ReplicaRunner, which every path shares (the streaming
 batch_generator.Generator too): it loads the engine of the configured backend (native or
-vLLM) once, runs the groups in plan order and yields output blocks as requests finish.
+vLLM) once, feeds it the units' groups lazily and yields output blocks as requests finish.
 """
 
 from __future__ import annotations
@@ -15,31 +17,105 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY
 from prefixflow.engine.outputs import error_output
 from prefixflow.engine.scoring.choices import ScoreOutput
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.isolate import run_isolated, without_rows
 from prefixflow.operators.outputs import COMPUTED, RANK, output_chunk, plain, token_counts, with_outputs
-from prefixflow.operators.plan import RowIndex, fetch_rows
+from prefixflow.operators.plan import RowIndex, UnitPayload, fetch_rows
 from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.score import row_choices, with_score_fields
+from prefixflow.operators.work_queue import DONE, Take
 from prefixflow.operators.write import ray_node_id, write_part
+from prefixflow.pipeline.plan import PlanUnit
 
 logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
 PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 
 
+class UnitFeed:
+    """The units one engine runs, in the order it gets them, minus the rows not to run.
+
+    queue: the job's WorkQueue actor (None: run `payloads[replica]` in plan order, the Python
+    API's static partitions). payloads: per replica, object refs of its units' payloads
+    (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
+    Iterating yields UnitPayloads; `committed` tells the queue when every row of a unit it
+    handed out is committed.
+    """
+
+    def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray,
+                 queue: Any = None, token: str = ""):
+        self.replica, self.payloads, self.skip, self.queue, self.token = replica, payloads, skip, queue, token
+        self.left: dict[int, int] = {}        # unit -> its rows not committed yet
+        self.unit_of: dict[int, int] = {}     # row -> its unit
+        self.stolen: list[int] = []           # units taken from another replica's queue
+        self.units: list[int] = []            # every unit run, in the order taken
+        # Unit ids number the plan's units replica by replica, as `payloads` lists them.
+        self.unit_refs = [ref for refs in payloads for ref in refs]
+
+    def __iter__(self) -> Iterator[UnitPayload]:
+        import ray
+
+        if self.queue is None:
+            for ref in self.payloads[self.replica]:
+                yield from self._runnable(ray.get(ref), None)
+            return
+        while True:
+            take: Take = ray.get(self.queue.take.remote(self.replica, self.token))
+            if take.kind == DONE:
+                return
+            if take.stolen_from >= 0:
+                self.stolen.append(take.unit)
+            yield from self._runnable(ray.get(self.unit_refs[take.unit]), take.rows)
+
+    def _runnable(self, payload: UnitPayload, rows: tuple[int, ...] | None) -> Iterator[UnitPayload]:
+        """The payload less the rows not to run; a unit with none left is finished at once."""
+        unit = payload.unit
+        ids = unit.row_ids
+        keep = ~np.isin(ids, self.skip) if rows is None else np.isin(ids, np.asarray(rows, np.int64)) & \
+            ~np.isin(ids, self.skip)
+        if not keep.any():
+            self._finished(unit.unit_id)
+            return
+        if not keep.all():
+            groups = [g for g in (without_rows(g, ids[~keep]) for g in unit.groups) if g is not None]
+            unit = PlanUnit(unit.unit_id, unit.replica, groups, unit.predicted_seconds)
+            payload = UnitPayload(unit, payload.rows.filter(pa.array(keep)), payload.ranks[keep])
+        self.units.append(unit.unit_id)
+        self.left[unit.unit_id] = len(unit.row_ids)
+        self.unit_of.update((int(r), unit.unit_id) for r in unit.row_ids)
+        yield payload
+
+    def committed(self, row_ids: Iterable[int]) -> None:
+        """Rows just committed: a unit whose rows are all committed is finished."""
+        for r in row_ids:
+            unit = self.unit_of.pop(int(r), None)
+            if unit is None:
+                continue
+            self.left[unit] -= 1
+            if self.left[unit] == 0:
+                del self.left[unit]
+                self._finished(unit)
+
+    def _finished(self, unit: int) -> None:
+        if self.queue is not None:
+            self.queue.finished.remote(unit, self.token)
+
+
 class ReplicaRunner:
-    """One replica's run, the same for every backend and every caller (Processor.generate and
-    the job driver through ReplicaGenerator, batch_generator.Generator): builds the engine once,
-    runs a replica's groups minus the rows not to run, and yields output chunks.
+    """One replica's run, the same for every backend and every caller (the job driver and
+    Processor.generate through ReplicaGenerator, batch_generator.Generator): builds the engine
+    once, feeds it the units of a UnitFeed as it has room, and yields output chunks.
     """
 
     def __init__(self, config: ProcessorConfig, report: Callable[[dict[str, Any]], None] | None = None):
@@ -54,43 +130,37 @@ class ReplicaRunner:
             self.engine = make_engine(self.config)
         return self.engine
 
-    def run(self, replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarray,
-            not_run: np.ndarray | None = None) -> Iterator[pa.Table]:
-        """Output chunks (config.rows_per_chunk rows) of `groups` minus the rows in `not_run`.
+    def run(self, replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarray) -> Iterator[pa.Table]:
+        """Output chunks of a list of groups run as one unit (batch_generator's per-batch plan;
+        see one_unit)."""
+        yield from self.run_units(replica, [one_unit(replica, groups, rows, row_ids)])
 
-        rows: the replica's input rows in plan order, row_ids: their ids (the groups' row ids
-        concatenated). Ranks (and so part names) stay those of the full plan; only the engine
-        sees less.
-        """
+    def run_units(self, replica: int, feed: Iterable[UnitPayload | None]) -> Iterator[pa.Table]:
+        """Output chunks (config.rows_per_chunk rows, each of one plan replica, so that a part
+        keeps its plan name) of the units `feed` yields, taken as the engine has room."""
         started = time.time()
         self.record = None
-        pos = {int(r): i for i, r in enumerate(row_ids)}
-        prompt_len, computed = token_counts(groups, len(row_ids))
-        skip = np.zeros(0, np.int64) if not_run is None else not_run
-        todo = [g for g in (without_rows(g, skip) for g in groups) if g is not None]
-        if not todo:
-            return
+        book = _Book(self.config)
         engine = self.load()
         loaded = time.time()
-        pending: list[Any] = []
-        score = self.config.task == "score"
+        pending: dict[int, list[Any]] = {}  # plan replica -> finished outputs not yet in a chunk
         beat = Heartbeat(engine, replica, loaded, self.report) if self.report is not None else None
         try:
-            for out in engine_outputs(engine, self.config, todo, rows, row_ids):
-                pending.append(out)
+            for out in engine_outputs(engine, self.config, book, feed):
                 if beat is not None:
                     beat.finished(out)
-                if len(pending) >= self.config.rows_per_chunk:
-                    yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
-                    pending = []
+                outs = pending.setdefault(book.plan_replica(out.row_id), [])
+                outs.append(out)
+                if len(outs) >= self.config.rows_per_chunk:
+                    yield book.chunk(pending.pop(book.plan_replica(out.row_id)), replica)
         finally:
             if beat is not None:
                 beat.stop()
-        if pending:
-            yield output_chunk(pending, rows, pos, prompt_len, computed, replica, score)
-        self.record = self._record(replica, started, loaded, todo)
+        for outs in pending.values():
+            yield book.chunk(outs, replica)
+        self.record = self._record(replica, started, loaded, book)
 
-    def _record(self, replica: int, started: float, loaded: float, groups: list[Any]) -> dict[str, Any]:
+    def _record(self, replica: int, started: float, loaded: float, book: "_Book") -> dict[str, Any]:
         """Times and the engine's per-step token counts of one run (metrics.json's replicas)."""
         finished = time.time()
         stats = getattr(self.engine, "stats", None)
@@ -99,10 +169,76 @@ class ReplicaRunner:
             # the native Scorer keeps run totals, not per-step records
             stats, totals = None, {k: v for k, v in plain(stats).items() if k != "latency_s"}
         steps = [plain(s) for s in stats] if stats is not None else []
-        return {"replica": replica, "num_rows": sum(g.num_members for g in groups),
-                "num_groups": len(groups), "start_s": started, "engine_ready_s": loaded,
+        return {"replica": replica, "num_rows": book.num_rows, "num_groups": book.num_groups,
+                "num_units": len(book.units), "start_s": started, "engine_ready_s": loaded,
                 "end_s": finished, "seconds": finished - started, "run_seconds": finished - loaded,
                 "engine_totals": plain(totals) if totals is not None else None, "steps": steps}
+
+
+@dataclass
+class _Book:
+    """What a run knows of the rows its engine took: each unit's input rows, and per row its
+    place (unit, index), prompt tokens, computed tokens (prefix amortized), plan rank and plan
+    replica; the sampling parameters (or score choices) of every row taken so far."""
+
+    config: ProcessorConfig
+    units: list[UnitPayload] = field(default_factory=list)
+    where: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (unit, index)
+    counts: dict[int, tuple[int, float]] = field(default_factory=dict)  # row -> (prompt, computed)
+    params: dict[int, Any] = field(default_factory=dict)  # row -> SamplingParams, or score choices
+    groups_seen: set[int] = field(default_factory=set)
+    num_groups: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.where)
+
+    def add(self, payload: UnitPayload) -> None:
+        k = len(self.units)
+        self.units.append(payload)
+        ids = payload.unit.row_ids
+        self.where.update((int(r), (k, i)) for i, r in enumerate(ids))
+        for g in payload.unit.groups:
+            prompt, computed = token_counts(g, g.group_id in self.groups_seen)
+            self.counts.update(zip(g.row_ids.tolist(), zip(prompt, computed)))
+            self.groups_seen.add(g.group_id)
+            self.num_groups += 1
+        if self.config.task == "score":
+            per_row = row_choices(self.config.score, payload.rows, ids)
+        else:
+            per_row = row_params(self.config.sampling, payload.rows, ids)
+        if isinstance(per_row, dict):
+            self.params.update(per_row)
+        else:  # one value for every row
+            self.params.update(dict.fromkeys(ids.tolist(), per_row))
+
+    def taking(self, feed: Iterable[UnitPayload | None]) -> Iterator[UnitPayload | None]:
+        """The feed's payloads, each noted here as the engine takes it."""
+        for payload in feed:
+            if payload is not NOT_READY:
+                self.add(payload)
+            yield payload
+
+    def plan_replica(self, row_id: int) -> int:
+        return self.units[self.where[int(row_id)][0]].unit.replica
+
+    def chunk(self, outs: list[Any], replica: int) -> pa.Table:
+        """Output rows of `outs` (finished rows of one plan replica), in that order."""
+        places = [self.where[int(o.row_id)] for o in outs]
+        by_unit: dict[int, list[int]] = {}
+        for n, (k, _) in enumerate(places):
+            by_unit.setdefault(k, []).append(n)
+        tables, order = [], []
+        for k, ns in by_unit.items():
+            tables.append(self.units[k].rows.take(pa.array([places[n][1] for n in ns], pa.int64())))
+            order += ns
+        rows = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        rows = rows.take(pa.array(np.argsort(np.asarray(order), kind="stable")))
+        ranks = np.array([self.units[k].ranks[i] for k, i in places], dtype=np.int64)
+        counts = [self.counts[int(o.row_id)] for o in outs]
+        return output_chunk(outs, rows, np.array([c[0] for c in counts], np.int64),
+                            np.array([c[1] for c in counts], np.float64), ranks, replica,
+                            self.plan_replica(outs[0].row_id), self.config.task == "score")
 
 
 class Heartbeat:
@@ -194,10 +330,11 @@ def make_engine(config: ProcessorConfig) -> Any:
 
 
 class ReplicaGenerator:
-    """An engine actor: a map_batches callable class (Processor.generate) whose `run_item` is
-    also called as a plain Ray actor (jobs/supervise.py). Both run a ReplicaRunner."""
+    """An engine actor: a map_batches callable class (Processor.generate: each replica's own
+    units in plan order) whose `run_item` is also called as a plain Ray actor by the job driver
+    (jobs/supervise.py: units from the job's WorkQueue). Both run a ReplicaRunner."""
 
-    def __init__(self, config: ProcessorConfig, rows: RowIndex, group_refs: list[Any],
+    def __init__(self, config: ProcessorConfig, rows: RowIndex, payloads: list[list[Any]],
                  error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
                  done: np.ndarray | None = None, skip: np.ndarray | None = None,
                  write: Any = None):
@@ -207,7 +344,7 @@ class ReplicaGenerator:
         # Rows the engine must not run (given up after repeated failures; error records now).
         self.skip = np.zeros(0, np.int64) if skip is None else np.asarray(skip, np.int64)
         self.rows = rows
-        self.group_refs = group_refs
+        self.payloads = payloads
         self.error_row_ids = error_row_ids
         self.extra_errors = extra_errors
         self.sink = sink
@@ -223,17 +360,19 @@ class ReplicaGenerator:
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         for item in batch.column("item").to_pylist():
-            chunks = self._chunks(int(item))
+            item = int(item)
+            chunks = self._error_records() if item == ERRORS_ITEM else self._chunks(item, self._feed(item))
             if self.write is None:
                 yield from chunks
                 continue
             for chunk in chunks:
                 yield write_part(chunk, self.write)
 
-    def run_item(self, item: int, token: str) -> int:
+    def run_item(self, item: int, token: str, queue: Any = None) -> int:
         """The job driver's path (jobs/supervise.py runs these actors with Ray core): run one
         work item, committing each part as soon as it is done; returns the rows written.
-        token: names this run of the item to the sink.
+        token: names this engine to the sink and the queue; queue: the job's WorkQueue, which
+        hands out the units (None: the replica's own, in plan order).
 
         The sink hears when the engine is loaded (a death before that is no row's fault) and
         gets each committed part's manifest row, for the driver's progress line.
@@ -243,27 +382,30 @@ class ReplicaGenerator:
         if item != ERRORS_ITEM:
             self.runner.load()
         ray.get(self.sink.engine_ready.remote(token, os.getpid(), int(item)))
+        if item == ERRORS_ITEM:
+            chunks, feed = self._error_records(), None
+        else:
+            feed = self._feed(item, queue, token)
+            chunks = self._chunks(item, feed)
         rows = 0
-        for chunk in self._chunks(item):
+        for chunk in chunks:
             manifest = write_part(chunk, self.write).to_pylist()[0]
             self.sink.committed.remote(manifest)
+            if feed is not None:
+                feed.committed(chunk.column("row_id").to_pylist())
             rows += chunk.num_rows
         return rows
 
-    def _chunks(self, item: int) -> Iterator[pa.Table]:
-        if item == ERRORS_ITEM:
-            yield from self._error_records()
-            return
+    def _feed(self, replica: int, queue: Any = None, token: str = "") -> UnitFeed:
+        return UnitFeed(replica, self.payloads, np.union1d(self.done, self.skip), queue, token)
+
+    def _chunks(self, replica: int, feed: UnitFeed) -> Iterator[pa.Table]:
         import ray
 
-        groups = ray.get(self.group_refs[item])
-        if not groups:
-            return
-        row_ids = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
-        rows = fetch_rows(self.rows, row_ids)
-        yield from self.runner.run(item, groups, rows, row_ids, np.union1d(self.done, self.skip))
+        yield from self.runner.run_units(replica, feed)
         if self.runner.record is not None and self.sink is not None:
-            record = {**self.runner.record, "node_id": ray_node_id()}
+            record = {**self.runner.record, "node_id": ray_node_id(), "units": list(feed.units),
+                      "stolen_units": list(feed.stolen)}
             ray.get(self.sink.put.remote(record))  # recorded before the item ends
 
     def _error_records(self) -> Iterator[pa.Table]:
@@ -291,18 +433,40 @@ class ReplicaGenerator:
             yield with_score_fields(table, None) if score else table
 
 
-def engine_outputs(engine: Any, config: ProcessorConfig, todo: list[Any], rows: pa.Table,
-                   row_ids: np.ndarray) -> Iterator[Any]:
-    """The engine's outputs for a replica's groups (generated requests, or scored rows), one per
-    row: an exception inside the engine fails only the rows it hits (operators/isolate.py)."""
+def one_unit(replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarray) -> UnitPayload:
+    """A list of groups as one unit. rows: input rows, one per id in `row_ids` (any order);
+    each row's rank is its position in the groups."""
+    order = np.concatenate([g.row_ids for g in groups]).astype(np.int64) if groups else np.zeros(0, np.int64)
+    at = {int(r): i for i, r in enumerate(np.asarray(row_ids).tolist())}
+    taken = rows.take(pa.array([at[int(r)] for r in order], pa.int64()))
+    return UnitPayload(PlanUnit(0, replica, list(groups), 0.0), taken, np.arange(len(order), dtype=np.int64))
+
+
+def group_outputs(engine: Any, config: ProcessorConfig, groups: list[Any], rows: pa.Table,
+                  row_ids: np.ndarray) -> Iterator[Any]:
+    """engine_outputs for a list of groups run as one unit (one_unit)."""
+    return engine_outputs(engine, config, _Book(config), [one_unit(0, groups, rows, row_ids)])
+
+
+def engine_outputs(engine: Any, config: ProcessorConfig, book: "_Book",
+                   feed: Iterable[UnitPayload | None]) -> Iterator[Any]:
+    """The engine's outputs for the units of `feed` (generated requests, or scored rows), one
+    per row: an exception inside the engine fails only the rows it hits (operators/isolate.py).
+    Generation takes the units' groups as the engine has room (engine/intake.py); the score
+    task, prefill only, scores unit by unit. `book` notes each unit as it is taken (its rows'
+    sampling parameters or choices among them) before the engine reads them."""
+    units = book.taking(feed)
     if config.task == "score":
-        choices = row_choices(config.score, rows, row_ids)
         # The native Scorer took its options when it was built; VllmEngine takes them per run.
         more = {"options": config.score.options()} if config.backend == "vllm" else {}
-        return run_isolated(lambda groups: engine.score_groups(groups, choices, **more), todo, lambda: None,
-                            lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
-    params = row_params(config.sampling, rows, row_ids)
-    return run_isolated(lambda groups: engine.run(groups, params), todo, engine.reset,
-                        lambda rid, why: error_output(rid, [], why))
-
-
+        for payload in units:
+            if payload is NOT_READY:
+                time.sleep(IDLE_POLL_S)
+                continue
+            yield from run_isolated(lambda groups: engine.score_groups(groups, book.params, **more),
+                                    payload.unit.groups, lambda: None,
+                                    lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
+        return
+    groups = (g for payload in units for g in ((NOT_READY,) if payload is NOT_READY else payload.unit.groups))
+    yield from run_isolated(lambda gs: engine.run(gs, book.params), groups, engine.reset,
+                            lambda rid, why: error_output(rid, [], why))

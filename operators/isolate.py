@@ -38,21 +38,41 @@ class EngineBroken(RuntimeError):
     """The engine failed on every request it was given alone: no row is to blame."""
 
 
-def run_isolated(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[PrefixGroup],
-                 reset: Callable[[], None], failed: Callable[[int, str], Out]) -> Iterator[Out]:
+def run_isolated(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]],
+                 groups: Iterable[PrefixGroup | None], reset: Callable[[], None],
+                 failed: Callable[[int, str], Out]) -> Iterator[Out]:
     """The outputs of `run(groups)`, one per row, even when `run` raises.
 
     run: runs groups through the engine, yielding one output per row as it finishes.
+    groups: taken lazily by the engine (NOT_READY passes through, engine/intake.py); after a
+        failure the groups it had taken run again in isolation, then the rest as before.
     reset: brings the engine back to an empty state after a failed run.
     failed: the error output of a row, given its row id and the message.
     """
     done: set[int] = set()
-    error = yield from _attempt(run, groups, done)
-    if error is None:
-        return
-    _log.warning("the engine failed (%s: %s); running the rows left group by group, then row by row",
-                 type(error).__name__, error)
-    reset()
+    source = iter(groups)
+    while True:
+        taken: list[PrefixGroup] = []
+        error = yield from _attempt(run, _recording(source, taken), done)
+        if error is None:
+            return
+        _log.warning("the engine failed (%s: %s); running the rows left group by group, then row by row",
+                     type(error).__name__, error)
+        reset()
+        yield from _isolate(run, taken, done, reset, failed)
+
+
+def _recording(source: Iterator[PrefixGroup | None], taken: list[PrefixGroup]) -> Iterator[PrefixGroup | None]:
+    """The source's groups, noting in `taken` those the engine took."""
+    for group in source:
+        if group is not None:
+            taken.append(group)
+        yield group
+
+
+def _isolate(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], groups: list[PrefixGroup],
+             done: set[int], reset: Callable[[], None], failed: Callable[[int, str], Out]) -> Iterator[Out]:
+    """Each group's rows not yet done alone; a group that fails again row by row."""
     failures: list[str] = []  # rows that failed alone since the last row that ran
     for group in groups:
         left = _without(group, done)
@@ -66,7 +86,7 @@ def run_isolated(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list
         yield from _one_by_one(run, left, done, reset, failed, failures)
 
 
-def _one_by_one(run: Callable[[list[PrefixGroup]], Iterable[Out]], group: PrefixGroup, done: set[int],
+def _one_by_one(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], group: PrefixGroup, done: set[int],
                 reset: Callable[[], None], failed: Callable[[int, str], Out],
                 failures: list[str]) -> Iterator[Out]:
     """Each member of `group` not yet done, run alone; one that still fails gets `failed`.
@@ -88,7 +108,7 @@ def _one_by_one(run: Callable[[list[PrefixGroup]], Iterable[Out]], group: Prefix
             yield failed(row_id, f"the engine failed on this row: {why}")
 
 
-def _attempt(run: Callable[[list[PrefixGroup]], Iterable[Out]], groups: list[PrefixGroup],
+def _attempt(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], groups: Iterable[PrefixGroup | None],
              done: set[int]) -> Generator[Out, None, Exception | None]:
     """Yield run(groups)'s outputs, noting their rows in `done`; return the exception, if any."""
     try:

@@ -18,6 +18,9 @@ import pyarrow as pa
 from prefixflow.operators.score import SCORE_FIELDS, score_columns, with_score_fields
 
 RANK, COMPUTED = "_pf_rank", "_pf_computed"
+# The replica the plan gave a row to, where another replica ran it (work stealing): with RANK,
+# the row's place in the plan, which names its part (operators/write.py); null: `replica`.
+PLAN_REPLICA = "_pf_plan_replica"
 # Prompt tokens the engine found computed (RequestOutput.num_cached_tokens; OpenAI's
 # usage.prompt_tokens_details.cached_tokens); null on rows that did not run (error records,
 # scores). Internal, as COMPUTED: the OpenAI writer reads it, the other formats drop it.
@@ -35,8 +38,11 @@ OUTPUT_FIELDS = [
     pa.field(RANK, pa.int64()),
     pa.field(COMPUTED, pa.float64()),
     pa.field(CACHED, pa.int32()),
+    pa.field(PLAN_REPLICA, pa.int32()),
 ]
-OPTIONAL = (CACHED,)  # with_outputs fills it with nulls where a caller has no value
+OPTIONAL = (CACHED, PLAN_REPLICA)  # with_outputs fills them with nulls where a caller has no value
+# The bookkeeping output columns, which the rows a user gets back drop (the writers drop every _pf_).
+INTERNAL = tuple(f.name for f in OUTPUT_FIELDS if f.name.startswith("_pf_"))
 # With SamplingParams.n > 1 (any row of a chunk): every sample of each row, in index order
 # (OpenAI batch `choices` are built from it: keep the names).
 SAMPLE_TYPE = pa.struct([
@@ -50,33 +56,33 @@ SAMPLES_FIELD = pa.field("samples", pa.list_(SAMPLE_TYPE))
 KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
 
 
-def output_chunk(outs: list[Any], rows: pa.Table, pos: dict[int, int], prompt_len: np.ndarray,
-                 computed: np.ndarray, replica: int, score: bool = False) -> pa.Table:
+def output_chunk(outs: list[Any], rows: pa.Table, prompt_len: np.ndarray, computed: np.ndarray,
+                 ranks: np.ndarray, replica: int, plan_replica: int, score: bool = False) -> pa.Table:
     """Output rows for finished requests: their input columns plus the output columns.
 
-    rows: the replica's input rows in plan order; pos: row id -> index into `rows`.
+    rows, prompt_len, computed, ranks: per output, in `outs` order (its input row, prompt
+    tokens, prompt tokens computed with the prefix amortized, rank in its plan replica's order).
+    replica: the replica that ran them; plan_replica: the one the plan gave them to.
     score: `outs` are ScoreOutputs of the score task (operators/score.py).
     """
-    idx = np.array([pos[int(o.row_id)] for o in outs], dtype=np.int64)
+    n = len(outs)
+    common = {"num_input_tokens": prompt_len.tolist(), "replica": [replica] * n, RANK: ranks.tolist(),
+              COMPUTED: computed.tolist(), PLAN_REPLICA: [plan_replica] * n}
     if score:
-        columns = {**score_columns(outs), "num_input_tokens": prompt_len[idx].tolist(),
-                   "replica": [replica] * len(outs), RANK: idx.tolist(), COMPUTED: computed[idx].tolist()}
-        return with_score_fields(with_outputs(rows.take(pa.array(idx)), columns, score=True), outs)
+        columns = {**score_columns(outs), **common}
+        return with_score_fields(with_outputs(rows, columns, score=True), outs)
     errors = [getattr(o, "error", None) for o in outs]
     columns = {
+        **common,
         "row_id": [int(o.row_id) for o in outs],
         "generated_text": [None if e else o.text for o, e in zip(outs, errors)],
         "generated_tokens": [[] if e else [int(t) for t in o.token_ids] for o, e in zip(outs, errors)],
-        "num_input_tokens": prompt_len[idx].tolist(),
         "num_generated_tokens": [0 if e else len(o.token_ids) for o, e in zip(outs, errors)],
         "finish_reason": [None if e else o.finish_reason for o, e in zip(outs, errors)],
         "error": errors,
-        "replica": [replica] * len(outs),
-        RANK: idx.tolist(),
-        COMPUTED: computed[idx].tolist(),
         CACHED: [None if e else o.num_cached_tokens for o, e in zip(outs, errors)],
     }
-    table = with_outputs(rows.take(pa.array(idx)), columns)
+    table = with_outputs(rows, columns)
     if any(getattr(o, "logprobs", None) is not None for o in outs):
         table = table.append_column("logprobs", pa.array(
             [None if o.logprobs is None else json.dumps(plain(o.logprobs)) for o in outs], pa.string()))
@@ -96,17 +102,12 @@ def sample_rows(out: Any, error: str | None) -> list[dict[str, Any]] | None:
              "logprobs": None if s.logprobs is None else json.dumps(plain(s.logprobs))} for s in samples]
 
 
-def token_counts(groups: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row in plan order: prompt length, and prompt tokens computed (prefix amortized)."""
-    prompt_len = np.zeros(n, np.int32)
-    computed = np.zeros(n, np.float64)
-    i = 0
-    for g in groups:
-        for d in g.distinct:
-            prompt_len[i] = g.prefix_len + len(d)
-            computed[i] = g.prefix_len / g.num_members + len(d)
-            i += 1
-    return prompt_len, computed
+def token_counts(group: Any, prefix_counted: bool) -> tuple[list[int], list[float]]:
+    """Per member of `group`: prompt length, and prompt tokens computed with the prefix
+    amortized over the members (not counted again where the engine computed it already: a
+    later piece of a run cut between units)."""
+    prefix = 0 if prefix_counted else group.prefix_len / max(group.num_members, 1)
+    return ([group.prefix_len + len(d) for d in group.distinct], [prefix + len(d) for d in group.distinct])
 
 
 def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = False) -> pa.Table:

@@ -8,9 +8,10 @@
 3. The driver builds the Plan (pipeline/, pure numpy) from lengths; the sort asks the blocks, in
    small tasks, for a few hashes of the rows it has not yet told apart (sort_by_gather), so the
    driver holds per-row columns of a few int64s plus one bounded window of hashes.
-4. Plan.groups(r) pulls replica r's token ids (and checks every group's prefix against them);
-   each replica later pulls the blocks holding its rows straight from the object store
-   (operators/generate.py). No groupby, sort or shuffle ever moves full rows.
+4. Plan.units(r) pulls replica r's token ids (and checks every group's prefix against them);
+   a task per replica on the driver's node builds each unit's payload (its groups and input
+   rows), which any replica's engine may take (operators/work_queue.py). No groupby, sort or
+   shuffle ever moves full rows.
 
 Driver memory while planning: ~250 bytes per good row (2.4 GB for 10M), the sort's bounded window and ~100 bytes
 per dataset block (the model and its measurements: pipeline/block_hash.py).
@@ -31,6 +32,7 @@ import pyarrow.compute as pc
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline import RaggedTokens, build_plan
+from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts, block_hashes
 from prefixflow.pipeline.prefix_tree import ragged_gather
 
@@ -173,19 +175,51 @@ def fetch_tokens(rows: RowIndex, row_ids: np.ndarray, seqs: np.ndarray) -> Any:
     return RaggedTokens.from_sequences(table.column(TOKENS))
 
 
-def replica_group_refs(planned: PlannedJob, num_replicas: int) -> list[Any]:
-    """Object refs of each replica's PrefixGroups, built by a task per replica (Plan.groups
-    fetches that replica's token ids), so that the driver never holds the job's token ids."""
+@dataclass(frozen=True)
+class UnitPayload:
+    """What an engine needs to run one plan unit: its groups (token ids), its input rows in the
+    unit's order (the output carries their columns; the token column dropped) and each row's
+    rank in its plan replica's order (part names come from it, operators/write.py)."""
+
+    unit: PlanUnit
+    rows: pa.Table
+    ranks: np.ndarray  # [unit rows] int64
+
+
+def unit_payload_refs(planned: PlannedJob, num_replicas: int) -> list[list[Any]]:
+    """Per replica, object refs of its units' payloads in plan order, built by one task per
+    replica on the driver's node: the node whose loss ends the job anyway, so a lost worker
+    node (and the input blocks it held) loses no unit that another replica must take over
+    (work stealing, operators/work_queue.py). The driver never holds the token ids."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     plan_ref = ray.put(planned.plan)
-    # No CPU: the engine actors may hold every CPU slot while they wait for these.
-    task = ray.remote(_replica_groups).options(num_cpus=0)
-    return [task.remote(plan_ref, r) for r in range(num_replicas)]
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    unit_replica = planned.plan.table.column("replica").to_numpy()[planned.plan.unit_starts[:-1]]
+    refs = []
+    for r in range(num_replicas):
+        count = int(np.count_nonzero(unit_replica == r))
+        if count == 0:
+            refs.append([])
+            continue
+        # No CPU: the engine actors may hold every CPU slot while they wait for these.
+        task = ray.remote(_unit_payloads).options(num_cpus=0, num_returns=count, scheduling_strategy=here)
+        out = task.remote(plan_ref, planned.rows, r)
+        refs.append([out] if count == 1 else list(out))
+    return refs
 
 
-def _replica_groups(plan: Any, replica: int) -> list[Any]:
-    return plan.groups(replica)
+def _unit_payloads(plan: Any, rows: RowIndex, replica: int) -> Any:
+    units = plan.units(replica)
+    table = plan.replica_table(replica)
+    ranks = table.column("rank").to_numpy()
+    payloads, at = [], 0
+    for unit in units:
+        ids = unit.row_ids
+        payloads.append(UnitPayload(unit, fetch_rows(rows, ids), ranks[at:at + len(ids)].astype(np.int64)))
+        at += len(ids)
+    return payloads[0] if len(payloads) == 1 else tuple(payloads)
 
 
 def replica_row_ids(planned: PlannedJob, replica: int) -> np.ndarray:

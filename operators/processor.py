@@ -23,12 +23,12 @@ from prefixflow.engine.vllm_backend.engine import cpu_context
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.plan import PlannedJob, plan_dataset, replica_group_refs
+from prefixflow.operators.outputs import INTERNAL
+from prefixflow.operators.plan import PlannedJob, plan_dataset, unit_payload_refs
 from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
 from prefixflow.operators.write import start_sink
 
 Row = dict[str, Any]
-INTERNAL = ("_pf_rank", "_pf_computed", "_pf_cached")  # bookkeeping the output rows drop
 PLAN_RECORD = "plan"  # the sink record of a run's plan summary (Processor.plan_summary)
 
 
@@ -139,10 +139,10 @@ class Processor:
         from ray.data import ActorPoolStrategy
 
         cfg = self.config
-        group_refs = replica_group_refs(planned, cfg.replicas)
+        payloads = unit_payload_refs(planned, cfg.replicas)
         items = list(range(cfg.replicas)) + ([ERRORS_ITEM] if len(planned.error_row_ids) else [])
         work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
-        kwargs = dict(config=cfg, rows=planned.rows, group_refs=group_refs,
+        kwargs = dict(config=cfg, rows=planned.rows, payloads=payloads,
                       error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink)
         # One work item per actor at a time, so R replicas really run side by side.
         pool = ActorPoolStrategy(**self.engine_pool(), max_tasks_in_flight_per_actor=1)
@@ -155,8 +155,12 @@ class Processor:
                                 batch_format="pyarrow", compute=pool, **remote_args)
 
     def engine_pool(self) -> dict[str, int]:
-        """ActorPoolStrategy sizes of the engine actors: one per replica."""
-        return {"size": self.config.replicas}
+        """ActorPoolStrategy sizes of the engine actors: one per replica (min_replicas to
+        replicas, as ray.data.llm's concurrency range: the partitions wait for a free one)."""
+        cfg = self.config
+        if cfg.min_replicas is None or cfg.min_replicas == cfg.replicas:
+            return {"size": cfg.replicas}
+        return {"min_size": cfg.min_replicas, "max_size": cfg.replicas}
 
     def engine_options(self) -> dict[str, Any]:
         """Ray options of the engine actors, decided now (when the job runs)."""

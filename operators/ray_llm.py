@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.operators.plan import fetch_rows
-from prefixflow.operators.processor import INTERNAL, Merged, Processor, engine_actor_options
+from prefixflow.operators.outputs import INTERNAL
+from prefixflow.operators.processor import Merged, Processor, engine_actor_options
 from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,  # noqa: F401
                                                  HttpRequestProcessorConfig, HttpRequestStageConfig,
                                                  PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,

@@ -227,12 +227,13 @@ class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
         chat, tok = stages["chat_template"], stages["tokenize"]
         sized = tok if tok.enabled or not chat.enabled else chat  # who sizes the tokenize actors
         replicas = self.concurrency if isinstance(self.concurrency, int) else self.concurrency[1]
+        least = self.concurrency if isinstance(self.concurrency, int) else self.concurrency[0]
         stage_concurrency = sized.concurrency if isinstance(sized.concurrency, int) else sized.concurrency[1]
         kwargs = chat.chat_template_kwargs if chat.chat_template_kwargs is not None else chat_template_kwargs
         return ProcessorConfig(
             model=self.model_source, engine=engine_settings(self.engine_kwargs, self.log_engine_metrics,
                                                             self.task_type),
-            replicas=replicas, rows_per_chunk=self.batch_size, tokenize_batch_size=sized.batch_size,
+            replicas=replicas, min_replicas=least, rows_per_chunk=self.batch_size, tokenize_batch_size=sized.batch_size,
             tokenize_concurrency=stage_concurrency, num_gpus_per_replica=None, include_prompt=True,
             order=self.order, chat_template=chat.chat_template if chat.enabled else None,
             chat_template_kwargs=dict(kwargs) if kwargs and chat.enabled else None,

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
                                          check_fence, commit_bytes, commit_record_path, record_bytes)
 from prefixflow.operators.openai_output import ERRORS_FILE, RESULTS_FILE, output_line
-from prefixflow.operators.outputs import COMPUTED, RANK
+from prefixflow.operators.outputs import COMPUTED, PLAN_REPLICA, RANK
 from prefixflow.operators.progress import LiveBar
 from prefixflow.storage import StorageOptions, absolute, is_local, join
 OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
@@ -53,8 +53,11 @@ class WriteOptions:
 def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
     """map_batches function: write one part, return one manifest row describing it."""
     replica = int(table.column("replica")[0].as_py())
+    # Named after the first row's place in the plan (its plan replica and rank), whichever
+    # replica ran it (work stealing): each row is in one part, so no two parts share a name.
+    planned = table.column(PLAN_REPLICA)[0].as_py() if PLAN_REPLICA in table.column_names else None
     first_rank = int(pc.min(table.column(RANK)).as_py())
-    tag = "errors" if replica < 0 else f"r{replica:03d}"
+    tag = "errors" if replica < 0 else f"r{replica if planned is None else planned:03d}"
     name = f"part-{tag}-{first_rank:09d}{SUFFIX[opts.format]}"
     errors = table.column("error").is_valid()
     manifest = {

@@ -103,8 +103,9 @@ class Plan:
 
     def units(self, replica: int = 0) -> list[PlanUnit]:
         """The replica's units in plan order, each with its groups: a run that a unit boundary
-        cuts gives each unit its piece, with the run's prefix (computed once per piece: on one
-        replica the second finds it in the prefix cache; on a thief it is computed there)."""
+        cuts gives each unit its piece, with the run's prefix (a piece of one member too). On
+        the replica that runs the run, a later piece joins the earlier one's group in the
+        engine; on a thief it is a group of its own and computes the prefix there."""
         first, last = self._replica_range(replica)
         lo, hi = int(self.run_starts[first]), int(self.run_starts[last])
         u_lo, u_hi = np.searchsorted(self.unit_starts, [lo, hi])
@@ -139,7 +140,9 @@ class Plan:
         for k in range(len(cuts) - 1):
             lo, hi = int(cuts[k]), int(cuts[k + 1])
             prompts = [tokens[int(s)] for s in index[lo:hi]]
-            plen = int(cols["prefix_len"][lo]) if hi - lo > 1 else 0  # a piece of one shares nothing
+            # A piece of a cut run keeps the run's prefix, even alone: on the replica running
+            # the run's other pieces it joins their group (engine/native/llm_engine.py).
+            plen = int(cols["prefix_len"][lo])
             if self.tokens is None:
                 plen = shared_prefix(plen, prompts, self.hashed.block_size)
             groups.append(PrefixGroup(

@@ -160,7 +160,7 @@ def _validate(spec: Any, source: str) -> int:
 
     report = row_report(spec, preflight(spec, source))
     print(f"{source}: ok ({spec.input_format()} input -> {spec.output_format()} output, "
-          f"order {spec.order}, {spec.replicas} replica(s))")
+          f"order {spec.order}, {spec.num_replicas} replica(s))")
     if report.num_bad:
         print(f"  {report.num_bad} of the first {report.num_rows} rows would become error "
               "records, e.g.:")

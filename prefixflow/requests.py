@@ -262,7 +262,8 @@ class PrefixGroup:
 
     The shared prefix's KV is computed once, referenced by every member, and freed when the
     last member finishes. Members are listed in the order the plan wants them run. A group of
-    one has an empty prefix: its whole prompt is its distinct part.
+    one has an empty prefix (its whole prompt is its distinct part), except a piece of a larger
+    run that a plan unit boundary cut (pipeline/plan.py Plan.units), which keeps the run's.
 
     Token arrays are numpy views into the planner's flat token buffer (no copies).
     """

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, every_group, wants_more
 from prefixflow.engine.native.block_manager import BlockManager
 from prefixflow.engine.native.finish import append_text, check_finish, finished_output
 from prefixflow.engine.native.scheduler import Scheduler
@@ -27,6 +28,7 @@ from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Member = tuple[int, list[int], list[int], SamplingParams, int]  # row, prefix, distinct, params, sample
+_END = object()  # the groups' iterator is exhausted
 
 
 class LLMEngine:
@@ -54,13 +56,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self._samples: dict[int, list[RequestOutput | None]] = {}  # row -> its n samples so far
         self._copies: dict[int, int] = {}  # greedy row asking n > 1 -> n (run once, copied)
+        self._open_groups: dict[tuple[int, int], GroupState] = {}  # (group id, prefix) -> this run's
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def run(self, groups: Iterable[PrefixGroup], params: Params = SamplingParams()) -> Iterator[RequestOutput]:
+    def run(self, groups: Iterable[PrefixGroup | None], params: Params = SamplingParams()) -> Iterator[RequestOutput]:
         """Run planned groups (in plan order); yield each request's output when it finishes.
 
-        params: one SamplingParams for all, or a mapping row_id -> SamplingParams.
+        groups: taken lazily, as the scheduler has room (engine/intake.py), so that groups
+            not taken yet stay the caller's (work stealing); NOT_READY (None) from it means no
+            group is ready now: the engine runs what it has and asks again.
+        params: one SamplingParams for all, or a mapping row_id -> SamplingParams, read when
+            a row's group is taken.
         With policy="vllm" the groups are dissolved: requests run alone in row_id (arrival)
         order and share KV only through the hashed prefix cache.
         """
@@ -69,13 +76,9 @@ class LLMEngine:
         start = time.perf_counter()
         counts = {"requests": 0, "prompt": 0, "output": 0, "computed0": sched.num_computed_prompt_tokens,
                   "recomputed0": sched.num_recomputed_tokens, "preempt0": sched.num_preemptions}
-        for group, errors in self._make_groups(groups, params):
-            counts["requests"] += len(errors) + (len({s.row_id for s in group.pending}) if group else 0)
-            yield from errors
-            if group is not None:
-                counts["prompt"] += sum(s.num_prompt_tokens for s in group.pending)
-                sched.add_group(group)
-        completed = False
+        made = self._make_groups(groups, params)
+        self._open_groups = {}
+        exhausted = completed = False
         # Everything alive before the run (modules, weights, the imports of torch and
         # transformers) outlives it: frozen out of the collector, whose passes over them cost
         # 5% of a SmolLM2 decode step's main thread (perf samples), and given back after;
@@ -84,7 +87,14 @@ class LLMEngine:
         if thaw:
             gc.freeze()
         try:
-            while sched.has_unfinished():
+            while True:
+                if not exhausted:
+                    exhausted = yield from self._take(made, counts)
+                if not sched.has_unfinished():
+                    if exhausted:
+                        break
+                    time.sleep(IDLE_POLL_S)  # the source has nothing ready now
+                    continue
                 for out in self.step():
                     counts["output"] += sum(len(s.token_ids) for s in out.samples) or len(out.token_ids)
                     yield greedy_copies(out, self._copies.pop(out.row_id, 1))
@@ -101,6 +111,39 @@ class LLMEngine:
             num_output_tokens=counts["output"], num_steps=len(self.stats),
             num_preemptions=sched.num_preemptions - counts["preempt0"],
             wall_time_s=time.perf_counter() - start)
+
+    def _take(self, made: Iterator[Any], counts: dict[str, int]) -> Iterator[RequestOutput]:
+        """Add groups from `made` while the scheduler wants more (engine/intake.py; all of
+        them under policy "vllm": vLLM's queue holds every request it is given), yielding the
+        error outputs of rows that cannot run; returns whether `made` is exhausted."""
+        sched = self.scheduler
+        while self.config.policy == "vllm" or wants_more(*sched.pending_work(), sched.num_running,
+                                                         self.config.max_num_batched_tokens, sched.max_num_seqs):
+            item = next(made, _END)
+            if item is _END or item is NOT_READY:
+                return item is _END
+            group, errors = item
+            counts["requests"] += len(errors) + (len({s.row_id for s in group.pending}) if group else 0)
+            yield from errors
+            if group is not None:
+                counts["prompt"] += sum(s.num_prompt_tokens for s in group.pending)
+                self._add_or_join(group)
+        return False
+
+    def _add_or_join(self, group: GroupState) -> None:
+        """Queue a group; or, when it is the next piece of a run whose group is still queued or
+        running here (the plan cut a large group into units, operators/work_queue.py), add its
+        members to that group: they attend to the prefix already computed, as one group."""
+        key = (group.group_id, len(group.prefix.token_ids) if group.prefix else 0)
+        open_group = self._open_groups.get(key)
+        if open_group is not None and not open_group.is_done and group.prefix is not None and \
+                open_group.prefix is not None and open_group.prefix.token_ids == group.prefix.token_ids:
+            for seq in group.pending:
+                seq.group = open_group
+            open_group.pending.extend(group.pending)
+            return
+        self._open_groups[key] = group
+        self.scheduler.add_group(group)
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
                  *, add_special_tokens: bool = True) -> list[RequestOutput]:
@@ -190,13 +233,14 @@ class LLMEngine:
 
     # ---- requests in ----------------------------------------------------------------------------
 
-    def _make_groups(self, groups: Iterable[PrefixGroup], params: Params
-                     ) -> Iterator[tuple[GroupState | None, list[RequestOutput]]]:
+    def _make_groups(self, groups: Iterable[PrefixGroup | None], params: Params
+                     ) -> Iterator[tuple[GroupState | None, list[RequestOutput]] | None]:
         """Our GroupStates in plan order; a row sampling n > 1 times leaves its group for a
         group of its own right after it, whose prefix is its prompt (computed once). A greedy
-        row asking n > 1 stays a member and runs once (`_once`)."""
-        if self.config.policy == "vllm":
-            rows = sorted((int(row_id), g.prompt(i).tolist()) for g in groups for i, row_id in enumerate(g.row_ids))
+        row asking n > 1 stays a member and runs once (`_once`). NOT_READY passes through."""
+        if self.config.policy == "vllm":  # arrival order: the whole run is taken first
+            rows = sorted((int(row_id), g.prompt(i).tolist())
+                          for g in every_group(groups) for i, row_id in enumerate(g.row_ids))
             for row_id, prompt in rows:
                 p = self.config.row_params(params, row_id)
                 if p.n > 1 and not p.greedy:
@@ -205,6 +249,9 @@ class LLMEngine:
                     yield self._make_group(next(self._ids), [], [(row_id, [], prompt, self._once(row_id, p), 0)])
             return
         for g in groups:
+            if g is NOT_READY:
+                yield NOT_READY
+                continue
             prefix = g.prefix.tolist()
             members, several = [], []
             for i, r in enumerate(g.row_ids):

@@ -116,6 +116,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
 
+    def pending_work(self) -> tuple[int, int]:
+        """(rows not started: waiting groups' and active groups' pending members, prompt tokens
+        they will compute: their own parts, and the prefixes of groups not admitted yet). What
+        the engine's intake weighs (engine/intake.py)."""
+        rows = tokens = 0
+        for group in itertools.chain(self.waiting, self.active):
+            rows += len(group.pending)
+            tokens += sum(s.num_prompt_tokens - s.own_start for s in group.pending)
+            if not group.active and group.prefix is not None:
+                tokens += group.prefix.num_own_tokens
+        return rows, tokens
+
     def schedule(self) -> SchedulerOutput:
         # BatchLLM Sec. 3.3: one step is one token batch of at most max_num_batched_tokens.
         # 1. decode queue: each decoding request, oldest group first, gets one token. One that

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, wants_more
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
                                        decode_output, error_output, greedy_copies)
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids
@@ -40,6 +41,7 @@ SCHEDULER = "prefixflow.engine.vllm_backend.scheduler"
 CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 DEFAULT_CPU_KV_BYTES = 1 << 30   # as our ModelRunner on a CPU
 NO_CAP_SEQS = 256                # vLLM's (and our vllm policy's) request cap when one is asked
+_END = object()                  # the groups' iterator is exhausted
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,8 @@ class VllmEngine:
         self.engine = VLLM.from_engine_args(EngineArgs(**kwargs))
         self.block_size = kwargs["block_size"]
         vconfig = self.engine.vllm_config
+        self.max_num_seqs = vconfig.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = vconfig.scheduler_config.max_num_batched_tokens
         self.num_kv_blocks = vconfig.cache_config.num_gpu_blocks
         self.max_model_len = vconfig.model_config.max_model_len
         self.vocab_size = vconfig.model_config.get_vocab_size()
@@ -132,7 +136,8 @@ class VllmEngine:
         field maps onto vLLM's SamplingParams; n > 1 is vLLM's own n, except that a greedy
         row, which vLLM refuses with n > 1, runs once and gets its answer n times).
         """
-        members = ([_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in _rows(g)]
+        members = (NOT_READY if g is NOT_READY else
+                   [_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in _rows(g)]
                    for g in groups)
         for out, m in self._execute(members):
             yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
@@ -156,7 +161,8 @@ class VllmEngine:
         """Score planned groups, as Scorer.score_groups: per row, the choices' first-token
         log-probabilities after the prompt, from one greedy token with vLLM's
         logprob_token_ids (raw log-softmax; prefix caching stays on). Bad rows come first."""
-        members = ([self._score_member(row, prompt, p, choices, options) for row, prompt, p in _rows(g)]
+        members = (NOT_READY if g is NOT_READY else
+                   [self._score_member(row, prompt, p, choices, options) for row, prompt, p in _rows(g)]
                    for g in groups)
         for out, m in self._execute(members):
             row_choices = _row_choices(choices, m.row_id)
@@ -167,26 +173,38 @@ class VllmEngine:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _execute(self, groups: Iterable[list[_Req]]) -> Iterator[tuple[Any, _Req]]:
-        """Add every group's members (priority = plan rank), then step vLLM; yields (None, m)
-        for a member that cannot run (m.error set) and (vLLM's output, m) as members finish.
-        Fills `stats` and `totals`."""
+    def _execute(self, groups: Iterable[list[_Req] | None]) -> Iterator[tuple[Any, _Req]]:
+        """Add the groups' members (priority = plan rank) as vLLM has room for them
+        (engine/intake.py: a group not taken yet stays the caller's), and step vLLM; yields
+        (None, m) for a member that cannot run (m.error set) and (vLLM's output, m) as members
+        finish. Fills `stats` and `totals`."""
         self.stats, start = [], time.perf_counter()
         run, reqs = next(self._runs), {}
         counts = dict(requests=0, prompt=0, cached=0, output=0)
-        completed = False
+        source, rank = iter(groups), 0
+        exhausted = completed = False
         try:
-            for rank, members in enumerate(groups):
-                counts["requests"] += len(members)
-                for m in members:
-                    rid = f"{run}-{m.row_id}"
-                    m.error = m.error or self._add(rid, m, rank)
-                    if m.error is not None:
-                        yield None, m
-                        continue
-                    reqs[rid] = m
-                    counts["prompt"] += len(m.prompt)
-            while self.engine.has_unfinished_requests():
+            while True:
+                while not exhausted and self._wants_more():
+                    members = next(source, _END)
+                    if members is _END or members is NOT_READY:
+                        exhausted = members is _END
+                        break
+                    counts["requests"] += len(members)
+                    for m in members:
+                        rid = f"{run}-{m.row_id}"
+                        m.error = m.error or self._add(rid, m, rank)
+                        if m.error is not None:
+                            yield None, m
+                            continue
+                        reqs[rid] = m
+                        counts["prompt"] += len(m.prompt)
+                    rank += 1
+                if not self.engine.has_unfinished_requests():
+                    if exhausted:
+                        break
+                    time.sleep(IDLE_POLL_S)  # the source has nothing ready now
+                    continue
                 for out in self._step():
                     self._in_flight.discard(out.request_id)
                     counts["cached"] += int(out.num_cached_tokens or 0)
@@ -201,6 +219,20 @@ class VllmEngine:
             num_computed_prompt_tokens=counts["prompt"] - counts["cached"], num_recomputed_tokens=0,
             num_output_tokens=counts["output"], num_steps=len(self.stats),
             num_preemptions=sum(s.num_preemptions for s in self.stats), wall_time_s=time.perf_counter() - start)
+
+    def _wants_more(self) -> bool:
+        """engine/intake.wants_more over vLLM's queue: its requests not running yet (read from
+        the scheduler in this process; with the core in a child process, every request past
+        max_num_seqs counts as waiting)."""
+        sched = self.scheduler
+        if sched is None:
+            unfinished = len(self._in_flight)
+            running = min(unfinished, self.max_num_seqs)
+            return wants_more(unfinished - running, 0, running, self.max_num_batched_tokens, self.max_num_seqs)
+        running = {id(r) for r in sched.running}
+        waiting = [r for r in sched.requests.values() if id(r) not in running]
+        tokens = sum(r.num_prompt_tokens - r.num_computed_tokens for r in waiting)
+        return wants_more(len(waiting), tokens, len(running), self.max_num_batched_tokens, self.max_num_seqs)
 
     def _add(self, request_id: str, m: _Req, rank: int) -> str | None:
         """Add one request of the group of this plan rank; an error message when it cannot run."""

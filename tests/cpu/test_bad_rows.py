@@ -124,7 +124,7 @@ def _failing_engine(model: str, bad_row: int):
 
 def test_an_engine_exception_fails_only_its_row(tiny_model):
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import engine_outputs
+    from prefixflow.operators.generate import group_outputs
     from prefixflow.pipeline import build_plan
 
     rng = np.random.default_rng(0)
@@ -137,10 +137,10 @@ def test_an_engine_exception_fails_only_its_row(tiny_model):
     rows = pa.table({"q": [str(i) for i in range(len(prompts))]})
     row_ids = np.arange(len(prompts))
 
-    healthy = {o.row_id: o for o in engine_outputs(_failing_engine(str(tiny_model), -1), config, groups,
+    healthy = {o.row_id: o for o in group_outputs(_failing_engine(str(tiny_model), -1), config, groups,
                                                     rows, row_ids)}
     engine = _failing_engine(str(tiny_model), 2)
-    outs = list(engine_outputs(engine, config, groups, rows, row_ids))
+    outs = list(group_outputs(engine, config, groups, rows, row_ids))
     assert sorted(o.row_id for o in outs) == list(range(len(prompts)))  # each row once
     by_row = {o.row_id: o for o in outs}
     assert by_row[2].error == "the engine failed on this row: TypeError: injected failure for row 2"
@@ -148,7 +148,7 @@ def test_an_engine_exception_fails_only_its_row(tiny_model):
         if r != 2:
             assert by_row[r].error is None and by_row[r].token_ids == healthy[r].token_ids
     # The engine was reset and runs again.
-    again = list(engine_outputs(engine, config, [g for g in groups if 2 not in g.row_ids], rows, row_ids))
+    again = list(group_outputs(engine, config, [g for g in groups if 2 not in g.row_ids], rows, row_ids))
     assert all(o.error is None for o in again)
 
 
@@ -159,7 +159,7 @@ def test_an_engine_that_fails_on_every_row_stops_the_replica(tiny_model):
     from prefixflow.engine import LLMEngine
     from prefixflow.engine.config import EngineConfig
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import engine_outputs
+    from prefixflow.operators.generate import group_outputs
     from prefixflow.operators.isolate import MAX_FAILURES_IN_A_ROW, EngineBroken
     from prefixflow.pipeline import build_plan
 
@@ -174,7 +174,7 @@ def test_an_engine_that_fails_on_every_row_stops_the_replica(tiny_model):
     engine = Broken(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_bytes=16 << 20))
     outs = []
     with pytest.raises(EngineBroken, match="device lost"):
-        for out in engine_outputs(engine, config, groups, pa.table({"q": ["x"] * n}), np.arange(n)):
+        for out in group_outputs(engine, config, groups, pa.table({"q": ["x"] * n}), np.arange(n)):
             outs.append(out)
     assert len(outs) == MAX_FAILURES_IN_A_ROW - 1  # the rows before the verdict, as errors
 
@@ -183,8 +183,8 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     from prefixflow.engine import Scorer
     from prefixflow.engine.config import EngineConfig
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import engine_outputs
-    from prefixflow.operators.outputs import output_chunk, token_counts
+    from prefixflow.operators.generate import group_outputs
+    from prefixflow.operators.outputs import output_chunk
     from prefixflow.pipeline import build_plan
 
     class FailsOnRow(Scorer):  # our own Scorer, one method made to raise for row 1 (see above)
@@ -199,15 +199,15 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
                              prompt={"template": "{{ q }}"})
     rows = pa.table({"q": ["a", "b", "c"]})
     scorer = FailsOnRow(EngineConfig(model=str(tiny_model), device="cpu"), config.score.options())
-    outs = list(engine_outputs(scorer, config, groups, rows, np.arange(3)))
+    outs = list(group_outputs(scorer, config, groups, rows, np.arange(3)))
     by_row = {o.row_id: o for o in outs}
     assert sorted(by_row) == [0, 1, 2] and len(outs) == 3
     assert by_row[1].error == "the engine failed on this row: RuntimeError: injected scorer failure"
     assert by_row[0].error is None and by_row[2].error is None and by_row[0].label in ("Yes", "No")
-    order = np.concatenate([g.row_ids for g in groups])
-    prompt_len, computed = token_counts(groups, 3)
-    table = output_chunk(outs, rows.take(pa.array(order)), {int(r): i for i, r in enumerate(order)},
-                         prompt_len, computed, replica=0, score=True)
+    ids = [int(o.row_id) for o in outs]
+    n = np.zeros(len(outs), np.int64)
+    table = output_chunk(outs, rows.take(pa.array(ids)), n, n.astype(float), n, replica=0, plan_replica=0,
+                         score=True)
     assert table.column("error").null_count == 2 and table.column("label").null_count == 1
 
 

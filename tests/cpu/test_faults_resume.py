@@ -8,7 +8,10 @@ submit`. Faults are real SIGKILLs, aimed by pid:
 2. the engine actor that wrote a part (its pid is in the commit record) is killed mid-job:
    a new actor runs only that replica's uncommitted rows, the other replica runs on, and the
    job ends with every row once;
-3. the engine actor of a replica keeps dying at work without committing anything: after
+3. work stealing under a kill: one engine fits the cluster at a time, so the first one up
+   takes the other replica's units too; it is killed after committing a part of a stolen
+   unit, and the units it held run once more on the next actor up;
+4. the engine actor of a replica keeps dying at work without committing anything: after
    max_retries_per_row + 1 such deaths in a row the replica's rows left become error records,
    and the job still finishes.
 """
@@ -36,7 +39,7 @@ JOB_TIMEOUT_S = 300
 
 
 def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: int = 1,
-         rows_per_part: int = 2) -> Path:
+         rows_per_part: int = 2, cpus_per_replica: int = 1) -> Path:
     with open(root / "in.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     spec = {
@@ -46,6 +49,7 @@ def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: 
         # Few sequences at a time, so rows finish (and parts commit) one after another.
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
         "replicas": replicas, "max_retries_per_row": max_retries,
+        "resources": {"num_cpus_per_replica": cpus_per_replica},
         "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": rows_per_part,
                    "resume": True},
     }
@@ -129,17 +133,48 @@ def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, 
     assert ft["rows_written"] == len(rows)
     failure = ft["failures"][0]
     assert failure["item"] == killed and failure["engine_loaded"]
-    # Only the dead replica started again, on one new actor that ran only its uncommitted
-    # rows; the other replica's actor was never stopped.
-    workers = {r: {rec["worker"] for rec in local_records(out) if rec["replica"] == r} for r in (0, 1)}
-    assert len(workers[killed]) == 2 and len(workers[1 - killed]) == 1, workers
-    new_worker = (workers[killed] - {record["worker"]}).pop()
-    rerun = sum(len(rec["row_ids"]) for rec in local_records(out) if rec["worker"] == new_worker)
-    assert rerun == failure["item_rows_left"] > 0
-    assert not writers_overlap(local_records(out)), "two engine actors wrote one replica's parts at once"
+    # The dead actor held units with uncommitted rows; they went back to the work queue and ran
+    # once more, on its replica's new actor or on the other replica (work stealing), whose
+    # actor was never stopped.
+    assert failure["units_held"] >= 1 and failure["item_rows_left"] > 0
+    records = local_records(out)
+    workers = {r: {rec["worker"] for rec in records if rec["replica"] == r} for r in (0, 1)}
+    assert len(workers[1 - killed]) == 1, workers
+    by_others = sum(len(rec["row_ids"]) for rec in records if rec["worker"] != record["worker"])
+    by_dead = sum(len(rec["row_ids"]) for rec in records if rec["worker"] == record["worker"])
+    assert by_dead + by_others == len(rows) and by_dead < len(rows)
+    assert not writers_overlap(records), "two engine actors of one replica wrote parts at once"
     print(f"\nengine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed} SIGKILLed "
-          f"with {failure['item_rows_committed']} of its rows committed; a new actor ran its "
-          f"{rerun} other rows, the other replica ran on; lost 0")
+          f"holding {failure['item_rows_left']} uncommitted rows, which the live actors ran; lost 0")
+
+
+def test_units_of_a_replica_that_cannot_start_are_taken_and_a_kill_loses_nothing(start_driver, tiny_model,
+                                                                                   tmp_path):
+    rows = demo_rows(num_docs=6, questions_per_doc=6, sentences_per_doc=4, seed=8)  # 36 rows
+    # The session's cluster has 4 CPU slots: one engine of 3 at a time, so the other replica's
+    # actor waits while the first runs dry and takes its units (a part named after one plan
+    # replica, written by the other).
+    job = _job(tmp_path, tiny_model, rows, replicas=2, cpus_per_replica=3)
+    out = tmp_path / "out"
+    proc = start_driver(job)
+
+    def stolen() -> list[dict]:
+        return [r for r in local_records(out) if not r["part"].startswith(f"part-r{r['replica']:03d}-")]
+
+    _wait(lambda: bool(stolen()), proc, "a committed part of a stolen unit")
+    record = stolen()[0]
+    os.kill(worker_pid(record), signal.SIGKILL)
+    _finish(proc)
+    ft = _fault_tolerance(out)
+    got = _assert_exactly_once(out, rows)
+    assert all(r["error"] is None for r in got) and ft["rows_written"] == len(rows)
+    assert ft["engine_failures"] == 1 and ft["rows_given_up"] == 0, ft
+    failure = ft["failures"][0]
+    assert failure["item"] == record["replica"] and failure["engine_loaded"] and failure["item_rows_left"] > 0
+    steals = ft["work_queue"]["steals"]
+    assert steals and all(s["to"] != s["from"] for s in steals)
+    assert any(s["to"] == record["replica"] for s in steals)
+    assert not writers_overlap(local_records(out)), "two engine actors of one replica wrote parts at once"
 
 
 def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_local, tiny_model, tmp_path):

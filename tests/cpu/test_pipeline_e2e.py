@@ -71,7 +71,11 @@ def test_every_row_exactly_once(job):
     assert m["rows"] == len(rows) and m["rows_error"] == len(_bad_lines("d"))
     assert 0 < m["token_saving_ratio"] <= m["optimal_token_saving_ratio"] + 1e-9
     assert (job["root"] / "out" / "metrics.json").exists() and (job["root"] / "out" / "_SUCCESS").exists()
-    assert len(m["per_replica"]) == 2 and all(r["num_steps"] > 0 for r in m["per_replica"])
+    # Two engines; which ran how many rows is decided as they go (a replica that runs dry, or
+    # loads first, takes the others' units: work stealing; one still loading when the work ran
+    # out is stopped and ran none), every good row by one of them.
+    per = m["per_replica"]
+    assert 1 <= len(per) <= 2 and sum(r["num_rows"] for r in per) == len(job["good"])
 
 
 def test_bad_rows_become_error_records(job):

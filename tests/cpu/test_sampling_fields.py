@@ -63,8 +63,8 @@ def test_samples_column_lists_each_rows_samples_and_keeps_an_input_samples_colum
     single = RequestOutput(1, (1,), (7,), "x", "length")
     failed = RequestOutput(2, (1,), (), "", "abort", error="bad row")
     rows = pa.table({"samples": ["mine", "also mine", "too"]})
-    table = output_chunk([with_samples([first, second]), single, failed], rows, {0: 0, 1: 1, 2: 2},
-                         np.array([2, 1, 1]), np.array([2.0, 1.0, 1.0]), replica=0)
+    table = output_chunk([with_samples([first, second]), single, failed], rows, np.array([2, 1, 1]),
+                         np.array([2.0, 1.0, 1.0]), np.arange(3), replica=0, plan_replica=0)
     assert "samples" in output_names(False, False)
     assert table.column("input_samples").to_pylist() == ["mine", "also mine", "too"]
     assert table.column("generated_text").to_pylist() == ["ab", "x", None]  # sample 0
@@ -73,7 +73,8 @@ def test_samples_column_lists_each_rows_samples_and_keeps_an_input_samples_colum
         [(0, "ab", [3, 4], "stop"), (1, "c", [5], "length")]
     assert samples[1] == [{"index": 0, "text": "x", "token_ids": [7], "finish_reason": "length", "logprobs": None}]
     assert samples[2] is None
-    plain = output_chunk([single], rows.slice(1, 1), {1: 0}, np.array([1]), np.array([1.0]), replica=0)
+    plain = output_chunk([single], rows.slice(1, 1), np.array([1]), np.array([1.0]), np.array([0]), replica=0,
+                         plan_replica=0)
     assert "samples" not in plain.column_names  # no row asked n > 1
 
 

@@ -1,11 +1,14 @@
-"""scale_bench's workload is what issue 28 asks for (the bench itself needs a quiet machine and a
-multi-node cluster: it is run by hand, `python -m prefixflow.bench.scale_bench`)."""
+"""scale_bench's workload and figures are what issues 28 and 38 ask for (the bench itself needs a
+quiet machine and a multi-node cluster: it is run by hand, `python -m prefixflow.bench.scale_bench`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from prefixflow.bench.scale_bench import make_rows, prompt_token_floors, zipf_counts
+import pytest
+
+from prefixflow.bench.scale_bench import _with_blocks, acceptance, cell_summary, figures
+from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 
 
 def test_question_counts_follow_a_zipf_law():
@@ -39,3 +42,55 @@ def test_prompt_token_floors_count_distinct_tokens_and_whole_blocks():
         "prompt_tokens": 13, "distinct_prompt_tokens": 6, "whole_block_floor": 4 + 2 + 2 + 1}
     # One token per block: every shared token is reused, but a prompt met whole recomputes its last.
     assert prompt_token_floors(prompts, block=1)["whole_block_floor"] == 4 + 1 + 1 + 1
+
+
+def test_the_eos_is_the_token_that_spreads_the_lengths_most():
+    cap = 40
+    # Token 7 first appears at 2, 5, 9, ..., 38 (wide spread); token 3 at 10 in every row
+    # (no spread); token 5 never before the cap in most rows.
+    outputs = []
+    for k in range(10):
+        at = [2, 5, 9, 12, 15, 18, 24, 30, 35, 38][k]
+        out = [1] * cap
+        out[at - 1] = 7
+        out[9] = 3 if at != 10 else 4
+        outputs.append(out)
+    eos, lengths = choose_eos(outputs, cap)
+    assert eos == 7 and lengths == [2, 5, 9, 12, 15, 18, 24, 30, 35, 38]
+    summary = length_summary(lengths, cap)
+    assert summary["min"] == 2 and summary["max"] == 38 and summary["at_cap"] == 0.0
+    assert sum(summary["histogram"]) == 10
+
+
+def test_ray_blocks_are_equal_stretches_of_the_sorted_rows():
+    record = _with_blocks({"num_blocks": 4}, sorted_ids=[5, 2, 7, 1, 0, 3, 6, 4])
+    assert record["block_rows"] == [2, 2, 2, 2]
+    assert record["block_row_ids"] == [[5, 2], [7, 1], [0, 3], [6, 4]]
+    assert record["row_block"][3] == 2
+    assert _with_blocks({"wall_s": 1.0}, [0, 1]) == {"wall_s": 1.0}  # prefixflow: no blocks
+
+
+def _run(wall, first, computed, busy, ends, outputs):
+    return figures({"wall_s": wall, "wall_from_first_request_s": wall - first,
+                    "wall_from_last_engine_start_s": wall - first, "computed_prompt_tokens": computed,
+                    "engine_busy_s": busy, "engine_end_s": ends, "load_average": (1.0, 1.0, 1.0),
+                    "outputs": outputs})
+
+
+def test_cells_give_medians_spreads_and_goals_as_met_or_not():
+    out = {1: [3, 4], 2: [5]}
+    ours = [_run(w, 10, 1000, [40, 42], [50, 50], out) for w in (60, 62, 70)]
+    ray = [_run(w, 5, 1100, [30, 60], [45, 70], {1: [3, 4], 2: [6]}) for w in (80, 85, 90)]
+    runs = {"prefixflow_vllm/model_decided/4": cell_summary(ours, out),
+            "ray_llm_sorted_default/model_decided/4": cell_summary(ray, out)}
+    cell = runs["prefixflow_vllm/model_decided/4"]
+    assert cell["median"]["wall_s"] == 62 and cell["spread"]["wall_s"] == [60, 70]
+    assert cell["outputs_equal"] == [2, 2, 2] and runs["ray_llm_sorted_default/model_decided/4"]["outputs_equal"] == [1] * 3
+    floors = {w: {"whole_block_floor": 990} for w in ("fixed", "model_decided")}
+    row = acceptance(runs, 4, floors)["prefixflow_vllm/model_decided/4"]
+    assert row["ray_best"] == "ray_llm_sorted_default"
+    assert row["speedup_vs_ray_best"] == pytest.approx(80 / 52)
+    goals = row["goals"]
+    assert goals["speedup_vs_ray_best"]["met"] and goals["busy_max_over_mean"]["met"]
+    assert goals["computed_vs_whole_block_floor"]["value"] == pytest.approx(1000 / 990)
+    assert goals["computed_vs_whole_block_floor"]["met"]

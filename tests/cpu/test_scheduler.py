@@ -536,3 +536,43 @@ def test_aligned_decode_step_is_never_empty_when_its_pick_preempts_itself():
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
     assert engine.totals.num_preemptions > 0
+
+
+def test_groups_are_taken_lazily_as_the_scheduler_has_room():
+    """The engine takes a group only when the work waiting to start is short (engine/intake.py):
+    the groups not taken yet stay the caller's to hand to another replica (work stealing)."""
+    rng = random.Random(11)
+    groups = random_workload(rng, 60, max_members=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = make_engine(num_blocks=400, max_num_batched_tokens=64)
+    taken_at: list[int] = []  # engine steps done when each group was taken
+
+    def source():
+        for g in groups:
+            taken_at.append(len(engine.stats))
+            yield g
+
+    outs = list(engine.run(source(), params))
+    assert_matches_reference(outs, groups, params)
+    assert taken_at.count(0) < len(groups) // 2 and len(set(taken_at)) > 5  # taken over many steps
+
+
+def test_not_ready_means_ask_again_later():
+    """NOT_READY (None) from the source: the engine runs what it has and asks again; with
+    nothing to run it waits, and it ends only when the source does."""
+    from prefixflow.engine.intake import NOT_READY
+
+    rng = random.Random(12)
+    groups = random_workload(rng, 6)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine = make_engine(num_blocks=400)
+
+    def source():
+        yield NOT_READY                        # nothing at first: the engine waits
+        yield from groups[:3]
+        for _ in range(30):
+            yield NOT_READY                    # the first groups run meanwhile
+        yield from groups[3:]
+
+    outs = list(engine.run(source(), params))
+    assert_matches_reference(outs, groups, params)

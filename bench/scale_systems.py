@@ -1,0 +1,209 @@
+"""One run of one system in scale_bench: a driver process on the test cluster (RAY_ADDRESS).
+
+    prefixflow_native / prefixflow_vllm   a prefixflow job (engine.backend native / vllm), its
+        engines taking plan units from one work queue (work stealing); *_static: the same with
+        work_stealing off (each replica runs its own partition), for the ablation;
+    ray_llm_sorted_default / ray_llm_sorted_ours   ray.data.llm as a careful user sets it up:
+        the rows tokenized the same way inside its pipeline (a map_batches stage, as many
+        actors as prefixflow's tokenizer), sorted on the prompt text, repartitioned into enough
+        blocks (at least 4 x engines x tasks in flight, so no engine takes a large share at
+        once), a fixed pool of engines (concurrency (N, N)), every engine argument ours (block
+        size, KV cache blocks, max_num_batched_tokens, prefix caching, one CPU slot), Ray Data's
+        defaults otherwise (batch_size 32, 8 concurrent batches, 16 tasks in flight, no wait
+        for the pool); "default" keeps vLLM's max_num_seqs, "ours" sets prefixflow's vLLM
+        backend's (no cap: max_num_batched_tokens). The bench keeps Ray's faster one per cell.
+
+Each run returns a record: wall time; start-up parts (engine ready per engine, read + tokenize
++ plan or sort); per engine its node, rows, computed prompt tokens, busy time (first request in
+to last out), preemptions where known; threads; the load average; every row's output tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefixflow.bench.scale_workload import BLOCK, KV_CACHE_BYTES, SYSTEM, USER, chat_tokens
+
+RAY_SYSTEMS = ("ray_llm_sorted_default", "ray_llm_sorted_ours")
+PREFIXFLOW_SYSTEMS = ("prefixflow_native", "prefixflow_vllm", "prefixflow_native_static", "prefixflow_vllm_static")
+MAX_NUM_BATCHED_TOKENS = 2048  # prefixflow's EngineConfig default, given to every engine
+RAY_TASKS_IN_FLIGHT = 16       # Ray Data's default: 2 x max_concurrent_batches (8)
+
+
+def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> dict[str, Any]:
+    """Run `system` with `replicas` engines on the cluster at RAY_ADDRESS; returns its record."""
+    t0 = time.time()
+    if system.startswith("prefixflow"):
+        record = _run_prefixflow(system, replicas, data, model, out, t0)
+    else:
+        record = _run_ray_llm(system, replicas, data, model, t0)
+    record["wall_s"] = time.time() - t0
+    # Start-up excluded: from the first engine's first request to the last row (conservative
+    # for a system whose engines start one after another, as prefixflow's do today).
+    record["wall_from_first_request_s"] = record["wall_s"] - min(record["first_request_s"])
+    record["wall_from_last_engine_start_s"] = record["wall_s"] - max(record["first_request_s"])
+    record["load_average"] = os.getloadavg()
+    return record
+
+
+def _run_prefixflow(system: str, replicas: int, data: Path, model: Path, out: Path, t0: float) -> dict[str, Any]:
+    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.jobs.run import run_job
+    from prefixflow.jobs.spec import parse_spec
+    from prefixflow.operators.write import read_output
+
+    backend = "vllm" if "vllm" in system else "native"
+    spec = parse_spec({
+        "name": f"scale-{system}-{replicas}", "model": str(model), "input": {"path": str(data)},
+        "prompt": {"system": SYSTEM, "user": USER}, "sampling": {"temperature": 0},
+        "engine": {"backend": backend, "device": "cpu", "dtype": "float32", "block_size": BLOCK,
+                   "kv_cache_bytes": KV_CACHE_BYTES, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
+        "replicas": replicas, "order": "batchllm", "work_stealing": not system.endswith("_static"),
+        "output": {"path": str(out), "format": "parquet", "rows_per_part": 256, "overwrite": True}})
+    metrics = run_job(spec, quiet=True)
+    rows = read_output(str(out)).to_pylist()
+    per = sorted(metrics["per_replica"], key=lambda r: r["replica"])
+    totals = [r["engine_totals"] or {} for r in per]
+    stages = metrics["stage_seconds"]
+    steals = metrics["fault_tolerance"].get("work_queue", {}).get("steals", [])
+    return {
+        "system": system, "replicas": replicas, "engines": len(per),
+        "computed_prompt_tokens": sum(t.get("num_computed_prompt_tokens", 0) for t in totals),
+        "prompt_tokens": sum(r["num_input_tokens"] for r in rows),
+        "kv_bytes_per_token": read_model_args(str(model)).kv_bytes_per_token_per_elem * 4,
+        "rows_per_engine": [r["num_rows"] for r in per], "units_per_engine": [r.get("num_units") for r in per],
+        "stolen_units_per_engine": [len(r.get("stolen_units") or []) for r in per], "steals": len(steals),
+        "computed_per_engine": [t.get("num_computed_prompt_tokens", 0) for t in totals],
+        "preemptions_per_engine": [t.get("num_preemptions", 0) for t in totals],
+        "engine_busy_s": [r["run_seconds"] for r in per], "engine_end_s": [r["end_s"] - t0 for r in per],
+        "nodes": [r.get("node_id") for r in per],
+        "first_request_s": [r["engine_ready_s"] - t0 for r in per],
+        "startup": {"engine_ready_s": [r["engine_ready_s"] - t0 for r in per],
+                    "read_tokenize_s": stages["read_tokenize_s"],
+                    "plan_s": stages["gather_s"] + stages["build_plan_s"]},
+        "threads": {"num_cpus_per_replica": 1, "torch_threads": "1 (Ray's OMP_NUM_THREADS for 1 CPU)"},
+        "outputs": {int(r["id"]): [int(t) for t in r["generated_tokens"]] for r in rows}}
+
+
+class ChatTokenize:
+    """The careful ray.data.llm user's tokenize stage: the model's chat template, tokenized as
+    prefixflow tokenizes chat prompts (scale_workload.chat_tokens), inside the pipeline."""
+
+    def __init__(self, model: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        texts, ids = [], []
+        for document, question in zip(batch["document"], batch["question"]):
+            text, tokens = chat_tokens(self.tokenizer, {"document": document, "question": question})
+            texts.append(text)
+            ids.append(tokens)
+        return {"id": batch["id"], "sampling_params": batch["sampling_params"], "prompt_text": texts,
+                "tokenized_prompt": ids}
+
+
+def ray_num_blocks(num_rows: int, replicas: int, batch_size: int) -> int:
+    """Blocks after the sort: at least 4 x engines x tasks in flight, and a batch's rows each."""
+    return max(4 * replicas * RAY_TASKS_IN_FLIGHT, -(-num_rows // batch_size))
+
+
+def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float) -> dict[str, Any]:
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    from prefixflow.engine.models.loader import read_model_args
+
+    margs = read_model_args(str(model))
+    blocks = KV_CACHE_BYTES // (BLOCK * margs.kv_bytes_per_token_per_elem * 4)
+    engine_kwargs = dict(dtype="float32", block_size=BLOCK, num_gpu_blocks_override=blocks,
+                         kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True,
+                         max_model_len=margs.max_position_embeddings,
+                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    if system.endswith("_ours"):
+        engine_kwargs["max_num_seqs"] = MAX_NUM_BATCHED_TOKENS  # prefixflow's vLLM backend: no cap
+    config = vLLMEngineProcessorConfig(
+        model_source=str(model), concurrency=(replicas, replicas), chat_template_stage=False,
+        tokenize_stage=False, engine_kwargs=engine_kwargs, placement_group_config={"bundles": [{"CPU": 1}]},
+        log_engine_metrics=False, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
+    processor = build_processor(
+        config,
+        preprocess=lambda r: dict(id=r["id"], tokenized_prompt=r["tokenized_prompt"],
+                                  sampling_params=r["sampling_params"]),
+        postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
+                                   num_input_tokens=r["num_input_tokens"], batch_uuid=r.get("batch_uuid"),
+                                   **_engine_fields(r)))
+    num_rows = sum(1 for _ in open(data))
+    num_blocks = ray_num_blocks(num_rows, replicas, config.batch_size)
+    ds = ray.data.read_json(str(data)).map_batches(ChatTokenize, fn_constructor_kwargs={"model": str(model)},
+                                                   concurrency=1, batch_size=256)
+    ds = ds.sort("prompt_text").repartition(num_blocks)
+    rows = processor(ds).take_all()
+    return _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
+
+
+def _ray_record(system: str, replicas: int, rows: list[dict[str, Any]], config: Any, engine_kwargs: dict,
+                num_blocks: int, gpu_blocks: int, t0: float) -> dict[str, Any]:
+    """The run's record from its output rows (the setup hook's per-request engine fields)."""
+    by_pid: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_pid.setdefault(r["pid"], []).append(r)
+    pids = sorted(by_pid, key=lambda p: min(r["arrival_time"] for r in by_pid[p]))
+    engines = [by_pid[p] for p in pids]
+    # Ray's sort and repartition (no shuffle) cut the sorted rows into equal blocks, in order.
+    order = sorted(rows, key=lambda r: r["prompt_text"]) if rows and "prompt_text" in rows[0] else None
+    batches: dict[str, int] = {}
+    for r in sorted(rows, key=lambda r: r["arrival_time"]):
+        batches.setdefault(r["batch_uuid"], len(batches))
+    return {
+        "system": system, "replicas": replicas, "engines": len(engines), "num_blocks": num_blocks,
+        "batch_size": config.batch_size, "max_concurrent_batches": config.max_concurrent_batches,
+        "max_tasks_in_flight_per_actor": RAY_TASKS_IN_FLIGHT, "max_num_seqs": engine_kwargs.get("max_num_seqs"),
+        "num_gpu_blocks": gpu_blocks, "engine_kwargs": engine_kwargs,
+        "computed_prompt_tokens": sum(r["num_input_tokens"] - r["num_cached_tokens"] for r in rows),
+        "prompt_tokens": sum(r["num_input_tokens"] for r in rows),
+        "rows_per_engine": [len(rs) for rs in engines],
+        "computed_per_engine": [sum(r["num_input_tokens"] - r["num_cached_tokens"] for r in rs) for rs in engines],
+        "preemptions_per_engine": None,  # ray.data.llm's rows do not carry them
+        "engine_busy_s": [max(r["finished_at"] for r in rs) - min(r["arrival_time"] for r in rs) for rs in engines],
+        "engine_end_s": [max(r["finished_at"] for r in rs) - t0 for rs in engines],
+        "nodes": [rs[0]["node_id"] for rs in engines],
+        "first_request_s": [min(r["arrival_time"] for r in rs) - t0 for rs in engines],
+        "startup": {"engine_first_request_s": [min(r["arrival_time"] for r in rs) - t0 for rs in engines]},
+        "threads": {"num_cpus_per_replica": 1, "omp_num_threads": sorted({r["omp_threads"] for r in rows})},
+        "row_engine": {int(r["id"]): pids.index(r["pid"]) for r in rows},
+        "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
+        "batch_rows": [sum(1 for r in rows if batches[r["batch_uuid"]] == b) for b in range(len(batches))],
+        "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
+        "outputs": {int(r["id"]): r["generated_tokens"] for r in rows}}
+
+
+def _engine_fields(row: dict[str, Any]) -> dict[str, Any]:
+    m = row.get("metrics") or {}
+    return {k: m.get(k) for k in ("num_cached_tokens", "finished_at", "pid", "arrival_time", "node_id",
+                                  "omp_threads")}
+
+
+def record_engine_fields() -> None:
+    """A Ray worker setup hook for the ray.data.llm runs: each vLLM output row's `metrics` also
+    gets the request's num_cached_tokens (prefix-cache hits), when it finished, which engine
+    process and node ran it and its OMP threads. Changes nothing else."""
+    from ray.llm._internal.batch.stages import vllm_engine_stage as stage
+
+    original = stage.vLLMOutputData.from_vllm_engine_output.__func__
+
+    def from_vllm_engine_output(cls: Any, output: Any) -> Any:
+        import ray
+
+        data = original(cls, output)
+        data.metrics = {**(data.metrics or {}), "num_cached_tokens": output.num_cached_tokens or 0,
+                        "finished_at": time.time(), "pid": os.getpid(),
+                        "node_id": ray.get_runtime_context().get_node_id(),
+                        "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+        return data
+
+    stage.vLLMOutputData.from_vllm_engine_output = classmethod(from_vllm_engine_output)

@@ -1,0 +1,47 @@
+"""When an engine takes its next planned group: lazily, as its scheduler has room for it.
+
+Both engines (native and vLLM) take the groups of a run from an iterable only while the work
+waiting to start is short: fewer rows than are running (at least INTAKE_MIN_ROWS, at most the
+engine's request cap) and fewer prompt tokens than one step may prefill. A group taken is the engine's; one not yet taken is
+still the caller's to hand to another replica (work stealing, operators/work_queue.py), so the
+engine holds as little unstarted work as keeps its batches full: the next step can admit at
+most a step's token budget, and as many rows as finish.
+
+The iterable may yield NOT_READY: no group is ready now, ask again later (the work queue has
+nothing unstarted, while another replica may still hand work back). The engine goes on with
+what it has, and when it has nothing, sleeps IDLE_POLL_S before asking again.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Final, TypeVar
+
+INTAKE_MIN_ROWS = 16   # rows kept waiting however few run (the first steps, small batches)
+IDLE_POLL_S = 0.05     # an engine with nothing to run asks again this often
+NOT_READY: Final = None  # what a source of groups yields when none is ready now
+
+T = TypeVar("T")
+
+
+def wants_more(pending_rows: int, pending_tokens: int, num_running: int, max_num_batched_tokens: int,
+               max_num_seqs: int | None = None) -> bool:
+    """Whether the engine takes another group before its next step (module docstring).
+    max_num_seqs: the engine's request cap (None: none); rows waiting past it wait anyway."""
+    rows = max(INTAKE_MIN_ROWS, num_running)
+    if max_num_seqs is not None:
+        rows = min(rows, max_num_seqs)
+    return pending_rows < rows and pending_tokens < max_num_batched_tokens
+
+
+def every_group(groups: Iterable[T | None]) -> Iterator[T]:
+    """All of a lazy source's groups, skipping NOT_READY (with a pause before asking again):
+    for an engine mode that must see the whole run before it starts (arrival order)."""
+    for group in groups:
+        if group is NOT_READY:
+            time.sleep(IDLE_POLL_S)
+            continue
+        yield group

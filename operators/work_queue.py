@@ -1,0 +1,148 @@
+"""Prefix-affine work stealing: each replica's queue of plan units, and who may take what.
+
+The plan gives each replica an ordered queue of whole units (pipeline/plan.py Plan.units: a
+subtree, or a piece of a large group; nothing shared with the rest but its parents' prefixes).
+An engine takes its next unit when its scheduler has room (engine/intake.py):
+
+  - from its own queue's front, in plan order, while it has any;
+  - else, having run dry, the LAST unstarted unit of the replica with the most predicted work
+    left (the sum of its queued units' predicted seconds), whole: the unit's shared prefix is
+    computed once, on the thief. Taking from the back leaves the victim its plan order, and
+    the units it will reach last are the ones its cache is least likely to help;
+  - else DONE: the engine finishes what it holds and ends.
+
+A unit is taken by one engine at a time, so a row never runs twice. When an engine dies, the
+driver hands back its units with the rows still uncommitted (`release`); they go to the front of
+the dead replica's queue, for its restarted engine or, if that never comes (a node lost), for
+the others to take; engines that had ended are started again by the driver while units are
+queued (jobs/supervise.py). A replica whose engine starts late (a node added; replicas given as a
+range) takes its own queue's remains, then steals like any other.
+
+Pure Python: the job driver (jobs/supervise.py) runs one as a Ray actor on its own node; the
+tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+UNIT, DONE = "unit", "done"
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    """What `WorkQueue.take` hands an engine: a unit (kind UNIT) with the rows of it to run
+    (None: all of them; a unit handed back after a death keeps only its uncommitted rows) and
+    the replica it was stolen from (-1: its own), or DONE."""
+
+    kind: str
+    unit: int = -1
+    rows: tuple[int, ...] | None = None
+    stolen_from: int = -1
+
+
+@dataclass(slots=True)
+class _Unit:
+    replica: int              # the replica whose queue holds it
+    seconds: float            # predicted (cost model)
+    rows: tuple[int, ...] | None = None  # rows left to run; None: all
+    holder: str | None = None  # the engine (run token) that took it
+    done: bool = False
+
+
+@dataclass
+class WorkQueue:
+    """The job's units, queued per replica. unit_replica[u], unit_seconds[u]: the plan's
+    replica and predicted seconds of unit u. rows_left: units an earlier run committed part
+    of (unit -> its uncommitted rows); done_units: units it committed whole (a resume)."""
+
+    unit_replica: Sequence[int]
+    unit_seconds: Sequence[float]
+    num_replicas: int
+    rows_left: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    done_units: Iterable[int] = ()
+    steal: bool = True  # False: each replica takes only its own queue (the static plan)
+    steals: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        done = set(self.done_units)
+        self.units = [_Unit(int(r), float(s), done=u in done) for u, (r, s) in
+                      enumerate(zip(self.unit_replica, self.unit_seconds))]
+        for u, rows in self.rows_left.items():
+            self.units[u].rows = tuple(int(r) for r in rows)
+        self.queues: list[deque[int]] = [deque() for _ in range(self.num_replicas)]
+        for u, unit in enumerate(self.units):
+            if not unit.done:
+                self.queues[unit.replica].append(u)
+        self.seconds_left = [sum(self.units[u].seconds for u in q) for q in self.queues]
+        self.started = time.time()
+
+    def take(self, replica: int, token: str) -> Take:
+        """The next unit for the engine `token` of `replica` (module docstring)."""
+        if self.queues[replica]:
+            return self._hand(self.queues[replica].popleft(), replica, token, -1)
+        if not self.steal:
+            return Take(DONE)
+        victim = max(range(self.num_replicas), key=lambda r: (self.seconds_left[r], -r))
+        if self.queues[victim]:
+            unit = self.queues[victim].pop()
+            self.steals.append({"unit": unit, "from": victim, "to": replica,
+                                "seconds": self.units[unit].seconds, "at_s": time.time() - self.started})
+            return self._hand(unit, replica, token, victim)
+        return Take(DONE)
+
+    def _hand(self, unit: int, replica: int, token: str, stolen_from: int) -> Take:
+        u = self.units[unit]
+        self.seconds_left[u.replica] -= u.seconds
+        u.holder = token
+        return Take(UNIT, unit, u.rows, stolen_from)
+
+    def finished(self, unit: int, token: str) -> None:
+        """Every row of `unit` that `token` was given is committed."""
+        u = self.units[unit]
+        if u.holder == token:
+            u.done, u.holder = True, None
+
+    def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
+        """The engine `token` died: each unit it held goes back to the front of `replica`'s
+        queue with its rows still uncommitted (rows_left: unit -> rows; a unit with none left
+        is done). Returns the units put back."""
+        back = []
+        for u, unit in enumerate(self.units):
+            if unit.holder != token:
+                continue
+            unit.holder = None
+            left = tuple(int(r) for r in rows_left.get(u, ()))
+            if not left:
+                unit.done = True
+                continue
+            unit.rows, unit.replica = left, replica
+            back.append(u)
+        for u in reversed(back):  # in the order they were held
+            self.queues[replica].appendleft(u)
+            self.seconds_left[replica] += self.units[u].seconds
+        return back
+
+    def drop(self, replica: int) -> list[int]:
+        """Take every unit still queued for `replica` out of the queue (its rows are given up,
+        with no replica left to take them: the static plan); returns them."""
+        units = list(self.queues[replica])
+        self.queues[replica].clear()
+        self.seconds_left[replica] = 0.0
+        for u in units:
+            self.units[u].done = True
+        return units
+
+    def held(self, token: str) -> list[int]:
+        """The units the engine `token` holds now."""
+        return [u for u, unit in enumerate(self.units) if unit.holder == token]
+
+    def status(self) -> dict:
+        """Counts for the driver and metrics.json: units queued per replica, held, done, and
+        every steal (unit, from, to, predicted seconds, when)."""
+        return {"queued": [len(q) for q in self.queues], "num_queued": sum(len(q) for q in self.queues), "held": sum(u.holder is not None for u in self.units),
+                "done": sum(u.done for u in self.units), "units": len(self.units),
+                "all_done": all(u.done for u in self.units), "steals": list(self.steals)}

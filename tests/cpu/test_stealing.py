@@ -1,0 +1,68 @@
+"""A replica running another replica's units (work stealing), without Ray: the ReplicaRunner
+fed a thief's sequence of units (its own, then the last of another replica's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.generate import ReplicaRunner
+from prefixflow.operators.outputs import PLAN_REPLICA
+from prefixflow.operators.plan import UnitPayload
+from prefixflow.pipeline import build_plan
+
+
+@pytest.fixture(scope="module")
+def planned():
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(10, 300, 90).tolist() for _ in range(4)]
+    prompts = [docs[d] + rng.integers(10, 300, 6).tolist() for d in range(4) for _ in range(5)]
+    plan = build_plan(prompts, order="batchllm", num_replicas=2, min_prefix_len=16)
+    rows = pa.table({"q": [f"row {i}" for i in range(len(prompts))]})
+    payloads = {}
+    for r in range(2):
+        ranks = plan.replica_table(r).column("rank").to_numpy()
+        at = 0
+        for unit in plan.units(r):
+            ids = unit.row_ids
+            payloads[unit.unit_id] = UnitPayload(unit, rows.take(pa.array(ids)), ranks[at:at + len(ids)])
+            at += len(ids)
+    return plan, payloads
+
+
+def _run(model, units: list[UnitPayload], replica: int) -> tuple[ReplicaRunner, pa.Table]:
+    config = ProcessorConfig(model=str(model), sampling={"temperature": 0, "max_tokens": 4},
+                             engine={"device": "cpu", "kv_cache_bytes": 16 << 20, "block_size": 16})
+    runner = ReplicaRunner(config)
+    chunks = list(runner.run_units(replica, units))
+    return runner, pa.concat_tables(chunks, promote_options="permissive")
+
+
+def test_a_stolen_unit_runs_whole_on_the_thief_with_its_prefix_computed_once(tiny_model, planned):
+    plan, payloads = planned
+    own = [payloads[u.unit_id] for u in plan.units(0)]
+    victim = [payloads[u.unit_id] for u in plan.units(1)]
+    assert own and victim
+    thief, out = _run(tiny_model, own + [victim[-1]], replica=0)
+    # Every row of its own units and of the stolen one, once; the stolen rows keep their plan
+    # replica (their parts are named after it), and say who ran them.
+    ran = sorted(out.column("row_id").to_pylist())
+    assert ran == sorted(int(r) for p in own + [victim[-1]] for r in p.unit.row_ids)
+    stolen = set(victim[-1].unit.row_ids.tolist())
+    for row in out.to_pylist():
+        assert row["replica"] == 0 and row[PLAN_REPLICA] == (1 if row["row_id"] in stolen else 0)
+    # Each run's shared prefix computed once on the thief, however many units cut it (a later
+    # piece joins the group of the first): the engine computed each prefix once and every
+    # member's own part, no more.
+    groups = [g for p in own + [victim[-1]] for g in p.unit.groups]
+    prefixes = {g.group_id: g.prefix_len for g in groups}
+    assert len(prefixes) < len(groups)  # some runs were cut into several units
+    totals = thief.engine.totals
+    assert totals.num_computed_prompt_tokens == sum(prefixes.values()) + sum(len(d) for g in groups for d in g.distinct)
+    assert thief.record["num_units"] == len(own) + 1
+    # The same answers as the victim's own engine gives them.
+    _, theirs = _run(tiny_model, victim, replica=1)
+    want = {r["row_id"]: r["generated_tokens"] for r in theirs.to_pylist()}
+    assert all(want[r["row_id"]] == r["generated_tokens"] for r in out.to_pylist() if r["row_id"] in stolen)
