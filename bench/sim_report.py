@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from prefixflow.bench.sim_dispatch_check import validate_dispatch
 from prefixflow.bench.sim_engines import VllmMeasurement, validate, validation_workloads
 from prefixflow.bench.sim_items import PLAN_SLICE_ROWS, make_plan, trie_order_lcp
 from prefixflow.bench.sim_run import (POLICIES, Cluster, RayData, Run, Units, h100_cluster,
@@ -120,7 +121,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(len(OUTPUT_MODELS), 3, figsize=(15, 4 * len(OUTPUT_MODELS)), squeeze=False)
     panels = (("computed_prompt_tokens", "prompt tokens computed (share of all)"),
               ("gpu_hours_busy", "GPU hours busy"),
-              ("makespan_hours_with_startup", "makespan with start-up (hours)"))
+              ("makespan_hours_without_startup", "makespan (hours; pale: start-up)"))
     width = 0.8 / len(POLICIES)
     for row, model in zip(axes, OUTPUT_MODELS):
         for ax, (key, label) in zip(row, panels):
@@ -128,7 +129,12 @@ def plot(report: dict[str, Any], path: Path) -> bool:
                 vals = [report["mixes"][m]["output_models"][model]["policies"][policy][key] for m in mixes]
                 if key == "computed_prompt_tokens":
                     vals = [v / report["mixes"][m]["prompt_tokens"] for v, m in zip(vals, mixes)]
-                ax.bar(np.arange(len(mixes)) + (k - (len(POLICIES) - 1) / 2) * width, vals, width, label=policy)
+                x = np.arange(len(mixes)) + (k - (len(POLICIES) - 1) / 2) * width
+                bars = ax.bar(x, vals, width, label=policy)
+                if key == "makespan_hours_without_startup":
+                    start = [report["mixes"][m]["output_models"][model]["policies"][policy]["startup"]["startup_s"]
+                             / 3600 for m in mixes]
+                    ax.bar(x, start, width, bottom=vals, color=bars[0].get_facecolor(), alpha=0.35)
             ax.set_xticks(np.arange(len(mixes)), mixes)
             ax.set_title(f"{label}, outputs {model}", fontsize=10)
     axes[0][0].legend()
@@ -141,9 +147,23 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+SCALE_BENCH = Path(__file__).parent / "results" / "scale_bench.json"
+
+
+def dispatch_validation(scale_bench: Path | None) -> dict[str, Any]:
+    """validate_dispatch on a scale_bench.json that records its ray.data.llm runs' blocks (the
+    fair bench's schema, sim_dispatch_check.py), else why it was skipped."""
+    if scale_bench is None or not scale_bench.exists():
+        return {"skipped": f"no scale_bench file at {scale_bench}"}
+    if "token_rows" not in json.loads(scale_bench.read_text()):
+        return {"skipped": f"{scale_bench} predates the fair bench (no token_rows, blocks or row maps)"}
+    return {"file": str(scale_bench), **validate_dispatch(scale_bench)}
+
+
 def run_all(num_prompts: int, num_replicas: int, validate_engines: bool, ray: RayData,
-            command: str = "") -> dict[str, Any]:
-    """Every mix, output model and policy, then (optionally) the validation against engine counters."""
+            command: str = "", scale_bench: Path | None = None) -> dict[str, Any]:
+    """Every mix, output model and policy, then (optionally) the validations: the cache model
+    against engine counters, the dispatch model against scale_bench's runs."""
     started = time.perf_counter()
     cm = CostModel.create(None, "h100")
     cluster = h100_cluster(num_replicas, cm)
@@ -175,6 +195,7 @@ def run_all(num_prompts: int, num_replicas: int, validate_engines: bool, ray: Ra
         report["simulation_seconds"] = round(time.perf_counter() - started, 1)
         if validate_engines:
             report["validation"] = validate(tmp, vllm=vllm)
+            report["dispatch_validation"] = dispatch_validation(scale_bench)
     report["run_seconds"] = round(time.perf_counter() - started, 1)
     report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                          "load_average_1m": round(os.getloadavg()[0], 2)}
@@ -191,7 +212,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch-size", type=int, default=32, help="ray.data.llm's batch_size")
     ap.add_argument("--max-tasks-in-flight", type=int, default=16, help="ray.data.llm's max_tasks_in_flight_per_actor")
     ap.add_argument("--validate", action=argparse.BooleanOptionalAction, default=None,
-                    help="measure the validation cases on vLLM and the native engine (default: not with --quick)")
+                    help="measure the validation cases on vLLM and the native engine, and replay --scale-bench's "
+                         "ray.data.llm runs (default: not with --quick)")
+    ap.add_argument("--scale-bench", default=str(SCALE_BENCH),
+                    help="the scale_bench.json whose ray.data.llm runs validate the dispatch model")
     ap.add_argument("--out", default=None, help="default bench/results/cluster_sim.json (_quick with --quick)")
     args = ap.parse_args(argv)
     prompts = args.prompts or (20_000 if args.quick else 10_000_000)
@@ -200,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ray = RayData(args.blocks, args.batch_size, args.max_tasks_in_flight)
     out = Path(args.out or f"bench/results/cluster_sim{'_quick' if args.quick else ''}.json")
     command = "python -m prefixflow.bench.cluster_sim " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = run_all(prompts, replicas, validate_engines, ray, command.strip())
+    report = run_all(prompts, replicas, validate_engines, ray, command.strip(), Path(args.scale_bench))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     drew = plot(report, out.with_suffix(".png"))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from prefixflow.bench import cluster_sim as cs
-from prefixflow.bench import sim_items
+from prefixflow.bench import sim_items, sim_report
 from prefixflow.bench.sim_dispatch_check import bench_cost_model
 from prefixflow.bench.sim_workloads import families
 from prefixflow.pipeline import build_plan
@@ -389,6 +389,8 @@ def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
     assert run["errors"]["computed_prompt_tokens"] == pytest.approx(-1 / 11, abs=1e-5)
     assert out["max_abs_error"] == pytest.approx(1 / 11, abs=1e-5)
     assert not out["within_goal"]
+    assert sim_report.dispatch_validation(path)["runs"] == out["runs"]
+    assert "skipped" in sim_report.dispatch_validation(sim_report.SCALE_BENCH.with_name("none.json"))
     bad = json.loads(path.read_text())
     del bad["runs"]["ray_llm_arrival/4"]["repeats"][0]["block_rows"]
     path.write_text(json.dumps(bad))
