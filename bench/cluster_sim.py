@@ -58,19 +58,19 @@ when a request recomputes blocks still in the queue, the network during generati
 
 from prefixflow.bench.sim_dispatch_check import validate_dispatch
 from prefixflow.bench.sim_engines import (VALIDATION, VllmMeasurement, measure_native_plan, measure_vllm,
-                                                  predict_validation, trie_tokens, validate, validation_workloads)
+                                          predict_validation, trie_tokens, validate, validation_workloads)
 from prefixflow.bench.sim_items import (BLOCK_SIZE, MEMBER, OWNER, PLAIN, SlicedPlan, make_plan, plain_items,
-                                                plan_stream, plan_workload, trie_order_lcp)
+                                        plan_stream, plan_workload, trie_order_lcp)
 from prefixflow.bench.sim_predict import Prediction, predict_computed_tokens
 from prefixflow.bench.sim_report import main, run_all, run_mix
 from prefixflow.bench.sim_run import (ALL_POLICIES, MAX_NUM_SEQS, POLICIES, Cluster, RayData, Run, Tasks,
-                                                   Units, bundle_blocks, cost_coefficients, h100_cluster,
-                                                   policy_stream, ray_tasks, simulate, split_rows)
+                                      Units, bundle_blocks, cost_coefficients, h100_cluster,
+                                      policy_stream, ray_tasks, simulate, split_rows)
 from prefixflow.bench.sim_startup import (TEXT_BYTES_PER_TOKEN, StartupRates, plan_stage_bytes, sort_bytes,
-                                                  startup_seconds)
+                                          startup_seconds)
 from prefixflow.bench.sim_workloads import (MIXES, OUTPUT_MODELS, Workload, conversations, docs_questions,
-                                                    model_decided_lengths, no_sharing, output_lengths,
-                                                    workload_from_tokens)
+                                            model_decided_lengths, no_sharing, output_lengths,
+                                            workload_from_tokens)
 
 __all__ = [
     "ALL_POLICIES", "BLOCK_SIZE", "MAX_NUM_SEQS", "MEMBER", "MIXES", "OUTPUT_MODELS", "OWNER", "PLAIN", "POLICIES",

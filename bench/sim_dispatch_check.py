@@ -29,10 +29,11 @@ from prefixflow.bench.sim_workloads import Workload, workload_from_tokens
 from prefixflow.pipeline.cost_model import GIB, CostModel, HardwareProfile, ModelShape
 
 GOAL = 0.05
-# Used when the file records no hardware profile: about what cost_model.measure_cpu_profile
-# gives on this project's 2-core machine (fp32 matmul, copy bandwidth). Only the busy-time
-# shares depend on it, through the balance of compute and memory time.
-CPU_PROFILE = HardwareProfile("scale_bench_cpu", 100e9, 10e9, 16 * GIB)
+# Used when the file records no hardware profile: cost_model.measure_cpu_profile on this
+# project's 2-core machine, loaded, 2026-11-28, gave 10-19 GFLOP/s (fp32 matmul) and 1.7-4.8
+# GB/s (copy). Only the busy-time shares depend on it, through the balance of compute and
+# memory time; the bench should record its own ("hardware_profile").
+CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
 
 
 def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = None) -> dict[str, Any]:
@@ -116,8 +117,12 @@ def replay_run(w: Workload, rows: list[dict[str, Any]], tokens: list[list[int]],
                block_size: int, cm: CostModel, where: str) -> dict[str, Any]:
     """One measured run replayed through the dispatch model; its predictions, measurements, errors."""
     workload = _field(rec, "workload", where)
+    if any(workload not in r.get("output_tokens", {}) for r in rows):
+        raise ValueError(f"{where}: workload={workload!r}, but not every row records output_tokens[{workload!r}]")
     outs = np.array([int(r["output_tokens"][workload]) for r in rows], np.int64)
     row_block, row_engine = _int_map(rec, "row_block", where), _int_map(rec, "row_engine", where)
+    if sorted(row_engine) != list(range(len(rows))):
+        raise ValueError(f"{where}: row_engine must give each of the {len(rows)} rows its engine")
     order, block_rows = _dispatch_order(rec, row_block, tokens, where)
     R = int(_field(rec, "replicas", where))
     ray = RayData(len(block_rows), int(_field(rec, "batch_size", where)),

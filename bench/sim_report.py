@@ -20,11 +20,11 @@ from prefixflow.bench.sim_dispatch_check import validate_dispatch
 from prefixflow.bench.sim_engines import VllmMeasurement, validate, validation_workloads
 from prefixflow.bench.sim_items import PLAN_SLICE_ROWS, make_plan, trie_order_lcp
 from prefixflow.bench.sim_run import (POLICIES, Cluster, RayData, Run, Units, h100_cluster,
-                                                   policy_stream, simulate)
+                                      policy_stream, simulate)
 from prefixflow.bench.sim_startup import (REPLICAS_PER_NODE, TEXT_BYTES_PER_TOKEN, plan_stage_bytes,
-                                                  rates_record, sort_bytes, startup_seconds)
+                                          rates_record, sort_bytes, startup_seconds)
 from prefixflow.bench.sim_workloads import (DECIDED_FAMILY_SHARE, DECIDED_MEDIAN_SHARE, DECIDED_SIGMA, MIXES,
-                                                    OUTPUT_MODELS, Workload, output_lengths)
+                                            OUTPUT_MODELS, Workload, output_lengths)
 from prefixflow.pipeline.cost_model import CostModel
 
 

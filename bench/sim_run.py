@@ -21,7 +21,7 @@ import numpy as np
 
 from prefixflow.bench import sim_dispatch as dispatch
 from prefixflow.bench.sim_items import (BLOCK_SIZE, OWNER, PlanStream, _Items, plain_items, plan_stream,
-                                                plan_workload)
+                                        plan_workload)
 from prefixflow.bench.sim_workloads import Workload, levels
 from prefixflow.pipeline.cost_model import CostModel
 
@@ -56,11 +56,11 @@ class Cluster:
 @dataclass(frozen=True, slots=True)
 class RayData:
     """How ray.data.llm hands rows to its engine actors (Ray 2.60): the dataset's rows in
-    num_blocks whole blocks (sizes differ by at most one row: read tasks split with
-    np.array_split, `repartition` and `override_num_blocks` alike; None: a careful user's
-    4 x replicas x max_tasks_in_flight_per_actor), map_batches bundling consecutive blocks into
-    a task until it holds batch_size rows, each actor holding at most max_tasks_in_flight_per_actor
-    tasks (2 x max_concurrent_batches = 16 by default)."""
+    num_blocks whole blocks, taken here as equal (within a row: `repartition` cuts so, and read
+    tasks get np.array_split shares of the files; None: a careful user's 4 x replicas x
+    max_tasks_in_flight_per_actor), map_batches bundling consecutive blocks into a task until it
+    holds batch_size rows, each actor holding at most max_tasks_in_flight_per_actor tasks
+    (2 x max_concurrent_batches = 16 by default). Given blocks (measured) replace num_blocks."""
 
     num_blocks: int | None = None
     batch_size: int = 32
