@@ -198,7 +198,8 @@ def as_text(table: pa.Table, names: list[str]) -> pa.Table:
 def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:
     """Work items: whole files, or byte ranges of large JSONL files (read in parallel)."""
     whole = opts.format in ("csv", "parquet")  # only JSONL lines can be split by byte ranges
-    sizes = [opts.storage.filesystem(p).size(p) if not whole else 0 for p in files]
+    # An HTTP server may send no size (no Content-Length): such a file is read whole.
+    sizes = [(opts.storage.filesystem(p).size(p) or 0) if not whole else 0 for p in files]
     # Enough reads to keep every tokenizer busy (a fused read -> tokenize task per range).
     chunk = min(opts.chunk_bytes, max(1 << 20, -(-sum(sizes) // max(opts.min_tasks, 1))))
     items = []
