@@ -505,8 +505,10 @@ def sample_rows(spec: JobSpec, n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
         with storage.filesystem(first).open(first, "rb") as f:
             batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
         return [] if batch is None else batch.to_pylist()[:n]
-    # A small file is read whole, as the job reads it, so rows are named by line number.
-    end = -1 if storage.filesystem(first).size(first) <= SAMPLE_BYTES else SAMPLE_BYTES
+    # A small file is read whole, as the job reads it, so rows are named by line number; so is
+    # one whose HTTP server sends no size (a stream cannot seek to a range).
+    size = storage.filesystem(first).size(first)
+    end = -1 if size is None or size <= SAMPLE_BYTES else SAMPLE_BYTES
     return parse_file(first, fmt, storage, 0, end).slice(0, n).to_pylist()
 
 

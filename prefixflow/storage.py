@@ -177,8 +177,9 @@ def normal_path(path: str) -> str:
 
 # user:password@ in a URL (or any user part of an http(s) URL: a token given as the user),
 # and the values of query parameters that carry credentials (signatures, tokens, keys).
-_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/\s@:'\"]*):([^/\s@'\"]*)@")
-_HTTP_USER = re.compile(r"(\bhttps?://)([^/\s@:'\"]+)@", re.IGNORECASE)
+# (A scheme with fewer slashes than "//" too: "s3:/user:password@b" is echoed when refused.)
+_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/*)([^/\s@:'\"]*):([^/\s@'\"]*)@")
+_HTTP_USER = re.compile(r"(\bhttps?:/*)([^/\s@:'\"]+)@", re.IGNORECASE)
 _SECRET_QUERY = re.compile(r"([?&][\w.-]*(?:sig|signature|token|secret|password|passwd|key|"
                            r"credential)[\w.-]*=)[^&\s'\"#]+", re.IGNORECASE)
 
@@ -367,12 +368,15 @@ def list_input_files(path: str | list[str], storage: StorageOptions,
 
 
 def _http_file(url: str, fs: Any) -> list[str]:
-    """[url] when the server has the file (one HEAD request), [] when it answers 404."""
+    """[url] when the server has the file (one HEAD request), [] when it answers 404; the
+    OSError of a server that cannot be reached."""
     if url.endswith("/"):
         raise ValueError(f"input.path={masked(url)!r} names a folder, which HTTP cannot list: "
                          "give the URL of each file (input.path takes a list)")
     try:
         fs.info(url)
-    except FileNotFoundError:
+    except FileNotFoundError as e:  # fsspec's answer to any failure: a 404, or no connection
+        if isinstance(e.__cause__, OSError):  # aiohttp's connection errors are OSErrors
+            raise e.__cause__ from None
         return []
     return [url]
