@@ -29,8 +29,9 @@ from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import sampling_with_defaults
 from prefixflow.operators.read import SUFFIXES, parse_file
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
-from prefixflow.operators.commit import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST, RESULTS_FILE,
-                                         TMP_PREFIX, input_listing)
+from prefixflow.operators.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST,
+                                              RESULTS_FILE, TMP_PREFIX)
+from prefixflow.operators.commit import input_listing
 from prefixflow.storage import (HTTP, StorageOptions, check_scheme, check_shared, is_local, is_s3,
                                 list_input_files, local_path, normal_path, protocol, strip_scheme)
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns

@@ -28,7 +28,8 @@ from prefixflow.jobs.preflight import check_resources, preflight  # preflight: a
 from prefixflow.model_source import model_fingerprint, resolve_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.jobs.supervise import run_replicas
-from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, drop_fenced, input_listing,
+from prefixflow.operators.bookkeeping import MANIFEST
+from prefixflow.operators.commit import (OutputLock, check_job_file, drop_fenced, input_listing,
                                          job_identity, load_committed)
 from prefixflow.operators.openai_output import system_fingerprint, write_results
 from prefixflow.operators.processor import Processor

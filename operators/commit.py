@@ -20,9 +20,9 @@ not have their types, counts as missing too. Names read from a record must be pl
 of this folder (never a path that leads elsewhere): anything else is refused.
 
 Nothing in the output folder is trusted that a hand could have changed: its bookkeeping files
-(`_lock.json`, `_job.json`, the commit records) are read by one strict reader
-(`read_bookkeeping`), which names a damaged file and what to do, and a symbolic link among the
-names the job reads, writes or deletes is refused by name (`refuse_links`), never followed.
+(`_lock.json`, `_job.json`, the commit records) are read by one strict reader, which names a
+damaged file and what to do, and a symbolic link among the names the job reads, writes or
+deletes is refused by name, never followed (operators/bookkeeping.py).
 
 Fencing: a job's parts are written under its lock (OutputLock). Each writer checks, before a
 part, that the lock is still its job's (`check_fence`), and signs its records with the lock's
@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import re
 import socket
 import threading
 import time
@@ -58,18 +56,14 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
+from prefixflow.operators.bookkeeping import (COMMITS, JOB_FIELDS, JOB_FILE, LOCK_FIELDS, LOCK_FILE, PART_NAME,
+                                              RECORD_FIELDS, TMP_PREFIX, Damaged, basename, check_fields,
+                                              read_bookkeeping, refuse_links)
 from prefixflow.operators.part_rows import holds_rows
 from prefixflow.retry import with_retries
 from prefixflow.storage import (HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol,
                                 strip_scheme)
 
-COMMITS = "_commits"
-JOB_FILE = "_job.json"
-MANIFEST = "_manifest.json"  # written last by the driver: every committed part and row id
-TMP_PREFIX = "_tmp-"
-LOCK_FILE = "_lock.json"
-RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (openai_output.write_results)
-ERRORS_FILE = "errors.jsonl"  # format openai with output.error_file: the failed requests' lines
 _log = logging.getLogger(__name__)
 HEARTBEAT_S = 60.0   # how often a running job refreshes its lock
 STALE_S = 300.0      # a lock not refreshed for this long belongs to a job that is gone
@@ -147,115 +141,6 @@ def _file_identity(path: str, entry: dict[str, Any]) -> int | str:
                      "server sends none), so a resume could not tell that it changed: serve it "
                      "with a Content-Length, or copy it to a folder or object storage")
 
-
-def basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-# What a part may be called: exactly the writer's names (operators/write.py: replica or
-# "errors", then the plan rank of its first row), nothing with a path in it. A file whose name
-# only starts with "part-" (another tool's part-00000.parquet) is never taken for one.
-PART_NAME = re.compile(r"^part-(r[0-9]{3,}|errors)-[0-9]{9,}\.(parquet|jsonl)$")
-
-
-# -- the one strict reader of the output folder's bookkeeping files ---------------------------
-
-Kind = tuple[str, Any]  # (what the field must be, in words; a test of a value)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-TEXT: Kind = ("text", lambda v: isinstance(v, str))
-INT: Kind = ("an integer", _is_int)
-NUMBER: Kind = ("a number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
-SHA256: Kind = ("a sha256 in hex", lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None)
-ROW_IDS: Kind = ("a list of row ids (integers from 0)",
-                 lambda v: isinstance(v, list) and all(_is_int(x) and 0 <= x < 2 ** 63 for x in v))
-
-
-def maybe(kind: Kind) -> Kind:
-    """`kind`, or null, or left out."""
-    return f"{kind[0]} or null", lambda v: v is None or kind[1](v)
-
-
-# What each bookkeeping file holds, field by field (written by OutputLock, check_job_file and
-# operators/write.write_part). _job.json's other fields are compared, not read.
-LOCK_FIELDS = {"host": TEXT, "pid": INT, "started": NUMBER, "heartbeat": NUMBER, "token": TEXT}
-JOB_FIELDS = {"fingerprint": SHA256}
-RECORD_FIELDS = {"part": TEXT, "row_ids": ROW_IDS, "num_rows": maybe(INT), "bytes": maybe(INT),
-                 "sha256": maybe(SHA256), "writer": maybe(TEXT)}
-
-
-class Damaged(ValueError):
-    """A bookkeeping file that is not as prefixflow writes it; the message names the file and
-    what is wrong with it (callers add what to do)."""
-
-
-def read_bookkeeping(fs: Any, path: str, fields: dict[str, Kind], name: str | None = None) -> dict[str, Any] | None:
-    """The JSON object in the bookkeeping file `path` (_lock.json, _job.json, a commit record),
-    each of `fields` checked; None when there is no such file. Damaged, naming the file (as
-    `name`, default its base name), for a symbolic link, a folder, bytes that are not JSON, or
-    an object without a field of its type: never an AttributeError or a traceback later."""
-    name = name or basename(path)
-    if is_local(path) and os.path.islink(local_path(path)):
-        raise Damaged(f"{name} is a symbolic link (to {os.readlink(local_path(path))!r}), which "
-                      "prefixflow never follows in an output folder")
-    try:
-        value = json.loads(fs.cat_file(path))
-    except FileNotFoundError:
-        return None
-    except (IsADirectoryError, NotADirectoryError):
-        raise Damaged(f"{name} is a folder, not a file prefixflow wrote") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise Damaged(f"{name} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        kind = "null" if value is None else f"a JSON {type(value).__name__}"
-        raise Damaged(f"{name} holds {kind}, not the JSON object prefixflow writes")
-    check_fields(value, fields, name)
-    return value
-
-
-def check_fields(value: dict[str, Any], fields: dict[str, Kind], name: str) -> None:
-    """Damaged, naming the file and the field, unless each of `fields` has its kind."""
-    for field, (want, ok) in fields.items():
-        if not ok(value.get(field)):
-            got = f"no {field!r} field" if field not in value else f"{field}={short(value[field])}"
-            raise Damaged(f"{name} has {got}, where prefixflow writes {want}")
-
-
-# Names in an output folder that a job reads, writes or deletes; a symbolic link under one of
-# them would make it read, write or delete elsewhere (another job's records, a user's file).
-OWN_NAMES = ("_SUCCESS", "metrics.json", "plot.png", RESULTS_FILE, ERRORS_FILE, JOB_FILE,
-             MANIFEST, LOCK_FILE, COMMITS)
-
-
-def is_own(name: str) -> bool:
-    """Whether a file of an output folder has a name the job writes (a part, a commit record's
-    folder, a bookkeeping or end file, a temporary file of the commit protocol)."""
-    return name in OWN_NAMES or PART_NAME.match(name) is not None or name.startswith(TMP_PREFIX)
-
-
-def refuse_links(out: str, fs: Any) -> None:
-    """Raise ValueError, naming it and what to do, when one of the job's own names in `out` or
-    in its `_commits` folder is a symbolic link (only local folders have links)."""
-    if not is_local(out):
-        return
-    folder = local_path(out)
-    for where in (folder, os.path.join(folder, COMMITS)):
-        try:
-            entries = list(os.scandir(where))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            inside = where != folder
-            if entry.is_symlink() and (inside or is_own(entry.name)):
-                name = f"{COMMITS}/{entry.name}" if inside else entry.name
-                raise ValueError(f"output.path={masked(out)!r}: {name} is a symbolic link (to "
-                                 f"{os.readlink(entry.path)!r}); prefixflow never follows a link "
-                                 "in its output folder (it would read, write or delete where it "
-                                 f"points): remove the link ({entry.path}) or choose a new path")
 
 
 def load_committed(out: str, storage: StorageOptions, clean: bool = True,

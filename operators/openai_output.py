@@ -27,7 +27,8 @@ import json
 import re
 from typing import Any, Callable
 
-from prefixflow.operators.commit import COMMITS, ERRORS_FILE, RESULTS_FILE, commit_bytes, load_committed
+from prefixflow.operators.bookkeeping import COMMITS, ERRORS_FILE, RESULTS_FILE
+from prefixflow.operators.commit import commit_bytes, load_committed
 from prefixflow.operators.outputs import CACHED
 from prefixflow.operators.part_rows import batch_line_id, request_digest
 from prefixflow.storage import join

@@ -25,10 +25,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.commit import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST, PART_NAME,
-                                         RESULTS_FILE, TMP_PREFIX, basename, check_fence, commit_bytes,
-                                         commit_record_path, is_own, read_job_file, record_bytes,
-                                         refuse_links)
+from prefixflow.operators.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST, PART_NAME,
+                                              RESULTS_FILE, TMP_PREFIX, basename, is_own, refuse_links)
+from prefixflow.operators.commit import (check_fence, commit_bytes, commit_record_path, read_job_file,
+                                         record_bytes)
 from prefixflow.operators.openai_output import output_line
 from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.progress import LiveBar
@@ -132,7 +132,7 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     overwrite: delete the earlier job's own files, and only those (`_delete_own_files`). A folder
     that holds files but no `_job.json` that prefixflow wrote is refused either way (its files
     are not ours to keep or delete), and so is a symbolic link under one of the job's names
-    (operators/commit.refuse_links). The caller holds the path's OutputLock
+    (operators/bookkeeping.refuse_links). The caller holds the path's OutputLock
     (operators/commit.py), which stays.
     """
     if overwrite and resume:
@@ -163,21 +163,21 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
 
 def _delete_own_files(out: str, fs: Any, own: list[str]) -> None:
     """What overwrite deletes, in a folder whose _job.json prefixflow wrote: the files of the
-    names a job writes (commit.is_own: its parts by their exact names, their commit records,
+    names a job writes (bookkeeping.is_own: its parts by their exact names, their commit records,
     its bookkeeping and end files, temporary files of the commit protocol), the records first;
     nothing else, and never through a link (refuse_links ran)."""
     records = join(out, COMMITS)
     if COMMITS in own and fs.isdir(records):
-        for p in fs.ls(records, detail=False):
-            name = basename(p)
-            if (name.endswith(".json") and PART_NAME.match(name.removesuffix(".json"))) \
-                    or name.startswith(TMP_PREFIX):
-                fs.rm(p)
-        if is_local(out) and not fs.ls(records, detail=False):
+        names = [basename(p) for p in fs.ls(records, detail=False)]
+        mine = [join(records, n) for n in names if n.startswith(TMP_PREFIX)
+                or (n.endswith(".json") and PART_NAME.match(n.removesuffix(".json")))]
+        if mine:
+            fs.rm(mine)  # one request per batch on an object store
+        if is_local(out) and len(mine) == len(names):
             fs.rmdir(records)
-    for name in own:
-        if name not in (COMMITS, JOB_FILE):
-            fs.rm(join(out, name))
+    files = [join(out, n) for n in own if n not in (COMMITS, JOB_FILE)]
+    if files:
+        fs.rm(files)
     if JOB_FILE in own:  # last: until it goes, a rerun still knows the folder is a job's
         fs.rm(join(out, JOB_FILE))
 
