@@ -152,7 +152,8 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
                       "files are a job's to delete (output.overwrite=True): choose a new path, "
                       "or empty the folder yourself")
     own = [n for n in names if is_own(n)]
-    if own and not (resume or overwrite):
+    if not (resume or overwrite) and (own or any(n.startswith("part-") for n in names)):
+        # (another tool's part-* files too: a fresh job's parts beside them would be read as one output)
         raise ValueError(f"output.path={masked(opts.path)!r} already holds a job's output: choose "
                          "a new path, set output.resume: true to finish it, or output.overwrite: true")
     if overwrite:  # (resume: the end markers go once the job file matches: clear_end_markers)

@@ -188,7 +188,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
 
-    preflight(spec, args.spec)
+    preflight(spec, args.spec, args.address)
     problems = plan_out_problems(spec, args.out)  # never over the input, the output or a stranger's file
     if problems:
         raise SpecError(args.spec, problems)
