@@ -148,13 +148,11 @@ class _SpecLoader(yaml.SafeLoader):
             if not isinstance(key, yaml.ScalarNode):
                 continue
             line = key.start_mark.line + 1
-            if key.tag == "tag:yaml.org,2002:merge" and ("<<", "") in seen:
+            if key.tag == "tag:yaml.org,2002:merge" and (key.tag, key.value) in seen:
                 raise _YAMLProblem(self._field(), f"two '<<' merge keys in one mapping (lines "
-                                   f"{seen['<<', '']} and {line}): YAML would merge only one of "
-                                   "them; merge several with one key: <<: [*a, *b]")
-            if key.tag == "tag:yaml.org,2002:merge":
-                seen["<<", ""] = line
-                continue
+                                   f"{seen[key.tag, key.value]} and {line}): a mapping's keys must "
+                                   "be unique, and YAML readers differ on which merge wins; merge "
+                                   "several with one key: <<: [*a, *b]")
             if (key.tag, key.value) in seen:
                 raise _YAMLProblem(self._field(key.value), f"duplicate key (lines "
                                    f"{seen[key.tag, key.value]} and {line}): YAML would keep only "

@@ -130,8 +130,8 @@ def check_scheme(path: str) -> None:
 # Schemes fsspec serves that a job cannot use, and why. The job's readers, tokenizers and
 # engine actors are Ray workers in processes of their own, on any node: every one of them must
 # see the same files. (http(s) input is read file by file: `list_input_files`.)
-NOT_SHARED = {"memory": "memory:// is a filesystem inside one process: each Ray worker of the "
-                        "job would see its own, empty one"}
+NOT_SHARED = {"memory": "a filesystem inside one process: each Ray worker of the job would see "
+                        "its own, empty one"}
 READ_ONLY = {"http": "fsspec's HTTP filesystem only reads", "https": "fsspec's HTTP filesystem only reads",
              "zip": "an archive is read-only here", "tar": "an archive is read-only here",
              "libarchive": "an archive is read-only here", "github": "a repository view is read-only",
