@@ -110,8 +110,9 @@ def check_fields(value: dict[str, Any], fields: dict[str, Kind], name: str) -> N
 
 # Names in an output folder that a job reads, writes or deletes; a symbolic link under one of
 # them would make it read, write or delete elsewhere (another job's records, a user's file).
-OWN_NAMES = ("_SUCCESS", "metrics.json", "plot.png", RESULTS_FILE, ERRORS_FILE, JOB_FILE,
-             MANIFEST, LOCK_FILE, COMMITS)
+# Written when a job completes; a resume deletes them before it writes (write.clear_end_markers).
+END_FILES = ("_SUCCESS", "metrics.json", "plot.png", MANIFEST, RESULTS_FILE, ERRORS_FILE)
+OWN_NAMES = (*END_FILES, JOB_FILE, LOCK_FILE, COMMITS)
 
 
 def is_own(name: str) -> bool:

@@ -25,8 +25,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST, PART_NAME,
-                                              RESULTS_FILE, TMP_PREFIX, basename, is_own, refuse_links)
+from prefixflow.operators.bookkeeping import (COMMITS, END_FILES, JOB_FILE, LOCK_FILE, PART_NAME, TMP_PREFIX,
+                                              basename, is_own, refuse_links)
 from prefixflow.operators.commit import (check_fence, commit_bytes, commit_record_path, read_job_file,
                                          record_bytes)
 from prefixflow.operators.openai_output import output_line
@@ -34,8 +34,6 @@ from prefixflow.operators.outputs import COMPUTED, RANK
 from prefixflow.operators.progress import LiveBar
 from prefixflow.storage import StorageOptions, is_local, join, masked, normal_path
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
-# Written when a job completes; a resume deletes them before it writes (clear_end_markers).
-END_FILES = ("_SUCCESS", "metrics.json", "plot.png", MANIFEST, RESULTS_FILE, ERRORS_FILE)
 
 
 @dataclass(frozen=True)
@@ -142,8 +140,8 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     names = [basename(p) for p in fs.ls(opts.path, detail=False)] if fs.exists(opts.path) else []
     names = [n for n in names if n != LOCK_FILE and not n.startswith(".")]
     refuse_links(opts.path, fs)
-    flag = "resume" if resume else "overwrite"
     if (resume or overwrite) and names and JOB_FILE not in names:
+        flag = "resume" if resume else "overwrite"
         raise ValueError(f"output.{flag}=True but output.path={masked(opts.path)!r} holds no "
                          f"prefixflow job (files such as {names[0]!r}, no {JOB_FILE}), so none of "
                          "its files are a job's to keep or delete: choose a new path")
