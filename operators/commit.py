@@ -274,7 +274,7 @@ def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed
 
 def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
     """Make `path` hold `data`, all or nothing, retrying transient storage errors."""
-    with_retries(lambda: _put(path, data, storage), f"write {path}", storage.retry)
+    with_retries(lambda: _put(path, data, storage), f"write {masked(path)}", storage.retry)
 
 
 def _put(path: str, data: bytes, storage: StorageOptions) -> None:

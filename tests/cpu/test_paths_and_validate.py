@@ -195,8 +195,16 @@ def test_passwords_in_urls_are_never_echoed(tiny_model, tmp_path, capsys):
     assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert "input.path" in err and "hunter2" not in err and "s3cr3t" not in err, err
-    listed = input_listing([f"file://{tmp_path}/data/in/a.jsonl"], StorageOptions())
-    assert listed[0][0] == f"file://{tmp_path}/data/in/a.jsonl"
+
+def test_rows_read_over_a_url_with_a_password_are_named_without_it(tiny_model, tmp_path, http_root, capsys):
+    (tmp_path / "www" / "in.jsonl").write_text('{"document": "d", "question": "q"}\n{broken\n')
+    url = http_root[0].replace("http://", "http://alice:hunter2@") + "/in.jsonl"
+    assert input_listing([url], StorageOptions())[0][0].startswith("http://alice:***@")  # _job.json's
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(_job(tmp_path, tiny_model, inp=url)))
+    assert cli(["validate", str(tmp_path / "job.yaml")]) == 0
+    out = capsys.readouterr()
+    assert "1 of the first 2 rows would become error records" in out.out, out
+    assert "alice:***@" in out.out and "hunter2" not in out.out + out.err, out
 
 
 # -- item 18: strict spec types, merge keys, map columns -------------------------------------
