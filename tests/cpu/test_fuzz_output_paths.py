@@ -32,7 +32,6 @@ from hypothesis import strategies as st
 
 from prefixflow.jobs.preflight import preflight
 from prefixflow.jobs.spec import SpecError, parse_spec
-from prefixflow.operators.bookkeeping import MANIFEST
 from prefixflow.operators.commit import COMMITS, JOB_FILE, LOCK_FILE, OutputLock, load_committed
 from prefixflow.operators.write import WriteOptions, prepare_output
 from prefixflow.storage import StorageOptions
@@ -44,7 +43,7 @@ FAST = settings(max_examples=40, deadline=None,
 
 # -- folders with links ------------------------------------------------------------------------
 
-LINKED = st.sampled_from([COMMITS, JOB_FILE, LOCK_FILE, "_SUCCESS", MANIFEST, "metrics.json",
+LINKED = st.sampled_from([COMMITS, JOB_FILE, LOCK_FILE, "_SUCCESS", "_manifest.json", "metrics.json",
                           "part-r000-000000000.jsonl", "part-r000-000000002.jsonl",
                           f"{COMMITS}/part-r000-000000000.jsonl.json", "notes.txt"])
 TARGETS = st.sampled_from(["victim", "victim/keep.txt", "other/_commits", "other/_job.json",
