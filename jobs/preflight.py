@@ -14,10 +14,10 @@ reported by `prefixflow validate` and become error records when the job runs.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,11 @@ from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import sampling_with_defaults
 from prefixflow.operators.read import SUFFIXES, parse_file
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
-from prefixflow.storage import (StorageOptions, absolute, check_scheme, is_local, is_s3,
-                                list_input_files, local_path, mount_dbfs, protocol, strip_scheme)
+from prefixflow.operators.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST,
+                                              RESULTS_FILE, TMP_PREFIX)
+from prefixflow.operators.commit import input_listing
+from prefixflow.storage import (HTTP, StorageOptions, check_scheme, check_shared, is_local, is_s3,
+                                list_input_files, local_path, normal_path, protocol, strip_scheme)
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
 from prefixflow.operators.tokenize import OPENAI_MESSAGES, check_row_sampling, model_max_len
 from prefixflow.requests import SamplingParams
@@ -41,19 +44,24 @@ SAMPLE_BYTES = 1 << 20  # the first MiB of the first file holds the sample of an
 Problems = list[tuple[str, str]]
 
 
-def preflight(spec: JobSpec, source: str = "<spec>") -> list[dict[str, Any]]:
+def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None) -> list[dict[str, Any]]:
     """Checks that touch the outside world, before any work; returns the sampled rows.
 
     Raises SpecError naming each field: the model folder (its tokenizer, vocab_size against
-    the weights, a chat template where the prompt needs one) and its context length, the input
-    files, the output path (never the input's; writable; its S3 bucket reachable), and the
-    columns and sampling overrides of the first SAMPLE_ROWS rows.
+    the weights, a chat template where the prompt needs one), its context length and KV cache
+    (against this machine's memory when the job will start its own local cluster here: no
+    `address` and no RAY_ADDRESS; check_resources checks a cluster's nodes), the input files,
+    the output path (never the input's; one every Ray worker can share and write; writable;
+    its S3 bucket reachable), and the columns and sampling overrides of the first SAMPLE_ROWS
+    rows.
     """
     storage = StorageOptions(**spec.storage.model_dump())
-    problems = _model_problems(spec)
+    here = [] if address or os.environ.get("RAY_ADDRESS") else _this_machine()
+    problems = _model_problems(spec) + kv_cache_problems(spec, here)
     storage_failed = False
     try:
         files = list_input_files(spec.input.path, storage)
+        input_listing([f for f in files if protocol(f) in HTTP], storage)  # a size or an ETag
     except ValueError as e:
         files = []
         problems.append(("input.path", str(e).removeprefix("input.path=")))
@@ -87,6 +95,7 @@ def _model_problems(spec: JobSpec) -> Problems:
     if kind in ("s3", "url"):  # copied where the engine runs; its scheme must be served there
         try:
             check_scheme(spec.model)
+            check_shared(spec.model, writes=False)
         except ValueError as e:
             return [("model", str(e))]
     if kind != "folder":
@@ -121,6 +130,55 @@ def _model_problems(spec: JobSpec) -> Problems:
         except ValueError as e:
             return [("engine.max_model_len", str(e).removeprefix("engine.max_model_len="))]
     return []
+
+
+def kv_cache_problems(spec: JobSpec, node_memory: list[int]) -> Problems:
+    """engine.kv_cache_bytes against what must hold it: at least one KV block of the model
+    (block_size tokens, each taking K and V in every layer), at most the memory of the largest
+    node (`node_memory`, bytes per node; [] when not known). The engine allocates the cache when
+    it starts: a budget too small fails there, one too large in the allocation."""
+    budget = spec.engine.kv_cache_bytes
+    if budget is None:
+        return []
+    if node_memory and budget > max(node_memory):
+        return [("engine.kv_cache_bytes", f"{budget:,} bytes is more than the memory of any node "
+                 f"that could run the engine ({max(node_memory):,} bytes on the largest): use "
+                 "less (on a GPU, less than its memory), or leave it unset to size the cache "
+                 "from the device's free memory")]
+    block = _kv_block_bytes(spec)
+    if block is not None and budget < block:
+        return [("engine.kv_cache_bytes", f"{budget:,} bytes cannot hold one KV block of this "
+                 f"model ({spec.engine.block_size} tokens x K and V in every layer: {block:,} "
+                 f"bytes at the smallest dtype the engine may use): use at least {block:,}, or "
+                 "leave it unset")]
+    return []
+
+
+def _kv_block_bytes(spec: JobSpec) -> int | None:
+    """The bytes of one KV block of a local model, at the smallest element the engine may use
+    (float32 on a CPU unless the dtype is set; a GPU may take the checkpoint's 16-bit dtype);
+    None where the model is not a local folder the native engine's loader reads."""
+    model = _local_model(spec)
+    if model is None:
+        return None
+    # lazy: the loader imports torch; only a spec that sets kv_cache_bytes pays for it
+    from prefixflow.engine.models.loader import read_model_args
+
+    try:
+        per_token = read_model_args(model).kv_bytes_per_token_per_elem
+    except (ValueError, KeyError, TypeError, OSError):  # an architecture only vLLM runs
+        return None
+    dtype, device = spec.engine.dtype, spec.engine.device
+    elem = 4 if dtype == "float32" or (dtype == "auto" and device == "cpu") else 2
+    return spec.engine.block_size * per_token * elem
+
+
+def _this_machine() -> list[int]:
+    """[this machine's physical memory in bytes], or [] where the system does not say."""
+    try:
+        return [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    except (AttributeError, ValueError, OSError):
+        return []
 
 
 def _generation_config_problem(spec: JobSpec) -> str | None:
@@ -260,26 +318,45 @@ def _has_chat_template(model: Path) -> bool:
 
 
 def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
-    """The output must not be an input file, lie in an input folder or hold an input file:
-    a job would read its own parts, and overwrite would delete its input."""
+    """The output must be a path (normal_path) that every Ray worker can share and write, and
+    must not be an input file, lie in an input folder, hold an input file or be matched by an
+    input glob: a job would read its own parts, and overwrite would delete its input."""
+    try:
+        check_shared(normal_path(spec.output.path), writes=True)
+    except ValueError as e:
+        return [("output.path", str(e))]
     problem = _clashes_with_input(spec, files, spec.output.path)
     return [] if problem is None else [("output.path", problem)]
 
 
+# One file of each kind a job writes in its output folder (operators/write.py, commit.py): an
+# input glob that matches one of them would read the job's own output on its resume.
+WRITTEN = ("part-r000-000000000.jsonl", "part-r000-000000000.parquet", "part-errors-000000000.jsonl",
+           f"{COMMITS}/part-r000-000000000.jsonl.json", RESULTS_FILE, ERRORS_FILE, "metrics.json",
+           "plot.png", "_SUCCESS", JOB_FILE, MANIFEST, LOCK_FILE, f"{TMP_PREFIX}part-r000-000000000.jsonl")
+
+
 def _clashes_with_input(spec: JobSpec, files: list[str], path: str) -> str | None:
     """Why something written at `path` would read or replace the job's input (None: it would
-    not)."""
+    not). Both sides in normal_path's form: `..`, symbolic links and the scheme's case do not
+    hide a clash."""
+    from fsspec.utils import glob_translate  # fsspec's own glob rule: what its listing matches
+
     out = _location(path)
     given = [spec.input.path] if isinstance(spec.input.path, str) else list(spec.input.path)
     for pattern in given:
-        if any(ch in pattern for ch in "*?["):  # a glob: what is written must not match it
-            clash = fnmatch.fnmatch(out, _location(pattern))
-        else:
+        try:
             where = _location(pattern)
+        except ValueError:  # not a path: input.path's own problem, reported beside this
+            continue
+        if any(ch in pattern for ch in "*?[") and protocol(pattern) not in HTTP:
+            matches = re.compile(glob_translate(where)).match
+            clash = any(matches(p) for p in (out, *(f"{out}/{name}" for name in WRITTEN)))
+        else:
             clash = out == where or _inside(out, where)
         if clash:
-            return (f"{path!r} is inside the input (input.path {pattern!r}): write it to a "
-                    "folder of its own")
+            return (f"{path!r} is inside the input (input.path {pattern!r} would read what the "
+                    "job writes there): write it to a folder of its own")
     for file in files:
         if _inside(_location(file), out) or _location(file) == out:
             return f"{path!r} holds the input file {file!r}: write it to a folder of its own"
@@ -292,6 +369,7 @@ def plan_out_problems(spec: JobSpec, out: str) -> Problems:
     storage = StorageOptions(**spec.storage.model_dump())
     try:
         check_scheme(out)
+        check_shared(normal_path(out), writes=True)
     except ValueError as e:
         return [("--out", str(e))]
     try:
@@ -328,7 +406,7 @@ def _output_access_problems(spec: JobSpec, storage: StorageOptions, skip_s3: boo
     """The output can be written: a local folder that is not a file and can be created in its
     nearest existing folder; an s3:// bucket that exists and answers with these credentials;
     for another URL, a driver installed for its scheme and one request that answers."""
-    path = mount_dbfs(spec.output.path)
+    path = normal_path(spec.output.path)  # _output_problems refused what it refuses
     if is_local(path):
         problem = _local_output_problem(local_path(path))
         return [] if problem is None else [("output.path", problem)]
@@ -353,7 +431,7 @@ def _output_access_problems(spec: JobSpec, storage: StorageOptions, skip_s3: boo
 
 
 def _local_output_problem(path: str) -> str | None:
-    out = Path(absolute(path))
+    out = Path(normal_path(path))
     try:
         existing = next(p for p in (out, *out.parents) if p.exists())
         is_dir = existing.is_dir()
@@ -402,8 +480,8 @@ def _first_path(path: str | list[str]) -> str:
 
 
 def _location(path: str) -> str:
-    """A comparable form: a normalized absolute local path, or scheme://bucket/key for URLs."""
-    path = absolute(path)
+    """A comparable form: normal_path's local path (plain), or scheme://bucket/key for URLs."""
+    path = normal_path(path)
     if is_local(path):
         return local_path(path)
     name = "s3" if is_s3(path) else protocol(path)
@@ -428,8 +506,10 @@ def sample_rows(spec: JobSpec, n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
         with storage.filesystem(first).open(first, "rb") as f:
             batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
         return [] if batch is None else batch.to_pylist()[:n]
-    # A small file is read whole, as the job reads it, so rows are named by line number.
-    end = -1 if storage.filesystem(first).size(first) <= SAMPLE_BYTES else SAMPLE_BYTES
+    # A small file is read whole, as the job reads it, so rows are named by line number; so is
+    # one whose HTTP server sends no size (a stream cannot seek to a range).
+    size = storage.filesystem(first).size(first)
+    end = -1 if size is None or size <= SAMPLE_BYTES else SAMPLE_BYTES
     return parse_file(first, fmt, storage, 0, end).slice(0, n).to_pylist()
 
 
@@ -544,7 +624,9 @@ def check_resources(spec: JobSpec, source: str = "<spec>") -> None:
     import ray
 
     nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
-    problems = resource_problems(spec, nodes)
+    # A node's memory as Ray sees it: what it may give tasks and actors plus its object store.
+    memory = [int(n.get("memory", 0) + n.get("object_store_memory", 0)) for n in nodes]
+    problems = resource_problems(spec, nodes) or kv_cache_problems(spec, memory)
     if problems:
         raise SpecError(source, problems)
 

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from prefixflow.operators.config import sampling_with_defaults
 from prefixflow.operators.outputs import plain
 from prefixflow.operators.progress import RunProgress
+from prefixflow.storage import masked
 
 
 def plan_text(planned: Any) -> str:
@@ -153,7 +154,7 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
     t = planned.timings
     plan_s = t["gather_s"] + t["build_plan_s"]
     return {
-        "job": spec.name, "model": spec.model, "order": spec.order, "replicas": spec.num_replicas,
+        "job": spec.name, "model": masked(spec.model), "order": spec.order, "replicas": spec.num_replicas,
         "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
         "prompt_tokens": prompt, "computed_prompt_tokens": round(computed),
         "generated_tokens": generated,
@@ -215,7 +216,7 @@ def _step_tokens(step: Any) -> Any:
 def metrics_text(m: dict[str, Any], path: str) -> str:
     th = m["throughput"]
     lines = [
-        f"done: {m['rows']} rows ({m['rows_error']} error records) in {m['wall_seconds']:.1f} s -> {path}",
+        f"done: {m['rows']} rows ({m['rows_error']} error records) in {m['wall_seconds']:.1f} s -> {masked(path)}",
         f"  {th['generated_tokens_per_s']:.1f} generated tok/s, {th['total_tokens_per_s']:.1f} total tok/s, "
         f"{th['rows_per_s']:.2f} rows/s",
         f"  token saving ratio: plan {m['token_saving_ratio']:.1%}, engine {_pct(m['token_saving_ratio_engine'])}, "

@@ -28,12 +28,13 @@ from prefixflow.jobs.preflight import check_resources, preflight  # preflight: a
 from prefixflow.model_source import model_fingerprint, resolve_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.jobs.supervise import run_replicas
-from prefixflow.operators.commit import (MANIFEST, OutputLock, check_job_file, drop_fenced, input_listing,
+from prefixflow.operators.bookkeeping import MANIFEST
+from prefixflow.operators.commit import (OutputLock, check_job_file, drop_fenced, input_listing,
                                          job_identity, load_committed)
 from prefixflow.operators.openai_output import system_fingerprint, write_results
 from prefixflow.operators.processor import Processor
 from prefixflow.operators.read import ReadOptions, input_files, read_dataset
-from prefixflow.storage import StorageOptions, absolute, join
+from prefixflow.storage import StorageOptions, join, normal_path
 from prefixflow.operators.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
                                         start_sink, write_json)
 
@@ -49,7 +50,7 @@ def read_options(spec: JobSpec) -> ReadOptions:
 
 
 def write_options(spec: JobSpec) -> WriteOptions:
-    return WriteOptions(path=absolute(spec.output.path), format=spec.output_format(),
+    return WriteOptions(path=normal_path(spec.output.path), format=spec.output_format(),
                         storage=storage_options(spec), model_name=Path(spec.model).name,
                         created=int(time.time()), model=spec.model)
 
@@ -81,7 +82,7 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
             address: str | None = None) -> dict[str, Any]:
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
     started = time.perf_counter()
-    preflight(spec, source)
+    preflight(spec, source, address)
     config = spec.to_config()
     wopts = write_options(spec)
     ensure_ray(address)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      ValidationError, create_model, field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
+                      Tag, ValidationError, create_model, field_validator, model_validator)
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.model_source import normalize_model  # torch-free
@@ -38,15 +39,17 @@ from prefixflow.errors import did_you_mean, short
 from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
                                          limit_problems, setting_problems)
 from prefixflow.operators.read import infer_format
-from prefixflow.storage import StorageOptions
+from prefixflow.storage import StorageOptions, masked
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.requests import SamplingParams
 
 
 class SpecError(ValueError):
-    """A job spec is invalid. `problems` lists (field path, message) pairs."""
+    """A job spec is invalid. `problems` lists (field path, message) pairs; URLs in them are
+    shown without their passwords and tokens (storage.masked)."""
 
     def __init__(self, source: str, problems: list[tuple[str, str]]):
+        problems = [(path, masked(msg)) for path, msg in problems]
         self.source = source
         self.problems = problems
         if len(problems) == 1:  # one problem, one line
@@ -142,9 +145,14 @@ class _SpecLoader(yaml.SafeLoader):
         node = super().compose_mapping_node(anchor)
         seen: dict[tuple[str, str], int] = {}
         for key, _ in node.value:
-            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            if not isinstance(key, yaml.ScalarNode):
                 continue
             line = key.start_mark.line + 1
+            if key.tag == "tag:yaml.org,2002:merge" and (key.tag, key.value) in seen:
+                raise _YAMLProblem(self._field(), f"two '<<' merge keys in one mapping (lines "
+                                   f"{seen[key.tag, key.value]} and {line}): a mapping's keys must "
+                                   "be unique, and YAML readers differ on which merge wins; merge "
+                                   "several with one key: <<: [*a, *b]")
             if (key.tag, key.value) in seen:
                 raise _YAMLProblem(self._field(key.value), f"duplicate key (lines "
                                    f"{seen[key.tag, key.value]} and {line}): YAML would keep only "
@@ -204,7 +212,7 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
             continue
         default = f.default if f.default_factory is dataclasses.MISSING else \
             Field(default_factory=f.default_factory)
-        fields[f.name] = (hints[f.name], default)
+        fields[f.name] = (_strict_bool(hints[f.name]), default)
     own = list(fields)
     fields.update(extra or {})
 
@@ -214,7 +222,7 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
         return self
 
     # pydantic turns `top_k: true` into 1 before the dataclass could refuse it: refuse first.
-    takes_bool = {k for k, (hint, _) in fields.items() if bool in (hint, *typing.get_args(hint))}
+    takes_bool = {k for k, (hint, _) in fields.items() if StrictBool in (hint, *typing.get_args(hint))}
 
     def no_bool_numbers(data: Any) -> Any:
         for key, value in (data.items() if isinstance(data, dict) else ()):
@@ -226,6 +234,17 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
     return create_model(name, __base__=_Strict, __validators__={
         "_no_bool_numbers": model_validator(mode="before")(no_bool_numbers),
         "_check": model_validator(mode="after")(check)}, **fields)
+
+
+def _strict_bool(hint: Any) -> Any:
+    """`hint` with bool as StrictBool: a spec's true and false are YAML's, never pydantic's
+    readings of text ("yes", "off", "1" would pass as booleans)."""
+    if hint is bool:
+        return StrictBool
+    args = typing.get_args(hint)
+    if bool in args and typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.Union[tuple(StrictBool if a is bool else a for a in args)]
+    return hint
 
 
 def _default(name: str) -> Any:
@@ -284,10 +303,10 @@ class InputSpec(_Strict):
     @field_validator("path")
     @classmethod
     def _not_empty(cls, path: str | list[str]) -> str | list[str]:
-        if path == [] or path == "":
+        if path == [] or (isinstance(path, str) and not path.strip()):
             raise ValueError(f"{path!r} is empty: give at least one file, directory or glob")
-        if not isinstance(path, str) and any(not p for p in path):
-            raise ValueError(f"{path!r} has an empty entry: give a file, directory or glob in each")
+        if not isinstance(path, str) and any(not p.strip() for p in path):
+            raise ValueError(f"{short(path)} has an empty entry: give a file, directory or glob in each")
         return path
 
 
@@ -331,13 +350,21 @@ class OutputSpec(_Strict):
                       "(s3://, gs://, abfss://, file://, ...)")
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     rows_per_part: _limited("rows_per_chunk", int) = _default("rows_per_chunk")  # type: ignore[valid-type]
-    overwrite: bool = False
-    resume: bool = Field(default=False, description="finish an interrupted job at this path: "
-                         "committed rows are kept and skipped")
-    include_prompt: bool = _default("include_prompt")
-    error_file: bool = Field(default=False, description="format openai: the failed requests' "
-                             "lines go to errors.jsonl, results.jsonl keeps the others (as "
-                             "OpenAI's output and error files)")
+    overwrite: StrictBool = False
+    resume: StrictBool = Field(default=False, description="finish an interrupted job at this "
+                               "path: committed rows are kept and skipped")
+    include_prompt: StrictBool = _default("include_prompt")
+    error_file: StrictBool = Field(default=False, description="format openai: the failed "
+                                   "requests' lines go to errors.jsonl, results.jsonl keeps the "
+                                   "others (as OpenAI's output and error files)")
+
+    @field_validator("path")
+    @classmethod
+    def _not_empty(cls, path: str) -> str:
+        if not path.strip():  # the parts and bookkeeping would land in the working directory
+            raise ValueError(f"{path!r} is empty: give the folder (or URL) to write the job's "
+                             "output to")
+        return path
 
     @model_validator(mode="after")
     def _resume_or_overwrite(self) -> "OutputSpec":
@@ -367,7 +394,7 @@ class JobSpec(_Strict):
                         | Annotated[ReplicasSpec, Tag("tag:range")],
                         Discriminator(lambda v: "tag:range" if isinstance(v, (dict, ReplicasSpec)) else "tag:count")] = \
         Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
-    work_stealing: bool = Field(default=_default("work_stealing"), description="a replica that runs "
+    work_stealing: StrictBool = Field(default=_default("work_stealing"), description="a replica that runs "
                                 "dry takes the last unstarted plan units of the busiest one")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
@@ -546,6 +573,8 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     if kind == "model_type":
         fields = ", ".join(_model_of(_field_annotation(loc)).model_fields) if _field_annotation(loc) else ""
         return path, f"{short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
+    if kind == "bool_type":  # StrictBool: text is not read as a boolean
+        return path, f"{short(value)} is not a boolean: write true or false, without quotes"
     if kind == "int_parsing_size":  # e.g. 1e20 for an int: pydantic speaks of a string here
         return path, f"{short(value)} is too large for an integer: use a smaller value"
     if kind.endswith(("_type", "_parsing")):

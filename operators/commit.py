@@ -13,9 +13,16 @@ goes through too). A part counts as committed only when its record exists, so on
 
 A record also holds its part's size and sha256: a record whose part is missing or has another
 size does not count, and its rows run again; a resume also reads every part once and drops the
-ones whose content no longer matches (a part damaged or replaced by hand). A record that is not
-valid JSON counts as missing too. Names read from a record must be plain part names of this
-folder (never a path that leads elsewhere): anything else is refused.
+ones whose content no longer matches (a part damaged or replaced by hand) or that do not hold
+exactly the rows their record names (a record edited to claim rows: operators/part_rows.py
+reads the row ids from the part itself). A record that is not valid JSON, or whose fields do
+not have their types, counts as missing too. Names read from a record must be plain part names
+of this folder (never a path that leads elsewhere): anything else is refused.
+
+Nothing in the output folder is trusted that a hand could have changed: its bookkeeping files
+(`_lock.json`, `_job.json`, the commit records) are read by one strict reader, which names a
+damaged file and what to do, and a symbolic link among the names the job reads, writes or
+deletes is refused by name, never followed (operators/bookkeeping.py).
 
 Fencing: a job's parts are written under its lock (OutputLock). Each writer checks, before a
 part, that the lock is still its job's (`check_fence`), and signs its records with the lock's
@@ -38,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -50,14 +56,14 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
+from prefixflow.operators.bookkeeping import (COMMITS, JOB_FIELDS, JOB_FILE, LOCK_FIELDS, LOCK_FILE, PART_NAME,
+                                              RECORD_FIELDS, TMP_PREFIX, Damaged, basename, check_fields,
+                                              read_bookkeeping, refuse_links)
+from prefixflow.operators.part_rows import holds_rows
 from prefixflow.retry import with_retries
-from prefixflow.storage import StorageOptions, is_local, is_s3, join, local_path, strip_scheme
+from prefixflow.storage import (HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol,
+                                strip_scheme)
 
-COMMITS = "_commits"
-JOB_FILE = "_job.json"
-MANIFEST = "_manifest.json"  # written last by the driver: every committed part and row id
-TMP_PREFIX = "_tmp-"
-LOCK_FILE = "_lock.json"
 _log = logging.getLogger(__name__)
 HEARTBEAT_S = 60.0   # how often a running job refreshes its lock
 STALE_S = 300.0      # a lock not refreshed for this long belongs to a job that is gone
@@ -103,41 +109,52 @@ def job_identity(planned: Any, num_replicas: int, spec_key: str,
 
 
 def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
-    """[path, size] of each input file, from one listing of each folder. A changed size names
-    the file in a refused resume; any other change of content is caught by the content digest
-    (PlannedJob.content_digest). Modification times and ETags are left out on purpose: a copy of
-    the same data (to another node, or re-uploaded) must still resume."""
+    """[path, size] of each input file, from one listing of each folder (paths masked: no
+    password or token is written into _job.json). A changed size names the file in a refused
+    resume; any other change of content is caught by the content digest
+    (PlannedJob.content_digest). Modification times and ETags are left out on purpose where
+    there is a size: a copy of the same data (to another node, or re-uploaded) must still
+    resume. An http(s) file is asked for its own (HTTP has no folder listing); a server that
+    sends no Content-Length is identified by its ETag or Last-Modified header instead."""
     by_folder: dict[str, list[str]] = {}
     for f in files:
         by_folder.setdefault(f.rstrip("/").rsplit("/", 1)[0], []).append(f)
     out = []
     for folder, names in by_folder.items():
         fs = storage.filesystem(folder)
-        listed = {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
+        listed = {} if protocol(folder) in HTTP else \
+            {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
         for f in names:
             e = listed.get(strip_scheme(f).rstrip("/")) or fs.info(f)
-            out.append([f, int(e["size"])])
+            out.append([masked(f), _file_identity(f, e)])
     return sorted(out)
 
 
-def basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
+def _file_identity(path: str, entry: dict[str, Any]) -> int | str:
+    """A file's size, else (a server that sends none) its ETag or Last-Modified."""
+    if isinstance(entry.get("size"), int):
+        return int(entry["size"])
+    for header in ("ETag", "Last-Modified"):
+        if entry.get(header):
+            return f"{header}: {entry[header]}"
+    raise ValueError(f"input.path: {masked(path)!r} has no size, ETag or Last-Modified (its "
+                     "server sends none), so a resume could not tell that it changed: serve it "
+                     "with a Content-Length, or copy it to a folder or object storage")
 
-
-# What a part may be called: the writer's names (operators/write.py), nothing with a path in it.
-PART_NAME = re.compile(r"^part-[A-Za-z0-9_-]+\.(parquet|jsonl)$")
 
 
 def load_committed(out: str, storage: StorageOptions, clean: bool = True,
                    verify: bool = False) -> Committed:
     """Read the commit records under `out`; a record counts only when its part is there with the
-    recorded size (and, with `verify`, the recorded sha256: every part is read once). With
-    `clean`, delete records that do not count, parts that have no record, and temporary files.
-    Only clean when no engine actor is writing: a part whose record is on its way would be
-    deleted. ValueError when a record names something that is not a part of this folder."""
+    recorded size (and, with `verify`, the recorded sha256 and exactly the recorded row ids:
+    every part is read once). With `clean`, delete records that do not count, parts that have
+    no record, and temporary files. Only clean when no engine actor is writing: a part whose
+    record is on its way would be deleted. ValueError when a record names something that is not
+    a part of this folder, or when one of the job's names there is a symbolic link."""
     fs = storage.filesystem(out)
     if not fs.exists(out):
         return Committed(np.zeros(0, np.int64), [], [])
+    refuse_links(out, fs)
     records, unreadable = _read_records(out, fs)
     # Listed after the records are read: a part is written before its record, so every part
     # whose record was read is in this listing.
@@ -151,21 +168,22 @@ def load_committed(out: str, storage: StorageOptions, clean: bool = True,
         fs.rm(commit_record_path(out, part))  # its rows run again; the record goes before its part
         removed.append(f"{COMMITS}/{part}.json")
     for n in sizes if clean else []:
-        if n.startswith(TMP_PREFIX) or (n.startswith("part-") and n not in names):
+        if n.startswith(TMP_PREFIX) or (PART_NAME.match(n) and n not in names):
             fs.rm(join(out, n))
             removed.append(n)
     ids = [np.asarray(r.pop("row_ids"), np.int64) for r in kept]
     row_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     unique = np.unique(row_ids)
     if len(unique) != len(row_ids):
-        raise RuntimeError(f"output.path={out!r}: a row id is in two committed parts; the "
-                           "commit records were changed by hand: rerun into a new path")
+        raise RuntimeError(f"output.path={masked(out)!r}: a row id is in two committed parts; "
+                           "the commit records were changed by hand: rerun into a new path")
     return Committed(unique, kept, removed)
 
 
 def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """(the commit records that parse, the part names of those that do not). A record must name
-    its own part (`_commits/<part>.json` says part <part>) and that part a plain file here."""
+    """(the commit records that read, the part names of those that do not: damaged records,
+    whose parts are as good as uncommitted). A record must name its own part
+    (`_commits/<part>.json` says part <part>) and that part a plain file here."""
     records_dir = join(out, COMMITS)
     records: list[dict[str, Any]] = []
     unreadable: list[str] = []
@@ -177,36 +195,44 @@ def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         part = name.removesuffix(".json")
         if not PART_NAME.match(part):
-            raise ValueError(f"output.path={out!r}: {COMMITS}/{name} is not a commit record this "
-                             "job writes (a part name with a path or odd characters in it); the "
-                             "folder was changed by hand: rerun into a new path")
+            raise ValueError(f"output.path={masked(out)!r}: {COMMITS}/{name} is not a commit "
+                             "record this job writes (a part name with a path or odd characters "
+                             "in it); the folder was changed by hand: rerun into a new path")
         try:
-            record = json.loads(fs.cat_file(p))
-        except ValueError as e:  # damaged: its part is as good as uncommitted
-            _log.warning("%s/%s/%s is not valid JSON (%s): its part's rows run again", out,
-                         COMMITS, name, e)
+            record = read_bookkeeping(fs, p, {}, f"{COMMITS}/{name}")
+            if record is not None and record.get("part") == part:
+                check_fields(record, RECORD_FIELDS, f"{COMMITS}/{name}")
+        except Damaged as e:
+            _log.warning("%s: %s: its part's rows run again", masked(out), e)
             unreadable.append(part)
             continue
-        if not isinstance(record, dict) or record.get("part") != part:
-            raise ValueError(f"output.path={out!r}: {COMMITS}/{name} names part "
-                             f"{short(record.get('part') if isinstance(record, dict) else record)}, "
-                             f"not {part!r}; the commit records were changed by hand: rerun into "
-                             "a new path")
+        if record is None:  # deleted since the listing
+            continue
+        if record.get("part") != part:
+            raise ValueError(f"output.path={masked(out)!r}: {COMMITS}/{name} names part "
+                             f"{short(record.get('part'))}, not {part!r}; the commit records "
+                             "were changed by hand: rerun into a new path")
         records.append(record)
     return records, unreadable
 
 
 def _content_matches(fs: Any, out: str, record: dict[str, Any]) -> bool:
-    """Whether the part still holds what its writer committed (records without a sha256,
-    written by an older prefixflow, are trusted by their size alone)."""
+    """Whether the part still holds what its writer committed: the recorded sha256 (records of
+    an older prefixflow have none) and exactly the rows the record names, read from the part
+    itself (the sha256 covers the part, not what the record claims about it)."""
+    data = fs.cat_file(join(out, record["part"]))
     want = record.get("sha256")
-    if want is None:
-        return True
-    if hashlib.sha256(fs.cat_file(join(out, record["part"]))).hexdigest() == want:
-        return True
-    _log.warning("%s/%s does not match the checksum in its commit record (changed since it was "
-                 "written): its rows run again", out, record["part"])
-    return False
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        _log.warning("%s/%s does not match the checksum in its commit record (changed since it "
+                     "was written): its rows run again", masked(out), record["part"])
+        return False
+    row_ids = record["row_ids"]
+    if record.get("num_rows", len(row_ids)) != len(row_ids) or not holds_rows(record["part"], data, row_ids):
+        _log.warning("%s/%s/%s.json names rows that its part does not hold (the record was "
+                     "changed since it was written): its rows run again", masked(out), COMMITS,
+                     record["part"])
+        return False
+    return True
 
 
 def check_fence(out: str, storage: StorageOptions, token: str | None) -> None:
@@ -215,14 +241,12 @@ def check_fence(out: str, storage: StorageOptions, token: str | None) -> None:
     if token is None:
         return
     try:
-        held = json.loads(storage.filesystem(out).cat_file(join(out, LOCK_FILE)))
-    except FileNotFoundError:
+        held = read_bookkeeping(storage.filesystem(out), join(out, LOCK_FILE), LOCK_FIELDS)
+    except Damaged:  # changed by hand: not this job's lock any more
         held = None
-    except ValueError:
-        held = {}
-    if not isinstance(held, dict) or held.get("token") != token:
-        raise JobFenced(f"output.path={out!r} was taken over by another job (its lock is no "
-                        "longer this job's): this job's writers stop")
+    if held is None or held.get("token") != token:
+        raise JobFenced(f"output.path={masked(out)!r} was taken over by another job (its lock "
+                        "is no longer this job's): this job's writers stop")
 
 
 class JobFenced(RuntimeError):
@@ -250,7 +274,7 @@ def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed
 
 def commit_bytes(path: str, data: bytes, storage: StorageOptions) -> None:
     """Make `path` hold `data`, all or nothing, retrying transient storage errors."""
-    with_retries(lambda: _put(path, data, storage), f"write {path}", storage.retry)
+    with_retries(lambda: _put(path, data, storage), f"write {masked(path)}", storage.retry)
 
 
 def _put(path: str, data: bytes, storage: StorageOptions) -> None:
@@ -271,20 +295,24 @@ def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, 
     """Write `_job.json` (job_identity()), or on resume check that it is the same job and input."""
     fs = storage.filesystem(out)
     path = join(out, JOB_FILE)
-    if resume and fs.exists(path):
-        try:
-            old = json.loads(fs.cat_file(path))
-        except ValueError as e:
-            raise ValueError(f"output.path={out!r}: its {JOB_FILE} is not valid JSON ({e}), so "
-                             "this cannot be checked to be the same job: choose a new path, or "
-                             "set output.overwrite: true to start again") from None
-        if not isinstance(old, dict) or old.get("fingerprint") != identity["fingerprint"]:
-            old = old if isinstance(old, dict) else {}
-            raise ValueError(f"output.path={out!r} holds parts of a different job or input: "
-                             f"{_what_changed(old, identity)}; resume needs the same spec and "
-                             "input: choose a new path or set output.overwrite: true")
+    old = read_job_file(out, fs, "this cannot be checked to be the same job: choose a new path, "
+                        "or set output.overwrite: true to start again") if resume else None
+    if old is not None:
+        if old["fingerprint"] != identity["fingerprint"]:
+            raise ValueError(f"output.path={masked(out)!r} holds parts of a different job or "
+                             f"input: {_what_changed(old, identity)}; resume needs the same spec "
+                             "and input: choose a new path or set output.overwrite: true")
         return
     commit_bytes(path, json.dumps(identity).encode("utf-8"), storage)
+
+
+def read_job_file(out: str, fs: Any, fix: str) -> dict[str, Any] | None:
+    """`out`'s _job.json (None when there is none); ValueError naming it, and `fix`, when it is
+    not one that prefixflow wrote (not JSON, no sha256 fingerprint, a link)."""
+    try:
+        return read_bookkeeping(fs, join(out, JOB_FILE), JOB_FIELDS)
+    except Damaged as e:
+        raise ValueError(f"output.path={masked(out)!r}: its {e}, so {fix}") from None
 
 
 def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -344,11 +372,11 @@ class OutputLock:
 
     def _take_over(self, held: dict[str, Any] | None) -> None:
         if held is not None and not _stale(held):
-            raise ValueError(f"output.path={self.out!r} is in use by another job "
+            raise ValueError(f"output.path={masked(self.out)!r} is in use by another job "
                              f"({_describe(held)}): wait for it to end, or choose another path")
         self._remove(held)  # its holder is gone
         if not self._create():
-            raise ValueError(f"output.path={self.out!r} is in use by another job "
+            raise ValueError(f"output.path={masked(self.out)!r} is in use by another job "
                              f"({_describe(self._read())}): wait for it to end, or choose "
                              "another path")
 
@@ -388,14 +416,12 @@ class OutputLock:
         return tmp
 
     def _read(self) -> dict[str, Any] | None:
-        fs = self.storage.filesystem(self.out)
         try:
-            return json.loads(fs.cat_file(self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            raise ValueError(f"output.path={self.out!r} holds a {LOCK_FILE} that is not a "
-                             "prefixflow lock: delete it if no job writes there") from None
+            return read_bookkeeping(self.storage.filesystem(self.out), self.path, LOCK_FIELDS)
+        except Damaged as e:
+            raise ValueError(f"output.path={masked(self.out)!r}: its {e}, so it is not a lock "
+                             f"prefixflow took: if no job is writing to this path, delete "
+                             f"{masked(self.path)} and run again") from None
 
     def _remove(self, held: dict[str, Any] | None) -> None:
         """Delete the lock if it still is `held` (not someone's who took it over meanwhile)."""
@@ -448,13 +474,14 @@ def _link_new(tmp: str, path: str, data: bytes) -> None:
 
 
 def _stale(held: dict[str, Any]) -> bool:
-    if held.get("host") == socket.gethostname() and not _pid_alive(int(held.get("pid", -1))):
+    """Whether the holder of a lock (read_bookkeeping: every field typed) is gone."""
+    if held["host"] == socket.gethostname() and not _pid_alive(held["pid"]):
         return True
-    return time.time() - float(held.get("heartbeat", 0)) > STALE_S
+    return time.time() - held["heartbeat"] > STALE_S
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:  # os.kill(0 or -1, ...) would ask about whole process groups
+    if not 0 < pid < 2 ** 31:  # os.kill(0 or -1, ...) asks about process groups; no pid is larger
         return False
     try:
         os.kill(pid, 0)
@@ -468,7 +495,10 @@ def _pid_alive(pid: int) -> bool:
 def _describe(held: dict[str, Any] | None) -> str:
     if held is None:
         return "its lock just changed hands"
-    age = time.time() - float(held.get("heartbeat", 0))
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held.get("started", 0))))
-    return (f"{LOCK_FILE} held by host {held.get('host')} pid {held.get('pid')}, started "
+    age = time.time() - held["heartbeat"]
+    try:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held["started"]))
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds
+        started = short(held["started"])
+    return (f"{LOCK_FILE} held by host {held['host'][:100]} pid {held['pid']}, started "
             f"{started}, last heartbeat {age:.0f} s ago")

@@ -27,16 +27,16 @@ import json
 import re
 from typing import Any, Callable
 
-from prefixflow.operators.commit import COMMITS, commit_bytes, load_committed
+from prefixflow.operators.bookkeeping import COMMITS, ERRORS_FILE, RESULTS_FILE
+from prefixflow.operators.commit import commit_bytes, load_committed
 from prefixflow.operators.outputs import CACHED
+from prefixflow.operators.part_rows import batch_line_id, request_digest
 from prefixflow.storage import join
 from prefixflow.tokenizer import load_tokenizer, token_bytes
 
 # The message isolate.py and jobs/supervise.py give a row the engine failed on: our failure
 # (500), not the request's.
 ENGINE_FAILED = "the engine failed on this row"
-RESULTS_FILE = "results.jsonl"  # format openai: every line in input order (write_results)
-ERRORS_FILE = "errors.jsonl"  # format openai with output.error_file: the failed requests' lines
 _PARAM = re.compile(r"\bbody\.(\w+)|\bSamplingParams\.(\w+)=")
 
 
@@ -46,8 +46,8 @@ def output_line(row: dict[str, Any], created: int, default_model: str, model: st
     spells the tokens of `logprobs` (needed only when the row has logprobs); fingerprint: the
     body's system_fingerprint (`system_fingerprint`)."""
     cid = row.get("custom_id")
-    digest = hashlib.sha256(f"{cid}:{row['row_id']}".encode()).hexdigest()
-    rec: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": cid}
+    digest = request_digest(cid, row["row_id"])  # the line's ids prove its row (part_rows.py)
+    rec: dict[str, Any] = {"id": batch_line_id(digest), "custom_id": cid}
     request_id = f"req_{digest[24:48]}"
     chat = row.get("_pf_url") != "/v1/completions"
     if row.get("error"):

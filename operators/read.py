@@ -38,7 +38,7 @@ import pyarrow as pa
 from prefixflow.operators.columns import ERROR, RESERVED, SOURCE
 from prefixflow.operators.openai_batch import parse_requests
 from prefixflow.retry import with_retries
-from prefixflow.storage import StorageOptions, list_input_files, same_filesystem
+from prefixflow.storage import StorageOptions, list_input_files, masked, same_filesystem
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 _log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def _parquet_schemas(files: list[str], storage: StorageOptions) -> list[pa.Schem
             return pq.read_schema(f)
 
     def schema(path: str) -> pa.Schema:
-        return with_retries(lambda: read_schema(path), f"read the schema of {path}", storage.retry)
+        return with_retries(lambda: read_schema(path), f"read the schema of {masked(path)}", storage.retry)
 
     with ThreadPoolExecutor(max_workers=min(len(files), 16)) as pool:
         return list(pool.map(schema, files))
@@ -198,7 +198,8 @@ def as_text(table: pa.Table, names: list[str]) -> pa.Table:
 def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:
     """Work items: whole files, or byte ranges of large JSONL files (read in parallel)."""
     whole = opts.format in ("csv", "parquet")  # only JSONL lines can be split by byte ranges
-    sizes = [opts.storage.filesystem(p).size(p) if not whole else 0 for p in files]
+    # An HTTP server may send no size (no Content-Length): such a file is read whole.
+    sizes = [(opts.storage.filesystem(p).size(p) or 0) if not whole else 0 for p in files]
     # Enough reads to keep every tokenizer busy (a fused read -> tokenize task per range).
     chunk = min(opts.chunk_bytes, max(1 << 20, -(-sum(sizes) // max(opts.min_tasks, 1))))
     items = []
@@ -222,16 +223,17 @@ def parse_files(batch: pa.Table, fmt: Format, storage: StorageOptions,
 
 def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, end: int = -1,
                text_columns: list[str] | None = None) -> pa.Table:
-    data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {path}",
+    source = masked(path)  # rows are named by it, in messages and error records
+    data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {source}",
                                storage.retry)
     if fmt == "csv":
-        table = parse_csv(data, path)
+        table = parse_csv(data, source)
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
         table = _add_bookkeeping(pq.read_table(io.BytesIO(data)))
     else:
-        records = parse_jsonl(data, path, byte_offset=begin)
+        records = parse_jsonl(data, source, byte_offset=begin)
         if fmt == "openai":
             records = parse_requests(records)
         table = rows_to_table(records)

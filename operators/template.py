@@ -106,13 +106,16 @@ class PromptTemplate:
 
 
     def _values(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The row's values a template sees: no nulls, no bookkeeping, and binary values as the
-        UTF-8 text they hold (a parquet binary column would otherwise render as "b'...'"). A
+        """The row's values a template sees: no nulls, no bookkeeping, binary values as the
+        UTF-8 text they hold (a parquet binary column would otherwise render as "b'...'") and
+        map values as the mapping they hold, as a struct's (Arrow gives "[('k', 'v')]"). A
         binary value that is not UTF-8 fails the row only where the prompt reads it."""
         values = {}
         for k, v in row.items():
             if v is None or k.startswith("_pf_"):
                 continue
+            if isinstance(v, list) and v and all(isinstance(x, tuple) and len(x) == 2 for x in v):
+                v = dict(v)  # a map column: only Arrow's maps come as (key, value) tuples
             if isinstance(v, bytes):
                 try:
                     v = v.decode("utf-8")

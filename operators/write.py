@@ -25,14 +25,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, MANIFEST, TMP_PREFIX, basename,
-                                         check_fence, commit_bytes, commit_record_path, record_bytes)
-from prefixflow.operators.openai_output import ERRORS_FILE, RESULTS_FILE, output_line
+from prefixflow.operators.bookkeeping import (COMMITS, END_FILES, JOB_FILE, LOCK_FILE, PART_NAME, TMP_PREFIX,
+                                              basename, is_own, refuse_links)
+from prefixflow.operators.commit import (check_fence, commit_bytes, commit_record_path, read_job_file,
+                                         record_bytes)
+from prefixflow.operators.openai_output import output_line
 from prefixflow.operators.outputs import COMPUTED, PLAN_REPLICA, RANK
 from prefixflow.operators.progress import LiveBar
-from prefixflow.storage import StorageOptions, absolute, is_local, join
-OUTPUT_NAMES = ("part-", "metrics.json", "plot.png", "_SUCCESS", COMMITS, JOB_FILE, MANIFEST,
-                TMP_PREFIX, RESULTS_FILE, ERRORS_FILE)
+from prefixflow.storage import StorageOptions, is_local, join, masked, normal_path
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 
@@ -130,36 +130,64 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     """Create the output directory; refuse to mix with an earlier job's parts unless asked.
 
     resume: keep everything (the run skips the committed rows; a refused resume loses nothing).
-    overwrite: delete the earlier job's output files (only those). A folder that holds files but
-    no prefixflow job is refused either way (its files are not ours to keep or delete). The caller holds the path's OutputLock (operators/commit.py), which stays.
+    overwrite: delete the earlier job's own files, and only those (`_delete_own_files`). A folder
+    that holds files but no `_job.json` that prefixflow wrote is refused either way (its files
+    are not ours to keep or delete), and so is a symbolic link under one of the job's names
+    (operators/bookkeeping.refuse_links). The caller holds the path's OutputLock
+    (operators/commit.py), which stays.
     """
     if overwrite and resume:
-        raise ValueError(f"output.overwrite=True and output.resume=True for {opts.path!r}: "
+        raise ValueError(f"output.overwrite=True and output.resume=True for {masked(opts.path)!r}: "
                          "overwrite deletes the committed parts that resume would keep; set one")
     fs = opts.storage.filesystem(opts.path)
     names = [basename(p) for p in fs.ls(opts.path, detail=False)] if fs.exists(opts.path) else []
     names = [n for n in names if n != LOCK_FILE and not n.startswith(".")]
+    refuse_links(opts.path, fs)
     if (resume or overwrite) and names and JOB_FILE not in names:
         flag = "resume" if resume else "overwrite"
-        raise ValueError(f"output.{flag}=True but output.path={opts.path!r} holds no prefixflow "
-                         f"job (files such as {names[0]!r}, no {JOB_FILE}), so none of its files "
-                         "are a job's to keep or delete: choose a new path")
-    existing = [n for n in names if n.startswith(OUTPUT_NAMES)]
-    if resume:
-        existing = []  # the end markers go once the job file matches (clear_end_markers)
-    elif existing and not overwrite:
-        raise ValueError(f"output.path={opts.path!r} already holds a job's output: choose a new "
-                         "path, set output.resume: true to finish it, or output.overwrite: true")
-    for n in existing:
-        fs.rm(join(opts.path, n), recursive=True)
+        raise ValueError(f"output.{flag}=True but output.path={masked(opts.path)!r} holds no "
+                         f"prefixflow job (files such as {names[0]!r}, no {JOB_FILE}), so none of "
+                         "its files are a job's to keep or delete: choose a new path")
+    if overwrite and names:  # its _job.json must be one prefixflow wrote (resume: check_job_file)
+        read_job_file(opts.path, fs, "it is not one prefixflow wrote, and none of the folder's "
+                      "files are a job's to delete (output.overwrite=True): choose a new path, "
+                      "or empty the folder yourself")
+    own = [n for n in names if is_own(n)]
+    if not (resume or overwrite) and (own or any(n.startswith("part-") for n in names)):
+        # (another tool's part-* files too: a fresh job's parts beside them would be read as one output)
+        raise ValueError(f"output.path={masked(opts.path)!r} already holds a job's output: choose "
+                         "a new path, set output.resume: true to finish it, or output.overwrite: true")
+    if overwrite:  # (resume: the end markers go once the job file matches: clear_end_markers)
+        _delete_own_files(opts.path, fs, own)
     if is_local(opts.path):  # object stores have no folders (gcsfs would create a bucket)
         fs.makedirs(opts.path, exist_ok=True)
+
+
+def _delete_own_files(out: str, fs: Any, own: list[str]) -> None:
+    """What overwrite deletes, in a folder whose _job.json prefixflow wrote: the files of the
+    names a job writes (bookkeeping.is_own: its parts by their exact names, their commit records,
+    its bookkeeping and end files, temporary files of the commit protocol), the records first;
+    nothing else, and never through a link (refuse_links ran)."""
+    records = join(out, COMMITS)
+    if COMMITS in own and fs.isdir(records):
+        names = [basename(p) for p in fs.ls(records, detail=False)]
+        mine = [join(records, n) for n in names if n.startswith(TMP_PREFIX)
+                or (n.endswith(".json") and PART_NAME.match(n.removesuffix(".json")))]
+        if mine:
+            fs.rm(mine)  # one request per batch on an object store
+        if is_local(out) and len(mine) == len(names):
+            fs.rmdir(records)
+    files = [join(out, n) for n in own if n not in (COMMITS, JOB_FILE)]
+    if files:
+        fs.rm(files)
+    if JOB_FILE in own:  # last: until it goes, a rerun still knows the folder is a job's
+        fs.rm(join(out, JOB_FILE))
 
 
 def clear_end_markers(opts: WriteOptions) -> None:
     """Before a resume writes: the old `_SUCCESS` and summaries no longer describe the output."""
     fs = opts.storage.filesystem(opts.path)
-    for name in ("_SUCCESS", "metrics.json", "plot.png", MANIFEST, RESULTS_FILE, ERRORS_FILE):
+    for name in END_FILES:
         if fs.exists(join(opts.path, name)):
             fs.rm(join(opts.path, name))
 
@@ -170,9 +198,9 @@ def write_json(path: str, value: Any, storage: StorageOptions) -> None:
 
 def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Table | list[dict]:
     """All parts of a job's output: a table for parquet, a list of records for JSONL."""
-    path = absolute(path)
+    path = normal_path(path)
     fs = storage.filesystem(path)
-    parts = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("part-"))
+    parts = sorted(p for p in fs.ls(path, detail=False) if PART_NAME.match(basename(p)))
     if parts and parts[0].endswith(".parquet"):
         import pyarrow.parquet as pq
 

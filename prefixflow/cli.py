@@ -124,10 +124,12 @@ def _generating(e: BaseException) -> bool:
 
 
 def _message(e: BaseException) -> str:
-    """The error's own message; for an error raised inside a Ray task, its cause's (Ray's text
-    carries the remote traceback)."""
+    """The error's own message, URLs without their passwords and tokens; for an error raised
+    inside a Ray task, its cause's (Ray's text carries the remote traceback)."""
+    from prefixflow.storage import masked  # lazy: `prefixflow --help` needs no fsspec paths
+
     cause = getattr(e, "cause", None)
-    return str(cause if isinstance(cause, BaseException) else e).strip()
+    return masked(str(cause if isinstance(cause, BaseException) else e).strip())
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -186,7 +188,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     from prefixflow.operators.processor import Processor
     from prefixflow.operators.read import read_dataset
 
-    preflight(spec, args.spec)
+    preflight(spec, args.spec, args.address)
     problems = plan_out_problems(spec, args.out)  # never over the input, the output or a stranger's file
     if problems:
         raise SpecError(args.spec, problems)
@@ -196,13 +198,13 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     import io
 
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
-    from prefixflow.storage import StorageOptions, absolute
+    from prefixflow.storage import StorageOptions, normal_path
     from prefixflow.operators.commit import commit_bytes
 
     sink = io.BytesIO()
     pq.write_table(planned.plan.table, sink)
     # Complete or not there (a temporary file renamed, or one PUT), local or a URL.
-    commit_bytes(absolute(args.out), sink.getvalue(), StorageOptions(**spec.storage.model_dump()))
+    commit_bytes(normal_path(args.out), sink.getvalue(), StorageOptions(**spec.storage.model_dump()))
     print(f"plan table ({planned.plan.table.num_rows} rows) written to {args.out}")
     return report.dry_run_result(planned, 0.0)
 

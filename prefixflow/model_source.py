@@ -146,6 +146,9 @@ def resolve_model(model: str | Path, storage: Any = None) -> Path:
 
 def check_folder(path: Path, model: str) -> Path:
     """`path` if it is a Hugging Face model folder with config.json and safetensors weights."""
+    if path.is_file():
+        raise ModelError(f"model {model!r}: {str(path)!r} is a file, not a model folder; "
+                         f"{_WHAT_TO_GIVE}")
     if not path.is_dir():
         raise ModelError(f"model {model!r}: the folder {str(path)!r} does not exist; "
                          f"{_WHAT_TO_GIVE}")

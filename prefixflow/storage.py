@@ -8,7 +8,13 @@ files) goes through this module. A path is
   - `dbfs:/x`: on a Databricks node the same file as `/dbfs/x` (the DBFS mount every node of a
     Databricks cluster has), so it is used as that local path.
 A scheme fsspec does not know, or whose driver package is missing, is a ValueError naming the
-package to install (`check_scheme`): preflight reports it before any work.
+package to install (`check_scheme`): preflight reports it before any work. So is a scheme the
+job's Ray workers cannot share or write (`check_shared`): memory:// lives in one process, and
+http(s)://, zip://, github:// and the like are read-only (http(s) input is read file by file).
+
+Every path is put in one form by `normal_path` before it is checked, compared or written:
+schemes case-folded (FILE:// is file://), local paths absolute with `~`, `..` and symbolic links
+resolved, an empty path refused. Messages show URLs through `masked` (no passwords or tokens).
 
 S3 settings come from the fields below when given, otherwise from the usual AWS environment
 variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION,
@@ -31,6 +37,8 @@ from prefixflow.errors import invalid, require
 from prefixflow.retry import RetryPolicy
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+# "s3:/b", "file:/x", "simplecache::s3://b": a scheme without its "//" (or a chained URL)
+_BARE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
 LOCAL = ("file", "local")   # fsspec's names for the local filesystem
 S3 = ("s3", "s3a")
 DBFS_MOUNT = "/dbfs"
@@ -41,11 +49,18 @@ DRIVERS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "
 
 
 def protocol(path: str) -> str | None:
-    """The URL scheme of `path` ("s3", "gs", "abfss", "file", ...); None for a plain path."""
+    """The URL scheme of `path` ("s3", "gs", "abfss", "file", ...), case-folded; None for a
+    plain path."""
     match = _URL.match(str(path))
     if match:
         return match.group(1).lower()
-    return "dbfs" if str(path).startswith("dbfs:") else None
+    return "dbfs" if str(path).lower().startswith("dbfs:") else None
+
+
+def _fold_scheme(path: str) -> str:
+    """`path` with its scheme in lower case (schemes are case-insensitive; fsspec's are not)."""
+    match = _URL.match(path) or _BARE_SCHEME.match(path)
+    return path if match is None else match.group(1).lower() + path[len(match.group(1)):]
 
 
 def is_s3(path: str) -> bool:
@@ -60,13 +75,14 @@ def is_local(path: str) -> bool:
 def local_path(path: str) -> str:
     """The plain path of a local path or file:// URL (a plain path is returned as it is)."""
     path = str(path)
-    if protocol(path) is None:
+    bare = _BARE_SCHEME.match(path)
+    if protocol(path) is None and (bare is None or bare.group(1).lower() not in LOCAL):
         return path
     if not is_local(path):
-        raise ValueError(f"{path!r} is not a local path")
+        raise ValueError(f"{masked(path)!r} is not a local path")
     from fsspec.implementations.local import LocalFileSystem
 
-    return LocalFileSystem._strip_protocol(path)
+    return LocalFileSystem._strip_protocol(_fold_scheme(path))
 
 
 def mount_dbfs(path: str) -> str:
@@ -75,7 +91,7 @@ def mount_dbfs(path: str) -> str:
     path = str(path)
     if protocol(path) != "dbfs" or not os.path.isdir(DBFS_MOUNT):
         return path
-    return posixpath.join(DBFS_MOUNT, path.removeprefix("dbfs:").lstrip("/"))
+    return posixpath.join(DBFS_MOUNT, path[len("dbfs:"):].lstrip("/"))
 
 
 def check_scheme(path: str) -> None:
@@ -84,10 +100,11 @@ def check_scheme(path: str) -> None:
     proto = protocol(path)
     if proto is None or proto in LOCAL:
         return
-    if proto == "dbfs" and os.path.isdir(DBFS_MOUNT):  # a path that missed absolute()
-        raise ValueError(f"{path!r}: give it as {mount_dbfs(path)!r} (the DBFS mount)")
+    shown = masked(path)
+    if proto == "dbfs" and os.path.isdir(DBFS_MOUNT):  # a path that missed normal_path()
+        raise ValueError(f"{shown!r}: give it as {mount_dbfs(path)!r} (the DBFS mount)")
     if proto == "dbfs":
-        raise ValueError(f"{path!r}: dbfs:/ paths are read through the {DBFS_MOUNT} mount of "
+        raise ValueError(f"{shown!r}: dbfs:/ paths are read through the {DBFS_MOUNT} mount of "
                          f"Databricks nodes (dbfs:/x is {DBFS_MOUNT}/x there), and this machine "
                          f"has no {DBFS_MOUNT}: run on Databricks, or give the URL of the storage "
                          "behind it (abfss://, s3://, gs://)")
@@ -101,13 +118,80 @@ def check_scheme(path: str) -> None:
         pass
     except ValueError:  # "Protocol not known"
         if proto not in DRIVERS:
-            raise ValueError(f"{path!r}: {proto}:// is not a storage scheme fsspec knows: check "
+            raise ValueError(f"{shown!r}: {proto}:// is not a storage scheme fsspec knows: check "
                              "the path (local paths and s3://, gs://, abfss://, az://, file:// "
                              "and the other schemes of fsspec's registry work)") from None
     known = known_implementations.get(proto, {})
     package = DRIVERS.get(proto) or known.get("class", proto).split(".")[0]
-    raise ValueError(f"{path!r}: {proto}:// needs the package {package!r}, which is not "
+    raise ValueError(f"{shown!r}: {proto}:// needs the package {package!r}, which is not "
                      f"installed: `pip install {package}` on every node of the cluster")
+
+
+# Schemes fsspec serves that a job cannot use, and why. The job's readers, tokenizers and
+# engine actors are Ray workers in processes of their own, on any node: every one of them must
+# see the same files. (http(s) input is read file by file: `list_input_files`.)
+NOT_SHARED = {"memory": "a filesystem inside one process: each Ray worker of the job would see "
+                        "its own, empty one"}
+READ_ONLY = {"http": "fsspec's HTTP filesystem only reads", "https": "fsspec's HTTP filesystem only reads",
+             "zip": "an archive is read-only here", "tar": "an archive is read-only here",
+             "libarchive": "an archive is read-only here", "github": "a repository view is read-only",
+             "git": "a repository view is read-only", "data": "a data: URL holds its bytes inline",
+             "reference": "a reference filesystem is read-only"}
+HTTP = ("http", "https")
+
+
+def check_shared(path: str, writes: bool) -> None:
+    """Raise ValueError, naming why and what to use, when the job's Ray workers cannot share
+    `path` (memory://) or, with `writes`, cannot write it (http(s)://, zip://, github://, ...)."""
+    proto = protocol(path)
+    why = NOT_SHARED.get(proto or "") or (READ_ONLY.get(proto or "") if writes else None)
+    if why is not None:
+        use = "a local or shared folder, or object storage (s3://, gs://, abfss://, ...)"
+        raise ValueError(f"{masked(path)!r}: {proto}:// cannot be used here ({why}): use {use}")
+
+
+def normal_path(path: str) -> str:
+    """The one form of a path that validate, the input/output clash checks, the readers and the
+    writers all use: the scheme case-folded (FILE://x is file://x); a local path (plain,
+    file://, or dbfs:/ on a Databricks node) absolute, with `~`, `..` and symbolic links
+    resolved, so that two spellings of one folder are one path; other URLs as given (their
+    keys are the store's own names). ValueError for an empty path, or a scheme without its
+    "//" ("s3:/b", a chained "simplecache::s3://b"), which would be a local folder named "s3:"."""
+    text = str(path)
+    if not text.strip():
+        raise ValueError("the path is empty: give a local path or a URL (s3://, gs://, file://, ...)")
+    text = mount_dbfs(_fold_scheme(text))
+    proto = protocol(text)
+    bare = _BARE_SCHEME.match(text)
+    if proto is None and bare is not None and bare.group(1) not in LOCAL:
+        why = "fsspec's chained URLs are not taken: give one scheme" if "::" in text else \
+            f"a URL needs '//' after its scheme: {bare.group(1)}://..."
+        raise ValueError(f"{masked(text)!r} is neither a URL nor a plain path ({why}; a local "
+                         "path whose first name holds a colon starts with ./)")
+    if proto is None and bare is None:
+        return str(Path(text).expanduser().resolve())
+    if proto is None or proto in LOCAL:  # file:/x, file://x, local://x
+        return "file://" + str(Path(local_path(text)).resolve())
+    return text
+
+
+# user:password@ in a URL (or any user part of an http(s) URL: a token given as the user),
+# and the values of query parameters that carry credentials (signatures, tokens, keys).
+# (A scheme with fewer slashes than "//" too: "s3:/user:password@b" is echoed when refused.)
+_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/*)([^/\s@:'\"]*):([^/\s@'\"]*)@")
+_HTTP_USER = re.compile(r"(\bhttps?:/*)([^/\s@:'\"]+)@", re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"([?&][\w.-]*(?:sig|signature|token|secret|password|passwd|key|"
+                           r"credential)[\w.-]*=)[^&\s'\"#]+", re.IGNORECASE)
+
+
+def masked(text: str) -> str:
+    """`text` (a path, or a message that names URLs) with every URL's secrets replaced by ***:
+    a password (user:password@), the user part of an http(s) URL (often a token), and query
+    parameters such as sig=, X-Amz-Signature=, token=, api_key=. Every message and file that
+    echoes a path shows it through this."""
+    text = _PASSWORD.sub(r"\1\2:***@", str(text))
+    text = _HTTP_USER.sub(r"\1***@", text)
+    return _SECRET_QUERY.sub(r"\1***", text)
 
 
 @dataclass(frozen=True)
@@ -210,18 +294,6 @@ def same_filesystem(paths: list[str]) -> bool:
     return len({key(p) for p in paths}) <= 1
 
 
-def absolute(path: str) -> str:
-    """Local paths become absolute (Ray workers may run elsewhere), file:// URLs too; dbfs:/
-    paths become /dbfs/ paths on a Databricks node; other URLs stay as they are."""
-    path = mount_dbfs(str(path))
-    proto = protocol(path)
-    if proto is None:
-        return str(Path(path).expanduser().resolve())
-    if proto in LOCAL:
-        return "file://" + local_path(path)
-    return path
-
-
 def join(base: str, *parts: str) -> str:
     if protocol(base) is not None:
         return posixpath.join(base.rstrip("/"), *parts)
@@ -263,16 +335,21 @@ def with_scheme(original: str, listed: str) -> str:
 
 def list_input_files(path: str | list[str], storage: StorageOptions,
                      suffixes: tuple[str, ...] = ()) -> list[str]:
-    """Expand files, directories (their files, sorted, recursively) and globs into file paths.
+    """Expand files, directories (their files, sorted, recursively) and globs into file paths
+    (normal_path's form). An http(s) URL names one file: HTTP has no listing to expand a folder
+    or a glob with ('?' starts its query).
 
     Raises ValueError naming the path when nothing is found, so a typo fails before any work.
     """
     paths = [path] if isinstance(path, str) else list(path)
     found: list[str] = []
     for p in paths:
-        p = absolute(p)
+        p = normal_path(p)
+        check_shared(p, writes=False)
         fs = storage.filesystem(p)
-        if any(ch in p for ch in "*?["):
+        if protocol(p) in HTTP:
+            matches = _http_file(p, fs)
+        elif any(ch in p for ch in "*?["):
             matches = sorted(fs.glob(strip_scheme(p)))
         elif fs.isdir(strip_scheme(p)):
             matches = sorted(f for f in fs.find(strip_scheme(p))
@@ -284,7 +361,22 @@ def list_input_files(path: str | list[str], storage: StorageOptions,
         else:
             matches = []
         if not matches:
-            raise ValueError(f"input.path={p!r} matches no file: check the path (and, for a "
-                             "URL, the bucket, endpoint and credentials)")
+            raise ValueError(f"input.path={masked(p)!r} matches no file: check the path (and, "
+                             "for a URL, the bucket, endpoint and credentials)")
         found.extend(with_scheme(p, m) for m in matches)
     return found
+
+
+def _http_file(url: str, fs: Any) -> list[str]:
+    """[url] when the server has the file (one HEAD request), [] when it answers 404; the
+    OSError of a server that cannot be reached."""
+    if url.endswith("/"):
+        raise ValueError(f"input.path={masked(url)!r} names a folder, which HTTP cannot list: "
+                         "give the URL of each file (input.path takes a list)")
+    try:
+        fs.info(url)
+    except FileNotFoundError as e:  # fsspec's answer to any failure: a 404, or no connection
+        if isinstance(e.__cause__, OSError):  # aiohttp's connection errors are OSErrors
+            raise e.__cause__ from None
+        return []
+    return [url]
