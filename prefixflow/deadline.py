@@ -14,9 +14,11 @@ method) runs to its end first, which is why the sandbox also bounds the size of 
 before it is built.
 
 TimeLimitExceeded is a BaseException, so `except Exception` in the code it interrupts does not
-swallow it. The watchdog raises at most once per `time_limit` and only while the thread is
-inside it; leaving the block withdraws one not yet delivered, so nothing is raised later in
-unrelated code.
+swallow it; Python itself drops one that arrives in a gc callback or a __del__, so the watchdog
+raises again every RETRY_SECONDS, DELIVERIES times at most, while the thread is still inside
+(the sandbox also checks its clock at each step of a template: prefixflow/template_budget.py).
+It raises only while the thread is inside the block: leaving it ends the raising and withdraws
+one not yet delivered, so nothing is raised later in unrelated code.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import os
 import threading
 import time
 from types import TracebackType
+from typing import Any
 
 TICK = 0.1  # seconds: how late past its limit a thread may be stopped
+RETRY_SECONDS = 0.5
+DELIVERIES = 3
 
 
 class TimeLimitExceeded(BaseException):
@@ -37,7 +42,8 @@ class TimeLimitExceeded(BaseException):
 class _Watchdog:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.deadlines: dict[int, float] = {}  # thread id -> when to stop it
+        # thread id -> [when to raise next, deliveries left]
+        self.deadlines: dict[int, list[Any]] = {}
         threading.Thread(target=self._run, name="prefixflow-time-limit", daemon=True).start()
 
     def _run(self) -> None:
@@ -45,9 +51,12 @@ class _Watchdog:
             time.sleep(TICK)
             now = time.monotonic()
             with self.lock:
-                for tid in [t for t, when in self.deadlines.items() if when <= now]:
-                    del self.deadlines[tid]  # once: the thread is told, and left alone after
-                    _raise_in(tid, TimeLimitExceeded)
+                for tid, due in list(self.deadlines.items()):
+                    if due[0] <= now:
+                        _raise_in(tid, TimeLimitExceeded)
+                        due[0], due[1] = now + RETRY_SECONDS, due[1] - 1
+                        if due[1] == 0:
+                            del self.deadlines[tid]
 
 
 def _raise_in(tid: int, exc: type[BaseException] | None) -> None:
@@ -83,14 +92,18 @@ class time_limit:  # noqa: N801 - used as a function: `with time_limit(5.0):`
         with _watchdog.lock:
             self.inner = threading.get_ident() in _watchdog.deadlines
             if not self.inner:
-                _watchdog.deadlines[threading.get_ident()] = time.monotonic() + self.seconds
+                _watchdog.deadlines[threading.get_ident()] = [time.monotonic() + self.seconds, DELIVERIES]
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self.inner or _watchdog is None:
             return
         tid = threading.get_ident()
-        with _watchdog.lock:  # from here on the watchdog leaves this thread alone
-            fired = _watchdog.deadlines.pop(tid, None) is None
-        if fired:  # raised already (then this is a no-op), or on its way: withdraw it
-            _raise_in(tid, None)
+        while True:  # until the watchdog has let go of this thread, even if it raises meanwhile
+            try:
+                with _watchdog.lock:
+                    _watchdog.deadlines.pop(tid, None)
+                _raise_in(tid, None)  # withdraw one raised but not delivered yet
+                return
+            except TimeLimitExceeded:
+                continue

@@ -283,11 +283,12 @@ def compiled(source: str, chat: bool = False) -> Any:
 def render(source: str, values: dict[str, Any], chat: bool = False) -> str:
     """`source` rendered with `values` within the limits (a fresh budget and clock). Raises
     TemplateLimitError past a limit, and whatever else the template raises."""
-    token = BUDGET.set(Budget())
+    budget = Budget(seconds=MAX_RENDER_SECONDS)
+    token = BUDGET.set(budget)
     try:
         with time_limit(MAX_RENDER_SECONDS):
             return compiled(source, chat).render(values)  # joined by _BoundedEnvironment.concat
     except TimeLimitExceeded:
-        raise TemplateLimitError(f"rendering took more than {MAX_RENDER_SECONDS:g} s") from None
+        raise budget.too_long() from None
     finally:
         BUDGET.reset(token)

@@ -6,13 +6,14 @@ A value is at most MAX_TEXT in size: a string its length, an integer its digits,
 1 + ITEM_SIZE per item + its items' sizes (about what printing it makes), nested values counted
 in full. An integer has at most MAX_INT_BITS bits. One Budget per render counts loop
 iterations, calls and range() items (MAX_STEPS) and the characters and items built (MAX_WORK);
-the render's clock is prefixflow/deadline.py's. Going past a limit raises TemplateLimitError,
+the render's clock is checked at each step and by prefixflow/deadline.py. Going past a limit raises TemplateLimitError,
 which makes the row an error record (operators/template.py, operators/tokenize.py).
 """
 
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,18 +36,29 @@ class TemplateLimitError(TemplateError):
 
 @dataclass
 class Budget:
-    """What one render has used so far."""
+    """What one render has used so far, and until when it may run: the clock is checked at
+    each step too, besides prefixflow/deadline.py's watchdog, which stops a step itself."""
 
+    seconds: float = MAX_RENDER_SECONDS
     steps: int = 0
     work: int = 0
+    deadline: float = 0.0
     # id -> (container, expanded size). Sandboxed code cannot mutate a list, tuple or dict, so a
     # size holds for the whole render; keeping the object keeps its id from being reused.
     sizes: dict[int, tuple[Any, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.seconds
 
     def step(self, n: int = 1) -> None:
         self.steps += n
         if self.steps > MAX_STEPS:
             raise TemplateLimitError(f"more than {MAX_STEPS:,} loop iterations, calls and range() items")
+        if time.monotonic() > self.deadline:
+            raise self.too_long()
+
+    def too_long(self) -> TemplateLimitError:
+        return TemplateLimitError(f"rendering took more than {self.seconds:g} s")
 
     def charge(self, n: int) -> None:
         self.work += n

@@ -93,8 +93,10 @@ def _filter_wordwrap(args: tuple, kwargs: dict, budget: Budget) -> None:
 
 
 def _filter_replace(args: tuple, kwargs: dict, budget: Budget) -> None:
-    if len(args) >= 3:
-        check_replace(args[0], args[1], args[2], arg(args, kwargs, 3, "count"))
+    """replace(s, old, new, count): Jinja makes numbers text first."""
+    old, new = (str(x) if isinstance(x, (int, float)) else x
+                for x in (arg(args, kwargs, 1, "old"), arg(args, kwargs, 2, "new")))
+    check_replace(args[0], old, new, arg(args, kwargs, 3, "count"))
 
 
 def _filter_format(args: tuple, kwargs: dict, budget: Budget) -> None:

@@ -59,7 +59,8 @@ class FastTokenizer:
 
         config = _read_json(folder / "tokenizer_config.json")
         self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.special_tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+        # The named special tokens (bos_token, eos_token, ...), as transformers names them.
+        self.special_tokens_map = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
         self.chat_template = _chat_template(folder, config)
         self._compiled: Any = None
 
@@ -95,13 +96,8 @@ class FastTokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        eos = self.special_tokens.get("eos_token")
+        eos = self.special_tokens_map.get("eos_token")
         return None if eos is None else self.backend.token_to_id(eos)
-
-    @property
-    def special_tokens_map(self) -> dict[str, str]:
-        """The named special tokens (bos_token, eos_token, ...), as transformers names them."""
-        return dict(self.special_tokens)
 
     def get_chat_template(self, chat_template: str | None = None) -> str:
         """`chat_template` if given, else the model's own (transformers' method of that name)."""
