@@ -119,8 +119,8 @@ class ProcessorConfig:
     score: ScoreConfig (or a dict of its fields) for task "score".
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
         instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
-        False}); transformers renders them in its sandbox. Python API, map_batches and
-        ray.data.llm's stages.
+        False}); rendered in the bounded sandbox (prefixflow/sandbox.py). Python API,
+        map_batches and ray.data.llm's stages.
     runtime_env: the Ray runtime environment of every task and actor the job starts (tokenize,
         engine), e.g. {"env_vars": {"HF_TOKEN": ...}}. Python API only.
 

@@ -13,7 +13,8 @@ Output lines (operators/openai_output.py): {"id": "batch_req_...", "custom_id": 
 Body fields: each is honoured or the request becomes an error record naming it.
   - honoured: messages (chat; content parts of type text only: an image_url, input_audio or
     file part makes the request an error record) / prompt (completions); the SamplingParams fields in `_SAMPLING`
-    (max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
+    (max_tokens / max_completion_tokens: one limit, both given they must be equal, else the
+    request is an error record; temperature, top_p, top_k, min_p, seed, stop,
     stop_token_ids, min_tokens, ignore_eos, n, presence_penalty, frequency_penalty,
     repetition_penalty, include_stop_str_in_output, skip_special_tokens); logprobs and
     top_logprobs (filled in as the API shapes them: chat's content list, completions' legacy
@@ -108,6 +109,7 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("body is missing or not an object")
     _check_fields(body, url)
+    _check_max_tokens(body)
     row: dict[str, Any] = {"custom_id": cid, "_pf_url": url, "_pf_model": body.get("model")}
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
@@ -141,6 +143,16 @@ def _check_fields(body: dict[str, Any], url: str) -> None:
         where = f" (it belongs to {other})" if name in _ROUTED[other] else ""
         raise ValueError(f"body.{name} is not a field prefixflow honours for {url}{where}: remove "
                          f"it (the sampling fields are {', '.join(sorted(_SAMPLING))})")
+
+
+def _check_max_tokens(body: dict[str, Any]) -> None:
+    """max_tokens and max_completion_tokens name one limit: both given, they must agree. Taking
+    either one (or the smaller) would answer a request its sender did not make."""
+    given = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
+    if len(given) == 2 and given["max_tokens"] != given["max_completion_tokens"]:
+        raise ValueError(f"body.max_tokens={given['max_tokens']!r} and body.max_completion_tokens="
+                         f"{given['max_completion_tokens']!r} disagree: they are one limit, give one of "
+                         "them (max_completion_tokens is the current name) or the same value in both")
 
 
 def _overrides(body: dict[str, Any], url: str) -> dict[str, Any]:

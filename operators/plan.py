@@ -89,8 +89,8 @@ def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
         # Rows without their own max_tokens: null -> -1, the job's default (plan_dataset).
         col = block.column(MAX_TOKENS).cast(pa.int64()).take(pa.array(good))
         meta["max_tokens"] = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64)
-    if custom_ids and "custom_id" in block.column_names:
-        meta["custom_id"] = block.column("custom_id").take(pa.array(good)).to_pylist()
+    if custom_ids and "custom_id" in block.column_names:  # every row's: error rows claim theirs too
+        meta["custom_id"] = block.column("custom_id").to_pylist()
     return meta
 
 
@@ -247,7 +247,8 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
     extra: dict[int, str] = {}
     keep = np.ones(len(good_ids), bool)
     if custom_ids:
-        keep, extra = _duplicate_custom_ids(good_ids, [c for m in metas for c in m.get("custom_id", [])])
+        keep, extra = _duplicate_custom_ids(good_ids, [c for m in metas
+                                                       for c in m.get("custom_id", [None] * m["num_rows"])])
     out_lens = _output_lens(metas, default_max_tokens)
     if not keep.all():
         sel = np.flatnonzero(keep)
@@ -278,18 +279,24 @@ def _output_lens(metas: list[dict[str, Any]], default_max_tokens: int | None) ->
     return out_lens
 
 
-def _duplicate_custom_ids(row_ids: np.ndarray, custom_ids: list[Any]) -> tuple[np.ndarray, dict[int, str]]:
-    """OpenAI batch custom_ids must be unique: later duplicates become error records."""
-    keep = np.ones(len(row_ids), bool)
-    extra: dict[int, str] = {}
+def _duplicate_custom_ids(good_ids: np.ndarray, custom_ids: list[Any]) -> tuple[np.ndarray, dict[int, str]]:
+    """OpenAI batch custom_ids must be unique: a good row whose custom_id an earlier row used
+    becomes an error record, also where that earlier row is itself one (an invalid request or a
+    broken line whose custom_id could be read: its error record answers that custom_id too).
+    custom_ids: every row's, by row id (None: none could be read). Returns which good rows
+    stay and {row id: error} for the others."""
     first: dict[Any, int] = {}
-    for i, cid in enumerate(custom_ids):
-        if cid in first:
+    for row, cid in enumerate(custom_ids):
+        if cid is not None:
+            first.setdefault(cid, row)
+    keep = np.ones(len(good_ids), bool)
+    extra: dict[int, str] = {}
+    for i, row in enumerate(good_ids.tolist()):
+        earlier = first.get(custom_ids[row], row)
+        if earlier != row:
             keep[i] = False
-            extra[int(row_ids[i])] = (f"duplicate custom_id {cid!r} (first used by row "
-                                      f"{first[cid]}): give every request a unique custom_id")
-        else:
-            first[cid] = int(row_ids[i])
+            extra[row] = (f"duplicate custom_id {custom_ids[row]!r} (first used by row {earlier}): "
+                          "give every request a unique custom_id")
     return keep, extra
 
 

@@ -25,7 +25,7 @@ from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.outputs import INTERNAL
 from prefixflow.operators.plan import PlannedJob, plan_dataset, unit_payload_refs
-from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
+from prefixflow.operators.tokenize import TokenizeActor, TokenizeOptions
 from prefixflow.operators.write import start_sink
 
 Row = dict[str, Any]
@@ -105,7 +105,7 @@ class Processor:
         return args
 
     def tokenize(self, ds: Any) -> Any:
-        out = ds.map_batches(Tokenize, fn_constructor_kwargs={"opts": self.tokenize_options()},
+        out = ds.map_batches(TokenizeActor, fn_constructor_kwargs={"opts": self.tokenize_options()},
                              batch_size=self.config.tokenize_batch_size, batch_format="pyarrow",
                              **self.tokenize_args())
         # Row ids are positions in the materialized dataset: keep block order deterministic.

@@ -20,7 +20,7 @@ from typing import Any
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from prefixflow.errors import invalid, short
-from prefixflow.operators.sandbox import TemplateLimitError, compiled, environment, render
+from prefixflow.sandbox import TemplateLimitError, compiled, environment, render
 
 
 class RowError(ValueError):
@@ -142,23 +142,31 @@ def _render(source: str, values: dict[str, Any], field: str) -> str:
     """Render within the sandbox's limits; any failure is the row's RowError."""
     try:
         return render(source, values)
-    except TemplateLimitError as e:
-        raise RowError(f"{field} exceeded a template limit for this row: {e.message}; make the "
-                       "template build less") from None
-    except (OverflowError, MemoryError, RecursionError) as e:
-        raise RowError(f"{field} exceeded a template limit for this row ({type(e).__name__}: "
-                       f"{_clip(e)}); make the template build less") from None
-    except TemplateError as e:
-        have = ", ".join(sorted(values)) or "none"
-        raise RowError(f"{field} failed for this row: {e.message or e}; the row's non-null "
-                       f"columns are: {have}") from None
-    except Exception as e:  # the template's own code failed for this row, e.g. a division by 0
-        raise RowError(f"{field} failed for this row: {type(e).__name__}: {_clip(e)}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the template raises fails its row only
+        raise template_row_error(e, field, values) from None
 
 
-def _clip(e: BaseException) -> str:
+def template_row_error(e: Exception, what: str, values: dict[str, Any] | None = None) -> RowError:
+    """The RowError for a template (`what`: its field, or "the chat template") that failed for
+    a row: past a limit of the sandbox, or by its own error (with the row's non-null columns
+    when `values` are a row's). Messages are clipped: a template's own text may be huge."""
+    if isinstance(e, TemplateLimitError):
+        return RowError(f"{what} exceeded a template limit for this row: {_clip(e.message)}; make "
+                        "the template build less")
+    if isinstance(e, (OverflowError, MemoryError, RecursionError)):
+        return RowError(f"{what} exceeded a template limit for this row ({type(e).__name__}: "
+                        f"{_clip(e)}); make the template build less")
+    if isinstance(e, TemplateError):
+        have = "" if values is None else f"; the row's non-null columns are: {', '.join(sorted(values)) or 'none'}"
+        return RowError(f"{what} failed for this row: {_clip(e.message or e)}{have}")
+    if isinstance(e, ValueError) and values is None:  # a tokenizer refusing (no chat template, ...)
+        return RowError(f"{what} failed for this row: {_clip(e)}")
+    return RowError(f"{what} failed for this row: {type(e).__name__}: {_clip(e)}")
+
+
+def _clip(e: object) -> str:
     text = str(e)
-    return text if len(text) <= 200 else text[:197] + "..."
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def messages_from_value(value: Any, column: str) -> list[dict[str, str]]:

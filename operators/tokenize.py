@@ -3,14 +3,22 @@
 Adds `_pf_tokens` (list<int32>; empty for a bad row) and `_pf_max_tokens` (the row's own
 max_tokens, null where its overrides set none) and updates `_pf_error`: a row whose
 template fails, whose prompt is empty or longer than the context becomes an error record
-here and is left out of the plan. Chat prompts go through the tokenizer's own chat template,
-which transformers renders in Jinja's sandbox; plain templates render in ours.
+here and is left out of the plan. Chat prompts go through the model's chat template (or the
+config's chat_template), and plain prompts through the spec's template: both render in the one
+bounded sandbox (prefixflow/sandbox.py; the chat template through prefixflow/tokenizer.chat_text),
+so a template that builds too much or runs too long is that row's error record.
+
+Each tokenize actor (TokenizeActor, the map_batches class) also caps its own process's memory
+(MEMORY_HEADROOM_BYTES past what it holds once loaded): whatever no limit foresaw fails that
+actor's batch with MemoryError instead of exhausting the node.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -18,8 +26,8 @@ import pyarrow as pa
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS, row_sampling
-from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
-from prefixflow.tokenizer import load_tokenizer
+from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value, template_row_error
+from prefixflow.tokenizer import chat_text, load_tokenizer
 
 TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # A row's own max_tokens (from its sampling overrides; null: the job's default): the plan's
@@ -53,7 +61,6 @@ class Tokenize:
     def __init__(self, opts: TokenizeOptions):
         self.opts = opts
         self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
-        self._transformers: Any = None  # loaded when a chat needs it (_chat_tokenizer)
 
     def __call__(self, table: pa.Table) -> pa.Table:
         rows = table.to_pylist()
@@ -111,28 +118,13 @@ class Tokenize:
         add = self.opts.prompt.add_generation_prompt if self.opts.prompt is not None else True
         if self.opts.continue_last and messages and messages[-1].get("role") != "user":
             add = False
-        more = dict(self.opts.chat_template_kwargs or {})
-        if self.opts.chat_template is not None:
-            more["chat_template"] = self.opts.chat_template
-        if self.opts.continue_last and not add:
-            more["continue_final_message"] = True
         try:
-            return self._chat_tokenizer(bool(more)).apply_chat_template(
-                messages, add_generation_prompt=add, tokenize=False, **more)
-        except Exception as e:  # the model's template may reject roles or orders: a row error
-            raise RowError(f"the tokenizer's chat template failed for this row: {e}") from None
-
-    def _chat_tokenizer(self, extras: bool) -> Any:
-        """The tokenizer that renders chats: transformers' own where the chat needs more than
-        the template's standard variables (prefixflow.tokenizer.FastTokenizer renders only those)."""
-        if not extras or hasattr(self.tokenizer, "backend_tokenizer"):
-            return self.tokenizer
-        if self._transformers is None:
-            from transformers import AutoTokenizer
-
-            self._transformers = AutoTokenizer.from_pretrained(
-                str(resolve_model(self.opts.model)), trust_remote_code=self.opts.trust_remote_code)
-        return self._transformers
+            return chat_text(self.tokenizer, messages, add_generation_prompt=add,
+                             chat_template=self.opts.chat_template,
+                             continue_final_message=self.opts.continue_last and not add,
+                             **(self.opts.chat_template_kwargs or {}))
+        except Exception as e:  # the template may refuse roles or orders, or pass a limit: a row error
+            raise template_row_error(e, "the chat template") from None
 
     def _encode(self, texts: list[str | None], chat: list[bool]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in texts]
@@ -153,6 +145,44 @@ class Tokenize:
                     "(engine.max_model_len or the model's max_position_embeddings): shorten the "
                     "prompt or raise engine.max_model_len")
         return None
+
+
+MEMORY_HEADROOM_BYTES = 8 << 30  # far past a batch of rows and a render's limits (prefixflow/sandbox.py)
+
+
+class TokenizeActor(Tokenize):
+    """The tokenize stage's actor (operators/processor.py): a Tokenize whose process may hold at
+    most MEMORY_HEADROOM_BYTES more than it holds once loaded. The cap is the kernel's
+    RLIMIT_DATA (heap and private mappings; Ray's shared object store is not counted): past it an
+    allocation fails with MemoryError, which a render turns into its row's error record, instead
+    of the node running out of memory. Ray's own `memory=` option only reserves memory when
+    actors are placed; nothing enforces it. Only this dedicated actor is capped: a Tokenize
+    inside the user's process or an engine actor (operators/batch_generator.py) is not."""
+
+    def __init__(self, opts: TokenizeOptions):
+        super().__init__(opts)
+        cap_data_memory(MEMORY_HEADROOM_BYTES)
+
+
+def cap_data_memory(headroom: int) -> int | None:
+    """Lower this process's RLIMIT_DATA to what it holds now plus `headroom`; returns the cap
+    (None where the process's size cannot be read: not Linux)."""
+    import resource  # Unix only, like the cap
+
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmData:\s+(\d+) kB", status, re.M)
+    if found is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = int(found.group(1)) * 1024 + headroom
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft == resource.RLIM_INFINITY or cap < soft:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    return cap
 
 
 def check_row_sampling(default: Any, row: dict[str, Any]) -> int | None:

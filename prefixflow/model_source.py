@@ -12,8 +12,8 @@ The forms, tried in this order:
 
 `model_fingerprint(folder)` names what a resolved folder holds ({file: sha256} of the files
 the engine and tokenizer read), so that a resumed job can tell that the weights behind one
-path or hub id changed (operators/commit.py). Hashes are kept per machine under
-$PREFIXFLOW_CACHE/sha256, keyed by path, size, mtime and inode, so a file is read once.
+path or hub id changed (operators/commit.py). Each file is read once per change of it
+(prefixflow/digest.py says what a remembered digest is keyed on and why it is remembered).
 
 Every failure is one `ModelError` (a ValueError) that names the model and says what to do.
 Resolving is torch-free; only a GGUF conversion imports torch and transformers, when it runs.
@@ -23,7 +23,6 @@ there to convert or copy again.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from prefixflow.digest import file_sha256
 from prefixflow.paths import cache_root
 from prefixflow.storage import S3, StorageOptions, is_local, local_path, mount_dbfs, protocol
 
@@ -244,44 +244,6 @@ def model_fingerprint(folder: Path) -> dict[str, str]:
     files = sorted({f for pattern in _HUB_FILES for f in folder.glob(pattern)
                     if f.is_file() and f.name != SOURCE_FILE})
     return {f.name: file_sha256(f) for f in files}
-
-
-def file_sha256(path: Path) -> str:
-    """The file's sha256, read once per machine while its path, size, mtime and inode stay
-    the same (remembered in this process and under $PREFIXFLOW_CACHE/sha256)."""
-    real = path.resolve()
-    stat = real.stat()
-    return _sha256(str(real), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-
-
-@functools.lru_cache(maxsize=256)
-def _sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
-    key = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}\0{inode}".encode()).hexdigest()
-    memo = cache_root() / "sha256" / key
-    try:
-        digest = memo.read_text().strip()
-        if re.fullmatch(r"[0-9a-f]{64}", digest):
-            return digest
-    except OSError:
-        pass
-    from tqdm import tqdm
-
-    h = hashlib.sha256()
-    # A bar only where hashing takes a while (a 93 MB file takes a fraction of a second).
-    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, leave=False,
-                                     desc=f"sha256 {Path(path).name}",
-                                     disable=size < 1 << 30) as bar:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-            bar.update(len(chunk))
-    try:  # a cache that cannot be written (read-only home) only costs a second read later
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".{key}.{os.getpid()}")
-        tmp.write_text(h.hexdigest())
-        os.replace(tmp, memo)
-    except OSError:
-        pass
-    return h.hexdigest()
 
 
 def _convert_gguf(gguf: Path, dest: Path, model: str) -> None:

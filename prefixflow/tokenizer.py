@@ -1,18 +1,25 @@
-"""The prompt tokenizer of a checkpoint, without transformers where that gives the same tokens.
+"""The prompt tokenizer of a checkpoint, without transformers where that gives the same tokens,
+and its chat template rendered in prefixflow's bounded sandbox.
 
     tokenizer = load_tokenizer("path/to/model")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = chat_text(tokenizer, messages, add_generation_prompt=True)
     ids = tokenizer([text], add_special_tokens=False)["input_ids"]
 
 Importing transformers (and through it torch) costs a tokenizer worker about five seconds and
 a few hundred MB, which is most of a small job's tokenize stage. A checkpoint whose tokenizer
 is fully described by its `tokenizer.json` (the generic fast tokenizer, as transformers saves
-ours and the converted GGUF models) is read with the `tokenizers` library directly, and its chat
-template rendered the way transformers renders it (Jinja's immutable sandbox, trim_blocks and
-lstrip_blocks, loop controls, a non-escaping `tojson`, `raise_exception`, `strftime_now`, the
-named special tokens as variables). Any other tokenizer (a model-specific class that may rewrite
-the post-processor or pre-tokenizer at load time) goes through transformers' AutoTokenizer, so
-the tokens always equal transformers' (tests/cpu/test_tokenizer.py checks both paths).
+ours and the converted GGUF models) is read with the `tokenizers` library directly. Any other
+tokenizer (a model-specific class that may rewrite the post-processor or pre-tokenizer at load
+time) goes through transformers' AutoTokenizer, so the tokens always equal transformers'
+(tests/cpu/test_tokenizer.py checks both paths).
+
+A chat template is the model's code as much as its data: transformers renders it in Jinja's
+sandbox with no bound on what it builds or how long it runs (two nested loops of 100,000 hung
+the tokenize stage, issue 43). `chat_text` renders it, for either kind of tokenizer, in
+prefixflow/sandbox.py's chat environment, set up as transformers sets up its own (the same
+variables, trim_blocks and lstrip_blocks, loop controls, `{% generation %}`, a non-escaping
+`tojson`, `raise_exception`, `strftime_now`, the named special tokens as variables,
+continue_final_message), within the same limits as every prompt template.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +59,8 @@ class FastTokenizer:
 
         config = _read_json(folder / "tokenizer_config.json")
         self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.special_tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+        # The named special tokens (bos_token, eos_token, ...), as transformers names them.
+        self.special_tokens_map = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
         self.chat_template = _chat_template(folder, config)
         self._compiled: Any = None
 
@@ -89,19 +96,65 @@ class FastTokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        eos = self.special_tokens.get("eos_token")
+        eos = self.special_tokens_map.get("eos_token")
         return None if eos is None else self.backend.token_to_id(eos)
 
+    def get_chat_template(self, chat_template: str | None = None) -> str:
+        """`chat_template` if given, else the model's own (transformers' method of that name)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
+            raise ValueError("this model has no chat template: use a plain prompt template")
+        return source
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str:
+                            tokenize: bool = False, **kwargs: Any) -> str:
+        """chat_text(self, ...): the text only, as transformers' tokenize=False gives it."""
         if tokenize:
             raise ValueError("FastTokenizer.apply_chat_template renders text only: use tokenize=False")
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template: use a plain prompt template")
-        if self._compiled is None:
-            self._compiled = _compile(self.chat_template)
-        return self._compiled.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return chat_text(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+# What transformers appends to the final message to find where it ends in the rendered chat.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+              chat_template: str | None = None, continue_final_message: bool = False,
+              **variables: Any) -> str:
+    """`messages` as the chat template of `tokenizer` (a FastTokenizer or a transformers
+    tokenizer) writes them, or as `chat_template` does (a template, or the name of one of the
+    model's named templates), rendered in the bounded sandbox with transformers'
+    apply_chat_template's variables: messages, tools, documents, add_generation_prompt, the
+    special tokens and `variables`. continue_final_message leaves the last message open, as
+    transformers does. Raises jinja2.TemplateError (TemplateLimitError past a limit) or
+    ValueError, as transformers would."""
+    from prefixflow.sandbox import render  # jinja2, only where a chat is rendered
+
+    source = tokenizer.get_chat_template(chat_template)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+    final = None
+    if continue_final_message:
+        if "content" not in source:
+            raise ValueError('continue_final_message is set but "content" is not a field the chat template reads')
+        final = messages[-1].get("content")
+        if not isinstance(final, str):
+            raise ValueError('continue_final_message is set but the final message has no text "content"')
+        messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+    values = {"messages": messages, "tools": None, "documents": None,
+              "add_generation_prompt": add_generation_prompt, **tokenizer.special_tokens_map, **variables}
+    text = render(source, values, chat=True)
+    return text if final is None else _open_final(text, final)
+
+
+def _open_final(text: str, final: str) -> str:
+    """The rendered chat cut right after the final message's text (transformers' rule)."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ValueError("continue_final_message is set but the final message does not appear in the "
+                         "chat after applying the chat template (the template deletes part of it)")
+    at = text.rindex(tag)
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
@@ -151,28 +204,6 @@ def _byte_level_chars() -> dict[str, int]:
     printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0x100)}
     others = (b for b in range(256) if b not in printable)
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-def _compile(template: str) -> Any:
-    """The template in Jinja's immutable sandbox, with the globals and filters transformers adds."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # Jinja's own filter HTML-escapes
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
 
 
 def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:

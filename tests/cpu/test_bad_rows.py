@@ -278,6 +278,46 @@ def test_openai_logprobs_null_is_off_and_wrong_types_are_request_errors():
         assert got == want, row
 
 
+def test_openai_max_tokens_and_max_completion_tokens_must_agree():
+    """Issue 43: both limits given and different: the request is an error record naming both
+    (never the smaller, or either one, run silently); equal, it runs with that limit."""
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    recs = [{"custom_id": f"r{i}", "url": "/v1/chat/completions", "body": {**body, **extra}}
+            for i, extra in enumerate([{"max_tokens": 5, "max_completion_tokens": 9},
+                                       {"max_tokens": 9, "max_completion_tokens": 5},
+                                       {"max_tokens": 7, "max_completion_tokens": 7},
+                                       {"max_tokens": None, "max_completion_tokens": 6}])]
+    rows = parse_requests(recs)
+    for row in rows[:2]:
+        assert "body.max_tokens" in row[ERROR] and "body.max_completion_tokens" in row[ERROR], row
+        assert "disagree" in row[ERROR] and row["custom_id"] in ("r0", "r1")
+    assert [json.loads(r["_pf_sampling"])["max_tokens"] for r in rows[2:]] == [7, 6]
+    assert rows[2][ERROR] is None and rows[3][ERROR] is None
+
+
+def test_a_duplicate_custom_id_is_reported_when_its_first_use_is_an_error_record(ray_local, tiny_model):
+    """Issue 43: a custom_id first used by a broken line or an invalid request, then by a good
+    request: the good one is reported as the duplicate (each custom_id answers one request)."""
+    import ray
+
+    from prefixflow.operators.plan import plan_dataset
+    from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
+
+    lines = [b'{"custom_id": "broken", "url": "/v1/completions", "body": {',
+             json.dumps({"custom_id": "invalid", "url": "/v1/embeddings", "body": {}}).encode(),
+             json.dumps({"custom_id": "fine", "url": "/v1/completions", "body": {"prompt": "a"}}).encode()]
+    lines += [json.dumps({"custom_id": cid, "url": "/v1/completions", "body": {"prompt": "b"}}).encode()
+              for cid in ("broken", "invalid", "fine")]
+    table = rows_to_table(parse_requests(parse_jsonl(b"\n".join(lines), "f.jsonl")))
+    tokenized = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=None, max_model_len=64))(table)
+    blocks = [tokenized.slice(0, 4), tokenized.slice(4)]  # first uses and duplicates in two blocks
+    planned = plan_dataset(ray.data.from_arrow(blocks), order="batchllm", num_replicas=1, custom_ids=True)
+    assert sorted(planned.extra_errors) == [3, 4, 5]
+    for row, first in ((3, 0), (4, 1), (5, 2)):
+        assert f"(first used by row {first})" in planned.extra_errors[row]
+    assert planned.plan.summary["num_rows"] == 1 and sorted(planned.error_row_ids.tolist()) == [0, 1, 3, 4, 5]
+
+
 # --- case 6: input columns named like output columns -----------------------------------------
 
 def test_input_columns_named_like_outputs_are_kept_as_input_name():

@@ -12,6 +12,8 @@ LIGHT_MODULES = [
     "prefixflow.paths",
     "prefixflow.model_source",   # the torch-free pieces every layer needs (tests/cpu/test_layers.py)
     "prefixflow.tokenizer",
+    "prefixflow.sandbox",        # every template's bounded Jinja, with its limits and clock
+    "prefixflow.digest",
     "prefixflow.storage",
     "prefixflow.retry",
     "prefixflow.pipeline",

@@ -3,8 +3,9 @@
 The folders install as subpackages of `prefixflow` (pyproject.toml's package-dir), so the rule
 is stated over the `prefixflow.*` names. Layers, lowest first:
 
-  0  prefixflow/ base   errors, requests, paths, model_source, tokenizer, storage, retry:
-                        the torch-free pieces every layer needs
+  0  prefixflow/ base   errors, requests, paths, model_source, digest, tokenizer, sandbox
+                        (with template_budget, template_checks, template_filters, deadline),
+                        storage, retry: the torch-free pieces every layer needs
   1  pipeline/, kernels/  the planner (numpy) and the kernels (torch): siblings, neither
                         imports the other
   2  engine/            one replica's engine

@@ -5,7 +5,9 @@ s3:// folder is copied once; dtype "auto" picks the checkpoint's dtype on a GPU 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -161,6 +163,57 @@ def test_model_fingerprint_follows_content_not_path(tiny_model, tmp_path):
     assert changed["model.safetensors"] != first["model.safetensors"]
     assert {k: v for k, v in changed.items() if k != "model.safetensors"} == {
         k: v for k, v in first.items() if k != "model.safetensors"}
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """Other bytes of the same size into the same inode, the mtime set back as `touch -r` does."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "r+b") as f:  # the same inode: no new file, no rename
+        f.write(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+
+
+@pytest.mark.parametrize("racy_seconds", [None, 0.0])
+def test_weights_rewritten_in_place_with_their_mtime_restored_get_a_new_digest(tiny_model, tmp_path,
+                                                                               monkeypatch, racy_seconds):
+    """Issue 43: same path, inode, size and mtime, other bytes: the fingerprint follows the bytes
+    (the cache's key has the ctime, which only the kernel sets). racy_seconds 0 remembers even a
+    file changed a moment ago, as every entry is once its file is a few seconds old."""
+    from prefixflow import digest
+    from prefixflow.model_source import model_fingerprint
+
+    if racy_seconds is not None:
+        monkeypatch.setattr(digest, "RACY_SECONDS", racy_seconds)
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    first = model_fingerprint(folder)
+    assert model_fingerprint(folder) == first
+    _rewrite_in_place(folder / "model.safetensors")
+    second = model_fingerprint(folder)
+    assert second["model.safetensors"] != first["model.safetensors"]
+    assert second["model.safetensors"] == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_an_edited_cache_entry_is_not_trusted(tiny_model, tmp_path, monkeypatch):
+    """Issue 43: a remembered digest edited by hand (here: another model's digest written into
+    the entry) fails the entry's check, and the file is read again."""
+    from prefixflow import digest
+    from prefixflow.model_source import model_fingerprint
+
+    monkeypatch.setattr(digest, "RACY_SECONDS", 0.0)  # remember the fresh copy
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    true = model_fingerprint(folder)["model.safetensors"]
+    entries = [p for p in (tmp_path / "pf-cache" / "sha256").iterdir()
+               if not p.name.startswith(".") and true in p.read_text()]
+    assert len(entries) == 1  # the weights' digest was remembered
+    forged = hashlib.sha256(b"another model").hexdigest()
+    entries[0].write_text(entries[0].read_text().replace(true, forged))
+    assert model_fingerprint(folder)["model.safetensors"] == true
 
 
 def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_gpu(tiny_model, tmp_path):
