@@ -31,6 +31,9 @@ RAY_SYSTEMS = ("ray_llm_sorted_default", "ray_llm_sorted_ours")
 PREFIXFLOW_SYSTEMS = ("prefixflow_native", "prefixflow_vllm", "prefixflow_native_static", "prefixflow_vllm_static")
 MAX_NUM_BATCHED_TOKENS = 2048  # prefixflow's EngineConfig default, given to every engine
 RAY_TASKS_IN_FLIGHT = 16       # Ray Data's default: 2 x max_concurrent_batches (8)
+# vLLM's max_num_seqs where ray.data.llm starts it (AsyncLLM, engine context) and none is given:
+# SchedulerConfig.DEFAULT_MAX_NUM_SEQS in vLLM 0.32 (its CPU defaults cover other contexts only).
+VLLM_DEFAULT_MAX_NUM_SEQS = 128
 
 
 def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> dict[str, Any]:
@@ -40,12 +43,30 @@ def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> d
         record = _run_prefixflow(system, replicas, data, model, out, t0)
     else:
         record = _run_ray_llm(system, replicas, data, model, t0)
+    record = with_idle_engines(record, replicas)
     record["wall_s"] = time.time() - t0
     # Start-up excluded: from the first engine's first request to the last row (conservative
     # for a system whose engines start one after another, as prefixflow's do today).
     record["wall_from_first_request_s"] = record["wall_s"] - min(record["first_request_s"])
     record["wall_from_last_engine_start_s"] = record["wall_s"] - max(record["first_request_s"])
     record["load_average"] = os.getloadavg()
+    return record
+
+
+PER_ENGINE = ("rows_per_engine", "computed_per_engine", "engine_busy_s", "engine_end_s", "nodes",
+              "units_per_engine", "stolen_units_per_engine", "preemptions_per_engine")
+
+
+def with_idle_engines(record: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """Every engine the run started, those that ran no row included (Ray Data handed them no
+    task; prefixflow stopped one still loading when the work ran out): 0 rows, 0 busy seconds,
+    no end. Their idle time is part of the balance."""
+    missing = replicas - record["engines"]
+    for key in PER_ENGINE:
+        if isinstance(record.get(key), list) and missing > 0:
+            idle = None if key in ("engine_end_s", "nodes", "units_per_engine") else 0
+            record[key] = record[key] + [idle] * missing
+    record["engines_started"] = replicas
     return record
 
 
@@ -162,7 +183,7 @@ def _ray_record(system: str, replicas: int, rows: list[dict[str, Any]], config: 
     return {
         "system": system, "replicas": replicas, "engines": len(engines), "num_blocks": num_blocks,
         "batch_size": config.batch_size, "max_concurrent_batches": config.max_concurrent_batches,
-        "max_tasks_in_flight_per_actor": RAY_TASKS_IN_FLIGHT, "max_num_seqs": engine_kwargs.get("max_num_seqs"),
+        "max_tasks_in_flight_per_actor": RAY_TASKS_IN_FLIGHT, "max_num_seqs": engine_kwargs.get("max_num_seqs", VLLM_DEFAULT_MAX_NUM_SEQS),
         "num_gpu_blocks": gpu_blocks, "engine_kwargs": engine_kwargs,
         "computed_prompt_tokens": sum(r["num_input_tokens"] - r["num_cached_tokens"] for r in rows),
         "prompt_tokens": sum(r["num_input_tokens"] for r in rows),

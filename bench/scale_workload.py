@@ -8,7 +8,10 @@ length models.
 - "model_decided": the model decides: greedy outputs end at the checkpoint's EOS, whose id is
   chosen once (`choose_eos`) among the tokens the bench model emits so that lengths spread from
   a few tokens to the cap (MODEL_DECIDED_CAP, every row's max_tokens: the planner sees only the
-  cap). The bench records the chosen id and the length distribution.
+  cap). A random-weight model's greedy output soon repeats one token for ever (the median row
+  uses 4 distinct tokens in 160), which no EOS ends at varied lengths: the rows sample with
+  frequency_penalty 0.5 (greedy still), which both systems apply alike. The bench records the
+  chosen id and the length distribution.
 
 The bench model is a random-weight Llama (4 layers, hidden 256, 4k context): big enough that
 prefill compute, not per-step overhead, sets a prompt's pace.
@@ -35,6 +38,7 @@ MODEL_SHAPE = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
 WORKLOADS = ("fixed", "model_decided")
 MODEL_DECIDED_CAP = 160    # every row's max_tokens in the model-decided workload
+MODEL_DECIDED_SAMPLING = {"temperature": 0.0, "max_tokens": MODEL_DECIDED_CAP, "frequency_penalty": 0.5}
 
 
 def zipf_counts(num_rows: int, top: int, exponent: float) -> list[int]:
@@ -84,7 +88,7 @@ def sampling(row: dict[str, Any], workload: str) -> dict[str, Any]:
     """A row's sampling parameters in a workload."""
     if workload == "fixed":
         return {"temperature": 0.0, "max_tokens": row["max_tokens"], "ignore_eos": True}
-    return {"temperature": 0.0, "max_tokens": MODEL_DECIDED_CAP}
+    return dict(MODEL_DECIDED_SAMPLING)
 
 
 def write_input(rows: list[dict[str, Any]], workload: str, path: Path) -> Path:
@@ -105,21 +109,23 @@ def bench_model(folder: Path) -> Path:
     return path
 
 
-def greedy_outputs(model: Path, prompts: list[list[int]], cap: int) -> list[list[int]]:
-    """Each prompt's greedy output of `cap` tokens (ignore_eos), from the native engine."""
+def greedy_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's output in the model-decided workload, run to the cap (ignore_eos), from
+    the native engine."""
     from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", block_size=BLOCK,
                                     kv_cache_bytes=4 * KV_CACHE_BYTES))
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=cap, ignore_eos=True))
+    outs = engine.generate(prompts, SamplingParams(**MODEL_DECIDED_SAMPLING, ignore_eos=True))
     return [list(o.token_ids) for o in outs]
 
 
-def choose_eos(outputs: list[list[int]], cap: int) -> tuple[int, list[int]]:
+def choose_eos(outputs: list[list[int]], cap: int, also: tuple[int, ...] = ()) -> tuple[int, list[int]]:
     """The EOS id whose first appearance in the greedy outputs spreads the output lengths most
     widely over 1..cap: the largest interquartile range of log lengths among tokens that end at
-    least 80% of the rows before the cap and leave the median between cap/8 and cap/2.
-    Returns (id, each row's length with that EOS: the tokens up to and with it, or cap)."""
+    least 80% of the rows before the cap and leave the median between cap/8 and cap/2. `also`:
+    ids that end a row too (the tokenizer's own EOS, which the model keeps beside the chosen one).
+    Returns (id, each row's length with it: the tokens up to and with the first of them, or cap)."""
     first: dict[int, np.ndarray] = {}  # token -> each row's length if it were the EOS
     for r, out in enumerate(outputs):
         seen: dict[int, int] = {}
@@ -127,11 +133,16 @@ def choose_eos(outputs: list[list[int]], cap: int) -> tuple[int, list[int]]:
             seen.setdefault(t, i + 1)
         for t, n in seen.items():
             first.setdefault(t, np.full(len(outputs), cap, np.int64))[r] = min(n, cap)
+    always = np.full(len(outputs), cap, np.int64)
+    for t in also:
+        always = np.minimum(always, first.get(t, always))
     best, score = -1, -1.0
-    for t, lengths in first.items():
-        ended = float(np.mean(lengths < cap))
+    for t, ends in first.items():
+        if t in also:
+            continue
+        lengths = np.minimum(ends, always)
         median = float(np.median(lengths))
-        if ended < 0.8 or not cap / 8 <= median <= cap / 2:
+        if float(np.mean(lengths < cap)) < 0.8 or not cap / 8 <= median <= cap / 2:
             continue
         q1, q3 = np.percentile(np.log(lengths), [25, 75])
         if q3 - q1 > score:
@@ -139,14 +150,14 @@ def choose_eos(outputs: list[list[int]], cap: int) -> tuple[int, list[int]]:
     if best < 0:
         raise RuntimeError("no token of the bench model's greedy outputs spreads the lengths: change "
                            "MODEL_DECIDED_CAP or the model's seed")
-    return best, first[best].tolist()
+    return best, np.minimum(first[best], always).tolist()
 
 
 def with_eos(model: Path, eos_id: int, folder: Path) -> Path:
-    """A copy of `model` whose EOS is `eos_id` (config, generation config and tokenizer agree,
-    so that vLLM and prefixflow stop at the same token)."""
-    from transformers import AutoTokenizer
-
+    """A copy of `model` that also ends a row at `eos_id`: config.json and
+    generation_config.json list it beside the tokenizer's EOS (vLLM stops at both, and so does
+    prefixflow, which reads generation_config.json). The tokenizer is left as it is: its EOS
+    text appears in the chat template's prompts, which stay those of the fixed workload."""
     out = folder / f"scale-llama-eos{eos_id}"
     if (out / "config.json").exists():
         return out
@@ -154,11 +165,10 @@ def with_eos(model: Path, eos_id: int, folder: Path) -> Path:
     for name in ("config.json", "generation_config.json"):
         path = out / name
         data = json.loads(path.read_text()) if path.exists() else {}
-        data["eos_token_id"] = eos_id
+        own = data.get("eos_token_id")
+        own = own if isinstance(own, list) else [] if own is None else [own]
+        data["eos_token_id"] = [eos_id, *[e for e in own if e != eos_id]]
         path.write_text(json.dumps(data, indent=2))
-    tok = AutoTokenizer.from_pretrained(str(model))
-    tok.eos_token = tok.convert_ids_to_tokens(eos_id)
-    tok.save_pretrained(str(out))
     return out
 
 

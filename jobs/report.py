@@ -223,8 +223,9 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
         f"optimal {m['optimal_token_saving_ratio']:.1%}; plan stage {m['plan_share_of_wall']:.2%} of wall time",
     ]
     for r in m["per_replica"]:
+        stolen = len(r.get("stolen_units") or [])
         lines.append(f"  replica {r['replica']}: {r['num_rows']} rows in {r['seconds']:.2f} s, "
-                     f"{r['num_steps']} engine steps")
+                     f"{r['num_steps']} engine steps" + (f", {stolen} unit(s) taken from others" if stolen else ""))
     if "plot" in m:
         lines.append(f"  {m['plot']}")
     return "\n".join(lines)

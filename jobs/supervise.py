@@ -53,8 +53,9 @@ def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, s
 
 
 class Supervisor:
-    """The engine actors of one job run: starts one per work item with rows left, restarts an
-    item whose actor died, gives a replica up when the ledger says so."""
+    """The engine actors of one job run and their work queue: starts an actor per replica while
+    units are queued (and one for the error records), restarts a replica whose actor died after
+    handing its units back, gives a replica up when the ledger says so."""
 
     def __init__(self, config: ProcessorConfig, planned: Any, sink: Any, wopts: WriteOptions,
                  max_retries_per_row: int, progress: Any):
@@ -131,7 +132,7 @@ class Supervisor:
         import ray
 
         busy = {r.item for r in self.running.values()}
-        work = ray.get(self.queue.status.remote())["num_queued"] > 0
+        work = ray.get(self.queue.counts.remote())["num_queued"] > 0
         if work and self.given_up.issuperset(range(self.config.replicas)):
             self._give_up_the_rest(committed)  # no replica left to take the queued units
             work = False
@@ -170,7 +171,7 @@ class Supervisor:
         (waiting for resources that may never come: a node lost): none has work left."""
         import ray
 
-        if not ray.get(self.queue.status.remote())["all_done"]:
+        if not ray.get(self.queue.counts.remote())["all_done"]:
             return
         ready = ray.get(self.sink.status.remote())["engines_ready"]
         for ref, run in list(self.running.items()):

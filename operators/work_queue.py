@@ -140,9 +140,12 @@ class WorkQueue:
         """The units the engine `token` holds now."""
         return [u for u, unit in enumerate(self.units) if unit.holder == token]
 
+    def counts(self) -> dict:
+        """Units queued per replica (and in all), held, done; whether every unit is done."""
+        return {"queued": [len(q) for q in self.queues], "num_queued": sum(len(q) for q in self.queues),
+                "held": sum(u.holder is not None for u in self.units), "done": sum(u.done for u in self.units),
+                "units": len(self.units), "all_done": all(u.done for u in self.units)}
+
     def status(self) -> dict:
-        """Counts for the driver and metrics.json: units queued per replica, held, done, and
-        every steal (unit, from, to, predicted seconds, when)."""
-        return {"queued": [len(q) for q in self.queues], "num_queued": sum(len(q) for q in self.queues), "held": sum(u.holder is not None for u in self.units),
-                "done": sum(u.done for u in self.units), "units": len(self.units),
-                "all_done": all(u.done for u in self.units), "steals": list(self.steals)}
+        """counts() and every steal (unit, from, to, predicted seconds, when): metrics.json."""
+        return {**self.counts(), "steals": list(self.steals)}

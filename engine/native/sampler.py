@@ -147,23 +147,37 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], historie
     """vLLM's penalties (OpenAI's definition for presence / frequency), on a copy of logits [N, V]:
     repetition_penalty divides the positive logits (multiplies the negative ones) of tokens seen
     in the prompt or the output; frequency_penalty * count and presence_penalty * (count > 0)
-    are subtracted, counting output tokens only."""
+    are subtracted, counting output tokens only (each history's last num_generated tokens).
+    Every row with penalties at once: one scatter of token counts, no loop over the vocabulary."""
     logits = logits.clone()
-    vocab = logits.shape[1]
-    for i, p in enumerate(params):
-        if not p.has_penalties:
-            continue
-        history = torch.tensor(histories[i], dtype=torch.long, device=logits.device)
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[history] = True
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row = torch.where(seen, penalised, row)
-        output = history[len(histories[i]) - num_generated[i]:]
-        counts = torch.bincount(output, minlength=vocab).to(row.dtype)
-        logits[i] = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    device, dtype = logits.device, logits.dtype
+    idx = torch.tensor(rows, device=device)
+    counts = _token_counts([histories[i][len(histories[i]) - num_generated[i]:] for i in rows],
+                           logits.shape[1], device, dtype)                  # [R, V]
+    sub = logits[idx]
+    repeat = [k for k, i in enumerate(rows) if params[i].repetition_penalty != 1.0]
+    if repeat:
+        seen = _token_counts([histories[rows[k]] for k in repeat], logits.shape[1], device, dtype) > 0
+        scale = torch.tensor([params[rows[k]].repetition_penalty for k in repeat], device=device, dtype=dtype)[:, None]
+        part = sub[repeat]
+        penalised = torch.where(part > 0, part / scale, part * scale)
+        sub[repeat] = torch.where(seen, penalised, part)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=device, dtype=dtype)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=device, dtype=dtype)[:, None]
+    logits[idx] = sub - freq * counts - pres * (counts > 0).to(dtype)
     return logits
+
+
+def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[len(seqs), vocab] how many times each token occurs in each sequence."""
+    counts = torch.zeros(len(seqs), vocab, device=device, dtype=dtype)
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    if int(lengths.sum()):
+        tokens = torch.tensor([t for s in seqs for t in s], device=device, dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+        counts.index_put_((row, tokens), torch.ones_like(tokens, dtype=dtype), accumulate=True)
+    return counts
 
 
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -82,8 +82,16 @@ class SchedulerOutput:
                 prefix_index=prefix_index, sample=c.sample,
                 sampling_params=owner.params if is_seq else None,
                 num_generated=owner.num_output_tokens if is_seq else 0,
-                history=tuple(owner.token_ids) if penalised else ()))
+                history=_history(owner) if penalised else ()))
         return StepInput(tuple(chunks), tuple(prefixes))
+
+
+def _history(seq: Sequence) -> tuple[int, ...]:
+    """The tokens a request's penalties count: prompt and output for repetition_penalty, the
+    output alone for frequency and presence penalties (a step copies it for every row)."""
+    if seq.params.repetition_penalty != 1.0:
+        return tuple(seq.token_ids)
+    return tuple(seq.token_ids[seq.num_prompt_tokens:])
 
 
 class Scheduler:

@@ -51,8 +51,10 @@ class SeqChunk:
     sampling_params: required when sample is True.
     num_generated: tokens this request generated before this step (seeded sampling uses it so
         that a seed gives the same tokens whatever the batch composition).
-    history: the request's prompt + generated tokens, set only when its sampling_params have
-        penalties (they count earlier tokens); else empty.
+    history: the tokens its penalties count, set only when its sampling_params have penalties:
+        prompt + generated tokens with a repetition_penalty, else the generated ones alone
+        (frequency and presence count output tokens only); else empty. Its last num_generated
+        tokens are the output.
     """
 
     seq_id: int

@@ -101,3 +101,34 @@ def test_top_k_beyond_the_vocabulary_is_clamped_and_unbounded_top_k_is_rejected(
     for top_k in (1e30, 2**31, 2.5, True):  # would reach torch.tensor as overflowing or float k
         with pytest.raises(ValueError, match="top_k"):
             SamplingParams(top_k=top_k)
+
+
+def test_penalties_of_a_batch_equal_each_row_penalised_alone():
+    """apply_penalties scores every penalised row at once; each row equals vLLM's definition
+    applied to that row alone (a history holds the prompt only with a repetition penalty)."""
+    from prefixflow.engine.native.sampler import apply_penalties
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, n = 50, 7
+    logits = torch.randn(n, vocab, generator=gen)
+    params = [SamplingParams(), SamplingParams(frequency_penalty=0.5), SamplingParams(presence_penalty=1.0),
+              SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.2, repetition_penalty=0.8),
+              SamplingParams(presence_penalty=0.3, frequency_penalty=-0.4), SamplingParams(frequency_penalty=1.0)]
+    histories, generated = [], []
+    for p in params:
+        prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (int(torch.randint(0, 9, (1,), generator=gen)),), generator=gen).tolist()
+        histories.append(prompt + output if p.repetition_penalty != 1.0 else output)
+        generated.append(len(output))
+    got = apply_penalties(logits, params, histories, generated)
+    for i, p in enumerate(params):
+        row = logits[i].clone()
+        if p.has_penalties:
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(histories[i], dtype=torch.long)] = True
+                row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+            output = torch.tensor(histories[i][len(histories[i]) - generated[i]:], dtype=torch.long)
+            counts = torch.bincount(output, minlength=vocab).float()
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        assert torch.allclose(got[i], row), i

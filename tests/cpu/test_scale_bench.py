@@ -94,3 +94,10 @@ def test_cells_give_medians_spreads_and_goals_as_met_or_not():
     assert goals["speedup_vs_ray_best"]["met"] and goals["busy_max_over_mean"]["met"]
     assert goals["computed_vs_whole_block_floor"]["value"] == pytest.approx(1000 / 990)
     assert goals["computed_vs_whole_block_floor"]["met"]
+
+
+def test_the_tokenizers_own_eos_ends_rows_too():
+    # Token 2 (the tokenizer's EOS) ends row 1 at 3 before any candidate does.
+    outputs = [[1, 1, 7, 1, 1, 1], [1, 1, 2, 1, 7, 1], [1, 1, 1, 1, 7, 1], [7, 1, 1, 1, 1, 1]]
+    eos, lengths = choose_eos(outputs, 8, also=(2,))
+    assert eos == 7 and lengths == [3, 3, 5, 1]
