@@ -126,9 +126,9 @@ def check_output(out: str, rows: list[dict[str, Any]], storage: Any = None) -> d
 def summary(metrics: dict[str, Any]) -> dict[str, Any]:
     ft = metrics["fault_tolerance"]
     return {"engine_failures": ft["engine_failures"],
-            # per death: the replica, its rows committed then, and its rows left (which a new
-            # actor ran; no other replica stopped)
-            "restarts": [{k: f[k] for k in ("item", "item_rows_committed", "item_rows_left", "after_s")}
+            # per death: the replica, the job's rows committed then, the units it held and their
+            # rows left (which went back to the queue for a live or new actor)
+            "restarts": [{k: f[k] for k in ("item", "rows_committed", "units_held", "item_rows_left", "after_s")}
                          for f in ft["failures"]],
             "rows_committed_at_failures": ft["rows_committed_at_failures"],
             "rows_committed_before_this_run": ft["rows_committed_before"],
