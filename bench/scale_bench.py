@@ -34,9 +34,9 @@ from statistics import median
 from typing import Any
 
 from prefixflow.bench.scale_systems import PREFIXFLOW_SYSTEMS, RAY_SYSTEMS, ray_num_blocks, run_one
-from prefixflow.bench.scale_workload import (BLOCK, KV_CACHE_BYTES, MODEL_DECIDED_CAP, MODEL_SHAPE, WORKLOADS,
-                                            bench_model, chat_tokens, choose_eos, greedy_outputs, length_summary,
-                                            make_rows, prompt_token_floors, with_eos, write_input, zipf_counts)
+from prefixflow.bench.scale_workload import (BLOCK, KV_CACHE_BYTES, MODEL_DECIDED_CAP, MODEL_DECIDED_SAMPLING,
+                                            MODEL_SHAPE, WORKLOADS, bench_model, chat_tokens, choose_eos,
+                                            greedy_outputs, length_summary, make_rows, prompt_token_floors, with_eos, write_input, zipf_counts)
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("prefixflow_native", "prefixflow_vllm", *RAY_SYSTEMS)
@@ -103,8 +103,9 @@ def prepare(work: Path, num_rows: int) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(model))
     rows = make_rows(tok, num_rows)
     texts, tokens = zip(*(chat_tokens(tok, r) for r in rows))
-    cached = work / f"greedy-{num_rows}-{MODEL_DECIDED_CAP}-fp0.5.json"
-    if not cached.exists():  # the same rows and model give the same outputs: computed once
+    penalty = MODEL_DECIDED_SAMPLING["frequency_penalty"]
+    cached = work / f"greedy-{num_rows}-{MODEL_DECIDED_CAP}-fp{penalty}.json"
+    if not cached.exists():  # the same rows, model and sampling give the same outputs: computed once
         cached.write_text(json.dumps(greedy_outputs(model, list(tokens))))
     outputs = json.loads(cached.read_text())
     eos, lengths = choose_eos(outputs, MODEL_DECIDED_CAP, also=(tok.eos_token_id,))

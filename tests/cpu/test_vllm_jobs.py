@@ -87,9 +87,10 @@ def test_vllm_job_killed_engine_exactly_once_and_equal_to_native(ray_local, quic
     assert failure["engine_loaded"] and failure["item_rows_left"] > 0, ft
     # A second actor ran only the rows not committed at the kill: the dead one's unit's rest and
     # the units still queued.
-    assert len({rec["worker"] for rec in local_records(out)}) == 2
-    first = sum(len(rec["row_ids"]) for rec in local_records(out) if rec["worker"] == record["worker"])
-    again = sum(len(rec["row_ids"]) for rec in local_records(out) if rec["worker"] != record["worker"])
+    records = local_records(out)
+    assert len({rec["worker"] for rec in records}) == 2
+    first = sum(len(rec["row_ids"]) for rec in records if rec["worker"] == record["worker"])
+    again = sum(len(rec["row_ids"]) for rec in records if rec["worker"] != record["worker"])
     assert first + again == len(rows) and ft["rows_written"] == len(rows)
     assert again >= failure["item_rows_left"] and failure["units_held"] >= 1
     got = read_output(str(out))
