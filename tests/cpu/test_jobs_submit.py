@@ -41,12 +41,13 @@ def test_ray_job_submit(tiny_model, tmp_path):
     subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
                    capture_output=True)
     temp_dir = tempfile.mkdtemp(prefix="pfrs", dir="/tmp")  # short: Ray's socket paths are limited
-    gcs_port, dash_port, agent_port = free_port(), free_port(), free_port()
+    gcs_port, dash_port = free_port(), free_port()
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host",
          "127.0.0.1", "--port", str(gcs_port), "--dashboard-port", str(dash_port), "--num-cpus", "2",
-         # its own agent port: another Ray on this machine (the session's) holds the default one
-         "--dashboard-agent-listen-port", str(agent_port),
+         # the agent on a port the OS gives it (0): another Ray on this machine (the session's)
+         # holds the default one, and a port picked beforehand can be taken before it binds
+         "--dashboard-agent-listen-port", "0",
          "--disable-usage-stats", "--temp-dir", temp_dir, "--block"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

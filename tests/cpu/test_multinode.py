@@ -51,9 +51,11 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": dashboard,
-        # Each node's agent on a port of its own: the session's Ray holds the default one, and
-        # the head's agent is what `ray job submit` talks to.
-        "dashboard_agent_listen_port": free_port(),
+        # Each node's agent on a port the OS gives it when it binds (0): the session's Ray holds
+        # the default one, and a port picked beforehand can be taken by then, which leaves the
+        # agent without its HTTP server, unregistered, and `ray job submit` (which talks to the
+        # head's agent) answering "No available agent" for good.
+        "dashboard_agent_listen_port": 0,
         "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")}})
     workers = [_add_worker(c, root / f"node{k}-cache") for k in range(3)]
     c.wait_for_nodes()
@@ -77,7 +79,7 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
 
 
 def _add_worker(c, cache: Path):
-    return c.add_node(num_cpus=1, node_ip_address="127.0.0.1", dashboard_agent_listen_port=free_port(),
+    return c.add_node(num_cpus=1, node_ip_address="127.0.0.1", dashboard_agent_listen_port=0,
                       env_vars={"PREFIXFLOW_CACHE": str(cache)})
 
 
