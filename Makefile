@@ -49,11 +49,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/prefixflow demo
 
-# The whole suite, then its fast part again in the floor venv (below): CI runs both. Two workers
-# (pytest-xdist), each test file whole on one of them: a file's tests share its fixtures (one
-# multi-node cluster, one S3 bucket), and each worker has its own local Ray.
+# Lint (ruff, configured in pyproject.toml), the whole suite, then its fast part again in the
+# floor venv (below): CI runs all three. Two workers (pytest-xdist), each test file whole on one
+# of them: a file's tests share its fixtures (one multi-node cluster, one S3 bucket), and each
+# worker has its own local Ray.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP) $(FLOOR_STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_WORKERS)
 	$(FLOOR_VENV)/bin/pytest $(PYTEST_WORKERS) $(FLOOR_TESTS)
 

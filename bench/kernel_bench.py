@@ -237,7 +237,7 @@ def _sweep(run_with: Callable[[dict], object], configs: list[dict]) -> list[dict
     for cfg in configs:
         try:
             rows.append(dict(config=cfg, ms=time_ms(lambda: run_with(cfg))))
-        except Exception as exc:  # a config may not fit the GPU (shared memory, registers)
+        except Exception as exc:  # noqa: BLE001 - a config may not fit the GPU (shared memory, registers)
             rows.append(dict(config=cfg, error=f"{type(exc).__name__}: {exc}"[:300]))
     return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from prefixflow.bench.scale_systems import PREFIXFLOW_SYSTEMS, RAY_SYSTEMS, ray_num_blocks, run_one
+from prefixflow.bench.scale_systems import RAY_SYSTEMS, ray_num_blocks, run_one
 from prefixflow.bench.scale_workload import (BLOCK, KV_CACHE_BYTES, MODEL_DECIDED_CAP, MODEL_DECIDED_SAMPLING,
                                             MODEL_SHAPE, WORKLOADS, bench_model, chat_tokens, choose_eos,
                                             greedy_outputs, length_summary, make_rows, prompt_token_floors,

@@ -44,7 +44,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 RESULTS = Path("bench/results/score_bench.json")
 DEMO = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1536, num_attention_heads=8,

@@ -23,7 +23,6 @@ extends another turn of the same group reuses it through the cache). The prefix 
 member runs. A member whose prompt is the prefix computes its last token.
 """
 
-import numpy as np
 
 from prefixflow.bench.sim_items import MEMBER, OWNER
 

@@ -14,6 +14,9 @@ from prefixflow.requests import SamplingParams, params_for_row
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Policy = Literal["batchllm", "vllm"]
+# Defaults every backend applies the same way, defined here once:
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache on a CPU when kv_cache_bytes is not set
+VLLM_SEQS_CAP = 256  # the request cap of vLLM's scheduler (and of our "vllm" policy) when one applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,7 @@ class EngineConfig:
         """The request cap the scheduler applies: none for BatchLLM, 256 for the vLLM baseline."""
         if self.max_num_seqs is not None:
             return self.max_num_seqs
-        return 256 if self.policy == "vllm" else None
+        return VLLM_SEQS_CAP if self.policy == "vllm" else None
 
 
 def _require(ok: bool, name: str, value: object, fix: str) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixflow.errors import did_you_mean, short
+from prefixflow.errors import InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
 from prefixflow.operators.columns import ERROR, SOURCE
@@ -55,7 +55,7 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     its S3 bucket reachable), and the columns and sampling overrides of the first SAMPLE_ROWS
     rows.
     """
-    storage = StorageOptions(**spec.storage.model_dump())
+    storage = spec.storage_options()
     here = [] if address or os.environ.get("RAY_ADDRESS") else _this_machine()
     problems = _model_problems(spec) + kv_cache_problems(spec, here)
     storage_failed = False
@@ -65,7 +65,7 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     except ValueError as e:
         files = []
         problems.append(("input.path", str(e).removeprefix("input.path=")))
-    except Exception as e:  # noqa: BLE001 - fsspec drivers raise many kinds; one line each
+    except Exception as e:  # fsspec drivers raise many kinds; one line each
         if not isinstance(e, OSError) and is_local(_first_path(spec.input.path)):
             raise
         files, storage_failed = [], True
@@ -127,8 +127,9 @@ def _model_problems(spec: JobSpec) -> Problems:
 
         try:
             cpu_context(spec.to_config().engine_config, str(model))
-        except ValueError as e:
-            return [("engine.max_model_len", str(e).removeprefix("engine.max_model_len="))]
+        except ValueError as e:  # engine.max_model_len's check: its value and fix, under the field
+            why = f"{e.value} is invalid: {e.fix}" if isinstance(e, InvalidSetting) else str(e)
+            return [("engine.max_model_len", why)]
     return []
 
 
@@ -366,7 +367,7 @@ def _clashes_with_input(spec: JobSpec, files: list[str], path: str) -> str | Non
 def plan_out_problems(spec: JobSpec, out: str) -> Problems:
     """`prefixflow plan --out FILE`: the plan table may not replace or sit in the job's input or
     output, nor replace a file that is not a plan table."""
-    storage = StorageOptions(**spec.storage.model_dump())
+    storage = spec.storage_options()
     try:
         check_scheme(out)
         check_shared(normal_path(out), writes=True)
@@ -497,7 +498,7 @@ def sample_rows(spec: JobSpec, n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
     readers' bookkeeping columns (_pf_source, _pf_error). Read here, without Ray, by the
     job's own parsers, so a row is what the job would see. Raises ValueError or OSError."""
     fmt = spec.input_format()
-    storage = StorageOptions(**spec.storage.model_dump())
+    storage = spec.storage_options()
     first = list_input_files(spec.input.path, storage, SUFFIXES[fmt])[0]
     n = min(n, spec.input.limit or n)
     if fmt == "parquet":
@@ -521,7 +522,7 @@ def row_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Problems:
     columns = sorted({k for r in good for k in r if not k.startswith("_pf_")})
     problems: Problems = []
     if spec.prompt is not None:
-        problems += _template_problems(PromptTemplate(**spec.prompt.model_dump()), good, columns)
+        problems += _template_problems(spec.prompt_template(), good, columns)
     if spec.score is not None and spec.score.choices_column is not None:
         if spec.score.choices_column not in columns:
             problems.append(("score.choices_column", _no_column(spec.score.choices_column, columns)))
@@ -596,14 +597,24 @@ class RowReport:
 def row_report(spec: JobSpec, rows: list[dict[str, Any]], max_reasons: int = 3) -> RowReport:
     """Which sampled rows would become error records (read errors, templates that fail for
     the row, invalid sampling overrides); prompts are not tokenized here."""
-    prompt = PromptTemplate(**spec.prompt.model_dump()) if spec.prompt is not None else None
-    default = SamplingParams(**spec.sampling.model_dump())
+    prompt = spec.prompt_template()
+    default = _job_sampling(spec)
     bad = []
     for row in rows:
         why = row.get(ERROR) or _row_error(prompt, default, row)
         if why is not None:
             bad.append(f"{row.get(SOURCE) or 'a row'}: {why}")
     return RowReport(num_rows=len(rows), num_bad=len(bad), reasons=tuple(bad[:max_reasons]))
+
+
+def _job_sampling(spec: JobSpec) -> SamplingParams:
+    """The sampling each row's overrides apply to, as the job builds it: the spec's fields over
+    the model's generation_config.json (a row's min_tokens can be valid over one max_tokens and
+    not over the other). A model that is not a local folder is not fetched here: the spec's
+    fields alone, over SamplingParams' defaults."""
+    if _local_model(spec) is None:
+        return SamplingParams().with_overrides(spec.sampling_given())
+    return sampling_with_defaults(spec.model, spec.sampling_given())[0]
 
 
 def _row_error(prompt: PromptTemplate | None, default: SamplingParams, row: dict[str, Any]) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -13,8 +13,12 @@ from prefixflow.operators.outputs import plain
 from prefixflow.operators.progress import RunProgress
 from prefixflow.storage import masked
 
+if TYPE_CHECKING:  # annotations only: this module stays importable without the plan's modules loaded
+    from prefixflow.jobs.spec import JobSpec
+    from prefixflow.operators.plan import PlannedJob
 
-def plan_text(planned: Any) -> str:
+
+def plan_text(planned: PlannedJob) -> str:
     s = planned.plan.summary
     lines = [
         f"plan: {s['num_rows']} rows -> {s['num_groups']} groups ({s['num_shared_groups']} sharing a "
@@ -32,7 +36,7 @@ def plan_text(planned: Any) -> str:
     return "\n".join(lines)
 
 
-def dry_run_result(planned: Any, wall_s: float) -> dict[str, Any]:
+def dry_run_result(planned: PlannedJob, wall_s: float) -> dict[str, Any]:
     return {"dry_run": True, "plan": plain(planned.plan.summary), "timings": planned.timings,
             "num_rows": planned.rows.num_rows, "num_error_rows": int(len(planned.error_row_ids)),
             "wall_seconds": wall_s}
@@ -143,7 +147,7 @@ def _rate(counts: dict[str, Any]) -> float:
     return counts["generated_tokens"] / max(counts["time"] - counts["run_started"], 1e-9)
 
 
-def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_records: list[dict],
+def metrics(spec: JobSpec, planned: PlannedJob, manifests: list[dict[str, Any]], replica_records: list[dict],
             wall_s: float, generate_s: float) -> dict[str, Any]:
     """metrics.json: counts, throughput, saving, stage times, per-replica times and steps."""
     rows = sum(m["num_rows"] for m in manifests)
@@ -177,7 +181,7 @@ def metrics(spec: Any, planned: Any, manifests: list[dict[str, Any]], replica_re
     }
 
 
-def sampling_used(spec: Any) -> dict[str, Any]:
+def sampling_used(spec: JobSpec) -> dict[str, Any]:
     """The job's default sampling parameters, and which of them came from the model."""
     from dataclasses import asdict
 

@@ -25,34 +25,32 @@ import numpy as np
 from prefixflow.jobs import report
 from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
-from prefixflow.model_source import model_fingerprint, resolve_model
+from prefixflow.model_source import model_fingerprint, normalize_model, resolve_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.jobs.supervise import run_replicas
 from prefixflow.operators.bookkeeping import MANIFEST
 from prefixflow.operators.commit import (OutputLock, check_job_file, drop_fenced, input_listing,
                                          job_identity, load_committed)
 from prefixflow.operators.openai_output import system_fingerprint, write_results
+from prefixflow.operators.plan import PlannedJob
 from prefixflow.operators.processor import Processor
 from prefixflow.operators.read import ReadOptions, input_files, read_dataset
-from prefixflow.storage import StorageOptions, join, normal_path
+from prefixflow.storage import join, normal_path
 from prefixflow.operators.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
                                         start_sink, write_json)
-
-def storage_options(spec: JobSpec) -> StorageOptions:
-    return StorageOptions(**spec.storage.model_dump())
-
 
 def read_options(spec: JobSpec) -> ReadOptions:
     path = spec.input.path
     return ReadOptions(path=path if isinstance(path, str) else tuple(path),
-                       format=spec.input_format(), storage=storage_options(spec),  # type: ignore[arg-type]
+                       format=spec.input_format(), storage=spec.storage_options(),  # type: ignore[arg-type]
                        limit=spec.input.limit, min_tasks=2 * spec.tokenize.concurrency)
 
 
 def write_options(spec: JobSpec) -> WriteOptions:
     return WriteOptions(path=normal_path(spec.output.path), format=spec.output_format(),
-                        storage=storage_options(spec), model_name=Path(spec.model).name,
-                        created=int(time.time()), model=spec.model)
+                        storage=spec.storage_options(), model_name=Path(spec.model).name,
+                        # absolute, as the engine gets it: the actors' working folder may differ
+                        created=int(time.time()), model=normalize_model(spec.model))
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -108,7 +106,7 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
             lock.release()
 
 
-def _generate(spec: JobSpec, processor: Any, planned: Any, wopts: WriteOptions, started: float,
+def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: WriteOptions, started: float,
               quiet: bool) -> dict[str, Any]:
     """Run every row not committed yet, check that every row is, and write the end files."""
     import ray

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from pathlib import Path
@@ -35,7 +34,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.model_source import normalize_model  # torch-free
-from prefixflow.errors import did_you_mean, short
+from prefixflow.errors import InvalidSetting, did_you_mean, invalid, short
 from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
                                          limit_problems, setting_problems)
 from prefixflow.operators.read import infer_format
@@ -167,7 +166,7 @@ def load_yaml(text: str, source: str, field: str = "") -> Any:
         raise SpecError(source, [(field, f"the YAML is {len(text):,} characters; a job spec is at "
                                   f"most {MAX_SPEC_BYTES >> 20} MiB: is this the right file?")])
     try:
-        return yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader subclass)
+        return yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass: builds no objects
     except _YAMLProblem as e:
         raise SpecError(source, [(_join(field, e.field), e.message)]) from None
     except yaml.YAMLError as e:
@@ -227,8 +226,7 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
     def no_bool_numbers(data: Any) -> Any:
         for key, value in (data.items() if isinstance(data, dict) else ()):
             if isinstance(value, bool) and key in fields and key not in takes_bool:
-                raise ValueError(f"{cls.__name__}.{key}={value!r} is invalid: give a number, "
-                                 "not true or false")
+                raise invalid(cls.__name__, key, value, "give a number, not true or false")
         return data
 
     return create_model(name, __base__=_Strict, __validators__={
@@ -467,12 +465,20 @@ class JobSpec(_Strict):
         the others: operators/config.sampling_with_defaults)."""
         return self.sampling.model_dump(include=self.sampling.model_fields_set)
 
+    def storage_options(self) -> StorageOptions:
+        """The storage settings every reader and writer of this job uses."""
+        return StorageOptions(**self.storage.model_dump())
+
+    def prompt_template(self) -> PromptTemplate | None:
+        """The prompt template (None: rows carry their prompts or messages)."""
+        return PromptTemplate(**self.prompt.model_dump()) if self.prompt is not None else None
+
     def to_config(self) -> ProcessorConfig:
         """The ProcessorConfig this job runs with, the one the Python API takes: the only place
         a spec's sections become its fields."""
         return ProcessorConfig(
             model=normalize_model(self.model),  # local paths absolute; hub ids and short names kept
-            prompt=PromptTemplate(**self.prompt.model_dump()) if self.prompt is not None else None,
+            prompt=self.prompt_template(),
             sampling=self.sampling_given(),  # the model's generation_config.json fills the rest
             engine=self.engine.model_dump(), order=self.order, replicas=self.num_replicas,
             min_replicas=self.replicas.min if isinstance(self.replicas, ReplicasSpec) else None,
@@ -566,10 +572,9 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     if kind == "literal_error":
         return path, f"{short(value)} is not allowed: {err['msg'].replace('Input should be', 'use')}"
     msg = err["msg"].removeprefix("Value error, ")
-    # EngineConfig / SamplingParams checks say "SamplingParams.top_p=2.0 is invalid: ...".
-    own = re.match(r"^\w+\.([\w.]+)=(.*?) is invalid: (.*)$", msg, re.S)
-    if own:
-        return f"{path}.{own.group(1)}" if path else own.group(1), f"{own.group(2)} is invalid: {own.group(3)}"
+    own = (err.get("ctx") or {}).get("error")
+    if isinstance(own, InvalidSetting):  # a dataclass's own check (EngineConfig, SamplingParams)
+        return f"{path}.{own.name}" if path else own.name, f"{own.value} is invalid: {own.fix}"
     if kind == "model_type":
         fields = ", ".join(_model_of(_field_annotation(loc)).model_fields) if _field_annotation(loc) else ""
         return path, f"{short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,11 @@ from prefixflow.operators.processor import engine_actor_options
 from prefixflow.operators.work_queue import WorkQueue
 from prefixflow.operators.write import WriteOptions
 
+if TYPE_CHECKING:  # annotations only (jobs/spec.py imports pydantic; processor.py is imported above)
+    from prefixflow.jobs.spec import JobSpec
+    from prefixflow.operators.plan import PlannedJob
+    from prefixflow.operators.processor import Processor
+
 
 @dataclasses.dataclass
 class _Running:
@@ -45,7 +50,7 @@ class _Running:
     rows: np.ndarray   # the error item's rows when it started (committed ones included)
 
 
-def run_replicas(processor: Any, planned: Any, sink: Any, wopts: WriteOptions, spec: Any,
+def run_replicas(processor: Processor, planned: PlannedJob, sink: Any, wopts: WriteOptions, spec: JobSpec,
                  progress: Any) -> tuple[list[dict], dict[str, Any]]:
     """Run every uncommitted row; returns this run's manifest rows and the fault report."""
     return Supervisor(processor.config, planned, sink, wopts, spec.max_retries_per_row,
@@ -57,7 +62,7 @@ class Supervisor:
     units are queued (and one for the error records), restarts a replica whose actor died after
     handing its units back, gives a replica up when the ledger says so."""
 
-    def __init__(self, config: ProcessorConfig, planned: Any, sink: Any, wopts: WriteOptions,
+    def __init__(self, config: ProcessorConfig, planned: PlannedJob, sink: Any, wopts: WriteOptions,
                  max_retries_per_row: int, progress: Any):
         import ray
 
@@ -126,19 +131,18 @@ class Supervisor:
         return self.manifests, self._report()
 
     def _start_missing(self, committed: Committed) -> None:
-        """Start an actor for every replica that has none running (not given up) while the
-        queue holds units nobody has taken (at the start; after a death handed some back, an
-        ended replica starts again too), and for the error records when some are left."""
+        """Start an actor for every replica that has none running, is not given up and may take
+        a queued unit (at the start; after a death handed some back, an ended replica starts
+        again too), and for the error records when some are left."""
         import ray
 
         busy = {r.item for r in self.running.values()}
-        work = ray.get(self.queue.counts.remote())["num_queued"] > 0
-        if work and self.given_up.issuperset(range(self.config.replicas)):
+        queued = ray.get(self.queue.counts.remote())["queued"]
+        if sum(queued) and self.given_up.issuperset(range(self.config.replicas)):
             self._give_up_the_rest(committed)  # no replica left to take the queued units
-            work = False
-        for item in range(self.config.replicas):
-            if work and item not in busy and item not in self.given_up:
-                self._start(item, committed)
+            queued = [0] * len(queued)
+        for item in replicas_to_start(queued, busy, self.given_up, self.config.work_stealing):
+            self._start(item, committed)
         if ERRORS_ITEM not in busy and len(np.setdiff1d(self._error_rows(), committed.row_ids)):
             self._start(ERRORS_ITEM, committed)
 
@@ -242,6 +246,15 @@ class Supervisor:
                 "work_queue": {"units": status["units"], "steals": status["steals"]}}
 
 
+def replicas_to_start(queued: list[int], running: set[int], given_up: set[int], stealing: bool) -> list[int]:
+    """The replicas to start an engine for: none running, not given up, and a queued unit it
+    may take (queued[r]: units in replica r's queue). With stealing, any queued unit; without
+    (the static plan), only its own: a replica whose queue ran dry would start, find nothing
+    and end, again and again, loading its model each time while the others still run."""
+    return [r for r in range(len(queued)) if r not in running and r not in given_up
+            and (queued[r] if not stealing else sum(queued)) > 0]
+
+
 def _gained(before: Committed, after: Committed) -> dict[int, int]:
     """Rows committed between two reads of the commit records, per replica (-1: error parts)."""
     old = {m["part"] for m in before.manifests}
@@ -252,7 +265,7 @@ def _gained(before: Committed, after: Committed) -> dict[int, int]:
     return gained
 
 
-def _with_error_rows(planned: Any, rows: list[int], why: str) -> Any:
+def _with_error_rows(planned: PlannedJob, rows: list[int], why: str) -> PlannedJob:
     """The planned job with `rows` turned into error records (they failed every attempt)."""
     if not rows:
         return planned

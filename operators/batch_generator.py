@@ -93,7 +93,7 @@ def _to_table(batch: Any) -> pa.Table:
     if isinstance(batch, pa.Table):
         return batch
     if isinstance(batch, dict):  # numpy format
-        return pa.table({k: pa.array(list(v) if getattr(v, "dtype", None) == object else v)
+        return pa.table({k: pa.array(list(v) if getattr(v, "dtype", None) == np.dtype(object) else v)
                          for k, v in batch.items()})
     import pandas as pd
 

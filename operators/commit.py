@@ -386,7 +386,7 @@ class OutputLock:
             self._thread.join()
         try:
             self._remove(self.holder)
-        except Exception as e:  # storage down: keep the job's own error; a rerun takes it over
+        except Exception as e:  # noqa: BLE001 - storage down: keep the job's own error; a rerun takes it over
             _log.warning("could not delete %s (%s): the next job on this path takes it over "
                          "(at once on this host, else after %.0f s)", self.path, e, STALE_S)
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
 from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
-from prefixflow.errors import did_you_mean, invalid, one_of, require, short
+from prefixflow.errors import InvalidSetting, did_you_mean, invalid, one_of, require, short
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.operators.tokenize import TokenizeOptions, model_max_len
 from prefixflow.pipeline.ordering import ORDER_POLICIES
@@ -94,7 +95,8 @@ class ProcessorConfig:
     sampling: default SamplingParams, or a dict of the fields you set: the others then come from
         the model's generation_config.json where it has them (temperature, top_p, top_k,
         max_new_tokens, ...), else SamplingParams' defaults. A SamplingParams is taken as it is.
-        A row's `sampling_params` column overrides fields per row.
+        Kept as given; `sampling_params` is the whole SamplingParams, read from the model when
+        first asked. A row's `sampling_params` column overrides fields per row.
     engine: EngineConfig fields other than `model` (dtype, device, max_num_batched_tokens, ...),
         plus `backend`: "native" (prefixflow's engine, the default) or "vllm", and `vllm`: vLLM
         engine arguments passed through (like ray.data.llm's engine_kwargs), backend vllm only.
@@ -125,7 +127,10 @@ class ProcessorConfig:
         engine), e.g. {"env_vars": {"HF_TOKEN": ...}}. Python API only.
 
     Built from these once, typed, for every caller: engine_config (the EngineConfig of each
-    replica), backend ("native" | "vllm"), vllm_args (the checked vLLM arguments).
+    replica), backend ("native" | "vllm"), vllm_args (the checked vLLM arguments). Building a
+    config reads nothing: the model is first read where the job starts (`sampling_params`, the
+    tokenize options, the engines), so a config can be built, checked and shipped to the
+    cluster from a machine that cannot reach the model.
     """
 
     model: str
@@ -171,9 +176,15 @@ class ProcessorConfig:
                                         for name, value, fix in problems))
         object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
         object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
-        if not isinstance(self.sampling, SamplingParams):
-            object.__setattr__(self, "sampling",
-                               sampling_with_defaults(self.model, self.sampling or {})[0])
+
+    @cached_property
+    def sampling_params(self) -> SamplingParams:
+        """The SamplingParams each row starts from: `sampling` when it is one, else its fields
+        over the model's generation_config.json (read once per config object, on first use; a
+        config pickled after that carries it)."""
+        if isinstance(self.sampling, SamplingParams):
+            return self.sampling
+        return sampling_with_defaults(self.model, self.sampling or {})[0]
 
     def _check(self) -> None:
         """The fields' own checks (task, order and the engine's are setting_problems')."""
@@ -207,7 +218,7 @@ class ProcessorConfig:
             model=self.model, prompt=self.prompt,  # type: ignore[arg-type]
             max_model_len=model_max_len(self.model, self.engine_config.max_model_len),
             trust_remote_code=self.engine_config.trust_remote_code, keep_prompt=self.include_prompt,
-            sampling=self.sampling, chat_template=self.chat_template,
+            sampling=self.sampling_params, chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs)
 
     @property
@@ -250,8 +261,8 @@ def generation_defaults(model: str, skip: Collection[str] = ()) -> dict[str, Any
     for key, name in taken.items():
         try:
             SamplingParams().with_overrides({name: config[key]})
-        except ValueError as e:  # "SamplingParams.top_p=2.0 is invalid: use a value in (0, 1]"
-            why = str(e).partition(" is invalid: ")[2] or str(e)
+        except ValueError as e:  # SamplingParams.top_p=2.0: its fix, "use a value in (0, 1]"
+            why = e.fix if isinstance(e, InvalidSetting) else str(e)
             raise ValueError(f"{path}: {key}={short(config[key])} is invalid: {why}; fix the file "
                              f"or set sampling.{name} in the spec") from None
     return {name: config[key] for key, name in taken.items()}

@@ -206,7 +206,7 @@ class _Book:
         if self.config.task == "score":
             per_row = row_choices(self.config.score, payload.rows, ids)
         else:
-            per_row = row_params(self.config.sampling, payload.rows, ids)
+            per_row = row_params(self.config.sampling_params, payload.rows, ids)
         if isinstance(per_row, dict):
             self.params.update(per_row)
         else:  # one value for every row

@@ -122,7 +122,7 @@ def _gather_meta(refs: list[Any], custom_ids: bool, block_size: int) -> tuple[li
 
     try:
         where = ray.experimental.get_object_locations(refs)
-    except Exception:  # locations are an optimisation only
+    except Exception:  # noqa: BLE001 - locations are an optimisation only
         where = {}
     task = ray.remote(_meta_and_hashes)
     meta_refs, hash_refs = [], []

@@ -117,7 +117,7 @@ class Processor:
         self.check_context()
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
-                            default_max_tokens=self.config.sampling.max_tokens,
+                            default_max_tokens=self.config.sampling_params.max_tokens,
                             block_size=self.config.engine_config.block_size)
 
     def check_context(self) -> None:

@@ -34,7 +34,7 @@ import pyarrow as pa
 from prefixflow.operators.plan import fetch_rows
 from prefixflow.operators.outputs import INTERNAL
 from prefixflow.operators.processor import Merged, Processor, engine_actor_options
-from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,  # noqa: F401
+from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
                                                  HttpRequestProcessorConfig, HttpRequestStageConfig,
                                                  PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
                                                  ServeDeploymentProcessorConfig, TokenizerStageConfig,
@@ -147,7 +147,7 @@ class RayLLMProcessor(Processor):
             text = r.get("generated_text") or ""
             if detokenize and not text and r.get("generated_tokens") and not e:
                 text = self._decode(r["generated_tokens"])
-            params = "" if e else repr(row_sampling(self.config.sampling, r.get("sampling_params")))
+            params = "" if e else repr(row_sampling(self.config.sampling_params, r.get("sampling_params")))
             values = {"prompt": r.get("prompt") or "", "prompt_token_ids": p,
                       "num_input_tokens": 0 if e else r["num_input_tokens"],
                       "generated_tokens": [] if e else r["generated_tokens"], "generated_text": text,

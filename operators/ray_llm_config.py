@@ -142,7 +142,7 @@ REFUSED = {  # field -> why prefixflow cannot honour a value other than the defa
 
 
 @dataclass(frozen=True, kw_only=True)
-class vLLMEngineProcessorConfig:  # noqa: N801 (ray.data.llm's name)
+class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
     """ray.data.llm.vLLMEngineProcessorConfig of Ray 2.60, field for field (see the module
     docstring for what each becomes). Frozen: build another to change a field."""
 

@@ -123,7 +123,7 @@ class Tokenize:
                              chat_template=self.opts.chat_template,
                              continue_final_message=self.opts.continue_last and not add,
                              **(self.opts.chat_template_kwargs or {}))
-        except Exception as e:  # the template may refuse roles or orders, or pass a limit: a row error
+        except Exception as e:  # noqa: BLE001 - the template may refuse roles or orders, or pass a limit: a row error
             raise template_row_error(e, "the chat template") from None
 
     def _encode(self, texts: list[str | None], chat: list[bool]) -> list[list[int]]:

@@ -35,12 +35,12 @@ from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, Detoke
                                                  vLLMEngineProcessorConfig)
 from prefixflow.operators.template import PromptTemplate
 
-RAY_LLM_NAMES = ("vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
-                 "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
-                 "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig",
-                 "ServeDeploymentProcessorConfig")
+# ours, then ray.data.llm's config classes under the names Ray gives them (the package's lazy
+# exports, prefixflow/__init__.py, list the same)
 __all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_llm_processor",
-           "build_processor", *RAY_LLM_NAMES]
+           "build_processor", "vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
+           "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
+           "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig", "ServeDeploymentProcessorConfig"]
 
 
 def build_processor(config: ProcessorConfig | vLLMEngineProcessorConfig,

@@ -198,13 +198,13 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     import io
 
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
-    from prefixflow.storage import StorageOptions, normal_path
+    from prefixflow.storage import normal_path
     from prefixflow.operators.commit import commit_bytes
 
     sink = io.BytesIO()
     pq.write_table(planned.plan.table, sink)
     # Complete or not there (a temporary file renamed, or one PUT), local or a URL.
-    commit_bytes(normal_path(args.out), sink.getvalue(), StorageOptions(**spec.storage.model_dump()))
+    commit_bytes(normal_path(args.out), sink.getvalue(), spec.storage_options())
     print(f"plan table ({planned.plan.table.num_rows} rows) written to {args.out}")
     return report.dry_run_result(planned, 0.0)
 

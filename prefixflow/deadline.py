@@ -76,7 +76,7 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-class time_limit:  # noqa: N801 - used as a function: `with time_limit(5.0):`
+class time_limit:  # lower case: used as a function: `with time_limit(5.0):`
     """Raise TimeLimitExceeded in this thread once `seconds` have passed inside the block. A
     block inside another keeps the outer one's limit."""
 

@@ -1,14 +1,16 @@
 """How error messages are built, one way everywhere (torch-free, imports nothing of ours).
 
     invalid("EngineConfig", "block_size", 3, "use a power of two")
-        -> ValueError("EngineConfig.block_size=3 is invalid: use a power of two")
+        -> InvalidSetting("EngineConfig.block_size=3 is invalid: use a power of two"), a
+           ValueError that also carries owner, name, value and fix
     require(block_size in SIZES, "EngineConfig", "block_size", block_size, "use a power of two")
         -> raises that ValueError when the condition is false (every dataclass's check)
     one_of(("fcfs", "dfs")) -> "use one of 'fcfs', 'dfs'" (the fix of every choice check)
     did_you_mean("pathh", ["path", "format"]) -> "did you mean 'path'?"
 
-The job spec (jobs/spec.py `_describe`) reads the field back out of "<Owner>.<field>=<value> is
-invalid: <fix>", so a dataclass check and the spec name the same field with the same fix.
+The job spec (jobs/spec.py `_describe`) takes the field and the fix from an InvalidSetting's
+attributes (never from its text), so a dataclass check and the spec name the same field with
+the same fix.
 """
 
 from __future__ import annotations
@@ -31,9 +33,23 @@ def short(value: Any) -> str:
     return _repr.repr(value)
 
 
-def invalid(owner: str, name: str, value: Any, fix: str) -> ValueError:
-    """The ValueError for `owner.name=value`, saying how to fix it (raise what it returns)."""
-    return ValueError(f"{owner}.{name}={short(value)} is invalid: {fix}")
+class InvalidSetting(ValueError):
+    """`owner.name=value` is invalid, and `fix` says how to fix it; the message says all of it.
+    The parts stay readable (`value` as the message shows it), so that a caller who names the
+    setting its own way (the job spec's field path, a file's key) builds its message from them
+    instead of parsing this one."""
+
+    def __init__(self, owner: str, name: str, value: str, fix: str):
+        self.owner, self.name, self.value, self.fix = owner, name, value, fix
+        super().__init__(f"{owner}.{name}={value} is invalid: {fix}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled (a Ray task's error): rebuilt from its parts
+        return (InvalidSetting, (self.owner, self.name, self.value, self.fix))
+
+
+def invalid(owner: str, name: str, value: Any, fix: str) -> InvalidSetting:
+    """The error for `owner.name=value`, saying how to fix it (raise what it returns)."""
+    return InvalidSetting(owner, name, short(value), fix)
 
 
 def require(ok: bool, owner: str, name: str, value: Any, fix: str) -> None:

@@ -265,7 +265,7 @@ def _convert_gguf(gguf: Path, dest: Path, model: str) -> None:
     try:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **dequantize)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except Exception as e:  # noqa: BLE001 - whatever the reader says, the file is unusable
+    except Exception as e:  # whatever the reader says, the file is unusable
         raise ModelError(f"model {model!r}: {str(gguf)!r} is not a GGUF file transformers can "
                          f"read ({type(e).__name__}: {str(e)[:300]}); check the download (its "
                          "sha256) or give the model's Hugging Face folder instead") from e
@@ -293,7 +293,7 @@ def _from_url(uri: str, storage: Any) -> Path:
     try:
         listing = sorted((e["name"], int(e["size"]), _version(e))
                          for e in fs.find(uri.rstrip("/"), detail=True).values())
-    except Exception as e:  # noqa: BLE001 - drivers raise many kinds; one message for all
+    except Exception as e:  # drivers raise many kinds; one message for all
         raise ModelError(f"model {uri!r} could not be listed on {where} ({type(e).__name__}: "
                          f"{str(e)[:300]}); check the path, the credentials and "
                          "the storage settings") from e
@@ -306,7 +306,7 @@ def _from_url(uri: str, storage: Any) -> Path:
     try:
         try:
             fs.get(uri.rstrip("/") + "/", str(tmp) + "/", recursive=True)
-        except Exception as e:  # noqa: BLE001 - drivers raise many kinds; one message for all
+        except Exception as e:  # drivers raise many kinds; one message for all
             raise ModelError(f"model {uri!r} could not be copied from {where} ({type(e).__name__}: "
                              f"{str(e)[:300]}); check the path, the credentials and "
                              "the storage settings") from e

@@ -196,7 +196,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         check_binop(operator, left, right, budget)
         return bounded(self.binop_table[operator](left, right), budget)
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    # `__self`, as Jinja names it: a template's keyword argument `self` passes through
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         budget = current()
         budget.step()
         if isinstance(__obj, LoopContext) and args:  # loop(children) of a recursive loop

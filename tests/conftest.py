@@ -8,7 +8,7 @@ compiler runs (tests/gpu).
 import os
 
 try:
-    import torch  # noqa: F401  (only to ask whether CUDA exists)
+    import torch  # only to ask whether CUDA exists
 
     _has_cuda = torch.cuda.is_available()
 except ImportError:  # pragma: no cover - torch is a hard dependency

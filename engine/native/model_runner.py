@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.models.layers.attention import AttentionMetadata
 from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_eos_token_ids, read_model_args,
                                              resolve_device, resolve_max_model_len, torch_dtype)
@@ -51,7 +51,6 @@ from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, Ste
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
 from prefixflow.requests import SamplingParams
 
-CPU_KV_CACHE_BYTES = 1 << 30
 # CPU steps of at most this many tokens (decode steps, small chunks) run on one thread while the
 # CPU is oversubscribed (by the 1-minute load average, `cpu_oversubscribed`): a second thread's
 # barrier waits then cost far more than it computes (peer_bench's quick decode_heavy, 2 threads
@@ -154,7 +153,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         self.kv_cache = self._allocate_kv_cache(1)
         t = min(self.config.max_num_batched_tokens, self.max_model_len)
-        num_sampled = min(t, self.config.effective_max_num_seqs or 256)
+        num_sampled = min(t, self.config.effective_max_num_seqs or VLLM_SEQS_CAP)
         logits = self.execute_logits(_warmup_step(t, num_sampled, self.block_size))
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * num_sampled
         self.sampler.sample(logits, params, [0] * num_sampled)

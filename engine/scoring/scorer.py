@@ -133,7 +133,7 @@ class Scorer:
         start, skipped = time.perf_counter(), 0.0
         virtual = 0.0
         clock = (lambda: virtual + skipped) if tokens_per_s else \
-            (lambda: time.perf_counter() - start + skipped)  # noqa: E731
+            (lambda: time.perf_counter() - start + skipped)
         self.stats = stats = ScoreStats()
         cache = PrefixCache(self.prefix_cache_bytes)
         reqs: list[_Req] = []

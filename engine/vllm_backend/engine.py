@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, wants_more
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
                                        decode_output, error_output, greedy_copies)
@@ -39,8 +39,6 @@ Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 SCHEDULER = "prefixflow.engine.vllm_backend.scheduler"
 CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
-DEFAULT_CPU_KV_BYTES = 1 << 30   # as our ModelRunner on a CPU
-NO_CAP_SEQS = 256                # vLLM's (and our vllm policy's) request cap when one is asked
 _END = object()                  # the groups' iterator is exhausted
 
 
@@ -291,7 +289,7 @@ class VllmEngine:
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype="float32" if c.dtype == "auto" and self.is_cpu else c.dtype,
             block_size=block, seed=c.seed, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_num_seqs=c.max_num_batched_tokens if parts.no_cap else (c.max_num_seqs or NO_CAP_SEQS),
+            max_num_seqs=c.max_num_batched_tokens if parts.no_cap else (c.max_num_seqs or VLLM_SEQS_CAP),
             enable_prefix_caching=c.enable_prefix_cache, gpu_memory_utilization=c.gpu_memory_utilization,
             trust_remote_code=c.trust_remote_code, disable_log_stats=True,
             scheduling_policy="priority" if parts.priority else "fcfs")
@@ -339,7 +337,7 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     require(wanted <= args.max_position_embeddings, "engine", "max_model_len", wanted,
             f"it is past the model's max_position_embeddings ({args.max_position_embeddings}): "
             "lower it, or leave it unset for the most that fits")
-    budget = config.kv_cache_bytes or f"{DEFAULT_CPU_KV_BYTES} (the CPU default)"
+    budget = config.kv_cache_bytes or f"{CPU_KV_CACHE_BYTES} (the CPU default)"
     require(wanted <= fits, "engine", "max_model_len", wanted,
             f"it does not fit the CPU KV cache ({fits} tokens in engine.kv_cache_bytes={budget}): "
             "raise engine.kv_cache_bytes (ray.data.llm: engine_kwargs kv_cache_memory_bytes), or "
@@ -350,7 +348,7 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
 def _cpu_kv_blocks(config: EngineConfig, block: int, kv_bytes_per_token_per_elem: int) -> int:
     """Blocks of the CPU KV budget (EngineConfig.kv_cache_bytes, default 1 GiB)."""
     per_token = kv_bytes_per_token_per_elem * _elem_size(config.dtype)
-    return max(2, (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // (block * per_token))
+    return max(2, (config.kv_cache_bytes or CPU_KV_CACHE_BYTES) // (block * per_token))
 
 
 def _set_env(in_process: bool) -> None:

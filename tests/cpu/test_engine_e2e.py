@@ -51,7 +51,7 @@ def hf_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[floa
                           max_new_tokens=max_new, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
 
 

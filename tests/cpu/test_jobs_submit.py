@@ -86,7 +86,7 @@ def _wait_for_dashboard(port: int, timeout_s: float = 120) -> None:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=2)
             return
-        except Exception as e:  # 401 without a token still means it is up
+        except Exception as e:  # noqa: BLE001 - 401 without a token still means it is up
             if getattr(e, "code", None) is not None:
                 return
             time.sleep(1)

@@ -244,16 +244,45 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
     (model / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 33, "eos_token_id": 2}))
     api = ProcessorConfig(model=str(model), sampling={"temperature": 0.0})
-    assert (api.sampling.temperature, api.sampling.top_p, api.sampling.max_tokens) == (0.0, 0.9, 33)
-    assert ProcessorConfig(model=str(model)).sampling.temperature == 0.7
-    assert ProcessorConfig(model=str(model), sampling=SamplingParams()).sampling.top_p == 1.0
+    assert api.sampling == {"temperature": 0.0}  # kept as given
+    params = api.sampling_params
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.0, 0.9, 33)
+    assert api.sampling_params is params  # the model's file read once
+    assert ProcessorConfig(model=str(model)).sampling_params.temperature == 0.7
+    assert ProcessorConfig(model=str(model), sampling=SamplingParams()).sampling_params.top_p == 1.0
 
     spec = parse_spec({"model": str(model), "input": {"path": "in.jsonl"}, "output": {"path": "o"},
                        "prompt": {"template": "{{ q }}"}, "sampling": {"max_tokens": 8}})
-    assert spec.to_config().sampling == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
+    assert spec.to_config().sampling_params == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
     used = report.sampling_used(spec)  # what metrics.json records
     assert used["from_generation_config"] == {"temperature": 0.7, "top_p": 0.9}
     assert used["params"]["max_tokens"] == 8 and used["params"]["temperature"] == 0.7
+
+
+def test_a_config_builds_without_its_model_and_reads_it_once(tiny_model, tmp_path):
+    """Building a ProcessorConfig reads nothing (a driver that cannot reach the model builds
+    and ships it); the model's generation_config.json is read on first use, and a config
+    pickled after that (as Ray ships it to the actors) carries what was read."""
+    import json
+    import pickle
+
+    from prefixflow.operators.config import ProcessorConfig
+
+    missing = ProcessorConfig(model=str(tmp_path / "not-there"), sampling={"max_tokens": 4},
+                              engine={"backend": "vllm"}, replicas=2)
+    assert missing.sampling == {"max_tokens": 4} and missing.backend == "vllm"
+    with pytest.raises(ModelError, match="does not exist"):
+        missing.sampling_params
+    assert ProcessorConfig(model="s3://no-such-bucket/model").engine_config.model == "s3://no-such-bucket/model"
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 7}))
+    config = ProcessorConfig(model=str(model))
+    assert config.sampling_params.top_k == 7
+    shipped = pickle.dumps(config)
+    shutil.rmtree(model)  # gone: the shipped config does not read it again
+    assert pickle.loads(shipped).sampling_params.top_k == 7
 
 
 def test_a_damaged_safetensors_index_is_named(tiny_model, tmp_path):

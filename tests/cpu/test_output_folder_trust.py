@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -27,7 +26,7 @@ from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, JobFenced, OutputLock, check_fence,
                                          check_job_file, load_committed)
-from prefixflow.operators.write import WriteOptions, prepare_output, read_output, write_part
+from prefixflow.operators.write import WriteOptions, prepare_output, read_output
 from prefixflow.storage import StorageOptions
 from support.output_folders import FORMATS, committed_job, record, snapshot
 

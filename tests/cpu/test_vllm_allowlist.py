@@ -204,7 +204,7 @@ def _model_with(tiny_model: Path, tmp_path: Path, text: str) -> Path:
 def test_invalid_json_in_generation_config_names_the_file(tiny_model, tmp_path):
     model = _model_with(tiny_model, tmp_path, '{\n  "temperature": 0.7,\n  top_p: 2\n}')
     with pytest.raises(ValueError) as e:
-        ProcessorConfig(model=str(model))
+        ProcessorConfig(model=str(model)).sampling_params
     message = str(e.value)
     assert str(model / "generation_config.json") in message and "line 3 column 3" in message
     assert "fix the file" in message and "\n" not in message
@@ -214,20 +214,20 @@ def test_a_bad_value_in_generation_config_is_blamed_on_the_file(tiny_model, tmp_
     model = _model_with(tiny_model, tmp_path, json.dumps({"top_p": 2, "max_new_tokens": 5}))
     path = model / "generation_config.json"
     with pytest.raises(ValueError) as e:
-        ProcessorConfig(model=str(model))
+        ProcessorConfig(model=str(model)).sampling_params
     assert str(e.value) == (f"{path}: top_p=2 is invalid: use a value in (0, 1]; fix the file "
                             "or set sampling.top_p in the spec")
     spec = parse_spec({**_spec({}), "model": str(model), "engine": {}})
     with pytest.raises(ValueError, match=f"^{path}: top_p=2 is invalid"):
-        spec.to_config()
+        spec.to_config().sampling_params
     # set by the user, the file's value is not used, so not refused
-    assert ProcessorConfig(model=str(model), sampling={"top_p": 0.5}).sampling.top_p == 0.5
+    assert ProcessorConfig(model=str(model), sampling={"top_p": 0.5}).sampling_params.top_p == 0.5
     # a bad value the user set is still named as theirs
     with pytest.raises(ValueError, match=r"^SamplingParams\.top_p=3\.0 is invalid"):
         ProcessorConfig(model=str(model), sampling={"top_p": 3})
     # each valid alone, together not: the file's share is named
     with pytest.raises(ValueError, match=r"min_tokens=9 .*max_tokens=5 taken from .*generation_config"):
-        ProcessorConfig(model=str(model), sampling={"top_p": 0.5, "min_tokens": 9})
+        ProcessorConfig(model=str(model), sampling={"top_p": 0.5, "min_tokens": 9}).sampling_params
 
 
 def test_validate_names_a_bad_generation_config(tiny_model, tmp_path, capsys):
@@ -268,3 +268,39 @@ def test_a_cpu_context_past_the_kv_cache_is_refused_at_validate_time(tiny_model,
     assert "raise engine.kv_cache_bytes" in message
     preflight(spec())                   # unset: what fits
     preflight(spec(max_model_len=64))   # fits: kept
+
+
+def test_validate_and_the_job_agree_on_row_overrides_over_generation_config(tiny_model, tmp_path, capsys):
+    """A row's sampling overrides apply over the same defaults in `prefixflow validate` as in the
+    job: the model's generation_config.json sets max_new_tokens 8, so a row asking min_tokens 16
+    fails in both (validate used to check it over the spec's max_tokens alone and pass it)."""
+    import pyarrow as pa
+    import yaml
+
+    from prefixflow.cli import main as cli
+    from prefixflow.jobs.preflight import preflight, row_report
+    from prefixflow.operators.columns import ERROR
+    from prefixflow.operators.tokenize import Tokenize
+
+    model = _model_with(tiny_model, tmp_path, json.dumps({"max_new_tokens": 8}))
+    rows = [{"q": "fine"}, {"q": "long", "sampling_params": {"min_tokens": 16}},
+            {"q": "short", "sampling_params": {"min_tokens": 4}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = {"model": str(model), "input": {"path": str(tmp_path / "in.jsonl")},
+           "prompt": {"template": "{{ q }}"}, "output": {"path": str(tmp_path / "out")}}
+    spec = parse_spec(raw)
+
+    report = row_report(spec, preflight(spec))
+    assert report.num_bad == 1 and "min_tokens" in report.reasons[0], report
+    # the job's own tokenize stage, with the options the job builds
+    table = pa.table({"q": [r["q"] for r in rows],
+                      "sampling_params": [json.dumps(r["sampling_params"]) if "sampling_params" in r
+                                          else None for r in rows],
+                      ERROR: pa.nulls(len(rows), pa.string())})
+    errors = Tokenize(spec.to_config().tokenize_options())(table).column(ERROR).to_pylist()
+    assert [e is not None for e in errors] == [False, True, False], errors
+    assert "min_tokens" in errors[1]
+
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    assert cli(["validate", str(tmp_path / "job.yaml")]) == 0
+    assert "1 of the first 3 rows would become error records" in capsys.readouterr().out

@@ -90,3 +90,21 @@ def test_without_stealing_each_replica_takes_only_its_own_and_drop_gives_the_res
     assert [q.take(0, "a").unit, q.take(0, "a").unit, q.take(0, "a").kind] == [0, 1, DONE]
     assert q.drop(1) == [2, 3]                  # replica 1 given up: nobody takes its units
     assert q.take(1, "b").kind == DONE and q.status()["num_queued"] == 0
+
+
+def test_the_driver_restarts_only_replicas_that_may_take_a_queued_unit():
+    """jobs/supervise.py asks replicas_to_start which replicas get an engine. Without stealing,
+    a replica whose own queue ran dry is not started again while another's units wait (the
+    driver used to start, end and restart it in a loop, loading its model each time)."""
+    from prefixflow.jobs.supervise import replicas_to_start
+
+    q = queue([0, 1, 1, 1], steal=False)
+    assert replicas_to_start(q.counts()["queued"], set(), set(), stealing=False) == [0, 1]
+    q.take(0, "a"), q.take(1, "b")  # replica 0's one unit is taken; replica 1 has two queued
+    q.finished(0, "a")
+    assert replicas_to_start(q.counts()["queued"], {1}, set(), stealing=False) == []
+    assert replicas_to_start(q.counts()["queued"], {1}, set(), stealing=True) == [0]  # it would steal
+    assert replicas_to_start(q.counts()["queued"], set(), {1}, stealing=False) == []  # given up
+    q.release("b", {1: [7]}, 1)  # replica 1's engine died holding unit 1: it starts again
+    assert replicas_to_start(q.counts()["queued"], set(), set(), stealing=False) == [1]
+    assert replicas_to_start([0, 0], set(), set(), stealing=True) == []

@@ -22,7 +22,8 @@ def naive_prefix_attention(c: PrefixCase) -> torch.Tensor:
         for i in range(q_len):
             slots = [(pbt[g][j // bs], j % bs) for j in range(plens[g])] if g >= 0 else []
             slots += [(bt[s][j // bs], j % bs) for j in range(lens[s] - q_len + i + 1)]
-            blocks = torch.tensor([b for b, _ in slots]); offs = torch.tensor([o for _, o in slots])
+            blocks = torch.tensor([b for b, _ in slots])
+            offs = torch.tensor([o for _, o in slots])
             for h in range(q.shape[1]):
                 keys, vals = kc[blocks, offs, h // ratio], vc[blocks, offs, h // ratio]
                 p = torch.softmax(keys @ q[cu[s] + i, h] * c.scale, dim=0)
