@@ -608,13 +608,13 @@ def row_report(spec: JobSpec, rows: list[dict[str, Any]], max_reasons: int = 3) 
 
 
 def _job_sampling(spec: JobSpec) -> SamplingParams:
-    """The sampling each row's overrides apply to, as the job builds it: the spec's fields over
-    the model's generation_config.json (a row's min_tokens can be valid over one max_tokens and
-    not over the other). A model that is not a local folder is not fetched here: the spec's
-    fields alone, over SamplingParams' defaults."""
+    """The sampling each row's overrides apply to, taken from the job's own config
+    (ProcessorConfig.sampling_params: the spec's fields over the model's generation_config.json;
+    a row's min_tokens can be valid over one max_tokens and not over the other). A model that is
+    not a local folder is not fetched here: the spec's fields alone, over SamplingParams' defaults."""
     if _local_model(spec) is None:
         return SamplingParams().with_overrides(spec.sampling_given())
-    return sampling_with_defaults(spec.model, spec.sampling_given())[0]
+    return spec.to_config().sampling_params
 
 
 def _row_error(prompt: PromptTemplate | None, default: SamplingParams, row: dict[str, Any]) -> str | None:
