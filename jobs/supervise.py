@@ -243,7 +243,8 @@ class Supervisor:
         return {"engine_failures": len(self.failures), "failures": self.failures,
                 "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
                 "replicas_given_up": sorted(self.given_up), "rows_given_up": len(self.poisoned),
-                "work_queue": {"units": status["units"], "steals": status["steals"]}}
+                "work_queue": {"units": status["units"], "steals": status["steals"],
+                               "paces": status["paces"]}}
 
 
 def replicas_to_start(queued: list[int], running: set[int], given_up: set[int], stealing: bool) -> list[int]:

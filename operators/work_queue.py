@@ -5,11 +5,17 @@ subtree, or a piece of a large group; nothing shared with the rest but its paren
 An engine takes its next unit when its scheduler has room (engine/intake.py):
 
   - from its own queue's front, in plan order, while it has any;
-  - else, having run dry, the LAST unstarted unit of the replica with the most predicted work
-    left (the sum of its queued units' predicted seconds), whole: the unit's shared prefix is
-    computed once, on the thief. Taking from the back leaves the victim its plan order, and
-    the units it will reach last are the ones its cache is least likely to help;
+  - else, having run dry, the LAST unstarted unit of the replica expected to finish last,
+    whole: the unit's shared prefix is computed once, on the thief. Taking from the back leaves
+    the victim its plan order, and the units it will reach last are the ones its cache is
+    least likely to help;
   - else DONE: the engine finishes what it holds and ends.
+
+A replica is expected to finish when the predicted seconds of its queued and held units are
+done at its pace: the predicted seconds of the units it finished per second since it first took
+one (the job's mean pace until it finished one). So the rows' real cost decides, not the cost
+model's guess: a replica whose outputs run longer than predicted, or whose cache thrashes, is
+relieved first, and one holding much unfinished work is not left to finish it alone.
 
 A unit is taken by one engine at a time, so a row never runs twice. When an engine dies, the
 driver hands back its units with the rows still uncommitted (`release`); they go to the front of
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 UNIT, DONE = "unit", "done"
@@ -50,6 +56,7 @@ class _Unit:
     seconds: float            # predicted (cost model)
     rows: tuple[int, ...] | None = None  # rows left to run; None: all
     holder: str | None = None  # the engine (run token) that took it
+    taker: int = -1           # the replica of that engine
     done: bool = False
 
 
@@ -66,6 +73,7 @@ class WorkQueue:
     done_units: Iterable[int] = ()
     steal: bool = True  # False: each replica takes only its own queue (the static plan)
     steals: list[dict] = field(default_factory=list)
+    clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
         done = set(self.done_units)
@@ -78,32 +86,57 @@ class WorkQueue:
             if not unit.done:
                 self.queues[unit.replica].append(u)
         self.seconds_left = [sum(self.units[u].seconds for u in q) for q in self.queues]
-        self.started = time.time()
+        self.held_seconds = [0.0] * self.num_replicas   # predicted seconds of units held, by taker
+        self.done_seconds = [0.0] * self.num_replicas   # ... of units finished, by taker
+        self.first_take: list[float | None] = [None] * self.num_replicas
+        self.started = self.clock()
 
     def take(self, replica: int, token: str) -> Take:
         """The next unit for the engine `token` of `replica` (module docstring)."""
+        if self.first_take[replica] is None:
+            self.first_take[replica] = self.clock()
         if self.queues[replica]:
             return self._hand(self.queues[replica].popleft(), replica, token, -1)
         if not self.steal:
             return Take(DONE)
-        victim = max(range(self.num_replicas), key=lambda r: (self.seconds_left[r], -r))
-        if self.queues[victim]:
-            unit = self.queues[victim].pop()
-            self.steals.append({"unit": unit, "from": victim, "to": replica,
-                                "seconds": self.units[unit].seconds, "at_s": time.time() - self.started})
-            return self._hand(unit, replica, token, victim)
-        return Take(DONE)
+        left = self.expected_seconds_left()
+        victims = [r for r in range(self.num_replicas) if self.queues[r]]
+        if not victims:
+            return Take(DONE)
+        victim = max(victims, key=lambda r: (left[r], -r))
+        unit = self.queues[victim].pop()
+        self.steals.append({"unit": unit, "from": victim, "to": replica, "seconds": self.units[unit].seconds,
+                            "victim_expected_s": round(left[victim], 3), "at_s": self.clock() - self.started})
+        return self._hand(unit, replica, token, victim)
+
+    def paces(self) -> list[float | None]:
+        """Each replica's predicted seconds finished per second since its first take (None
+        before it finished a unit)."""
+        now = self.clock()
+        return [done / max(now - first, 1e-9) if done > 0 and first is not None else None
+                for done, first in zip(self.done_seconds, self.first_take)]
+
+    def expected_seconds_left(self) -> list[float]:
+        """Seconds until each replica has run its queued and held units, at its pace (module
+        docstring); the job's mean pace for a replica that finished nothing yet."""
+        paces = self.paces()
+        known = [p for p in paces if p]
+        mean = sum(known) / len(known) if known else 1.0
+        return [(self.seconds_left[r] + self.held_seconds[r]) / (paces[r] or mean) for r in range(self.num_replicas)]
 
     def _hand(self, unit: int, replica: int, token: str, stolen_from: int) -> Take:
         u = self.units[unit]
         self.seconds_left[u.replica] -= u.seconds
-        u.holder = token
+        self.held_seconds[replica] += u.seconds
+        u.holder, u.taker = token, replica
         return Take(UNIT, unit, u.rows, stolen_from)
 
     def finished(self, unit: int, token: str) -> None:
         """Every row of `unit` that `token` was given is committed."""
         u = self.units[unit]
         if u.holder == token:
+            self.held_seconds[u.taker] -= u.seconds
+            self.done_seconds[u.taker] += u.seconds
             u.done, u.holder = True, None
 
     def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
@@ -114,6 +147,7 @@ class WorkQueue:
         for u, unit in enumerate(self.units):
             if unit.holder != token:
                 continue
+            self.held_seconds[unit.taker] -= unit.seconds
             unit.holder = None
             left = tuple(int(r) for r in rows_left.get(u, ()))
             if not left:
@@ -148,4 +182,4 @@ class WorkQueue:
 
     def status(self) -> dict:
         """counts() and every steal (unit, from, to, predicted seconds, when): metrics.json."""
-        return {**self.counts(), "steals": list(self.steals)}
+        return {**self.counts(), "steals": list(self.steals), "paces": self.paces()}

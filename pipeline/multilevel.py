@@ -306,7 +306,8 @@ def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, 
     fam_c = np.bincount(family, weights=np.diff(cum_c[units]) + unit_owner)
     fam_m = np.bincount(family, weights=np.diff(cum_m[units]))
     part = partition_runs(units, comp, mem, unit_owner, np.zeros(len(units) - 1, np.int64), num_replicas,
-                          run_density=density(fam_c, fam_m)[family])
+                          run_density=density(fam_c, fam_m)[family], row_cut_compute=cut_cost,
+                          join_s=float(comp.sum() + unit_owner.sum()) / (num_replicas * UNITS_PER_REPLICA))
     part_len = part.part_hi - part.part_lo
     new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
     pos = np.arange(n, dtype=np.int64) + np.repeat(part.part_lo - new_starts[:-1], part_len)

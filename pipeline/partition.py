@@ -7,10 +7,13 @@ units sorted by compute density, the replica takes from the compute-dense end wh
 density is below the job's (root) density and from the memory-dense end otherwise, so every
 replica holds the root density and max(T_comp, T_mem) balances with T_comp.
 
-A unit that would overfill a replica is cut at the member where the replica is full; the rest
-stays at its end of the scan for the next replica and computes the prefix once more. So at most
-R - 1 runs are cut (plus any group larger than a replica's share, which must be), each costing
-its prefix length in saved tokens. Each replica keeps the policy's order of its parts.
+A unit that would overfill a replica is cut at a member where the replica has room: of those
+places (and not cutting at all), the one that fills the most of the room less what the cut makes
+the job recompute (the prefix the member shares with the one before it, `row_cut_compute`). So a
+unit holding several documents is cut between two of them, and no document is cut to put two of
+its questions on the next replica; the room left is filled by the other end of the scan, the next
+replicas, or at run time by work stealing (operators/work_queue.py). The rest of a cut unit stays
+at its end of the scan for the next replica. Each replica keeps the policy's order of its parts.
 
 Predicted time of a replica: max(sum T_comp, sum T_mem), BlendServe's T with compute and memory
 overlapped (Sec. 3.3); a part that is cut off pays its prefix's compute again.
@@ -74,7 +77,8 @@ class ReplicaRuns:
 
 def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: np.ndarray,
                    run_prefix_compute: np.ndarray, run_prefix_len: np.ndarray,
-                   num_replicas: int, run_density: np.ndarray | None = None) -> Partition:
+                   num_replicas: int, run_density: np.ndarray | None = None,
+                   row_cut_compute: np.ndarray | None = None, join_s: float = 0.0) -> Partition:
     """Split the order's runs across replicas, balanced on predicted time (dual-scan fill).
 
     run_starts: [num_runs + 1] row boundaries of the runs in the policy order.
@@ -83,6 +87,10 @@ def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: 
     run_prefix_len: [num_runs] tokens of each run's shared prefix (0 for a run of one).
     run_density: [num_runs] the scan's sort key (default: each run's T_comp / T_mem); equal keys
     keep the runs' order, so runs given one key stay together.
+    row_cut_compute: [num_rows] seconds that row i recomputes when a cut puts it in another part
+    than row i - 1 (what it shares with it); default: its run's prefix, for every row but the first.
+    join_s: a piece predicted to take at most this long joins the replica of the neighbour it was
+    cut from when that saves compute (`_join_small_pieces`); the grain work stealing evens out.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
@@ -93,7 +101,11 @@ def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: 
     run_m = cum_m[run_starts[1:]] - cum_m[run_starts[:-1]]
     key = density(run_c, run_m) if run_density is None else run_density
     seq = np.argsort(-key, kind="stable")
-    filler = _Filler(run_starts, cum_c, cum_m, run_prefix_compute)
+    if row_cut_compute is None:
+        run_len = np.diff(run_starts)
+        row_cut_compute = np.repeat(run_prefix_compute, run_len).astype(np.float64)
+        row_cut_compute[run_starts[:-1][run_len > 0]] = 0.0
+    filler = _Filler(run_starts, cum_c, cum_m, run_prefix_compute, np.r_[row_cut_compute, 0.0])
     if num_replicas == 1 or num_runs == 0:
         pieces = [(int(r), int(run_starts[r]), int(run_starts[r + 1]), 0) for r in range(num_runs)]
     else:
@@ -102,6 +114,7 @@ def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: 
         first = filler.fill(seq.tolist(), num_replicas, 0.0)
         extra = sum(float(run_prefix_compute[r]) for r, lo, _, _ in first if lo != run_starts[r])
         pieces = filler.fill(seq.tolist(), num_replicas, extra) if extra > 0 else first
+        pieces = _join_small_pieces(pieces, filler, join_s) if join_s > 0 else pieces
     return _assemble(pieces, run_starts, cum_c, cum_m, run_prefix_compute, run_prefix_len, num_replicas)
 
 
@@ -112,12 +125,12 @@ class _Filler:
     reach T* = max(C*, M*). It takes from the compute-dense end while its compute is behind
     (c_k / C* <= m_k / M*), else from the memory-dense end. The compute-dense end may fill
     compute up to C* and memory up to T*, the memory-dense end memory up to M* and compute up
-    to T*; a unit that would overfill (by more than CUT_TOLERANCE) is cut where it fits and that
-    end stops. The replica is full when both ends have stopped.
+    to T*; a unit that would overfill (by more than CUT_TOLERANCE) is cut where it fits (`_cut`)
+    and that end stops. The replica is full when both ends have stopped.
     """
 
-    def __init__(self, run_starts, cum_c, cum_m, prefix_c) -> None:
-        self.starts, self.cum_c, self.cum_m, self.prefix_c = run_starts, cum_c, cum_m, prefix_c
+    def __init__(self, run_starts, cum_c, cum_m, prefix_c, cut_c) -> None:
+        self.starts, self.cum_c, self.cum_m, self.prefix_c, self.cut_c = run_starts, cum_c, cum_m, prefix_c, cut_c
 
     def cost(self, run: int, lo: int, hi: int) -> tuple[float, float]:
         return (self.cum_c[hi] - self.cum_c[lo] + self.prefix_c[run], self.cum_m[hi] - self.cum_m[lo])
@@ -176,11 +189,62 @@ class _Filler:
         return taken
 
     def _cut(self, run: int, lo: int, hi: int, room_c: float, room_m: float) -> int:
-        """Largest row end `cut` in (lo, hi] whose piece lo..cut-1 fits both rooms; lo if none."""
+        """The row end `cut` in (lo, hi) whose piece lo..cut-1 fits both rooms and fills the most
+        compute less what row `cut` then recomputes; lo when no cut gains (or none fits)."""
         c = self.cum_c[lo + 1:hi + 1] - self.cum_c[lo] + self.prefix_c[run]
         m = self.cum_m[lo + 1:hi + 1] - self.cum_m[lo]
-        fits = (c <= room_c * (1 + 1e-9)) & (m <= room_m * (1 + 1e-9))  # both grow with the cut
-        return lo + int(np.count_nonzero(fits))
+        fits = int(np.count_nonzero((c <= room_c * (1 + 1e-9)) & (m <= room_m * (1 + 1e-9))))  # both grow
+        if fits == 0:
+            return lo
+        gain = c[:fits] - self.cut_c[lo + 1:lo + 1 + fits]
+        best = int(np.argmax(gain[::-1]))  # the latest of equal gains
+        return lo + fits - best if gain[fits - 1 - best] > 0 else lo
+
+
+def _join_small_pieces(pieces: list[tuple[int, int, int, int]], filler: _Filler,
+                       join_s: float) -> list[tuple[int, int, int, int]]:
+    """Move a piece predicted to take at most `join_s` to the replica of a neighbour it was cut
+    from (the piece ending where it starts, or starting where it ends) when that saves compute:
+    its replica stops recomputing the prefix they share (a document's last questions, cut off
+    by a full replica). The job computes less; the balance it costs is at most `join_s` per
+    piece, the grain that work stealing evens out at run time. Smallest pieces first."""
+    pieces = list(pieces)
+    by_lo = {lo: k for k, (_, lo, _, _) in enumerate(pieces)}
+    by_hi = {hi: k for k, (_, _, hi, _) in enumerate(pieces)}
+    cut = filler.cut_c
+
+    def crossing(row: int, replica: int, k: int) -> float:
+        """Compute recomputed at `row` if piece k sits on `replica` (0 if no piece adjoins)."""
+        other = by_hi.get(row) if pieces[k][1] == row else by_lo.get(row)
+        return float(cut[row]) if other is not None and other != k and pieces[other][3] != replica else 0.0
+
+    def time_of(k: int) -> float:
+        run, lo, hi, _ = pieces[k]
+        return max(filler.cost(run, lo, hi))
+
+    grown: dict[int, float] = {}  # replica -> predicted seconds it took in, less what it gave
+    for k in sorted(range(len(pieces)), key=time_of):
+        run, lo, hi, replica = pieces[k]
+        now = crossing(lo, replica, k) + crossing(hi, replica, k)
+        best, saved, t = replica, 0.0, time_of(k)
+        for n in (by_hi.get(lo), by_lo.get(hi)):
+            if n is None or n == k or pieces[n][3] == replica or grown.get(pieces[n][3], 0.0) + t > join_s:
+                continue
+            there = pieces[n][3]
+            gain = now - crossing(lo, there, k) - crossing(hi, there, k)
+            if gain > saved:
+                best, saved = there, gain
+        if best != replica:
+            grown[best] = grown.get(best, 0.0) + t
+            grown[replica] = grown.get(replica, 0.0) - t
+        pieces[k] = (run, lo, hi, best)
+    merged: list[tuple[int, int, int, int]] = []  # a run's pieces side by side on one replica: one
+    for run, lo, hi, replica in sorted(pieces, key=lambda p: (p[3], p[1])):
+        if merged and merged[-1][0] == run and merged[-1][3] == replica and merged[-1][2] == lo:
+            merged[-1] = (run, merged[-1][1], hi, replica)
+        else:
+            merged.append((run, lo, hi, replica))
+    return merged
 
 
 def _assemble(pieces, run_starts, cum_c, cum_m, prefix_c, prefix_len, num_replicas: int) -> Partition:

@@ -111,3 +111,31 @@ def test_model_config_and_hardware_change_the_prediction(tmp_path):
 def test_bad_replica_count():
     with pytest.raises(ValueError, match="num_replicas=0"):
         partition_runs(np.array([0, 1]), np.ones(1), np.ones(1), np.zeros(1), np.zeros(1, np.int64), 0)
+
+
+def test_a_documents_last_question_cut_off_by_a_full_replica_joins_the_rest():
+    """Two documents of 11 and 9 questions, each question 1 s, each prefix 0.5 s, on 2
+    replicas: the fill cuts the first document's last question off to the second replica
+    (recomputing its prefix there); joined back, no prefix is computed twice, for a balance
+    of one question's time, which work stealing evens out at run time."""
+    starts = np.array([0, 11, 20])
+    args = (starts, np.ones(20), np.zeros(20), np.array([0.5, 0.5]), np.array([100, 100]), 2)
+    cut = partition_runs(*args)
+    assert cut.lost_saving_tokens.sum() == 100  # the fill alone splits the first document
+    joined = partition_runs(*args, join_s=1.5)
+    assert joined.lost_saving_tokens.sum() == 0
+    assert joined.part_lo.tolist() == [0, 11] and joined.part_hi.tolist() == [11, 20]
+    assert joined.compute_s.tolist() == [11.5, 9.5]
+    assert partition_runs(*args, join_s=1.0).lost_saving_tokens.sum() == 100  # the piece is above the grain
+
+
+@given(run_sets(), st.integers(1, 6), st.floats(0.0, 20.0))
+@settings(max_examples=100, deadline=None)
+def test_joining_small_pieces_keeps_every_row_once_and_never_computes_more(runs, replicas, join_s):
+    starts, comp, mem, prefix = runs
+    plain = partition_runs(starts, comp, mem, prefix * 0.01, prefix, replicas)
+    part = partition_runs(starts, comp, mem, prefix * 0.01, prefix, replicas, join_s=join_s)
+    rows = np.concatenate([np.arange(lo, hi) for lo, hi in zip(part.part_lo, part.part_hi)]) \
+        if len(part.part_lo) else np.zeros(0, np.int64)
+    assert sorted(rows.tolist()) == list(range(int(starts[-1])))
+    assert part.lost_saving_tokens.sum() <= plain.lost_saving_tokens.sum()

@@ -24,7 +24,49 @@ def test_a_replica_that_runs_dry_takes_the_last_unit_of_the_busiest_whole():
     stolen = q.take(2, "c")                    # then the back of the busiest queue
     assert (stolen.kind, stolen.unit, stolen.stolen_from, stolen.rows) == (UNIT, 4, 1, None)
     assert q.take(1, "b").unit == 2            # the victim keeps its order from the front
-    assert q.steals == [{"unit": 4, "from": 1, "to": 2, "seconds": 5.0, "at_s": q.steals[0]["at_s"]}]
+    assert q.steals == [{"unit": 4, "from": 1, "to": 2, "seconds": 5.0, "victim_expected_s": 7.0,
+                         "at_s": q.steals[0]["at_s"]}]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_victim_is_the_replica_expected_to_finish_last_at_its_measured_pace():
+    """Replica 0 has more predicted work queued (6 s against 5 s) but runs twice as fast as
+    predicted; replica 1 runs at half speed and holds a unit: replica 1 is relieved first."""
+    clock = Clock()
+    q = queue([0, 0, 0, 0, 1, 1, 1, 2], [5, 5, 5, 6, 5, 5, 5, 5], clock=clock)
+    assert [q.take(r, t).unit for r, t in ((0, "a"), (1, "b"), (2, "c"))] == [0, 4, 7]
+    clock.now = 2.5
+    q.finished(0, "a")
+    assert q.take(0, "a").unit == 1
+    clock.now = 5.0
+    q.finished(1, "a")
+    q.finished(7, "c")
+    assert q.take(0, "a").unit == 2
+    clock.now = 10.0
+    q.finished(4, "b")
+    assert q.take(1, "b").unit == 5
+    assert q.paces() == [1.0, 0.5, 0.5]  # predicted seconds finished per second since the first take
+    # replica 0: (6 queued + 5 held) / 1.0 = 11 s; replica 1: (5 + 5) / 0.5 = 20 s
+    assert q.expected_seconds_left()[:2] == [11.0, 20.0]
+    stolen = q.take(2, "c")
+    assert (stolen.unit, stolen.stolen_from) == (6, 1)
+
+
+def test_a_replica_that_finished_nothing_is_expected_at_the_jobs_mean_pace():
+    clock = Clock()
+    q = queue([0, 1, 1], [4, 4, 4], clock=clock)
+    q.take(0, "a"), q.take(1, "b")
+    clock.now = 2.0
+    q.finished(0, "a")  # replica 0: pace 2; replica 1 finished nothing yet
+    assert q.paces() == [2.0, None]
+    assert q.expected_seconds_left() == [0.0, 4.0]  # (4 queued + 4 held) / the mean pace 2
 
 
 def test_every_unit_is_handed_out_once():
