@@ -57,7 +57,7 @@ def _keep_best(best: dict, name: str, result: dict) -> None:
 
 
 def _summary(scorer, n: int) -> dict:
-    st = scorer.stats
+    st = scorer.score_stats
     lat = np.array(list(st.latency_s.values())) if st.latency_s else np.zeros(1)
     return dict(requests=n, seconds=round(st.wall_time_s, 2),
                 requests_per_s=round(n / st.wall_time_s, 2), prefix_hits=st.num_prefix_hits,
@@ -130,7 +130,7 @@ def _online(make, prompts, users, offline: dict, load: float) -> dict:
         for _ in s.score_groups(groups, CHOICES, arrivals=arrivals, tokens_per_s=TOKENS_PER_S):
             pass
         out[name] = _summary(s, len(prompts))
-        last = max(arrivals[r] + lat for r, lat in s.stats.latency_s.items())
+        last = max(arrivals[r] + lat for r, lat in s.score_stats.latency_s.items())
         out[name]["virtual_seconds"] = round(last, 3)
         out[name]["virtual_requests_per_s"] = round(len(prompts) / last, 2)
         print(load, name, out[name], flush=True)

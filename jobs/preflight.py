@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixflow.errors import InvalidSetting, did_you_mean, short
+from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
 from prefixflow.operators.columns import ERROR, SOURCE
-from prefixflow.operators.config import sampling_with_defaults
 from prefixflow.operators.read import SUFFIXES, parse_file
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
 from prefixflow.operators.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST,
@@ -62,9 +61,9 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     try:
         files = list_input_files(spec.input.path, storage)
         input_listing([f for f in files if protocol(f) in HTTP], storage)  # a size or an ETag
-    except ValueError as e:
+    except ValueError as e:  # a FieldProblem of input.path, or a bad URL's own error
         files = []
-        problems.append(("input.path", str(e).removeprefix("input.path=")))
+        problems.append(("input.path", e.text if isinstance(e, FieldProblem) else str(e)))
     except Exception as e:  # fsspec drivers raise many kinds; one line each
         if not isinstance(e, OSError) and is_local(_first_path(spec.input.path)):
             raise
@@ -186,7 +185,7 @@ def _generation_config_problem(spec: JobSpec) -> str | None:
     """The model's generation_config.json as the job will read it (invalid JSON, a bad value
     the spec does not override), named by its file."""
     try:
-        sampling_with_defaults(spec.model, spec.sampling_given())
+        spec.to_config().sampling_params  # reads generation_config.json and checks it against the spec
     except ValueError as e:
         return str(e)
     return None

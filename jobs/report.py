@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from prefixflow.operators.config import sampling_with_defaults
 from prefixflow.operators.outputs import plain
 from prefixflow.operators.progress import RunProgress
 from prefixflow.storage import masked
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without the plan's modules loaded
     from prefixflow.jobs.spec import JobSpec
+    from prefixflow.operators.config import ProcessorConfig
     from prefixflow.operators.plan import PlannedJob
 
 
@@ -147,8 +147,8 @@ def _rate(counts: dict[str, Any]) -> float:
     return counts["generated_tokens"] / max(counts["time"] - counts["run_started"], 1e-9)
 
 
-def metrics(spec: JobSpec, planned: PlannedJob, manifests: list[dict[str, Any]], replica_records: list[dict],
-            wall_s: float, generate_s: float) -> dict[str, Any]:
+def metrics(spec: JobSpec, config: ProcessorConfig, planned: PlannedJob, manifests: list[dict[str, Any]],
+            replica_records: list[dict], wall_s: float, generate_s: float) -> dict[str, Any]:
     """metrics.json: counts, throughput, saving, stage times, per-replica times and steps."""
     rows = sum(m["num_rows"] for m in manifests)
     errors = sum(m["num_errors"] for m in manifests)
@@ -172,7 +172,7 @@ def metrics(spec: JobSpec, planned: PlannedJob, manifests: list[dict[str, Any]],
         "throughput": {"rows_per_s": rows / generate_s if generate_s else 0.0,
                        "generated_tokens_per_s": generated / generate_s if generate_s else 0.0,
                        "total_tokens_per_s": (prompt + generated) / generate_s if generate_s else 0.0},
-        "sampling": sampling_used(spec),
+        "sampling": sampling_used(config),
         "per_replica": [_replica(r) for r in replica_records],
         "plan": plain(planned.plan.summary),
         # Planning moves metadata, not prompts: compare with prompt_tokens * 4 (int32 token ids).
@@ -181,12 +181,11 @@ def metrics(spec: JobSpec, planned: PlannedJob, manifests: list[dict[str, Any]],
     }
 
 
-def sampling_used(spec: JobSpec) -> dict[str, Any]:
+def sampling_used(config: ProcessorConfig) -> dict[str, Any]:
     """The job's default sampling parameters, and which of them came from the model."""
     from dataclasses import asdict
 
-    params, taken = sampling_with_defaults(spec.model, spec.sampling_given())
-    return {"params": plain(asdict(params)), "from_generation_config": plain(taken)}
+    return {"params": plain(asdict(config.sampling_params)), "from_generation_config": plain(config.sampling_from_model)}
 
 
 def _engine_saving(records: list[dict]) -> float | None:
@@ -195,8 +194,7 @@ def _engine_saving(records: list[dict]) -> float | None:
     if not totals or any(t is None for t in totals):
         return None
     prompt = sum(t["num_prompt_tokens"] for t in totals)
-    # The generating engine says num_computed_prompt_tokens; the Scorer num_computed_tokens.
-    computed = sum(t.get("num_computed_prompt_tokens", t.get("num_computed_tokens", 0)) for t in totals)
+    computed = sum(t["num_computed_prompt_tokens"] for t in totals)
     return 1 - computed / prompt if prompt else 0.0
 
 

@@ -140,7 +140,7 @@ def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: W
         raise RuntimeError(f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
                            f"{wopts.path!r} were not committed: rerun with output.resume: true")
     # The commit records are the truth (a killed actor's last report may never arrive).
-    metrics = report.metrics(spec, planned, final.manifests, ray.get(sink.get.remote()),
+    metrics = report.metrics(spec, processor.config, planned, final.manifests, ray.get(sink.get.remote()),
                              wall_s=time.perf_counter() - started,
                              generate_s=time.perf_counter() - gen_started)
     ray.kill(sink)  # now, not when Ray collects it: a resume in this process takes the same name

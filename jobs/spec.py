@@ -393,7 +393,7 @@ class JobSpec(_Strict):
                         Discriminator(lambda v: "tag:range" if isinstance(v, (dict, ReplicasSpec)) else "tag:count")] = \
         Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
     work_stealing: StrictBool = Field(default=_default("work_stealing"), description="a replica that runs "
-                                "dry takes the last unstarted plan units of the busiest one")
+                                "dry takes the last unstarted plan units of the one expected to finish last")
     max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
                                      "dies this many more times in a row without committing a row "

@@ -107,7 +107,7 @@ class ProcessorConfig:
         added) and takes work then.
     min_replicas: the fewest engines the cluster must hold when the job starts (None: replicas),
         as ray.data.llm's `concurrency=(min, max)`.
-    work_stealing: a replica that runs dry takes the last unstarted plan units of the busiest
+    work_stealing: a replica that runs dry takes the last unstarted plan units of the one expected to finish last
         (operators/work_queue.py); False: each runs only its own partition (the static plan).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
         num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
@@ -177,14 +177,23 @@ class ProcessorConfig:
         object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
         object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
 
-    @cached_property
+    @property
     def sampling_params(self) -> SamplingParams:
         """The SamplingParams each row starts from: `sampling` when it is one, else its fields
         over the model's generation_config.json (read once per config object, on first use; a
         config pickled after that carries it)."""
+        return self._sampling_resolved[0]
+
+    @property
+    def sampling_from_model(self) -> dict[str, Any]:
+        """The fields of sampling_params taken from the model's generation_config.json."""
+        return self._sampling_resolved[1]
+
+    @cached_property
+    def _sampling_resolved(self) -> tuple[SamplingParams, dict[str, Any]]:
         if isinstance(self.sampling, SamplingParams):
-            return self.sampling
-        return sampling_with_defaults(self.model, self.sampling or {})[0]
+            return self.sampling, {}
+        return sampling_with_defaults(self.model, self.sampling or {})
 
     def _check(self) -> None:
         """The fields' own checks (task, order and the engine's are setting_problems')."""

@@ -19,13 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
 
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY
-from prefixflow.engine.outputs import error_output
+from prefixflow.engine.outputs import EngineTotals, RequestOutput, StepStats, error_output
 from prefixflow.engine.scoring.choices import ScoreOutput
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import ProcessorConfig
@@ -40,6 +40,33 @@ from prefixflow.pipeline.plan import PlanUnit
 
 logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
+
+
+class GeneratingEngine(Protocol):
+    """What a replica's runner uses of a generating engine (LLMEngine, VllmEngine): `run` over
+    planned groups as it has room, `reset` after a failed run, and the last run's records,
+    `stats` (one StepStats per step, appended as it runs: the live progress reads it) and
+    `totals` (set when the run ends)."""
+
+    stats: list[StepStats]
+    totals: EngineTotals | None
+
+    def run(self, groups: Iterable[Any], params: Any) -> Iterator[RequestOutput]: ...
+
+    def reset(self) -> None: ...
+
+
+class ScoringEngine(Protocol):
+    """What the runner uses of a scoring engine (Scorer, VllmEngine): `score_groups`, and the
+    same records (a Scorer makes no steps: its `stats` stays empty)."""
+
+    stats: list[StepStats]
+    totals: EngineTotals | None
+
+    def score_groups(self, groups: Iterable[Any], choices: Any) -> Iterator[ScoreOutput]: ...
+
+
+ReplicaEngine = GeneratingEngine | ScoringEngine
 PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 
 
@@ -49,14 +76,15 @@ class UnitFeed:
     queue: the job's WorkQueue actor (None: run `payloads[replica]` in plan order, the Python
     API's static partitions). payloads: per replica, object refs of its units' payloads
     (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
-    Iterating yields UnitPayloads; `committed` tells the queue when every row of a unit it
-    handed out is committed.
+    Iterating yields UnitPayloads; `ran` tells the queue when every row of a unit has its
+    output (the pace of work stealing), `committed` when every row of it is committed.
     """
 
     def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray,
                  queue: Any = None, token: str = ""):
         self.replica, self.payloads, self.skip, self.queue, self.token = replica, payloads, skip, queue, token
         self.left: dict[int, int] = {}        # unit -> its rows not committed yet
+        self.to_run: dict[int, int] = {}      # unit -> its rows without an output yet
         self.unit_of: dict[int, int] = {}     # row -> its unit
         self.stolen: list[int] = []           # units taken from another replica's queue
         self.units: list[int] = []            # every unit run, in the order taken
@@ -92,9 +120,21 @@ class UnitFeed:
             unit = PlanUnit(unit.unit_id, unit.replica, groups, unit.predicted_seconds)
             payload = UnitPayload(unit, payload.rows.filter(pa.array(keep)), payload.ranks[keep])
         self.units.append(unit.unit_id)
-        self.left[unit.unit_id] = len(unit.row_ids)
+        self.left[unit.unit_id] = self.to_run[unit.unit_id] = len(unit.row_ids)
         self.unit_of.update((int(r), unit.unit_id) for r in unit.row_ids)
         yield payload
+
+    def ran(self, row_id: int) -> None:
+        """A row has its output: a unit whose rows all have theirs has run (its commit may come
+        much later, a part holding many units)."""
+        unit = self.unit_of.get(int(row_id))
+        if unit is None or unit not in self.to_run:
+            return
+        self.to_run[unit] -= 1
+        if self.to_run[unit] == 0:
+            del self.to_run[unit]
+            if self.queue is not None:
+                self.queue.ran.remote(unit, self.token)
 
     def committed(self, row_ids: Iterable[int]) -> None:
         """Rows just committed: a unit whose rows are all committed is finished."""
@@ -120,12 +160,12 @@ class ReplicaRunner:
 
     def __init__(self, config: ProcessorConfig, report: Callable[[dict[str, Any]], None] | None = None):
         self.config = config
-        self.engine: Any = None
+        self.engine: ReplicaEngine | None = None
         self.record: dict[str, Any] | None = None  # the last run's metrics (see _record)
         # Called with live counters while the engine runs (a Heartbeat thread; none: no reports).
         self.report = report
 
-    def load(self) -> Any:
+    def load(self) -> ReplicaEngine:
         if self.engine is None:
             self.engine = make_engine(self.config)
         return self.engine
@@ -135,9 +175,11 @@ class ReplicaRunner:
         see one_unit)."""
         yield from self.run_units(replica, [one_unit(replica, groups, rows, row_ids)])
 
-    def run_units(self, replica: int, feed: Iterable[UnitPayload | None]) -> Iterator[pa.Table]:
+    def run_units(self, replica: int, feed: Iterable[UnitPayload | None],
+                  ran: Callable[[int], None] | None = None) -> Iterator[pa.Table]:
         """Output chunks (config.rows_per_chunk rows, each of one plan replica, so that a part
-        keeps its plan name) of the units `feed` yields, taken as the engine has room."""
+        keeps its plan name) of the units `feed` yields, taken as the engine has room; `ran`
+        hears each row id as its output comes (UnitFeed.ran)."""
         started = time.time()
         self.record = None
         book = _Book(self.config)
@@ -149,6 +191,8 @@ class ReplicaRunner:
             for out in engine_outputs(engine, self.config, book, feed):
                 if beat is not None:
                     beat.finished(out)
+                if ran is not None:
+                    ran(out.row_id)
                 outs = pending.setdefault(book.plan_replica(out.row_id), [])
                 outs.append(out)
                 if len(outs) >= self.config.rows_per_chunk:
@@ -163,12 +207,9 @@ class ReplicaRunner:
     def _record(self, replica: int, started: float, loaded: float, book: "_Book") -> dict[str, Any]:
         """Times and the engine's per-step token counts of one run (metrics.json's replicas)."""
         finished = time.time()
-        stats = getattr(self.engine, "stats", None)
-        totals = getattr(self.engine, "totals", None)
-        if self.config.task == "score" and self.config.backend == "native":
-            # the native Scorer keeps run totals, not per-step records
-            stats, totals = None, {k: v for k, v in plain(stats).items() if k != "latency_s"}
-        steps = [plain(s) for s in stats] if stats is not None else []
+        engine = self.load()
+        totals = engine.totals
+        steps = [plain(s) for s in engine.stats]
         return {"replica": replica, "num_rows": book.num_rows, "num_groups": book.num_groups,
                 "num_units": len(book.units), "start_s": started, "engine_ready_s": loaded,
                 "end_s": finished, "seconds": finished - started, "run_seconds": finished - loaded,
@@ -249,7 +290,7 @@ class Heartbeat:
     replaced when a run starts) and the counts `finished` keeps.
     """
 
-    def __init__(self, engine: Any, replica: int, run_started: float,
+    def __init__(self, engine: ReplicaEngine, replica: int, run_started: float,
                  report: Callable[[dict[str, Any]], None], every_s: float = PROGRESS_EVERY_S):
         self.engine, self.replica, self.run_started, self.report = engine, replica, run_started, report
         self.rows = self.output_tokens = 0   # from finished requests (main thread)
@@ -291,9 +332,7 @@ class Heartbeat:
             self._report_failed = True
 
     def _read_steps(self) -> None:
-        stats = getattr(self.engine, "stats", None)
-        if not isinstance(stats, list):  # the native Scorer keeps totals only: rows then
-            return
+        stats = self.engine.stats
         if stats is not self._seen:
             if self._seen is not None:  # a new run replaced the list: finish the old one first
                 self._count(self._seen[self._index:])
@@ -307,7 +346,7 @@ class Heartbeat:
         self.decode_tokens += sum(getattr(s, "num_decode_tokens", 0) for s in steps)
 
 
-def make_engine(config: ProcessorConfig) -> Any:
+def make_engine(config: ProcessorConfig) -> ReplicaEngine:
     """The engine of one replica: the one place that picks its class by backend and task."""
     if config.backend == "vllm":
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
@@ -402,7 +441,7 @@ class ReplicaGenerator:
     def _chunks(self, replica: int, feed: UnitFeed) -> Iterator[pa.Table]:
         import ray
 
-        yield from self.runner.run_units(replica, feed)
+        yield from self.runner.run_units(replica, feed, feed.ran)
         if self.runner.record is not None and self.sink is not None:
             record = {**self.runner.record, "node_id": ray_node_id(), "units": list(feed.units),
                       "stolen_units": list(feed.stolen)}
@@ -442,13 +481,13 @@ def one_unit(replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarra
     return UnitPayload(PlanUnit(0, replica, list(groups), 0.0), taken, np.arange(len(order), dtype=np.int64))
 
 
-def group_outputs(engine: Any, config: ProcessorConfig, groups: list[Any], rows: pa.Table,
+def group_outputs(engine: ReplicaEngine, config: ProcessorConfig, groups: list[Any], rows: pa.Table,
                   row_ids: np.ndarray) -> Iterator[Any]:
     """engine_outputs for a list of groups run as one unit (one_unit)."""
     return engine_outputs(engine, config, _Book(config), [one_unit(0, groups, rows, row_ids)])
 
 
-def engine_outputs(engine: Any, config: ProcessorConfig, book: "_Book",
+def engine_outputs(engine: ReplicaEngine, config: ProcessorConfig, book: "_Book",
                    feed: Iterable[UnitPayload | None]) -> Iterator[Any]:
     """The engine's outputs for the units of `feed` (generated requests, or scored rows), one
     per row: an exception inside the engine fails only the rows it hits (operators/isolate.py).
@@ -459,14 +498,16 @@ def engine_outputs(engine: Any, config: ProcessorConfig, book: "_Book",
     if config.task == "score":
         # The native Scorer took its options when it was built; VllmEngine takes them per run.
         more = {"options": config.score.options()} if config.backend == "vllm" else {}
+        scorer = cast(ScoringEngine, engine)
         for payload in units:
             if payload is NOT_READY:
                 time.sleep(IDLE_POLL_S)
                 continue
-            yield from run_isolated(lambda groups: engine.score_groups(groups, book.params, **more),
+            yield from run_isolated(lambda groups: scorer.score_groups(groups, book.params, **more),
                                     payload.unit.groups, lambda: None,
                                     lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
         return
     groups = (g for payload in units for g in ((NOT_READY,) if payload is NOT_READY else payload.unit.groups))
-    yield from run_isolated(lambda gs: engine.run(gs, book.params), groups, engine.reset,
+    generator = cast(GeneratingEngine, engine)
+    yield from run_isolated(lambda gs: generator.run(gs, book.params), groups, generator.reset,
                             lambda rid, why: error_output(rid, [], why))

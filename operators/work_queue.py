@@ -12,8 +12,9 @@ An engine takes its next unit when its scheduler has room (engine/intake.py):
   - else DONE: the engine finishes what it holds and ends.
 
 A replica is expected to finish when the predicted seconds of its queued and held units are
-done at its pace: the predicted seconds of the units it finished per second since it first took
-one (the job's mean pace until it finished one). So the rows' real cost decides, not the cost
+done at its pace: the predicted seconds of the units it ran per second since it first took one
+(the job's mean pace until it ran one). A unit has run when every row of it has its output
+(`ran`), which comes long before its part is committed (`finished`). So the rows' real cost decides, not the cost
 model's guess: a replica whose outputs run longer than predicted, or whose cache thrashes, is
 relieved first, and one holding much unfinished work is not left to finish it alone.
 
@@ -57,6 +58,7 @@ class _Unit:
     rows: tuple[int, ...] | None = None  # rows left to run; None: all
     holder: str | None = None  # the engine (run token) that took it
     taker: int = -1           # the replica of that engine
+    ran: bool = False         # every row of it has its output (counted in the taker's pace)
     done: bool = False
 
 
@@ -87,7 +89,7 @@ class WorkQueue:
                 self.queues[unit.replica].append(u)
         self.seconds_left = [sum(self.units[u].seconds for u in q) for q in self.queues]
         self.held_seconds = [0.0] * self.num_replicas   # predicted seconds of units held, by taker
-        self.done_seconds = [0.0] * self.num_replicas   # ... of units finished, by taker
+        self.done_seconds = [0.0] * self.num_replicas   # ... of units run (`ran`), by taker
         self.first_take: list[float | None] = [None] * self.num_replicas
         self.started = self.clock()
 
@@ -110,15 +112,15 @@ class WorkQueue:
         return self._hand(unit, replica, token, victim)
 
     def paces(self) -> list[float | None]:
-        """Each replica's predicted seconds finished per second since its first take (None
-        before it finished a unit)."""
+        """Each replica's predicted seconds run per second since its first take (None before
+        it ran a unit)."""
         now = self.clock()
         return [done / max(now - first, 1e-9) if done > 0 and first is not None else None
                 for done, first in zip(self.done_seconds, self.first_take)]
 
     def expected_seconds_left(self) -> list[float]:
         """Seconds until each replica has run its queued and held units, at its pace (module
-        docstring); the job's mean pace for a replica that finished nothing yet."""
+        docstring); the job's mean pace for a replica that ran nothing yet."""
         paces = self.paces()
         known = [p for p in paces if p]
         mean = sum(known) / len(known) if known else 1.0
@@ -131,12 +133,20 @@ class WorkQueue:
         u.holder, u.taker = token, replica
         return Take(UNIT, unit, u.rows, stolen_from)
 
+    def ran(self, unit: int, token: str) -> None:
+        """Every row of `unit` that `token` was given has its output: the unit counts in the
+        taker's pace (module docstring) and no longer as work it holds."""
+        u = self.units[unit]
+        if u.holder == token and not u.ran:
+            self.held_seconds[u.taker] -= u.seconds
+            self.done_seconds[u.taker] += u.seconds
+            u.ran = True
+
     def finished(self, unit: int, token: str) -> None:
         """Every row of `unit` that `token` was given is committed."""
         u = self.units[unit]
         if u.holder == token:
-            self.held_seconds[u.taker] -= u.seconds
-            self.done_seconds[u.taker] += u.seconds
+            self.ran(unit, token)
             u.done, u.holder = True, None
 
     def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
@@ -147,8 +157,9 @@ class WorkQueue:
         for u, unit in enumerate(self.units):
             if unit.holder != token:
                 continue
-            self.held_seconds[unit.taker] -= unit.seconds
-            unit.holder = None
+            if not unit.ran:
+                self.held_seconds[unit.taker] -= unit.seconds
+            unit.holder, unit.ran = None, False
             left = tuple(int(r) for r in rows_left.get(u, ()))
             if not left:
                 unit.done = True

@@ -20,7 +20,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = ("build_processor", "ProcessorConfig", "Generator", "PromptTemplate", "build_llm_processor",
+# The public API's names: api.__all__, listed here so that `import prefixflow` imports nothing
+# (tests/cpu/test_import_isolation.py checks that the two lists agree).
+_API = ("build_processor", "ProcessorConfig", "Processor", "Generator", "PromptTemplate", "build_llm_processor",
         "vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
         "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
         "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig", "ServeDeploymentProcessorConfig")

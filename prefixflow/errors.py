@@ -47,6 +47,19 @@ class InvalidSetting(ValueError):
         return (InvalidSetting, (self.owner, self.name, self.value, self.fix))
 
 
+class FieldProblem(ValueError):
+    """A problem found with the value of one setting (`field`, as the job spec names it) outside
+    its dataclass: `text` starts with the value and says the problem and the fix; the message is
+    `field=text`. A caller that lists problems by field (prefixflow validate) takes the parts."""
+
+    def __init__(self, field: str, text: str):
+        self.field, self.text = field, text
+        super().__init__(f"{field}={text}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FieldProblem, (self.field, self.text))
+
+
 def invalid(owner: str, name: str, value: Any, fix: str) -> InvalidSetting:
     """The error for `owner.name=value`, saying how to fix it (raise what it returns)."""
     return InvalidSetting(owner, name, short(value), fix)

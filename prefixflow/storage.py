@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixflow.errors import invalid, require
+from prefixflow.errors import FieldProblem, invalid, require
 from prefixflow.retry import RetryPolicy
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
@@ -361,8 +361,8 @@ def list_input_files(path: str | list[str], storage: StorageOptions,
         else:
             matches = []
         if not matches:
-            raise ValueError(f"input.path={masked(p)!r} matches no file: check the path (and, "
-                             "for a URL, the bucket, endpoint and credentials)")
+            raise FieldProblem("input.path", f"{masked(p)!r} matches no file: check the path (and, "
+                               "for a URL, the bucket, endpoint and credentials)")
         found.extend(with_scheme(p, m) for m in matches)
     return found
 
@@ -371,8 +371,8 @@ def _http_file(url: str, fs: Any) -> list[str]:
     """[url] when the server has the file (one HEAD request), [] when it answers 404; the
     OSError of a server that cannot be reached."""
     if url.endswith("/"):
-        raise ValueError(f"input.path={masked(url)!r} names a folder, which HTTP cannot list: "
-                         "give the URL of each file (input.path takes a list)")
+        raise FieldProblem("input.path", f"{masked(url)!r} names a folder, which HTTP cannot list: "
+                           "give the URL of each file (input.path takes a list)")
     try:
         fs.info(url)
     except FileNotFoundError as e:  # fsspec's answer to any failure: a 404, or no connection

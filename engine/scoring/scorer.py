@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.outputs import EngineTotals, StepStats
 from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_model_args, resolve_device,
                                              resolve_max_model_len)
 from prefixflow.engine.scoring.cache import PrefixCache
@@ -71,7 +72,9 @@ class _Req:
 
 
 class Scorer:
-    """One replica's scoring engine. `stats` describes the last run."""
+    """One replica's scoring engine. The last run: `score_stats` (prefix hits and misses,
+    latencies), `totals` (every engine's EngineTotals, set when it ends) and `stats`, empty:
+    a Scorer runs one forward per row, not steps of a batch."""
 
     def __init__(self, config: EngineConfig, options: ScoreOptions = ScoreOptions()) -> None:
         self.config, self.options = config, options
@@ -86,7 +89,9 @@ class Scorer:
             budget = config.kv_cache_bytes if config.kv_cache_bytes is not None \
                 else DEFAULT_PREFIX_CACHE_BYTES
         self.prefix_cache_bytes = budget
-        self.stats = ScoreStats()
+        self.score_stats = ScoreStats()
+        self.stats: list[StepStats] = []
+        self.totals: EngineTotals | None = None
 
     def max_input_len(self, prefix_len: int = 0) -> int:
         """Longest prompt one forward can take within max_forward_bytes (and max_model_len)
@@ -134,7 +139,8 @@ class Scorer:
         virtual = 0.0
         clock = (lambda: virtual + skipped) if tokens_per_s else \
             (lambda: time.perf_counter() - start + skipped)
-        self.stats = stats = ScoreStats()
+        self.score_stats = stats = ScoreStats()
+        self.totals = None
         cache = PrefixCache(self.prefix_cache_bytes)
         reqs: list[_Req] = []
         for i, g in enumerate(groups):
@@ -170,6 +176,10 @@ class Scorer:
             yield out
         stats.num_evictions = cache.num_evictions
         stats.wall_time_s = time.perf_counter() - start
+        self.totals = EngineTotals(
+            num_requests=stats.num_requests, num_prompt_tokens=stats.num_prompt_tokens,
+            num_computed_prompt_tokens=stats.num_computed_tokens, num_recomputed_tokens=0, num_output_tokens=0,
+            num_steps=0, num_preemptions=0, wall_time_s=stats.wall_time_s)
 
     # ------------------------------------------------------------------ internals
 

@@ -46,3 +46,13 @@ def test_planner_builds_a_plan_without_torch():
         "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_packages_lazy_names_are_the_apis_names():
+    """`prefixflow.X` resolves the names of api.__all__, listed in prefixflow/__init__.py so
+    that `import prefixflow` imports nothing: the two lists agree."""
+    import prefixflow
+    from prefixflow import api
+
+    assert sorted(prefixflow.__all__) == sorted(["__version__", *api.__all__])
+    assert all(getattr(prefixflow, name) is getattr(api, name) for name in api.__all__)

@@ -254,7 +254,7 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
     spec = parse_spec({"model": str(model), "input": {"path": "in.jsonl"}, "output": {"path": "o"},
                        "prompt": {"template": "{{ q }}"}, "sampling": {"max_tokens": 8}})
     assert spec.to_config().sampling_params == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
-    used = report.sampling_used(spec)  # what metrics.json records
+    used = report.sampling_used(spec.to_config())  # what metrics.json records
     assert used["from_generation_config"] == {"temperature": 0.7, "top_p": 0.9}
     assert used["params"]["max_tokens"] == 8 and used["params"]["temperature"] == 0.7
 

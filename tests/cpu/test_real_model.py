@@ -72,4 +72,4 @@ def test_score_prefers_the_right_answer(smollm2):
     scorer = Scorer(EngineConfig(model=MODEL, device="cpu"), ScoreOptions())
     outs = scorer.score(prompts, choices)
     assert [o.label for o in outs] == [right for _, right, _ in EITHER_OR], [o.probs for o in outs]
-    assert scorer.stats.num_prefix_hits > 0  # the shared system prompt was computed once
+    assert scorer.score_stats.num_prefix_hits > 0  # the shared system prompt was computed once

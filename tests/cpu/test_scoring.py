@@ -51,8 +51,11 @@ def test_scores_match_transformers_with_and_without_shared_prefixes(ckpt, chunk_
     prompts += [rand_tokens(33, seed=2), rand_tokens(16, seed=3)]   # unrelated rows
     choices = [5, 17, 300]
     outs = s.score(prompts, choices)
-    assert s.stats.num_prefix_misses == 1 and s.stats.num_prefix_hits == 3
+    assert s.score_stats.num_prefix_misses == 1 and s.score_stats.num_prefix_hits == 3
     assert [o.prefix_len for o in outs] == [29] * 4 + [0, 0]
+    # every engine's totals: the shared profile computed once, no steps
+    assert s.totals.num_computed_prompt_tokens == sum(map(len, prompts)) - 3 * 29 == s.score_stats.num_computed_tokens
+    assert s.totals.num_requests == 6 and s.totals.num_output_tokens == 0 and s.stats == []
     for ids, out in zip(prompts, outs):
         assert out.error is None and out.choice_token_ids == (5, 17, 300)
         probs, logprobs = hf_scores(hf, ids, out.choice_token_ids)
@@ -142,8 +145,8 @@ def test_continuous_jct_calibration_gets_the_extra_hit_of_fig5(calibrate, hits):
               _group(1, p2, {2: rand_tokens(4, 24), 1: rand_tokens(6, 25)})]     # C, B
     order = [o.row_id for o in s.score_groups(groups, [1, 2])]
     assert order == ([0, 3, 2, 1] if calibrate else [0, 2, 1, 3])
-    assert s.stats.num_prefix_hits == hits
-    assert s.stats.num_prefix_misses == 4 - hits
+    assert s.score_stats.num_prefix_hits == hits
+    assert s.score_stats.num_prefix_misses == 4 - hits
 
 
 def test_fcfs_policy_keeps_plan_order_and_zero_cache_recomputes():
@@ -152,7 +155,7 @@ def test_fcfs_policy_keeps_plan_order_and_zero_cache_recomputes():
     groups = [_group(0, rand_tokens(10, 30), {5: [1, 2], 6: [3]}),
               _group(1, rand_tokens(10, 31), {7: [4, 5, 6], 8: [7]})]
     assert [o.row_id for o in s.score_groups(groups, [1, 2])] == [5, 6, 7, 8]
-    assert s.stats.num_prefix_hits == 0 and s.stats.num_prefix_misses == 4
+    assert s.score_stats.num_prefix_hits == 0 and s.score_stats.num_prefix_misses == 4
 
 
 def test_virtual_clock_latencies_are_computed_tokens_over_rate():
@@ -165,6 +168,6 @@ def test_virtual_clock_latencies_are_computed_tokens_over_rate():
     outs = list(s.score_groups(groups, [1, 2], arrivals={0: 0.0, 1: 0.0, 2: 100.0},
                                tokens_per_s=2.0))
     assert [o.row_id for o in outs] == [0, 1, 2]
-    assert s.stats.latency_s == {0: 6.0, 1: 8.0, 2: 3.5}
+    assert s.score_stats.latency_s == {0: 6.0, 1: 8.0, 2: 3.5}
     with pytest.raises(ValueError, match="tokens_per_s=0"):
         list(s.score_groups(groups, [1, 2], tokens_per_s=0))

@@ -150,3 +150,16 @@ def test_the_driver_restarts_only_replicas_that_may_take_a_queued_unit():
     q.release("b", {1: [7]}, 1)  # replica 1's engine died holding unit 1: it starts again
     assert replicas_to_start(q.counts()["queued"], set(), set(), stealing=False) == [1]
     assert replicas_to_start([0, 0], set(), set(), stealing=True) == []
+
+
+def test_a_unit_counts_in_the_pace_when_its_rows_ran_long_before_their_commit():
+    clock = Clock()
+    q = queue([0, 0, 1], [4, 4, 4], clock=clock)
+    q.take(0, "a"), q.take(1, "b")
+    clock.now = 2.0
+    q.ran(0, "a")             # every output is out; the part holding them is not committed yet
+    assert q.paces() == [2.0, None] and q.held_seconds[0] == 0.0
+    q.finished(0, "a")        # the commit counts nothing twice
+    assert q.paces() == [2.0, None] and q.counts()["done"] == 1
+    q.ran(2, "someone else")  # only the holder's word counts
+    assert q.paces()[1] is None
