@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from prefixflow.bench.scale_bench import _with_blocks, acceptance, cell_summary, figures
+from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 
 
@@ -101,3 +101,13 @@ def test_the_tokenizers_own_eos_ends_rows_too():
     outputs = [[1, 1, 7, 1, 1, 1], [1, 1, 2, 1, 7, 1], [1, 1, 1, 1, 7, 1], [7, 1, 1, 1, 1, 1]]
     eos, lengths = choose_eos(outputs, 8, also=(2,))
     assert eos == 7 and lengths == [3, 3, 5, 1]
+
+
+def test_ray_keeps_the_faster_configuration_and_both_when_one_run_cannot_tell_them_apart():
+    def found(default_s: float, ours_s: float) -> dict:
+        return {"ray_llm_sorted_default/model_decided/4": [{"wall_from_first_request_s": default_s}],
+                "ray_llm_sorted_ours/model_decided/4": [{"wall_from_first_request_s": ours_s}]}
+
+    assert _ray_kept(found(256.1, 253.3), "model_decided", 4) == ["ray_llm_sorted_default", "ray_llm_sorted_ours"]
+    assert _ray_kept(found(300.0, 253.3), "model_decided", 4) == ["ray_llm_sorted_ours"]
+    assert _ray_kept({}, "model_decided", 4) == []
