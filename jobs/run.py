@@ -95,7 +95,7 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
         if not dry_run:
             prepare_output(wopts, spec.output.overwrite, spec.output.resume)
         processor = Processor(config)
-        planned = processor.plan(read_dataset(read_options(spec)))
+        planned = processor.plan(read_dataset(read_options(spec)), stealing=config.work_stealing)
         if not quiet:
             print(report.plan_text(planned), flush=True)
         if dry_run:

@@ -228,12 +228,14 @@ def replica_row_ids(planned: PlannedJob, replica: int) -> np.ndarray:
 
 
 def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = False,
-                 default_max_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> PlannedJob:
+                 default_max_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 stealing: bool = False) -> PlannedJob:
     """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc).
 
     default_max_tokens: the output-length hint of rows whose own max_tokens is null (the job's
     sampling default, which they run with); None leaves them unknown (estimated per subtree).
     block_size: the engine's KV block size; shared prefixes are planned in whole blocks.
+    stealing: the engines will steal units (a job with work_stealing): see build_plan.
     """
     t0 = time.perf_counter()
     refs = ds.to_arrow_refs()  # executes read + tokenize; blocks stay in the object store
@@ -259,7 +261,7 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
                             partial(fetch_tokens, rows, good_ids), max_cells=DEFAULT_MAX_CELLS)
     t2 = time.perf_counter()
     plan = build_plan(prompts, row_ids=good_ids, output_lens=out_lens, order=order,
-                      num_replicas=num_replicas)
+                      num_replicas=num_replicas, stealing=stealing)
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
     error_ids = np.setdiff1d(np.arange(offsets[-1], dtype=np.int64), good_ids, assume_unique=True)

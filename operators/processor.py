@@ -112,13 +112,15 @@ class Processor:
         out.context.execution_options.preserve_order = True
         return out
 
-    def plan(self, ds: Any) -> PlannedJob:
-        """Tokenize `ds` and plan it (materializes; the rows stay in the object store)."""
+    def plan(self, ds: Any, stealing: bool = False) -> PlannedJob:
+        """Tokenize `ds` and plan it (materializes; the rows stay in the object store).
+        stealing: the engines will steal units (a job run with work_stealing; the Python API
+        runs each replica's partition as it is)."""
         self.check_context()
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
                             default_max_tokens=self.config.sampling_params.max_tokens,
-                            block_size=self.config.engine_config.block_size)
+                            block_size=self.config.engine_config.block_size, stealing=stealing)
 
     def check_context(self) -> None:
         """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache

@@ -281,13 +281,15 @@ def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float) -> np.ndarray
 
 
 def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, outs: np.ndarray,
-                     cm: CostModel, num_replicas: int, block_size: int) -> ReplicaRuns:
+                     cm: CostModel, num_replicas: int, block_size: int, stealing: bool = False) -> ReplicaRuns:
     """Split the depth-first order's units across replicas (dual scan, BlendServe Sec. 5.5),
     each replica running its parts in depth-first order, then cut into runs. Depth-first, not
     in the order the scan took them: a replica's rows are then a subsequence of a preorder,
     where no earlier row shares more with a row than the one just before it, so the
     prediction's cache hits are the engine's (taken in scan order, a part followed a part of
-    the other end and found in the cache what two parts back had left, or had lost it)."""
+    the other end and found in the cache what two parts back had left, or had lost it).
+    stealing: the replicas steal units at run time: small pieces may join their group's replica
+    (build_plan)."""
     n, order, g = len(lengths), ng.row_order, ng.grouping
     starts = group_runs(g, order, np.zeros(n, dtype=np.int64))
     comp, owner, mem = row_seconds(cm, g, lengths, outs, starts, order, ng.prev_lcp, block_size)
@@ -307,7 +309,8 @@ def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, 
     fam_m = np.bincount(family, weights=np.diff(cum_m[units]))
     part = partition_runs(units, comp, mem, unit_owner, np.zeros(len(units) - 1, np.int64), num_replicas,
                           run_density=density(fam_c, fam_m)[family], row_cut_compute=cut_cost,
-                          join_s=float(comp.sum() + unit_owner.sum()) / (num_replicas * UNITS_PER_REPLICA))
+                          join_s=float(comp.sum() + unit_owner.sum()) / (num_replicas * UNITS_PER_REPLICA)
+                          if stealing else 0.0)
     part_len = part.part_hi - part.part_lo
     new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
     pos = np.arange(n, dtype=np.int64) + np.repeat(part.part_lo - new_starts[:-1], part_len)

@@ -90,7 +90,8 @@ def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: 
     row_cut_compute: [num_rows] seconds that row i recomputes when a cut puts it in another part
     than row i - 1 (what it shares with it); default: its run's prefix, for every row but the first.
     join_s: a piece predicted to take at most this long joins the replica of the neighbour it was
-    cut from when that saves compute (`_join_small_pieces`); the grain work stealing evens out.
+    cut from when that saves compute (`_join_small_pieces`); 0 (the default) for a partition that
+    runs as it is; a unit's time when work stealing evens out that grain at run time.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")

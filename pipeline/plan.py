@@ -166,7 +166,7 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
                output_lens: Sequence[int] | np.ndarray | None = None,
                order: str = DEFAULT_ORDER, num_replicas: int = 1, min_prefix_len: int = 1,
                model: ModelShape | dict | str | None = None,
-               hardware: str | HardwareProfile = "h100") -> Plan:
+               hardware: str | HardwareProfile = "h100", stealing: bool = False) -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
 
     prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens),
@@ -182,6 +182,11 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
         a config.json / model directory path); None: Llama-3.1-8B's shape.
     hardware: "h100" | "h200" | "a100" | "cpu" (measured) or a HardwareProfile. Replicas are
         balanced on the predicted time (cost_model.py; unknown output lengths use a default).
+    stealing: the replicas will steal units at run time (operators/work_queue.py), which evens out
+        a unit's worth of imbalance: the partition may then give a replica up to one unit's
+        predicted time more to keep a small piece of a group with the rest of it (its prefix
+        computed once, not twice; partition.py `_join_small_pieces`). Off for a partition that
+        runs as it is (the Python API's).
     """
     started = time.perf_counter()
     hashed = prompts if isinstance(prompts, HashedPrompts) else None
@@ -204,7 +209,7 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     if order == "batchllm":
         block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
         planned, ref, plan_kind = _batchllm(tree, grouping, lengths, est, cost_model, num_replicas,
-                                            min_prefix_len, block)
+                                            min_prefix_len, block, stealing)
     else:
         planned = _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
         ref, plan_kind = grouping, None
@@ -271,7 +276,7 @@ def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est
 
 def _batchllm(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, est: np.ndarray | None,
               cost_model: CostModel, num_replicas: int, min_prefix_len: int,
-              block: int) -> tuple[ReplicaRuns, Grouping, str]:
+              block: int, stealing: bool = False) -> tuple[ReplicaRuns, Grouping, str]:
     """The batchllm plan: nested groups (multilevel.py), unless the single-level plan (BatchLLM
     Alg. 1, groups in Eq. 3 order) is predicted to compute fewer prompt tokens. The nested
     prediction is what the engines compute; the single-level one counts no hit across groups,
@@ -281,7 +286,7 @@ def _batchllm(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, 
     building it)."""
     ng = nested_groups(tree, lengths, est, min_prefix_len, block)
     outs = np.full(len(lengths), DEFAULT_OUTPUT_LEN) if est is None else est
-    nested = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block)
+    nested = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block, stealing)
     computed = int(nested.run_computed.sum())
     if grouping is None or computed <= int(lengths.sum()) - grouping.saved_tokens:
         return nested, ng.grouping, "nested"

@@ -193,7 +193,8 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise SpecError(args.spec, problems)
     ensure_ray(args.address)
-    planned = Processor(spec.to_config()).plan(read_dataset(read_options(spec)))
+    config = spec.to_config()
+    planned = Processor(config).plan(read_dataset(read_options(spec)), stealing=config.work_stealing)
     print(report.plan_text(planned))
     import io
 

@@ -139,3 +139,16 @@ def test_joining_small_pieces_keeps_every_row_once_and_never_computes_more(runs,
         if len(part.part_lo) else np.zeros(0, np.int64)
     assert sorted(rows.tolist()) == list(range(int(starts[-1])))
     assert part.lost_saving_tokens.sum() <= plain.lost_saving_tokens.sum()
+
+
+def test_a_plan_for_work_stealing_keeps_small_pieces_with_their_group():
+    """Planned for engines that steal, a replica may take up to one unit's time more to keep a
+    group's small piece with the rest (its prefix computed once); planned to run as it is (the
+    Python API), the balance comes first. Both hold every row once."""
+    prompts, outs = grouped_prompts(60, seed=3)
+    static = build_plan(prompts, output_lens=outs, num_replicas=4)
+    stealing = build_plan(prompts, output_lens=outs, num_replicas=4, stealing=True)
+    assert sorted(stealing.table.column("row_id").to_pylist()) == list(range(len(prompts)))
+    assert stealing.summary["computed_prompt_tokens"] < static.summary["computed_prompt_tokens"]
+    assert static.summary["predicted_seconds_max_over_mean"] <= stealing.summary["predicted_seconds_max_over_mean"] \
+        <= static.summary["predicted_seconds_max_over_mean"] + 1 / 32  # one unit of a replica's share
