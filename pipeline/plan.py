@@ -175,18 +175,14 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     row_ids: one unique id per prompt (default 0..n-1).
     output_lens: expected output length per prompt (used by ordering and the cost model); -1
         marks an unknown one, estimated from the known ones in its subtree (BlendServe Sec. 5.1).
-    order: "fcfs" | "dfs" | "batchllm" | "blendserve".
-    num_replicas: data-parallel engine replicas.
+    order: "fcfs" | "dfs" | "batchllm" | "blendserve". num_replicas: data-parallel engine replicas.
     min_prefix_len: shortest prefix worth a group (engines pass their KV block size).
     model: the model's shape for the cost model (a ModelShape, a Hugging Face config dict, or
         a config.json / model directory path); None: Llama-3.1-8B's shape.
     hardware: "h100" | "h200" | "a100" | "cpu" (measured) or a HardwareProfile. Replicas are
         balanced on the predicted time (cost_model.py; unknown output lengths use a default).
-    stealing: the replicas will steal units at run time (operators/work_queue.py), which evens out
-        a unit's worth of imbalance: the partition may then give a replica up to one unit's
-        predicted time more to keep a small piece of a group with the rest of it (its prefix
-        computed once, not twice; partition.py `_join_small_pieces`). Off for a partition that
-        runs as it is (the Python API's).
+    stealing: the engines steal units (work_queue.py), evening out a unit's time: a small piece
+        of a group may join the rest on its replica (partition.py `_join_small_pieces`).
     """
     started = time.perf_counter()
     hashed = prompts if isinstance(prompts, HashedPrompts) else None
@@ -198,7 +194,6 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     require(order in ORDER_POLICIES, "build_plan", "order", order, one_of(ORDER_POLICIES))
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
-
     tree = PrefixTree.from_sorted(*hashed.sort_with_lcp(), lengths) if hashed is not None else \
         PrefixTree.build(tokens)
     single = order != "batchllm" or tree.num_nodes <= SINGLE_LEVEL_METRIC_MAX_NODES
