@@ -40,6 +40,7 @@ from prefixflow.pipeline.plan import PlanUnit
 
 logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
+PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 
 
 class GeneratingEngine(Protocol):
@@ -67,7 +68,6 @@ class ScoringEngine(Protocol):
 
 
 ReplicaEngine = GeneratingEngine | ScoringEngine
-PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 
 
 class UnitFeed:
