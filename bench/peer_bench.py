@@ -111,7 +111,7 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     """The engine of ENGINES[name] (or PROCESS_OF's shared one) with a KV cache of
     `cache_blocks` x 32 tokens, on the CPU with THREADS threads."""
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
 
     backend, _, parts, in_process = ENGINES[name]
     kv_bytes_per_token = read_model_args(path).kv_bytes_per_token_per_elem * 4  # fp32

@@ -112,7 +112,7 @@ def run_ray_data_llm(model: Path, data: Path, out: Path, args: argparse.Namespac
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
 
     margs = read_model_args(str(model))
     block = 32  # vLLM's CPU attention wants multiples of 32; prefixflow's vLLM replicas use 32 too

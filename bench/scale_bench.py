@@ -337,7 +337,7 @@ def summarize(args: argparse.Namespace, prep: dict[str, Any], found: dict[str, l
     for cell in runs.values():  # the outputs are compared; the file keeps their lengths only
         for r in cell["repeats"]:
             r["output_lengths"] = {int(i): len(t) for i, t in r.pop("outputs").items()}
-    from prefixflow.engine.models.loader import read_json
+    from prefixflow.engine.models.model_args import read_json
 
     return {
         "bench": "scale_bench",

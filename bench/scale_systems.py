@@ -71,7 +71,7 @@ def with_idle_engines(record: dict[str, Any], replicas: int) -> dict[str, Any]:
 
 
 def _run_prefixflow(system: str, replicas: int, data: Path, model: Path, out: Path, t0: float) -> dict[str, Any]:
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import parse_spec
     from prefixflow.operators.write import read_output
@@ -137,7 +137,7 @@ def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float)
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
 
     margs = read_model_args(str(model))
     blocks = KV_CACHE_BYTES // (BLOCK * margs.kv_bytes_per_token_per_elem * 4)

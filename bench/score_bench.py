@@ -116,7 +116,7 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
 
 
 def memory_section(long_tokens: int, short_tokens: int) -> dict:
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.engine.scoring.forward import forward_bytes
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 

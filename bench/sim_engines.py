@@ -96,7 +96,7 @@ def measure_vllm(cases: dict[str, list[list[int]]], model: str,
 
 def _vllm_worker(src: str, dst: str) -> None:
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.engine.vllm_backend.engine import VllmEngine
     from prefixflow.requests import SamplingParams
 
@@ -123,7 +123,7 @@ def measure_native_plan(prompts: list[list[int]], model: str) -> list[int]:
     """Prompt tokens the native engine computes per replica running build_plan's groups."""
     from prefixflow.engine.config import EngineConfig
     from prefixflow.engine.native.llm_engine import LLMEngine
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.requests import SamplingParams
 
     v = VALIDATION

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
@@ -161,9 +162,6 @@ def _kv_block_bytes(spec: JobSpec) -> int | None:
     model = _local_model(spec)
     if model is None:
         return None
-    # lazy: the loader imports torch; only a spec that sets kv_cache_bytes pays for it
-    from prefixflow.engine.models.loader import read_model_args
-
     try:
         per_token = read_model_args(model).kv_bytes_per_token_per_elem
     except (ValueError, KeyError, TypeError, OSError):  # an architecture only vLLM runs

@@ -9,8 +9,6 @@ declare a sliding window (we support it only when it covers the whole context), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -19,35 +17,10 @@ from prefixflow.engine.models.layers.embedding import LMHead
 from prefixflow.engine.models.layers.linear import Linear
 from prefixflow.engine.models.layers.mlp import SiluMLP
 from prefixflow.engine.models.layers.norm import RMSNorm
-from prefixflow.engine.models.layers.rotary import RopeConfig, RotaryEmbedding
+from prefixflow.engine.models.layers.rotary import RotaryEmbedding
+from prefixflow.engine.models.model_args import ModelArgs
 from prefixflow.kernels import cpu_exact
 from prefixflow.kernels.rotary import apply_rotary
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    """The shape of a Llama-family model, parsed from config.json by the loader."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeConfig
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    sliding_window: int | None = None  # None: full attention
-
-    @property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        """K and V elements one token occupies in the cache, all layers (multiply by the
-        element size for bytes)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
 class LlamaAttention(nn.Module):

@@ -3,8 +3,7 @@
 The folder comes from prefixflow.model_source, which also takes hub ids, .gguf files, s3:// folders
 and the short name of the packaged real model.
 
-Reads config.json ourselves (both the transformers-4 fields `rope_theta`/`rope_scaling` and the
-transformers-5 `rope_parameters`), builds `models.llama.LlamaForCausalLM` on the meta device,
+Reads config.json with `model_args` (torch-free: the job's driver reads the shape too), builds `models.llama.LlamaForCausalLM` on the meta device,
 materialises it on the target device in the target dtype and copies the safetensors weights in
 (one file, or shards listed by model.safetensors.index.json). transformers' model classes are
 never used for inference; the tokenizer comes from prefixflow/tokenizer.py.
@@ -12,7 +11,6 @@ never used for inference; the tokenizer comes from prefixflow/tokenizer.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +18,11 @@ import torch
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.models.layers.linear import prepack_linears
-from prefixflow.engine.models.layers.rotary import RopeConfig
-from prefixflow.engine.models.llama import LlamaForCausalLM, ModelArgs
+from prefixflow.engine.models.llama import LlamaForCausalLM
+from prefixflow.engine.models.model_args import ModelArgs, read_json, read_model_args
 from prefixflow.model_source import resolve_model, weight_files
 from prefixflow.tokenizer import load_tokenizer as load
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Weights in some checkpoints that the model recomputes itself.
@@ -36,55 +33,6 @@ def model_dir(path: str | Path) -> Path:
     """The local Hugging Face folder of `path`: a folder, hub id, .gguf file, s3:// folder or
     short name, resolved (converted or copied once) by prefixflow.model_source."""
     return resolve_model(path)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_model_args(path: str | Path) -> ModelArgs:
-    """Parse config.json into ModelArgs; unknown architectures raise ValueError."""
-    cfg = read_json(model_dir(path) / "config.json")
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"config.json architectures={archs!r} is not supported: prefixflow's "
-                         f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported: "
-                         "the engine implements silu only")
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    sliding = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        sliding = None  # Qwen2 lists a window but only uses it when use_sliding_window is set
-    return ModelArgs(
-        architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        rope=_rope_config(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        sliding_window=int(sliding) if sliding else None,
-    )
-
-
-def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
-    # transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if k in params}
-    return RopeConfig(theta=theta, rope_type=rope_type, **fields)
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",

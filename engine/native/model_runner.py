@@ -44,8 +44,9 @@ import torch
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.models.layers.attention import AttentionMetadata
-from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_eos_token_ids, read_model_args,
-                                             resolve_device, resolve_max_model_len, torch_dtype)
+from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_eos_token_ids, resolve_device,
+                                             resolve_max_model_len, torch_dtype)
+from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch

@@ -28,8 +28,8 @@ import torch
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.outputs import EngineTotals, StepStats
-from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_model_args, resolve_device,
-                                             resolve_max_model_len)
+from prefixflow.engine.models.loader import load_model, load_tokenizer, resolve_device, resolve_max_model_len
+from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.scoring.cache import PrefixCache
 from prefixflow.engine.scoring.choices import (Choice, ScoreOutput, choice_token_ids,
                                                error_output, make_output)

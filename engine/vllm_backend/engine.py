@@ -27,6 +27,7 @@ from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineCo
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, wants_more
 from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
                                        decode_output, error_output, greedy_copies)
+from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids
 from prefixflow.engine.scoring.choices import error_output as score_error
 from prefixflow.engine.scoring.options import ScoreOptions
@@ -295,8 +296,6 @@ class VllmEngine:
             scheduling_policy="priority" if parts.priority else "fcfs")
         kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
         if self.is_cpu:
-            # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
-            from prefixflow.engine.models.loader import read_model_args
             args = read_model_args(self.model_path)
             blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
             kwargs["num_gpu_blocks_override"] = blocks
@@ -325,8 +324,6 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     (max_position_embeddings) and the KV cache (EngineConfig.kv_cache_bytes, less vLLM's one
     reserved block) allow. Checked in the driver before a job starts (Processor.plan,
     jobs/preflight) and again where the engine starts. Reads config.json only."""
-    # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
-    from prefixflow.engine.models.loader import read_model_args
 
     args = read_model_args(model_path)
     block = cpu_block_size(config)

@@ -18,6 +18,7 @@ LIGHT_MODULES = [
     "prefixflow.retry",
     "prefixflow.pipeline",
     "prefixflow.engine.config",
+    "prefixflow.engine.models.model_args",  # the model's shape, read by the driver's preflight
     "prefixflow.engine.scoring.srjf",
     "prefixflow.engine.native.scheduler",
     "prefixflow.engine.native.block_manager",

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.models.loader import (SUPPORTED_ARCHITECTURES, load_model, read_eos_token_ids,
-                                             read_model_args)
+from prefixflow.engine.models.loader import load_model, read_eos_token_ids
+from prefixflow.engine.models.model_args import SUPPORTED_ARCHITECTURES, read_model_args
 from prefixflow.engine.native.model_runner import ModelRunner
 from prefixflow.engine.native.step import SeqChunk, StepInput
 from prefixflow.engine.models.tiny import make_tiny_checkpoint

@@ -78,6 +78,6 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
 
 def runner_bytes(path) -> int:
     """K+V bytes per token of the tiny checkpoint (fp32)."""
-    from prefixflow.engine.models.loader import read_model_args
+    from prefixflow.engine.models.model_args import read_model_args
 
     return read_model_args(path).kv_bytes_per_token_per_elem * 4

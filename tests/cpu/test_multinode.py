@@ -6,13 +6,14 @@ machine, each node with its own prefixflow cache (as separate machines would hav
 share nothing but object storage: the model, the input and the output are on S3 (moto's
 server on 127.0.0.1). Every address is the loopback one.
 
-- a job with `replicas: 3` puts one replica on each of three nodes, writes every row once,
-  plans from metadata (the driver receives a fraction of the token ids' bytes) and copies the
-  model once per node that runs an engine;
-- a worker node removed mid-job while its replica holds uncommitted rows: the others take its
-  units (work stealing) and the job ends in one run with every row exactly once;
-- a node added mid-job: a replica that waited for resources starts there and takes units;
-- `ray job submit` of a spec to the cluster's head.
+- `ray job submit` to the head of a job with `replicas: 3` puts one replica on each of three
+  nodes, writes every row once, plans from metadata (the driver receives a fraction of the token
+  ids' bytes) and copies the model once per node that runs an engine;
+- a worker node removed mid-job while its replica holds uncommitted rows, and a node added: the
+  others take the lost replica's units (work stealing), a replica that waited for resources
+  starts on the new node and takes units, and the job ends in one run with every row exactly
+  once. One job for both (a lost machine replaced, as an autoscaler does): each job on this
+  cluster costs a minute of the suite's 15.
 """
 
 from __future__ import annotations
@@ -139,11 +140,14 @@ def _model_copies(cl) -> dict[str, int]:
             for name, cache in caches.items()}
 
 
-def test_three_replicas_on_three_nodes(cluster, tmp_path):
+def test_three_replicas_on_three_nodes_by_ray_job_submit(cluster, tmp_path):
+    """`ray job submit` of a spec to the head: one replica on each of three nodes, every row
+    once, a plan from metadata, the model copied once per node."""
     rows = demo_rows(num_docs=6, questions_per_doc=4, sentences_per_doc=48, seed=5)
     spec = _job(cluster, "spread", rows)
-    proc = _driver(cluster, spec, tmp_path / "driver.log")
-    assert _finish(proc, tmp_path / "driver.log") == 0, (tmp_path / "driver.log").read_text()[-4000:]
+    result = _submit(cluster, spec, tmp_path / "work")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "joined the cluster" in result.stdout + result.stderr
     out = _output(cluster, "spread")
     assert sorted(r["row_id"] for r in out) == list(range(len(rows)))
     assert all(r["error"] is None and r["num_generated_tokens"] >= 1 for r in out)
@@ -154,59 +158,64 @@ def test_three_replicas_on_three_nodes(cluster, tmp_path):
     assert 1 <= len(nodes) <= 3 and len(set(nodes)) == len(nodes), nodes
     # Planning brought metadata to the driver, not the prompts' token ids (4 bytes a token).
     assert 0 < metrics["plan_driver_bytes"] < metrics["prompt_tokens"] * 4 / 4, metrics["plan_driver_bytes"]
-    # The model came from S3 once per node: the driver's (head) and each engine's node.
+    # The model came from S3 once per node: the driver's (the head, where `ray job submit`
+    # runs the entrypoint) and each engine's node.
     copies = _model_copies(cluster)
     assert copies["head"] == 1 and sorted(copies.values()).count(1) >= 3, copies
     assert set(copies.values()) <= {0, 1}, copies
 
 
-def test_a_node_lost_mid_job_loses_and_repeats_no_row(cluster, tmp_path):
-    """The node of a replica that still holds uncommitted rows is removed: the units it held go
-    back to the work queue and the replicas left run them; the job ends in one run (no resume)
-    with every row exactly once."""
-    rows = demo_rows(num_docs=12, questions_per_doc=4, seed=7)
-    # Few sequences at a time and small parts: commits come one after another for a while.
-    spec = _job(cluster, "lost", rows, sampling={"max_tokens": 32},
-                engine={"max_num_seqs": 2}, output={"rows_per_part": 2})
+def _submit(cl, spec: dict, work: Path) -> subprocess.CompletedProcess:
+    """`ray job submit` of `spec` to the head's job agent (the working dir holds job.yaml)."""
+    work.mkdir()
+    (work / "job.yaml").write_text(yaml.safe_dump(spec))
+    submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
+              f"http://127.0.0.1:{cl.dashboard}", "--working-dir", str(work), "--",
+              sys.executable, "-m", "prefixflow.cli", "run", "job.yaml"]
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    deadline = time.time() + 180
+    while True:  # the head's job agent comes up a while after the dashboard (longer under load)
+        result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        if "No available agent" not in result.stdout + result.stderr or time.time() > deadline:
+            return result
+        time.sleep(3)
+
+
+def test_a_node_lost_and_a_node_added_mid_job(cluster, tmp_path):
+    """More replicas than the cluster holds engines, so the last waits for resources. Mid-job
+    the node of a replica that still holds uncommitted rows is removed and a new node joins (an
+    autoscaler replacing a lost machine): the units the lost replica held go back to the work
+    queue, a replica starts on the new node and takes units, and the job ends in one run (no
+    resume) with every row exactly once."""
+    rows = demo_rows(num_docs=20, questions_per_doc=4, seed=11)
+    slots = 1 + len(cluster.workers)  # the head's CPU and each worker's hold one engine
+    # One sequence at a time and small parts: commits come one after another for a while.
+    spec = _job(cluster, "replaced", rows, replicas=slots + 1, sampling={"max_tokens": 64},
+                engine={"max_num_seqs": 1}, output={"rows_per_part": 2})
     log = tmp_path / "driver.log"
     proc = _driver(cluster, spec, log)
-    victim = _first_committing_worker(cluster, "lost", proc, log)
-    victim_replicas = _replicas_on(cluster, "lost", victim)
+    victim = _first_committing_worker(cluster, "replaced", proc, log)
+    victim_replicas = _replicas_on(cluster, "replaced", victim)
     cluster.cluster.remove_node(victim)
+    cluster.workers.remove(victim)
+    added = _add_worker(cluster.cluster, cluster.root / "node-new-cache")
+    cluster.workers.append(added)  # three workers again for the next test
     assert _finish(proc, log) == 0, log.read_text()[-4000:]  # no resume needed
-    out = _output(cluster, "lost")
-    ids = [r["row_id"] for r in out]
-    assert sorted(ids) == list(range(len(rows))), "rows lost or repeated"
+    out = _output(cluster, "replaced")
+    assert sorted(r["row_id"] for r in out) == list(range(len(rows))), "rows lost or repeated"
     assert all(r["error"] is None for r in out)
-    faults = _metrics(cluster, "lost")["fault_tolerance"]
+    metrics = _metrics(cluster, "replaced")
+    faults = metrics["fault_tolerance"]
     assert faults["rows_committed_before"] == 0 and faults["rows_given_up"] == 0, faults
     # The victim's engine died holding units with uncommitted rows (what the driver found when
     # it handed them back); the others committed them.
     dead = [f for f in faults["failures"] if f["item"] in victim_replicas and f["engine_loaded"]]
     assert dead and dead[0]["units_held"] >= 1 and dead[0]["item_rows_left"] > 0, faults
-    cluster.workers.remove(victim)
-    # back to three workers for the next test
-    cluster.workers.append(_add_worker(cluster.cluster, cluster.root / "node-new-cache"))
-
-
-def test_a_node_added_mid_job_takes_work(cluster, tmp_path):
-    """More replicas than the cluster holds engines: the last waits for resources; a node added
-    mid-job starts it, and it takes units from the others' queues."""
-    rows = demo_rows(num_docs=20, questions_per_doc=4, seed=11)
-    slots = 1 + len(cluster.workers)  # the head's CPU and each worker's hold one engine
-    spec = _job(cluster, "grown", rows, replicas=slots + 1, sampling={"max_tokens": 64},
-                engine={"max_num_seqs": 1}, output={"rows_per_part": 2})
-    log = tmp_path / "driver.log"
-    proc = _driver(cluster, spec, log)
-    _first_committing_worker(cluster, "grown", proc, log)  # mid-job
-    added = _add_worker(cluster.cluster, cluster.root / "node-grown-cache")
-    assert _finish(proc, log) == 0, log.read_text()[-4000:]
-    out = _output(cluster, "grown")
-    assert sorted(r["row_id"] for r in out) == list(range(len(rows)))
-    per_replica = _metrics(cluster, "grown")["per_replica"]
-    late = [r for r in per_replica if r["node_id"] == added.node_id]
-    assert late and late[0]["num_rows"] > 0, per_replica  # its queue's remains, or others' units
-    cluster.cluster.remove_node(added)
+    # A replica started on the node that joined mid-job and ran rows: its own queue's remains
+    # or units taken from the others.
+    late = [r for r in metrics["per_replica"] if r["node_id"] == added.node_id]
+    assert late and late[0]["num_rows"] > 0, metrics["per_replica"]
 
 
 def _replicas_on(cl, name: str, node) -> set[int]:
@@ -235,26 +244,3 @@ def _first_committing_worker(cl, name: str, proc: subprocess.Popen, log: Path):
                 return by_id[node]
         time.sleep(0.2)
     pytest.fail(f"no part committed by a worker node within {JOB_TIMEOUT_S} s")
-
-
-def test_ray_job_submit_to_the_cluster(cluster, tmp_path):
-    rows = demo_rows(num_docs=3, questions_per_doc=3, seed=9)
-    spec = _job(cluster, "submitted", rows, replicas=2)
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "job.yaml").write_text(yaml.safe_dump(spec))
-    submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
-              f"http://127.0.0.1:{cluster.dashboard}", "--working-dir", str(work), "--",
-              sys.executable, "-m", "prefixflow.cli", "run", "job.yaml"]
-    env = {**os.environ}
-    env.pop("RAY_ADDRESS", None)
-    deadline = time.time() + 180
-    while True:  # the head's job agent comes up a while after the dashboard (longer under load)
-        result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-        if "No available agent" not in result.stdout + result.stderr or time.time() > deadline:
-            break
-        time.sleep(3)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "joined the cluster" in result.stdout + result.stderr
-    out = _output(cluster, "submitted")
-    assert sorted(r["row_id"] for r in out) == list(range(len(rows)))

@@ -10,31 +10,10 @@ positions up to `max_positions` and indexed by each token's position; the rotati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """theta: base wavelength. rope_type: one of SUPPORTED_ROPE_TYPES. factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings: the scaling's parameters."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type={self.rope_type!r} is not supported: use one of "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-
+from prefixflow.engine.models.model_args import RopeConfig
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """[head_dim / 2] fp32 inverse frequencies, as HF computes them."""

@@ -1,0 +1,111 @@
+"""The shape of a Llama-family checkpoint, read from its config.json without torch.
+
+The engine builds its model from `ModelArgs`; the job's preflight (KV block bytes, the model's
+length limit) and the benchmarks read the same shape in processes that never load weights, so
+this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixflow.model_source import resolve_model
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """theta: base wavelength. rope_type: one of SUPPORTED_ROPE_TYPES. factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings: the scaling's parameters."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not supported: use one of "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """The shape of a Llama-family model, parsed from config.json by the loader."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None  # None: full attention
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """K and V elements one token occupies in the cache, all layers (multiply by the
+        element size for bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_model_args(path: str | Path) -> ModelArgs:
+    """Parse config.json into ModelArgs; unknown architectures raise ValueError."""
+    cfg = read_json(resolve_model(path) / "config.json")
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"config.json architectures={archs!r} is not supported: prefixflow's "
+                         f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported: "
+                         "the engine implements silu only")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    sliding = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        sliding = None  # Qwen2 lists a window but only uses it when use_sliding_window is set
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rope=_rope_config(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        sliding_window=int(sliding) if sliding else None,
+    )
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=theta, rope_type=rope_type, **fields)
