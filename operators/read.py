@@ -25,8 +25,10 @@ names one column twice.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,8 +88,9 @@ def read_dataset(opts: ReadOptions) -> Any:
     if opts.format == "parquet" and not clash and same_filesystem(files):
         # Ray's reader gets the files' fsspec filesystem (wrapped for pyarrow), whatever the scheme.
         paths, fs = opts.storage.arrow_filesystem(files)
-        ds = ray.data.read_parquet(paths, filesystem=fs).map_batches(
-            _add_bookkeeping, batch_format="pyarrow", batch_size=None)
+        with _footer_readers(len(files)):
+            ds = ray.data.read_parquet(paths, filesystem=fs).map_batches(
+                _add_bookkeeping, batch_format="pyarrow", batch_size=None)
     else:
         # Parquet files whose schemas clash, or that lie on different filesystems, are read one
         # by one here (Ray's reader fails on the first and takes one filesystem).
@@ -98,6 +101,26 @@ def read_dataset(opts: ReadOptions) -> Any:
     if opts.limit is not None:
         ds = ds.limit(opts.limit)
     return ds
+
+
+FOOTER_READERS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+
+
+@contextlib.contextmanager
+def _footer_readers(num_files: int):
+    """Ray 2.60's parquet reader reads the files' footers on a pool of actors, 32 of them
+    whatever the number of files (read_parquet builds the pool's settings, from this variable,
+    when it is called). Each actor is a worker process of its own: a job of one parquet file
+    started 32 (15 CPU-seconds, most of its reading). At most one per file here; a value the
+    user set is kept."""
+    if FOOTER_READERS in os.environ:
+        yield
+        return
+    os.environ[FOOTER_READERS] = str(max(1, min(32, num_files)))
+    try:
+        yield
+    finally:
+        os.environ.pop(FOOTER_READERS, None)
 
 
 def input_files(opts: ReadOptions) -> list[str]:

@@ -245,8 +245,9 @@ class StorageOptions:
             return self._s3(self.options.get(proto, {}))
         from fsspec.core import url_to_fs
 
-        # A fresh instance, as for S3; url_to_fs also reads arguments the URL carries (the
-        # account of abfss://container@account.dfs.core.windows.net/...).
+        # A fresh instance (a cached one may hold stale listings: other schemes' drivers do
+        # not all take use_listings_cache); url_to_fs also reads arguments the URL carries
+        # (the account of abfss://container@account.dfs.core.windows.net/...).
         fs, _ = url_to_fs(str(path), skip_instance_cache=True, **self.options.get(proto, {}))
         return fs
 
@@ -259,11 +260,13 @@ class StorageOptions:
         region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             client_kwargs["region_name"] = region
-        # A fresh instance: s3fs caches instances per argument set, and a cached one may carry
-        # listings that are stale after another worker wrote a part.
+        # One instance per argument set in a process (fsspec's cache), so the botocore session
+        # and client (their service models: a few tenths of a CPU-second) are made once, not
+        # for every part, listing and record; without a listings cache, which would go stale
+        # when another worker writes a part.
         kwargs = dict(anon=self.anonymous, key=self.aws_access_key_id,
                       secret=self.aws_secret_access_key, token=self.aws_session_token,
-                      client_kwargs=client_kwargs, skip_instance_cache=True,
+                      client_kwargs=client_kwargs, use_listings_cache=False,
                       # botocore retries 5xx, throttling and dropped connections with
                       # backoff on every request, reads included.
                       config_kwargs={"retries": {"max_attempts": self.max_attempts,
