@@ -26,6 +26,7 @@ and plain so that it travels to Ray workers, which build their own filesystem.
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -138,6 +139,7 @@ READ_ONLY = {"http": "fsspec's HTTP filesystem only reads", "https": "fsspec's H
              "git": "a repository view is read-only", "data": "a data: URL holds its bytes inline",
              "reference": "a reference filesystem is read-only"}
 HTTP = ("http", "https")
+_S3_INSTANCES: dict[tuple, Any] = {}  # StorageOptions._s3's, by arguments, AWS_* environment, pid
 
 
 def check_shared(path: str, writes: bool) -> None:
@@ -260,18 +262,27 @@ class StorageOptions:
         region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             client_kwargs["region_name"] = region
-        # One instance per argument set in a process (fsspec's cache), so the botocore session
-        # and client (their service models: a few tenths of a CPU-second) are made once, not
-        # for every part, listing and record; without a listings cache, which would go stale
-        # when another worker writes a part.
         kwargs = dict(anon=self.anonymous, key=self.aws_access_key_id,
                       secret=self.aws_secret_access_key, token=self.aws_session_token,
-                      client_kwargs=client_kwargs, use_listings_cache=False,
+                      client_kwargs=client_kwargs, skip_instance_cache=True,
+                      # no listings cache: it would go stale when another worker writes a part
+                      use_listings_cache=False,
                       # botocore retries 5xx, throttling and dropped connections with
                       # backoff on every request, reads included.
                       config_kwargs={"retries": {"max_attempts": self.max_attempts,
                                                  "mode": "standard"}})
-        return s3fs.S3FileSystem(**{**kwargs, **extra})
+        kwargs.update(extra)
+        # One instance per arguments, AWS_* environment and process: the botocore session and
+        # client (their service models: a few tenths of a CPU-second) are made once, not for
+        # every part, listing and record. The environment is part of the key because
+        # credentials left out of the spec come from it (fsspec's own cache would keep an
+        # instance made under credentials since removed).
+        env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+        key = (os.getpid(), json.dumps(kwargs, sort_keys=True, default=repr), tuple(env))
+        fs = _S3_INSTANCES.get(key)
+        if fs is None:
+            fs = _S3_INSTANCES[key] = s3fs.S3FileSystem(**kwargs)
+        return fs
 
     def arrow_filesystem(self, paths: list[str]) -> tuple[list[str], Any]:
         """(paths, filesystem) for Ray Data's readers: plain local paths as they are with None

@@ -120,3 +120,19 @@ def test_unknown_scheme_or_missing_driver_is_named_by_validate(tiny_model, tmp_p
            "scheme fsspec knows" in err, err
     for field in ("model", "output.path"):
         assert f"{field}: '{scheme}://bucket/" in err and f"`pip install {package}`" in err, err
+
+
+def test_an_s3_filesystem_is_made_once_per_arguments_and_aws_environment(monkeypatch):
+    """The botocore client is made once per process for the same arguments; credentials taken
+    from the environment are part of what makes it the same: an instance made under credentials
+    since removed is not handed out again."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "first")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    storage = StorageOptions(endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    first = storage.filesystem("s3://pf-cache/a")
+    assert storage.filesystem("s3://pf-cache/b") is first
+    assert first.dircache.use_listings_cache is False  # listings are read fresh: other workers write parts
+    assert StorageOptions(endpoint_url="http://127.0.0.1:9", region="us-east-1", max_attempts=2) \
+        .filesystem("s3://pf-cache/a") is not first
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    assert storage.filesystem("s3://pf-cache/a") is not first
