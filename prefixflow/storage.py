@@ -247,9 +247,9 @@ class StorageOptions:
             return self._s3(self.options.get(proto, {}))
         from fsspec.core import url_to_fs
 
-        # A fresh instance (a cached one may hold stale listings: other schemes' drivers do
-        # not all take use_listings_cache); url_to_fs also reads arguments the URL carries
-        # (the account of abfss://container@account.dfs.core.windows.net/...).
+        # A fresh instance: a cached one may carry listings that are stale after another worker
+        # wrote a part. url_to_fs also reads arguments the URL carries (the account of
+        # abfss://container@account.dfs.core.windows.net/...).
         fs, _ = url_to_fs(str(path), skip_instance_cache=True, **self.options.get(proto, {}))
         return fs
 

@@ -3,10 +3,11 @@
 The folder comes from prefixflow.model_source, which also takes hub ids, .gguf files, s3:// folders
 and the short name of the packaged real model.
 
-Reads config.json with `model_args` (torch-free: the job's driver reads the shape too), builds `models.llama.LlamaForCausalLM` on the meta device,
-materialises it on the target device in the target dtype and copies the safetensors weights in
-(one file, or shards listed by model.safetensors.index.json). transformers' model classes are
-never used for inference; the tokenizer comes from prefixflow/tokenizer.py.
+Reads config.json with `model_args` (torch-free: the job's driver reads the shape too), builds
+`models.llama.LlamaForCausalLM` on the meta device, materialises it on the target device in the
+target dtype and copies the safetensors weights in (one file, or shards listed by
+model.safetensors.index.json). transformers' model classes are never used for inference; the
+tokenizer comes from prefixflow/tokenizer.py.
 """
 
 from __future__ import annotations

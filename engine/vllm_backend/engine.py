@@ -324,7 +324,6 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     (max_position_embeddings) and the KV cache (EngineConfig.kv_cache_bytes, less vLLM's one
     reserved block) allow. Checked in the driver before a job starts (Processor.plan,
     jobs/preflight) and again where the engine starts. Reads config.json only."""
-
     args = read_model_args(model_path)
     block = cpu_block_size(config)
     fits = (_cpu_kv_blocks(config, block, args.kv_bytes_per_token_per_elem) - 1) * block

@@ -10,10 +10,12 @@ positions up to `max_positions` and indexed by each token's position; the rotati
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 
 from prefixflow.engine.models.model_args import RopeConfig
+
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """[head_dim / 2] fp32 inverse frequencies, as HF computes them."""
