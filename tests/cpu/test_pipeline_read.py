@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -141,3 +142,21 @@ def test_parquet_clashing_columns_are_read_as_text(tmp_path):
     assert table.column("q").to_pylist() == ["1", "2", "x", None]
     assert table.column("s").to_pylist() == ['{"x": 1}', None, "t", "u"]
     assert table.column("n").type == pa.int64() and table.column("_pf_error").null_count == 4
+
+
+def test_parquet_footer_readers_at_most_one_per_file(monkeypatch):
+    """Ray 2.60's parquet reader sizes its footer-reader actor pool from the environment when
+    read_parquet is called (32 by default, whatever the file count): a job's read asks for one
+    per file, at most 32, and keeps a value the user set."""
+    from ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer import FooterFileIndexer
+
+    from prefixflow.operators.read import FOOTER_READERS, _footer_readers
+
+    monkeypatch.delenv(FOOTER_READERS, raising=False)
+    for files, actors in ((1, 1), (3, 3), (500, 32)):
+        with _footer_readers(files):
+            assert FooterFileIndexer(ignore_missing_paths=False)._num_actors == actors
+        assert FOOTER_READERS not in os.environ
+    monkeypatch.setenv(FOOTER_READERS, "7")
+    with _footer_readers(1):
+        assert FooterFileIndexer(ignore_missing_paths=False)._num_actors == 7
