@@ -64,11 +64,13 @@ def _run_range(st, buf, lo, hi, r, it, tree, cfg, coef, out):
         start[i], where[i] = s, r
 
 
-def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight):
-    """Ray Data's actor pool: tasks in order, each to the actor with the fewest tasks in flight
-    (ties: the lowest index), at most max_in_flight each; when every actor is full, the next
-    task waits for the first task to finish and goes to its actor. Returns per task its actor
-    and its finish time (the actor's clock after its last request)."""
+def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s):
+    """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks, all available at
+    time 0, in order, each to the ready actor with the fewest tasks in flight (ties: the lowest
+    index), at most max_in_flight each; when no ready actor has room, time moves on to the next
+    finish or the next actor's ready time. ready_s: [R] when each actor can take its first task
+    (0: ready when the data is; an engine that comes up after the data fills its room first).
+    An actor's clock starts at its ready time. Returns per task its actor and its finish time."""
     R = cfg[0]
     comp, mem = out[2], out[3]
     n = len(task_starts) - 1
@@ -76,17 +78,28 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     head = np.zeros(R, np.int64)
     fin = np.zeros((R, max_in_flight))          # each actor's tasks in flight, a FIFO ring
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
+    now = 0.0
     for t in range(n):
-        r = np.argmin(inflight)
-        if inflight[r] >= max_in_flight:        # all full: the earliest finish frees its actor
-            r = 0
-            for q in range(1, R):
-                if fin[q, head[q]] < fin[r, head[r]]:
+        while True:
+            for q in range(R):                  # tasks finished by now leave their actor
+                while inflight[q] > 0 and fin[q, head[q]] <= now:
+                    head[q] = (head[q] + 1) % max_in_flight
+                    inflight[q] -= 1
+            r = -1
+            for q in range(R):
+                if ready_s[q] <= now and inflight[q] < max_in_flight and (r < 0 or inflight[q] < inflight[r]):
                     r = q
-            head[r] = (head[r] + 1) % max_in_flight
-            inflight[r] -= 1
+            if r >= 0:
+                break
+            nxt = np.inf
+            for q in range(R):
+                if ready_s[q] > now:
+                    nxt = min(nxt, ready_s[q])
+                elif inflight[q] > 0:
+                    nxt = min(nxt, fin[q, head[q]])
+            now = nxt
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
-        f = max(comp[r], mem[r])
+        f = ready_s[r] + max(comp[r], mem[r])
         fin[r, (head[r] + inflight[r]) % max_in_flight] = f
         inflight[r] += 1
         actor[t], finish[t] = r, f

@@ -115,17 +115,18 @@ def trie_order_lcp(w: Workload) -> tuple[np.ndarray, np.ndarray]:
 
 def plan_workload(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
                   tokens: Sequence[Sequence[int]] | RaggedTokens | None = None,
-                  order_lcp: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+                  order_lcp: tuple[np.ndarray, np.ndarray] | None = None, stealing: bool = False) -> Any:
     """prefixflow's plan of the workload: `build_plan` (batchllm order, groups at least a block
     long, as an engine asks; told each row's cap) on the real token ids when given, else on the
     trie's exact text order and LCPs (the planner's own tree, grouping, order and partition; no
-    token ids). order_lcp: trie_order_lcp(w), when already computed."""
+    token ids). order_lcp: trie_order_lcp(w), when already computed. stealing: the plan a job
+    whose engines steal gets (build_plan's)."""
     if tokens is not None:
         prompts: Any = tokens
     else:
         prompts = _SortedPrompts(w.prompt_lens, None, block_size, None, None, *(order_lcp or trie_order_lcp(w)))
     return build_plan(prompts, output_lens=w.output_len, order="batchllm", num_replicas=num_replicas,
-                      min_prefix_len=block_size)
+                      min_prefix_len=block_size, stealing=stealing)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -152,13 +153,14 @@ class SlicedPlan:
 
 
 def make_plan(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
-              order_lcp: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+              order_lcp: tuple[np.ndarray, np.ndarray] | None = None, stealing: bool = False) -> Any:
     """plan_workload, or a SlicedPlan of PLAN_SLICE_ROWS-row slices when nothing is shared."""
     order_lcp = order_lcp or trie_order_lcp(w)
     if len(w) <= PLAN_SLICE_ROWS or order_lcp[1].max(initial=0) > 0:
-        return plan_workload(w, num_replicas, block_size, order_lcp=order_lcp)
+        return plan_workload(w, num_replicas, block_size, order_lcp=order_lcp, stealing=stealing)
     slices = tuple(np.arange(lo, min(lo + PLAN_SLICE_ROWS, len(w))) for lo in range(0, len(w), PLAN_SLICE_ROWS))
-    return SlicedPlan(slices, tuple(plan_workload(w.subset(rows), num_replicas, block_size) for rows in slices))
+    return SlicedPlan(slices, tuple(plan_workload(w.subset(rows), num_replicas, block_size, stealing=stealing)
+                                    for rows in slices))
 
 
 def _ancestor_at_depth(w: Workload, nodes: np.ndarray, depths: np.ndarray) -> np.ndarray:

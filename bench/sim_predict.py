@@ -47,7 +47,8 @@ def predict_computed_tokens(prompts: Sequence[Sequence[int]] | RaggedTokens, num
     w = workload_from_tokens(prompts, output_lens)
     cluster = Cluster(num_replicas, cache_tokens, block_size, max_num_seqs or len(w))
     cm = cost_model or CostModel.create(None, "h100")
-    plan = plan_workload(w, num_replicas, block_size, prompts) if policy.startswith("plan") else None
+    plan = plan_workload(w, num_replicas, block_size, prompts, stealing=policy == "plan_steal") \
+        if policy.startswith("plan") else None
     outs = None if decoded_lens is None else np.asarray(decoded_lens, np.int64)
     items, how = policy_stream(w, policy, num_replicas, plan, outs, ray or RayData(batch_size=batch_size), block_size)
     if row_replica is not None:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from prefixflow.bench.sim_dispatch_check import validate_dispatch
+from prefixflow.bench.sim_dispatch_check import load_bench, validate_dispatch
 from prefixflow.bench.sim_engines import VllmMeasurement, validate, validation_workloads
 from prefixflow.bench.sim_items import PLAN_SLICE_ROWS, make_plan, trie_order_lcp
 from prefixflow.bench.sim_run import (POLICIES, Cluster, RayData, Run, Units, h100_cluster,
@@ -70,18 +70,21 @@ def planner_record(plan: Any) -> dict[str, Any]:
 
 def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, ray: RayData,
             seed: int = 0) -> dict[str, Any]:
-    """Every output model and policy on one mix; one plan (it sees only the caps) for all."""
+    """Every output model and policy on one mix; two plans (they see only the caps): the static
+    one, and for plan_steal the one a job whose engines steal gets (build_plan stealing=True)."""
     w = MIXES[name](num_prompts, seed=seed)
     R = cluster.num_replicas
     started = time.perf_counter()
     order_lcp = trie_order_lcp(w)
-    plan = make_plan(w, R, cluster.block_size, order_lcp)
+    plans = {stealing: make_plan(w, R, cluster.block_size, order_lcp, stealing) for stealing in (False, True)}
+    plan = plans[False]
     moved = plan_stage_bytes(w, plan, cluster.block_size, R, order_lcp)
     del order_lcp
     first_block = int(ray.block_rows(len(w), R)[0])
     startup = {p: startup_seconds(p, w, R, first_block, moved["total"]) for p in ("arrival", "sorted", "plan")}
     out: dict[str, Any] = {"num_prompts": len(w), "prompt_tokens": int(w.prompt_lens.sum()),
                            "mean_prompt_len": round(float(w.prompt_lens.mean()), 1), "planner": planner_record(plan),
+                           "planner_stealing": planner_record(plans[True]),
                            "planning_and_bytes_seconds": round(time.perf_counter() - started, 1),
                            "plan_stage_bytes": moved, "output_models": {}}
     for model in OUTPUT_MODELS:
@@ -89,7 +92,7 @@ def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, ray: R
         rows: dict[str, Any] = {}
         for policy in POLICIES:
             start = time.perf_counter()
-            items, how = policy_stream(w, policy, R, plan, outs, ray)
+            items, how = policy_stream(w, policy, R, plans[policy == "plan_steal"], outs, ray)
             run = simulate(w, items, cluster, cm, how)
             moved_here = {"arrival": 0, "sorted": sort_bytes(w)}.get(policy, moved["total"])
             rows[policy] = policy_metrics(w, run, cluster, startup["plan" if policy.startswith("plan") else policy],
@@ -147,7 +150,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
-SCALE_BENCH = Path(__file__).parent / "results" / "scale_bench.json"
+# The fair scale bench's Ray runs as validate_dispatch reads them (sim_dispatch_check.py --extract).
+SCALE_BENCH = Path(__file__).parent / "results" / "scale_bench_dispatch.json.gz"
 
 
 def dispatch_validation(scale_bench: Path | None) -> dict[str, Any]:
@@ -155,7 +159,7 @@ def dispatch_validation(scale_bench: Path | None) -> dict[str, Any]:
     fair bench's schema, sim_dispatch_check.py), else why it was skipped."""
     if scale_bench is None or not scale_bench.exists():
         return {"skipped": f"no scale_bench file at {scale_bench}"}
-    if "token_rows" not in json.loads(scale_bench.read_text()):
+    if "token_rows" not in load_bench(scale_bench):
         return {"skipped": f"{scale_bench} predates the fair bench (no token_rows, blocks or row maps)"}
     return {"file": str(scale_bench), **validate_dispatch(scale_bench)}
 

@@ -100,10 +100,13 @@ def bundle_blocks(block_rows: np.ndarray, batch_size: int) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Tasks:
-    """Ray Data's dispatch of a stream: starts [num_tasks + 1] item boundaries of its tasks."""
+    """Ray Data's dispatch of a stream: starts [num_tasks + 1] item boundaries of its tasks;
+    ready_s: [num_replicas] when each engine actor takes its first task, the data being ready at
+    0 (None: every actor ready then)."""
 
     starts: np.ndarray
     max_in_flight: int
+    ready_s: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -181,7 +184,10 @@ def simulate(w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel
             cost_coefficients(cost_model), out, how.starts.astype(np.int64))
     with np.errstate(over="ignore"):  # cache._home's multiplicative hash wraps on purpose (as in numba)
         if isinstance(how, Tasks):
-            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight)
+            ready = np.zeros(R) if how.ready_s is None else np.asarray(how.ready_s, np.float64)
+            if ready.shape != (R,) or np.any(ready < 0):
+                raise ValueError(f"simulate: Tasks.ready_s must give each of the {R} actors a time >= 0")
+            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready)
         else:
             order = np.argsort(how.owner, kind="stable")
             own_starts = np.searchsorted(how.owner[order], np.arange(R + 1)).astype(np.int64)
@@ -198,14 +204,16 @@ def fixed_units(replica: np.ndarray) -> Units:
     return Units(np.r_[cut, len(replica)].astype(np.int64), replica[cut].astype(np.int64), np.zeros(len(cut)))
 
 
-def ray_tasks(num_items: int, ray: RayData, num_replicas: int, block_rows: np.ndarray | None = None) -> Tasks:
-    """Ray Data's tasks over a stream of rows: its blocks (given, or RayData's), bundled."""
+def ray_tasks(num_items: int, ray: RayData, num_replicas: int, block_rows: np.ndarray | None = None,
+              ready_s: np.ndarray | None = None) -> Tasks:
+    """Ray Data's tasks over a stream of rows: its blocks (given, or RayData's), bundled;
+    ready_s: Tasks'."""
     blocks = ray.block_rows(num_items, num_replicas) if block_rows is None else np.asarray(block_rows, np.int64)
     if int(blocks.sum()) != num_items:
         raise ValueError(f"block_rows sum to {int(blocks.sum())} rows for a stream of {num_items}: "
                          "give every row a block")
     edges = np.r_[0, np.cumsum(blocks)].astype(np.int64)
-    return Tasks(edges[bundle_blocks(blocks, ray.batch_size)], ray.max_tasks_in_flight_per_actor)
+    return Tasks(edges[bundle_blocks(blocks, ray.batch_size)], ray.max_tasks_in_flight_per_actor, ready_s)
 
 
 def plan_units(stream: PlanStream, steal: bool) -> Units:
@@ -215,13 +223,16 @@ def plan_units(stream: PlanStream, steal: bool) -> Units:
 def policy_stream(w: Workload, policy: str, num_replicas: int, plan=None, outs: np.ndarray | None = None,
                   ray: RayData | None = None, block_size: int = BLOCK_SIZE) -> tuple[_Items, Tasks | Units]:
     """The stream a policy feeds the replicas and how it is dispatched (module doc). plan: for the
-    plan policies (items.make_plan's; one made here when not given); outs: [n] tokens each row
+    plan policies (items.make_plan's, with stealing=True for plan_steal; one made here when not
+    given); outs: [n] tokens each row
     decodes (default its cap); ray: the arrival and sorted policies' hand-out."""
     if policy in ("arrival", "sorted"):
         order = np.arange(len(w), dtype=np.int64) if policy == "arrival" else w.sorted_order.astype(np.int64)
         return plain_items(w, order, outs), ray_tasks(len(w), ray or RayData(), num_replicas)
     if policy in ("plan", "plan_steal", "plan_vllm"):
-        stream = plan_stream(w, plan if plan is not None else plan_workload(w, num_replicas, block_size), outs)
+        if plan is None:
+            plan = plan_workload(w, num_replicas, block_size, stealing=policy == "plan_steal")
+        stream = plan_stream(w, plan, outs)
         if policy != "plan_vllm":
             return stream.items, plan_units(stream, policy == "plan_steal")
         rows = stream.items.kind != OWNER   # the vLLM backend has no prefix owners

@@ -246,6 +246,23 @@ def test_with_no_more_tasks_than_slots_every_actor_gets_its_share_at_once():
     assert np.bincount(run.item_replica).tolist() == [32] * 4
 
 
+def test_engines_up_after_the_data_fill_their_slots_in_the_order_they_come_up():
+    """The same 64 tasks, the data ready first and the engines up one by one, each before any
+    task ends (as on the bench's cluster: Ray 2.60 hands a task to the least busy *ready* actor):
+    each engine takes 16 consecutive tasks, a contiguous quarter of the stream. An engine that
+    comes up after the others have finished everything gets nothing."""
+    w = cs.workload_from_tokens(distinct_prompts(list(range(50, 50 + 128))), 16)
+    items = cs.plain_items(w, np.arange(128))
+    ready = np.array([0.0, 1e-9, 2e-9, 3e-9])
+    run = cs.simulate(w, items, cs.Cluster(4, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 4, ready_s=ready))
+    assert run.grain_replica.tolist() == [t // 16 for t in range(64)]
+    late = cs.simulate(w, items, cs.Cluster(2, 1 << 20), CM,
+                       cs.ray_tasks(128, cs.RayData(64, 2, 64), 2, ready_s=np.array([0.0, 1e6])))
+    assert late.grain_replica.tolist() == [0] * 64 and late.grain_time_s.max() < 1e6
+    with pytest.raises(ValueError, match="ready_s"):
+        cs.simulate(w, items, cs.Cluster(2, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 2, ready_s=[0.0]))
+
+
 # ---- plan units and stealing -------------------------------------------------------------------
 
 def units_run(lengths, starts, owner, seconds, steal):
@@ -291,8 +308,9 @@ def test_stealing_on_a_plan_with_decided_lengths_moves_whole_units_and_keeps_the
     the decoded tokens are the same, and the slowest replica comes closer to the mean."""
     w = cs.docs_questions(3000, seed=4)
     outs = cs.model_decided_lengths(w, seed=4)
-    plan, cluster = cs.make_plan(w, 4), cs.h100_cluster(4, CM)
-    static, steal = (sim(w, p, cluster, plan, outs) for p in ("plan", "plan_steal"))
+    cluster = cs.h100_cluster(4, CM)
+    static, steal = (sim(w, p, cluster, cs.make_plan(w, 4, stealing=p == "plan_steal"), outs)
+                     for p in ("plan", "plan_steal"))
     assert np.any(steal.grain_replica != steal.dispatch.owner)
     assert np.all(static.grain_replica == static.dispatch.owner)
     assert_whole_units(steal)
@@ -327,9 +345,11 @@ MODEL_CONFIG = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512,
                     num_key_value_heads=2, vocab_size=512)
 
 
-def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, perm, tweak=None):
-    """A scale_bench.json whose one ray_llm run is the simulator's own replay, its engines
-    renamed by `perm` (Ray's actor order is its own); tweak(record) edits the measurement."""
+def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_s, tweak=None):
+    """A scale_bench.json whose one ray_llm run is the simulator's own replay, its engines up at
+    ready_s (model seconds; the bench records first requests, numbered in their order, in its own
+    clock: here the model's total busy time with every engine ready at once is 1/7 of the run's);
+    tweak(record) edits the measurement."""
     rng = np.random.default_rng(2)
     caps = rng.integers(8, 40, len(tokens))
     decided = rng.integers(1, caps + 1)
@@ -338,16 +358,18 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, perm, 
     data = {"args": {"block_size": 16, "model_config": MODEL_CONFIG}, "rows": rows, "token_rows": tokens}
     w = cs.workload_from_tokens(tokens, caps)
     ray = cs.RayData(len(block_rows), batch_size, in_flight)
-    run = cs.simulate(w, cs.plain_items(w, np.arange(len(tokens)), decided), cs.Cluster(replicas, 63 * 16, 16, 8),
-                      bench_cost_model(data, path), cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows)))
-    perm = np.asarray(perm)
+    items, cluster = cs.plain_items(w, np.arange(len(tokens)), decided), cs.Cluster(replicas, 63 * 16, 16, 8)
+    replay = lambda ready: cs.simulate(w, items, cluster, bench_cost_model(data, path),  # noqa: E731
+                                       cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready))
+    run, probe = replay(np.array(ready_s)), replay(None)
+    seconds = 7 * run.busy_s.sum() / probe.busy_s.sum()      # validate_dispatch scales back by 1 / this
     rec = {"system": "ray_llm_arrival", "replicas": replicas, "workload": "model_decided",
            "num_blocks": len(block_rows), "block_rows": list(block_rows), "batch_size": batch_size,
            "max_tasks_in_flight_per_actor": in_flight, "max_num_seqs": 8, "num_gpu_blocks": 64,
-           "rows_per_engine": np.bincount(perm[run.item_replica], minlength=replicas).tolist(),
-           "engine_busy_s": run.busy_s[np.argsort(perm)].tolist(),
+           "rows_per_engine": np.bincount(run.item_replica, minlength=replicas).tolist(),
+           "engine_busy_s": (7 * run.busy_s).tolist(), "first_request_s": (40.0 + np.array(ready_s) * seconds).tolist(),
            "computed_prompt_tokens": int(run.computed_tokens(w).sum()),
-           "row_engine": {str(i): int(perm[r]) for i, r in enumerate(run.item_replica)},
+           "row_engine": {str(i): int(r) for i, r in enumerate(run.item_replica)},
            "row_block": {str(i): int(b) for i, b in enumerate(np.repeat(np.arange(len(block_rows)), block_rows))}}
     (tweak or (lambda r: None))(rec)
     data["runs"] = {f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
@@ -357,16 +379,19 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, perm, 
 
 
 def test_validate_dispatch_finds_no_error_in_the_simulators_own_replay(tmp_path):
-    """Blocks of uneven size bundled 2-3 to a task, 3 engines, 2 in flight (so the pull
-    matters), engines renamed: every error is zero and the engines are matched by their first
-    block."""
+    """Blocks of uneven size bundled 2-3 to a task, 3 engines up at different times, 2 in flight
+    (so the pull matters): every error is zero, the engines' ready times read back from their
+    first requests."""
     tokens = cs.trie_tokens(small_docs(150, seed=5))
     blocks = cs.split_rows(len(tokens), 40).tolist()
-    path = bench_file(tmp_path / "scale_bench.json", tokens, blocks, 8, 2, 3, [2, 0, 1])
+    path = bench_file(tmp_path / "scale_bench.json", tokens, blocks, 8, 2, 3, [0.0, 0.3, 0.7])
     out = cs.validate_dispatch(path)
     run = out["runs"]["ray_llm_arrival/3#0"]
-    assert list(out["runs"]) == ["ray_llm_arrival/3#0"] and run["engine_mapping"] == "first_block"
-    assert run["errors"] == {"rows_per_engine": 0.0, "computed_prompt_tokens": 0.0, "busy_share": 0.0}
+    assert list(out["runs"]) == ["ray_llm_arrival/3#0"] and run["ready_s"][0] == 0.0 < run["ready_s"][1]
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+    assert run["busy_share_error"] == 0.0 and out["runs_within_goal"] == "1 of 1"
+    first, _, last = run["predicted"]["rows_per_engine"]
+    assert first > last          # the first engine up took more
     assert run["row_engine_agreement"] == 1.0 and out["max_abs_error"] == 0.0 and out["within_goal"]
     assert run["num_tasks"] < 40
 
@@ -381,11 +406,11 @@ def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
         rec["rows_per_engine"] = [68, 60, 64, 64]
         rec["computed_prompt_tokens"] = round(rec["computed_prompt_tokens"] * 1.1)
 
-    path = bench_file(tmp_path / "hand.json", tokens, [4] * 64, 4, 16, 4, [0, 1, 2, 3], tweak)
+    path = bench_file(tmp_path / "hand.json", tokens, [4] * 64, 4, 16, 4, [0.0] * 4, tweak)
     out = cs.validate_dispatch(path)
     run = out["runs"]["ray_llm_arrival/4#0"]
     assert run["predicted"]["rows_per_engine"] == [64] * 4 and run["predicted"]["computed_prompt_tokens"] == 256 * 40
-    assert run["errors"]["rows_per_engine"] == 0.0625 and run["errors"]["busy_share"] == 0.0
+    assert run["errors"]["rows_per_engine"] == 0.0625 and run["busy_share_error"] == 0.0
     assert run["errors"]["computed_prompt_tokens"] == pytest.approx(-1 / 11, abs=1e-5)
     assert out["max_abs_error"] == pytest.approx(1 / 11, abs=1e-5)
     assert not out["within_goal"]
