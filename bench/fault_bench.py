@@ -78,7 +78,7 @@ class Driver:
 
 def local_records(out: Path) -> list[dict[str, Any]]:
     """The commit records under a local output path, read while the job writes them."""
-    from prefixflow.operators.commit import COMMITS
+    from prefixflow.operators.results.commit import COMMITS
 
     records = []
     for p in sorted((out / COMMITS).glob("part-*.json")) if (out / COMMITS).exists() else []:
@@ -114,7 +114,7 @@ def engine_pids() -> set[int]:
 
 
 def check_output(out: str, rows: list[dict[str, Any]], storage: Any = None) -> dict[str, Any]:
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     got = read_output(out, storage) if storage is not None else read_output(out)
     ids = [r["id"] for r in got]

@@ -164,7 +164,7 @@ def peer_summary(pf_out: Path, peer_out: Path, pf: dict[str, Any], peer: dict[st
     """One replica count: both wall times, engine times, token saving, outputs compared."""
     import pyarrow.parquet as pq
 
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     ours = {r["id"]: list(r["generated_tokens"]) for r in read_output(str(pf_out)).to_pylist()
             if r["error"] is None}
@@ -221,7 +221,7 @@ def agreement(pf_out: Path, base_out: Path) -> float:
     """Share of rows whose greedy tokens are the same in both outputs."""
     import pyarrow.parquet as pq
 
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     ours = read_output(str(pf_out)).to_pylist()
     theirs = {r["id"]: json.loads(r["generated_tokens"]) for r in pq.read_table(base_out).to_pylist()}

@@ -74,7 +74,7 @@ def _run_prefixflow(system: str, replicas: int, data: Path, model: Path, out: Pa
     from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import parse_spec
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     backend = "vllm" if "vllm" in system else "native"
     spec = parse_spec({

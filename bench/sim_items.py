@@ -131,7 +131,7 @@ def plan_workload(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SlicedPlan:
-    """build_plan per slice of rows (a plan per batch, as operators/batch_generator.py makes),
+    """build_plan per slice of rows (a plan per batch, as operators/faces/batch_generator.py makes),
     used only where no two prompts share a token, so slicing loses no sharing: build_plan's
     partition keeps Python tuples per run, and 10M runs of one prompt peaked at 8.7 GB.
     Each replica runs its part of every slice, slice after slice."""

@@ -62,7 +62,7 @@ def sort_bytes(w: Workload) -> int:
 
 def plan_stage_bytes(w: Workload, plan: Any, block_size: int = BLOCK_SIZE, num_replicas: int = 1,
                      order_lcp: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, int]:
-    """What prefixflow's plan stage moves (operators/plan.py): per-row metadata to the driver,
+    """What prefixflow's plan stage moves (operators/stages/plan.py): per-row metadata to the driver,
     the KV-block hashes its sort gathers, and the plan to each node. The sort gathers, level by
     level, `width` hashes of every row still tied with another (sort_by_gather with
     DEFAULT_MAX_CELLS), plus the row's index in the request."""

@@ -3,7 +3,7 @@
 Both engines (native and vLLM) take the groups of a run from an iterable only while the work
 waiting to start is short: fewer rows than are running (at least INTAKE_MIN_ROWS, at most the
 engine's request cap) and fewer prompt tokens than one step may prefill. A group taken is the engine's; one not yet taken is
-still the caller's to hand to another replica (work stealing, operators/work_queue.py), so the
+still the caller's to hand to another replica (work stealing, operators/stages/work_queue.py), so the
 engine holds as little unstarted work as keeps its batches full: the next step can admit at
 most a step's token budget, and as many rows as finish.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixflow.operators.generate import ERRORS_ITEM  # the work item writing error records
+from prefixflow.operators.stages.generate import ERRORS_ITEM  # the work item writing error records
 
 
 class EnginesKeepDying(RuntimeError):

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixflow.operators.commit import commit_bytes
+from prefixflow.operators.results.commit import commit_bytes
 
 
 PLOT_MISSING = "plot.png skipped: matplotlib is not installed (pip install 'prefixflow[plot]')"

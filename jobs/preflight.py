@@ -27,16 +27,17 @@ from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
 from prefixflow.operators.columns import ERROR, SOURCE
-from prefixflow.operators.read import SUFFIXES, parse_file
+from prefixflow.operators.config import model_max_len
+from prefixflow.operators.results.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST,
+                                                      RESULTS_FILE, TMP_PREFIX)
+from prefixflow.operators.results.commit import input_listing
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
-from prefixflow.operators.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST,
-                                              RESULTS_FILE, TMP_PREFIX)
-from prefixflow.operators.commit import input_listing
+from prefixflow.operators.stages.read import SUFFIXES, parse_file
+from prefixflow.operators.stages.tokenize import OPENAI_MESSAGES, check_row_sampling
+from prefixflow.operators.template import PromptTemplate, RowError, template_columns
+from prefixflow.requests import SamplingParams
 from prefixflow.storage import (HTTP, StorageOptions, check_scheme, check_shared, is_local, is_s3,
                                 list_input_files, local_path, normal_path, protocol, strip_scheme)
-from prefixflow.operators.template import PromptTemplate, RowError, template_columns
-from prefixflow.operators.tokenize import OPENAI_MESSAGES, check_row_sampling, model_max_len
-from prefixflow.requests import SamplingParams
 
 SAMPLE_ROWS = 32
 SAMPLE_BYTES = 1 << 20  # the first MiB of the first file holds the sample of any usual input
@@ -327,7 +328,7 @@ def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
     return [] if problem is None else [("output.path", problem)]
 
 
-# One file of each kind a job writes in its output folder (operators/write.py, commit.py): an
+# One file of each kind a job writes in its output folder (operators/results/write.py, commit.py): an
 # input glob that matches one of them would read the job's own output on its resume.
 WRITTEN = ("part-r000-000000000.jsonl", "part-r000-000000000.parquet", "part-errors-000000000.jsonl",
            f"{COMMITS}/part-r000-000000000.jsonl.json", RESULTS_FILE, ERRORS_FILE, "metrics.json",

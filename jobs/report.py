@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from prefixflow.operators.outputs import plain
-from prefixflow.operators.progress import RunProgress
+from prefixflow.operators.results.outputs import plain
+from prefixflow.operators.results.progress import RunProgress
 from prefixflow.storage import masked
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without the plan's modules loaded
     from prefixflow.jobs.spec import JobSpec
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.plan import PlannedJob
+    from prefixflow.operators.stages.plan import PlannedJob
 
 
 def plan_text(planned: PlannedJob) -> str:
@@ -43,7 +43,7 @@ def dry_run_result(planned: PlannedJob, wall_s: float) -> dict[str, Any]:
 
 
 class Progress:
-    """The CLI's live line: a RunProgress (operators/progress.py: the numbers the Python API's
+    """The CLI's live line: a RunProgress (operators/results/progress.py: the numbers the Python API's
     bar shows too) drawn with tqdm: rows generated of rows to generate, generated tokens/s, ETA
     (from generated rows only), token saving, elapsed time, error records (never progress),
     each replica's rate. Fed by the driver's poll of the job's MetricsSink (jobs/supervise.py,

@@ -25,19 +25,19 @@ import numpy as np
 from prefixflow.jobs import report
 from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
-from prefixflow.model_source import model_fingerprint, normalize_model, resolve_model
 from prefixflow.jobs.spec import JobSpec
 from prefixflow.jobs.supervise import run_replicas
-from prefixflow.operators.bookkeeping import MANIFEST
-from prefixflow.operators.commit import (OutputLock, check_job_file, drop_fenced, input_listing,
-                                         job_identity, load_committed)
-from prefixflow.operators.openai_output import system_fingerprint, write_results
-from prefixflow.operators.plan import PlannedJob
-from prefixflow.operators.processor import Processor
-from prefixflow.operators.read import ReadOptions, input_files, read_dataset
+from prefixflow.model_source import model_fingerprint, normalize_model, resolve_model
+from prefixflow.operators.faces.processor import Processor
+from prefixflow.operators.results.bookkeeping import MANIFEST
+from prefixflow.operators.results.commit import (OutputLock, check_job_file, drop_fenced, input_listing,
+                                                 job_identity, load_committed)
+from prefixflow.operators.results.openai_output import system_fingerprint, write_results
+from prefixflow.operators.results.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
+                                                start_sink, write_json)
+from prefixflow.operators.stages.plan import PlannedJob
+from prefixflow.operators.stages.read import ReadOptions, input_files, read_dataset
 from prefixflow.storage import join, normal_path
-from prefixflow.operators.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
-                                        start_sink, write_json)
 
 def read_options(spec: JobSpec) -> ReadOptions:
     path = spec.input.path
@@ -88,7 +88,7 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     if not dry_run:
         check_resources(spec, source)  # before prepare_output deletes anything
         # One job at a time on a path, from before anything there is deleted to the end; its
-        # writers check that the lock is still theirs before each part (operators/commit.py).
+        # writers check that the lock is still theirs before each part (operators/results/commit.py).
         lock = OutputLock(wopts.path, wopts.storage).acquire()
         wopts = dataclasses.replace(wopts, fence=lock.holder["token"])
     try:
@@ -123,7 +123,7 @@ def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: W
     clear_end_markers(wopts)
     # Every committed part is read once: one damaged since its commit runs its rows again.
     before = load_committed(wopts.path, wopts.storage, verify=True)
-    # Named, so that another process can read the running job's state (operators/write.py).
+    # Named, so that another process can read the running job's state (operators/results/write.py).
     sink = start_sink(spec.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet,
@@ -132,7 +132,7 @@ def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: W
     progress.close()
     final = load_committed(wopts.path, wopts.storage)
     # Without the parts a dead job's actors still committed after this job took the path over:
-    # this job ran their rows itself (operators/commit.py: fencing).
+    # this job ran their rows itself (operators/results/commit.py: fencing).
     final, fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence, before, final) \
         if wopts.fence else (final, [])
     missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)

@@ -33,14 +33,14 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       Tag, ValidationError, create_model, field_validator, model_validator)
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, short
+from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
                                          limit_problems, setting_problems)
-from prefixflow.operators.read import infer_format
-from prefixflow.storage import StorageOptions, masked
+from prefixflow.operators.stages.read import infer_format
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.requests import SamplingParams
+from prefixflow.storage import StorageOptions, masked
 
 
 class SpecError(ValueError):
@@ -312,7 +312,7 @@ class InputSpec(_Strict):
 # messages_column; PromptTemplate's own checks (and messages) apply to the spec too.
 PromptSpec = _mirror(PromptTemplate, "PromptSpec")
 
-# task: score (PrefillOnly), one probability per allowed answer (operators/score.py).
+# task: score (PrefillOnly), one probability per allowed answer (operators/results/score.py).
 # add_special_tokens stays out: the prompt section decides the prompt's text.
 ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
 

@@ -4,8 +4,8 @@ restarted alone when it dies.
     manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
 
 One actor per replica runs `ReplicaGenerator.run_item`, taking plan units from the job's
-WorkQueue (operators/work_queue.py: its own replica's in plan order, then, run dry, the last
-unstarted units of the busiest replica) and committing each part itself (operators/commit.py);
+WorkQueue (operators/stages/work_queue.py: its own replica's in plan order, then, run dry, the last
+unstarted units of the busiest replica) and committing each part itself (operators/results/commit.py);
 one more writes the error records (ERRORS_ITEM). When an actor dies, the units it held go back
 to its replica's queue with their uncommitted rows, and its replica starts again on a new
 actor; the others never stop, and take those units themselves when the new actor cannot start
@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prefixflow.jobs.attempts import AttemptLedger
-from prefixflow.operators.commit import Committed, load_committed
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.plan import unit_payload_refs
-from prefixflow.operators.processor import engine_actor_options
-from prefixflow.operators.work_queue import WorkQueue
-from prefixflow.operators.write import WriteOptions
+from prefixflow.operators.faces.processor import engine_actor_options
+from prefixflow.operators.results.commit import Committed, load_committed
+from prefixflow.operators.results.write import WriteOptions
+from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
+from prefixflow.operators.stages.plan import unit_payload_refs
+from prefixflow.operators.stages.work_queue import WorkQueue
 
 if TYPE_CHECKING:  # annotations only (jobs/spec.py imports pydantic; processor.py is imported above)
     from prefixflow.jobs.spec import JobSpec
-    from prefixflow.operators.plan import PlannedJob
-    from prefixflow.operators.processor import Processor
+    from prefixflow.operators.faces.processor import Processor
+    from prefixflow.operators.stages.plan import PlannedJob
 
 
 @dataclasses.dataclass

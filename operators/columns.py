@@ -4,7 +4,7 @@
   _pf_error   None for a good row, else why the row cannot run (it becomes an error record).
 
 Every bookkeeping column starts with `_pf_` (RESERVED), so input columns may not. The read
-stage adds these two (operators/read.py), the OpenAI batch reader fills them from each request
+stage adds these two (operators/stages/read.py), the OpenAI batch reader fills them from each request
 line (openai_batch.py), and every later stage reads them; they live here, below all of those,
 so that none of them imports another stage for a column's name.
 """

@@ -1,7 +1,7 @@
 """ProcessorConfig: what the Python API takes and what a job spec becomes (JobSpec.to_config).
 
 A frozen dataclass so that it travels to Ray actors as it is. Settings flow one way: the job
-spec, the Python API, ray.data.llm's config (operators/ray_llm_config.py) and map_batches all
+spec, the Python API, ray.data.llm's config (operators/faces/ray_llm_config.py) and map_batches all
 end in a ProcessorConfig, which checks every setting once (each check raising through
 prefixflow.errors, one message per setting) and builds, once, the typed pieces every stage
 reads: `engine_config` (EngineConfig), `backend`, `vllm_args` (checked against
@@ -23,8 +23,8 @@ from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
 from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, one_of, require, short
+from prefixflow.model_source import resolve_model
 from prefixflow.operators.template import PromptTemplate
-from prefixflow.operators.tokenize import TokenizeOptions, model_max_len
 from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.pipeline.plan import DEFAULT_ORDER
 from prefixflow.requests import SamplingParams
@@ -55,6 +55,35 @@ LIMITS: dict[str, tuple[float, bool, bool, str]] = {
     "num_gpus_per_replica": (0, False, True, "use a number >= 0, or None to decide when the job runs"),
     "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
 }
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    model: str
+    prompt: PromptTemplate | None   # None: OpenAI batch rows carry their own messages/prompt
+    max_model_len: int
+    trust_remote_code: bool = False
+    keep_prompt: bool = False
+    sampling: Any = None  # default SamplingParams, to check a row's `sampling_params` overrides
+    # Rows' own `messages` (no template): the tokenizer's chat template or this one, with these
+    # extra variables; messages=False reads only `prompt` (ray.data.llm's chat stage off);
+    # continue_last: a conversation that ends with an assistant message is continued, as
+    # ray.data.llm's chat stage does, not answered.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    messages: bool = True
+    continue_last: bool = False
+
+
+def model_max_len(model: str, override: int | None) -> int:
+    """The context length: the spec's max_model_len, else the model config's."""
+    if override is not None:
+        return override
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return 2048
 
 
 @dataclass(frozen=True)
@@ -108,7 +137,7 @@ class ProcessorConfig:
     min_replicas: the fewest engines the cluster must hold when the job starts (None: replicas),
         as ray.data.llm's `concurrency=(min, max)`.
     work_stealing: a replica that runs dry takes the last unstarted plan units of the one expected to finish last
-        (operators/work_queue.py); False: each runs only its own partition (the static plan).
+        (operators/stages/work_queue.py); False: each runs only its own partition (the static plan).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
         num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
         engine's tensor_parallel_size x pipeline_parallel_size GPUs where the cluster has GPUs,

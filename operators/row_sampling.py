@@ -1,6 +1,6 @@
 """A row's own sampling parameters: the columns that carry them and the SamplingParams they make.
 
-An OpenAI request body (`_pf_sampling`, filled by operators/openai_batch.py) or ray.data.llm's
+An OpenAI request body (`_pf_sampling`, filled by operators/stages/openai_batch.py) or ray.data.llm's
 `sampling_params` column overrides fields of the job's SamplingParams for its row. The
 tokenize stage checks a row's overrides (a bad one makes the row an error record), preflight
 checks a sample of rows, and the engine actors build each row's SamplingParams: all from here.

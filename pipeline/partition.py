@@ -12,7 +12,7 @@ places (and not cutting at all), the one that fills the most of the room less wh
 the job recompute (the prefix the member shares with the one before it, `row_cut_compute`). So a
 unit holding several documents is cut between two of them, and no document is cut to put two of
 its questions on the next replica; the room left is filled by the other end of the scan, the next
-replicas, or at run time by work stealing (operators/work_queue.py). The rest of a cut unit stays
+replicas, or at run time by work stealing (operators/stages/work_queue.py). The rest of a cut unit stays
 at its end of the scan for the next replica. Each replica keeps the policy's order of its parts.
 
 Predicted time of a replica: max(sum T_comp, sum T_mem), BlendServe's T with compute and memory

@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.errors import one_of, require
-from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.blendserve import estimate_output_lens
+from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse, runs
 from prefixflow.pipeline.multilevel import UNITS_PER_REPLICA, nested_groups, plan_multi_level
@@ -78,7 +78,7 @@ class Plan:
     run_starts: np.ndarray    # [num_runs + 1] table-row boundaries of the runs (groups)
     replica_runs: np.ndarray  # [num_replicas + 1] run boundaries of each replica
     # Units: the partition's parts in plan order (a subtree, or a piece of a large group), what
-    # a replica that runs dry may take from another, whole (units(), operators/work_queue.py).
+    # a replica that runs dry may take from another, whole (units(), operators/stages/work_queue.py).
     unit_starts: np.ndarray   # [num_units + 1] table-row boundaries of the units
     unit_seconds: np.ndarray  # [num_units] predicted seconds of each unit (cost_model.py)
     hashed: HashedPrompts | None = None

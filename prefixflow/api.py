@@ -11,7 +11,7 @@ or, the lighter per-batch mode (no global plan):
     ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
                    batch_size=512, concurrency=2, batch_format="pyarrow")
 
-ray.data.llm's names (Ray 2.60) work too, changing only the import line (operators/ray_llm.py):
+ray.data.llm's names (Ray 2.60) work too, changing only the import line (operators/faces/ray_llm.py):
 `build_processor(vLLMEngineProcessorConfig(model_source=..., engine_kwargs={...}, concurrency=2,
 chat_template_stage=ChatTemplateStageConfig(...)), preprocess=..., postprocess=...,
 builder_kwargs=...)` gives the same planned processor on the vLLM backend, with Ray's columns.
@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from prefixflow.operators.batch_generator import Generator
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.processor import Processor
-from prefixflow.operators.ray_llm import RayLLMProcessor
-from prefixflow.operators.ray_llm import build_processor as build_ray_llm_processor
-from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
-                                                 HttpRequestProcessorConfig, HttpRequestStageConfig,
-                                                 PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
-                                                 ServeDeploymentProcessorConfig, TokenizerStageConfig,
-                                                 vLLMEngineProcessorConfig)
+from prefixflow.operators.faces.batch_generator import Generator
+from prefixflow.operators.faces.processor import Processor
+from prefixflow.operators.faces.ray_llm import RayLLMProcessor
+from prefixflow.operators.faces.ray_llm import build_processor as build_ray_llm_processor
+from prefixflow.operators.faces.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
+                                                       HttpRequestProcessorConfig, HttpRequestStageConfig,
+                                                       PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
+                                                       ServeDeploymentProcessorConfig, TokenizerStageConfig,
+                                                       vLLMEngineProcessorConfig)
 from prefixflow.operators.template import PromptTemplate
 
 # ours, then ray.data.llm's config classes under the names Ray gives them (the package's lazy

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     _show_our_logs()
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.spec import SpecError
-    from prefixflow.operators.commit import JobFenced
+    from prefixflow.operators.results.commit import JobFenced
 
     try:
         return _dispatch(args)
@@ -95,7 +95,7 @@ def _job_failures() -> tuple[type[BaseException], ...]:
 
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.attempts import EnginesKeepDying
-    from prefixflow.operators.isolate import EngineBroken
+    from prefixflow.operators.stages.isolate import EngineBroken
 
     # ObjectLostError: a node lost with input blocks that no other node held (a resume reads
     # the input again).
@@ -185,8 +185,8 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     from prefixflow.jobs.preflight import plan_out_problems, preflight
     from prefixflow.jobs.run import ensure_ray, read_options
     from prefixflow.jobs.spec import SpecError
-    from prefixflow.operators.processor import Processor
-    from prefixflow.operators.read import read_dataset
+    from prefixflow.operators.faces.processor import Processor
+    from prefixflow.operators.stages.read import read_dataset
 
     preflight(spec, args.spec, args.address)
     problems = plan_out_problems(spec, args.out)  # never over the input, the output or a stranger's file
@@ -199,8 +199,8 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     import io
 
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
+    from prefixflow.operators.results.commit import commit_bytes
     from prefixflow.storage import normal_path
-    from prefixflow.operators.commit import commit_bytes
 
     sink = io.BytesIO()
     pq.write_table(planned.plan.table, sink)

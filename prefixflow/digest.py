@@ -1,7 +1,7 @@
 """A file's sha256, read once per machine while the file stays the same (torch-free).
 
 prefixflow/model_source.py fingerprints a model folder with it, so that a resumed job can tell
-that the weights behind a path changed (operators/commit.py). A digest is remembered under
+that the weights behind a path changed (operators/results/commit.py). A digest is remembered under
 $PREFIXFLOW_CACHE/sha256 (prefixflow/paths.py), and nothing a user can cheaply do makes a
 remembered digest stand for other bytes (issue 43):
   - the entry's key is what the file's owner cannot set back: path, device, inode, size, mtime

@@ -12,7 +12,7 @@ The forms, tried in this order:
 
 `model_fingerprint(folder)` names what a resolved folder holds ({file: sha256} of the files
 the engine and tokenizer read), so that a resumed job can tell that the weights behind one
-path or hub id changed (operators/commit.py). Each file is read once per change of it
+path or hub id changed (operators/results/commit.py). Each file is read once per change of it
 (prefixflow/digest.py says what a remembered digest is keyed on and why it is remembered).
 
 Every failure is one `ModelError` (a ValueError) that names the model and says what to do.

@@ -7,7 +7,7 @@ A value is at most MAX_TEXT in size: a string its length, an integer its digits,
 in full. An integer has at most MAX_INT_BITS bits. One Budget per render counts loop
 iterations, calls and range() items (MAX_STEPS) and the characters and items built (MAX_WORK);
 the render's clock is checked at each step and by prefixflow/deadline.py. Going past a limit raises TemplateLimitError,
-which makes the row an error record (operators/template.py, operators/tokenize.py).
+which makes the row an error record (operators/template.py, operators/stages/tokenize.py).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class LLMEngine:
 
     def _add_or_join(self, group: GroupState) -> None:
         """Queue a group; or, when it is the next piece of a run whose group is still queued or
-        running here (the plan cut a large group into units, operators/work_queue.py), add its
+        running here (the plan cut a large group into units, operators/stages/work_queue.py), add its
         members to that group: they attend to the prefix already computed, as one group."""
         key = (group.group_id, len(group.prefix.token_ids) if group.prefix else 0)
         open_group = self._open_groups.get(key)
@@ -179,7 +179,7 @@ class LLMEngine:
 
     def reset(self) -> None:
         """A fresh block manager and scheduler, with no request: at start, and after a failed
-        run (operators/isolate.py), since a step that raised may have left the KV bookkeeping
+        run (operators/stages/isolate.py), since a step that raised may have left the KV bookkeeping
         half-updated. The hashed prefix cache is dropped with it; the model stays loaded."""
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           self.config.enable_prefix_cache)

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixflow.jobs.spec import SpecError, parse_spec
-from prefixflow.operators.outputs import OUTPUT_FIELDS, with_outputs
-from prefixflow.operators.openai_batch import parse_requests
 from prefixflow.operators.columns import ERROR
-from prefixflow.operators.read import parse_csv, parse_jsonl, rows_to_table
+from prefixflow.operators.results.outputs import OUTPUT_FIELDS, with_outputs
+from prefixflow.operators.stages.openai_batch import parse_requests
+from prefixflow.operators.stages.read import parse_csv, parse_jsonl, rows_to_table
 from prefixflow.requests import SamplingParams
 
 BAD_SAMPLING = [  # (override, the field its error names)
@@ -89,8 +89,9 @@ def test_spec_sampling_gets_the_same_checks():
 
 
 def test_tokenize_makes_bad_sampling_rows_error_records(tiny_model):
+    from prefixflow.operators.config import TokenizeOptions
+    from prefixflow.operators.stages.tokenize import Tokenize
     from prefixflow.operators.template import PromptTemplate
-    from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
 
     tok = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=PromptTemplate(template="Q: {{ q }}"),
                                    max_model_len=256, sampling=SamplingParams(max_tokens=4)))
@@ -124,7 +125,7 @@ def _failing_engine(model: str, bad_row: int):
 
 def test_an_engine_exception_fails_only_its_row(tiny_model):
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import group_outputs
+    from prefixflow.operators.stages.generate import group_outputs
     from prefixflow.pipeline import build_plan
 
     rng = np.random.default_rng(0)
@@ -159,8 +160,8 @@ def test_an_engine_that_fails_on_every_row_stops_the_replica(tiny_model):
     from prefixflow.engine import LLMEngine
     from prefixflow.engine.config import EngineConfig
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import group_outputs
-    from prefixflow.operators.isolate import MAX_FAILURES_IN_A_ROW, EngineBroken
+    from prefixflow.operators.stages.generate import group_outputs
+    from prefixflow.operators.stages.isolate import MAX_FAILURES_IN_A_ROW, EngineBroken
     from prefixflow.pipeline import build_plan
 
     class Broken(LLMEngine):
@@ -183,8 +184,8 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     from prefixflow.engine import Scorer
     from prefixflow.engine.config import EngineConfig
     from prefixflow.operators.config import ProcessorConfig
-    from prefixflow.operators.generate import group_outputs
-    from prefixflow.operators.outputs import output_chunk
+    from prefixflow.operators.results.outputs import output_chunk
+    from prefixflow.operators.stages.generate import group_outputs
     from prefixflow.pipeline import build_plan
 
     class FailsOnRow(Scorer):  # our own Scorer, one method made to raise for row 1 (see above)
@@ -300,8 +301,9 @@ def test_a_duplicate_custom_id_is_reported_when_its_first_use_is_an_error_record
     request: the good one is reported as the duplicate (each custom_id answers one request)."""
     import ray
 
-    from prefixflow.operators.plan import plan_dataset
-    from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
+    from prefixflow.operators.config import TokenizeOptions
+    from prefixflow.operators.stages.plan import plan_dataset
+    from prefixflow.operators.stages.tokenize import Tokenize
 
     lines = [b'{"custom_id": "broken", "url": "/v1/completions", "body": {',
              json.dumps({"custom_id": "invalid", "url": "/v1/embeddings", "body": {}}).encode(),
@@ -331,7 +333,7 @@ def test_input_columns_named_like_outputs_are_kept_as_input_name():
 
 
 def test_generator_mode_keeps_the_batchs_own_columns(tiny_model):
-    from prefixflow.operators.batch_generator import Generator
+    from prefixflow.operators.faces.batch_generator import Generator
 
     gen = Generator(model=str(tiny_model), prompt={"template": "Q: {{ q }}"},
                     sampling={"temperature": 0, "max_tokens": 2}, engine={"device": "cpu", "kv_cache_bytes": 16 << 20})
@@ -347,7 +349,7 @@ def test_generator_mode_keeps_the_batchs_own_columns(tiny_model):
 
 def _run(tmp_path, tiny_model, input: dict, prompt: dict):
     from prefixflow.jobs.run import run_job
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     spec = parse_spec({
         "model": str(tiny_model), "input": input, "prompt": prompt,

@@ -40,7 +40,7 @@ def test_the_cap_changes_what_the_engine_makes(tiny_model):
 def _spec(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import parse_spec
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": q}) + "\n" for q in QUESTIONS))

@@ -15,8 +15,8 @@ import yaml
 
 from prefixflow.bench.fault_proxy import FaultProxy
 from prefixflow.jobs.demo import demo_rows
+from prefixflow.operators.results.write import read_output
 from prefixflow.storage import StorageOptions
-from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow
 JOB_TIMEOUT_S = 300

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from prefixflow.jobs.spec import JobSpec, SpecError, load_spec, parse_spec
 from prefixflow.operators.columns import ERROR
-from prefixflow.operators.read import parse_jsonl, rows_to_table
+from prefixflow.operators.stages.read import parse_jsonl, rows_to_table
 from prefixflow.operators.template import PromptTemplate, RowError
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from prefixflow.cli import main as cli
-from prefixflow.operators.write import read_output
+from prefixflow.operators.results.write import read_output
 
 pytestmark = pytest.mark.slow
 

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 from prefixflow.jobs.preflight import preflight
 from prefixflow.jobs.spec import SpecError, parse_spec
-from prefixflow.operators.commit import COMMITS, JOB_FILE, LOCK_FILE, OutputLock, load_committed
-from prefixflow.operators.write import WriteOptions, prepare_output
+from prefixflow.operators.results.commit import COMMITS, JOB_FILE, LOCK_FILE, OutputLock, load_committed
+from prefixflow.operators.results.write import WriteOptions, prepare_output
 from prefixflow.storage import StorageOptions
 
 from support.output_folders import FORMATS, committed_job, record, snapshot

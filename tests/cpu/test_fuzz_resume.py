@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixflow.operators.commit import COMMITS, check_job_file, load_committed
 from prefixflow.operators.columns import ERROR, SOURCE
-from prefixflow.operators.read import parse_csv, parse_jsonl, rows_to_table, to_text
+from prefixflow.operators.results.commit import COMMITS, check_job_file, load_committed
+from prefixflow.operators.stages.read import parse_csv, parse_jsonl, rows_to_table, to_text
 from prefixflow.storage import StorageOptions
 
 FAST = settings(max_examples=50, deadline=None,

@@ -25,9 +25,9 @@ from jinja2 import StrictUndefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from prefixflow.jobs.spec import SpecError, load_spec, load_yaml, parse_overrides, parse_spec
-from prefixflow.operators.openai_batch import parse_requests
 from prefixflow.operators.columns import ERROR
-from prefixflow.operators.read import parse_jsonl
+from prefixflow.operators.stages.openai_batch import parse_requests
+from prefixflow.operators.stages.read import parse_jsonl
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
 from prefixflow.requests import SamplingParams
 
@@ -203,7 +203,8 @@ def test_template_bombs_in_chat_prompts_and_validate_are_row_errors():
 
 
 def test_template_bomb_rows_become_error_records_in_the_tokenize_stage(tiny_model):
-    from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
+    from prefixflow.operators.config import TokenizeOptions
+    from prefixflow.operators.stages.tokenize import Tokenize
 
     source = ("{% if q == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
               "{% endfor %}{% endfor %}{% elif q == 'pow' %}{{ 10 ** (10 ** 10) }}"
@@ -410,7 +411,7 @@ def test_tiny_positive_temperature_is_refused_everywhere(temperature):
         parse_spec({"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"},
                     "output": {"path": "out"}, "sampling": {"temperature": temperature}})
     assert e.value.problems == [("sampling.temperature", f"{temperature!r} is invalid: {fix}")]
-    from prefixflow.operators.tokenize import check_row_sampling
+    from prefixflow.operators.stages.tokenize import check_row_sampling
 
     with pytest.raises(RowError, match=f"temperature={temperature!r} is invalid: {fix}"):
         check_row_sampling(SamplingParams(), {"sampling_params": {"temperature": temperature}})
@@ -429,7 +430,7 @@ def test_zero_and_the_floor_and_above_are_accepted():
 @pytest.mark.slow
 def test_job_with_bombing_rows_and_tiny_temperatures_finishes(ray_local, tiny_model, tmp_path):
     from prefixflow.jobs.run import run_job
-    from prefixflow.operators.write import read_output
+    from prefixflow.operators.results.write import read_output
 
     qs = ["one", "mul", "two", "loop", "three", "temp"]
     lines = [json.dumps({"q": q, **({"sampling_params": {"temperature": 1e-40}} if q == "temp" else {})})

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from prefixflow.jobs.demo import example_path
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.write import read_output
+from prefixflow.operators.results.write import read_output
 
 pytestmark = pytest.mark.slow  # end to end on a real local Ray
 
@@ -224,7 +224,7 @@ def test_a_body_is_checked_against_its_own_fields_not_a_made_up_default():
     """min_tokens beyond SamplingParams' default max_tokens is fine when the body sets no
     max_tokens (the job's own max_tokens decides, in the tokenize stage); a body whose own
     min_tokens exceeds its own max_tokens is an error record naming the field."""
-    from prefixflow.operators.openai_batch import parse_requests
+    from prefixflow.operators.stages.openai_batch import parse_requests
 
     chat = {"custom_id": "a", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100}}
@@ -240,7 +240,7 @@ def test_every_mapped_body_field_is_a_sampling_field():
     """A body field is honoured through SamplingParams: each one mapped must exist there."""
     from dataclasses import fields
 
-    from prefixflow.operators.openai_batch import _SAMPLING
+    from prefixflow.operators.stages.openai_batch import _SAMPLING
     from prefixflow.requests import SamplingParams
 
     names = {f.name for f in fields(SamplingParams)}
@@ -255,8 +255,8 @@ def test_logprob_tokens_carry_the_real_bytes_of_split_characters(tiny_model):
 
     from transformers import AutoTokenizer
 
+    from prefixflow.operators.results.openai_output import chat_logprobs, completion_logprobs
     from prefixflow.tokenizer import load_tokenizer, token_bytes
-    from prefixflow.operators.openai_output import chat_logprobs, completion_logprobs
 
     text = "naïve café — 日本 😀"
     for tokenizer in (load_tokenizer(tiny_model), AutoTokenizer.from_pretrained(str(tiny_model)),
@@ -300,7 +300,7 @@ def _byte_fallback_tokenizer():
 
 
 def test_error_records_as_openai_writes_them():
-    from prefixflow.operators.openai_output import error_body, output_line, system_fingerprint
+    from prefixflow.operators.results.openai_output import error_body, output_line, system_fingerprint
 
     assert error_body("f.jsonl:3: body.top_k=-7 is invalid: use -1") == (400, {
         "message": "f.jsonl:3: body.top_k=-7 is invalid: use -1", "type": "invalid_request_error",

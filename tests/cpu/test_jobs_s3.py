@@ -11,9 +11,9 @@ import pytest
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.read import ReadOptions, read_dataset
+from prefixflow.operators.results.write import read_output
+from prefixflow.operators.stages.read import ReadOptions, read_dataset
 from prefixflow.storage import StorageOptions
-from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow  # end to end on a real local Ray
 

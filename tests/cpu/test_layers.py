@@ -28,6 +28,10 @@ model, its layers, loading) < native/, scoring/ and vllm_backend/, which never i
 another, except that vllm_backend/ may import scoring/ (the score task's choices and options,
 which both backends answer).
 
+Inside operators/, the rooms: its shared modules (operators/*.py: config, template, columns,
+row_sampling) < results/ (output rows, parts, commits, progress) < stages/ (read, tokenize,
+plan, generate) < faces/ (the Python API, map_batches, ray.data.llm's API).
+
 `from prefixflow.kernels import cpu_build` is an import of the submodule cpu_build (its
 package's __init__ runs first, as for any import, and is not counted as an edge).
 """
@@ -46,9 +50,12 @@ FOLDERS = {"prefixflow": "prefixflow", "pipeline": "prefixflow.pipeline", "kerne
            "bench": "prefixflow.bench"}
 RANKS = {"base": 0, "pipeline": 1, "kernels": 1, "engine": 2, "operators": 3, "jobs": 4, "face": 5, "bench": 6}
 FACES = ("prefixflow", "prefixflow.api", "prefixflow.cli")
-# engine/'s rooms and the rooms each may import besides its own (the module docstring)
+# engine/'s and operators/' rooms, and the rooms each may import besides its own (the module docstring)
 ENGINE_ROOMS = {"shared": set(), "models": {"shared"}, "native": {"shared", "models"},
                 "scoring": {"shared", "models"}, "vllm_backend": {"shared", "models", "scoring"}}
+OPERATOR_ROOMS = {"shared": set(), "results": {"shared"}, "stages": {"shared", "results"},
+                  "faces": {"shared", "results", "stages"}}
+ROOMS = {"engine": ENGINE_ROOMS, "operators": OPERATOR_ROOMS}
 _IMPORT_LINE = re.compile(r"\s*(from|import)\s")
 
 
@@ -69,12 +76,13 @@ def layer(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in RANKS else "base"
 
 
-def engine_room(module: str) -> str | None:
-    """The room of a `prefixflow.engine.*` module (None outside engine/)."""
+def room(module: str) -> tuple[str, str] | None:
+    """(folder, room) of a module of engine/ or operators/ (None elsewhere)."""
     parts = module.split(".")
-    if parts[:2] != ["prefixflow", "engine"]:
+    if parts[0] != "prefixflow" or len(parts) < 2 or parts[1] not in ROOMS:
         return None
-    return parts[2] if len(parts) > 3 and parts[2] in ENGINE_ROOMS else "shared"
+    rooms = ROOMS[parts[1]]
+    return parts[1], parts[2] if len(parts) > 3 and parts[2] in rooms else "shared"
 
 
 def find_modules(root: Path, folders: dict[str, str] = FOLDERS) -> dict[str, Path]:
@@ -143,13 +151,13 @@ def upward_imports(edges: list[Edge]) -> list[str]:
     return bad
 
 
-def engine_room_imports(edges: list[Edge]) -> list[str]:
-    """Imports between engine/'s rooms that ENGINE_ROOMS does not allow."""
+def room_imports(edges: list[Edge]) -> list[str]:
+    """Imports between the rooms of one folder that ROOMS does not allow."""
     bad = []
     for e in edges:
-        src, dst = engine_room(e.src), engine_room(e.dst)
-        if src and dst and src != dst and dst not in ENGINE_ROOMS[src]:
-            bad.append(f"{e.src}:{e.line} (engine/{src}) imports {e.dst} (engine/{dst})")
+        src, dst = room(e.src), room(e.dst)
+        if src and dst and src[0] == dst[0] and src[1] != dst[1] and dst[1] not in ROOMS[src[0]][src[1]]:
+            bad.append(f"{e.src}:{e.line} ({src[0]}/{src[1]}) imports {e.dst} ({dst[0]}/{dst[1]})")
     return bad
 
 
@@ -206,7 +214,7 @@ def unexplained_lazy_imports(edges: list[Edge]) -> list[str]:
 
 def problems(root: Path, folders: dict[str, str] = FOLDERS) -> list[str]:
     edges = import_edges(find_modules(root, folders))
-    return (upward_imports(edges) + engine_room_imports(edges) + [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
+    return (upward_imports(edges) + room_imports(edges) + [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
             + unexplained_lazy_imports(edges))
 
 
@@ -257,7 +265,7 @@ def test_a_planted_upward_import_fails(tmp_path):
         "kernels/norm.py": "import torch\n",
         "engine/runner.py": "from prefixflow.kernels.norm import torch\n",          # down: fine
         "pipeline/plan.py": "def f():\n    # lazy: never\n    from prefixflow.engine import runner\n",
-        "operators/read.py": "from prefixflow.pipeline.plan import f\n",           # down: fine
+        "operators/stages/read.py": "from prefixflow.pipeline.plan import f\n",           # down: fine
     })
     assert problems(root) == ["prefixflow.pipeline.plan:3 (pipeline) imports prefixflow.engine.runner (engine)"]
 
@@ -281,17 +289,17 @@ def test_siblings_and_the_faces_count_as_upward(tmp_path):
 
 def test_a_cycle_inside_one_layer_fails_even_through_functions(tmp_path):
     root = _tree(tmp_path, {
-        "operators/read.py": "from prefixflow.operators.openai_batch import parse\nERROR = 'e'\n",
-        "operators/openai_batch.py": "def parse():\n    # lazy: dodges a cycle\n    from prefixflow.operators.read import ERROR\n",
-        "operators/write.py": "from prefixflow.operators import read\n",            # no cycle: fine
+        "operators/stages/read.py": "from prefixflow.operators.stages.openai_batch import parse\nERROR = 'e'\n",
+        "operators/stages/openai_batch.py": "def parse():\n    # lazy: dodges a cycle\n    from prefixflow.operators.stages.read import ERROR\n",
+        "operators/results/write.py": "from prefixflow.operators import read\n",            # no cycle: fine
     })
-    assert problems(root) == ["import cycle: prefixflow.operators.openai_batch <-> prefixflow.operators.read"]
+    assert problems(root) == ["import cycle: prefixflow.operators.stages.openai_batch <-> prefixflow.operators.stages.read"]
 
 
 def test_a_lazy_import_must_say_why(tmp_path):
     root = _tree(tmp_path, {
         "engine/runner.py": "import torch\n",
-        "operators/generate.py": textwrap.dedent("""\
+        "operators/stages/generate.py": textwrap.dedent("""\
             def make():
                 from prefixflow.engine.runner import torch
                 return torch
@@ -305,7 +313,7 @@ def test_a_lazy_import_must_say_why(tmp_path):
             """),
         "bench/b.py": "def main():\n    from prefixflow.engine import runner\n",      # bench: free
     })
-    assert problems(root) == ["prefixflow.operators.generate:2 imports prefixflow.engine.runner inside a "
+    assert problems(root) == ["prefixflow.operators.stages.generate:2 imports prefixflow.engine.runner inside a "
                               "function without saying why"]
 
 
@@ -325,4 +333,26 @@ def test_engine_rooms_import_only_shared_models_and_what_they_may(tmp_path):
         "prefixflow.engine.outputs:1 (engine/shared) imports prefixflow.engine.native.sequence (engine/native)",
         "prefixflow.engine.scoring.scorer:1 (engine/scoring) imports prefixflow.engine.native.sequence "
         "(engine/native)",
+    ])
+
+
+def test_operator_rooms_import_only_shared_and_the_rooms_below(tmp_path):
+    root = _tree(tmp_path, {
+        "operators/config.py": "from prefixflow.operators.results.outputs import X\n",     # shared -> room
+        "operators/template.py": "X = 1\n",
+        "operators/results/outputs.py": "from prefixflow.operators.template import X\n",    # fine
+        "operators/results/write.py": "from prefixflow.operators.stages.plan import X\n",   # up
+        "operators/stages/plan.py": "from prefixflow.operators.results.outputs import X\n",  # down: fine
+        "operators/stages/read.py": "from prefixflow.operators.faces.processor import X\n",  # up
+        "operators/faces/processor.py": "from prefixflow.operators.stages.plan import X\n",  # down: fine
+    })
+    for folder in ("operators/results", "operators/stages", "operators/faces"):
+        (root / folder / "__init__.py").touch()
+    assert sorted(problems(root)) == sorted([
+        "prefixflow.operators.config:1 (operators/shared) imports prefixflow.operators.results.outputs "
+        "(operators/results)",
+        "prefixflow.operators.results.write:1 (operators/results) imports prefixflow.operators.stages.plan "
+        "(operators/stages)",
+        "prefixflow.operators.stages.read:1 (operators/stages) imports prefixflow.operators.faces.processor "
+        "(operators/faces)",
     ])

@@ -124,8 +124,8 @@ def _finish(proc: subprocess.Popen, log: Path) -> int:
 
 
 def _output(cl, name: str) -> list[dict]:
+    from prefixflow.operators.results.write import read_output
     from prefixflow.storage import StorageOptions
-    from prefixflow.operators.write import read_output
 
     return read_output(f"s3://pf-out/{name}", StorageOptions(endpoint_url=cl.endpoint))
 

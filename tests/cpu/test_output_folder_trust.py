@@ -24,9 +24,9 @@ import pytest
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.commit import (COMMITS, JOB_FILE, LOCK_FILE, JobFenced, OutputLock, check_fence,
-                                         check_job_file, load_committed)
-from prefixflow.operators.write import WriteOptions, prepare_output, read_output
+from prefixflow.operators.results.commit import (COMMITS, JOB_FILE, LOCK_FILE, JobFenced, OutputLock, check_fence,
+                                                 check_job_file, load_committed)
+from prefixflow.operators.results.write import WriteOptions, prepare_output, read_output
 from prefixflow.storage import StorageOptions
 from support.output_folders import FORMATS, committed_job, record, snapshot
 

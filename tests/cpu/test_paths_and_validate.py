@@ -29,9 +29,9 @@ from prefixflow.cli import main as cli
 from prefixflow.jobs.preflight import preflight
 from prefixflow.jobs.run import run_job, write_options
 from prefixflow.jobs.spec import SpecError, load_yaml, parse_spec
-from prefixflow.operators.commit import input_listing
+from prefixflow.operators.results.commit import input_listing
+from prefixflow.operators.results.write import read_output
 from prefixflow.operators.template import PromptTemplate
-from prefixflow.operators.write import read_output
 from prefixflow.storage import StorageOptions
 
 ROWS = [{"id": i, "document": f"doc {i % 3}", "question": f"why {i}?"} for i in range(6)]

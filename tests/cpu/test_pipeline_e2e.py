@@ -15,7 +15,7 @@ import pytest
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.write import read_output
+from prefixflow.operators.results.write import read_output
 
 USER = "{{ document }}\n\n{{ question }}"
 SYSTEM = "Answer the question about the document."

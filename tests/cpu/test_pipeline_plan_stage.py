@@ -12,9 +12,9 @@ import ray
 
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.plan import _block_meta, fetch_rows, plan_dataset
-from prefixflow.operators.processor import Processor
-from prefixflow.operators.read import ReadOptions, read_dataset
+from prefixflow.operators.faces.processor import Processor
+from prefixflow.operators.stages.plan import _block_meta, fetch_rows, plan_dataset
+from prefixflow.operators.stages.read import ReadOptions, read_dataset
 
 ALL_TO_ALL_WORDS = ("Shuffle", "Sort", "Repartition", "Aggregate", "GroupBy", "Join", "Zip")
 
@@ -73,7 +73,7 @@ def test_plan_stage_moves_no_full_rows(ray_local, tiny_model, tmp_path):
 
 def test_fetch_rows_across_blocks(ray_local):
     refs = [ray.put(pa.table({"x": [0, 1, 2]})), ray.put(pa.table({"x": [3, 4]}))]
-    from prefixflow.operators.plan import RowIndex
+    from prefixflow.operators.stages.plan import RowIndex
 
     index = RowIndex(tuple(refs), np.array([0, 3, 5]))
     assert fetch_rows(index, np.array([4, 0, 3, 2])).column("x").to_pylist() == [4, 0, 3, 2]
@@ -82,7 +82,7 @@ def test_fetch_rows_across_blocks(ray_local):
 def test_read_csv_parquet_and_limit(ray_local, tmp_path):
     import pyarrow.parquet as pq
 
-    from prefixflow.operators.read import ReadOptions, read_dataset
+    from prefixflow.operators.stages.read import ReadOptions, read_dataset
 
     (tmp_path / "a.csv").write_text("q,n\nhello,1\nbad,row,extra\nbye,2\n")
     rows = read_dataset(ReadOptions(path=str(tmp_path / "a.csv"), format="csv")).take_all()

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from prefixflow.operators.openai_batch import parse_requests
-from prefixflow.operators.openai_output import output_line
-from prefixflow.operators.read import infer_format, parse_csv, parse_jsonl, rows_to_table
+from prefixflow.operators.results.openai_output import output_line
+from prefixflow.operators.stages.openai_batch import parse_requests
+from prefixflow.operators.stages.read import infer_format, parse_csv, parse_jsonl, rows_to_table
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
 
 
@@ -108,7 +108,7 @@ def test_openai_output_lines():
 def test_byte_ranges_cover_every_line_once(tmp_path):
     import random
 
-    from prefixflow.operators.read import ReadOptions, file_ranges, parse_file
+    from prefixflow.operators.stages.read import ReadOptions, file_ranges, parse_file
     from prefixflow.storage import StorageOptions
 
     rng = random.Random(0)
@@ -129,7 +129,7 @@ def test_parquet_clashing_columns_are_read_as_text(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from prefixflow.operators.read import clashing_columns, parse_file
+    from prefixflow.operators.stages.read import clashing_columns, parse_file
     from prefixflow.storage import StorageOptions
 
     files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
@@ -150,7 +150,7 @@ def test_parquet_footer_readers_at_most_one_per_file(monkeypatch):
     per file, at most 32, and keeps a value the user set."""
     from ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer import FooterFileIndexer
 
-    from prefixflow.operators.read import FOOTER_READERS, _footer_readers
+    from prefixflow.operators.stages.read import FOOTER_READERS, _footer_readers
 
     monkeypatch.delenv(FOOTER_READERS, raising=False)
     for files, actors in ((1, 1), (3, 3), (500, 32)):

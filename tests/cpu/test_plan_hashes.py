@@ -121,7 +121,7 @@ def test_bad_block_size_names_the_field():
 def test_plan_dataset_plans_from_hashes_in_the_blocks(ray_local):
     import pyarrow as pa
 
-    from prefixflow.operators.plan import plan_dataset
+    from prefixflow.operators.stages.plan import plan_dataset
 
     # Three dataset blocks of tokenized rows (one an error record): the sort gathers hashes
     # from all of them, the driver never holds the token ids, groups(r) fetches them.

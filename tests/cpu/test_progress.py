@@ -19,10 +19,10 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from prefixflow.jobs.demo import example_path, write_demo_data
 from prefixflow.jobs import plot
+from prefixflow.jobs.demo import example_path, write_demo_data
 from prefixflow.jobs.report import Progress
-from prefixflow.operators.progress import LiveBar, RunProgress
+from prefixflow.operators.results.progress import LiveBar, RunProgress
 
 
 def _live(replica: int, rows: int, tokens: int, seconds: float = 2.0) -> dict:
@@ -284,7 +284,7 @@ def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
 def test_ray_metrics_of_deaths_and_error_rows(ray_local):
     import ray
 
-    from prefixflow.operators.write import MetricsSink
+    from prefixflow.operators.results.write import MetricsSink
 
     job = f"deaths-{uuid.uuid4().hex[:8]}"
     sink = ray.remote(MetricsSink).options(num_cpus=0).remote(job)

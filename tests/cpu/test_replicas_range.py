@@ -8,7 +8,7 @@ import pytest
 from prefixflow.jobs.preflight import engine_slots, resource_problems
 from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.processor import Processor
+from prefixflow.operators.faces.processor import Processor
 
 
 def _spec(tiny_model, **extra):

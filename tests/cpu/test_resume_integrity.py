@@ -26,9 +26,9 @@ import yaml
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.commit import (COMMITS, JobFenced, OutputLock, drop_fenced, load_committed)
+from prefixflow.operators.results.commit import (COMMITS, JobFenced, OutputLock, drop_fenced, load_committed)
+from prefixflow.operators.results.write import WriteOptions, prepare_output, read_output, write_part
 from prefixflow.storage import StorageOptions
-from prefixflow.operators.write import WriteOptions, prepare_output, read_output, write_part
 
 TEMPLATE = "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"
 
@@ -146,7 +146,7 @@ def test_names_in_commit_records_stay_inside_the_output_folder(tmp_path):
 
 
 def test_damaged_json_in_the_output_folder_is_named(tmp_path):
-    from prefixflow.operators.commit import check_job_file
+    from prefixflow.operators.results.commit import check_job_file
 
     out = tmp_path / "out"
     out.mkdir()

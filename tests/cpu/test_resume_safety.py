@@ -21,9 +21,9 @@ import yaml
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.commit import (LOCK_FILE, STALE_S, OutputLock, commit_bytes, commit_record_path,
-                                         load_committed, record_bytes)
-from prefixflow.operators.write import WriteOptions, prepare_output, read_output
+from prefixflow.operators.results.commit import (LOCK_FILE, STALE_S, OutputLock, commit_bytes, commit_record_path,
+                                                 load_committed, record_bytes)
+from prefixflow.operators.results.write import WriteOptions, prepare_output, read_output
 from prefixflow.storage import StorageOptions
 
 TEMPLATE = "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"
@@ -221,7 +221,7 @@ def test_a_killed_drivers_lock_is_taken_over_by_the_resume(start_driver, tiny_mo
 
 
 def test_a_running_job_refreshes_its_lock(tmp_path, monkeypatch):
-    import prefixflow.operators.commit as commit
+    import prefixflow.operators.results.commit as commit
 
     monkeypatch.setattr(commit, "HEARTBEAT_S", 0.05)  # the interval only, not the lock
     lock = OutputLock(str(tmp_path), StorageOptions()).acquire()

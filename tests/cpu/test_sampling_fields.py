@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from prefixflow.engine.outputs import RequestOutput, with_samples
-from prefixflow.operators.outputs import output_chunk, output_names
+from prefixflow.operators.results.outputs import output_chunk, output_names
 from prefixflow.requests import SamplingParams
 
 

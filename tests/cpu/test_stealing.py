@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import ReplicaRunner
-from prefixflow.operators.outputs import PLAN_REPLICA
-from prefixflow.operators.plan import UnitPayload
+from prefixflow.operators.results.outputs import PLAN_REPLICA
+from prefixflow.operators.stages.generate import ReplicaRunner
+from prefixflow.operators.stages.plan import UnitPayload
 from prefixflow.pipeline import build_plan
 
 

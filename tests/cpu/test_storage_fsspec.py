@@ -18,8 +18,8 @@ from prefixflow.cli import main as cli
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.commit import COMMITS, OutputLock, commit_bytes, load_committed
-from prefixflow.operators.write import read_output
+from prefixflow.operators.results.commit import COMMITS, OutputLock, commit_bytes, load_committed
+from prefixflow.operators.results.write import read_output
 from prefixflow.storage import StorageOptions
 
 # A scheme whose driver package is not installed here (gcsfs, adlfs and ocifs are not in .venv).

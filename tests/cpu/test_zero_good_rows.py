@@ -12,7 +12,7 @@ import pytest
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.write import read_output
+from prefixflow.operators.results.write import read_output
 from prefixflow.pipeline import RaggedTokens, build_plan
 
 TEMPLATE = "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"
@@ -99,9 +99,9 @@ def test_a_block_whose_max_tokens_are_all_null():
     to the planner, which plan_dataset fills with the job's default (the job above)."""
     import pyarrow as pa
 
-    from prefixflow.operators.plan import MAX_TOKENS, _block_meta
     from prefixflow.operators.columns import ERROR
-    from prefixflow.operators.tokenize import TOKENS
+    from prefixflow.operators.stages.plan import MAX_TOKENS, _block_meta
+    from prefixflow.operators.stages.tokenize import TOKENS
 
     block = pa.table({TOKENS: pa.array([[1, 2], [3]], pa.list_(pa.int32())),
                       ERROR: pa.nulls(2, pa.string()), MAX_TOKENS: pa.nulls(2)})

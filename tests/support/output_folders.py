@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from prefixflow.operators.commit import COMMITS, check_job_file
-from prefixflow.operators.write import WriteOptions, prepare_output, write_part
+from prefixflow.operators.results.commit import COMMITS, check_job_file
+from prefixflow.operators.results.write import WriteOptions, prepare_output, write_part
 from prefixflow.storage import StorageOptions
 
 FORMATS = ("jsonl", "parquet", "openai")

@@ -13,7 +13,7 @@ EngineBroken is raised instead of turning the rest of the replica into error rec
 The job then stops with its committed rows kept for `output.resume`.
 
 `without_rows` (a group less the rows already done) is shared with the replica runner
-(operators/generate.py), which skips the rows an earlier attempt committed.
+(operators/stages/generate.py), which skips the rows an earlier attempt committed.
 
 Torch-free: the engine is reached only through the callables given.
 """

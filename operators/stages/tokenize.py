@@ -15,44 +15,24 @@ actor's batch with MemoryError instead of exhausting the node.
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from prefixflow.model_source import resolve_model
 from prefixflow.operators.columns import ERROR
+from prefixflow.operators.config import TokenizeOptions
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS, row_sampling
-from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value, template_row_error
+from prefixflow.operators.template import RowError, messages_from_value, template_row_error
 from prefixflow.tokenizer import chat_text, load_tokenizer
 
 TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # A row's own max_tokens (from its sampling overrides; null: the job's default): the plan's
 # output-length hint, so that replicas are balanced for the outputs they will really make.
 MAX_TOKENS = "_pf_max_tokens"
-# Columns the OpenAI batch reader fills in place of a template (operators/openai_batch.py).
+# Columns the OpenAI batch reader fills in place of a template (operators/stages/openai_batch.py).
 OPENAI_MESSAGES, OPENAI_PROMPT = "_pf_messages", "_pf_prompt_text"
-
-
-@dataclass(frozen=True)
-class TokenizeOptions:
-    model: str
-    prompt: PromptTemplate | None   # None: OpenAI batch rows carry their own messages/prompt
-    max_model_len: int
-    trust_remote_code: bool = False
-    keep_prompt: bool = False
-    sampling: Any = None  # default SamplingParams, to check a row's `sampling_params` overrides
-    # Rows' own `messages` (no template): the tokenizer's chat template or this one, with these
-    # extra variables; messages=False reads only `prompt` (ray.data.llm's chat stage off);
-    # continue_last: a conversation that ends with an assistant message is continued, as
-    # ray.data.llm's chat stage does, not answered.
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    messages: bool = True
-    continue_last: bool = False
 
 
 class Tokenize:
@@ -151,13 +131,13 @@ MEMORY_HEADROOM_BYTES = 8 << 30  # far past a batch of rows and a render's limit
 
 
 class TokenizeActor(Tokenize):
-    """The tokenize stage's actor (operators/processor.py): a Tokenize whose process may hold at
+    """The tokenize stage's actor (operators/faces/processor.py): a Tokenize whose process may hold at
     most MEMORY_HEADROOM_BYTES more than it holds once loaded. The cap is the kernel's
     RLIMIT_DATA (heap and private mappings; Ray's shared object store is not counted): past it an
     allocation fails with MemoryError, which a render turns into its row's error record, instead
     of the node running out of memory. Ray's own `memory=` option only reserves memory when
     actors are placed; nothing enforces it. Only this dedicated actor is capped: a Tokenize
-    inside the user's process or an engine actor (operators/batch_generator.py) is not."""
+    inside the user's process or an engine actor (operators/faces/batch_generator.py) is not."""
 
     def __init__(self, opts: TokenizeOptions):
         super().__init__(opts)
@@ -202,14 +182,3 @@ def _set_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
     if name in table.column_names:
         return table.set_column(table.column_names.index(name), name, values)
     return table.append_column(name, values)
-
-
-def model_max_len(model: str, override: int | None) -> int:
-    """The context length: the spec's max_model_len, else the model config's."""
-    if override is not None:
-        return override
-    config = json.loads((resolve_model(model) / "config.json").read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return 2048

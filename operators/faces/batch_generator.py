@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import ReplicaRunner
-from prefixflow.operators.outputs import COMPUTED, INTERNAL, RANK, input_name, with_outputs
-from prefixflow.operators.progress import LiveBar
 from prefixflow.operators.columns import ERROR
-from prefixflow.operators.tokenize import TOKENS, Tokenize
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.results.outputs import COMPUTED, INTERNAL, RANK, input_name, with_outputs
+from prefixflow.operators.results.progress import LiveBar
+from prefixflow.operators.stages.generate import ReplicaRunner
+from prefixflow.operators.stages.tokenize import TOKENS, Tokenize
 from prefixflow.pipeline import RaggedTokens, build_plan
 
 
@@ -36,7 +36,7 @@ class Generator:
         # The config's tokenize options, chat_template and chat_template_kwargs included, as
         # every other face takes them.
         self.tokenize = Tokenize(cfg.tokenize_options())
-        # A live bar of this actor's rows on the driver (operators/progress.py); more may come.
+        # A live bar of this actor's rows on the driver (operators/results/progress.py); more may come.
         self.progress = LiveBar("prefixflow Generator", close_when_done=False)
         self.runner = ReplicaRunner(cfg, report=self.progress.report)  # cfg's backend, loaded once here
         self.runner.load()

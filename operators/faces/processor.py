@@ -6,7 +6,7 @@
 
 Calling a processor only builds the Dataset, as any Ray Dataset transform (and ray.data.llm's
 processor) does: the job runs when the Dataset executes, once per execution
-(operators/lazy_job.py: one read task plans and runs the replicas, Processor.run). The CLI
+(operators/faces/lazy_job.py: one read task plans and runs the replicas, Processor.run). The CLI
 uses the pieces (`plan`, `generate`) to add the part writer and progress. Every setting comes
 from the ProcessorConfig's typed pieces (tokenize_options(), engine_config, backend, vllm_args);
 `plan` first refuses a vLLM context the CPU's KV cache cannot hold (check_context).
@@ -21,12 +21,12 @@ import pyarrow as pa
 
 from prefixflow.engine.vllm_backend.engine import cpu_context
 from prefixflow.model_source import resolve_model
-from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.outputs import INTERNAL
-from prefixflow.operators.plan import PlannedJob, plan_dataset, unit_payload_refs
-from prefixflow.operators.tokenize import TokenizeActor, TokenizeOptions
-from prefixflow.operators.write import start_sink
+from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
+from prefixflow.operators.results.outputs import INTERNAL
+from prefixflow.operators.results.write import start_sink
+from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
+from prefixflow.operators.stages.plan import PlannedJob, plan_dataset, unit_payload_refs
+from prefixflow.operators.stages.tokenize import TokenizeActor
 
 Row = dict[str, Any]
 PLAN_RECORD = "plan"  # the sink record of a run's plan summary (Processor.plan_summary)
@@ -66,14 +66,14 @@ class Processor:
     def outputs(self, ds: Any) -> Any:
         """The output rows of `ds` as a lazy Dataset: the job runs when it executes."""
         # lazy: lazy_job imports Ray's datasource API; building a processor needs no Ray
-        from prefixflow.operators.lazy_job import job_dataset
+        from prefixflow.operators.faces.lazy_job import job_dataset
 
         if self.sink is None:  # one small actor per processor collects the runs' records
             self.sink = start_sink()
         return job_dataset(self, ds)
 
     def run(self, ds: Any) -> Iterator[pa.Table]:
-        """The job, where its Dataset executes (operators/lazy_job.py): tokenize and plan `ds`,
+        """The job, where its Dataset executes (operators/faces/lazy_job.py): tokenize and plan `ds`,
         run the replicas, and yield their output blocks as they come."""
         import ray
 
@@ -151,7 +151,7 @@ class Processor:
         # No restarts and no task retries: a restarted actor would silently redo its whole
         # replica, and one dying at every model load (OOM, bad node) would loop forever.
         remote_args: dict[str, Any] = self.engine_options()
-        if sink is not None:  # a live bar of the replicas' rows on the driver (operators/progress.py)
+        if sink is not None:  # a live bar of the replicas' rows on the driver (operators/results/progress.py)
             sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
         return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
                                 batch_format="pyarrow", compute=pool, **remote_args)

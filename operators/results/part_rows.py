@@ -1,10 +1,10 @@
 """Which rows an output part holds, read from the part's own bytes.
 
-A resume proves each commit record's row ids by this (operators/commit.py), so that a record
+A resume proves each commit record's row ids by this (operators/results/commit.py), so that a record
 edited to claim rows its part does not hold never has those rows counted as done: the record's
 sha256 covers the part's bytes, not what the record says about them.
 
-- parquet and jsonl parts carry each row's `row_id` column (operators/outputs.py);
+- parquet and jsonl parts carry each row's `row_id` column (operators/results/outputs.py);
 - an OpenAI batch line has only OpenAI's fields, so its `id` is made from its custom_id and its
   row id (`request_digest`): a record's row ids are proved line by line against it.
 """
@@ -17,7 +17,7 @@ import json
 
 
 def request_digest(custom_id: object, row_id: int) -> str:
-    """The hex digest an OpenAI output line's ids are cut from (operators/openai_output.py):
+    """The hex digest an OpenAI output line's ids are cut from (operators/results/openai_output.py):
     the same request and row always get the same ids, and a line proves its row."""
     return hashlib.sha256(f"{custom_id}:{row_id}".encode()).hexdigest()
 

@@ -6,7 +6,7 @@
 
 The read task asks for no CPU of its own (it waits on the stages it starts) and is the job's
 driver while it runs: its inner Ray Data pipelines tokenize and plan `ds` (the one global
-barrier, operators/plan.py), then run the replicas' engine actors (Processor.generate), and it
+barrier, operators/stages/plan.py), then run the replicas' engine actors (Processor.generate), and it
 yields their output blocks as they come. Everything the run makes (the tokenized blocks in the
 object store, the engine actors) belongs to that task, so it ends with the execution, also
 one abandoned after `take(5)`. A second execution (`count()`, then `take_all()`) runs the job

@@ -1,7 +1,7 @@
 """A job's output folder: the names a job writes there, and the one strict reader of its
 bookkeeping files.
 
-Nothing in an output folder is trusted that a hand could have changed (operators/commit.py):
+Nothing in an output folder is trusted that a hand could have changed (operators/results/commit.py):
   - `_lock.json`, `_job.json` and the commit records are read by `read_bookkeeping`, which
     checks each field's type and names a damaged file (a symbolic link, a folder, bytes that
     are not JSON, `[]`, `null`, `{"pid": "abc"}`) instead of failing later with a traceback;
@@ -35,7 +35,7 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-# What a part may be called: exactly the writer's names (operators/write.py: replica or
+# What a part may be called: exactly the writer's names (operators/results/write.py: replica or
 # "errors", then the plan rank of its first row), nothing with a path in it. A file whose name
 # only starts with "part-" (another tool's part-00000.parquet) is never taken for one.
 PART_NAME = re.compile(r"^part-(r[0-9]{3,}|errors)-[0-9]{9,}\.(parquet|jsonl)$")

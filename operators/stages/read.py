@@ -38,7 +38,7 @@ import logging
 import pyarrow as pa
 
 from prefixflow.operators.columns import ERROR, RESERVED, SOURCE
-from prefixflow.operators.openai_batch import parse_requests
+from prefixflow.operators.stages.openai_batch import parse_requests
 from prefixflow.retry import with_retries
 from prefixflow.storage import StorageOptions, list_input_files, masked, same_filesystem
 

@@ -3,10 +3,10 @@
     from prefixflow import build_processor, vLLMEngineProcessorConfig   # was ray.data.llm
     (build_llm_processor, Ray's older name, works too)
 
-The configuration classes and how their fields map are in operators/ray_llm_config.py. The
+The configuration classes and how their fields map are in operators/faces/ray_llm_config.py. The
 processor is prefixflow's (tokenize -> global plan -> replicas, so rows sharing a prefix run
 together) and as lazy as Ray's: `processor(ds)` builds the Dataset, the job runs when it
-executes (operators/lazy_job.py). Preprocess output is merged into the row; the rows then carry
+executes (operators/faces/lazy_job.py). Preprocess output is merged into the row; the rows then carry
 ray.data.llm's columns, as Ray 2.60 writes them (RAY_COLUMNS), beside the input's and
 prefixflow's finish_reason:
     prompt (the chat template applied), prompt_token_ids, num_input_tokens, generated_tokens,
@@ -31,16 +31,17 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.plan import fetch_rows
-from prefixflow.operators.outputs import INTERNAL
-from prefixflow.operators.processor import Merged, Processor, engine_actor_options
-from prefixflow.operators.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
-                                                 HttpRequestProcessorConfig, HttpRequestStageConfig,
-                                                 PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
-                                                 ServeDeploymentProcessorConfig, TokenizerStageConfig,
-                                                 engine_settings, vLLMEngineProcessorConfig)
+from prefixflow.operators.config import TokenizeOptions
+from prefixflow.operators.faces.processor import Merged, Processor, engine_actor_options
+from prefixflow.operators.faces.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
+                                                       HttpRequestProcessorConfig, HttpRequestStageConfig,
+                                                       PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
+                                                       ServeDeploymentProcessorConfig, TokenizerStageConfig,
+                                                       engine_settings, vLLMEngineProcessorConfig)
+from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.row_sampling import row_sampling
-from prefixflow.operators.tokenize import TOKENS, TokenizeOptions
+from prefixflow.operators.stages.plan import fetch_rows
+from prefixflow.operators.stages.tokenize import TOKENS
 from prefixflow.tokenizer import load_tokenizer
 
 Row = dict[str, Any]

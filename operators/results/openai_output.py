@@ -27,10 +27,10 @@ import json
 import re
 from typing import Any, Callable
 
-from prefixflow.operators.bookkeeping import COMMITS, ERRORS_FILE, RESULTS_FILE
-from prefixflow.operators.commit import commit_bytes, load_committed
-from prefixflow.operators.outputs import CACHED
-from prefixflow.operators.part_rows import batch_line_id, request_digest
+from prefixflow.operators.results.bookkeeping import COMMITS, ERRORS_FILE, RESULTS_FILE
+from prefixflow.operators.results.commit import commit_bytes, load_committed
+from prefixflow.operators.results.outputs import CACHED
+from prefixflow.operators.results.part_rows import batch_line_id, request_digest
 from prefixflow.storage import join
 from prefixflow.tokenizer import load_tokenizer, token_bytes
 

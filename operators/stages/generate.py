@@ -1,7 +1,7 @@
 """Generate stage: engine actors, each running the plan units it is given.
 
 A job run from a spec (jobs/supervise.py) starts one `ReplicaGenerator` actor per replica and
-calls `run_item`: the actor takes units from the job's WorkQueue (operators/work_queue.py) as
+calls `run_item`: the actor takes units from the job's WorkQueue (operators/stages/work_queue.py) as
 its engine has room, its own replica's first, then (run dry) the last unstarted ones of the
 busiest replica, and commits each part itself. The Python API (Processor.generate) runs the
 same class through Ray Data (`map_batches(ReplicaGenerator, concurrency=R, batch_size=1)` over
@@ -29,13 +29,13 @@ from prefixflow.engine.outputs import EngineTotals, RequestOutput, StepStats, er
 from prefixflow.engine.scoring.choices import ScoreOutput
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.isolate import run_isolated, without_rows
-from prefixflow.operators.outputs import COMPUTED, RANK, output_chunk, plain, token_counts, with_outputs
-from prefixflow.operators.plan import RowIndex, UnitPayload, fetch_rows
+from prefixflow.operators.results.outputs import COMPUTED, RANK, output_chunk, plain, token_counts, with_outputs
+from prefixflow.operators.results.score import row_choices, with_score_fields
+from prefixflow.operators.results.write import ray_node_id, write_part
 from prefixflow.operators.row_sampling import row_params
-from prefixflow.operators.score import row_choices, with_score_fields
-from prefixflow.operators.work_queue import DONE, Take
-from prefixflow.operators.write import ray_node_id, write_part
+from prefixflow.operators.stages.isolate import run_isolated, without_rows
+from prefixflow.operators.stages.plan import RowIndex, UnitPayload, fetch_rows
+from prefixflow.operators.stages.work_queue import DONE, Take
 from prefixflow.pipeline.plan import PlanUnit
 
 logger = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class ReplicaGenerator:
                  done: np.ndarray | None = None, skip: np.ndarray | None = None,
                  write: Any = None):
         self.config = config
-        # Row ids already committed by an earlier attempt (operators/commit.py): not run again.
+        # Row ids already committed by an earlier attempt (operators/results/commit.py): not run again.
         self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
         # Rows the engine must not run (given up after repeated failures; error records now).
         self.skip = np.zeros(0, np.int64) if skip is None else np.asarray(skip, np.int64)
@@ -490,7 +490,7 @@ def group_outputs(engine: ReplicaEngine, config: ProcessorConfig, groups: list[A
 def engine_outputs(engine: ReplicaEngine, config: ProcessorConfig, book: "_Book",
                    feed: Iterable[UnitPayload | None]) -> Iterator[Any]:
     """The engine's outputs for the units of `feed` (generated requests, or scored rows), one
-    per row: an exception inside the engine fails only the rows it hits (operators/isolate.py).
+    per row: an exception inside the engine fails only the rows it hits (operators/stages/isolate.py).
     Generation takes the units' groups as the engine has room (engine/intake.py); the score
     task, prefill only, scores unit by unit. `book` notes each unit as it is taken (its rows'
     sampling parameters or choices among them) before the engine reads them."""

@@ -3,7 +3,7 @@
 Input line:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "...", "messages": [...], "max_tokens": 64, ...}}
              (or url "/v1/completions" with body.prompt)
-Output lines (operators/openai_output.py): {"id": "batch_req_...", "custom_id": "r1",
+Output lines (operators/results/openai_output.py): {"id": "batch_req_...", "custom_id": "r1",
               "response": {"status_code": 200, "request_id": "...", "body": {chat.completion}},
               "error": null}; a failed request has status_code 400 (500: the engine failed)
               and body {"error": {message, type, param, code}}. Every custom_id of the input

@@ -10,7 +10,7 @@
    driver holds per-row columns of a few int64s plus one bounded window of hashes.
 4. Plan.units(r) pulls replica r's token ids (and checks every group's prefix against them);
    a task per replica on the driver's node builds each unit's payload (its groups and input
-   rows), which any replica's engine may take (operators/work_queue.py). No groupby, sort or
+   rows), which any replica's engine may take (operators/stages/work_queue.py). No groupby, sort or
    shuffle ever moves full rows.
 
 Driver memory while planning: ~250 bytes per good row (2.4 GB for 10M), the sort's bounded window and ~100 bytes
@@ -30,10 +30,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prefixflow.operators.columns import ERROR
-from prefixflow.operators.tokenize import MAX_TOKENS, TOKENS
+from prefixflow.operators.stages.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline import RaggedTokens, build_plan
-from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts, block_hashes
+from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.prefix_tree import ragged_gather
 
 
@@ -179,7 +179,7 @@ def fetch_tokens(rows: RowIndex, row_ids: np.ndarray, seqs: np.ndarray) -> Any:
 class UnitPayload:
     """What an engine needs to run one plan unit: its groups (token ids), its input rows in the
     unit's order (the output carries their columns; the token column dropped) and each row's
-    rank in its plan replica's order (part names come from it, operators/write.py)."""
+    rank in its plan replica's order (part names come from it, operators/results/write.py)."""
 
     unit: PlanUnit
     rows: pa.Table
@@ -190,7 +190,7 @@ def unit_payload_refs(planned: PlannedJob, num_replicas: int) -> list[list[Any]]
     """Per replica, object refs of its units' payloads in plan order, built by one task per
     replica on the driver's node: the node whose loss ends the job anyway, so a lost worker
     node (and the input blocks it held) loses no unit that another replica must take over
-    (work stealing, operators/work_queue.py). The driver never holds the token ids."""
+    (work stealing, operators/stages/work_queue.py). The driver never holds the token ids."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.score import SCORE_FIELDS, score_columns, with_score_fields
+from prefixflow.operators.results.score import SCORE_FIELDS, score_columns, with_score_fields
 
 RANK, COMPUTED = "_pf_rank", "_pf_computed"
 # The replica the plan gave a row to, where another replica ran it (work stealing): with RANK,
-# the row's place in the plan, which names its part (operators/write.py); null: `replica`.
+# the row's place in the plan, which names its part (operators/results/write.py); null: `replica`.
 PLAN_REPLICA = "_pf_plan_replica"
 # Prompt tokens the engine found computed (RequestOutput.num_cached_tokens; OpenAI's
 # usage.prompt_tokens_details.cached_tokens); null on rows that did not run (error records,
@@ -63,7 +63,7 @@ def output_chunk(outs: list[Any], rows: pa.Table, prompt_len: np.ndarray, comput
     rows, prompt_len, computed, ranks: per output, in `outs` order (its input row, prompt
     tokens, prompt tokens computed with the prefix amortized, rank in its plan replica's order).
     replica: the replica that ran them; plan_replica: the one the plan gave them to.
-    score: `outs` are ScoreOutputs of the score task (operators/score.py).
+    score: `outs` are ScoreOutputs of the score task (operators/results/score.py).
     """
     n = len(outs)
     common = {"num_input_tokens": prompt_len.tolist(), "replica": [replica] * n, RANK: ranks.tolist(),

@@ -3,7 +3,7 @@
 A part is named after its first row's (replica, rank), which the plan fixes, so a retried
 write task writes the same name again: each row lands in exactly one part. Local parts are
 written to a temporary name and renamed; an object store's PUT (s3://, gs://, abfss://, ...)
-is atomic by itself. After each part its commit record is written (operators/commit.py: what
+is atomic by itself. After each part its commit record is written (operators/results/commit.py: what
 makes resume exactly-once). The driver writes metrics.json (and plot.png, jobs/report.py) and
 an empty _SUCCESS marker last.
 """
@@ -25,13 +25,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.bookkeeping import (COMMITS, END_FILES, JOB_FILE, LOCK_FILE, PART_NAME, TMP_PREFIX,
-                                              basename, is_own, refuse_links)
-from prefixflow.operators.commit import (check_fence, commit_bytes, commit_record_path, read_job_file,
-                                         record_bytes)
-from prefixflow.operators.openai_output import output_line
-from prefixflow.operators.outputs import COMPUTED, PLAN_REPLICA, RANK
-from prefixflow.operators.progress import LiveBar
+from prefixflow.operators.results.bookkeeping import (COMMITS, END_FILES, JOB_FILE, LOCK_FILE, PART_NAME, TMP_PREFIX,
+                                                      basename, is_own, refuse_links)
+from prefixflow.operators.results.commit import (check_fence, commit_bytes, commit_record_path, read_job_file,
+                                                 record_bytes)
+from prefixflow.operators.results.openai_output import output_line
+from prefixflow.operators.results.outputs import COMPUTED, PLAN_REPLICA, RANK
+from prefixflow.operators.results.progress import LiveBar
 from prefixflow.storage import StorageOptions, is_local, join, masked, normal_path
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
@@ -45,7 +45,7 @@ class WriteOptions:
     created: int = 0  # unix time stamped into OpenAI responses
     model: str = ""  # the model path: its tokenizer spells OpenAI logprobs' tokens
     system_fingerprint: str | None = None  # OpenAI bodies' (openai_output.system_fingerprint)
-    # The output lock's token of the job that writes (operators/commit.py: fencing); None where
+    # The output lock's token of the job that writes (operators/results/commit.py: fencing); None where
     # no lock is held (the Python API).
     fence: str | None = None
 
@@ -75,7 +75,7 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
     commit_bytes(join(opts.path, name), data, opts.storage)
     # The record goes second: a part without one is an orphan that resume deletes and redoes.
     # Its size and checksum let a resume notice a part deleted or damaged since, its writer's
-    # token a part that a fenced job wrote (operators/commit.py).
+    # token a part that a fenced job wrote (operators/results/commit.py).
     record = {**{k: v[0] for k, v in manifest.items()}, "bytes": len(data),
               "sha256": hashlib.sha256(data).hexdigest(), "writer": opts.fence}
     commit_bytes(commit_record_path(opts.path, name),
@@ -134,7 +134,7 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     that holds files but no `_job.json` that prefixflow wrote is refused either way (its files
     are not ours to keep or delete), and so is a symbolic link under one of the job's names
     (operators/bookkeeping.refuse_links). The caller holds the path's OutputLock
-    (operators/commit.py), which stays.
+    (operators/results/commit.py), which stays.
     """
     if overwrite and resume:
         raise ValueError(f"output.overwrite=True and output.resume=True for {masked(opts.path)!r}: "

@@ -14,7 +14,7 @@ goes through too). A part counts as committed only when its record exists, so on
 A record also holds its part's size and sha256: a record whose part is missing or has another
 size does not count, and its rows run again; a resume also reads every part once and drops the
 ones whose content no longer matches (a part damaged or replaced by hand) or that do not hold
-exactly the rows their record names (a record edited to claim rows: operators/part_rows.py
+exactly the rows their record names (a record edited to claim rows: operators/results/part_rows.py
 reads the row ids from the part itself). A record that is not valid JSON, or whose fields do
 not have their types, counts as missing too. Names read from a record must be plain part names
 of this folder (never a path that leads elsewhere): anything else is refused.
@@ -22,7 +22,7 @@ of this folder (never a path that leads elsewhere): anything else is refused.
 Nothing in the output folder is trusted that a hand could have changed: its bookkeeping files
 (`_lock.json`, `_job.json`, the commit records) are read by one strict reader, which names a
 damaged file and what to do, and a symbolic link among the names the job reads, writes or
-deletes is refused by name, never followed (operators/bookkeeping.py).
+deletes is refused by name, never followed (operators/results/bookkeeping.py).
 
 Fencing: a job's parts are written under its lock (OutputLock). Each writer checks, before a
 part, that the lock is still its job's (`check_fence`), and signs its records with the lock's
@@ -56,10 +56,10 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
-from prefixflow.operators.bookkeeping import (COMMITS, JOB_FIELDS, JOB_FILE, LOCK_FIELDS, LOCK_FILE, PART_NAME,
-                                              RECORD_FIELDS, TMP_PREFIX, Damaged, basename, check_fields,
-                                              read_bookkeeping, refuse_links)
-from prefixflow.operators.part_rows import holds_rows
+from prefixflow.operators.results.bookkeeping import (COMMITS, JOB_FIELDS, JOB_FILE, LOCK_FIELDS, LOCK_FILE, PART_NAME,
+                                                      RECORD_FIELDS, TMP_PREFIX, Damaged, basename, check_fields,
+                                                      read_bookkeeping, refuse_links)
+from prefixflow.operators.results.part_rows import holds_rows
 from prefixflow.retry import with_retries
 from prefixflow.storage import (HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol,
                                 strip_scheme)
