@@ -19,7 +19,7 @@ import numpy as np
 from prefixflow.bench.sim_dispatch_check import load_bench, validate_dispatch
 from prefixflow.bench.sim_engines import VllmMeasurement, validate, validation_workloads
 from prefixflow.bench.sim_items import PLAN_SLICE_ROWS, make_plan, trie_order_lcp
-from prefixflow.bench.sim_run import (POLICIES, Cluster, RayData, Run, Units, h100_cluster,
+from prefixflow.bench.sim_run import (ALL_POLICIES, POLICIES, Cluster, RayData, Run, Units, h100_cluster,
                                       policy_stream, simulate)
 from prefixflow.bench.sim_startup import (REPLICAS_PER_NODE, TEXT_BYTES_PER_TOKEN, plan_stage_bytes,
                                           rates_record, sort_bytes, startup_seconds)
@@ -68,6 +68,12 @@ def planner_record(plan: Any) -> dict[str, Any]:
             "planning_seconds_here": round(s["planning_seconds"], 1)}
 
 
+# The four policies, and stealing over the static plan: does joining a group's small pieces
+# (the plan jobs with work stealing get) pay for the balance it gives up?
+REPORTED_POLICIES = (*POLICIES, "plan_steal_unjoined")
+assert set(REPORTED_POLICIES) <= set(ALL_POLICIES)
+
+
 def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, ray: RayData,
             seed: int = 0) -> dict[str, Any]:
     """Every output model and policy on one mix; two plans (they see only the caps): the static
@@ -90,7 +96,7 @@ def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, ray: R
     for model in OUTPUT_MODELS:
         outs = output_lengths(w, model, seed)
         rows: dict[str, Any] = {}
-        for policy in POLICIES:
+        for policy in REPORTED_POLICIES:
             start = time.perf_counter()
             items, how = policy_stream(w, policy, R, plans[policy == "plan_steal"], outs, ray)
             run = simulate(w, items, cluster, cm, how)

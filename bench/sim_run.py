@@ -10,7 +10,10 @@ Policies (POLICIES, and plan_vllm for callers that ask):
               of the replica with the most predicted work left, whole; the unit's prefix is
               computed on the thief (a hit only if the thief's cache holds it);
   plan_vllm   the static plan on prefixflow's vLLM backend (members as whole prompts in plan
-              order, sharing only through vLLM's prefix cache).
+              order, sharing only through vLLM's prefix cache);
+  plan_steal_unjoined  stealing over the static plan (build_plan stealing=False: a small piece of
+              a group stays where the balance puts it), against plan_steal's plan, whose small
+              pieces join their group's replica (what a job with work_stealing gets).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from prefixflow.pipeline.cost_model import CostModel
 
 MAX_NUM_SEQS = 256         # vLLM's default request cap (every system gets the same)
 POLICIES = ("arrival", "sorted", "plan", "plan_steal")
-ALL_POLICIES = (*POLICIES, "plan_vllm")
+ALL_POLICIES = (*POLICIES, "plan_vllm", "plan_steal_unjoined")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,12 +232,12 @@ def policy_stream(w: Workload, policy: str, num_replicas: int, plan=None, outs: 
     if policy in ("arrival", "sorted"):
         order = np.arange(len(w), dtype=np.int64) if policy == "arrival" else w.sorted_order.astype(np.int64)
         return plain_items(w, order, outs), ray_tasks(len(w), ray or RayData(), num_replicas)
-    if policy in ("plan", "plan_steal", "plan_vllm"):
+    if policy in ("plan", "plan_steal", "plan_vllm", "plan_steal_unjoined"):
         if plan is None:
             plan = plan_workload(w, num_replicas, block_size, stealing=policy == "plan_steal")
         stream = plan_stream(w, plan, outs)
         if policy != "plan_vllm":
-            return stream.items, plan_units(stream, policy == "plan_steal")
+            return stream.items, plan_units(stream, policy.startswith("plan_steal"))
         rows = stream.items.kind != OWNER   # the vLLM backend has no prefix owners
         before = np.r_[0, np.cumsum(rows)]
         return stream.items.rows_only(), Units(before[stream.unit_starts], stream.unit_owner, stream.unit_seconds)

@@ -305,19 +305,22 @@ def test_the_victim_is_the_replica_with_the_most_predicted_work_left():
 def test_stealing_on_a_plan_with_decided_lengths_moves_whole_units_and_keeps_the_work():
     """docs x questions on 4 replicas, lengths the plan did not know: stealing moves whole units
     (a group's prefix owner with its members, computed on the thief), every row runs once,
-    the decoded tokens are the same, and the slowest replica comes closer to the mean."""
+    the decoded tokens are the same, and the slowest replica comes closer to the mean; so
+    does stealing over the static plan (plan_steal_unjoined: the same units as `plan`)."""
     w = cs.docs_questions(3000, seed=4)
     outs = cs.model_decided_lengths(w, seed=4)
     cluster = cs.h100_cluster(4, CM)
-    static, steal = (sim(w, p, cluster, cs.make_plan(w, 4, stealing=p == "plan_steal"), outs)
-                     for p in ("plan", "plan_steal"))
-    assert np.any(steal.grain_replica != steal.dispatch.owner)
+    static, steal, unjoined = (sim(w, p, cluster, cs.make_plan(w, 4, stealing=p == "plan_steal"), outs)
+                               for p in ("plan", "plan_steal", "plan_steal_unjoined"))
     assert np.all(static.grain_replica == static.dispatch.owner)
-    assert_whole_units(steal)
-    assert sorted(steal.items.row[steal.items.row >= 0].tolist()) == list(range(len(w)))
-    assert steal.items.output_len.sum() == static.items.output_len.sum() == outs.sum()
+    assert unjoined.dispatch.starts.tolist() == static.dispatch.starts.tolist()
     balance = lambda run: run.busy_s.max() / run.busy_s.mean()  # noqa: E731
-    assert balance(steal) < balance(static)
+    for run in (steal, unjoined):
+        assert np.any(run.grain_replica != run.dispatch.owner)
+        assert_whole_units(run)
+        assert sorted(run.items.row[run.items.row >= 0].tolist()) == list(range(len(w)))
+        assert run.items.output_len.sum() == static.items.output_len.sum() == outs.sum()
+        assert balance(run) < balance(static)
 
 
 # ---- output lengths ------------------------------------------------------------------------------
