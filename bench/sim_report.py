@@ -167,7 +167,7 @@ def dispatch_validation(scale_bench: Path | None) -> dict[str, Any]:
         return {"skipped": f"no scale_bench file at {scale_bench}"}
     if "token_rows" not in load_bench(scale_bench):
         return {"skipped": f"{scale_bench} predates the fair bench (no token_rows, blocks or row maps)"}
-    return {"file": str(scale_bench), **validate_dispatch(scale_bench)}
+    return {"file": os.path.relpath(scale_bench), **validate_dispatch(scale_bench)}
 
 
 def run_all(num_prompts: int, num_replicas: int, validate_engines: bool, ray: RayData,

@@ -530,7 +530,7 @@ def test_quick_run_writes_every_mix_and_policy(tmp_path):
         assert set(mix["output_models"]) == set(cs.OUTPUT_MODELS)
         for model in mix["output_models"].values():
             rows = model["policies"]
-            assert set(rows) == set(cs.POLICIES)
+            assert set(rows) == set(sim_report.REPORTED_POLICIES) == {*cs.POLICIES, "plan_steal_unjoined"}
             for row in rows.values():
                 assert row["prompt_tokens"] == mix["prompt_tokens"] and row["gpu_hours_busy"] > 0
                 assert 1.0 <= row["slowest_replica_over_mean"] < 2
