@@ -2,7 +2,9 @@
 
     prefixflow_native / prefixflow_vllm   a prefixflow job (engine.backend native / vllm), its
         engines taking plan units from one work queue (work stealing); *_static: the same with
-        work_stealing off (each replica runs its own partition), for the ablation;
+        work_stealing off (each replica runs its own partition), for the ablation; *_unjoined:
+        engines that steal, over the static plan's pieces (build_plan stealing=False: a group's
+        small pieces stay where the balance put them), against the plan a stealing job gets;
     ray_llm_sorted_default / ray_llm_sorted_ours   ray.data.llm as a careful user sets it up:
         the rows tokenized the same way inside its pipeline (a map_batches stage, as many
         actors as prefixflow's tokenizer), sorted on the prompt text, repartitioned into enough
@@ -28,7 +30,8 @@ from typing import Any
 from prefixflow.bench.scale_workload import BLOCK, KV_CACHE_BYTES, SYSTEM, USER, chat_tokens
 
 RAY_SYSTEMS = ("ray_llm_sorted_default", "ray_llm_sorted_ours")
-PREFIXFLOW_SYSTEMS = ("prefixflow_native", "prefixflow_vllm", "prefixflow_native_static", "prefixflow_vllm_static")
+PREFIXFLOW_SYSTEMS = ("prefixflow_native", "prefixflow_vllm", "prefixflow_native_static", "prefixflow_vllm_static",
+                      "prefixflow_native_unjoined", "prefixflow_vllm_unjoined")
 MAX_NUM_BATCHED_TOKENS = 2048  # prefixflow's EngineConfig default, given to every engine
 RAY_TASKS_IN_FLIGHT = 16       # Ray Data's default: 2 x max_concurrent_batches (8)
 # vLLM's max_num_seqs where ray.data.llm starts it (AsyncLLM, engine context) and none is given:
@@ -84,6 +87,11 @@ def _run_prefixflow(system: str, replicas: int, data: Path, model: Path, out: Pa
                    "kv_cache_bytes": KV_CACHE_BYTES, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
         "replicas": replicas, "order": "batchllm", "work_stealing": not system.endswith("_static"),
         "output": {"path": str(out), "format": "parquet", "rows_per_part": 256, "overwrite": True}})
+    if system.endswith("_unjoined"):  # the ablation: this driver process plans as a static job does
+        from prefixflow.operators.faces.processor import Processor
+
+        plan = Processor.plan
+        Processor.plan = lambda self, ds, stealing=False: plan(self, ds, stealing=False)
     metrics = run_job(spec, quiet=True)
     rows = read_output(str(out)).to_pylist()
     per = sorted(metrics["per_replica"], key=lambda r: r["replica"])
