@@ -90,8 +90,9 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
         for k, rec in enumerate(cell.get("repeats", [])):
             if str(rec.get("system", key)).startswith("ray_llm"):
                 runs[f"{key}#{k}"] = replay_run(w, rows, tokens, rec, block_size, cm, f"{path}: runs[{key}][{k}]")
-    worst = max((max(abs(e) for e in r["errors"].values()) for r in runs.values()), default=None)
-    within = sum(max(abs(e) for e in r["errors"].values()) <= GOAL for r in runs.values())
+    per_run = [max(abs(e) for e in r["errors"].values()) for r in runs.values()]
+    worst = max(per_run, default=None)
+    within = sum(e <= GOAL for e in per_run)
     return {"runs": runs, "max_abs_error": worst, "goal": GOAL, "within_goal": worst is not None and worst <= GOAL,
             "runs_within_goal": f"{within} of {len(runs)}",
             "cost_model": {"hardware": cm.hardware.name, "peak_flops": cm.hardware.peak_flops,

@@ -19,8 +19,8 @@ import numpy as np
 from prefixflow.bench.sim_dispatch_check import load_bench, validate_dispatch
 from prefixflow.bench.sim_engines import VllmMeasurement, validate, validation_workloads
 from prefixflow.bench.sim_items import PLAN_SLICE_ROWS, make_plan, trie_order_lcp
-from prefixflow.bench.sim_run import (ALL_POLICIES, POLICIES, Cluster, RayData, Run, Units, h100_cluster,
-                                      policy_stream, simulate)
+from prefixflow.bench.sim_run import (POLICIES, Cluster, RayData, Run, Units, h100_cluster,
+                                      joins_pieces, policy_stream, simulate)
 from prefixflow.bench.sim_startup import (REPLICAS_PER_NODE, TEXT_BYTES_PER_TOKEN, plan_stage_bytes,
                                           rates_record, sort_bytes, startup_seconds)
 from prefixflow.bench.sim_workloads import (DECIDED_FAMILY_SHARE, DECIDED_MEDIAN_SHARE, DECIDED_SIGMA, MIXES,
@@ -71,7 +71,6 @@ def planner_record(plan: Any) -> dict[str, Any]:
 # The four policies, and stealing over the static plan: does joining a group's small pieces
 # (the plan jobs with work stealing get) pay for the balance it gives up?
 REPORTED_POLICIES = (*POLICIES, "plan_steal_unjoined")
-assert set(REPORTED_POLICIES) <= set(ALL_POLICIES)
 
 
 def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, ray: RayData,
@@ -98,7 +97,7 @@ def run_mix(name: str, num_prompts: int, cluster: Cluster, cm: CostModel, ray: R
         rows: dict[str, Any] = {}
         for policy in REPORTED_POLICIES:
             start = time.perf_counter()
-            items, how = policy_stream(w, policy, R, plans[policy == "plan_steal"], outs, ray)
+            items, how = policy_stream(w, policy, R, plans[joins_pieces(policy)], outs, ray)
             run = simulate(w, items, cluster, cm, how)
             moved_here = {"arrival": 0, "sorted": sort_bytes(w)}.get(policy, moved["total"])
             rows[policy] = policy_metrics(w, run, cluster, startup["plan" if policy.startswith("plan") else policy],

@@ -219,6 +219,12 @@ def ray_tasks(num_items: int, ray: RayData, num_replicas: int, block_rows: np.nd
     return Tasks(edges[bundle_blocks(blocks, ray.batch_size)], ray.max_tasks_in_flight_per_actor, ready_s)
 
 
+def joins_pieces(policy: str) -> bool:
+    """Whether the policy runs the plan a job whose engines steal gets (build_plan stealing=True:
+    a group's small pieces joined to its replica); the other plan policies run the static plan."""
+    return policy == "plan_steal"
+
+
 def plan_units(stream: PlanStream, steal: bool) -> Units:
     return Units(stream.unit_starts, stream.unit_owner, stream.unit_seconds, steal)
 
@@ -226,15 +232,15 @@ def plan_units(stream: PlanStream, steal: bool) -> Units:
 def policy_stream(w: Workload, policy: str, num_replicas: int, plan=None, outs: np.ndarray | None = None,
                   ray: RayData | None = None, block_size: int = BLOCK_SIZE) -> tuple[_Items, Tasks | Units]:
     """The stream a policy feeds the replicas and how it is dispatched (module doc). plan: for the
-    plan policies (items.make_plan's, with stealing=True for plan_steal; one made here when not
-    given); outs: [n] tokens each row
-    decodes (default its cap); ray: the arrival and sorted policies' hand-out."""
+    plan policies (items.make_plan's, with stealing=joins_pieces(policy); one made here when not
+    given); outs: [n] tokens each row decodes (default its cap); ray: the arrival and sorted
+    policies' hand-out."""
     if policy in ("arrival", "sorted"):
         order = np.arange(len(w), dtype=np.int64) if policy == "arrival" else w.sorted_order.astype(np.int64)
         return plain_items(w, order, outs), ray_tasks(len(w), ray or RayData(), num_replicas)
     if policy in ("plan", "plan_steal", "plan_vllm", "plan_steal_unjoined"):
         if plan is None:
-            plan = plan_workload(w, num_replicas, block_size, stealing=policy == "plan_steal")
+            plan = plan_workload(w, num_replicas, block_size, stealing=joins_pieces(policy))
         stream = plan_stream(w, plan, outs)
         if policy != "plan_vllm":
             return stream.items, plan_units(stream, policy.startswith("plan_steal"))
