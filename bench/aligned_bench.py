@@ -133,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL))
+    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL))
     shape = ModelShape.from_hf_config(path)
     batches = [int(n) for n in args.batches.split(",")]
     arms = {"off": None, **{f"{kind}_{n}": n for n in batches for kind in ("on", "plan")}}
@@ -143,11 +143,13 @@ def main() -> None:
     for arm, n in arms.items():
         if arm.startswith("plan_"):
             engines[arm].scheduler.aligned = PlanOrderBatcher(min(n, args.max_num_batched_tokens))
-    long_len = tuple(int(x) for x in args.long_len.split(","))
+    lo, hi = (int(x) for x in args.long_len.split(","))
+    long_len = (lo, hi)
     prompts = mixed_set(args.num, args.long_share, engines["off"].runner.vocab_size, long_len)
     for engine in engines.values():
         engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # first-call costs out
-    loads, best = [os.getloadavg()], {}
+    loads = [os.getloadavg()]
+    best: dict[str, dict] = {}
     for rep in range(args.repeats):
         for arm, engine in engines.items():
             r = run_arm(engine, prompts)

@@ -24,6 +24,7 @@ import platform
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -127,7 +128,7 @@ def compare(name: str, prompts: list[list[int]], hf, engines: dict[str, LLMEngin
                 best[system] = r
             else:
                 best[system]["all_cpu_s"] = r["all_cpu_s"]
-    result = {"num_prompts": len(prompts), **best}
+    result: dict[str, Any] = {"num_prompts": len(prompts), **best}
     hf_best = result["hf"]
     for policy in engines:
         r = result[policy]
@@ -183,7 +184,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    path = str(resolve_model(args.model) if args.model else tiny_checkpoint_cached("llama", seed=0, **MODEL))
+    path = str(resolve_model(args.model) if args.model
+               else tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engines = {policy: LLMEngine(EngineConfig(model=path, device="cpu", policy=policy,
                                               max_num_batched_tokens=args.max_num_batched_tokens,

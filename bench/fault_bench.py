@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 import yaml
 
@@ -55,6 +55,14 @@ def job_spec(model: Path, inp: str, out: str, args: argparse.Namespace,
     if storage:
         spec["storage"] = storage
     return spec
+
+
+class S3Credentials(TypedDict):
+    """StorageOptions fields that reach moto's server (its test credentials)."""
+
+    region: str
+    aws_access_key_id: str
+    aws_secret_access_key: str
 
 
 class Driver:
@@ -223,7 +231,7 @@ def run_s3(model: Path, root: Path, rows: list, args: Any, address: str, fail_ev
     from prefixflow.storage import StorageOptions
 
     moto, endpoint = start_moto_server()
-    creds = {"region": "us-east-1", "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    creds = S3Credentials(region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
     try:
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                      aws_secret_access_key="testing").create_bucket(Bucket="bench")

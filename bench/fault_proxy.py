@@ -76,7 +76,9 @@ class FaultProxy:
             return
         if delay:
             time.sleep(self.delay_s)
-        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=30)
+        host = self.upstream.hostname
+        assert host is not None, "the upstream URL names a host"
+        conn = http.client.HTTPConnection(host, self.upstream.port, timeout=30)
         conn.request(req.command, req.path, body=body, headers=dict(req.headers))
         resp = conn.getresponse()
         data = resp.read()

@@ -28,7 +28,8 @@ class PrefixCase:
     prefix_seq_ranges: torch.Tensor
     scale: float
 
-    def args(self) -> tuple:
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, torch.Tensor, torch.Tensor, float]:
         return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.kv_lens,
                 self.block_tables, self.prefix_lens, self.prefix_block_tables,
                 self.prefix_seq_ranges, self.scale)

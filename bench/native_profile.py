@@ -67,13 +67,14 @@ def profile(model: str, quick: bool, cache: str, workload: str, repeats: int) ->
     from prefixflow.model_source import resolve_model
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    path = str(tiny_checkpoint_cached("llama", seed=0, **pb.MODEL) if model == "tiny"
+    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **pb.MODEL) if model == "tiny"
                else resolve_model(model))
     load = next(w for w in pb.workloads(quick) if w.name == workload)
     engine = pb.build_engine("native", pb.CACHES[cache], path)
     _instrument()
     pb.run_engine(engine, load, "plan")                                   # warm-up
-    walls, result = [], {}
+    walls: list[float] = []
+    result: dict = {}
     for _ in range(repeats):
         result, _ = pb.run_engine(engine, load, "plan")
         walls.append(result["wall_s"])

@@ -214,6 +214,8 @@ class Proc:
                                    "--cache-blocks", str(cache_blocks), "--model-path", path],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
                                   start_new_session=True)
+        assert self.p.stdin is not None and self.p.stdout is not None, "both pipes were asked for"
+        self.stdin, self.stdout = self.p.stdin, self.p.stdout
 
     def pause(self) -> None:
         os.killpg(self.p.pid, signal.SIGSTOP)
@@ -222,15 +224,15 @@ class Proc:
         os.killpg(self.p.pid, signal.SIGCONT)
 
     def read(self) -> dict:
-        for line in self.p.stdout:
+        for line in self.stdout:
             if line.startswith("PFRESULT "):
                 return json.loads(line[len("PFRESULT "):])
             self.log.write(line)
         raise RuntimeError(f"engine process exited (rc {self.p.wait()}); see {self.log.name}")
 
     def ask(self, workload: Workload, order: str) -> dict:
-        self.p.stdin.write(json.dumps(dict(workload=asdict(workload), order=order)) + "\n")
-        self.p.stdin.flush()
+        self.stdin.write(json.dumps(dict(workload=asdict(workload), order=order)) + "\n")
+        self.stdin.flush()
         return self.read()
 
     def close(self) -> None:
@@ -241,7 +243,7 @@ class Proc:
         except ProcessLookupError:
             pass
         try:
-            self.p.stdin.close()
+            self.stdin.close()
             self.p.wait(timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             try:
@@ -361,7 +363,7 @@ def main() -> None:
     from prefixflow.model_source import resolve_model
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    path = str(tiny_checkpoint_cached("llama", seed=0, **MODEL) if args.model == "tiny"
+    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL) if args.model == "tiny"
                else resolve_model(args.model))
     engines = args.engines.split(",")
     repeats = args.repeats or (1 if args.quick else 2)

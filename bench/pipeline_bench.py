@@ -166,8 +166,9 @@ def peer_summary(pf_out: Path, peer_out: Path, pf: dict[str, Any], peer: dict[st
 
     from prefixflow.operators.results.write import read_output
 
-    ours = {r["id"]: list(r["generated_tokens"]) for r in read_output(str(pf_out)).to_pylist()
-            if r["error"] is None}
+    table = read_output(str(pf_out))
+    assert not isinstance(table, list), "the job writes parquet, read back as a table"
+    ours = {r["id"]: list(r["generated_tokens"]) for r in table.to_pylist() if r["error"] is None}
     theirs = pq.read_table(peer_out).to_pylist()
     m = pf["metrics"]
     ready = [r["engine_ready_s"] for r in m["per_replica"]]
@@ -223,7 +224,9 @@ def agreement(pf_out: Path, base_out: Path) -> float:
 
     from prefixflow.operators.results.write import read_output
 
-    ours = read_output(str(pf_out)).to_pylist()
+    table = read_output(str(pf_out))
+    assert not isinstance(table, list), "the job writes parquet, read back as a table"
+    ours = table.to_pylist()
     theirs = {r["id"]: json.loads(r["generated_tokens"]) for r in pq.read_table(base_out).to_pylist()}
     same = [list(r["generated_tokens"]) == theirs[r["id"]] for r in ours if r["error"] is None]
     return float(np.mean(same)) if same else 0.0

@@ -30,6 +30,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -208,8 +209,10 @@ def _extrapolate(scale: list[dict], n: int) -> dict:
     """Least-squares line through (num_prompts, value) for time and memory: both are linear in
     the prompts (a fixed sort window aside)."""
     x = np.array([r["num_prompts"] for r in scale], dtype=float)
-    fit = lambda key: np.polyval(np.polyfit(x, [r[key] for r in scale], 1), n) if len(x) > 1 \
-        else scale[0][key] * n / x[0]  # noqa: E731
+    def fit(key: str) -> float:  # np.polyval at a scalar n gives an np.float64, a float
+        return cast(float, np.polyval(np.polyfit(x, [r[key] for r in scale], 1), n)) if len(x) > 1 \
+            else scale[0][key] * n / x[0]
+
     per_row = scale[-1]["predicted_job_seconds"] / scale[-1]["num_prompts"]
     return {"num_prompts": n, "plan_s": round(float(fit("plan_s")), 1),
             "plan_cpu_s": round(float(fit("plan_cpu_s")), 1),

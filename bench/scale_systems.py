@@ -91,9 +91,12 @@ def _run_prefixflow(system: str, replicas: int, data: Path, model: Path, out: Pa
         from prefixflow.operators.faces.processor import Processor
 
         plan = Processor.plan
-        Processor.plan = lambda self, ds, stealing=False: plan(self, ds, stealing=False)
+        Processor.plan = (  # type: ignore[method-assign]  # a deliberate patch (its type is still checked)
+            lambda self, ds, stealing=False: plan(self, ds, stealing=False))
     metrics = run_job(spec, quiet=True)
-    rows = read_output(str(out)).to_pylist()
+    table = read_output(str(out))
+    assert not isinstance(table, list), "the job writes parquet, read back as a table"
+    rows = table.to_pylist()
     per = sorted(metrics["per_replica"], key=lambda r: r["replica"])
     totals = [r["engine_totals"] or {} for r in per]
     stages = metrics["stage_seconds"]

@@ -105,7 +105,7 @@ def bench_model(folder: Path) -> Path:
 
     path = folder / "scale-llama"
     if not (path / "config.json").exists():
-        make_tiny_checkpoint(path, arch="llama", seed=0, **MODEL_SHAPE)
+        make_tiny_checkpoint(path, arch="llama", seed=0, llama3_rope=False, **MODEL_SHAPE)
     return path
 
 

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 RESULTS = Path("bench/results/score_bench.json")
@@ -53,7 +54,9 @@ CHUNKS = (512, 256)   # hybrid prefilling chunk sizes measured (ScoreOptions def
 
 def _status_mb(field: str) -> float:
     text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field}:\s+(\d+)", text).group(1)) / 1024
+    found = re.search(rf"{field}:\s+(\d+)", text)
+    assert found is not None, f"/proc/self/status has no {field}"
+    return int(found.group(1)) / 1024
 
 
 def measure(variant: str, tokens: int, chunk: int) -> dict:
@@ -62,7 +65,7 @@ def measure(variant: str, tokens: int, chunk: int) -> dict:
 
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    path = str(tiny_checkpoint_cached("llama", seed=0, **DEMO))
+    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **DEMO))
     ids = torch.randint(3, 600, (tokens,), generator=torch.Generator().manual_seed(0))
     run, extra = _variant(variant, path, tokens, chunk)
     run(ids[:64])                                                  # warm-up
@@ -84,7 +87,8 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
     from prefixflow.engine.config import EngineConfig
 
     if variant == "hybrid":
-        from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
+        from prefixflow.engine.scoring.options import ScoreOptions
+        from prefixflow.engine.scoring.scorer import Scorer
 
         s = Scorer(EngineConfig(model=path, device="cpu"), ScoreOptions(chunk_size=chunk))
         return (lambda ids: s.score([ids.tolist()], [5, 6])), 0.0
@@ -120,8 +124,8 @@ def memory_section(long_tokens: int, short_tokens: int) -> dict:
     from prefixflow.engine.scoring.forward import forward_bytes
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    args = read_model_args(tiny_checkpoint_cached("llama", seed=0, **DEMO))
-    rows = []
+    args = read_model_args(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **DEMO))
+    rows: list[dict[str, Any]] = []
     plan = [("hybrid", short_tokens, c) for c in CHUNKS]
     plan += [(v, short_tokens, 0) for v in ("generate", "transformers", "transformers_keep1")]
     plan += [("hybrid", long_tokens, c) for c in CHUNKS]
@@ -157,7 +161,8 @@ def real_model_section(model: str, num_users: int, hf_requests: int) -> dict:
     from prefixflow.bench.score_workload import CHOICES, _hf_rate, _summary, make_workload
     from prefixflow.engine.config import EngineConfig
     from prefixflow.model_source import resolve_model
-    from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
+    from prefixflow.engine.scoring.options import ScoreOptions
+    from prefixflow.engine.scoring.scorer import Scorer
 
     path = str(resolve_model(model))
     prompts, _ = make_workload(num_users)
@@ -189,16 +194,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(a.measure, a.tokens, a.chunk)))
         return
     if a.model:
-        result = {"load_average_at_start": os.getloadavg(),
-                  "real_model": real_model_section(a.model, a.users, a.hf_requests),
-                  "load_average_at_end": os.getloadavg()}
+        result: dict[str, Any] = {"load_average_at_start": os.getloadavg(),
+                                  "real_model": real_model_section(a.model, a.users, a.hf_requests),
+                                  "load_average_at_end": os.getloadavg()}
         path = RESULTS.with_name(f"score_bench_{a.model}.json")
         path.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
         return
     from prefixflow.bench.score_workload import workload_section
 
-    result: dict = {"load_average_at_start": os.getloadavg()}
+    result = {"load_average_at_start": os.getloadavg()}
     if not a.skip_memory:
         result["memory"] = memory_section(a.tokens, a.short_tokens)
     result["post_recommendation"] = workload_section(a.users, a.hf_requests)

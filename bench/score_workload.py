@@ -7,6 +7,7 @@ answer cue, scored with choices " positive" / " negative". See score_bench.py's 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +22,13 @@ LAM = 20.0   # starvation weight (tokens per second queued), scaled down from th
 def make_workload(num_users: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """Prompts (token ids) and the user of each, users in turn, posts in order."""
     rng = np.random.default_rng(seed)
-    tok = lambda n: rng.integers(10, 700, n).tolist()  # noqa: E731
+
+    def tok(n: int) -> list[int]:
+        return rng.integers(10, 700, n).tolist()
+
     header, question, cue = tok(20), tok(12), tok(4)
-    prompts, users = [], []
+    prompts: list[list[int]] = []
+    users: list[int] = []
     for u in range(num_users):
         profile = tok(int(np.clip(rng.normal(1400, 300), 800, 1900)))
         for _ in range(POSTS_PER_USER):
@@ -69,14 +74,17 @@ def _summary(scorer, n: int) -> dict:
 
 def workload_section(num_users: int, hf_requests: int) -> dict:
     from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
+    from prefixflow.engine.scoring.options import ScoreOptions
+    from prefixflow.engine.scoring.scorer import Scorer
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0))
     prompts, users = make_workload(num_users)
     n = len(prompts)
     cfg = EngineConfig(model=path, device="cpu")
-    make = lambda **o: Scorer(cfg, ScoreOptions(choice_leading_space=True, **o))  # noqa: E731
+    def make(**o: Any) -> Scorer:
+        return Scorer(cfg, ScoreOptions(choice_leading_space=True, **o))
+
     out: dict = dict(users=num_users, requests=n, posts_per_user=POSTS_PER_USER,
                      prompt_tokens=int(sum(map(len, prompts))), model="tiny llama (engine/models/tiny.py)")
 

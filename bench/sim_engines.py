@@ -115,6 +115,7 @@ def _vllm_worker(src: str, dst: str) -> None:
                 sorted(range(len(prompts)), key=lambda i: prompts[i])
             engine.reset_prefix_cache()
             list(engine.run(_groups_of_one(prompts, order), params))
+            assert engine.totals is not None, "a finished run fills totals"
             out[f"{name}/{policy}"] = engine.totals.num_computed_prompt_tokens
     Path(dst).write_text(json.dumps(out))
 
@@ -138,6 +139,7 @@ def measure_native_plan(prompts: list[list[int]], model: str) -> list[int]:
     for r in range(v["plan_replicas"]):
         engine.reset_prefix_cache()
         list(engine.run(plan.groups(r), params))
+        assert engine.totals is not None, "a finished run fills totals"
         computed.append(engine.totals.num_computed_prompt_tokens)
     return computed
 
@@ -162,7 +164,7 @@ def validate(work_dir: str | os.PathLike, engines: Sequence[str] = ("vllm", "nat
     on two replicas. vllm: a measurement already started (see run_all), else one is made here."""
     from prefixflow.jobs.demo import demo_checkpoint
 
-    model = str(demo_checkpoint(work_dir))
+    model = str(demo_checkpoint(Path(work_dir)))
     workloads = validation_workloads()
     use_vllm = vllm is not None or ("vllm" in engines and importlib.util.find_spec("vllm") is not None)
     measured = (vllm or VllmMeasurement(workloads, model)).result() if use_vllm else {}

@@ -10,7 +10,7 @@ per batch; nothing to lose), since build_plan on 10M runs of one peaked at 8.7 G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,13 +81,23 @@ class PlanStream:
     unit_seconds: np.ndarray
 
 
+def _no_hashes(seqs: np.ndarray, depth: int, width: int) -> np.ndarray:
+    raise RuntimeError("the trie's prompts have no block hashes: their order and LCPs are given")
+
+
+def _no_tokens(idx: np.ndarray) -> RaggedTokens:
+    raise RuntimeError("the trie's prompts have no token ids")
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _SortedPrompts(HashedPrompts):
     """Prompts the planner sorts no further: their exact text order and adjacent LCPs in tokens
-    (what `sort_with_lcp` on the token ids returns), computed from the segment trie."""
+    (what `sort_with_lcp` on the token ids returns), computed from the segment trie. No block hashes
+    or token ids (asking raises): given the order the planner needs no hashes, and the simulator
+    asks its plans for no token ids."""
 
-    order: np.ndarray = None
-    lcp: np.ndarray = None
+    order: np.ndarray = field(kw_only=True)
+    lcp: np.ndarray = field(kw_only=True)
 
     def sort_with_lcp(self) -> tuple[np.ndarray, np.ndarray]:
         return self.order, self.lcp
@@ -124,7 +134,8 @@ def plan_workload(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
     if tokens is not None:
         prompts: Any = tokens
     else:
-        prompts = _SortedPrompts(w.prompt_lens, None, block_size, None, None, *(order_lcp or trie_order_lcp(w)))
+        order, lcp = order_lcp or trie_order_lcp(w)
+        prompts = _SortedPrompts(w.prompt_lens, _no_hashes, block_size, _no_tokens, order=order, lcp=lcp)
     return build_plan(prompts, output_lens=w.output_len, order="batchllm", num_replicas=num_replicas,
                       min_prefix_len=block_size, stealing=stealing)
 
@@ -145,7 +156,9 @@ class SlicedPlan:
                 "num_units")
         sums = {k: sum(p.summary[k] for p in self.plans) for k in keys}
         total = max(sums["prompt_tokens"], 1)
-        ratio = lambda k: sum(p.summary[k] * p.summary["prompt_tokens"] for p in self.plans) / total  # noqa: E731
+        def ratio(k: str) -> float:
+            return sum(p.summary[k] * p.summary["prompt_tokens"] for p in self.plans) / total
+
         worst = max(p.summary["predicted_seconds_max_over_mean"] for p in self.plans)
         return {**sums, "single_level_token_saving_ratio": ratio("single_level_token_saving_ratio"),
                 "optimal_token_saving_ratio": ratio("optimal_token_saving_ratio"), "num_slices": len(self.plans),

@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from prefixflow.bench.sim_items import BLOCK_SIZE, plan_workload
-from prefixflow.bench.sim_run import MAX_NUM_SEQS, Cluster, RayData, joins_pieces, policy_stream, simulate
+from prefixflow.bench.sim_run import (MAX_NUM_SEQS, Cluster, RayData, Tasks, Units, joins_pieces, policy_stream,
+                                      simulate)
 from prefixflow.bench.sim_workloads import workload_from_tokens
 from prefixflow.pipeline.cost_model import CostModel
 from prefixflow.pipeline.ragged import RaggedTokens
@@ -50,6 +51,7 @@ def predict_computed_tokens(prompts: Sequence[Sequence[int]] | RaggedTokens, num
     plan = plan_workload(w, num_replicas, block_size, prompts, stealing=joins_pieces(policy)) \
         if policy.startswith("plan") else None
     outs = None if decoded_lens is None else np.asarray(decoded_lens, np.int64)
+    how: Tasks | Units | None  # None: each item on its given replica (simulate)
     items, how = policy_stream(w, policy, num_replicas, plan, outs, ray or RayData(batch_size=batch_size), block_size)
     if row_replica is not None:
         given = np.asarray(row_replica, np.int64)

@@ -134,4 +134,5 @@ def decode_output(token_ids: Any, params: SamplingParams, tokenizer: Any, ends_w
     ids = list(token_ids)
     if ends_with_stop_id and not params.include_stop_str_in_output:
         ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    text: str = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    return text

@@ -182,6 +182,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if use_flash is None:
         use_flash = _FLASH_CPU is not None and q.device.type == "cpu"
     if use_flash:
+        if _FLASH_CPU is None:
+            raise ValueError("attention_lse(use_flash=True): this torch build has no CPU flash kernel "
+                             "(aten._scaled_dot_product_flash_attention_for_cpu); pass use_flash=None")
         # The kernel reads q/k/v through their strides (unit stride in D assumed); Lq = 0
         # crashes it, so callers skip empty query sets.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))

@@ -167,7 +167,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     residual alike; weight [H]. Returns a new [T, H]. Check `supports_norm`."""
     t, h = x.shape
     out = torch.empty(t, h, dtype=torch.float32)
-    _library().pf_add_rms_norm_f32(
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("add_rms_norm: the CPU kernels are not built here; check `supports_norm()` first")
+    lib.pf_add_rms_norm_f32(
         x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
         out.data_ptr(), t, h, x.stride(0), eps, lanes or _norm_lanes(h))
     return out
@@ -187,8 +190,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """The rotary embedding in place in C: x [T, H, D] float32 with unit stride in D and heads D
     apart (rows any stride); cos, sin [T, 1, D] rows alike. Returns x. Check `supports_rotary`."""
     t, heads, d = x.shape
-    _library().pf_rotary_f32(x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(),
-                             sin.data_ptr(), cos.stride(0))
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("rotary_: the CPU kernels are not built here; check `supports_rotary()` first")
+    lib.pf_rotary_f32(x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin.data_ptr(), cos.stride(0))
     return x
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -522,13 +523,16 @@ def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     caller to be inside the cache)."""
     t, hkv, d = k.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
-    _library().pf_write_kv_f32(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                               v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                               slots.data_ptr(), t, hkv, d)
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("write_kv_cpu: the CPU kernels are not built here; check `available()` first")
+    lib.pf_write_kv_f32(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                        v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                        slots.data_ptr(), t, hkv, d)
 
 
 def check_tables(num_blocks: int, block_size: int, kv_lens: list[int], block_tables: torch.Tensor,
-                 prefix_lens: list[int] = (), prefix_block_tables: torch.Tensor | None = None
+                 prefix_lens: Sequence[int] = (), prefix_block_tables: torch.Tensor | None = None
                  ) -> None:
     """ValueError unless every key the kernel will read is inside the cache (host values)."""
     tables = [(block_tables, kv_lens)]
@@ -588,7 +592,10 @@ class AttentionCall:
             return out.copy_(self(q, k_cache, v_cache, scale, torch.empty(out.shape)))
         _, hq, d = q.shape
         _, bs, hkv, _ = k_cache.shape
-        _library().pf_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
-                                    v_cache.data_ptr(), bs, hkv, d, *self._meta, out.data_ptr(),
-                                    self._num_seqs, hq, scale)
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("AttentionCall: the CPU kernels are not built here; check `supports()` first")
+        lib.pf_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+                             v_cache.data_ptr(), bs, hkv, d, *self._meta, out.data_ptr(),
+                             self._num_seqs, hq, scale)
         return out

@@ -225,7 +225,7 @@ def _saved_tokens(order: np.ndarray, grouping: Grouping) -> int:
 
 def _subtree_sums(tree: PrefixTree, per_seq: np.ndarray) -> np.ndarray:
     cum = np.r_[0.0, np.cumsum(per_seq[tree.order])]
-    sums = cum[tree.hi] - cum[tree.lo]
+    sums: np.ndarray = cum[tree.hi] - cum[tree.lo]
     # A leaf's own value, not a difference of running sums: those round differently with the
     # sort's order, and equal leaves must stay equal for ties to fall by input order.
     leaf = tree.leaf_seq >= 0
@@ -250,7 +250,8 @@ def _sorted_leaves(children: list[list[int]], rho: np.ndarray, leaf_seq: np.ndar
 def _rounded(values: np.ndarray, bits: int = 40) -> np.ndarray:
     """Values to `bits` of mantissa: sums that differ only in rounding (summation order) tie."""
     mantissa, exponent = np.frexp(values)
-    return np.ldexp(np.round(mantissa * 2.0**bits), exponent - bits)
+    rounded: np.ndarray = np.ldexp(np.round(mantissa * 2.0**bits), exponent - bits)
+    return rounded
 
 
 def _longest_nonincreasing(values: np.ndarray) -> np.ndarray:
@@ -288,7 +289,8 @@ def dual_scan(seq: np.ndarray, comp: np.ndarray, mem: np.ndarray,
     n = len(seq)
     cum_c, cum_m = np.r_[0.0, np.cumsum(comp[seq])], np.r_[0.0, np.cumsum(mem[seq])]
     rho_root = float(density(cum_c[-1], cum_m[-1]))
-    lo, hi, chunks, starts, flip = 0, n, [], [0], False
+    lo, hi, starts, flip = 0, n, [0], False
+    chunks: list[np.ndarray] = []
     while lo < hi:
         left, right = _balance(cum_c, cum_m, lo, hi, batch_mem_s, rho_root)
         if left == lo and right == hi:  # the batch is smaller than one request: take one
@@ -312,7 +314,8 @@ def _balance(cum_c: np.ndarray, cum_m: np.ndarray, lo: int, hi: int, t: float,
     def excess(j: int) -> float:  # compute above the root density's share, for left end j
         r = right_of(j)
         c = cum_c[j] - cum_c[lo] + cum_c[hi] - cum_c[r]
-        return c - rho_root * (cum_m[j] - cum_m[lo] + cum_m[hi] - cum_m[r])
+        surplus: float = c - rho_root * (cum_m[j] - cum_m[lo] + cum_m[hi] - cum_m[r])  # a numpy float64
+        return surplus
 
     a, b = lo, min(max(_upto(cum_m, cum_m[lo] + t), lo + 1), hi)
     if excess(b) <= 0:

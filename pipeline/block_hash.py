@@ -25,7 +25,7 @@ not in it: Plan.groups(r) fetches one replica's (4 bytes a token) when it is ask
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -47,7 +47,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: every input bit reaches every output bit."""
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
 
 
 def hash_token_blocks(flat: np.ndarray, start: np.ndarray, count: np.ndarray, block_size: int) -> np.ndarray:
@@ -88,7 +89,8 @@ def _chain(own: np.ndarray, offsets: np.ndarray, per_row: np.ndarray) -> np.ndar
         idx = offsets[rows] + k
         prev[rows] = _mix(prev[rows] * _GOLDEN ^ own[idx])
         out[idx] = prev[rows]
-    return (out >> np.uint64(64 - HASH_BITS)).astype(np.int64)
+    chained: np.ndarray = (out >> np.uint64(64 - HASH_BITS)).astype(np.int64)
+    return chained
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -115,7 +117,7 @@ class HashedPrompts:
         return len(self.lengths)
 
     @classmethod
-    def from_tokens(cls, prompts, block_size: int = DEFAULT_BLOCK_SIZE,
+    def from_tokens(cls, prompts: Sequence[Sequence[int]] | Any, block_size: int = DEFAULT_BLOCK_SIZE,
                     hash_fn: BlockHashFn = hash_token_blocks) -> "HashedPrompts":
         """In-memory prompts planned through their hashes (tests, benches)."""
         tokens = RaggedTokens.from_sequences(prompts)

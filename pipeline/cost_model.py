@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,19 +77,21 @@ class ModelShape:
             path = path / "config.json" if path.is_dir() else path
             if not path.is_file():
                 raise ValueError(f"model={str(config)!r} is not a config.json or a directory holding one")
-            config = json.loads(path.read_text())
-        config = config.get("text_config", config)  # multi-modal wrappers keep the LLM inside
+            raw: dict[str, Any] = json.loads(path.read_text())
+        else:
+            raw = config
+        cfg: dict[str, Any] = raw.get("text_config", raw)  # multi-modal wrappers keep the LLM inside
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                               "intermediate_size", "vocab_size") if k not in config]
+                               "intermediate_size", "vocab_size") if k not in cfg]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}: give a Llama-family config.json")
-        heads = int(config["num_attention_heads"])
-        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
-        return cls(num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
-                   num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                   head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-                   intermediate_size=int(config["intermediate_size"]),
-                   vocab_size=int(config["vocab_size"]), dtype_bytes=_DTYPE_BYTES.get(dtype, 2))
+        heads = int(cfg["num_attention_heads"])
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+        return cls(num_layers=int(cfg["num_hidden_layers"]), hidden_size=int(cfg["hidden_size"]),
+                   num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                   intermediate_size=int(cfg["intermediate_size"]),
+                   vocab_size=int(cfg["vocab_size"]), dtype_bytes=_DTYPE_BYTES.get(dtype, 2))
 
     @property
     def layer_params(self) -> int:
@@ -222,7 +225,7 @@ class CostModel:
         return self.compute_seconds(prefix_lens, np.zeros_like(np.asarray(prefix_lens)), 0)
 
     def step_seconds(self, decode_kv_lens: np.ndarray | list[int],
-                     prefill_chunks: np.ndarray | list[tuple[int, int]] = (),
+                     prefill_chunks: np.ndarray | Sequence[tuple[int, int]] = (),
                      bubbles: bool = True) -> float:
         """Predicted seconds of one engine step (module docstring).
 
@@ -256,4 +259,5 @@ class CostModel:
 def density(compute_s: np.ndarray | float, memory_s: np.ndarray | float) -> np.ndarray:
     """T_comp / T_mem; work with no decode is treated as reading one token (finite, very dense)."""
     floor = 1e-12
-    return np.asarray(compute_s, dtype=np.float64) / np.maximum(np.asarray(memory_s, np.float64), floor)
+    rho: np.ndarray = np.asarray(compute_s, dtype=np.float64) / np.maximum(np.asarray(memory_s, np.float64), floor)
+    return rho

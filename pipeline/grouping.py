@@ -66,9 +66,10 @@ def first_level_saved_tokens(tree: PrefixTree) -> int:
 def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
     """Bottom-up DP. Returns threshold[v]: a group forms at v iff the index (in v's ancestor
     list, root = 0) of the group the prompts would otherwise join is below threshold[v]."""
-    ptr, kids = tree.children()
+    ptr_arr, kids_arr = tree.children()
     # memoryviews, not lists: Python ints cost 36 bytes each at millions of nodes (from_sorted)
-    ptr, kids, depth, parent = int64_view(ptr), int64_view(kids), int64_view(tree.depth), int64_view(tree.parent)
+    ptr, kids, depth, parent = int64_view(ptr_arr), int64_view(kids_arr), int64_view(tree.depth), \
+        int64_view(tree.parent)
     threshold = np.zeros(tree.num_nodes, dtype=np.int64)
     thr_view = int64_view(threshold)
     acc: list[list[int] | None] = [None] * tree.num_nodes  # sum of children's h vectors
@@ -86,6 +87,7 @@ def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
             continue
         path.pop()
         a = acc[v]
+        assert a is not None, "an internal node is left after its children added their h vectors"
         acc[v] = None
         form = a[-1] - depth[v]                       # group at v: members earn depth(v), pay once
         passed = a[:-1]                               # non-decreasing in the ancestor depth
@@ -98,15 +100,16 @@ def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
     return threshold
 
 
-def _add(acc: list, node: int, vec: list[int]) -> None:
+def _add(acc: list[list[int] | None], node: int, vec: list[int]) -> None:
     cur = acc[node]
     acc[node] = list(vec) if cur is None else [x + y for x, y in zip(cur, vec)]
 
 
 def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
     """Top-down: each prompt joins the deepest ancestor where a group forms."""
-    ptr, kids = tree.children()
-    ptr, kids, thr, leaf_seq = int64_view(ptr), int64_view(kids), int64_view(threshold), int64_view(tree.leaf_seq)
+    ptr_arr, kids_arr = tree.children()
+    ptr, kids, thr, leaf_seq = int64_view(ptr_arr), int64_view(kids_arr), int64_view(threshold), \
+        int64_view(tree.leaf_seq)
     num_seqs = len(tree.order)
     group_node = np.zeros(num_seqs, dtype=np.int64)
     group_view = int64_view(group_node)
@@ -143,4 +146,5 @@ def runs(order: np.ndarray, grouping: Grouping) -> np.ndarray:
     """Start positions (in `order`) of maximal runs of prompts from one group, plus len(order)."""
     key = group_keys(grouping)[order]
     starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(order) else np.zeros(0, np.int64)
-    return np.r_[starts, len(order)].astype(np.int64)
+    run_starts: np.ndarray = np.r_[starts, len(order)].astype(np.int64)
+    return run_starts

@@ -112,13 +112,15 @@ def _subtree_r(tree: PrefixTree, lengths: np.ndarray, decode: np.ndarray, known:
     shared = cum_lcp[np.maximum(tree.hi - 1, tree.lo)] - cum_lcp[tree.lo]
     tokens = lens - shared - tree.depth[np.maximum(tree.parent, 0)] * (tree.parent >= 0)
     decode_sums = _range_sums(tree, np.rint(decode[tree.order]).astype(np.int64)) if known else 1
-    return decode_sums / np.maximum(tokens, 1)
+    r: np.ndarray = decode_sums / np.maximum(tokens, 1)
+    return r
 
 
 def _range_sums(tree: PrefixTree, per_position: np.ndarray) -> np.ndarray:
     """Sums over each node's sorted positions, in integers: equal subtrees tie exactly."""
     cum = np.r_[0, np.cumsum(per_position, dtype=np.int64)]
-    return cum[tree.hi] - cum[tree.lo]
+    sums: np.ndarray = cum[tree.hi] - cum[tree.lo]
+    return sums
 
 
 def _dfs_starts(tree: PrefixTree, member_key: np.ndarray, inner_key: np.ndarray) -> np.ndarray:
@@ -156,7 +158,8 @@ def group_runs(grouping: Grouping, order: np.ndarray, replica: np.ndarray) -> np
     key = grouping.group_node[order]
     new = np.r_[True, (key[1:] != key[:-1]) | (key[1:] == 0) | (replica[1:] != replica[:-1])] \
         if len(key) else np.zeros(0, bool)
-    return np.r_[np.flatnonzero(new), len(key)].astype(np.int64)
+    run_starts: np.ndarray = np.r_[np.flatnonzero(new), len(key)].astype(np.int64)
+    return run_starts
 
 
 def run_prefix_lens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndarray,
@@ -197,7 +200,8 @@ def computed_tokens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndar
     cached, run_prefix, owner_hit = row_cached(grouping, lengths, run_starts, order, prev_lcp, block_size)
     rows = lengths[order] - cached
     per_run = np.add.reduceat(rows, run_starts[:-1]) if len(rows) else np.zeros(0, np.int64)
-    return per_run + run_prefix - owner_hit
+    computed: np.ndarray = per_run + run_prefix - owner_hit
+    return computed
 
 
 def row_seconds(cm: CostModel, grouping: Grouping, lengths: np.ndarray, outs: np.ndarray,
@@ -322,7 +326,9 @@ def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, 
     run_replica = replica[run_starts[:-1]] if n else np.zeros(0, np.int64)
     final_c, final_owner, final_m = row_seconds(cm, g, lengths, outs, run_starts, seq_index, prev_lcp, block_size)
     final_c[run_starts[:-1]] += final_owner
-    per = lambda x: np.bincount(replica, weights=x, minlength=num_replicas)  # noqa: E731
+    def per(x: np.ndarray) -> np.ndarray:
+        return np.bincount(replica, weights=x, minlength=num_replicas)
+
     # Saved tokens the split gave up: these rows' computation here, less in the uncut order.
     lost = np.bincount(run_replica, weights=run_computed, minlength=num_replicas) - \
         per(_row_computed(g, lengths, starts, order, ng.prev_lcp, block_size)[pos])
@@ -337,7 +343,7 @@ def _final_prev_lcp(tree: PrefixTree, ng: NestedGrouping, pos: np.ndarray, seq_i
                     replica: np.ndarray) -> np.ndarray:
     """prev_lcp in plan order: a replica's first row shares nothing; a row whose neighbour
     changed (a part boundary) shares their lowest common ancestor."""
-    prev_lcp = ng.prev_lcp[pos]
+    prev_lcp: np.ndarray = ng.prev_lcp[pos]
     if not len(pos):
         return prev_lcp
     first = np.r_[True, replica[1:] != replica[:-1]]
@@ -351,7 +357,7 @@ def _row_computed(g: Grouping, lengths: np.ndarray, run_starts: np.ndarray, orde
                   prev_lcp: np.ndarray, block_size: int) -> np.ndarray:
     """Prompt tokens each row of `order` computes, its run's owner charged to its first row."""
     cached, run_prefix, owner_hit = row_cached(g, lengths, run_starts, order, prev_lcp, block_size)
-    rows = (lengths[order] - cached).astype(np.float64)
+    rows: np.ndarray = (lengths[order] - cached).astype(np.float64)
     if len(rows):
         rows[run_starts[:-1]] += run_prefix - owner_hit
     return rows

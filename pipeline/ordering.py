@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixflow.pipeline.blendserve import blendserve_order
+from prefixflow.pipeline.cost_model import CostModel
 from prefixflow.pipeline.grouping import Grouping, group_keys, runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
@@ -24,7 +25,7 @@ ORDER_POLICIES = ("fcfs", "dfs", "batchllm", "blendserve")
 
 
 def order_prompts(policy: str, tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
-                  output_lens: np.ndarray | None = None, cost_model=None) -> np.ndarray:
+                  output_lens: np.ndarray | None = None, cost_model: CostModel | None = None) -> np.ndarray:
     """A permutation of prompt indices in run order under `policy`.
 
     cost_model: a `cost_model.CostModel` for resource-aware policies (blendserve)."""
@@ -65,7 +66,8 @@ def batchllm_order(grouping: Grouping, lengths: np.ndarray,
     first_index = np.full(len(r_group), n, dtype=np.int64)
     np.minimum.at(first_index, gid, idx)
     # lexsort: last key is primary.
-    return np.lexsort((idx, -r_member, first_index[gid], -r_group[gid])).astype(np.int64)
+    order: np.ndarray = np.lexsort((idx, -r_member, first_index[gid], -r_group[gid])).astype(np.int64)
+    return order
 
 
 def dfs_order(tree: PrefixTree, lengths: np.ndarray) -> np.ndarray:

@@ -52,7 +52,8 @@ class Partition:
 
     @property
     def predicted_s(self) -> np.ndarray:
-        return np.maximum(self.compute_s, self.memory_s)
+        seconds: np.ndarray = np.maximum(self.compute_s, self.memory_s)
+        return seconds
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -130,7 +131,8 @@ class _Filler:
     and that end stops. The replica is full when both ends have stopped.
     """
 
-    def __init__(self, run_starts, cum_c, cum_m, prefix_c, cut_c) -> None:
+    def __init__(self, run_starts: np.ndarray, cum_c: np.ndarray, cum_m: np.ndarray, prefix_c: np.ndarray,
+                 cut_c: np.ndarray) -> None:
         self.starts, self.cum_c, self.cum_m, self.prefix_c, self.cut_c = run_starts, cum_c, cum_m, prefix_c, cut_c
 
     def cost(self, run: int, lo: int, hi: int) -> tuple[float, float]:
@@ -248,7 +250,8 @@ def _join_small_pieces(pieces: list[tuple[int, int, int, int]], filler: _Filler,
     return merged
 
 
-def _assemble(pieces, run_starts, cum_c, cum_m, prefix_c, prefix_len, num_replicas: int) -> Partition:
+def _assemble(pieces: list[tuple[int, int, int, int]], run_starts: np.ndarray, cum_c: np.ndarray,
+              cum_m: np.ndarray, prefix_c: np.ndarray, prefix_len: np.ndarray, num_replicas: int) -> Partition:
     arr = np.asarray(pieces, dtype=np.int64).reshape(-1, 4)
     run, lo, hi, replica = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
     keep = np.lexsort((lo, replica))
@@ -258,7 +261,9 @@ def _assemble(pieces, run_starts, cum_c, cum_m, prefix_c, prefix_len, num_replic
     # A run of L rows cut into k parts saves sum (L_i - 1) * P = (L - k) * P: each part after
     # the first recomputes the prefix once.
     lost = np.where(lo != run_starts[run], prefix_len[run], 0)
-    per = lambda x: np.bincount(replica, weights=x, minlength=num_replicas)  # noqa: E731
+    def per(x: np.ndarray) -> np.ndarray:
+        return np.bincount(replica, weights=x, minlength=num_replicas)
+
     return Partition(lo, hi, run, replica.astype(np.int32),
                      np.searchsorted(replica, np.arange(num_replicas + 1)).astype(np.int64),
                      per(c), per(m), per(lost).astype(np.int64))

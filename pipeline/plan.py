@@ -130,11 +130,15 @@ class Plan:
         out_col = self.table.column("output_len")
         out_lens = None if out_col.null_count == len(out_col) else out_col.to_numpy(zero_copy_only=False)
         base, end = int(cuts[0]), int(cuts[-1])
+        hashed = None
         if self.tokens is not None:
             tokens, index = self.tokens, self.seq_index
-        else:  # positions base.. of this replica, fetched in plan order
-            tokens = self.hashed.fetch_tokens(self.seq_index[base:end])
+        elif self.hashed is not None:  # positions base.. of this replica, fetched in plan order
+            hashed = self.hashed
+            tokens = hashed.fetch_tokens(self.seq_index[base:end])
             index = np.arange(len(self.seq_index), dtype=np.int64) - base
+        else:
+            raise ValueError("Plan has neither tokens nor hashed prompts: make it with build_plan")
         run_of = np.searchsorted(self.run_starts, cuts[:-1], side="right") - 1
         groups = []
         for k in range(len(cuts) - 1):
@@ -143,8 +147,8 @@ class Plan:
             # A piece of a cut run keeps the run's prefix, even alone: on the replica running
             # the run's other pieces it joins their group (engine/native/llm_engine.py).
             plen = int(cols["prefix_len"][lo])
-            if self.tokens is None:
-                plen = shared_prefix(plen, prompts, self.hashed.block_size)
+            if hashed is not None:  # planned from block hashes
+                plen = shared_prefix(plen, prompts, hashed.block_size)
             groups.append(PrefixGroup(
                 group_id=int(run_of[k]),
                 prefix=prompts[0][:plen],
@@ -185,17 +189,16 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
         of a group may join the rest on its replica (partition.py `_join_small_pieces`).
     """
     started = time.perf_counter()
-    hashed = prompts if isinstance(prompts, HashedPrompts) else None
-    tokens = None if hashed is not None else RaggedTokens.from_sequences(prompts)
-    lengths = hashed.lengths if hashed is not None else tokens.lengths
+    source = prompts if isinstance(prompts, HashedPrompts) else RaggedTokens.from_sequences(prompts)
+    hashed, tokens = (source, None) if isinstance(source, HashedPrompts) else (None, source)
+    lengths = source.lengths
     n = len(lengths)
     ids = _check_row_ids(row_ids, n)
     outs = _check_output_lens(output_lens, n)
     require(order in ORDER_POLICIES, "build_plan", "order", order, one_of(ORDER_POLICIES))
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
-    tree = PrefixTree.from_sorted(*hashed.sort_with_lcp(), lengths) if hashed is not None else \
-        PrefixTree.build(tokens)
+    tree = _prefix_tree(source)
     single = order != "batchllm" or tree.num_nodes <= SINGLE_LEVEL_METRIC_MAX_NODES
     grouping = maximize_reuse(tree, min_prefix_len) if single else None
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
@@ -206,6 +209,7 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
         planned, ref, plan_kind = _batchllm(tree, grouping, lengths, est, cost_model, num_replicas,
                                             min_prefix_len, block, stealing)
     else:
+        assert grouping is not None, "every order but batchllm makes the single-level grouping"
         planned = _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
         ref, plan_kind = grouping, None
     table = _plan_table(ids, planned.seq_index, lengths, outs, planned.run_starts, planned.run_prefix,
@@ -220,6 +224,13 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     summary["planning_seconds"] = time.perf_counter() - started
     return Plan(table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs,
                 unit_starts, unit_s, hashed)
+
+
+def _prefix_tree(source: HashedPrompts | RaggedTokens) -> PrefixTree:
+    """The prompts' prefix tree: from block hashes (then in whole blocks), or from the token ids."""
+    if isinstance(source, HashedPrompts):
+        return PrefixTree.from_sorted(*source.sort_with_lcp(), source.lengths)
+    return PrefixTree.build(source)
 
 
 def _units(cm: CostModel, lengths: np.ndarray, est: np.ndarray | None, planned: ReplicaRuns,
@@ -337,7 +348,9 @@ def _add_predictions(summary: dict[str, Any], part: Partition, cm: CostModel, gr
                              "output_len_assumed": DEFAULT_OUTPUT_LEN if assumed_outputs else None}
 
 
-def _plan_table(ids, seq_index, lengths, outs, run_starts, run_prefix, run_replica, replica_runs) -> pa.Table:
+def _plan_table(ids: np.ndarray, seq_index: np.ndarray, lengths: np.ndarray, outs: np.ndarray | None,
+                run_starts: np.ndarray, run_prefix: np.ndarray, run_replica: np.ndarray,
+                replica_runs: np.ndarray) -> pa.Table:
     run_len = np.diff(run_starts)
     prefix = np.repeat(run_prefix, run_len).astype(np.int32)
     prompt_len = lengths[seq_index].astype(np.int32)
@@ -363,7 +376,9 @@ def _summary(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, r
              run_computed: np.ndarray, run_replica: np.ndarray, num_replicas: int,
              order: str) -> dict[str, Any]:
     total = int(lengths.sum())
-    ratio = (lambda saved: float(saved) / total if total else 0.0)  # noqa: E731
+    def ratio(saved: float) -> float:
+        return float(saved) / total if total else 0.0
+
     computed = int(run_computed.sum())
     replicas = []
     for r in range(num_replicas):
@@ -388,7 +403,7 @@ def _summary(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, r
     }
 
 
-def _check_row_ids(row_ids, n: int) -> np.ndarray:
+def _check_row_ids(row_ids: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
     if row_ids is None:
         return np.arange(n, dtype=np.int64)
     ids = np.asarray(row_ids, dtype=np.int64)
@@ -399,7 +414,7 @@ def _check_row_ids(row_ids, n: int) -> np.ndarray:
     return ids
 
 
-def _check_output_lens(output_lens, n: int) -> np.ndarray | None:
+def _check_output_lens(output_lens: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray | None:
     if output_lens is None:
         return None
     outs = np.asarray(output_lens, dtype=np.int64)

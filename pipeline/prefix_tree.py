@@ -184,18 +184,30 @@ class PrefixTree:
                 top = stack[-1]
                 if depth[top] < boundary:  # the closed node and the next one meet deeper
                     mid = len(depth)
-                    depth.append(boundary), parent.append(top), lo.append(lo[last])
-                    hi.append(-1), leaf_seq.append(-1), is_leaf.append(0), first.append(first[last])
+                    depth.append(boundary)
+                    parent.append(top)
+                    lo.append(lo[last])
+                    hi.append(-1)
+                    leaf_seq.append(-1)
+                    is_leaf.append(0)
+                    first.append(first[last])
                     parent[last] = mid
                     stack.append(mid)
             if k == n:
                 break
             leaf = len(depth)
-            depth.append(sorted_lens[k]), parent.append(stack[-1]), lo.append(k), hi.append(k + 1)
-            leaf_seq.append(order_view[k]), is_leaf.append(1), first.append(order_view[k])
+            depth.append(sorted_lens[k])
+            parent.append(stack[-1])
+            lo.append(k)
+            hi.append(k + 1)
+            leaf_seq.append(order_view[k])
+            is_leaf.append(1)
+            first.append(order_view[k])
             stack.append(leaf)
         post.append(0)
-        as_arr = lambda x: np.frombuffer(x, dtype=np.int64) if len(x) else np.zeros(0, np.int64)  # noqa: E731
+        def as_arr(x: array) -> np.ndarray:
+            return np.frombuffer(x, dtype=np.int64) if len(x) else np.zeros(0, np.int64)
+
         return cls(as_arr(depth), as_arr(parent), as_arr(lo), as_arr(hi), as_arr(leaf_seq),
                    as_arr(post), order, lcp, as_arr(first))
 
@@ -206,12 +218,14 @@ class PrefixTree:
     @property
     def num_leaves(self) -> np.ndarray:
         """Prompts in each node's subtree."""
-        return self.hi - self.lo
+        leaves: np.ndarray = self.hi - self.lo
+        return leaves
 
     def edge_tokens(self) -> np.ndarray:
         """Tokens on the edge into each node (0 for the root)."""
         up = np.where(self.parent >= 0, self.depth[np.maximum(self.parent, 0)], 0)
-        return self.depth - up
+        edge: np.ndarray = self.depth - up
+        return edge
 
     def tree_tokens(self) -> int:
         """Distinct prompt tokens: what the multi-level optimum computes (each edge once)."""
@@ -235,4 +249,4 @@ def _int64s(values: list[int]) -> array:
 
 def int64_view(values: np.ndarray) -> memoryview:
     """Python ints from numpy memory one at a time, without a list of them (see from_sorted)."""
-    return memoryview(np.ascontiguousarray(values, dtype=np.int64)).cast("B").cast("q")
+    return np.ascontiguousarray(values, dtype=np.int64).data.cast("B").cast("q")  # .data: memoryview(array)

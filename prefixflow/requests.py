@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixflow.errors import require
+from prefixflow.errors import InvalidSetting, invalid, require
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,56 +181,59 @@ def _real(name: str, value: object, fix: str) -> float:
             number = float(value)
         except OverflowError:  # an int beyond any float
             pass
-    _check(number is not None and math.isfinite(number), name, value, f"a finite number is needed; {fix}")
-    return number  # type: ignore[return-value]
+    if number is None or not math.isfinite(number):
+        raise _invalid(name, value, f"a finite number is needed; {fix}")
+    return number
 
 
 def _integer(name: str, value: object, lo: int, hi: int, fix: str) -> int:
-    number: object = None
+    number: int | None = None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         number = int(value)
     elif isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
-        number = int(value)  # 5.0 from JSON or YAML
-    ok = isinstance(number, int) and lo <= number <= hi
-    _check(ok, name, value, f"an integer in [{lo}, {hi}] is needed; {fix}")
-    return number  # type: ignore[return-value]
+        number = int(math.trunc(value))  # 5.0 from JSON or YAML; int() of a Real truncates
+    if number is None or not lo <= number <= hi:
+        raise _invalid(name, value, f"an integer in [{lo}, {hi}] is needed; {fix}")
+    return number
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:
     # Accept lists from YAML/JSON but store tuples so the object stays hashable.
     stop = (stop,) if isinstance(stop, str) else stop
-    ok = isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)
-    _check(ok, "stop", stop, "use a non-empty string or a list of non-empty strings")
-    return tuple(stop)  # type: ignore[arg-type]
+    if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
+        raise _invalid("stop", stop, "use a non-empty string or a list of non-empty strings")
+    return tuple(stop)
 
 
 def _token_ids(ids: object) -> tuple[int, ...]:
-    ok = isinstance(ids, (list, tuple, np.ndarray))
-    _check(ok, "stop_token_ids", ids, "use a list of token ids")
+    if not isinstance(ids, (list, tuple, np.ndarray)):
+        raise _invalid("stop_token_ids", ids, "use a list of token ids")
     return tuple(_integer("stop_token_ids", t, 0, INT32_MAX, "use token ids of the model's vocabulary")
-                 for t in ids)  # type: ignore[union-attr]
+                 for t in ids)
 
 
 class FrozenDict(dict):
     """A read-only dict that hashes (SamplingParams stays hashable, and JSON-serialisable)."""
 
-    def __hash__(self) -> int:  # type: ignore[override]
+    def __hash__(self) -> int:  # type: ignore[override]  # dict's stubs make it unhashable: this one hashes
         return hash(json.dumps(self, sort_keys=True, default=str))
 
     def _read_only(self, *args: object, **kwargs: object) -> None:
         raise TypeError("SamplingParams.structured_outputs is read-only: use with_overrides")
 
-    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only  # type: ignore
+    __setitem__ = __delitem__ = update = pop = clear = setdefault = _read_only
+    popitem = _read_only  # type: ignore[assignment]  # stubs: () -> (key, value); this one only raises
 
 
 def _structured(value: object) -> FrozenDict:
     """structured_outputs: exactly one known key with a value of the right type."""
     name, kinds = "structured_outputs", ", ".join(STRUCTURED_KINDS)
-    _check(isinstance(value, Mapping), name, value, f"give a mapping with one key among {kinds}")
-    keys = [str(k) for k, v in value.items() if v is not None]  # type: ignore[union-attr]
+    if not isinstance(value, Mapping):
+        raise _invalid(name, value, f"give a mapping with one key among {kinds}")
+    keys = [str(k) for k, v in value.items() if v is not None]
     _check(len(keys) == 1 and keys[0] in STRUCTURED_KINDS, name, value,
            f"give exactly one key among {kinds}")
-    kind, spec = keys[0], value[keys[0]]  # type: ignore[index]
+    kind, spec = keys[0], value[keys[0]]
     fix = f"{name}.{kind} needs {STRUCTURED_KINDS[kind]}"
     if kind == "json":
         schema = spec
@@ -240,7 +243,7 @@ def _structured(value: object) -> FrozenDict:
             except ValueError:
                 schema = None
         _check(isinstance(schema, Mapping), f"{name}.json", spec, fix)
-        spec = FrozenDict(schema) if not isinstance(spec, str) else spec  # type: ignore[arg-type]
+        spec = FrozenDict(schema) if not isinstance(spec, str) else spec
     elif kind == "json_object":
         _check(spec is True, f"{name}.json_object", spec, fix)
     elif kind == "choice":
@@ -254,6 +257,11 @@ def _structured(value: object) -> FrozenDict:
 
 def _check(ok: bool, name: str, value: object, fix: str) -> None:
     require(ok, "SamplingParams", name, value, fix)
+
+
+def _invalid(name: str, value: object, fix: str) -> InvalidSetting:
+    """The error `_check` raises (for a check that also narrows the value's type)."""
+    return invalid("SamplingParams", name, value, fix)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

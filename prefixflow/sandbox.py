@@ -37,7 +37,7 @@ from functools import lru_cache, update_wrapper
 from typing import Any, Callable
 
 import jinja2.ext
-from jinja2 import StrictUndefined, TemplateError, Undefined, nodes, pass_context
+from jinja2 import StrictUndefined, Template, TemplateError, Undefined, nodes, pass_context
 from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
@@ -138,7 +138,7 @@ class _Rewrite(NodeTransformer):
     visit_List = visit_Tuple = visit_Dict = _literal
 
 
-def _filter(node: nodes.Expr, name: str) -> nodes.Filter:
+def _filter(node: nodes.Node, name: str) -> nodes.Filter:
     return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
 
 
@@ -177,7 +177,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.globals.update(range=_range, lipsum=_lipsum)
 
     @staticmethod
-    def concat(parts: Any) -> str:  # type: ignore[override]
+    def concat(parts: Any) -> str:
         """Joins the rendered text, and a `{% set %}` block's, a macro's or a filter block's
         output: the parts are references, measured before one string is made of them."""
         parts = list(parts)
@@ -220,7 +220,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                     raise TypeError("format_map() takes no keyword arguments")
                 if len(args) != 1:
                     raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
-                args, kwargs = (), args[0]
+                kwargs = args[0]
+                args = ()
             formatter = (BoundedEscapeFormatter(self, escape=text.escape) if isinstance(text, Markup)
                          else BoundedFormatter(self))
             return bounded(type(text)(formatter.vformat(text, args, kwargs)), current())
@@ -276,7 +277,7 @@ def environment(chat: bool = False) -> _BoundedEnvironment:
 
 
 @lru_cache(maxsize=256)
-def compiled(source: str, chat: bool = False) -> Any:
+def compiled(source: str, chat: bool = False) -> Template:
     """Compiled once per process (a spec has at most three templates, a model one)."""
     return environment(chat).from_string(source)
 

@@ -83,7 +83,8 @@ def local_path(path: str) -> str:
         raise ValueError(f"{masked(path)!r} is not a local path")
     from fsspec.implementations.local import LocalFileSystem
 
-    return LocalFileSystem._strip_protocol(_fold_scheme(path))
+    stripped: str = LocalFileSystem._strip_protocol(_fold_scheme(path))
+    return stripped
 
 
 def mount_dbfs(path: str) -> str:
@@ -325,7 +326,8 @@ def strip_scheme(path: str) -> str:
     import fsspec
 
     try:  # the driver's own rule
-        return fsspec.get_filesystem_class(proto)._strip_protocol(path)
+        stripped: str = fsspec.get_filesystem_class(proto)._strip_protocol(path)
+        return stripped
     except (ImportError, ValueError):  # no driver: filesystem() refuses the path anyway
         authority, slash, rest = path.split("://", 1)[-1].partition("/")
         return authority.split("@", 1)[0] + slash + rest

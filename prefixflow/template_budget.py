@@ -16,7 +16,7 @@ import contextvars
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 from jinja2.utils import Namespace
@@ -28,6 +28,8 @@ MAX_WORK = 100_000_000  # characters and items built per render
 ITEM_SIZE = 8  # what a list item adds to a value's size: a list of 10M one-letter strings is
 # 50M characters printed and seconds of work per pass, so containers stop near 1M items
 MAX_RENDER_SECONDS = 5.0  # a normal render takes well under a millisecond
+
+_V = TypeVar("_V")  # bounded() hands back the value it was given
 
 
 class TemplateLimitError(TemplateError):
@@ -154,12 +156,13 @@ def _walk(stack: list[list[Any]], budget: Budget) -> int:
             else:
                 budget.sizes[id(top[0])] = (top[0], top[2])
             if not stack:
-                return top[2]
+                total: int = top[2]  # a frame's size
+                return total
             stack[-1][2] += ITEM_SIZE + top[2]
             over(stack[-1][2])
 
 
-def bounded(value: Any, budget: Budget) -> Any:
+def bounded(value: _V, budget: Budget) -> _V:
     """`value` once it is within the limits; what it took to build is charged."""
     if isinstance(value, str):
         over(len(value))

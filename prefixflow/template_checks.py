@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from jinja2.sandbox import SandboxedEscapeFormatter, SandboxedFormatter
 
@@ -98,6 +98,8 @@ class BoundedEscapeFormatter(BoundedFormatter, SandboxedEscapeFormatter):
     pass
 
 
+_Text = TypeVar("_Text", str, bytes)  # a text of one kind, and its arguments of the same kind
+
 # Methods of str, bytes and int whose integer arguments are sizes of what they build.
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "to_bytes"})
 
@@ -116,7 +118,7 @@ def method_args(method: Any, args: tuple, kwargs: dict, budget: Budget) -> tuple
     if name == "expandtabs":
         tab_size = arg(args, kwargs, 0, "tabsize", 8)
         if isinstance(tab_size, int):
-            tabs = owner.count("\t" if isinstance(owner, str) else b"\t")
+            tabs = owner.count("\t") if isinstance(owner, str) else owner.count(b"\t")
             over(len(owner) + tabs * max(tab_size - 1, 0), "expandtabs() would make a value")
     elif name == "translate" and isinstance(owner, str) and args:
         over(_translated_size(owner, args[0]), "translate() would make a value")
@@ -149,9 +151,15 @@ def _translated_size(text: str, table: Any) -> int:
 
 
 def check_replace(text: Any, old: Any, new: Any, count: Any) -> None:
-    kind = str if isinstance(text, str) else bytes
-    if not (isinstance(text, kind) and isinstance(old, kind) and isinstance(new, kind)):
-        return
+    """text.replace(old, new, count), when all three are str or all three bytes."""
+    if isinstance(text, str):
+        if isinstance(old, str) and isinstance(new, str):
+            _check_replace(text, old, new, count)
+    elif isinstance(text, bytes) and isinstance(old, bytes) and isinstance(new, bytes):
+        _check_replace(text, old, new, count)
+
+
+def _check_replace(text: _Text, old: _Text, new: _Text, count: Any) -> None:
     if len(new) > len(old):
         n = text.count(old)  # old "" occurs len + 1 times
         if isinstance(count, int) and count >= 0:
@@ -159,11 +167,12 @@ def check_replace(text: Any, old: Any, new: Any, count: Any) -> None:
         over(len(text) + n * (len(new) - len(old)), "replace() would make a value")
 
 
-def _check_split(text: str | bytes, sep: Any, maxsplit: Any, name: str) -> None:
+def _check_split(text: str | bytes | bytearray, sep: Any, maxsplit: Any, name: str) -> None:
     """split(sep): a list of count(sep) + 1 pieces (splitting on whitespace makes fewer pieces
     than the text has characters, each one a few bytes: left to the result's check)."""
     if isinstance(sep, type(text)) and sep and isinstance(maxsplit, int):
-        pieces = text.count(sep) if maxsplit < 0 else min(text.count(sep), maxsplit)
+        found = text.count(sep)  # type: ignore[arg-type]  # sep is a type(text): mypy cannot pair the unions
+        pieces = found if maxsplit < 0 else min(found, maxsplit)
         over(len(text) + ITEM_SIZE * (pieces + 1), f"{name}() would make a list")
 
 

@@ -130,13 +130,12 @@ def filter_tojson(indent_at: int, separators_at: int | None) -> Check:
         seps = None if separators_at is None else arg(args, kwargs, separators_at, "separators")
         width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
         check_int(width, "tojson's indent")
-        long_seps = isinstance(seps, (list, tuple)) and len(seps) == 2 and \
-            all(isinstance(s, str) for s in seps) and len(seps[0]) + len(seps[1]) > 4
-        if width <= 0 and not long_seps:
+        long_seps = tuple(seps) if isinstance(seps, (list, tuple)) and len(seps) == 2 and \
+            all(isinstance(s, str) for s in seps) and len(seps[0]) + len(seps[1]) > 4 else None
+        if width <= 0 and long_seps is None:
             return  # escaping grows a value a few times at most
         over(max(width, 0) * (_depth(args[0]) + 1), "tojson's indent would make a line")
-        encoder = json.JSONEncoder(indent=indent, separators=tuple(seps) if long_seps else None,
-                                   ensure_ascii=False)
+        encoder = json.JSONEncoder(indent=indent, separators=long_seps, ensure_ascii=False)
         made = 0
         try:
             for piece in encoder.iterencode(args[0]):

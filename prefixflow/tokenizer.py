@@ -59,6 +59,8 @@ class FastTokenizer:
 
         config = _read_json(folder / "tokenizer_config.json")
         self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if config is None:
+            raise ValueError(f"{folder} has no readable tokenizer_config.json: load the model with load_tokenizer")
         # The named special tokens (bos_token, eos_token, ...), as transformers names them.
         self.special_tokens_map = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
         self.chat_template = _chat_template(folder, config)
@@ -172,12 +174,12 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
     if backend is None:
         return lambda token_id: tokenizer.decode([int(token_id)]).encode("utf-8")
     spec = json.loads(backend.to_str())
-    added = {int(a["id"]): a["content"].encode("utf-8") for a in spec.get("added_tokens") or []}
+    added: dict[int, bytes] = {int(a["id"]): a["content"].encode("utf-8") for a in spec.get("added_tokens") or []}
     kinds = _decoder_kinds(spec.get("decoder"))
     chars = _byte_level_chars()
 
     def piece_bytes(token_id: int) -> bytes:
-        piece = backend.id_to_token(int(token_id))
+        piece: str | None = backend.id_to_token(int(token_id))
         if token_id in added or piece is None:
             return added.get(token_id, b"")
         if "ByteLevel" in kinds:
@@ -186,7 +188,8 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
             return bytes([int(lone.group(1), 16)])
         if kinds & {"ByteFallback", "Metaspace", "Replace"}:
             return piece.replace("\u2581", " ").encode("utf-8")
-        return backend.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+        text: str = backend.decode([int(token_id)], skip_special_tokens=False)
+        return text.encode("utf-8")
 
     return piece_bytes
 

@@ -51,7 +51,8 @@ class LlamaAttention(nn.Module):
         if queries is not None:
             q = q[queries.rows]                                                    # [N, Hq, D]
         o = self.attn(q, k, v, meta, queries)                                      # [T|N, Hq, D]
-        return self.o_proj(o.reshape(o.shape[0], self.q_size))
+        out: torch.Tensor = self.o_proj(o.reshape(o.shape[0], self.q_size))        # [T|N, H]
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,6 +87,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope)
 
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """`layers` as what they are (an nn.ModuleList gives them back as plain Modules)."""
+        layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
+        assert len(layers) == len(self.layers), "LlamaModel.layers holds only LlamaDecoderLayers"
+        return layers
+
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], meta, logits_indices [N]) -> logits [N, V] fp32."""
@@ -110,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.decoder_layers()]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -119,13 +126,16 @@ class LlamaForCausalLM(nn.Module):
         Returns [N, V] fp32."""
         x = self.model.embed_tokens(input_ids)                                     # [T, H]
         cos, sin = self.model.rotary(positions, x.dtype)
-        residual = None
+        residual: torch.Tensor | None = None
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, meta, meta.last_layer if i == last else None)
+        if residual is None:
+            raise ValueError("the model has no decoder layers (ModelArgs.num_layers is 0)")
         # Only the sampled rows go through the last residual add, the final norm and the head.
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])           # [N, H]
-        return self.lm_head(x)
+        logits: torch.Tensor = self.lm_head(x)                                     # [N, V] fp32
+        return logits
 
     def slice_of(self, hf_name: str) -> tuple[str, slice | None]:
         """Our parameter name and row slice for a Hugging Face weight name."""

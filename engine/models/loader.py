@@ -140,7 +140,7 @@ def _slice_index(model: LlamaForCausalLM, hf_name: str) -> int:
     return model.packed_modules[hf_name.split(".")[-2]][1]
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The checkpoint's tokenizer (prefixflow/tokenizer.py: tokenizer.json read directly where that
     equals transformers' AutoTokenizer, which is used otherwise)."""
     return load(model_dir(path), trust_remote_code)

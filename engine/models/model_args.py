@@ -64,7 +64,8 @@ class ModelArgs:
 
 def read_json(path: Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        data: dict[str, Any] = json.load(f)
+    return data
 
 
 def read_model_args(path: str | Path) -> ModelArgs:
@@ -103,7 +104,7 @@ def read_model_args(path: str | Path) -> ModelArgs:
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params: dict[str, Any] = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",

@@ -21,9 +21,12 @@ from contextlib import contextmanager
 from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixflow.paths import cache_root
+
+if TYPE_CHECKING:  # transformers is imported where it is used (a slow import)
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 ARCHS = ("llama", "mistral", "qwen2")
 
@@ -156,7 +159,7 @@ def _model_class(arch: str) -> type:
             "qwen2": transformers.Qwen2ForCausalLM}[arch]
 
 
-def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict[str, Any]):
+def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict[str, Any]) -> PretrainedConfig:
     import transformers
 
     fields = dict(_DEFAULTS, vocab_size=vocab_size, pad_token_id=SPECIAL_TOKENS.index(PAD),
@@ -174,10 +177,11 @@ def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict
                          f"{vocab_size}: leave vocab_size out of the overrides")
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[arch]
-    return cls(**fields)
+    config: PretrainedConfig = cls(**fields)
+    return config
 
 
-def _build_tokenizer():
+def _build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE (like Llama 3's and Qwen2's) wrapped for transformers."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast

@@ -101,6 +101,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_ids[block_id]
             block.ref_count += 1
+            assert block.hash is not None, "take_cached() of a block that `lookup` did not find"
             owner.block_table.append(block_id)
             owner.block_hashes.append(block.hash)
         owner.num_computed_tokens = len(block_ids) * self.block_size

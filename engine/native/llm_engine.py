@@ -7,12 +7,13 @@ returns outputs in input order.
 
 from __future__ import annotations
 
+import enum
 import gc
 import itertools
 import time
 from dataclasses import replace
-from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
-from typing import Any
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence as Seq
+from typing import Any, Final
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, every_group, wants_more
@@ -28,7 +29,14 @@ from prefixflow.requests import PrefixGroup, SamplingParams
 
 Params = SamplingParams | Mapping[int, SamplingParams]
 Member = tuple[int, list[int], list[int], SamplingParams, int]  # row, prefix, distinct, params, sample
-_END = object()  # the groups' iterator is exhausted
+Made = tuple[GroupState | None, list[RequestOutput]]  # a group (None: no row can run) and its rows' errors
+
+
+class _End(enum.Enum):
+    END = enum.auto()
+
+
+_END: Final = _End.END  # the groups' iterator is exhausted
 
 
 class LLMEngine:
@@ -112,7 +120,7 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions - counts["preempt0"],
             wall_time_s=time.perf_counter() - start)
 
-    def _take(self, made: Iterator[Any], counts: dict[str, int]) -> Iterator[RequestOutput]:
+    def _take(self, made: Iterator[Made | None], counts: dict[str, int]) -> Generator[RequestOutput, None, bool]:
         """Add groups from `made` while the scheduler wants more (engine/intake.py; all of
         them under policy "vllm": vLLM's queue holds every request it is given), yielding the
         error outputs of rows that cannot run; returns whether `made` is exhausted."""
@@ -226,15 +234,16 @@ class LLMEngine:
             return output
         samples = self._samples.setdefault(seq.row_id, [None] * seq.num_samples)
         samples[seq.sample_index] = output
-        if any(s is None for s in samples):
+        outs = [s for s in samples if s is not None]
+        if len(outs) < len(samples):
             return None
         del self._samples[seq.row_id]
-        return with_samples(samples)  # type: ignore[arg-type]
+        return with_samples(outs)
 
     # ---- requests in ----------------------------------------------------------------------------
 
     def _make_groups(self, groups: Iterable[PrefixGroup | None], params: Params
-                     ) -> Iterator[tuple[GroupState | None, list[RequestOutput]] | None]:
+                     ) -> Iterator[Made | None]:
         """Our GroupStates in plan order; a row sampling n > 1 times leaves its group for a
         group of its own right after it, whose prefix is its prompt (computed once). A greedy
         row asking n > 1 stays a member and runs once (`_once`). NOT_READY passes through."""
@@ -273,8 +282,7 @@ class LLMEngine:
         self._copies[row_id] = p.n
         return p.sample_params(0)
 
-    def _sample_group(self, row_id: int, prompt: list[int], p: SamplingParams
-                      ) -> tuple[GroupState | None, list[RequestOutput]]:
+    def _sample_group(self, row_id: int, prompt: list[int], p: SamplingParams) -> Made:
         """The n samples of one row as a group: the prompt but its last token is the shared
         prefix, so it is computed once; each sample computes the last token and decodes."""
         if not prompt:
@@ -291,8 +299,7 @@ class LLMEngine:
                 s.num_samples = p.n
         return group, errors
 
-    def _make_group(self, group_id: int, prefix: list[int], members: list[Member]
-                    ) -> tuple[GroupState | None, list[RequestOutput]]:
+    def _make_group(self, group_id: int, prefix: list[int], members: list[Member]) -> Made:
         """Requests of one group; members that cannot run become error outputs."""
         group = GroupState(group_id=group_id, prefix=None, pending=[])
         errors = []

@@ -93,7 +93,8 @@ class ModelRunner:
         logits = self.execute_logits(step)
         if not sampling:
             return StepOutput(sampled=())
-        params: list[SamplingParams] = [c.sampling_params for c in sampling]  # type: ignore[misc]
+        params = [c.sampling_params for c in sampling if c.sampling_params is not None]
+        assert len(params) == len(sampling), "build_step_batch lets no sampled chunk lack sampling_params"
         out = self.sampler.sample(logits, params, [c.num_generated for c in sampling],
                                   [list(c.history) for c in sampling])
         return StepOutput(sampled=tuple(
@@ -110,7 +111,8 @@ class ModelRunner:
         with _cpu_threads(1 if self.device.type == "cpu" and
                           batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and
                           cpu_oversubscribed() else None):
-            return self.model(ids, positions, meta, logits_indices)
+            logits: torch.Tensor = self.model(ids, positions, meta, logits_indices)
+            return logits
 
     # ------------------------------------------------------------------ internals
 
@@ -161,7 +163,7 @@ class ModelRunner:
         del logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_cache = None
+        del self.kv_cache  # the warm-up's cache, freed before the real one is sized
         torch.cuda.empty_cache()
         return max(0, peak - before)
 

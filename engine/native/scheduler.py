@@ -67,22 +67,23 @@ class SchedulerOutput:
             if isinstance(owner, Sequence) and owner.prefix_len > 0:
                 key = (id(owner.group), owner.prefix_len)  # plan pieces of one run share its id
                 if key not in index:
+                    assert owner.group is not None, "a member with a prefix belongs to a group"
                     prefix = owner.group.prefix
                     assert prefix is not None and (prefix.is_complete or prefix.seq_id in self.completing)
                     num_blocks = -(-owner.prefix_len // self.block_size)
                     index[key] = len(prefixes)
                     prefixes.append(SharedPrefix(tuple(prefix.block_table[:num_blocks]), owner.prefix_len))
                 prefix_index, start_pos = index[key], owner.prefix_len + c.start
-            is_seq = isinstance(owner, Sequence)
+            seq = owner if isinstance(owner, Sequence) else None
             # penalties count the prompt's and output's tokens: only those rows carry them
-            penalised = is_seq and c.sample and owner.params.has_penalties
+            penalised = seq is not None and c.sample and seq.params.has_penalties
             chunks.append(SeqChunk(
                 seq_id=owner.seq_id, token_ids=tuple(owner.own_token_ids(c.start, c.start + c.num_tokens)),
                 start_pos=start_pos, num_cached_tokens=c.start, block_table=tuple(owner.block_table),
                 prefix_index=prefix_index, sample=c.sample,
-                sampling_params=owner.params if is_seq else None,
-                num_generated=owner.num_output_tokens if is_seq else 0,
-                history=_history(owner) if penalised else ()))
+                sampling_params=seq.params if seq is not None else None,
+                num_generated=seq.num_output_tokens if seq is not None else 0,
+                history=_history(seq) if seq is not None and penalised else ()))
         return StepInput(tuple(chunks), tuple(prefixes))
 
 
@@ -239,7 +240,7 @@ class Scheduler:
     @staticmethod
     def _prefix_usable(group: GroupState, out: SchedulerOutput) -> bool:
         """Members may run: no prefix, or complete before or by this step."""
-        return group.prefix_ready or group.prefix.seq_id in out.completing  # type: ignore[union-attr]
+        return group.prefix_ready or (group.prefix is not None and group.prefix.seq_id in out.completing)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -381,6 +382,7 @@ class Scheduler:
 
     def _preempt_seq(self, seq: Sequence) -> None:
         group = seq.group
+        assert group is not None, "a running request belongs to a group"
         self.bm.free(seq)
         seq.status = SeqStatus.WAITING
         self.num_running -= 1
@@ -408,11 +410,12 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: tuple[SampledToken, ...]) -> list[tuple[Sequence, SampledToken]]:
         """Commit the computed KV and append sampled tokens; returns (seq, token) pairs."""
         by_id = {s.seq_id: s for s in sampled}
-        results = []
+        results: list[tuple[Sequence, SampledToken]] = []
         for c in out.chunks:
             self._count_prompt_work(c)
             self.bm.commit(c.owner, c.start + c.num_tokens)
             if c.sample:
+                assert isinstance(c.owner, Sequence), "only requests sample (a prefix chunk does not)"
                 token = by_id[c.owner.seq_id]
                 c.owner.token_ids.append(token.token_id)
                 results.append((c.owner, token))
@@ -451,6 +454,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a request: free its blocks, and its group's prefix if it was the last member."""
         group = seq.group
+        assert group is not None, "a running request belongs to a group"
         self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

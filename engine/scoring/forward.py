@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from prefixflow.kernels.rotary import apply_rotary
-from prefixflow.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, ModelArgs
+from prefixflow.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from prefixflow.engine.models.model_args import ModelArgs
 
 MASK_BYTES = 8 << 20
 
@@ -71,8 +72,9 @@ def hybrid_forward(model: LlamaForCausalLM, token_ids: torch.Tensor, prefix: Pre
     r = model.model.embed_tokens(token_ids)                                      # [T, H] residual
     q_buf = torch.empty(t, a.num_heads * a.head_dim, dtype=r.dtype, device=r.device)
     positions = torch.arange(p, p + t, device=r.device)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.model.decoder_layers()):
         kv = store[:, i] if store is not None else scratch                        # [2, Hkv, P+T, D]
+        assert kv is not None, "scratch is allocated when keep_kv is False"
         if prefix is not None:
             kv[0, :, :p] = prefix.k[i]
             kv[1, :, :p] = prefix.v[i]

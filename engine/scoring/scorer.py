@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,12 +36,16 @@ from prefixflow.engine.scoring.choices import (Choice, ScoreOutput, choice_token
                                                error_output, make_output)
 from prefixflow.engine.scoring.forward import forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
-from prefixflow.engine.scoring.srjf import SRJFScheduler
+from prefixflow.engine.scoring.srjf import CachedLen, SRJFScheduler
 from prefixflow.errors import require
 from prefixflow.pipeline import build_plan
 from prefixflow.requests import PrefixGroup
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's from Python 3.13; only annotations use it
+
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
+PromptChoices = Choices | Sequence[Sequence[Choice]]  # `score` also takes one list per prompt
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
@@ -103,7 +108,7 @@ class Scorer:
 
     # ------------------------------------------------------------------ public API
 
-    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]], choices: Choices, *,
+    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]], choices: PromptChoices, *,
               row_ids: Sequence[int] | None = None, order: str = "batchllm"
               ) -> list[ScoreOutput]:
         """Score each prompt (a string or token ids); outputs in input order. choices: one
@@ -137,7 +142,7 @@ class Scorer:
                 "use None or a rate > 0")
         start, skipped = time.perf_counter(), 0.0
         virtual = 0.0
-        clock = (lambda: virtual + skipped) if tokens_per_s else \
+        clock: Callable[[], float] = (lambda: virtual + skipped) if tokens_per_s else \
             (lambda: time.perf_counter() - start + skipped)
         self.score_stats = stats = ScoreStats()
         self.totals = None
@@ -154,9 +159,9 @@ class Scorer:
         reqs.sort(key=lambda r: r.arrival)                       # stable: plan order on ties
         # SRJFScheduler hands back the very array it was given (np.asarray of an int64 array
         # is that array), so its id() finds the request and its group's cached prefix.
-        by_array = {id(r.tokens): r for r in reqs}
-        cached_len = lambda toks: (by_array[id(toks)].prefix_len  # noqa: E731
-                                   if by_array[id(toks)].group in cache else 0)
+        by_array: dict[Hashable, _Req] = {id(r.tokens): r for r in reqs}  # the queue's request ids
+        cached_len: CachedLen = lambda toks: (by_array[id(toks)].prefix_len  # noqa: E731
+                                              if by_array[id(toks)].group in cache else 0)
         queue = _make_queue(self.options)
         waiting = deque(reqs)
         while waiting or len(queue):
@@ -194,6 +199,7 @@ class Scorer:
             if prefix is None:
                 _, prefix = hybrid_forward(self.model, ids[:p], None, c, keep_kv=True,
                                            want_logits=False)
+                assert prefix is not None, "hybrid_forward(keep_kv=True) returns the prefix's KV"
                 cache.put(req.group, prefix)   # kept for the members left, if it fits
                 stats.num_prefix_misses += 1
                 stats.num_computed_tokens += p
@@ -283,10 +289,10 @@ class _Fifo:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def add(self, req_id: Hashable, tokens: np.ndarray, now: float, cached_len=None) -> None:
+    def add(self, req_id: Hashable, tokens: np.ndarray, now: float, cached_len: CachedLen | None = None) -> None:
         self._queue.append(req_id)
 
-    def pick(self, cached_len, now: float) -> Hashable:
+    def pick(self, cached_len: CachedLen, now: float) -> Hashable:
         return self._queue.popleft()
 
 
@@ -294,13 +300,18 @@ def _make_queue(o: ScoreOptions) -> SRJFScheduler | _Fifo:
     return _Fifo() if o.policy == "fcfs" else SRJFScheduler(o.lam, o.calibrate)
 
 
-def _per_row_choices(choices: Choices, row_ids: list[int]) -> Mapping[int, Sequence[Choice]]:
+def _per_row_choices(choices: PromptChoices, row_ids: list[int]) -> Mapping[int, Sequence[Choice]]:
     """One list for all rows, one list per row (in prompt order), or a row_id mapping."""
     if isinstance(choices, Mapping):
         return choices
-    if all(isinstance(c, (str, int)) for c in choices):
+    if _one_list(choices):
         return {i: choices for i in row_ids}
     if len(choices) != len(row_ids):
         raise ValueError(f"choices has {len(choices)} lists for {len(row_ids)} prompts: give "
                          "one list of labels for all rows, or one list per row")
     return dict(zip(row_ids, choices))
+
+
+def _one_list(choices: Sequence[Choice] | Sequence[Sequence[Choice]]) -> TypeIs[Sequence[Choice]]:
+    """One list of labels for all rows (else one list per row)."""
+    return all(isinstance(c, (str, int)) for c in choices)

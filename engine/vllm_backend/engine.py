@@ -15,13 +15,14 @@ EngineConfig.max_model_len is kept as given or refused (cpu_context), never lowe
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, wants_more
@@ -40,7 +41,13 @@ Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 SCHEDULER = "prefixflow.engine.vllm_backend.scheduler"
 CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
-_END = object()                  # the groups' iterator is exhausted
+
+
+class _End(enum.Enum):
+    END = enum.auto()
+
+
+_END: Final = _End.END           # the groups' iterator is exhausted
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,25 +29,25 @@ class _StepCounts:
     """Records the counts of the step just scheduled in `pf_last_step`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         check_internals(self)
         self.pf_last_step: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]  # vLLM's Scheduler, mixed in below
         self.pf_last_step = self._step_counts(out)
         return out
 
     def _step_counts(self, out: Any) -> tuple[int, int, int, int, int]:
         """(prefill tokens, decode tokens, preemptions, running requests, used blocks) of the
         step just scheduled; a request with output tokens is decoding."""
-        requests = self.requests  # type: ignore[attr-defined]
+        requests = self.requests  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in below
         decode = sum(n for rid, n in out.num_scheduled_tokens.items()
                      if rid in requests and requests[rid].num_output_tokens > 0)
-        pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+        pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in
         used = pool.num_gpu_blocks - pool.get_num_free_blocks()
         return (out.total_num_scheduled_tokens - decode, decode, len(out.preempted_req_ids or ()),
-                len(self.running), used)  # type: ignore[attr-defined]
+                len(self.running), used)  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in below
 
 
 class CountingScheduler(_StepCounts, Scheduler):

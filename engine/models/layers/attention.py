@@ -86,17 +86,16 @@ class PagedAttention(nn.Module):
         kc, vc = self.k_cache, self.v_cache
         if queries is not None:
             write_kv_cache(k, v, kc, vc, meta.slot_mapping)
-            return self._attend(q, queries)
+            return self._attend(q, queries, kc, vc)
         if meta.is_prefill_only and not cpu_kernels.supports(q, kc):
             return packed_prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale,
                                             k_cache=kc, v_cache=vc,
                                             slot_mapping=meta.slot_mapping)
         write_kv_cache(k, v, kc, vc, meta.slot_mapping)
-        return self._attend(q, meta)
+        return self._attend(q, meta, kc, vc)
 
-    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q over the cache, which holds this step's K/V already."""
-        kc, vc = self.k_cache, self.v_cache
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """q over the cache (kc, vc: the bound caches), which holds this step's K/V already."""
         if meta.is_decode_only:
             return paged_decode_attention(q, kc, vc, meta.kv_lens, meta.block_tables, self.scale)
         return prefix_shared_attention(q, kc, vc, meta.cu_seqlens_q, meta.kv_lens,

@@ -10,6 +10,8 @@ bench/results/peer_bench_native_issue17.json).
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,13 @@ from torch import nn
 # The batch (tokens) the blocked layout is tuned for; vLLM's CPU build uses 32 too. Any batch
 # size runs; 1, 32, 128 and 512 measured within noise of each other on decode and prefill steps.
 PACK_BATCH_HINT = 32
+
+
+@runtime_checkable
+class CpuPrepackable(Protocol):
+    """A layer with `prepack_for_cpu()` (`Linear`, the LM head): True when it packed."""
+
+    def prepack_for_cpu(self) -> bool: ...
 
 
 class Linear(nn.Linear):
@@ -45,7 +54,8 @@ def packed_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
             or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        return packed
     except RuntimeError:
         return None
 
@@ -54,11 +64,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, on the packed weight when there is one."""
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out
     return F.linear(x, weight, bias)
 
 
 def prepack_linears(model: nn.Module) -> int:
     """Prepack every layer of a loaded CPU model that can be (`prepack_for_cpu`, the `Linear`s
     and the LM head); returns how many were packed."""
-    return sum(m.prepack_for_cpu() for m in model.modules() if hasattr(m, "prepack_for_cpu"))
+    return sum(m.prepack_for_cpu() for m in model.modules() if isinstance(m, CpuPrepackable))

@@ -49,6 +49,8 @@ class RotaryEmbedding(nn.Module):
     fp32 after a cast of the whole model to another dtype).
     """
 
+    cos_sin: torch.Tensor  # the buffer, registered in __init__
+
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim
