@@ -39,7 +39,7 @@ def demo_rows(num_docs: int = 12, questions_per_doc: int = 4, sentences_per_doc:
               seed: int = 0) -> list[dict[str, Any]]:
     """Deterministic rows {id, doc_id, document, question}; same arguments -> same rows."""
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for d in range(num_docs):
         sentences = [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
                      for _ in range(sentences_per_doc)]

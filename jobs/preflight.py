@@ -257,7 +257,9 @@ def _embedding_rows(model: Path) -> tuple[str, str, int] | None:
     for file in files:
         header = _safetensors_header(file)
         name = next((n for n in header if n.endswith(EMBEDDINGS)), None)
-        shape = header[name].get("shape") if name is not None else None
+        if name is None:
+            continue
+        shape = header[name].get("shape")
         if isinstance(shape, list) and shape and isinstance(shape[0], int):
             return name, file.name, shape[0]
     return None
@@ -519,8 +521,9 @@ def row_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Problems:
         return []
     columns = sorted({k for r in good for k in r if not k.startswith("_pf_")})
     problems: Problems = []
-    if spec.prompt is not None:
-        problems += _template_problems(spec.prompt_template(), good, columns)
+    template = spec.prompt_template()
+    if template is not None:
+        problems += _template_problems(template, good, columns)
     if spec.score is not None and spec.score.choices_column is not None:
         if spec.score.choices_column not in columns:
             problems.append(("score.choices_column", _no_column(spec.score.choices_column, columns)))

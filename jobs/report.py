@@ -13,7 +13,7 @@ from prefixflow.operators.results.progress import RunProgress
 from prefixflow.storage import masked
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without the plan's modules loaded
-    from prefixflow.jobs.spec import JobSpec
+    from prefixflow.jobs.job import Job
     from prefixflow.operators.config import ProcessorConfig
     from prefixflow.operators.stages.plan import PlannedJob
 
@@ -46,7 +46,7 @@ class Progress:
     """The CLI's live line: a RunProgress (operators/results/progress.py: the numbers the Python API's
     bar shows too) drawn with tqdm: rows generated of rows to generate, generated tokens/s, ETA
     (from generated rows only), token saving, elapsed time, error records (never progress),
-    each replica's rate. Fed by the driver's poll of the job's MetricsSink (jobs/supervise.py,
+    each replica's rate. Fed by the driver's poll of the job's MetricsSink (operators/stages/supervise.py,
     twice a second): committed parts (`update`) and the engines' live counters (`live`), which
     move between commits. On a terminal tqdm redraws the line in place; otherwise a plain line
     every `every_s` (tqdm's carriage-return redraws would make a log one endless line).
@@ -110,6 +110,8 @@ class _Line(tqdm):
     """tqdm as the terminal's redraw of a Progress's line: its numbers are the Progress's (tqdm's
     own count and rate would start with the line, model loading included)."""
 
+    nrows: int | None  # tqdm's, set by its __init__ (which its annotations do not say)
+
     def __init__(self, progress: Progress):
         self.progress = progress
         super().__init__(total=progress.source.total_rows, file=sys.stderr, leave=True,
@@ -147,7 +149,7 @@ def _rate(counts: dict[str, Any]) -> float:
     return counts["generated_tokens"] / max(counts["time"] - counts["run_started"], 1e-9)
 
 
-def metrics(spec: JobSpec, config: ProcessorConfig, planned: PlannedJob, manifests: list[dict[str, Any]],
+def metrics(job: Job, planned: PlannedJob, manifests: list[dict[str, Any]],
             replica_records: list[dict], wall_s: float, generate_s: float) -> dict[str, Any]:
     """metrics.json: counts, throughput, saving, stage times, per-replica times and steps."""
     rows = sum(m["num_rows"] for m in manifests)
@@ -157,8 +159,9 @@ def metrics(spec: JobSpec, config: ProcessorConfig, planned: PlannedJob, manifes
     generated = sum(m["generated_tokens"] for m in manifests)
     t = planned.timings
     plan_s = t["gather_s"] + t["build_plan_s"]
+    config = job.config
     return {
-        "job": spec.name, "model": masked(spec.model), "order": spec.order, "replicas": spec.num_replicas,
+        "job": job.name, "model": masked(config.model), "order": config.order, "replicas": config.replicas,
         "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
         "prompt_tokens": prompt, "computed_prompt_tokens": round(computed),
         "generated_tokens": generated,
@@ -190,8 +193,9 @@ def sampling_used(config: ProcessorConfig) -> dict[str, Any]:
 
 def _engine_saving(records: list[dict]) -> float | None:
     """BatchLLM Eq. 1 from what the engines actually computed (None if they did not say)."""
-    totals = [r.get("engine_totals") for r in records]
-    if not totals or any(t is None for t in totals):
+    found = [r.get("engine_totals") for r in records]
+    totals = [t for t in found if t is not None]
+    if not totals or len(totals) < len(found):
         return None
     prompt = sum(t["num_prompt_tokens"] for t in totals)
     computed = sum(t["num_computed_prompt_tokens"] for t in totals)

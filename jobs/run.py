@@ -13,44 +13,30 @@ for this run (never a cluster that happens to run on the machine); the first lin
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from prefixflow.jobs import report
+from prefixflow.jobs.job import Job
 from prefixflow.jobs.plot import write_plot
 from prefixflow.jobs.preflight import check_resources, preflight  # preflight: also imported from here
 from prefixflow.jobs.spec import JobSpec
-from prefixflow.jobs.supervise import run_replicas
-from prefixflow.model_source import model_fingerprint, normalize_model, resolve_model
+from prefixflow.model_source import model_fingerprint, resolve_model
 from prefixflow.operators.faces.processor import Processor
 from prefixflow.operators.results.bookkeeping import MANIFEST
-from prefixflow.operators.results.commit import (OutputLock, check_job_file, drop_fenced, input_listing,
-                                                 job_identity, load_committed)
+from prefixflow.operators.results.commit import (Committed, OutputLock, check_job_file, drop_fenced,
+                                                 input_listing, job_identity, load_committed)
 from prefixflow.operators.results.openai_output import system_fingerprint, write_results
 from prefixflow.operators.results.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
                                                 start_sink, write_json)
 from prefixflow.operators.stages.plan import PlannedJob
-from prefixflow.operators.stages.read import ReadOptions, input_files, read_dataset
-from prefixflow.storage import join, normal_path
-
-def read_options(spec: JobSpec) -> ReadOptions:
-    path = spec.input.path
-    return ReadOptions(path=path if isinstance(path, str) else tuple(path),
-                       format=spec.input_format(), storage=spec.storage_options(),  # type: ignore[arg-type]
-                       limit=spec.input.limit, min_tasks=2 * spec.tokenize.concurrency)
-
-
-def write_options(spec: JobSpec) -> WriteOptions:
-    return WriteOptions(path=normal_path(spec.output.path), format=spec.output_format(),
-                        storage=spec.storage_options(), model_name=Path(spec.model).name,
-                        # absolute, as the engine gets it: the actors' working folder may differ
-                        created=int(time.time()), model=normalize_model(spec.model))
+from prefixflow.operators.stages.read import input_files, read_dataset
+from prefixflow.operators.stages.supervise import Supervisor
+from prefixflow.storage import join
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -81,8 +67,8 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
     started = time.perf_counter()
     preflight(spec, source, address)
-    config = spec.to_config()
-    wopts = write_options(spec)
+    job = spec.to_job()
+    wopts = job.write
     ensure_ray(address)
     lock = None
     if not dry_run:
@@ -93,42 +79,43 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
         wopts = dataclasses.replace(wopts, fence=lock.holder["token"])
     try:
         if not dry_run:
-            prepare_output(wopts, spec.output.overwrite, spec.output.resume)
-        processor = Processor(config)
-        planned = processor.plan(read_dataset(read_options(spec)), stealing=config.work_stealing)
+            prepare_output(wopts, job.overwrite, job.resume)
+        processor = Processor(job.config)
+        planned = processor.plan(read_dataset(job.read), stealing=job.config.work_stealing)
         if not quiet:
             print(report.plan_text(planned), flush=True)
         if dry_run:
             return report.dry_run_result(planned, time.perf_counter() - started)
-        return _generate(spec, processor, planned, wopts, started, quiet)
+        return _generate(job, processor, planned, wopts, started, quiet)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: WriteOptions, started: float,
+def _generate(job: Job, processor: Processor, planned: PlannedJob, wopts: WriteOptions, started: float,
               quiet: bool) -> dict[str, Any]:
     """Run every row not committed yet, check that every row is, and write the end files."""
     import ray
 
     # The files the reader read (not every file beside them in a folder): their sizes are part
     # of what a resume must find unchanged.
-    inputs = input_listing(input_files(read_options(spec)), wopts.storage)
-    model = model_fingerprint(resolve_model(processor.config.model))
-    identity = job_identity(planned, spec.num_replicas, _spec_key(spec), inputs, model)
+    inputs = input_listing(input_files(job.read), wopts.storage)
+    model = model_fingerprint(resolve_model(job.config.model))
+    identity = job_identity(planned, job.config.replicas, job.identity_key, inputs, model)
     if wopts.format == "openai":
-        wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, spec.engine.model_dump()))
+        wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, job.engine_fields))
     fingerprint = identity["fingerprint"]
-    check_job_file(wopts.path, identity, wopts.storage, spec.output.resume)
+    check_job_file(wopts.path, identity, wopts.storage, job.resume)
     clear_end_markers(wopts)
     # Every committed part is read once: one damaged since its commit runs its rows again.
     before = load_committed(wopts.path, wopts.storage, verify=True)
     # Named, so that another process can read the running job's state (operators/results/write.py).
-    sink = start_sink(spec.name, name=sink_name(fingerprint, os.getpid()))
+    sink = start_sink(job.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
     progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet,
                                error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)))
-    manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
+    manifests, faults = Supervisor(job.config, planned, sink, wopts, job.config.max_retries_per_row,
+                                   progress).run()
     progress.close()
     final = load_committed(wopts.path, wopts.storage)
     # Without the parts a dead job's actors still committed after this job took the path over:
@@ -140,7 +127,7 @@ def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: W
         raise RuntimeError(f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
                            f"{wopts.path!r} were not committed: rerun with output.resume: true")
     # The commit records are the truth (a killed actor's last report may never arrive).
-    metrics = report.metrics(spec, processor.config, planned, final.manifests, ray.get(sink.get.remote()),
+    metrics = report.metrics(job, planned, final.manifests, ray.get(sink.get.remote()),
                              wall_s=time.perf_counter() - started,
                              generate_s=time.perf_counter() - gen_started)
     ray.kill(sink)  # now, not when Ray collects it: a resume in this process takes the same name
@@ -149,23 +136,21 @@ def _generate(spec: JobSpec, processor: Processor, planned: PlannedJob, wopts: W
         "rows_reported": sum(m["num_rows"] for m in manifests),
         # parts without a commit record, left by a killed driver (before) or a killed actor
         "orphans_removed": before.removed + final.removed, "fenced_parts_removed": fenced, **faults}
+    _write_end_files(job, wopts, planned, final, fingerprint, metrics)
+    if not quiet:
+        print(report.metrics_text(metrics, wopts.path), flush=True)
+    return metrics
+
+
+def _write_end_files(job: Job, wopts: WriteOptions, planned: PlannedJob, final: Committed, fingerprint: str,
+                     metrics: dict[str, Any]) -> None:
+    """_manifest.json, plot.png, metrics.json (and results.jsonl for OpenAI's format), then
+    _SUCCESS last: a folder with _SUCCESS holds every row once."""
     write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
                                            "parts": sorted(m["part"] for m in final.manifests),
                                            "row_ids": final.row_ids.tolist()}, wopts.storage)
     metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch
-        write_results(wopts.path, wopts.storage, spec.output.error_file)
+        write_results(wopts.path, wopts.storage, job.error_file)
     write_json(join(wopts.path, "_SUCCESS"), {}, wopts.storage)
-    if not quiet:
-        print(report.metrics_text(metrics, wopts.path), flush=True)
-    return metrics
-
-
-def _spec_key(spec: JobSpec) -> str:
-    """What must not change between a run and its resume (the output flags may)."""
-    data = spec.model_dump(mode="json")
-    for key in ("overwrite", "resume"):
-        data["output"].pop(key, None)
-    data.pop("storage", None)  # credentials and retry settings may change between attempts
-    return json.dumps(data, sort_keys=True)

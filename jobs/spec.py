@@ -22,25 +22,30 @@ same way. The spec file and each `--set` value have a size cap.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import time
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
-                      Tag, ValidationError, create_model, field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool,
+                      Tag, ValidationError, ValidatorFunctionWrapHandler, WrapValidator, create_model,
+                      field_validator, model_validator)
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, short
+from prefixflow.jobs.job import Job
 from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
                                          limit_problems, setting_problems)
-from prefixflow.operators.stages.read import infer_format
+from prefixflow.operators.results.write import WriteOptions
+from prefixflow.operators.stages.read import Format, ReadOptions, infer_format
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.requests import SamplingParams
-from prefixflow.storage import StorageOptions, masked
+from prefixflow.storage import StorageOptions, masked, normal_path
 
 
 class SpecError(ValueError):
@@ -229,9 +234,11 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
                 raise invalid(cls.__name__, key, value, "give a number, not true or false")
         return data
 
-    return create_model(name, __base__=_Strict, __validators__={
-        "_no_bool_numbers": model_validator(mode="before")(no_bool_numbers),
-        "_check": model_validator(mode="after")(check)}, **fields)
+    # pydantic annotates __validators__ as plain callables, though its own docs pass decorated
+    # ones (a PydanticDescriptorProxy each), as here.
+    validators: dict[str, Any] = {"_no_bool_numbers": model_validator(mode="before")(no_bool_numbers),
+                                  "_check": model_validator(mode="after")(check)}
+    return create_model(name, __base__=_Strict, __validators__=validators, **fields)
 
 
 def _strict_bool(hint: Any) -> Any:
@@ -250,46 +257,64 @@ def _default(name: str) -> Any:
     return ProcessorConfig.__dataclass_fields__[name].default
 
 
-def _choice(name: str) -> Any:
-    """A str annotated with ProcessorConfig's check of `name` (operators/config.CHOICES), run
-    per field so that it is reported beside the spec's other problems."""
+def _choice(name: str) -> AfterValidator:
+    """ProcessorConfig's check of `name` (operators/config.CHOICES) for a str field
+    (`Annotated[str, _choice(name)]`), run per field so that it is reported beside the spec's
+    other problems."""
     def check(value: str) -> str:
         for _, bad, fix in choice_problems({name: value}):
             raise ValueError(f"{short(bad)} is invalid: {fix}")
         return value
 
-    return Annotated[str, AfterValidator(check)]
+    return AfterValidator(check)
 
 
-def _limited(name: str, kind: Any) -> Any:
-    """A number annotated with ProcessorConfig's limit of `name` (operators/config.LIMITS), run
-    per field so that the spec names its own field path (output.rows_per_part, ...)."""
-    def check(value: Any) -> Any:
+def _limited(name: str) -> WrapValidator:
+    """ProcessorConfig's limit of `name` (operators/config.LIMITS) for a number field
+    (`Annotated[int, _limited(name)]`), run per field so that the spec names its own field
+    path (output.rows_per_part, ...). YAML's true and false are refused before pydantic would
+    read them as 1 and 0."""
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, bool):  # YAML's true is not a count
+            raise ValueError(f"{value!r} is invalid: give a number, not true or false")
+        value = handler(value)
         for _, bad, fix in limit_problems({name: value}):
             raise ValueError(f"{short(bad)} is invalid: {fix}")
         return value
 
-    def no_bool(value: Any) -> Any:
-        if isinstance(value, bool):  # YAML's true is not a count
-            raise ValueError(f"{value!r} is invalid: give a number, not true or false")
-        return value
-
-    return Annotated[kind, BeforeValidator(no_bool), AfterValidator(check)]
+    return WrapValidator(check)
 
 
-# engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
-# them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
-EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
-    "backend": (_choice("engine.backend"), Field(default=DEFAULT_BACKEND, description="native: prefixflow's engine; "
-                "vllm: vLLM's engine (pip install prefixflow[vllm])")),
-    "vllm": (dict[str, Any], Field(default_factory=dict, description="vLLM engine arguments, "
-             "passed through (like ray.data.llm's engine_kwargs); backend vllm only"))})
-SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
+# The sections that mirror a dataclass are built when the module loads (_mirror), so the type
+# checker cannot see their fields: to it they are Any.
+if TYPE_CHECKING:
+    EngineSpec: TypeAlias = Any
+    SamplingSpec: TypeAlias = Any
+    StorageSpec: TypeAlias = Any
+    PromptSpec: TypeAlias = Any
+    ScoreSpec: TypeAlias = Any
+else:
+    # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
+    # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
+    EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
+        "backend": (Annotated[str, _choice("engine.backend")], Field(
+            default=DEFAULT_BACKEND, description="native: prefixflow's engine; vllm: vLLM's engine (pip "
+            "install prefixflow[vllm])")),
+        "vllm": (dict[str, Any], Field(default_factory=dict, description="vLLM engine arguments, "
+                 "passed through (like ray.data.llm's engine_kwargs); backend vllm only"))})
+    SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
 
+    # Object storage settings (prefixflow/storage.py); anything left out comes from the AWS
+    # environment variables, or for other schemes from their fsspec driver's.
+    StorageSpec = _mirror(StorageOptions, "StorageSpec")
 
-# Object storage settings (prefixflow/storage.py); anything left out comes from the AWS
-# environment variables, or for other schemes from their fsspec driver's.
-StorageSpec = _mirror(StorageOptions, "StorageSpec")
+    # How a row becomes a prompt: exactly one of template, user (with optional system) or
+    # messages_column; PromptTemplate's own checks (and messages) apply to the spec too.
+    PromptSpec = _mirror(PromptTemplate, "PromptSpec")
+
+    # task: score (PrefillOnly), one probability per allowed answer (operators/results/score.py).
+    # add_special_tokens stays out: the prompt section decides the prompt's text.
+    ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
 
 
 class InputSpec(_Strict):
@@ -308,19 +333,10 @@ class InputSpec(_Strict):
         return path
 
 
-# How a row becomes a prompt: exactly one of template, user (with optional system) or
-# messages_column; PromptTemplate's own checks (and messages) apply to the spec too.
-PromptSpec = _mirror(PromptTemplate, "PromptSpec")
-
-# task: score (PrefillOnly), one probability per allowed answer (operators/results/score.py).
-# add_special_tokens stays out: the prompt section decides the prompt's text.
-ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
-
-
 class TokenizeSpec(_Strict):
-    concurrency: _limited("tokenize_concurrency", int) = Field(  # type: ignore[valid-type]
+    concurrency: Annotated[int, _limited("tokenize_concurrency")] = Field(
         default=_default("tokenize_concurrency"), description="tokenizer actors")
-    batch_size: _limited("tokenize_batch_size", int) = _default("tokenize_batch_size")  # type: ignore[valid-type]
+    batch_size: Annotated[int, _limited("tokenize_batch_size")] = _default("tokenize_batch_size")
 
 
 class ReplicasSpec(_Strict):
@@ -328,8 +344,8 @@ class ReplicasSpec(_Strict):
     engines and max are started; min of them must fit the cluster when the job starts, the
     others start when resources come (a node added) and take work then."""
 
-    min: _limited("replicas", int)  # type: ignore[valid-type]
-    max: _limited("replicas", int)  # type: ignore[valid-type]
+    min: Annotated[int, _limited("replicas")]
+    max: Annotated[int, _limited("replicas")]
 
     @model_validator(mode="after")
     def _ordered(self) -> "ReplicasSpec":
@@ -339,15 +355,15 @@ class ReplicasSpec(_Strict):
 
 
 class ResourcesSpec(_Strict):
-    num_gpus_per_replica: _limited("num_gpus_per_replica", float) = _default("num_gpus_per_replica")  # type: ignore[valid-type]
-    num_cpus_per_replica: _limited("num_cpus_per_replica", float) = _default("num_cpus_per_replica")  # type: ignore[valid-type]
+    num_gpus_per_replica: Annotated[float, _limited("num_gpus_per_replica")] = _default("num_gpus_per_replica")
+    num_cpus_per_replica: Annotated[float, _limited("num_cpus_per_replica")] = _default("num_cpus_per_replica")
 
 
 class OutputSpec(_Strict):
     path: str = Field(description="directory for parts and metrics.json; a local path or a URL "
                       "(s3://, gs://, abfss://, file://, ...)")
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
-    rows_per_part: _limited("rows_per_chunk", int) = _default("rows_per_chunk")  # type: ignore[valid-type]
+    rows_per_part: Annotated[int, _limited("rows_per_chunk")] = _default("rows_per_chunk")
     overwrite: StrictBool = False
     resume: StrictBool = Field(default=False, description="finish an interrupted job at this "
                                "path: committed rows are kept and skipped")
@@ -377,24 +393,25 @@ class JobSpec(_Strict):
 
     name: str = "prefixflow-job"
     model: str = Field(description="Hugging Face model directory (config.json, weights, tokenizer)")
-    task: _choice("task") = Field(default=_default("task"), description="generate or score")  # type: ignore[valid-type]
+    task: Annotated[str, _choice("task")] = Field(default=_default("task"), description="generate or score")
     input: InputSpec
-    prompt: PromptSpec | None = None  # type: ignore[valid-type]
-    score: ScoreSpec | None = Field(default=None,  # type: ignore[valid-type]
+    prompt: PromptSpec | None = None
+    score: ScoreSpec | None = Field(default=None,
                                     description="settings of task: score")
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
-    engine: EngineSpec = Field(default_factory=EngineSpec)  # type: ignore[valid-type]
-    order: _choice("order") = Field(default=_default("order"),  # type: ignore[valid-type]
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    order: Annotated[str, _choice("order")] = Field(default=_default("order"),
                                     description="plan order: fcfs, dfs, batchllm or blendserve")
     # A count or a {min, max} range; the discriminator picks the one a value means, so that its
     # problems are that form's alone.
-    replicas: Annotated[Annotated[_limited("replicas", int), Tag("tag:count")]  # type: ignore[valid-type]
+    replicas: Annotated[Annotated[int, _limited("replicas"), Tag("tag:count")]
                         | Annotated[ReplicasSpec, Tag("tag:range")],
                         Discriminator(lambda v: "tag:range" if isinstance(v, (dict, ReplicasSpec)) else "tag:count")] = \
         Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
     work_stealing: StrictBool = Field(default=_default("work_stealing"), description="a replica that runs "
                                 "dry takes the last unstarted plan units of the one expected to finish last")
-    max_retries_per_row: int = Field(default=2, ge=0, le=10, description="after an engine actor "
+    max_retries_per_row: int = Field(default=_default("max_retries_per_row"), ge=0, le=10,
+                                     description="after an engine actor "
                                      "dies, its uncommitted rows run again; a replica whose actor "
                                      "dies this many more times in a row without committing a row "
                                      "has its rows left become error records")
@@ -445,7 +462,7 @@ class JobSpec(_Strict):
                              f"{math.ceil(gpus)} GPU(s) (resources.num_gpus_per_replica): use "
                              "engine.device: cuda")
 
-    def input_format(self) -> str:
+    def input_format(self) -> Format:
         fmt = self.input.format
         return infer_format(self.input.path) if fmt == "auto" else fmt
 
@@ -473,6 +490,30 @@ class JobSpec(_Strict):
         """The prompt template (None: rows carry their prompts or messages)."""
         return PromptTemplate(**self.prompt.model_dump()) if self.prompt is not None else None
 
+    def to_job(self) -> Job:
+        """The job this spec describes, read once: the record a run, its report and the CLI take
+        (jobs/job.py)."""
+        path = self.input.path
+        storage = self.storage_options()
+        return Job(
+            name=self.name, config=self.to_config(),
+            read=ReadOptions(path=path if isinstance(path, str) else tuple(path), format=self.input_format(),
+                             storage=storage, limit=self.input.limit, min_tasks=2 * self.tokenize.concurrency),
+            write=WriteOptions(path=normal_path(self.output.path), format=self.output_format(), storage=storage,
+                               model_name=Path(self.model).name, created=int(time.time()),
+                               # absolute, as the engine gets it: the actors' working folder may differ
+                               model=normalize_model(self.model)),
+            overwrite=self.output.overwrite, resume=self.output.resume, error_file=self.output.error_file,
+            identity_key=self._identity_key(), engine_fields=self.engine.model_dump())
+
+    def _identity_key(self) -> str:
+        """What must not change between a run and its resume (the output flags may)."""
+        data = self.model_dump(mode="json")
+        for key in ("overwrite", "resume"):
+            data["output"].pop(key, None)
+        data.pop("storage", None)  # credentials and retry settings may change between attempts
+        return json.dumps(data, sort_keys=True)
+
     def to_config(self) -> ProcessorConfig:
         """The ProcessorConfig this job runs with, the one the Python API takes: the only place
         a spec's sections become its fields."""
@@ -482,7 +523,7 @@ class JobSpec(_Strict):
             sampling=self.sampling_given(),  # the model's generation_config.json fills the rest
             engine=self.engine.model_dump(), order=self.order, replicas=self.num_replicas,
             min_replicas=self.replicas.min if isinstance(self.replicas, ReplicasSpec) else None,
-            work_stealing=self.work_stealing,
+            work_stealing=self.work_stealing, max_retries_per_row=self.max_retries_per_row,
             num_gpus_per_replica=self.resources.num_gpus_per_replica,
             num_cpus_per_replica=self.resources.num_cpus_per_replica,
             tokenize_concurrency=self.tokenize.concurrency, tokenize_batch_size=self.tokenize.batch_size,
@@ -593,7 +634,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
 def _unknown_key(loc: list[str]) -> str:
     model: Any = JobSpec
     for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
             break
         model = _model_of(field.annotation)

@@ -54,6 +54,7 @@ LIMITS: dict[str, tuple[float, bool, bool, str]] = {
     "rows_per_chunk": _COUNT,
     "num_gpus_per_replica": (0, False, True, "use a number >= 0, or None to decide when the job runs"),
     "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
+    "max_retries_per_row": (0, True, False, "use an integer >= 0"),
 }
 
 
@@ -138,6 +139,9 @@ class ProcessorConfig:
         as ray.data.llm's `concurrency=(min, max)`.
     work_stealing: a replica that runs dry takes the last unstarted plan units of the one expected to finish last
         (operators/stages/work_queue.py); False: each runs only its own partition (the static plan).
+    max_retries_per_row: after an engine actor dies, its uncommitted rows run again on a new
+        one; a replica whose actor dies this many more times in a row without committing a row
+        has its rows left become error records (operators/stages/attempts.py).
     num_gpus_per_replica / num_cpus_per_replica: resources of each engine actor.
         num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
         engine's tensor_parallel_size x pipeline_parallel_size GPUs where the cluster has GPUs,
@@ -170,6 +174,7 @@ class ProcessorConfig:
     replicas: int = 1
     min_replicas: int | None = None
     work_stealing: bool = True
+    max_retries_per_row: int = 2
     num_gpus_per_replica: float | None = 0.0
     num_cpus_per_replica: float = 1.0
     tokenize_concurrency: int = 1
@@ -205,6 +210,19 @@ class ProcessorConfig:
                                         for name, value, fix in problems))
         object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
         object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
+
+    @property
+    def prompt_template(self) -> PromptTemplate | None:
+        """`prompt` as the PromptTemplate __post_init__ made of a dict."""
+        assert not isinstance(self.prompt, dict), "__post_init__ builds the PromptTemplate"
+        return self.prompt
+
+    @property
+    def score_config(self) -> ScoreConfig:
+        """`score` as the ScoreConfig __post_init__ made of a dict (task "score" only)."""
+        if not isinstance(self.score, ScoreConfig):
+            raise ValueError(f"ProcessorConfig.score is {self.score!r}: task 'score' needs a ScoreConfig")
+        return self.score
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -253,7 +271,7 @@ class ProcessorConfig:
         actors, the map_batches Generator, ray.data.llm's stages). Reads the model's config
         for its context length unless engine.max_model_len is given."""
         return TokenizeOptions(
-            model=self.model, prompt=self.prompt,  # type: ignore[arg-type]
+            model=self.model, prompt=self.prompt_template,
             max_model_len=model_max_len(self.model, self.engine_config.max_model_len),
             trust_remote_code=self.engine_config.trust_remote_code, keep_prompt=self.include_prompt,
             sampling=self.sampling_params, chat_template=self.chat_template,

@@ -94,7 +94,7 @@ def _job_failures() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ObjectLostError
 
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
-    from prefixflow.jobs.attempts import EnginesKeepDying
+    from prefixflow.operators.stages.attempts import EnginesKeepDying
     from prefixflow.operators.stages.isolate import EngineBroken
 
     # ObjectLostError: a node lost with input blocks that no other node held (a resume reads
@@ -161,8 +161,9 @@ def _validate(spec: Any, source: str) -> int:
     from prefixflow.jobs.preflight import preflight, row_report
 
     report = row_report(spec, preflight(spec, source))
-    print(f"{source}: ok ({spec.input_format()} input -> {spec.output_format()} output, "
-          f"order {spec.order}, {spec.num_replicas} replica(s))")
+    job = spec.to_job()
+    print(f"{source}: ok ({job.read.format} input -> {job.write.format} output, "
+          f"order {job.config.order}, {job.config.replicas} replica(s))")
     if report.num_bad:
         print(f"  {report.num_bad} of the first {report.num_rows} rows would become error "
               "records, e.g.:")
@@ -183,7 +184,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs import report
     from prefixflow.jobs.preflight import plan_out_problems, preflight
-    from prefixflow.jobs.run import ensure_ray, read_options
+    from prefixflow.jobs.run import ensure_ray
     from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.faces.processor import Processor
     from prefixflow.operators.stages.read import read_dataset
@@ -193,8 +194,8 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise SpecError(args.spec, problems)
     ensure_ray(args.address)
-    config = spec.to_config()
-    planned = Processor(config).plan(read_dataset(read_options(spec)), stealing=config.work_stealing)
+    job = spec.to_job()
+    planned = Processor(job.config).plan(read_dataset(job.read), stealing=job.config.work_stealing)
     print(report.plan_text(planned))
     import io
 
@@ -205,7 +206,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     sink = io.BytesIO()
     pq.write_table(planned.plan.table, sink)
     # Complete or not there (a temporary file renamed, or one PUT), local or a URL.
-    commit_bytes(normal_path(args.out), sink.getvalue(), spec.storage_options())
+    commit_bytes(normal_path(args.out), sink.getvalue(), job.storage)
     print(f"plan table ({planned.plan.table.num_rows} rows) written to {args.out}")
     return report.dry_run_result(planned, 0.0)
 

@@ -6,8 +6,9 @@
 
 Calling a processor only builds the Dataset, as any Ray Dataset transform (and ray.data.llm's
 processor) does: the job runs when the Dataset executes, once per execution
-(operators/faces/lazy_job.py: one read task plans and runs the replicas, Processor.run). The CLI
-uses the pieces (`plan`, `generate`) to add the part writer and progress. Every setting comes
+(operators/faces/lazy_job.py: one read task plans and runs the replicas, Processor.run) under the
+same driver as a job from a spec (operators/stages/supervise.py: a dead engine actor restarts
+alone). The CLI uses the pieces (`plan`, the Supervisor) to add the part writer and progress. Every setting comes
 from the ProcessorConfig's typed pieces (tokenize_options(), engine_config, backend, vllm_args);
 `plan` first refuses a vLLM context the CPU's KV cache cannot hold (check_context).
 """
@@ -24,12 +25,13 @@ from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.results.write import start_sink
-from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.stages.plan import PlannedJob, plan_dataset, unit_payload_refs
+from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
+from prefixflow.operators.stages.supervise import Supervisor, engine_actor_options
 from prefixflow.operators.stages.tokenize import TokenizeActor
 
 Row = dict[str, Any]
 PLAN_RECORD = "plan"  # the sink record of a run's plan summary (Processor.plan_summary)
+FAULTS_RECORD = "faults"  # the sink record of a finished run's fault report (Processor.fault_report)
 
 
 class Processor:
@@ -74,16 +76,30 @@ class Processor:
 
     def run(self, ds: Any) -> Iterator[pa.Table]:
         """The job, where its Dataset executes (operators/faces/lazy_job.py): tokenize and plan `ds`,
-        run the replicas, and yield their output blocks as they come."""
+        run the replicas, and yield their output blocks as they are committed.
+
+        The replicas run under the same driver as a job from a spec (operators/stages/supervise.py):
+        an engine actor that dies is restarted alone and its uncommitted rows run again, so
+        every row is yielded once. A block is committed when the sink holds it; this task takes
+        the committed blocks between the driver's steps."""
         import ray
 
-        planned = self.plan(ds)
+        cfg = self.config
+        planned = self.plan(ds, stealing=cfg.work_stealing)
         summary = {"replica": -1, "kind": PLAN_RECORD, "summary": dict(planned.plan.summary),
                    "timings": dict(planned.timings), "error_rows": len(planned.error_row_ids)}
         ray.get(self.sink.put.remote(summary))
         self.generate_started = time.time()
-        for block in self.generate(planned, self.sink).iter_batches(batch_size=None, batch_format="pyarrow"):
-            yield self.finish(block, planned)
+        # a live bar of the replicas' rows on the driver (operators/results/progress.py)
+        self.sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
+        supervisor = Supervisor(cfg, planned, self.sink, None, cfg.max_retries_per_row,
+                                engine_options=self.engine_options())
+        for _ in supervisor.steps():
+            for ref in ray.get(self.sink.take_blocks.remote()):
+                yield self.finish(ray.get(ref), planned)
+        for ref in ray.get(self.sink.take_blocks.remote()):
+            yield self.finish(ray.get(ref), planned)
+        ray.get(self.sink.put.remote({"replica": -1, "kind": FAULTS_RECORD, **supervisor.report()}))
 
     def finish(self, block: pa.Table, planned: PlannedJob) -> pa.Table:
         """An output block as it leaves the job, bookkeeping dropped (ray_llm.RayLLMProcessor
@@ -114,8 +130,7 @@ class Processor:
 
     def plan(self, ds: Any, stealing: bool = False) -> PlannedJob:
         """Tokenize `ds` and plan it (materializes; the rows stay in the object store).
-        stealing: the engines will steal units (a job run with work_stealing; the Python API
-        runs each replica's partition as it is)."""
+        stealing: the engines will steal units (a job run with work_stealing)."""
         self.check_context()
         return plan_dataset(self.tokenize(ds), order=self.config.order,
                             num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
@@ -131,46 +146,19 @@ class Processor:
             return
         cpu_context(self.config.engine_config, str(resolve_model(self.config.model)))
 
-    def generate(self, planned: PlannedJob, sink: Any = None) -> Any:
-        """A lazy Dataset of output blocks: R engine actors run their partitions.
-
-        A job run from a spec (jobs/run.py) does not come here: it runs the same engine actors
-        under jobs/supervise.py, which commits parts and restarts a dead actor alone.
-        """
-        import ray
-        from ray.data import ActorPoolStrategy
-
-        cfg = self.config
-        payloads = unit_payload_refs(planned, cfg.replicas)
-        items = list(range(cfg.replicas)) + ([ERRORS_ITEM] if len(planned.error_row_ids) else [])
-        work = ray.data.from_items([{"item": i} for i in items], override_num_blocks=len(items))
-        kwargs = dict(config=cfg, rows=planned.rows, payloads=payloads,
-                      error_row_ids=planned.error_row_ids, extra_errors=planned.extra_errors, sink=sink)
-        # One work item per actor at a time, so R replicas really run side by side.
-        pool = ActorPoolStrategy(**self.engine_pool(), max_tasks_in_flight_per_actor=1)
-        # No restarts and no task retries: a restarted actor would silently redo its whole
-        # replica, and one dying at every model load (OOM, bad node) would loop forever.
-        remote_args: dict[str, Any] = self.engine_options()
-        if sink is not None:  # a live bar of the replicas' rows on the driver (operators/results/progress.py)
-            sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
-        return work.map_batches(ReplicaGenerator, fn_constructor_kwargs=kwargs, batch_size=1,
-                                batch_format="pyarrow", compute=pool, **remote_args)
-
-    def engine_pool(self) -> dict[str, int]:
-        """ActorPoolStrategy sizes of the engine actors: one per replica (min_replicas to
-        replicas, as ray.data.llm's concurrency range: the partitions wait for a free one)."""
-        cfg = self.config
-        if cfg.min_replicas is None or cfg.min_replicas == cfg.replicas:
-            return {"size": cfg.replicas}
-        return {"min_size": cfg.min_replicas, "max_size": cfg.replicas}
-
     def engine_options(self) -> dict[str, Any]:
         """Ray options of the engine actors, decided now (when the job runs)."""
         return engine_actor_options(self.config)
 
     def metrics(self) -> list[dict[str, Any]]:
         """Per-replica records (times, per-step token counts) of the runs so far."""
-        return [r for r in self._records() if r.get("kind") != PLAN_RECORD]
+        return [r for r in self._records() if r.get("kind") not in (PLAN_RECORD, FAULTS_RECORD)]
+
+    def fault_report(self) -> dict[str, Any] | None:
+        """The last finished run's engine failures, restarts and work stealing (a job's
+        metrics.json fault_tolerance), None before a run finished."""
+        runs = [r for r in self._records() if r.get("kind") == FAULTS_RECORD]
+        return {k: v for k, v in runs[-1].items() if k not in ("replica", "kind")} if runs else None
 
     def plan_summary(self) -> dict[str, Any] | None:
         """The last executed run's plan summary (groups, token saving ratios; Plan.summary),
@@ -197,31 +185,3 @@ class Merged:
             raise TypeError(f"preprocess returned {type(out).__name__}: return a dict of the "
                             "columns to add or replace (the row's other columns are kept)")
         return {**row, **out}
-
-
-def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
-    """Ray options of an engine actor: its resources (none when it only writes error records,
-    needs_engine=False); spread over the cluster's nodes (data-parallel replicas share no
-    state, and each one wants a node's memory bandwidth to itself); no restarts, no task
-    retries (a death is handled by whoever runs the actors, which knows what was committed)."""
-    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
-                            "max_restarts": 0, "max_task_retries": 0, "scheduling_strategy": "SPREAD"}
-    gpus = gpus_per_replica(cfg) if needs_engine else 0
-    if gpus:
-        opts["num_gpus"] = gpus
-    if cfg.runtime_env is not None:
-        opts["runtime_env"] = cfg.runtime_env
-    return opts
-
-
-def gpus_per_replica(cfg: ProcessorConfig) -> float:
-    """An engine actor's GPUs: num_gpus_per_replica, or where that is None (decide when the job
-    runs) the engine's tensor_parallel_size x pipeline_parallel_size on a cluster with GPUs,
-    none on one without (vLLM's CPU backend, the native engine on CPUs)."""
-    if cfg.num_gpus_per_replica is not None:
-        return cfg.num_gpus_per_replica
-    import ray
-
-    if not ray.cluster_resources().get("GPU"):
-        return 0.0
-    return float(cfg.engine_workers)

@@ -104,10 +104,6 @@ class RayLLMProcessor(Processor):
                 args[key] = getattr(stage, key)
         return args
 
-    def engine_pool(self) -> dict[str, int]:
-        c = self.ray_config.concurrency
-        return {"size": c} if isinstance(c, int) else {"min_size": c[0], "max_size": c[1]}
-
     def engine_options(self) -> dict[str, Any]:
         opts = engine_actor_options(self.config)
         bundle = dict(self.ray_config.engine_bundle())

@@ -355,7 +355,7 @@ class OutputLock:
     def __init__(self, out: str, storage: StorageOptions):
         self.out, self.storage, self.path = out, storage, join(out, LOCK_FILE)
         now = time.time()
-        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
+        self.holder: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
                        "heartbeat": now, "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -34,7 +34,7 @@ from prefixflow.operators.results.part_rows import batch_line_id, request_digest
 from prefixflow.storage import join
 from prefixflow.tokenizer import load_tokenizer, token_bytes
 
-# The message isolate.py and jobs/supervise.py give a row the engine failed on: our failure
+# The message isolate.py and operators/stages/supervise.py give a row the engine failed on: our failure
 # (500), not the request's.
 ENGINE_FAILED = "the engine failed on this row"
 _PARAM = re.compile(r"\bbody\.(\w+)|\bSamplingParams\.(\w+)=")
@@ -62,8 +62,8 @@ def output_line(row: dict[str, Any], created: int, default_model: str, model: st
              "total_tokens": row["num_input_tokens"] + generated,
              "prompt_tokens_details": {"cached_tokens": int(row.get(CACHED) or 0)}}
     choices = [_choice(s, chat, model) for s in samples]
-    body = ({"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion"} if chat
-            else {"id": f"cmpl-{digest[:24]}", "object": "text_completion"})
+    body: dict[str, Any] = ({"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion"} if chat
+                            else {"id": f"cmpl-{digest[:24]}", "object": "text_completion"})
     body.update({"created": created, "model": row.get("_pf_model") or default_model,
                  "system_fingerprint": fingerprint, "choices": choices, "usage": usage})
     rec["response"] = {"status_code": 200, "request_id": request_id, "body": body}

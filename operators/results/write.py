@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prefixflow.operators.results.bookkeeping import (COMMITS, END_FILES, JOB_FILE, LOCK_FILE, PART_NAME, TMP_PREFIX,
                                                       basename, is_own, refuse_links)
-from prefixflow.operators.results.commit import (check_fence, commit_bytes, commit_record_path, read_job_file,
-                                                 record_bytes)
+from prefixflow.operators.results.commit import (Committed, check_fence, commit_bytes, commit_record_path,
+                                                 read_job_file, record_bytes)
 from prefixflow.operators.results.openai_output import output_line
 from prefixflow.operators.results.outputs import COMPUTED, PLAN_REPLICA, RANK
 from prefixflow.operators.results.progress import LiveBar
@@ -50,37 +51,41 @@ class WriteOptions:
     fence: str | None = None
 
 
-def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
-    """map_batches function: write one part, return one manifest row describing it."""
+def part_manifest(table: pa.Table, suffix: str = "") -> dict[str, Any]:
+    """The manifest row of a part holding `table`'s output rows, made where it is committed."""
     replica = int(table.column("replica")[0].as_py())
     # Named after the first row's place in the plan (its plan replica and rank), whichever
     # replica ran it (work stealing): each row is in one part, so no two parts share a name.
     planned = table.column(PLAN_REPLICA)[0].as_py() if PLAN_REPLICA in table.column_names else None
     first_rank = int(pc.min(table.column(RANK)).as_py())
     tag = "errors" if replica < 0 else f"r{replica if planned is None else planned:03d}"
-    name = f"part-{tag}-{first_rank:09d}{SUFFIX[opts.format]}"
     errors = table.column("error").is_valid()
-    manifest = {
-        "part": [name], "replica": [replica], "num_rows": [table.num_rows],
-        "num_errors": [int(pc.sum(errors.cast(pa.int64())).as_py() or 0)],
-        "prompt_tokens": [int(pc.sum(table.column("num_input_tokens")).as_py() or 0)],
-        "computed_prompt_tokens": [float(pc.sum(table.column(COMPUTED)).as_py() or 0.0)],
-        "generated_tokens": [int(pc.sum(table.column("num_generated_tokens")).as_py() or 0)],
-        "written_at": [time.time()],
+    return {
+        "part": f"part-{tag}-{first_rank:09d}{suffix}", "replica": replica, "num_rows": table.num_rows,
+        "num_errors": int(pc.sum(errors.cast(pa.int64())).as_py() or 0),
+        "prompt_tokens": int(pc.sum(table.column("num_input_tokens")).as_py() or 0),
+        "computed_prompt_tokens": float(pc.sum(table.column(COMPUTED)).as_py() or 0.0),
+        "generated_tokens": int(pc.sum(table.column("num_generated_tokens")).as_py() or 0),
+        "written_at": time.time(),
         # Which engine actor wrote it: where to look when a part is wrong, or a worker dies.
-        "worker": [f"{socket.gethostname()}:{os.getpid()}"], "node_id": [ray_node_id()],
+        "worker": f"{socket.gethostname()}:{os.getpid()}", "node_id": ray_node_id(),
     }
+
+
+def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
+    """Write one part, return one manifest row describing it."""
+    manifest = part_manifest(table, SUFFIX[opts.format])
+    name = manifest["part"]
     data = encode_part(table, opts)
     check_fence(opts.path, opts.storage, opts.fence)  # this job still holds the path
     commit_bytes(join(opts.path, name), data, opts.storage)
     # The record goes second: a part without one is an orphan that resume deletes and redoes.
     # Its size and checksum let a resume notice a part deleted or damaged since, its writer's
     # token a part that a fenced job wrote (operators/results/commit.py).
-    record = {**{k: v[0] for k, v in manifest.items()}, "bytes": len(data),
-              "sha256": hashlib.sha256(data).hexdigest(), "writer": opts.fence}
+    record = {**manifest, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "writer": opts.fence}
     commit_bytes(commit_record_path(opts.path, name),
                  record_bytes(record, table.column("row_id").to_pylist()), opts.storage)
-    return pa.table(manifest)
+    return pa.table({k: [v] for k, v in manifest.items()})
 
 
 def ray_node_id() -> str | None:
@@ -206,7 +211,7 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
 
         tables = [pq.read_table(io.BytesIO(fs.cat_file(p))) for p in parts]
         return pa.concat_tables(tables, promote_options="permissive")
-    records = []
+    records: list[dict] = []
     for p in parts:
         records.extend(json.loads(line) for line in fs.cat_file(p).decode().splitlines() if line)
     return records
@@ -214,7 +219,7 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
 
 class MetricsSink:
     """A small Ray actor that the engine actors report to: per-replica stats when a replica
-    finishes, and for the job driver (jobs/supervise.py) each committed part, each engine that
+    finishes, and for the job driver (operators/stages/supervise.py) each committed part, each engine that
     has loaded its model and each replica's live counters (for the Python API it draws them as
     a live bar, `show_progress`). Named, so that another process can
     read a running job's state. It also feeds Ray's metrics (JobMetrics): the dashboard and
@@ -223,6 +228,11 @@ class MetricsSink:
     def __init__(self, job: str = "prefixflow") -> None:
         self.records: list[dict[str, Any]] = []
         self.new_parts: list[dict[str, Any]] = []
+        # The Python API's committed blocks (commit_block): refs the driver has not taken yet,
+        # and every committed part's manifest and row ids.
+        self.blocks: list[Any] = []
+        self.parts: list[dict[str, Any]] = []
+        self.part_rows: list[np.ndarray] = []
         self.engines: dict[str, dict[str, int]] = {}  # run token -> {"pid", "item"}
         self.live: dict[int, dict[str, Any]] = {}     # replica -> its last live report
         self.metrics = JobMetrics(job)
@@ -243,6 +253,27 @@ class MetricsSink:
     def committed(self, manifest: dict[str, Any]) -> None:
         self.new_parts.append(manifest)
         self.metrics.committed(manifest)
+
+    def commit_block(self, block: pa.Table, manifest: dict[str, Any]) -> None:
+        """The Python API's commit of an output block (no output path): once this returns, the
+        block's rows are committed. The sink puts its own copy in the object store, owned by
+        the sink, so that it outlives the engine actor that sent it."""
+        import ray
+
+        self.blocks.append(ray.put(block))
+        self.parts.append(manifest)
+        self.part_rows.append(block.column("row_id").to_numpy().astype(np.int64))
+        self.committed(manifest)
+
+    def take_blocks(self) -> list[Any]:
+        """Refs of the blocks committed since the last call, in commit order."""
+        blocks, self.blocks = self.blocks, []
+        return blocks
+
+    def committed_rows(self) -> Committed:
+        """Every block committed so far (commit_block), as a resume reads an output path."""
+        ids = np.unique(np.concatenate(self.part_rows)) if self.part_rows else np.zeros(0, np.int64)
+        return Committed(row_ids=ids, manifests=list(self.parts), removed=[])
 
     def progress(self, counts: dict[str, Any]) -> None:
         """A replica's live counters (operators/generate.Heartbeat): the latest one is kept."""

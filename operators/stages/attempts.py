@@ -1,6 +1,6 @@
 """When engine actors keep dying: whose rows to give up, and when to stop.
 
-The job driver (jobs/supervise.py) starts a new engine actor for a replica whose actor died.
+The job driver (operators/stages/supervise.py) starts a new engine actor for a replica whose actor died.
 This ledger decides what a repeated death means, pure Python so that its rules are tested
 directly:
 
@@ -40,9 +40,9 @@ class AttemptLedger:
         gained: rows committed since the previous failure, per item (replica, or ERRORS_ITEM).
         committed: rows committed in all (for the message when the job must stop).
         """
-        for item, rows in gained.items():
+        for replica, rows in gained.items():
             if rows > 0:
-                self.streaks.pop(item, None)
+                self.streaks.pop(replica, None)
         if any(gained.values()):
             self.streaks.pop(None, None)
         for item in set(died) or {None}:

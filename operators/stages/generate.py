@@ -1,14 +1,13 @@
 """Generate stage: engine actors, each running the plan units it is given.
 
-A job run from a spec (jobs/supervise.py) starts one `ReplicaGenerator` actor per replica and
-calls `run_item`: the actor takes units from the job's WorkQueue (operators/stages/work_queue.py) as
-its engine has room, its own replica's first, then (run dry) the last unstarted ones of the
-busiest replica, and commits each part itself. The Python API (Processor.generate) runs the
-same class through Ray Data (`map_batches(ReplicaGenerator, concurrency=R, batch_size=1)` over
-replica indices, plus -1 for the error records), each actor running its own replica's units in
-plan order. Both hand the units to a ReplicaRunner, which every path shares (the streaming
-batch_generator.Generator too): it loads the engine of the configured backend (native or
-vLLM) once, feeds it the units' groups lazily and yields output blocks as requests finish.
+The job's driver (operators/stages/supervise.py, for a job from a spec and for the Python API
+alike) starts one `ReplicaGenerator` actor per replica and calls `run_item`: the actor takes
+units from the job's WorkQueue (operators/stages/work_queue.py) as its engine has room, its own
+replica's first, then (run dry) the last unstarted ones of the busiest replica, and commits each
+part itself (to the output path, or to the sink). It hands the units to a ReplicaRunner, which
+every path shares (the streaming batch_generator.Generator too): it loads the engine of the
+configured backend (native or vLLM) once, feeds it the units' groups lazily and yields output
+blocks as requests finish.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.outputs import COMPUTED, RANK, output_chunk, plain, token_counts, with_outputs
 from prefixflow.operators.results.score import row_choices, with_score_fields
-from prefixflow.operators.results.write import ray_node_id, write_part
+from prefixflow.operators.results.write import WriteOptions, part_manifest, ray_node_id, write_part
 from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.stages.isolate import run_isolated, without_rows
 from prefixflow.operators.stages.plan import RowIndex, UnitPayload, fetch_rows
@@ -153,8 +152,8 @@ class UnitFeed:
 
 
 class ReplicaRunner:
-    """One replica's run, the same for every backend and every caller (the job driver and
-    Processor.generate through ReplicaGenerator, batch_generator.Generator): builds the engine
+    """One replica's run, the same for every backend and every caller (the job driver through
+    ReplicaGenerator, batch_generator.Generator): builds the engine
     once, feeds it the units of a UnitFeed as it has room, and yields output chunks.
     """
 
@@ -245,7 +244,7 @@ class _Book:
             self.groups_seen.add(g.group_id)
             self.num_groups += 1
         if self.config.task == "score":
-            per_row = row_choices(self.config.score, payload.rows, ids)
+            per_row = row_choices(self.config.score_config, payload.rows, ids)
         else:
             per_row = row_params(self.config.sampling_params, payload.rows, ids)
         if isinstance(per_row, dict):
@@ -361,7 +360,7 @@ def make_engine(config: ProcessorConfig) -> ReplicaEngine:
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine import Scorer
 
-        return Scorer(config.engine_config, config.score.options())
+        return Scorer(config.engine_config, config.score_config.options())
     # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
     from prefixflow.engine import LLMEngine
 
@@ -369,14 +368,13 @@ def make_engine(config: ProcessorConfig) -> ReplicaEngine:
 
 
 class ReplicaGenerator:
-    """An engine actor: a map_batches callable class (Processor.generate: each replica's own
-    units in plan order) whose `run_item` is also called as a plain Ray actor by the job driver
-    (jobs/supervise.py: units from the job's WorkQueue). Both run a ReplicaRunner."""
+    """An engine actor of the job driver (operators/stages/supervise.py): `run_item` runs a
+    replica's units (from the job's WorkQueue) on a ReplicaRunner, or writes the error records."""
 
     def __init__(self, config: ProcessorConfig, rows: RowIndex, payloads: list[list[Any]],
                  error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
                  done: np.ndarray | None = None, skip: np.ndarray | None = None,
-                 write: Any = None):
+                 write: WriteOptions | None = None):
         self.config = config
         # Row ids already committed by an earlier attempt (operators/results/commit.py): not run again.
         self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
@@ -387,9 +385,8 @@ class ReplicaGenerator:
         self.error_row_ids = error_row_ids
         self.extra_errors = extra_errors
         self.sink = sink
-        # WriteOptions: commit each output chunk here, as soon as it is done, and yield its
-        # manifest row instead (Ray Data would merge the chunks into one block before a
-        # downstream writer saw them, and a crash would lose them all).
+        # WriteOptions: commit each output chunk to the output path as soon as it is done;
+        # None: to the sink, which holds it for the Python API's driver (MetricsSink.commit_block).
         self.write = write
         self.runner = ReplicaRunner(config, report=self._report if sink is not None else None)
 
@@ -397,19 +394,9 @@ class ReplicaGenerator:
         """Live counters to the sink, fire and forget: the engine never waits on the driver."""
         self.sink.progress.remote(counts)
 
-    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
-        for item in batch.column("item").to_pylist():
-            item = int(item)
-            chunks = self._error_records() if item == ERRORS_ITEM else self._chunks(item, self._feed(item))
-            if self.write is None:
-                yield from chunks
-                continue
-            for chunk in chunks:
-                yield write_part(chunk, self.write)
-
     def run_item(self, item: int, token: str, queue: Any = None) -> int:
-        """The job driver's path (jobs/supervise.py runs these actors with Ray core): run one
-        work item, committing each part as soon as it is done; returns the rows written.
+        """Run one work item for the job driver (operators/stages/supervise.py), committing each
+        part as soon as it is done; returns the rows committed.
         token: names this engine to the sink and the queue; queue: the job's WorkQueue, which
         hands out the units (None: the replica's own, in plan order).
 
@@ -428,8 +415,10 @@ class ReplicaGenerator:
             chunks = self._chunks(item, feed)
         rows = 0
         for chunk in chunks:
-            manifest = write_part(chunk, self.write).to_pylist()[0]
-            self.sink.committed.remote(manifest)
+            if self.write is None:  # the Python API: the sink holds the committed blocks
+                ray.get(self.sink.commit_block.remote(chunk, part_manifest(chunk)))
+            else:
+                self.sink.committed.remote(write_part(chunk, self.write).to_pylist()[0])
             if feed is not None:
                 feed.committed(chunk.column("row_id").to_pylist())
             rows += chunk.num_rows
@@ -497,7 +486,7 @@ def engine_outputs(engine: ReplicaEngine, config: ProcessorConfig, book: "_Book"
     units = book.taking(feed)
     if config.task == "score":
         # The native Scorer took its options when it was built; VllmEngine takes them per run.
-        more = {"options": config.score.options()} if config.backend == "vllm" else {}
+        more = {"options": config.score_config.options()} if config.backend == "vllm" else {}
         scorer = cast(ScoringEngine, engine)
         for payload in units:
             if payload is NOT_READY:

@@ -23,14 +23,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from prefixflow.requests import PrefixGroup
 
 _log = logging.getLogger(__name__)
-Out = TypeVar("Out")  # anything with a `row_id`: RequestOutput, ScoreOutput
+
+
+class HasRowId(Protocol):
+    @property
+    def row_id(self) -> int: ...
+
+
+Out = TypeVar("Out", bound=HasRowId)  # RequestOutput, ScoreOutput
 MAX_FAILURES_IN_A_ROW = 8
 
 
@@ -113,7 +120,7 @@ def _attempt(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], group
     """Yield run(groups)'s outputs, noting their rows in `done`; return the exception, if any."""
     try:
         for out in run(groups):
-            done.add(int(out.row_id))  # type: ignore[attr-defined]
+            done.add(int(out.row_id))
             yield out
     except Exception as e:  # noqa: BLE001 - any engine failure is contained; GeneratorExit is not an Exception
         return e

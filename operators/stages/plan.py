@@ -197,7 +197,7 @@ def unit_payload_refs(planned: PlannedJob, num_replicas: int) -> list[list[Any]]
     plan_ref = ray.put(planned.plan)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     unit_replica = planned.plan.table.column("replica").to_numpy()[planned.plan.unit_starts[:-1]]
-    refs = []
+    refs: list[list[Any]] = []
     for r in range(num_replicas):
         count = int(np.count_nonzero(unit_replica == r))
         if count == 0:

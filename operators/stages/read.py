@@ -65,9 +65,10 @@ class ReadOptions:
 def infer_format(path: str | list[str] | tuple[str, ...]) -> Format:
     first = path if isinstance(path, str) else path[0]
     name = first.rstrip("/").lower()
+    fmt: Format
     for fmt in ("parquet", "csv"):
         if name.endswith(SUFFIXES[fmt]):
-            return fmt  # type: ignore[return-value]
+            return fmt
     if name.endswith(SUFFIXES["jsonl"]):
         return "jsonl"
     raise ValueError(f"input.format cannot be inferred from input.path={first!r}: set "
@@ -303,38 +304,38 @@ def parse_jsonl(data: bytes, source: str, byte_offset: int | None = None) -> lis
         else:
             where = f"{source}@{byte_offset + line_start}"
             name = f"the line at byte {byte_offset + line_start}"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            records.append({SOURCE: where, ERROR: f"{name} is not valid UTF-8 "
-                            f"(byte {raw[e.start]:#04x} at column {e.start + 1}): re-encode the "
-                            "file as UTF-8", "_pf_raw": raw.decode("utf-8", "replace")})
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            records.append({SOURCE: where, ERROR: f"{name} is not valid JSON ({e.msg} at "
-                            f"column {e.colno}): fix or remove the line", "_pf_raw": text})
-            continue
-        except RecursionError:
-            records.append({SOURCE: where, ERROR: f"{name} is nested too deeply to read (JSON "
-                            "arrays or objects inside thousands of others): flatten the value",
-                            "_pf_raw": text[:1000]})
-            continue
-        if _SURROGATE_ESCAPE.search(text) and not _is_unicode(value):
-            records.append({SOURCE: where, ERROR: f"{name} is not valid Unicode (lone surrogate: a "
-                            "\\uD800-\\uDFFF escape without its pair): fix the escape", "_pf_raw": text})
-            continue
-        if not isinstance(value, dict):
-            records.append({SOURCE: where, ERROR: f"{name} is a JSON {type(value).__name__},"
-                            " not an object: each line must be one JSON object", "_pf_raw": text})
-            continue
-        reserved = [k for k in value if k.startswith(RESERVED)]
-        for k in reserved:  # the row's other columns stay in its error record
-            del value[k]
-        value[SOURCE], value[ERROR] = where, _reserved_error(reserved, name)
-        records.append(value)
+        records.append(_parse_line(raw, where, name))
     return records
+
+
+def _parse_line(raw: bytes, where: str, name: str) -> dict[str, Any]:
+    """One JSONL line's record (`where` its source, `name` the line in errors): its object, with
+    _pf_error set when a reserved key was dropped; or only the error and the raw text when it
+    is broken."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return {SOURCE: where, ERROR: f"{name} is not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                f"{e.start + 1}): re-encode the file as UTF-8", "_pf_raw": raw.decode("utf-8", "replace")}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return {SOURCE: where, ERROR: f"{name} is not valid JSON ({e.msg} at column {e.colno}): fix or "
+                "remove the line", "_pf_raw": text}
+    except RecursionError:
+        return {SOURCE: where, ERROR: f"{name} is nested too deeply to read (JSON arrays or objects inside "
+                "thousands of others): flatten the value", "_pf_raw": text[:1000]}
+    if _SURROGATE_ESCAPE.search(text) and not _is_unicode(value):
+        return {SOURCE: where, ERROR: f"{name} is not valid Unicode (lone surrogate: a \\uD800-\\uDFFF escape "
+                "without its pair): fix the escape", "_pf_raw": text}
+    if not isinstance(value, dict):
+        return {SOURCE: where, ERROR: f"{name} is a JSON {type(value).__name__}, not an object: each line must "
+                "be one JSON object", "_pf_raw": text}
+    reserved = [k for k in value if k.startswith(RESERVED)]
+    for k in reserved:  # the row's other columns stay in its error record
+        del value[k]
+    value[SOURCE], value[ERROR] = where, _reserved_error(reserved, name)
+    return value
 
 
 def _is_unicode(value: Any) -> bool:

@@ -1,17 +1,21 @@
-"""The generate stage of a job: R engine actors under Ray core, fed by one work queue, each
-restarted alone when it dies.
+"""The one driver of a job's engine actors, for every face: R actors under Ray core, fed by one
+work queue, each restarted alone when it dies.
 
-    manifests, faults = run_replicas(processor, planned, sink, wopts, spec, progress)
+    manifests, faults = Supervisor(config, planned, sink, wopts, max_retries, progress).run()
+    for _ in Supervisor(config, planned, sink, None, max_retries).steps(): ...  # the Python API
 
 One actor per replica runs `ReplicaGenerator.run_item`, taking plan units from the job's
 WorkQueue (operators/stages/work_queue.py: its own replica's in plan order, then, run dry, the last
-unstarted units of the busiest replica) and committing each part itself (operators/results/commit.py);
-one more writes the error records (ERRORS_ITEM). When an actor dies, the units it held go back
+unstarted units of the busiest replica) and committing each part itself: to the output path
+(a job run from a spec, operators/results/commit.py), or, with no WriteOptions (the Python API,
+whose rows leave as a Dataset's blocks), to the job's MetricsSink, which keeps each committed
+block in the object store until the driver takes it (operators/results/write.MetricsSink.commit_block).
+One more actor writes the error records (ERRORS_ITEM). When an actor dies, the units it held go back
 to its replica's queue with their uncommitted rows, and its replica starts again on a new
 actor; the others never stop, and take those units themselves when the new actor cannot start
 (a node lost). An actor whose resources do not exist yet (a node to be added) starts when they
 do and takes work then. Whether a death is a row's fault, and when to give a replica up or stop
-the job, is decided by jobs/attempts.py.
+the job, is decided by operators/stages/attempts.py.
 
 Ray Data's actor pool is not used here on purpose: a dead actor fails its whole execution,
 which stops every replica (and reloads every model) for one death.
@@ -22,23 +26,26 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
-from prefixflow.jobs.attempts import AttemptLedger
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.faces.processor import engine_actor_options
 from prefixflow.operators.results.commit import Committed, load_committed
 from prefixflow.operators.results.write import WriteOptions
+from prefixflow.operators.stages.attempts import AttemptLedger
 from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.stages.plan import unit_payload_refs
+from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
 from prefixflow.operators.stages.work_queue import WorkQueue
 
-if TYPE_CHECKING:  # annotations only (jobs/spec.py imports pydantic; processor.py is imported above)
-    from prefixflow.jobs.spec import JobSpec
-    from prefixflow.operators.faces.processor import Processor
-    from prefixflow.operators.stages.plan import PlannedJob
+
+class Progress(Protocol):
+    """What the driver tells a progress display (jobs/report.Progress, the CLI's line)."""
+
+    def live(self, replicas: dict[int, dict[str, Any]]) -> None: ...
+
+    def update(self, manifest: dict[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass
@@ -50,24 +57,24 @@ class _Running:
     rows: np.ndarray   # the error item's rows when it started (committed ones included)
 
 
-def run_replicas(processor: Processor, planned: PlannedJob, sink: Any, wopts: WriteOptions, spec: JobSpec,
-                 progress: Any) -> tuple[list[dict], dict[str, Any]]:
-    """Run every uncommitted row; returns this run's manifest rows and the fault report."""
-    return Supervisor(processor.config, planned, sink, wopts, spec.max_retries_per_row,
-                      progress).run()
-
-
 class Supervisor:
     """The engine actors of one job run and their work queue: starts an actor per replica while
     units are queued (and one for the error records), restarts a replica whose actor died after
-    handing its units back, gives a replica up when the ledger says so."""
+    handing its units back, gives a replica up when the ledger says so.
 
-    def __init__(self, config: ProcessorConfig, planned: PlannedJob, sink: Any, wopts: WriteOptions,
-                 max_retries_per_row: int, progress: Any):
+    wopts: where the actors commit their parts; None: to the sink (the Python API).
+    progress: the driver's display of committed parts and live counters (None: none).
+    engine_options: Ray options of the engine actors (default engine_actor_options(config)).
+    """
+
+    def __init__(self, config: ProcessorConfig, planned: PlannedJob, sink: Any, wopts: WriteOptions | None,
+                 max_retries_per_row: int, progress: Progress | None = None,
+                 engine_options: dict[str, Any] | None = None):
         import ray
 
         self.config, self.planned, self.sink, self.wopts, self.progress = (
             config, planned, sink, wopts, progress)
+        self.engine_options = engine_actor_options(config) if engine_options is None else engine_options
         self.actor_cls = ray.remote(ReplicaGenerator)
         self.payloads = unit_payload_refs(planned, config.replicas)
         plan = planned.plan
@@ -79,8 +86,16 @@ class Supervisor:
         self.failures: list[dict[str, Any]] = []
         self.manifests: list[dict] = []
         self.running: dict[Any, _Running] = {}  # task ref -> its run
-        self.last = load_committed(wopts.path, wopts.storage, clean=False)
+        self.last = self._committed()
         self.queue = self._start_queue(self.last)
+
+    def _committed(self) -> Committed:
+        """Every row committed so far: the output path's commit records, or the sink's."""
+        import ray
+
+        if self.wopts is None:
+            return ray.get(self.sink.committed_rows.remote())
+        return load_committed(self.wopts.path, self.wopts.storage, clean=False)
 
     def _start_queue(self, committed: Committed) -> Any:
         """The WorkQueue actor, on the driver's node (it lives as long as the driver), holding
@@ -102,6 +117,14 @@ class Supervisor:
             replica, plan.unit_seconds.tolist(), self.config.replicas, rows_left, done, self.config.work_stealing)
 
     def run(self) -> tuple[list[dict], dict[str, Any]]:
+        """Run every uncommitted row; returns this run's manifest rows and the fault report."""
+        for _ in self.steps():
+            pass
+        return self.manifests, self.report()
+
+    def steps(self) -> Iterator[None]:
+        """run's loop, yielding about twice a second (and whenever an item ends) so that the
+        caller can take what was committed. Closing it early stops every actor."""
         import ray
 
         self._start_missing(self.last)
@@ -113,22 +136,22 @@ class Supervisor:
             while self.running:
                 ready, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
                 self._drain()
-                if not ready:
+                if ready:
+                    # One read of the commits serves every item that just ended: an ended
+                    # item's actor commits nothing more, so its rows are all in this read.
+                    now = self._committed()
+                    for ref in ready:
+                        self._ended(self.running.pop(ref), ref, now)
+                    self._start_missing(now)
+                else:
                     self._stop_idle()
-                    continue
-                # One read of the commit records serves every item that just ended: an ended
-                # item's actor writes nothing more, so its rows are all in this read.
-                now = load_committed(self.wopts.path, self.wopts.storage, clean=False)
-                for ref in ready:
-                    self._ended(self.running.pop(ref), ref, now)
-                self._start_missing(now)
+                yield
             self._drain()
         finally:
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
-        self.queue_status = ray.get(self.queue.status.remote())
-        ray.kill(self.queue)
-        return self.manifests, self._report()
+            self.queue_status = ray.get(self.queue.status.remote())
+            ray.kill(self.queue)
 
     def _start_missing(self, committed: Committed) -> None:
         """Start an actor for every replica that has none running, is not given up and may take
@@ -160,7 +183,7 @@ class Supervisor:
         why = self.failures[-1]["error"] if self.failures else ""
         job = _with_error_rows(self.planned, self.poisoned, why)
         # The error records need no engine: that actor takes no GPU and no CPU slot.
-        opts = engine_actor_options(self.config, needs_engine=item != ERRORS_ITEM)
+        opts = self.engine_options if item != ERRORS_ITEM else engine_actor_options(self.config, needs_engine=False)
         actor = self.actor_cls.options(**opts).remote(
             config=self.config, rows=self.planned.rows, payloads=self.payloads,
             error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=self.sink,
@@ -189,10 +212,12 @@ class Supervisor:
         import ray
 
         polled = ray.get(self.sink.take_progress.remote())
-        self.progress.live(polled["live"])
+        if self.progress is not None:
+            self.progress.live(polled["live"])
         for m in polled["parts"]:
             self.manifests.append(m)
-            self.progress.update(m)
+            if self.progress is not None:
+                self.progress.update(m)
 
     def _ended(self, run: _Running, ref: Any, now: Committed) -> None:
         import ray
@@ -238,13 +263,42 @@ class Supervisor:
             ray.get(self.queue.release.remote(run.token, {u: v.tolist() for u, v in left.items()}, run.item))
         self.given_up.update(give_up)
 
-    def _report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, Any]:
+        """The fault report of the run (metrics.json's fault_tolerance, with the counts of rows)."""
         status = self.queue_status
         return {"engine_failures": len(self.failures), "failures": self.failures,
                 "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
                 "replicas_given_up": sorted(self.given_up), "rows_given_up": len(self.poisoned),
                 "work_queue": {"units": status["units"], "steals": status["steals"],
                                "paces": status["paces"]}}
+
+
+def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
+    """Ray options of an engine actor: its resources (none when it only writes error records,
+    needs_engine=False); spread over the cluster's nodes (data-parallel replicas share no
+    state, and each one wants a node's memory bandwidth to itself); no restarts, no task
+    retries (a death is handled by whoever runs the actors, which knows what was committed)."""
+    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
+                            "max_restarts": 0, "max_task_retries": 0, "scheduling_strategy": "SPREAD"}
+    gpus = gpus_per_replica(cfg) if needs_engine else 0
+    if gpus:
+        opts["num_gpus"] = gpus
+    if cfg.runtime_env is not None:
+        opts["runtime_env"] = cfg.runtime_env
+    return opts
+
+
+def gpus_per_replica(cfg: ProcessorConfig) -> float:
+    """An engine actor's GPUs: num_gpus_per_replica, or where that is None (decide when the job
+    runs) the engine's tensor_parallel_size x pipeline_parallel_size on a cluster with GPUs,
+    none on one without (vLLM's CPU backend, the native engine on CPUs)."""
+    if cfg.num_gpus_per_replica is not None:
+        return cfg.num_gpus_per_replica
+    import ray
+
+    if not ray.cluster_resources().get("GPU"):
+        return 0.0
+    return float(cfg.engine_workers)
 
 
 def replicas_to_start(queued: list[int], running: set[int], given_up: set[int], stealing: bool) -> list[int]:

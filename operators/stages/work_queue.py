@@ -22,10 +22,10 @@ A unit is taken by one engine at a time, so a row never runs twice. When an engi
 driver hands back its units with the rows still uncommitted (`release`); they go to the front of
 the dead replica's queue, for its restarted engine or, if that never comes (a node lost), for
 the others to take; engines that had ended are started again by the driver while units are
-queued (jobs/supervise.py). A replica whose engine starts late (a node added; replicas given as a
+queued (operators/stages/supervise.py). A replica whose engine starts late (a node added; replicas given as a
 range) takes its own queue's remains, then steals like any other.
 
-Pure Python: the job driver (jobs/supervise.py) runs one as a Ray actor on its own node; the
+Pure Python: the job driver (operators/stages/supervise.py) runs one as a Ray actor on its own node; the
 tests drive it directly.
 """
 

@@ -1,10 +1,10 @@
-"""The rules for engine actors that keep dying (jobs/attempts.py), decided without Ray."""
+"""The rules for engine actors that keep dying (operators/stages/attempts.py), decided without Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixflow.jobs.attempts import ERRORS_ITEM, AttemptLedger, EnginesKeepDying
+from prefixflow.operators.stages.attempts import ERRORS_ITEM, AttemptLedger, EnginesKeepDying
 
 
 def test_a_replica_dying_without_progress_is_given_up_after_its_retries():

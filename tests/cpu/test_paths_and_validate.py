@@ -27,7 +27,7 @@ import yaml
 
 from prefixflow.cli import main as cli
 from prefixflow.jobs.preflight import preflight
-from prefixflow.jobs.run import run_job, write_options
+from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import SpecError, load_yaml, parse_spec
 from prefixflow.operators.results.commit import input_listing
 from prefixflow.operators.results.write import read_output
@@ -79,11 +79,11 @@ def test_a_scheme_in_capitals_writes_where_it_says(tiny_model, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     spec = parse_spec(_job(tmp_path, tiny_model, out=f"FILE://{tmp_path}/out"))
     preflight(spec)
-    assert write_options(spec).path == f"file://{tmp_path}/out"  # never ./FILE:/...
+    assert spec.to_job().write.path == f"file://{tmp_path}/out"  # never ./FILE:/...
     link = tmp_path / "via"
     link.symlink_to(tmp_path, target_is_directory=True)
     spec = parse_spec(_job(tmp_path, tiny_model, out=f"file://{link}/x/../out2"))
-    assert write_options(spec).path == f"file://{tmp_path}/out2"  # what validate checked
+    assert spec.to_job().write.path == f"file://{tmp_path}/out2"  # what validate checked
 
 
 @pytest.mark.parametrize("out", ["", "   "])

@@ -1,6 +1,6 @@
 """The plan stage is shuffle-free: the executed datasets contain no all-to-all operator
 (shuffle, sort, repartition, aggregate, join), only per-row metadata reaches the planner, and
-the generate stage's input is one tiny work item per replica."""
+the engines' input is the plan's units, each fetching its own rows."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import ray
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.faces.processor import Processor
-from prefixflow.operators.stages.plan import _block_meta, fetch_rows, plan_dataset
+from prefixflow.operators.stages.plan import _block_meta, fetch_rows, plan_dataset, unit_payload_refs
 from prefixflow.operators.stages.read import ReadOptions, read_dataset
 
 ALL_TO_ALL_WORDS = ("Shuffle", "Sort", "Repartition", "Aggregate", "GroupBy", "Join", "Zip")
@@ -56,10 +56,11 @@ def test_plan_stage_moves_no_full_rows(ray_local, tiny_model, tmp_path):
     meta_bytes = sum(v.nbytes for v in meta.values() if isinstance(v, np.ndarray))
     assert block.column("document").nbytes > 0 and meta_bytes < 4 * text_bytes
 
-    # The generate stage starts from one work item per replica; rows come from the blocks.
-    generate = processor.generate(planned)
-    _assert_no_all_to_all(generate)
-    assert [op.name for op in _operators(generate)][0].startswith("FromItems")
+    # The engines take plan units, each one's rows fetched from the blocks where they lie.
+    payloads = unit_payload_refs(planned, 2)
+    units = [ray.get(ref) for refs in payloads for ref in refs]
+    assert sorted(r for u in units for r in u.unit.row_ids.tolist()) == list(range(len(rows)))
+    assert all(u.rows.num_rows == len(u.unit.row_ids) for u in units)
     assert planned.plan.summary["num_rows"] == len(rows) and len(planned.error_row_ids) == 0
 
     # A replica's rows, pulled from the object store in plan order.

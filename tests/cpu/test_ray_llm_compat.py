@@ -49,7 +49,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     assert ours.chat_template_kwargs == {"enable_thinking": False} and ours.runtime_env == {"env_vars": {"HF_TOKEN": "t"}}
     assert ours.num_gpus_per_replica is None  # decided when the job runs, on its cluster
     processor = prefixflow.build_processor(config, builder_kwargs={"chat_template_kwargs": {"x": 1}})
-    assert processor.engine_pool() == {"min_size": 1, "max_size": 2}  # Ray's autoscaling range
+    assert (processor.config.min_replicas, processor.config.replicas) == (1, 2)  # Ray's autoscaling range
     assert processor.config.chat_template_kwargs == {"enable_thinking": False}  # the stage's win
     assert processor.list_stage_names() == ["ChatTemplateStage", "TokenizeStage", "vLLMEngineStage"]
     assert not DetokenizeStageConfig(enabled=False).enabled

@@ -135,10 +135,10 @@ def test_without_stealing_each_replica_takes_only_its_own_and_drop_gives_the_res
 
 
 def test_the_driver_restarts_only_replicas_that_may_take_a_queued_unit():
-    """jobs/supervise.py asks replicas_to_start which replicas get an engine. Without stealing,
+    """operators/stages/supervise.py asks replicas_to_start which replicas get an engine. Without stealing,
     a replica whose own queue ran dry is not started again while another's units wait (the
     driver used to start, end and restart it in a loop, loading its model each time)."""
-    from prefixflow.jobs.supervise import replicas_to_start
+    from prefixflow.operators.stages.supervise import replicas_to_start
 
     q = queue([0, 1, 1, 1], steal=False)
     assert replicas_to_start(q.counts()["queued"], set(), set(), stealing=False) == [0, 1]
