@@ -49,14 +49,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/prefixflow demo
 
-# Lint (ruff), the type check (mypy through tests/typecheck.py; both configured in
-# pyproject.toml), the whole suite, then its fast part again in the floor venv (below): CI runs
-# all four. Two workers (pytest-xdist), each test file whole on one
+# Lint and the format check (ruff: `ruff format .` formats), the type check (mypy through
+# tests/typecheck.py; all configured in pyproject.toml), the whole suite, then its fast part
+# again in the floor venv (below): CI runs all of them. Two workers (pytest-xdist), each test file whole on one
 # of them: a file's tests share its fixtures (one multi-node cluster, one S3 bucket), and each
 # worker has its own local Ray.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP) $(FLOOR_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python tests/typecheck.py
 	$(VENV)/bin/pytest $(PYTEST_WORKERS)
 	$(FLOOR_VENV)/bin/pytest $(PYTEST_WORKERS) $(FLOOR_TESTS)

@@ -52,8 +52,9 @@ class PlanOrderBatcher:
         return np.arange(min(self.max_requests, len(kv_lens)))
 
 
-def mixed_set(num: int, long_share: float, vocab: int, long_len: tuple[int, int] = (384, 512),
-              seed: int = 0) -> list[list[int]]:
+def mixed_set(
+    num: int, long_share: float, vocab: int, long_len: tuple[int, int] = (384, 512), seed: int = 0
+) -> list[list[int]]:
     """`num` prompts, a `long_share` of them long (`long_len` tokens), the rest short (16-48)."""
     rng = random.Random(seed)
     num_long = round(num * long_share)
@@ -69,8 +70,12 @@ def run_arm(engine: LLMEngine, prompts: list[list[int]]) -> dict:
 
     def recording_schedule():
         out = original()
-        plans.append(([len(c.owner.token_ids) for c in out.chunks if c.kind == "decode"],
-                      [(c.owner.own_start + c.start, c.num_tokens) for c in out.chunks if c.kind != "decode"]))
+        plans.append(
+            (
+                [len(c.owner.token_ids) for c in out.chunks if c.kind == "decode"],
+                [(c.owner.own_start + c.start, c.num_tokens) for c in out.chunks if c.kind != "decode"],
+            )
+        )
         return out
 
     engine.reset_prefix_cache()
@@ -85,8 +90,13 @@ def run_arm(engine: LLMEngine, prompts: list[list[int]]) -> dict:
     if errors:  # e.g. prompts longer than the model's 2048 positions: the arms would not compare
         raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
     tokens = [list(o.token_ids) for o in outs]
-    return dict(**rates, steps=len(plans), plans=plans, preemptions=engine.totals.num_preemptions,
-                tokens_sha=hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16])
+    return dict(
+        **rates,
+        steps=len(plans),
+        plans=plans,
+        preemptions=engine.totals.num_preemptions,
+        tokens_sha=hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+    )
 
 
 def spread(plans: list) -> float:
@@ -98,8 +108,10 @@ def spread(plans: list) -> float:
 def price(plans: list, model: ModelShape) -> dict:
     """The plans' predicted H100 seconds, with and without per-iteration bubbles."""
     cm = CostModel.create(model, "h100")
-    return {name: round(sum(cm.step_seconds(d, c, bubbles=b) for d, c in plans), 6)
-            for name, b in (("bubbles_s", True), ("balanced_s", False))}
+    return {
+        name: round(sum(cm.step_seconds(d, c, bubbles=b) for d, c in plans), 6)
+        for name, b in (("bubbles_s", True), ("balanced_s", False))
+    }
 
 
 def summarize(runs: dict[str, dict], shape: ModelShape) -> dict:
@@ -107,9 +119,13 @@ def summarize(runs: dict[str, dict], shape: ModelShape) -> dict:
     result = {}
     for arm, r in runs.items():
         plans = r.pop("plans")
-        r.update(decode_steps=sum(1 for d, _ in plans if d), decode_kv_spread=spread(plans),
-                 same_tokens_as_off=r["tokens_sha"] == off["tokens_sha"],
-                 h100_llama3_8b=price(plans, LLAMA3_8B), h100_bench_model=price(plans, shape))
+        r.update(
+            decode_steps=sum(1 for d, _ in plans if d),
+            decode_kv_spread=spread(plans),
+            same_tokens_as_off=r["tokens_sha"] == off["tokens_sha"],
+            h100_llama3_8b=price(plans, LLAMA3_8B),
+            h100_bench_model=price(plans, shape),
+        )
         result[arm] = r
     for arm, r in result.items():
         r["cpu_s_vs_off"] = round(r["cpu_s"] / result["off"]["cpu_s"], 3)
@@ -119,7 +135,7 @@ def summarize(runs: dict[str, dict], shape: ModelShape) -> dict:
     return result
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num", type=int, default=64)
     ap.add_argument("--long-share", type=float, default=0.25)
@@ -130,42 +146,85 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/aligned_bench.json")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL))
-    shape = ModelShape.from_hf_config(path)
-    batches = [int(n) for n in args.batches.split(",")]
-    arms = {"off": None, **{f"{kind}_{n}": n for n in batches for kind in ("on", "plan")}}
-    engines = {arm: LLMEngine(EngineConfig(model=path, device="cpu", kv_cache_bytes=args.kv_cache_mib << 20,
-                                           max_num_batched_tokens=args.max_num_batched_tokens,
-                                           aligned_decode_batch=n)) for arm, n in arms.items()}
+    return ap.parse_args()
+
+
+def build_engines(path: str, arms: dict[str, int | None], args: argparse.Namespace) -> dict[str, LLMEngine]:
+    """One engine per arm; the "plan_N" arms get the plan-order batcher in place of the aligned one."""
+    engines = {
+        arm: LLMEngine(
+            EngineConfig(
+                model=path,
+                device="cpu",
+                kv_cache_bytes=args.kv_cache_mib << 20,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                aligned_decode_batch=n,
+            )
+        )
+        for arm, n in arms.items()
+    }
     for arm, n in arms.items():
         if arm.startswith("plan_"):
             engines[arm].scheduler.aligned = PlanOrderBatcher(min(n, args.max_num_batched_tokens))
-    lo, hi = (int(x) for x in args.long_len.split(","))
-    long_len = (lo, hi)
-    prompts = mixed_set(args.num, args.long_share, engines["off"].runner.vocab_size, long_len)
-    for engine in engines.values():
-        engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # first-call costs out
+    return engines
+
+
+def best_runs(engines: dict[str, LLMEngine], prompts: list[list[int]], repeats: int) -> tuple[dict[str, dict], list]:
+    """The arms run interleaved `repeats` times; per arm the run with the least CPU time, and the
+    load averages before the first and after each repeat."""
     loads = [os.getloadavg()]
     best: dict[str, dict] = {}
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         for arm, engine in engines.items():
             r = run_arm(engine, prompts)
             print(f"  {arm} run {rep}: cpu {r['cpu_s']} s, wall {r['wall_s']} s, {r['steps']} steps", flush=True)
             if arm not in best or r["cpu_s"] < best[arm]["cpu_s"]:
                 best[arm] = r
         loads.append(os.getloadavg())
+    return best, loads
+
+
+def _meta(args: argparse.Namespace, long_len: tuple[int, int], loads: list) -> dict:
+    return dict(
+        model=MODEL,
+        dtype="float32",
+        device="cpu",
+        prompts=args.num,
+        long_share=args.long_share,
+        long_len=long_len,
+        short_len=(16, 48),
+        kv_cache_mib=args.kv_cache_mib,
+        output_len=OUTPUT_LEN,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        repeats=args.repeats,
+        threads=torch.get_num_threads(),
+        cpus=os.cpu_count(),
+        machine=platform.machine(),
+        torch=torch.__version__,
+        load_avg=loads,
+        timing="process CPU time, least of the interleaved repeats",
+        gpu_prediction="pipeline/cost_model.py CostModel.step_seconds on the h100 profile: a "
+        "model's prediction for the same step plans, not a measurement",
+    )
+
+
+def main() -> None:
+    args = _parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL))
+    shape = ModelShape.from_hf_config(path)
+    batches = [int(n) for n in args.batches.split(",")]
+    arms = {"off": None, **{f"{kind}_{n}": n for n in batches for kind in ("on", "plan")}}
+    engines = build_engines(path, arms, args)
+    lo, hi = (int(x) for x in args.long_len.split(","))
+    long_len = (lo, hi)
+    prompts = mixed_set(args.num, args.long_share, engines["off"].runner.vocab_size, long_len)
+    for engine in engines.values():
+        engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # first-call costs out
+    best, loads = best_runs(engines, prompts, args.repeats)
     result = summarize(best, shape)
-    meta = dict(model=MODEL, dtype="float32", device="cpu", prompts=args.num, long_share=args.long_share,
-                long_len=long_len, short_len=(16, 48), kv_cache_mib=args.kv_cache_mib,
-                output_len=OUTPUT_LEN, max_num_batched_tokens=args.max_num_batched_tokens,
-                repeats=args.repeats, threads=torch.get_num_threads(), cpus=os.cpu_count(),
-                machine=platform.machine(), torch=torch.__version__, load_avg=loads,
-                timing="process CPU time, least of the interleaved repeats",
-                gpu_prediction="pipeline/cost_model.py CostModel.step_seconds on the h100 profile: a "
-                               "model's prediction for the same step plans, not a measurement")
+    meta = _meta(args, long_len, loads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, **result}, indent=1))

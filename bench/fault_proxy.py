@@ -18,16 +18,19 @@ from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class FaultProxy:
     """Forwards to `upstream`; request n (counted from 1) gets a 503 when n % fail_every == 0,
     sleeps delay_s first when n % delay_every == 0, and every PUT after `puts_ok` PUTs fails."""
 
-    def __init__(self, upstream: str, fail_every: int = 0, delay_every: int = 0,
-                 delay_s: float = 0.2, puts_ok: int | None = None):
+    def __init__(
+        self, upstream: str, fail_every: int = 0, delay_every: int = 0, delay_s: float = 0.2, puts_ok: int | None = None
+    ):
         self.upstream = urlparse(upstream)
         self.fail_every, self.delay_every, self.delay_s, self.puts_ok = fail_every, delay_every, delay_s, puts_ok
         self.lock = threading.Lock()
@@ -86,7 +89,8 @@ class FaultProxy:
         for k, v in resp.getheaders():
             # A HEAD answer keeps the object's Content-Length (it has no body of its own).
             if k.lower() not in ("transfer-encoding", "connection") and (
-                    k.lower() != "content-length" or req.command == "HEAD"):
+                k.lower() != "content-length" or req.command == "HEAD"
+            ):
                 req.send_header(k, v)
         if req.command != "HEAD":
             req.send_header("Content-Length", str(len(data)))
@@ -110,8 +114,11 @@ def start_moto_server(timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
     """moto's S3 server (from this environment) on a free loopback port, once it accepts
     connections; returns the process and its endpoint URL."""
     port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:

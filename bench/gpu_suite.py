@@ -26,12 +26,18 @@ def run_gpu_tests() -> dict:
     """pytest tests/gpu -> {passed, failed, skipped, errors, failures: [test ids], seconds}."""
     with tempfile.TemporaryDirectory() as tmp:
         xml_path = Path(tmp) / "gpu.xml"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q",
-                               f"--junitxml={xml_path}"], cwd=REPO, capture_output=True,
-                              text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "tests/gpu", "-q", f"--junitxml={xml_path}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         if not xml_path.exists():
-            return dict(returncode=proc.returncode, error="pytest wrote no report",
-                        output_tail=(proc.stdout + proc.stderr)[-4000:])
+            return dict(
+                returncode=proc.returncode,
+                error="pytest wrote no report",
+                output_tail=(proc.stdout + proc.stderr)[-4000:],
+            )
         suites = ET.parse(xml_path).getroot()
     counts = dict(tests=0, failures=0, errors=0, skipped=0, time=0.0)
     failed: list[str] = []
@@ -42,9 +48,16 @@ def run_gpu_tests() -> dict:
             if case.find("failure") is not None or case.find("error") is not None:
                 failed.append(f"{case.get('classname')}::{case.get('name')}")
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    return dict(returncode=proc.returncode, passed=passed, failed=counts["failures"],
-                errors=counts["errors"], skipped=counts["skipped"], seconds=counts["time"],
-                failures=failed, output_tail=proc.stdout[-4000:])
+    return dict(
+        returncode=proc.returncode,
+        passed=passed,
+        failed=counts["failures"],
+        errors=counts["errors"],
+        skipped=counts["skipped"],
+        seconds=counts["time"],
+        failures=failed,
+        output_tail=proc.stdout[-4000:],
+    )
 
 
 def main() -> None:
@@ -57,7 +70,7 @@ def main() -> None:
     from prefixflow.bench import kernel_bench
 
     tests = run_gpu_tests()
-    print(f"tests/gpu: {({k: v for k, v in tests.items() if k != 'output_tail'})}")
+    print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }")
     bench = kernel_bench.run(args.quick)
     results = kernel_bench.RESULTS_DIR
     results.mkdir(parents=True, exist_ok=True)

@@ -27,20 +27,26 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from prefixflow.kernels import (packed_prefill_attention, paged_decode_attention,
-                                prefix_shared_attention, rms_norm, rms_norm_ref,
-                                rotary_embedding, rotary_embedding_ref, write_kv_cache)
+from prefixflow.kernels import (
+    packed_prefill_attention,
+    paged_decode_attention,
+    prefix_shared_attention,
+    rms_norm,
+    rms_norm_ref,
+    rotary_embedding,
+    rotary_embedding_ref,
+    write_kv_cache,
+)
 from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPE = torch.bfloat16
-HQ, HKV, D, BLOCK = 32, 8, 128, 16      # Llama-3-8B-like attention
+HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B-like attention
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 5, min_runs: int = 20,
-            budget_ms: float = 400.0) -> float:
+def time_ms(fn: Callable[[], object], warmup: int = 5, min_runs: int = 20, budget_ms: float = 400.0) -> float:
     """Median of per-run CUDA-event times after warm-up (at least min_runs runs)."""
     for _ in range(warmup):
         fn()
@@ -68,7 +74,7 @@ def matmul_tflops(dtype: torch.dtype = DTYPE, n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
     ms = time_ms(lambda: a @ b)
-    return 2 * n ** 3 / ms / 1e9
+    return 2 * n**3 / ms / 1e9
 
 
 def kv_bytes(num_tokens: int, elem: int = 2) -> int:
@@ -76,9 +82,18 @@ def kv_bytes(num_tokens: int, elem: int = 2) -> int:
 
 
 def _case(groups, solo, seed: int = 0) -> PrefixCase:
-    return make_prefix_case(groups, solo, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                            block_size=BLOCK, dtype=DTYPE, seed=seed, device="cuda",
-                            spare_blocks=0)
+    return make_prefix_case(
+        groups,
+        solo,
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        block_size=BLOCK,
+        dtype=DTYPE,
+        seed=seed,
+        device="cuda",
+        spare_blocks=0,
+    )
 
 
 def _full_tables(c: PrefixCase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +104,8 @@ def _full_tables(c: PrefixCase) -> tuple[torch.Tensor, torch.Tensor]:
     for s, own in enumerate(lens):
         g = next((g for g in range(len(plens)) if ranges[g] <= s < ranges[g + 1]), -1)
         assert g < 0 or plens[g] % BLOCK == 0
-        pre = c.prefix_block_tables[g, :plens[g] // BLOCK].tolist() if g >= 0 else []
-        rows.append(pre + c.block_tables[s, :-(-own // BLOCK)].tolist())
+        pre = c.prefix_block_tables[g, : plens[g] // BLOCK].tolist() if g >= 0 else []
+        rows.append(pre + c.block_tables[s, : -(-own // BLOCK)].tolist())
         lens[s] = own + (plens[g] if g >= 0 else 0)
     width = max(len(r) for r in rows)
     tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
@@ -104,10 +119,10 @@ def _paged_decode_loop(c: PrefixCase, kv_len: int) -> Callable[[], None]:
     def run() -> None:
         for s in range(c.q.shape[0]):
             blocks = c.block_tables[s, :nb].long()
-            k = c.k_cache[blocks].reshape(-1, HKV, D)[:kv_len].transpose(0, 1)   # [Hkv, L, D]
+            k = c.k_cache[blocks].reshape(-1, HKV, D)[:kv_len].transpose(0, 1)  # [Hkv, L, D]
             v = c.v_cache[blocks].reshape(-1, HKV, D)[:kv_len].transpose(0, 1)
-            F.scaled_dot_product_attention(c.q[s].unsqueeze(1), k, v, scale=c.scale,
-                                           enable_gqa=True)
+            F.scaled_dot_product_attention(c.q[s].unsqueeze(1), k, v, scale=c.scale, enable_gqa=True)
+
     return run
 
 
@@ -119,18 +134,24 @@ def bench_decode(num_seqs: int, kv_len: int, copy_gbs: float) -> dict:
     blocks = c.block_tables[:, :nb].long()
     kd = c.k_cache[blocks].reshape(num_seqs, -1, HKV, D)[:, :kv_len].transpose(1, 2).contiguous()
     vd = c.v_cache[blocks].reshape(num_seqs, -1, HKV, D)[:, :kv_len].transpose(1, 2).contiguous()
-    qd = c.q.unsqueeze(2)                                                    # [S, Hq, 1, D]
-    dense = time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=c.scale,
-                                                           enable_gqa=True))
+    qd = c.q.unsqueeze(2)  # [S, Hq, 1, D]
+    dense = time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=c.scale, enable_gqa=True))
     loop = time_ms(_paged_decode_loop(c, kv_len), warmup=1, min_runs=3)
     gbs = kv_bytes(num_seqs * kv_len) / ours / 1e6
-    return dict(kernel="paged_decode", num_seqs=num_seqs, kv_len=kv_len, ours_ms=ours,
-                sdpa_dense_contiguous_ms=dense, torch_per_request_loop_ms=loop,
-                speedup_vs_loop=loop / ours, kv_gbs=gbs, frac_of_copy_bw=gbs / copy_gbs)
+    return dict(
+        kernel="paged_decode",
+        num_seqs=num_seqs,
+        kv_len=kv_len,
+        ours_ms=ours,
+        sdpa_dense_contiguous_ms=dense,
+        torch_per_request_loop_ms=loop,
+        speedup_vs_loop=loop / ours,
+        kv_gbs=gbs,
+        frac_of_copy_bw=gbs / copy_gbs,
+    )
 
 
-def bench_prefix_decode(prefix: int, distinct: int, degree: int, num_requests: int,
-                        copy_gbs: float) -> dict:
+def bench_prefix_decode(prefix: int, distinct: int, degree: int, num_requests: int, copy_gbs: float) -> dict:
     groups = [(prefix, [(1, distinct)] * degree) for _ in range(num_requests // degree)]
     c = _case(groups, [])
     ours_out = prefix_shared_attention(*c.args())
@@ -141,11 +162,19 @@ def bench_prefix_decode(prefix: int, distinct: int, degree: int, num_requests: i
     paged = time_ms(lambda: paged_decode_attention(*dargs, out=paged_out))
     diff = float((ours_out.float() - paged_out.float()).abs().max())
     unique = kv_bytes(len(groups) * prefix + num_requests * distinct)
-    return dict(kernel="prefix_shared_decode", prefix_len=prefix, distinct_len=distinct,
-                sharing_degree=degree, num_requests=num_requests, ours_ms=ours,
-                paged_decode_ms=paged, speedup_vs_paged_decode=paged / ours,
-                max_abs_diff_vs_paged_decode=diff, unique_kv_gbs=unique / ours / 1e6,
-                frac_of_copy_bw=unique / ours / 1e6 / copy_gbs)
+    return dict(
+        kernel="prefix_shared_decode",
+        prefix_len=prefix,
+        distinct_len=distinct,
+        sharing_degree=degree,
+        num_requests=num_requests,
+        ours_ms=ours,
+        paged_decode_ms=paged,
+        speedup_vs_paged_decode=paged / ours,
+        max_abs_diff_vs_paged_decode=diff,
+        unique_kv_gbs=unique / ours / 1e6,
+        frac_of_copy_bw=unique / ours / 1e6 / copy_gbs,
+    )
 
 
 def _attention_flops(q_lens: list[int], keys_last: list[int]) -> float:
@@ -166,9 +195,15 @@ def bench_mixed(num_prefill: int, chunk: int, num_decode: int, tflops: float) ->
     q_lens = [chunk] * num_prefill + [1] * num_decode
     keys = [2000 + chunk] * num_prefill + [2200] * num_decode
     flops = _attention_flops(q_lens, keys)
-    return dict(kernel="prefix_shared_mixed", num_prefill=num_prefill, chunk=chunk,
-                num_decode=num_decode, ours_ms=ours, tflops=flops / ours / 1e9,
-                frac_of_matmul=flops / ours / 1e9 / tflops)
+    return dict(
+        kernel="prefix_shared_mixed",
+        num_prefill=num_prefill,
+        chunk=chunk,
+        num_decode=num_decode,
+        ours_ms=ours,
+        tflops=flops / ours / 1e9,
+        frac_of_matmul=flops / ours / 1e9 / tflops,
+    )
 
 
 def bench_prefill(num_prompts: int, length: int, tflops: float) -> dict:
@@ -178,19 +213,31 @@ def bench_prefill(num_prompts: int, length: int, tflops: float) -> dict:
     v = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE)
     cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    ours = time_ms(lambda: packed_prefill_attention(q, k, v, cu, D ** -0.5, out=out))
+    ours = time_ms(lambda: packed_prefill_attention(q, k, v, cu, D**-0.5, out=out))
 
     def loop() -> None:
         for lo in range(0, t, length):
-            F.scaled_dot_product_attention(q[lo:lo + length].transpose(0, 1),
-                                           k[lo:lo + length].transpose(0, 1),
-                                           v[lo:lo + length].transpose(0, 1), is_causal=True,
-                                           scale=D ** -0.5, enable_gqa=True)
+            F.scaled_dot_product_attention(
+                q[lo : lo + length].transpose(0, 1),
+                k[lo : lo + length].transpose(0, 1),
+                v[lo : lo + length].transpose(0, 1),
+                is_causal=True,
+                scale=D**-0.5,
+                enable_gqa=True,
+            )
+
     sdpa = time_ms(loop)
     flops = _attention_flops([length] * num_prompts, [length] * num_prompts)
-    return dict(kernel="packed_prefill", num_prompts=num_prompts, length=length, ours_ms=ours,
-                sdpa_per_prompt_ms=sdpa, speedup_vs_sdpa=sdpa / ours,
-                tflops=flops / ours / 1e9, frac_of_matmul=flops / ours / 1e9 / tflops)
+    return dict(
+        kernel="packed_prefill",
+        num_prompts=num_prompts,
+        length=length,
+        ours_ms=ours,
+        sdpa_per_prompt_ms=sdpa,
+        speedup_vs_sdpa=sdpa / ours,
+        tflops=flops / ours / 1e9,
+        frac_of_matmul=flops / ours / 1e9 / tflops,
+    )
 
 
 def bench_kv_write(num_tokens: int, copy_gbs: float) -> dict:
@@ -200,9 +247,8 @@ def bench_kv_write(num_tokens: int, copy_gbs: float) -> dict:
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(num_tokens, device="cuda")
     ours = time_ms(lambda: write_kv_cache(k, v, k_cache, v_cache, slots))
-    gbs = 2 * kv_bytes(num_tokens) / ours / 1e6                       # read + write
-    return dict(kernel="write_kv_cache", num_tokens=num_tokens, ours_ms=ours, gbs=gbs,
-                frac_of_copy_bw=gbs / copy_gbs)
+    gbs = 2 * kv_bytes(num_tokens) / ours / 1e6  # read + write
+    return dict(kernel="write_kv_cache", num_tokens=num_tokens, ours_ms=ours, gbs=gbs, frac_of_copy_bw=gbs / copy_gbs)
 
 
 def bench_norm_rope(num_tokens: int, copy_gbs: float) -> list[dict]:
@@ -212,9 +258,9 @@ def bench_norm_rope(num_tokens: int, copy_gbs: float) -> list[dict]:
     w = torch.randn(hidden, device="cuda", dtype=DTYPE)
     ours = time_ms(lambda: rms_norm(x, w, 1e-5, res))
     eager = time_ms(lambda: rms_norm_ref(x, w, 1e-5, res))
-    norm_bytes = 4 * x.numel() * x.element_size()                     # x, res in; y, res out
+    norm_bytes = 4 * x.numel() * x.element_size()  # x, res in; y, res out
     qkv = torch.randn(num_tokens, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)
-    q, k = qkv[:, :HQ], qkv[:, HQ:HQ + HKV]
+    q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
     pos = torch.randint(0, 8192, (num_tokens,), device="cuda")
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     emb = torch.outer(torch.arange(8192, device="cuda").float(), inv).repeat(1, 2)
@@ -222,12 +268,25 @@ def bench_norm_rope(num_tokens: int, copy_gbs: float) -> list[dict]:
     ours_rope = time_ms(lambda: rotary_embedding(q, k, pos, cos_sin))
     eager_rope = time_ms(lambda: rotary_embedding_ref(q, k, pos, cos_sin))
     rope_bytes = 2 * num_tokens * (HQ + HKV) * D * qkv.element_size()
-    return [dict(kernel="rms_norm_residual", num_tokens=num_tokens, hidden=hidden, ours_ms=ours,
-                 torch_eager_ms=eager, speedup_vs_eager=eager / ours,
-                 frac_of_copy_bw=norm_bytes / ours / 1e6 / copy_gbs),
-            dict(kernel="rotary_qk", num_tokens=num_tokens, ours_ms=ours_rope,
-                 torch_eager_ms=eager_rope, speedup_vs_eager=eager_rope / ours_rope,
-                 frac_of_copy_bw=rope_bytes / ours_rope / 1e6 / copy_gbs)]
+    return [
+        dict(
+            kernel="rms_norm_residual",
+            num_tokens=num_tokens,
+            hidden=hidden,
+            ours_ms=ours,
+            torch_eager_ms=eager,
+            speedup_vs_eager=eager / ours,
+            frac_of_copy_bw=norm_bytes / ours / 1e6 / copy_gbs,
+        ),
+        dict(
+            kernel="rotary_qk",
+            num_tokens=num_tokens,
+            ours_ms=ours_rope,
+            torch_eager_ms=eager_rope,
+            speedup_vs_eager=eager_rope / ours_rope,
+            frac_of_copy_bw=rope_bytes / ours_rope / 1e6 / copy_gbs,
+        ),
+    ]
 
 
 def _sweep(run_with: Callable[[dict], object], configs: list[dict]) -> list[dict]:
@@ -246,19 +305,15 @@ def sweep_decode(num_seqs: int, kv_len: int) -> list[dict]:
     c = _case([], [(1, kv_len)] * num_seqs)
     out = torch.empty_like(c.q)
     args = (c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale)
-    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n in (32, 64, 128)
-               for w in (4, 8) for st in (2, 3)]
-    return _sweep(lambda cfg: paged_decode_attention_triton(*args, out=out, config=cfg),
-                  configs)
+    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    return _sweep(lambda cfg: paged_decode_attention_triton(*args, out=out, config=cfg), configs)
 
 
 def sweep_prefix_decode(prefix: int, distinct: int, degree: int, num_requests: int) -> list[dict]:
     c = _case([(prefix, [(1, distinct)] * degree) for _ in range(num_requests // degree)], [])
     out = torch.empty_like(c.q)
-    configs = [dict(NSP=nsp, BM_P=bm, BN_P=64, num_warps=w) for nsp in (1, 2, 4, 8)
-               for bm in (64, 128) for w in (4, 8)]
-    return _sweep(lambda cfg: prefix_shared_attention_triton(*c.args(), out=out, config=cfg),
-                  configs)
+    configs = [dict(NSP=nsp, BM_P=bm, BN_P=64, num_warps=w) for nsp in (1, 2, 4, 8) for bm in (64, 128) for w in (4, 8)]
+    return _sweep(lambda cfg: prefix_shared_attention_triton(*c.args(), out=out, config=cfg), configs)
 
 
 def gpu_slug() -> str:
@@ -267,10 +322,12 @@ def gpu_slug() -> str:
 
 def run(quick: bool = False) -> dict:
     copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
-    decode = [(256, 2200), (32, 2200)] if quick else [(256, 2200), (32, 2200), (256, 1024),
-                                                       (64, 8192), (8, 32768)]
-    prefix = [(2000, 200, 16, 256)] if quick else [(2000, 200, 16, 256), (2000, 200, 256, 256),
-                                                   (2048, 256, 32, 32), (256, 2048, 256, 256)]
+    decode = [(256, 2200), (32, 2200)] if quick else [(256, 2200), (32, 2200), (256, 1024), (64, 8192), (8, 32768)]
+    prefix = (
+        [(2000, 200, 16, 256)]
+        if quick
+        else [(2000, 200, 16, 256), (2000, 200, 256, 256), (2048, 256, 32, 32), (256, 2048, 256, 256)]
+    )
     prefill = [(8, 1024)] if quick else [(8, 1024), (2, 4096), (32, 256)]
     results = [bench_decode(s, n, copy_gbs) for s, n in decode]
     results += [bench_prefix_decode(*p, copy_gbs) for p in prefix]
@@ -280,15 +337,26 @@ def run(quick: bool = False) -> dict:
     results += bench_norm_rope(8192, copy_gbs)
     headline = [r for r in results if r["kernel"] == "prefix_shared_decode"][0]
     decode_main = results[0]
-    sweeps = dict(paged_decode_256x2200=sweep_decode(256, 2200),
-                  prefix_shared_decode_2000_200_16_256=sweep_prefix_decode(2000, 200, 16, 256))
+    sweeps = dict(
+        paged_decode_256x2200=sweep_decode(256, 2200),
+        prefix_shared_decode_2000_200_16_256=sweep_prefix_decode(2000, 200, 16, 256),
+    )
     return dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-        triton=__import__("triton").__version__, dtype=str(DTYPE), heads=(HQ, HKV, D),
-        block_size=BLOCK, copy_bandwidth_gbs=copy_gbs, matmul_tflops=tflops,
-        goals={"decode_frac_of_copy_bw>=0.7": decode_main["frac_of_copy_bw"] >= 0.7,
-               "prefix_shared_speedup>=4": headline["speedup_vs_paged_decode"] >= 4.0},
-        results=results, sweeps=sweeps)
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        dtype=str(DTYPE),
+        heads=(HQ, HKV, D),
+        block_size=BLOCK,
+        copy_bandwidth_gbs=copy_gbs,
+        matmul_tflops=tflops,
+        goals={
+            "decode_frac_of_copy_bw>=0.7": decode_main["frac_of_copy_bw"] >= 0.7,
+            "prefix_shared_speedup>=4": headline["speedup_vs_paged_decode"] >= 4.0,
+        },
+        results=results,
+        sweeps=sweeps,
+    )
 
 
 def main() -> None:

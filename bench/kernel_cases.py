@@ -28,11 +28,32 @@ class PrefixCase:
     prefix_seq_ranges: torch.Tensor
     scale: float
 
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.kv_lens,
-                self.block_tables, self.prefix_lens, self.prefix_block_tables,
-                self.prefix_seq_ranges, self.scale)
+    def args(
+        self,
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+    ]:
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.cu_seqlens_q,
+            self.kv_lens,
+            self.block_tables,
+            self.prefix_lens,
+            self.prefix_block_tables,
+            self.prefix_seq_ranges,
+            self.scale,
+        )
 
 
 def _i32(x: list, device: str) -> torch.Tensor:
@@ -49,17 +70,26 @@ def _tables(lens: list[int], block_size: int, next_block: list[int], perm: list[
     return [r + [0] * (width - len(r)) for r in rows]
 
 
-def make_prefix_case(groups: list[tuple[int, list[tuple[int, int]]]],
-                     solo: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,
-                     head_dim: int, block_size: int, dtype: torch.dtype, seed: int,
-                     device: str = "cpu", spare_blocks: int = 3) -> PrefixCase:
+def make_prefix_case(
+    groups: list[tuple[int, list[tuple[int, int]]]],
+    solo: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: str = "cpu",
+    spare_blocks: int = 3,
+) -> PrefixCase:
     """groups: [(prefix_len, [(q_len, kv_len) per member])]; solo: [(q_len, kv_len)] without
     prefix. Sequences are ordered group by group, then the solo ones."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [m for _, members in groups for m in members] + list(solo)
     prefix_lens = [p for p, _ in groups]
     need = sum(-(-n // block_size) for n in prefix_lens + [kv for _, kv in seqs])
-    num_blocks = need + spare_blocks + 1          # block 0 stays a decoy of padded tables
+    num_blocks = need + spare_blocks + 1  # block 0 stays a decoy of padded tables
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     counter = [0]
     prefix_tables = _tables(prefix_lens, block_size, counter, perm)
@@ -72,14 +102,22 @@ def make_prefix_case(groups: list[tuple[int, list[tuple[int, int]]]],
     for q_len, _ in seqs:
         cu.append(cu[-1] + q_len)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    data_gen = torch.Generator(device=device).manual_seed(seed)    # big tensors on the device
+    data_gen = torch.Generator(device=device).manual_seed(seed)  # big tensors on the device
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(size, generator=data_gen, device=device).to(dtype)
 
     k_cache, v_cache, q = randn(*shape), randn(*shape), randn(cu[-1], num_heads, head_dim)
-    ptab = (_i32(prefix_tables, device) if groups
-            else torch.zeros((0, 1), dtype=torch.int32, device=device))
-    return PrefixCase(q, k_cache, v_cache, _i32(cu, device), _i32([kv for _, kv in seqs], device),
-                      _i32(seq_tables, device), _i32(prefix_lens, device), ptab,
-                      _i32(ranges, device), head_dim ** -0.5)
+    ptab = _i32(prefix_tables, device) if groups else torch.zeros((0, 1), dtype=torch.int32, device=device)
+    return PrefixCase(
+        q,
+        k_cache,
+        v_cache,
+        _i32(cu, device),
+        _i32([kv for _, kv in seqs], device),
+        _i32(seq_tables, device),
+        _i32(prefix_lens, device),
+        ptab,
+        _i32(ranges, device),
+        head_dim**-0.5,
+    )

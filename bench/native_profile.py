@@ -39,6 +39,7 @@ def _wrap(name: str, fn: Callable) -> Callable:
     def timed(*args: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function(f"part:{name}"):
             return fn(*args, **kwargs)
+
     return timed
 
 
@@ -67,12 +68,15 @@ def profile(model: str, quick: bool, cache: str, workload: str, repeats: int) ->
     from prefixflow.model_source import resolve_model
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **pb.MODEL) if model == "tiny"
-               else resolve_model(model))
+    path = str(
+        tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **pb.MODEL)
+        if model == "tiny"
+        else resolve_model(model)
+    )
     load = next(w for w in pb.workloads(quick) if w.name == workload)
     engine = pb.build_engine("native", pb.CACHES[cache], path)
     _instrument()
-    pb.run_engine(engine, load, "plan")                                   # warm-up
+    pb.run_engine(engine, load, "plan")  # warm-up
     walls: list[float] = []
     result: dict = {}
     for _ in range(repeats):
@@ -80,23 +84,26 @@ def profile(model: str, quick: bool, cache: str, workload: str, repeats: int) ->
         walls.append(result["wall_s"])
     steps: dict[str, list[float]] = defaultdict(list)
     for s in engine.stats:
-        steps["decode" if s.num_prefill_tokens + s.num_prefix_tokens == 0 else "prefill/mixed"
-              ].append(s.duration_s)
+        steps["decode" if s.num_prefill_tokens + s.num_prefix_tokens == 0 else "prefill/mixed"].append(s.duration_s)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         pb.run_engine(engine, load, "plan")
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) / 1e6
-    ops = sorted(((e.key, e.self_cpu_time_total / 1e6, e.count) for e in events
-                  if not e.key.startswith("part:")), key=lambda x: -x[1])[:12]
-    parts = {e.key[5:]: [round(e.cpu_time_total / 1e6, 4), e.count] for e in events
-             if e.key.startswith("part:")}
+    ops = sorted(
+        ((e.key, e.self_cpu_time_total / 1e6, e.count) for e in events if not e.key.startswith("part:")),
+        key=lambda x: -x[1],
+    )[:12]
+    parts = {e.key[5:]: [round(e.cpu_time_total / 1e6, 4), e.count] for e in events if e.key.startswith("part:")}
     return dict(
-        wall_s=min(walls), all_wall_s=walls, steps=result.get("steps"),
+        wall_s=min(walls),
+        all_wall_s=walls,
+        steps=result.get("steps"),
         outputs_sha=result.get("outputs_sha"),
         step_seconds={k: [round(sum(v), 4), len(v)] for k, v in steps.items()},
         profiled_cpu_s=round(total, 4),
         parts_cpu_s_calls=parts,
-        top_ops_self_cpu_s_calls=[[k, round(t, 4), c] for k, t, c in ops])
+        top_ops_self_cpu_s_calls=[[k, round(t, 4), c] for k, t, c in ops],
+    )
 
 
 def main() -> None:

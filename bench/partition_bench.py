@@ -61,7 +61,7 @@ def batchllm_workload(n: int, seed: int = 0) -> tuple[RaggedTokens, np.ndarray]:
 
 def blendserve_workload(n: int, seed: int = 0) -> tuple[RaggedTokens, np.ndarray]:
     rng = np.random.default_rng(seed)
-    kind = rng.choice(3, size=n, p=[0.45, 0.35, 0.20])        # BurstGPT, MMLU, OpenVid
+    kind = rng.choice(3, size=n, p=[0.45, 0.35, 0.20])  # BurstGPT, MMLU, OpenVid
     system = rng.integers(0, VOCAB, (3, 32), dtype=np.int32)[kind]
     shots = np.where(kind[:, None] == 1, rng.integers(0, VOCAB, (1, 200), dtype=np.int32), 0)
     shot_len = np.where(kind == 1, 200, 0)
@@ -72,16 +72,20 @@ def blendserve_workload(n: int, seed: int = 0) -> tuple[RaggedTokens, np.ndarray
     return tokens, outs
 
 
-def measure(workload: str, tokens: RaggedTokens, outs: np.ndarray, order: str, replicas: int,
-            single: dict | None) -> dict:
+def measure(
+    workload: str, tokens: RaggedTokens, outs: np.ndarray, order: str, replicas: int, single: dict | None
+) -> dict:
     start = time.perf_counter()
     plan = build_plan(tokens, output_lens=outs, order=order, num_replicas=replicas)
     seconds = time.perf_counter() - start
     s = plan.summary
     base = single["token_saving_ratio"] if single else s["token_saving_ratio"]
     return {
-        "workload": workload, "order": order, "num_replicas": replicas,
-        "num_requests": len(tokens), "prompt_tokens": tokens.num_tokens,
+        "workload": workload,
+        "order": order,
+        "num_replicas": replicas,
+        "num_requests": len(tokens),
+        "prompt_tokens": tokens.num_tokens,
         "max_over_mean_predicted_time": round(s["predicted_seconds_max_over_mean"], 5),
         "predicted_seconds": [round(r["predicted_seconds"], 3) for r in s["replicas"]],
         "token_saving_ratio": round(s["token_saving_ratio"], 5),
@@ -114,8 +118,11 @@ def main() -> None:
     multi = [r for r in results if r["num_replicas"] > 1]
     report = {
         "bench": "partition_bench",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
         "cost_model": "Llama-3.1-8B shape on the h100 profile (pipeline/cost_model.py)",
         "goal": {"max_over_mean_predicted_time": 1.03, "saving_vs_single_replica": 0.99},
         "worst_max_over_mean": max(r["max_over_mean_predicted_time"] for r in multi),
@@ -125,8 +132,10 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"worst max/mean {report['worst_max_over_mean']:.4f}  worst saving vs R=1 "
-          f"{report['worst_saving_vs_single_replica']:.4f}  -> {out}")
+    print(
+        f"worst max/mean {report['worst_max_over_mean']:.4f}  worst saving vs R=1 "
+        f"{report['worst_saving_vs_single_replica']:.4f}  -> {out}"
+    )
 
 
 if __name__ == "__main__":

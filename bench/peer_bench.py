@@ -46,10 +46,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-             num_key_value_heads=4)
-BLOCK = 32                     # vLLM's CPU block; the caches below are counted in these blocks
-VOCAB = 700                    # ids below the tiny tokenizer's vocabulary
+MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4)
+BLOCK = 32  # vLLM's CPU block; the caches below are counted in these blocks
+VOCAB = 700  # ids below the tiny tokenizer's vocabulary
 THREADS = 2
 
 # name -> (backend, order, group-scheduler parts or None, engine core in this process)
@@ -102,10 +101,11 @@ def workloads(quick: bool, seed: int = 0) -> list[Workload]:
     ]
 
 
-CACHES = {"roomy": 1024, "small": 32}   # blocks of 32 tokens: 32k tokens / 1k tokens (~2.5 documents)
+CACHES = {"roomy": 1024, "small": 32}  # blocks of 32 tokens: 32k tokens / 1k tokens (~2.5 documents)
 
 
 # ---- the per-engine runner (in the engine's process) -----------------------------------------
+
 
 def build_engine(name: str, cache_blocks: int, path: str) -> Any:
     """The engine of ENGINES[name] (or PROCESS_OF's shared one) with a KV cache of
@@ -115,11 +115,15 @@ def build_engine(name: str, cache_blocks: int, path: str) -> Any:
 
     backend, _, parts, in_process = ENGINES[name]
     kv_bytes_per_token = read_model_args(path).kv_bytes_per_token_per_elem * 4  # fp32
-    config = EngineConfig(model=path, device="cpu", dtype="float32",
-                          kv_cache_bytes=cache_blocks * BLOCK * kv_bytes_per_token,
-                          # vLLM keeps one block of its cache in reserve, and refuses a longer
-                          # context than the rest holds (engine/vllm_backend/engine.cpu_context)
-                          max_model_len=min(2048, (cache_blocks - 1) * BLOCK))
+    config = EngineConfig(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        kv_cache_bytes=cache_blocks * BLOCK * kv_bytes_per_token,
+        # vLLM keeps one block of its cache in reserve, and refuses a longer
+        # context than the rest holds (engine/vllm_backend/engine.cpu_context)
+        max_model_len=min(2048, (cache_blocks - 1) * BLOCK),
+    )
     if backend == "native":
         import torch
 
@@ -146,13 +150,21 @@ def run_engine(engine: Any, workload: Workload, order: str) -> tuple[dict, dict[
     outs = {o.row_id: list(o.token_ids) for o in engine.run(groups, params)}
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     t = engine.totals
-    result = dict(wall_s=round(wall, 3), cpu_s=round(cpu, 3), output_tokens=t.num_output_tokens,
-                  output_tokens_per_s=round(t.num_output_tokens / wall, 2), prompt_tokens=t.num_prompt_tokens,
-                  computed_prompt_tokens=t.num_computed_prompt_tokens,
-                  token_saving_ratio=round(t.token_saving_ratio, 4), steps=t.num_steps,
-                  preemptions=t.num_preemptions, errors=len(workload.prompts) - len(outs),
-                  outputs_sha=hashlib.sha256(json.dumps([outs.get(i) for i in range(len(workload.prompts))])
-                                             .encode()).hexdigest()[:12])
+    result = dict(
+        wall_s=round(wall, 3),
+        cpu_s=round(cpu, 3),
+        output_tokens=t.num_output_tokens,
+        output_tokens_per_s=round(t.num_output_tokens / wall, 2),
+        prompt_tokens=t.num_prompt_tokens,
+        computed_prompt_tokens=t.num_computed_prompt_tokens,
+        token_saving_ratio=round(t.token_saving_ratio, 4),
+        steps=t.num_steps,
+        preemptions=t.num_preemptions,
+        errors=len(workload.prompts) - len(outs),
+        outputs_sha=hashlib.sha256(
+            json.dumps([outs.get(i) for i in range(len(workload.prompts))]).encode()
+        ).hexdigest()[:12],
+    )
     return result, outs
 
 
@@ -165,15 +177,26 @@ def feed_groups(workload: Workload, order: str, min_prefix_len: int) -> list:
 
     rows = list(range(len(workload.prompts)))
     if order == "plan":
-        plan = build_plan(workload.prompts, row_ids=rows, order="batchllm", min_prefix_len=min_prefix_len,
-                          output_lens=[workload.max_tokens] * len(rows))
+        plan = build_plan(
+            workload.prompts,
+            row_ids=rows,
+            order="batchllm",
+            min_prefix_len=min_prefix_len,
+            output_lens=[workload.max_tokens] * len(rows),
+        )
         return plan.groups(0)
     if order == "sorted":
         rows.sort(key=lambda r: workload.prompts[r])
     empty = np.zeros(0, dtype=np.int64)
-    return [PrefixGroup(group_id=i, prefix=empty, row_ids=np.asarray([r], dtype=np.int64),
-                        distinct=(np.asarray(workload.prompts[r], dtype=np.int64),))
-            for i, r in enumerate(rows)]
+    return [
+        PrefixGroup(
+            group_id=i,
+            prefix=empty,
+            row_ids=np.asarray([r], dtype=np.int64),
+            distinct=(np.asarray(workload.prompts[r], dtype=np.int64),),
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
 def worker(process: str, cache_blocks: int, path: str) -> None:
@@ -198,6 +221,7 @@ def _answer(obj: dict) -> None:
 
 # ---- the driver ---------------------------------------------------------------------------------
 
+
 class Proc:
     """One engine process (with its children, in a session of its own); logs under `log`.
 
@@ -207,13 +231,32 @@ class Proc:
     vllm_batchllm_mp idle beside it, the native engine took up to 1.8x its time alone."""
 
     def __init__(self, process: str, cache_blocks: int, path: str, log: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(THREADS),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         self.log = open(log, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "prefixflow.bench.peer_bench", "--worker", process,
-                                   "--cache-blocks", str(cache_blocks), "--model-path", path],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-                                  start_new_session=True)
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefixflow.bench.peer_bench",
+                "--worker",
+                process,
+                "--cache-blocks",
+                str(cache_blocks),
+                "--model-path",
+                path,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         assert self.p.stdin is not None and self.p.stdout is not None, "both pipes were asked for"
         self.stdin, self.stdout = self.p.stdin, self.p.stdout
 
@@ -226,7 +269,7 @@ class Proc:
     def read(self) -> dict:
         for line in self.stdout:
             if line.startswith("PFRESULT "):
-                return json.loads(line[len("PFRESULT "):])
+                return json.loads(line[len("PFRESULT ") :])
             self.log.write(line)
         raise RuntimeError(f"engine process exited (rc {self.p.wait()}); see {self.log.name}")
 
@@ -254,8 +297,9 @@ class Proc:
             self.log.close()
 
 
-def bench_cache(cache: str, blocks: int, engines: list[str], loads: list[Workload], repeats: int,
-                path: str, logs: Path) -> dict:
+def bench_cache(
+    cache: str, blocks: int, engines: list[str], loads: list[Workload], repeats: int, path: str, logs: Path
+) -> dict:
     procs: dict[str, Proc] = {}
     results: dict[str, dict] = {w.name: {} for w in loads}
     try:
@@ -272,9 +316,12 @@ def bench_cache(cache: str, blocks: int, engines: list[str], loads: list[Workloa
                     proc.resume()
                     r = proc.ask(w, ENGINES[name][1])
                     proc.pause()
-                    print(f"[{cache}] {w.name} {name} rep {rep}: {r['wall_s']} s, "
-                          f"{r['output_tokens_per_s']} tok/s, saving {r['token_saving_ratio']}, "
-                          f"sha {r['outputs_sha']}", flush=True)
+                    print(
+                        f"[{cache}] {w.name} {name} rep {rep}: {r['wall_s']} s, "
+                        f"{r['output_tokens_per_s']} tok/s, saving {r['token_saving_ratio']}, "
+                        f"sha {r['outputs_sha']}",
+                        flush=True,
+                    )
                     best = results[w.name].get(name)
                     walls = (best["all_wall_s"] if best else []) + [r["wall_s"]]
                     if best is None or r["wall_s"] < best["wall_s"]:
@@ -291,15 +338,20 @@ def bench_cache(cache: str, blocks: int, engines: list[str], loads: list[Workloa
         first = results[w.name][engines[0]]["outputs_sha"]
         results[w.name][f"same_outputs_as_{engines[0]}"] = {
             n: r["outputs_sha"] == first
-            for n, r in results[w.name].items() if isinstance(r, dict) and "outputs_sha" in r}
+            for n, r in results[w.name].items()
+            if isinstance(r, dict) and "outputs_sha" in r
+        }
     return results
 
 
 def ratios(r: dict, measure: str = "wall_s") -> dict:
     """Speed ratios on the least-disturbed time of each engine: wall time, or ("cpu_s") this
     process's CPU time (engines whose work runs in their own process only)."""
-    speed = {n: 1.0 / v[measure] for n, v in r.items()
-             if isinstance(v, dict) and v.get(measure) and not (measure == "cpu_s" and n.endswith("_mp"))}
+    speed = {
+        n: 1.0 / v[measure]
+        for n, v in r.items()
+        if isinstance(v, dict) and v.get(measure) and not (measure == "cpu_s" and n.endswith("_mp"))
+    }
     out = {}
     if {"vllm_batchllm", "vllm_arrival", "vllm_sorted", "vllm_plan"} <= set(speed):
         best12 = max(speed["vllm_arrival"], speed["vllm_sorted"])
@@ -342,20 +394,60 @@ def plot(results: dict, engines: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="half-size workloads, one repeat")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved runs per engine (best kept)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of ENGINES")
     ap.add_argument("--caches", default=",".join(CACHES))
     ap.add_argument("--workloads", default=None, help="comma-separated subset of the workload names")
-    ap.add_argument("--model", default="tiny", help="tiny (the random 4-layer Llama) or a model "
-                    "name or folder, e.g. smollm2-135m-instruct")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (the random 4-layer Llama) or a model name or folder, e.g. smollm2-135m-instruct",
+    )
     ap.add_argument("--out", default="bench/results/peer_bench.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cache-blocks", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _meta(
+    args: argparse.Namespace,
+    engines: list[str],
+    repeats: int,
+    loads: list[Workload],
+    started: float,
+    load_before: tuple[float, float, float],
+    png: Path,
+) -> dict:
+    """The run's meta record; load_avg_after and total_s are taken now (the runs are over)."""
+    return dict(
+        model=MODEL if args.model == "tiny" else args.model,
+        dtype="float32",
+        device="cpu",
+        threads_per_engine=THREADS,
+        block=BLOCK,
+        caches=CACHES,
+        repeats=repeats,
+        quick=args.quick,
+        engines={n: ENGINES[n] for n in engines},
+        workloads={
+            w.name: dict(rows=len(w.prompts), prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens) for w in loads
+        },
+        timing="wall time of each run, least of the interleaved repeats; one engine runs at a time",
+        cpus=os.cpu_count(),
+        machine=platform.machine(),
+        load_avg_before=load_before,
+        load_avg_after=os.getloadavg(),
+        total_s=round(time.time() - started, 1),
+        plot=str(png),
+    )
+
+
+def main() -> None:
+    args = _parse_args()
     if args.worker:
         return worker(args.worker, args.cache_blocks, args.model_path)
     # A terminated driver still resumes and ends its stopped engine processes (Proc.close).
@@ -363,8 +455,11 @@ def main() -> None:
     from prefixflow.model_source import resolve_model
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL) if args.model == "tiny"
-               else resolve_model(args.model))
+    path = str(
+        tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL)
+        if args.model == "tiny"
+        else resolve_model(args.model)
+    )
     engines = args.engines.split(",")
     repeats = args.repeats or (1 if args.quick else 2)
     loads = [w for w in workloads(args.quick) if args.workloads is None or w.name in args.workloads.split(",")]
@@ -375,14 +470,7 @@ def main() -> None:
     results = {c: bench_cache(c, CACHES[c], engines, loads, repeats, path, logs) for c in args.caches.split(",")}
     png = out.with_suffix(".png")
     plot(results, engines, png)
-    meta = dict(model=MODEL if args.model == "tiny" else args.model, dtype="float32", device="cpu",
-                threads_per_engine=THREADS, block=BLOCK,
-                caches=CACHES, repeats=repeats, quick=args.quick, engines={n: ENGINES[n] for n in engines},
-                workloads={w.name: dict(rows=len(w.prompts), prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens)
-                           for w in loads},
-                timing="wall time of each run, least of the interleaved repeats; one engine runs at a time",
-                cpus=os.cpu_count(), machine=platform.machine(), load_avg_before=load_before,
-                load_avg_after=os.getloadavg(), total_s=round(time.time() - started, 1), plot=str(png))
+    meta = _meta(args, engines, repeats, loads, started, load_before, png)
     out.write_text(json.dumps({"meta": meta, **results}, indent=1))
     print(json.dumps({c: {w: r["ratios"] for w, r in results[c].items()} for c in results}, indent=1))
     print(f"wrote {out} and {png}")

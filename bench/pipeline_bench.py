@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-SYSTEM = ("You are a helpful assistant. Read the document and answer the question below in one "
-          "short sentence.")
+SYSTEM = "You are a helpful assistant. Read the document and answer the question below in one short sentence."
 USER = "Document: {{ document }}\n\nQuestion: {{ question }}"
 KV_CACHE_BYTES = 256 << 20
 MAX_BATCHED_TOKENS = 2048
@@ -58,36 +57,50 @@ class HFGenerate:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        texts = [self.tok.apply_chat_template(
-            [{"role": "system", "content": SYSTEM},
-             {"role": "user", "content": f"Document: {d}\n\nQuestion: {q}"}],
-            add_generation_prompt=True, tokenize=False) for d, q in zip(batch["document"], batch["question"])]
+        texts = [
+            self.tok.apply_chat_template(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Document: {d}\n\nQuestion: {q}"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for d, q in zip(batch["document"], batch["question"])
+        ]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = self.model.generate(**enc, max_new_tokens=self.max_tokens, do_sample=False,
-                                      pad_token_id=self.tok.pad_token_id)
-        new = out[:, enc["input_ids"].shape[1]:].tolist()
+            out = self.model.generate(
+                **enc, max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id
+            )
+        new = out[:, enc["input_ids"].shape[1] :].tolist()
         eos = self.tok.eos_token_id
-        tokens = [t[:t.index(eos) + 1] if eos in t else t for t in new]
+        tokens = [t[: t.index(eos) + 1] if eos in t else t for t in new]
         batch["generated_tokens"] = np.array([json.dumps(t) for t in tokens])
         batch["generated_text"] = np.array(self.tok.batch_decode(tokens, skip_special_tokens=True))
         return batch
 
 
-def run_prefixflow(model: Path, data: Path, out: Path, args: argparse.Namespace,
-                   backend: str = "native") -> dict[str, Any]:
+def run_prefixflow(
+    model: Path, data: Path, out: Path, args: argparse.Namespace, backend: str = "native"
+) -> dict[str, Any]:
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import parse_spec
 
-    spec = parse_spec({
-        "model": str(model), "input": {"path": str(data)},
-        "prompt": {"system": SYSTEM, "user": USER},
-        "sampling": {"temperature": 0, "max_tokens": args.max_tokens},
-        "engine": {"device": "cpu", "kv_cache_bytes": KV_CACHE_BYTES,
-                   "max_num_batched_tokens": MAX_BATCHED_TOKENS, "backend": backend},
-        "order": args.order, "replicas": args.replicas,
-        "output": {"path": str(out), "rows_per_part": 256, "overwrite": True},
-    })
+    spec = parse_spec(
+        {
+            "model": str(model),
+            "input": {"path": str(data)},
+            "prompt": {"system": SYSTEM, "user": USER},
+            "sampling": {"temperature": 0, "max_tokens": args.max_tokens},
+            "engine": {
+                "device": "cpu",
+                "kv_cache_bytes": KV_CACHE_BYTES,
+                "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                "backend": backend,
+            },
+            "order": args.order,
+            "replicas": args.replicas,
+            "output": {"path": str(out), "rows_per_part": 256, "overwrite": True},
+        }
+    )
     started = time.perf_counter()
     metrics = run_job(spec, quiet=True)
     return {"wall_s": time.perf_counter() - started, "metrics": metrics}
@@ -98,9 +111,12 @@ def run_baseline(model: Path, data: Path, out: Path, args: argparse.Namespace) -
 
     started = time.perf_counter()
     ds = ray.data.read_json(str(data)).map_batches(
-        HFGenerate, fn_constructor_kwargs={"model": str(model), "max_tokens": args.max_tokens},
-        batch_size=args.baseline_batch_size, compute=ray.data.ActorPoolStrategy(size=args.replicas),
-        num_cpus=1)
+        HFGenerate,
+        fn_constructor_kwargs={"model": str(model), "max_tokens": args.max_tokens},
+        batch_size=args.baseline_batch_size,
+        compute=ray.data.ActorPoolStrategy(size=args.replicas),
+        num_cpus=1,
+    )
     ds.write_parquet(str(out))
     return {"wall_s": time.perf_counter() - started}
 
@@ -121,30 +137,49 @@ def run_ray_data_llm(model: Path, data: Path, out: Path, args: argparse.Namespac
     if tokens:  # our chat prompts' token ids: its tokenize stage would add a second BOS
         ds = ray.data.from_items(_with_token_ids(model, data))
     config = vLLMEngineProcessorConfig(
-        model_source=str(model), batch_size=args.peer_batch_size, concurrency=args.replicas,
-        chat_template_stage=not tokens, tokenize_stage=not tokens,
-        engine_kwargs=dict(dtype="float32", block_size=block, num_gpu_blocks_override=blocks,
-                           max_model_len=min(blocks * block, margs.max_position_embeddings),
-                           max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True),
-        placement_group_config={"bundles": [{"CPU": 1}]}, log_engine_metrics=False)
+        model_source=str(model),
+        batch_size=args.peer_batch_size,
+        concurrency=args.replicas,
+        chat_template_stage=not tokens,
+        tokenize_stage=not tokens,
+        engine_kwargs=dict(
+            dtype="float32",
+            block_size=block,
+            num_gpu_blocks_override=blocks,
+            max_model_len=min(blocks * block, margs.max_position_embeddings),
+            max_num_batched_tokens=MAX_BATCHED_TOKENS,
+            enable_prefix_caching=True,
+        ),
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        log_engine_metrics=False,
+    )
     max_tokens = args.max_tokens
     processor = build_processor(
         config,
-        preprocess=lambda r: dict(id=r["id"], sampling_params=dict(temperature=0.0, max_tokens=max_tokens),
-                                  **({"tokenized_prompt": r["tokenized_prompt"]} if tokens else
-                                     {"messages": _messages(r)})),
-        postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
-                                   generated_text=r["generated_text"], num_input_tokens=r["num_input_tokens"],
-                                   scheduled_ts=(r.get("metrics") or {}).get("scheduled_ts"),
-                                   last_token_ts=(r.get("metrics") or {}).get("last_token_ts")))
+        preprocess=lambda r: dict(
+            id=r["id"],
+            sampling_params=dict(temperature=0.0, max_tokens=max_tokens),
+            **({"tokenized_prompt": r["tokenized_prompt"]} if tokens else {"messages": _messages(r)}),
+        ),
+        postprocess=lambda r: dict(
+            id=r["id"],
+            generated_tokens=[int(t) for t in r["generated_tokens"]],
+            generated_text=r["generated_text"],
+            num_input_tokens=r["num_input_tokens"],
+            scheduled_ts=(r.get("metrics") or {}).get("scheduled_ts"),
+            last_token_ts=(r.get("metrics") or {}).get("last_token_ts"),
+        ),
+    )
     started = time.perf_counter()
     processor(ds).write_parquet(str(out))
     return {"wall_s": time.perf_counter() - started}
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Document: {row['document']}\n\nQuestion: {row['question']}"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Document: {row['document']}\n\nQuestion: {row['question']}"},
+    ]
 
 
 def _with_token_ids(model: Path, data: Path) -> list[dict[str, Any]]:
@@ -175,22 +210,26 @@ def peer_summary(pf_out: Path, peer_out: Path, pf: dict[str, Any], peer: dict[st
     starts = [r["scheduled_ts"] for r in theirs if r["scheduled_ts"]]
     ends = [r["last_token_ts"] for r in theirs if r["last_token_ts"]]
     return {
-        "prefixflow_vllm_wall_s": pf["wall_s"], "ray_data_llm_wall_s": peer["wall_s"],
+        "prefixflow_vllm_wall_s": pf["wall_s"],
+        "ray_data_llm_wall_s": peer["wall_s"],
         "wall_ratio_peer_over_prefixflow": peer["wall_s"] / pf["wall_s"],
         # From the first engine's first scheduled work to the last engine's last token (the
         # peer's per-row vLLM timestamps; prefixflow's replica records): start-up excluded.
         "prefixflow_engine_span_s": max(r["end_s"] for r in m["per_replica"]) - min(ready),
         "ray_data_llm_engine_span_s": (max(ends) - min(starts)) if starts and ends else None,
         "prefixflow_engine_run_s_per_replica": [r["run_seconds"] for r in m["per_replica"]],
-        "prompt_tokens": m["prompt_tokens"], "generated_tokens": m["generated_tokens"],
+        "prompt_tokens": m["prompt_tokens"],
+        "generated_tokens": m["generated_tokens"],
         "peer_prompt_tokens": sum(r["num_input_tokens"] for r in theirs),
         "prefixflow_token_saving_ratio_plan": m["token_saving_ratio"],
         "prefixflow_token_saving_ratio_engine": m["token_saving_ratio_engine"],
         # ray.data.llm's rows carry no num_cached_tokens (prefix hits only reach Prometheus).
         "ray_data_llm_token_saving_ratio": None,
-        "rows": len(theirs), "prefixflow_rows_ok": len(ours),
-        "outputs_equal_fraction": float(np.mean([ours.get(r["id"]) == r["generated_tokens"]
-                                                 for r in theirs])) if theirs else 0.0,
+        "rows": len(theirs),
+        "prefixflow_rows_ok": len(ours),
+        "outputs_equal_fraction": float(np.mean([ours.get(r["id"]) == r["generated_tokens"] for r in theirs]))
+        if theirs
+        else 0.0,
     }
 
 
@@ -203,17 +242,32 @@ def main_peer(args: argparse.Namespace, model: Path, data: Path, work: Path) -> 
         args.replicas = replicas
         # ray.data.llm holds one actor per stage (chat template, tokenize, vLLM, detokenize):
         # with fewer logical CPUs its read tasks never get one and the job hangs.
-        ray.init(num_cpus=replicas + 5, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+        ray.init(
+            num_cpus=replicas + 5,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+        )
         ray.data.DataContext.get_current().enable_progress_bars = False
         peer = run_ray_data_llm(model, data, work / f"peer-{replicas}", args)
         ours = run_prefixflow(model, data, work / f"pf-{replicas}", args, backend="vllm")
         ray.shutdown()
-        runs.append({"replicas": replicas, "load_avg": os.getloadavg(),
-                     **peer_summary(work / f"pf-{replicas}", work / f"peer-{replicas}", ours, peer)})
+        runs.append(
+            {
+                "replicas": replicas,
+                "load_avg": os.getloadavg(),
+                **peer_summary(work / f"pf-{replicas}", work / f"peer-{replicas}", ours, peer),
+            }
+        )
         print(json.dumps(runs[-1], indent=2), flush=True)
-        result = {"bench": "pipeline_bench", "peer": "ray.data.llm", "args": vars(args),
-                  "machine": platform.node(), "cpus": os.cpu_count(), "runs": runs}
+        result = {
+            "bench": "pipeline_bench",
+            "peer": "ray.data.llm",
+            "args": vars(args),
+            "machine": platform.node(),
+            "cpus": os.cpu_count(),
+            "runs": runs,
+        }
         _write(result, Path(args.out))  # after each replica count: a long run keeps what it has
     return result
 
@@ -243,17 +297,80 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-batch-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=None, help="a larger random model than the demo's")
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--model", default=None, help="a model prefixflow.model_source resolves, e.g. "
-                   "smollm2-135m-instruct (default: the demo's tiny random Llama)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model prefixflow.model_source resolves, e.g. "
+        "smollm2-135m-instruct (default: the demo's tiny random Llama)",
+    )
     p.add_argument("--out", default="bench/results/pipeline_bench.json")
-    p.add_argument("--peer", choices=("transformers", "ray-data-llm"), default="transformers",
-                   help="ray-data-llm: ray.data.llm vs prefixflow with engine.backend: vllm")
+    p.add_argument(
+        "--peer",
+        choices=("transformers", "ray-data-llm"),
+        default="transformers",
+        help="ray-data-llm: ray.data.llm vs prefixflow with engine.backend: vllm",
+    )
     p.add_argument("--replica-counts", default="1,2", help="with --peer ray-data-llm")
     p.add_argument("--peer-batch-size", type=int, default=16, help="ray.data.llm's batch_size")
-    p.add_argument("--peer-prompts", choices=("chat", "tokens"), default="chat",
-                   help="chat: ray.data.llm renders and tokenizes messages itself (it adds a second "
-                   "BOS after the chat template's); tokens: it gets our prompts' token ids")
+    p.add_argument(
+        "--peer-prompts",
+        choices=("chat", "tokens"),
+        default="chat",
+        help="chat: ray.data.llm renders and tokenizes messages itself (it adds a second "
+        "BOS after the chat template's); tokens: it gets our prompts' token ids",
+    )
     return p
+
+
+def _model(args: argparse.Namespace, work: Path) -> Path:
+    """The checkpoint both sides run: --model resolved, a larger random Llama (--hidden /
+    --layers), or the demo's tiny one, the random ones written under `work`."""
+    from prefixflow.jobs.demo import demo_checkpoint
+
+    if args.model:
+        from prefixflow.model_source import resolve_model
+
+        return resolve_model(args.model)
+    if args.hidden or args.layers:
+        from prefixflow.engine.models.tiny import make_tiny_checkpoint
+
+        overrides = {
+            k: v
+            for k, v in dict(
+                hidden_size=args.hidden,
+                num_hidden_layers=args.layers,
+                intermediate_size=args.hidden and 2 * args.hidden,
+            ).items()
+            if v
+        }
+        return make_tiny_checkpoint(work / "model", arch="llama", seed=0, **overrides)
+    return demo_checkpoint(work)
+
+
+def _result(args: argparse.Namespace, base: dict[str, Any], ours: dict[str, Any], agree: float) -> dict[str, Any]:
+    """The record of a --peer transformers run: both wall times, prefixflow's stages and savings."""
+    m = ours["metrics"]
+    st = m["stage_seconds"]
+    return {
+        "bench": "pipeline_bench",
+        "args": vars(args),
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "rows": m["rows"],
+        "prompt_tokens": m["prompt_tokens"],
+        "generated_tokens": m["generated_tokens"],
+        "prefixflow_wall_s": ours["wall_s"],
+        "baseline_wall_s": base["wall_s"],
+        "wall_ratio_baseline_over_prefixflow": base["wall_s"] / ours["wall_s"],
+        "plan_stage_s": st["gather_s"] + st["build_plan_s"],
+        "plan_stage_share_of_wall": m["plan_share_of_wall"],
+        "read_tokenize_share_of_wall": st["read_tokenize_s"] / m["wall_seconds"],
+        "prefixflow_stage_seconds": st,
+        "token_saving_ratio": m["token_saving_ratio"],
+        "token_saving_ratio_engine": m["token_saving_ratio_engine"],
+        "engine_run_s_per_replica": [r["run_seconds"] for r in m["per_replica"]],
+        "outputs_agree_fraction": agree,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -261,23 +378,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import ray
 
-    from prefixflow.jobs.demo import demo_checkpoint, write_demo_data
+    from prefixflow.jobs.demo import write_demo_data
 
     work = Path(tempfile.mkdtemp(prefix="pf_pipeline_bench_"))
-    if args.model:
-        from prefixflow.model_source import resolve_model
-
-        model = resolve_model(args.model)
-    elif args.hidden or args.layers:
-        from prefixflow.engine.models.tiny import make_tiny_checkpoint
-
-        overrides = {k: v for k, v in dict(hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                           intermediate_size=args.hidden and 2 * args.hidden).items() if v}
-        model = make_tiny_checkpoint(work / "model", arch="llama", seed=0, **overrides)
-    else:
-        model = demo_checkpoint(work)
-    data = write_demo_data(work, num_docs=args.num_docs, questions_per_doc=args.questions,
-                           sentences_per_doc=args.sentences)
+    model = _model(args, work)
+    data = write_demo_data(
+        work, num_docs=args.num_docs, questions_per_doc=args.questions, sentences_per_doc=args.sentences
+    )
     if args.peer == "ray-data-llm":
         return _write(main_peer(args, model, data, work), Path(args.out))
     # Logical CPUs: one per replica plus room for the read / tokenize / write tasks, the same
@@ -289,22 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     agree = agreement(work / "prefixflow", work / "baseline")
     ray.shutdown()
 
-    m = ours["metrics"]
-    st = m["stage_seconds"]
-    result = {
-        "bench": "pipeline_bench", "args": vars(args), "machine": platform.node(), "cpus": os.cpu_count(),
-        "rows": m["rows"], "prompt_tokens": m["prompt_tokens"], "generated_tokens": m["generated_tokens"],
-        "prefixflow_wall_s": ours["wall_s"], "baseline_wall_s": base["wall_s"],
-        "wall_ratio_baseline_over_prefixflow": base["wall_s"] / ours["wall_s"],
-        "plan_stage_s": st["gather_s"] + st["build_plan_s"],
-        "plan_stage_share_of_wall": m["plan_share_of_wall"],
-        "read_tokenize_share_of_wall": st["read_tokenize_s"] / m["wall_seconds"],
-        "prefixflow_stage_seconds": st,
-        "token_saving_ratio": m["token_saving_ratio"],
-        "token_saving_ratio_engine": m["token_saving_ratio_engine"],
-        "engine_run_s_per_replica": [r["run_seconds"] for r in m["per_replica"]],
-        "outputs_agree_fraction": agree,
-    }
+    result = _result(args, base, ours, agree)
     print(json.dumps({k: v for k, v in result.items() if k != "prefixflow_stage_seconds"}, indent=2))
     return _write(result, Path(args.out))
 

@@ -40,8 +40,7 @@ from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS
 VOCAB = 32000
 
 
-def shared_prefix_set(num_prompts: int, prefix_len: int, distinct_len: int, degree: int,
-                      seed: int = 0) -> RaggedTokens:
+def shared_prefix_set(num_prompts: int, prefix_len: int, distinct_len: int, degree: int, seed: int = 0) -> RaggedTokens:
     """num_prompts / degree groups; each group's members share a prefix, then distinct tokens."""
     rng = np.random.default_rng(seed)
     groups = num_prompts // degree
@@ -52,8 +51,15 @@ def shared_prefix_set(num_prompts: int, prefix_len: int, distinct_len: int, degr
     return _shuffled(rows, rng)
 
 
-def multi_level_set(groups: int = 50, subcategories: int = 64, per_sub: int = 2, length: int = 1000,
-                    group_prefix: int = 490, sub_prefix: int = 11, seed: int = 0) -> RaggedTokens:
+def multi_level_set(
+    groups: int = 50,
+    subcategories: int = 64,
+    per_sub: int = 2,
+    length: int = 1000,
+    group_prefix: int = 490,
+    sub_prefix: int = 11,
+    seed: int = 0,
+) -> RaggedTokens:
     """BatchLLM Sec. 4.3.1 Setting A: group prefix + sub prefix + random suffix, 1000 tokens."""
     rng = np.random.default_rng(seed)
     n = groups * subcategories * per_sub
@@ -61,7 +67,7 @@ def multi_level_set(groups: int = 50, subcategories: int = 64, per_sub: int = 2,
     g = np.repeat(rng.integers(0, VOCAB, (groups, group_prefix), dtype=np.int32), subcategories * per_sub, axis=0)
     s = np.repeat(rng.integers(0, VOCAB, (groups * subcategories, sub_prefix), dtype=np.int32), per_sub, axis=0)
     rows[:, :group_prefix] = g
-    rows[:, group_prefix:group_prefix + sub_prefix] = s
+    rows[:, group_prefix : group_prefix + sub_prefix] = s
     return _shuffled(rows, rng)
 
 
@@ -132,11 +138,14 @@ class SyntheticHashes:
         """Hashes of blocks depth .. depth+width-1 (sort_by_gather's callback)."""
         k = depth + np.arange(width, dtype=np.int64)[None, :]
         doc_blocks = (self.shared[seqs].astype(np.int64) // self.block_size)[:, None]
-        sub_blocks = np.where(self.shared[seqs] > 0, (self.shared[seqs].astype(np.int64) + 11) // self.block_size,
-                              0)[:, None]
-        key = np.where(k < doc_blocks, self.group[seqs][:, None].astype(np.int64) + (1 << 40),
-                       np.where(k < sub_blocks, self.sub[seqs][:, None].astype(np.int64) + (2 << 40),
-                                seqs[:, None] + (3 << 40)))
+        sub_blocks = np.where(self.shared[seqs] > 0, (self.shared[seqs].astype(np.int64) + 11) // self.block_size, 0)[
+            :, None
+        ]
+        key = np.where(
+            k < doc_blocks,
+            self.group[seqs][:, None].astype(np.int64) + (1 << 40),
+            np.where(k < sub_blocks, self.sub[seqs][:, None].astype(np.int64) + (2 << 40), seqs[:, None] + (3 << 40)),
+        )
         x = (key * 1_000_003 + k).astype(np.uint64)
         for mult in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB):  # splitmix64's finaliser
             x = (x ^ (x >> np.uint64(31))) * np.uint64(mult)
@@ -169,15 +178,21 @@ def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
     predicted = [r["predicted_seconds"] for r in s["replicas"]]
     tokens = int(synth.length.sum())
     return {
-        "num_prompts": num_prompts, "num_tokens": tokens, "block_size": synth.block_size,
-        "replicas": replicas, "plan_s": round(plan_s, 2), "plan_cpu_s": round(plan_cpu_s, 2),
+        "num_prompts": num_prompts,
+        "num_tokens": tokens,
+        "block_size": synth.block_size,
+        "replicas": replicas,
+        "plan_s": round(plan_s, 2),
+        "plan_cpu_s": round(plan_cpu_s, 2),
         "prompt_tokens_per_s": round(tokens / plan_s),
         "prompt_tokens_per_cpu_s": round(tokens / plan_cpu_s),
         "peak_driver_bytes": int(peak - before),
-        "peak_process_rss_bytes": int(peak), "rss_before_plan_bytes": int(before),
+        "peak_process_rss_bytes": int(peak),
+        "rss_before_plan_bytes": int(before),
         "synthetic_rows_bytes": synth.nbytes,
         "token_saving_ratio": round(s["token_saving_ratio"], 4),
-        "num_groups": s["num_groups"], "tree_nodes": s["tree_nodes"],
+        "num_groups": s["num_groups"],
+        "tree_nodes": s["tree_nodes"],
         "predicted_job_seconds": round(max(predicted), 1),
         "predicted_gpu_seconds": round(sum(predicted), 1),
         "plan_share_of_predicted_job": round(plan_s / max(predicted), 5),
@@ -189,8 +204,9 @@ def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
 def run_scale(sizes: list[int], out: Path) -> None:
     scale = []
     for n in sizes:
-        proc = subprocess.run([sys.executable, "-m", "prefixflow.bench.plan_bench", "--scale-one", str(n)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefixflow.bench.plan_bench", "--scale-one", str(n)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             print(f"{n:,} prompts failed (exit {proc.returncode}): {proc.stderr[-2000:]}", flush=True)
             break
@@ -209,17 +225,24 @@ def _extrapolate(scale: list[dict], n: int) -> dict:
     """Least-squares line through (num_prompts, value) for time and memory: both are linear in
     the prompts (a fixed sort window aside)."""
     x = np.array([r["num_prompts"] for r in scale], dtype=float)
+
     def fit(key: str) -> float:  # np.polyval at a scalar n gives an np.float64, a float
-        return cast(float, np.polyval(np.polyfit(x, [r[key] for r in scale], 1), n)) if len(x) > 1 \
+        return (
+            cast(float, np.polyval(np.polyfit(x, [r[key] for r in scale], 1), n))
+            if len(x) > 1
             else scale[0][key] * n / x[0]
+        )
 
     per_row = scale[-1]["predicted_job_seconds"] / scale[-1]["num_prompts"]
-    return {"num_prompts": n, "plan_s": round(float(fit("plan_s")), 1),
-            "plan_cpu_s": round(float(fit("plan_cpu_s")), 1),
-            "peak_driver_bytes": int(fit("peak_driver_bytes")),
-            "predicted_job_seconds": round(per_row * n, 1),
-            "plan_share_of_predicted_job": round(float(fit("plan_s")) / (per_row * n), 5),
-            "plan_cpu_share_of_predicted_job": round(float(fit("plan_cpu_s")) / (per_row * n), 5)}
+    return {
+        "num_prompts": n,
+        "plan_s": round(float(fit("plan_s")), 1),
+        "plan_cpu_s": round(float(fit("plan_cpu_s")), 1),
+        "peak_driver_bytes": int(fit("peak_driver_bytes")),
+        "predicted_job_seconds": round(per_row * n, 1),
+        "plan_share_of_predicted_job": round(float(fit("plan_s")) / (per_row * n), 5),
+        "plan_cpu_share_of_predicted_job": round(float(fit("plan_cpu_s")) / (per_row * n), 5),
+    }
 
 
 def main() -> None:
@@ -250,8 +273,11 @@ def main() -> None:
     peaks = [r["peak_over_token_bytes"] for r in results]
     report = {
         "bench": "plan_bench",
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "cpus": __import__("os").cpu_count(),
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
         "goal": {"prompt_tokens_per_s": 20_000_000, "peak_over_token_bytes": 1.5},
         "min_prompt_tokens_per_s": min(tps),
         "max_peak_over_token_bytes": max(peaks),

@@ -34,10 +34,24 @@ from statistics import median
 from typing import Any
 
 from prefixflow.bench.scale_systems import RAY_SYSTEMS, ray_num_blocks, run_one
-from prefixflow.bench.scale_workload import (BLOCK, KV_CACHE_BYTES, MODEL_DECIDED_CAP, MODEL_DECIDED_SAMPLING,
-                                            MODEL_SHAPE, WORKLOADS, bench_model, chat_tokens, choose_eos,
-                                            greedy_outputs, length_summary, make_rows, prompt_token_floors,
-                                            with_eos, write_input, zipf_counts)
+from prefixflow.bench.scale_workload import (
+    BLOCK,
+    KV_CACHE_BYTES,
+    MODEL_DECIDED_CAP,
+    MODEL_DECIDED_SAMPLING,
+    MODEL_SHAPE,
+    WORKLOADS,
+    bench_model,
+    chat_tokens,
+    choose_eos,
+    greedy_outputs,
+    length_summary,
+    make_rows,
+    prompt_token_floors,
+    with_eos,
+    write_input,
+    zipf_counts,
+)
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("prefixflow_native", "prefixflow_vllm", *RAY_SYSTEMS)
@@ -45,8 +59,14 @@ ABLATION = ("prefixflow_native_static", "prefixflow_vllm_static")  # at the larg
 # Ray rewrites 127.0.0.1 in an address to the machine's IP unless "clusters" are off: with this
 # every node and driver of the test cluster talks over the loopback address.
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-FIGURES = ("wall_s", "wall_from_first_request_s", "wall_from_last_engine_start_s", "computed_prompt_tokens",
-           "busy_max_over_mean", "end_spread_s")
+FIGURES = (
+    "wall_s",
+    "wall_from_first_request_s",
+    "wall_from_last_engine_start_s",
+    "computed_prompt_tokens",
+    "busy_max_over_mean",
+    "end_spread_s",
+)
 RAY_TIE = 0.10  # Ray configurations this close in their first run both run every repeat
 GOALS = {"speedup_vs_ray_best": 1.2, "busy_max_over_mean": 1.05, "computed_vs_whole_block_floor": 1.02}
 
@@ -59,23 +79,43 @@ class TestCluster:
         from ray.cluster_utils import Cluster
 
         os.environ.update(LOOPBACK)
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 6, "node_ip_address": "127.0.0.1",
-            "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")}})
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 6,
+                "node_ip_address": "127.0.0.1",
+                "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")},
+            },
+        )
         for k in range(workers):
-            self.cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1",
-                                  env_vars={"PREFIXFLOW_CACHE": str(root / f"node{k}-cache")})
+            self.cluster.add_node(
+                num_cpus=2, node_ip_address="127.0.0.1", env_vars={"PREFIXFLOW_CACHE": str(root / f"node{k}-cache")}
+            )
         self.cluster.wait_for_nodes()
 
     def run(self, system: str, replicas: int, data: Path, model: Path, out: Path, log: Path) -> dict[str, Any]:
         env = {**os.environ, **LOOPBACK, "RAY_ADDRESS": self.cluster.address}
-        cmd = [sys.executable, "-m", "prefixflow.bench.scale_bench", "--run-one", system,
-               "--replicas", str(replicas), "--data", str(data), "--model", str(model), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefixflow.bench.scale_bench",
+            "--run-one",
+            system,
+            "--replicas",
+            str(replicas),
+            "--data",
+            str(data),
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+        ]
         with open(log, "wb") as f:
             proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
         if proc.returncode != 0:
-            raise RuntimeError(f"{system} x{replicas} failed (exit {proc.returncode}):\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
+            raise RuntimeError(
+                f"{system} x{replicas} failed (exit {proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}"
+            )
         return json.loads((out.parent / f"{out.name}.json").read_text())
 
     def shutdown(self) -> None:
@@ -96,6 +136,7 @@ def _driver_main(args: argparse.Namespace) -> None:
 
 # ---- the workload, prepared once ----------------------------------------------------------------
 
+
 def prepare(work: Path, num_rows: int) -> dict[str, Any]:
     """Rows, token ids, the model of each workload (the model-decided one with its chosen EOS),
     the input files and each row's output length in each workload."""
@@ -114,9 +155,15 @@ def prepare(work: Path, num_rows: int) -> dict[str, Any]:
     models = {"fixed": model, "model_decided": with_eos(model, eos, work)}
     inputs = {w: write_input(rows, w, work / f"rows-{w}.jsonl") for w in WORKLOADS}
     sorted_ids = [r["id"] for _, r in sorted(zip(texts, rows), key=lambda p: p[0])]
-    return {"rows": rows, "tokens": [list(t) for t in tokens], "models": models, "inputs": inputs, "eos": eos,
-            "sorted_ids": sorted_ids, "output_tokens": {"fixed": [r["max_tokens"] for r in rows],
-                                                       "model_decided": lengths}}
+    return {
+        "rows": rows,
+        "tokens": [list(t) for t in tokens],
+        "models": models,
+        "inputs": inputs,
+        "eos": eos,
+        "sorted_ids": sorted_ids,
+        "output_tokens": {"fixed": [r["max_tokens"] for r in rows], "model_decided": lengths},
+    }
 
 
 def _with_blocks(record: dict[str, Any], sorted_ids: list[int]) -> dict[str, Any]:
@@ -127,7 +174,7 @@ def _with_blocks(record: dict[str, Any], sorted_ids: list[int]) -> dict[str, Any
         return record
     n, k = len(sorted_ids), record["num_blocks"]
     bounds = [round(b * n / k) for b in range(k + 1)]
-    block_ids = [sorted_ids[bounds[b]:bounds[b + 1]] for b in range(k)]
+    block_ids = [sorted_ids[bounds[b] : bounds[b + 1]] for b in range(k)]
     record["block_rows"] = [len(b) for b in block_ids]
     record["block_row_ids"] = block_ids
     record["row_block"] = {r: b for b, ids in enumerate(block_ids) for r in ids}
@@ -136,13 +183,13 @@ def _with_blocks(record: dict[str, Any], sorted_ids: list[int]) -> dict[str, Any
 
 # ---- figures, medians, goals --------------------------------------------------------------------
 
+
 def figures(record: dict[str, Any]) -> dict[str, Any]:
     """The derived figures of one run: busy time balance (an engine that got no work counts,
     at 0) and the spread of the engines' last outputs."""
     busy = record["engine_busy_s"]  # every engine started, idle ones at 0
     ends = [e for e in record["engine_end_s"] if e is not None]
-    return {**record, "busy_max_over_mean": max(busy) / (sum(busy) / len(busy)),
-            "end_spread_s": max(ends) - min(ends)}
+    return {**record, "busy_max_over_mean": max(busy) / (sum(busy) / len(busy)), "end_spread_s": max(ends) - min(ends)}
 
 
 def cell_summary(repeats: list[dict[str, Any]], reference: dict[int, list[int]] | None) -> dict[str, Any]:
@@ -154,8 +201,9 @@ def cell_summary(repeats: list[dict[str, Any]], reference: dict[int, list[int]] 
         out["spread"][f] = [min(values), max(values)]
     out["load_average_1m"] = [r["load_average"][0] for r in repeats]
     if reference is not None:
-        out["outputs_equal"] = [sum(r["outputs"].get(str(i), r["outputs"].get(i)) == t
-                                    for i, t in reference.items()) for r in repeats]
+        out["outputs_equal"] = [
+            sum(r["outputs"].get(str(i), r["outputs"].get(i)) == t for i, t in reference.items()) for r in repeats
+        ]
     return out
 
 
@@ -173,22 +221,26 @@ def acceptance(runs: dict[str, Any], n: int, floors: dict[str, dict[str, int]]) 
             if cell is None:
                 continue
             m, r = cell["median"], rays[best_ray]["median"]
-            row = {"ray_best": best_ray,
-                   "speedup_vs_ray_best": r["wall_from_first_request_s"] / m["wall_from_first_request_s"],
-                   "speedup_vs_ray_best_with_start": r["wall_s"] / m["wall_s"],
-                   "busy_max_over_mean": m["busy_max_over_mean"],
-                   "computed_vs_ray_best": m["computed_prompt_tokens"] / r["computed_prompt_tokens"],
-                   "computed_vs_whole_block_floor": m["computed_prompt_tokens"] / floors[workload]["whole_block_floor"]}
+            row = {
+                "ray_best": best_ray,
+                "speedup_vs_ray_best": r["wall_from_first_request_s"] / m["wall_from_first_request_s"],
+                "speedup_vs_ray_best_with_start": r["wall_s"] / m["wall_s"],
+                "busy_max_over_mean": m["busy_max_over_mean"],
+                "computed_vs_ray_best": m["computed_prompt_tokens"] / r["computed_prompt_tokens"],
+                "computed_vs_whole_block_floor": m["computed_prompt_tokens"] / floors[workload]["whole_block_floor"],
+            }
             static = runs.get(f"{system}_static/{workload}/{n}")
             if static is not None:
-                row["speedup_vs_static_plan"] = static["median"]["wall_from_first_request_s"] / \
-                    m["wall_from_first_request_s"]
+                row["speedup_vs_static_plan"] = (
+                    static["median"]["wall_from_first_request_s"] / m["wall_from_first_request_s"]
+                )
                 row["static_busy_max_over_mean"] = static["median"]["busy_max_over_mean"]
             if workload == "model_decided":
-                row["goals"] = {g: {"goal": v, "value": row[g],
-                                    "met": row[g] >= v if g.startswith("speedup") else row[g] <= v}
-                                for g, v in GOALS.items()
-                                if g != "computed_vs_whole_block_floor" or system == "prefixflow_vllm"}
+                row["goals"] = {
+                    g: {"goal": v, "value": row[g], "met": row[g] >= v if g.startswith("speedup") else row[g] <= v}
+                    for g, v in GOALS.items()
+                    if g != "computed_vs_whole_block_floor" or system == "prefixflow_vllm"
+                }
             out[f"{system}/{workload}/{n}"] = row
     return out
 
@@ -214,16 +266,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
             lo = [m - c["spread"]["wall_from_first_request_s"][0] for m, (_, c) in zip(med, cells)]
             hi = [c["spread"]["wall_from_first_request_s"][1] - m for m, (_, c) in zip(med, cells)]
             ax.errorbar([n for n, _ in cells], med, yerr=[lo, hi], marker="o", capsize=3, label=system)
-        ax.set(xlabel="engines (replicas)", ylabel="wall time from the first request (s)",
-               title=f"{workload} output lengths", xticks=result["args"]["replicas"])
+        ax.set(
+            xlabel="engines (replicas)",
+            ylabel="wall time from the first request (s)",
+            title=f"{workload} output lengths",
+            xticks=result["args"]["replicas"],
+        )
         ax.legend(fontsize=7)
-    fig.suptitle(f"scale_bench: {result['workload']['rows']} rows, {result['workload']['documents']} documents, "
-                 f"median of {result['args']['repeats']} (bars: min-max)")
+    fig.suptitle(
+        f"scale_bench: {result['workload']['rows']} rows, {result['workload']['documents']} documents, "
+        f"median of {result['args']['repeats']} (bars: min-max)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 # ---- the bench ---------------------------------------------------------------------------------
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -236,8 +295,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=3, help="worker nodes of the test cluster")
     p.add_argument("--quick", action="store_true", help="256 rows, N = 1 and 2, one repeat (a smoke run)")
     p.add_argument("--out", default=str(RESULTS / "scale_bench.json"))
-    p.add_argument("--work", help="a work folder: its finished runs (same rows and model) are taken "
-                   "as they are, the others run")
+    p.add_argument(
+        "--work", help="a work folder: its finished runs (same rows and model) are taken as they are, the others run"
+    )
     p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -248,8 +308,7 @@ def _cells(args: argparse.Namespace, replicas: list[int]) -> list[tuple[str, str
     """(workload, system, N) of every cell, in run order within a repeat."""
     workloads, systems = args.workloads.split(","), args.systems.split(",")
     ablation = [s for s in args.ablation.split(",") if s]
-    return [(w, s, n) for n in replicas for w in workloads
-            for s in systems + (ablation if n == max(replicas) else [])]
+    return [(w, s, n) for n in replicas for w in workloads for s in systems + (ablation if n == max(replicas) else [])]
 
 
 def _ray_kept(found: dict[str, list], workload: str, n: int) -> list[str]:
@@ -279,8 +338,16 @@ def run_all(args: argparse.Namespace, work: Path, prep: dict[str, Any], replicas
     return found
 
 
-def _run_cell(cluster: TestCluster, work: Path, prep: dict[str, Any], found: dict[str, list], k: int,
-              workload: str, system: str, n: int) -> None:
+def _run_cell(
+    cluster: TestCluster,
+    work: Path,
+    prep: dict[str, Any],
+    found: dict[str, list],
+    k: int,
+    workload: str,
+    system: str,
+    n: int,
+) -> None:
     key, name = f"{system}/{workload}/{n}", f"{system}-{workload}-{n}-r{k}"
     done = work / f"{name}.json"
     if not done.exists():
@@ -289,9 +356,12 @@ def _run_cell(cluster: TestCluster, work: Path, prep: dict[str, Any], found: dic
     record = figures(_with_blocks(json.loads(done.read_text()), prep["sorted_ids"]))
     record["workload"] = workload
     found.setdefault(key, []).append(record)
-    print(f"  {key} #{k}: wall {record['wall_s']:.1f} s, from the first request "
-          f"{record['wall_from_first_request_s']:.1f} s, computed {record['computed_prompt_tokens']}, "
-          f"busy max/mean {record['busy_max_over_mean']:.3f}, load {record['load_average'][0]:.1f}", flush=True)
+    print(
+        f"  {key} #{k}: wall {record['wall_s']:.1f} s, from the first request "
+        f"{record['wall_from_first_request_s']:.1f} s, computed {record['computed_prompt_tokens']}, "
+        f"busy max/mean {record['busy_max_over_mean']:.3f}, load {record['load_average'][0]:.1f}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,8 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def summarize(args: argparse.Namespace, prep: dict[str, Any], found: dict[str, list], replicas: list[int],
-              profile: Any) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, prep: dict[str, Any], found: dict[str, list], replicas: list[int], profile: Any
+) -> dict[str, Any]:
     rows, tokens = prep["rows"], prep["tokens"]
     floors = {w: prompt_token_floors(tokens) for w in WORKLOADS}  # the prompts are the same
     runs = {}
@@ -341,25 +412,48 @@ def summarize(args: argparse.Namespace, prep: dict[str, Any], found: dict[str, l
 
     return {
         "bench": "scale_bench",
-        "args": {"replicas": replicas, "systems": args.systems.split(","), "ablation": args.ablation.split(","),
-                 "workloads": args.workloads.split(","), "rows": args.rows, "repeats": args.repeats,
-                 "workers": args.workers, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": BLOCK,
-                 "model": MODEL_SHAPE, "model_config": read_json(prep["models"]["fixed"] / "config.json"),
-                 "ray_num_blocks": {n: ray_num_blocks(args.rows, n, 32) for n in replicas}},
-        "workload": {"rows": len(rows), "documents": len({r["doc_id"] for r in rows}),
-                     "questions_per_document_top": sorted(zipf_counts(args.rows, max(8, args.rows * 3 // 10), 1.3),
-                                                          reverse=True)[:5],
-                     "model_decided_eos_id": prep["eos"],
-                     "output_lengths": {w: length_summary(prep["output_tokens"][w], MODEL_DECIDED_CAP if
-                                                          w == "model_decided" else 128) for w in WORKLOADS},
-                     "floors": floors["fixed"]},
+        "args": {
+            "replicas": replicas,
+            "systems": args.systems.split(","),
+            "ablation": args.ablation.split(","),
+            "workloads": args.workloads.split(","),
+            "rows": args.rows,
+            "repeats": args.repeats,
+            "workers": args.workers,
+            "kv_cache_bytes": KV_CACHE_BYTES,
+            "block_size": BLOCK,
+            "model": MODEL_SHAPE,
+            "model_config": read_json(prep["models"]["fixed"] / "config.json"),
+            "ray_num_blocks": {n: ray_num_blocks(args.rows, n, 32) for n in replicas},
+        },
+        "workload": {
+            "rows": len(rows),
+            "documents": len({r["doc_id"] for r in rows}),
+            "questions_per_document_top": sorted(
+                zipf_counts(args.rows, max(8, args.rows * 3 // 10), 1.3), reverse=True
+            )[:5],
+            "model_decided_eos_id": prep["eos"],
+            "output_lengths": {
+                w: length_summary(prep["output_tokens"][w], MODEL_DECIDED_CAP if w == "model_decided" else 128)
+                for w in WORKLOADS
+            },
+            "floors": floors["fixed"],
+        },
         "hardware_profile": {"peak_flops": profile.peak_flops, "mem_bandwidth": profile.mem_bandwidth},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
-        "rows": [{"id": r["id"], "prompt_tokens": len(t), "max_tokens": r["max_tokens"],
-                  "output_tokens": {w: prep["output_tokens"][w][i] for w in WORKLOADS}}
-                 for i, (r, t) in enumerate(zip(rows, tokens))],
+        "rows": [
+            {
+                "id": r["id"],
+                "prompt_tokens": len(t),
+                "max_tokens": r["max_tokens"],
+                "output_tokens": {w: prep["output_tokens"][w][i] for w in WORKLOADS},
+            }
+            for i, (r, t) in enumerate(zip(rows, tokens))
+        ],
         "token_rows": tokens,
-        "runs": runs, "acceptance": accept}
+        "runs": runs,
+        "acceptance": accept,
+    }
 
 
 def _dispatch_check(path: Path) -> dict[str, Any]:
@@ -369,8 +463,12 @@ def _dispatch_check(path: Path) -> dict[str, Any]:
     except ImportError as e:  # the simulator's module is not there
         return {"skipped": str(e)}
     out = validate_dispatch(path)
-    return {"max_abs_error": out["max_abs_error"], "within_goal": out["within_goal"], "goal": out["goal"],
-            "runs": {k: v["errors"] for k, v in out["runs"].items()}}
+    return {
+        "max_abs_error": out["max_abs_error"],
+        "within_goal": out["within_goal"],
+        "goal": out["goal"],
+        "runs": {k: v["errors"] for k, v in out["runs"].items()},
+    }
 
 
 if __name__ == "__main__":

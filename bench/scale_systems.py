@@ -25,15 +25,24 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixflow.bench.scale_workload import BLOCK, KV_CACHE_BYTES, SYSTEM, USER, chat_tokens
 
+if TYPE_CHECKING:
+    from prefixflow.jobs.spec import JobSpec
+
 RAY_SYSTEMS = ("ray_llm_sorted_default", "ray_llm_sorted_ours")
-PREFIXFLOW_SYSTEMS = ("prefixflow_native", "prefixflow_vllm", "prefixflow_native_static", "prefixflow_vllm_static",
-                      "prefixflow_native_unjoined", "prefixflow_vllm_unjoined")
+PREFIXFLOW_SYSTEMS = (
+    "prefixflow_native",
+    "prefixflow_vllm",
+    "prefixflow_native_static",
+    "prefixflow_vllm_static",
+    "prefixflow_native_unjoined",
+    "prefixflow_vllm_unjoined",
+)
 MAX_NUM_BATCHED_TOKENS = 2048  # prefixflow's EngineConfig default, given to every engine
-RAY_TASKS_IN_FLIGHT = 16       # Ray Data's default: 2 x max_concurrent_batches (8)
+RAY_TASKS_IN_FLIGHT = 16  # Ray Data's default: 2 x max_concurrent_batches (8)
 # vLLM's max_num_seqs where ray.data.llm starts it (AsyncLLM, engine context) and none is given:
 # SchedulerConfig.DEFAULT_MAX_NUM_SEQS in vLLM 0.32 (its CPU defaults cover other contexts only).
 VLLM_DEFAULT_MAX_NUM_SEQS = 128
@@ -56,8 +65,16 @@ def run_one(system: str, replicas: int, data: Path, model: Path, out: Path) -> d
     return record
 
 
-PER_ENGINE = ("rows_per_engine", "computed_per_engine", "engine_busy_s", "engine_end_s", "nodes",
-              "units_per_engine", "stolen_units_per_engine", "preemptions_per_engine")
+PER_ENGINE = (
+    "rows_per_engine",
+    "computed_per_engine",
+    "engine_busy_s",
+    "engine_end_s",
+    "nodes",
+    "units_per_engine",
+    "stolen_units_per_engine",
+    "preemptions_per_engine",
+)
 
 
 def with_idle_engines(record: dict[str, Any], replicas: int) -> dict[str, Any]:
@@ -74,50 +91,86 @@ def with_idle_engines(record: dict[str, Any], replicas: int) -> dict[str, Any]:
 
 
 def _run_prefixflow(system: str, replicas: int, data: Path, model: Path, out: Path, t0: float) -> dict[str, Any]:
-    from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.jobs.run import run_job
-    from prefixflow.jobs.spec import parse_spec
     from prefixflow.operators.results.write import read_output
 
-    backend = "vllm" if "vllm" in system else "native"
-    spec = parse_spec({
-        "name": f"scale-{system}-{replicas}", "model": str(model), "input": {"path": str(data)},
-        "prompt": {"system": SYSTEM, "user": USER}, "sampling": {"temperature": 0},
-        "engine": {"backend": backend, "device": "cpu", "dtype": "float32", "block_size": BLOCK,
-                   "kv_cache_bytes": KV_CACHE_BYTES, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
-        "replicas": replicas, "order": "batchllm", "work_stealing": not system.endswith("_static"),
-        "output": {"path": str(out), "format": "parquet", "rows_per_part": 256, "overwrite": True}})
+    spec = _prefixflow_spec(system, replicas, data, model, out)
     if system.endswith("_unjoined"):  # the ablation: this driver process plans as a static job does
         from prefixflow.operators.faces.processor import Processor
 
         plan = Processor.plan
         Processor.plan = (  # type: ignore[method-assign]  # a deliberate patch (its type is still checked)
-            lambda self, ds, stealing=False: plan(self, ds, stealing=False))
+            lambda self, ds, stealing=False: plan(self, ds, stealing=False)
+        )
     metrics = run_job(spec, quiet=True)
     table = read_output(str(out))
     assert not isinstance(table, list), "the job writes parquet, read back as a table"
-    rows = table.to_pylist()
+    return _prefixflow_record(system, replicas, model, metrics, table.to_pylist(), t0)
+
+
+def _prefixflow_spec(system: str, replicas: int, data: Path, model: Path, out: Path) -> JobSpec:
+    """The job spec of a prefixflow system: its backend, and work stealing unless *_static."""
+    from prefixflow.jobs.spec import parse_spec
+
+    backend = "vllm" if "vllm" in system else "native"
+    return parse_spec(
+        {
+            "name": f"scale-{system}-{replicas}",
+            "model": str(model),
+            "input": {"path": str(data)},
+            "prompt": {"system": SYSTEM, "user": USER},
+            "sampling": {"temperature": 0},
+            "engine": {
+                "backend": backend,
+                "device": "cpu",
+                "dtype": "float32",
+                "block_size": BLOCK,
+                "kv_cache_bytes": KV_CACHE_BYTES,
+                "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+            },
+            "replicas": replicas,
+            "order": "batchllm",
+            "work_stealing": not system.endswith("_static"),
+            "output": {"path": str(out), "format": "parquet", "rows_per_part": 256, "overwrite": True},
+        }
+    )
+
+
+def _prefixflow_record(
+    system: str, replicas: int, model: Path, metrics: dict[str, Any], rows: list[dict[str, Any]], t0: float
+) -> dict[str, Any]:
+    """The run's record from the job's metrics (per replica, stages, steals) and its output rows."""
+    from prefixflow.engine.models.model_args import read_model_args
+
     per = sorted(metrics["per_replica"], key=lambda r: r["replica"])
     totals = [r["engine_totals"] or {} for r in per]
     stages = metrics["stage_seconds"]
     steals = metrics["fault_tolerance"].get("work_queue", {}).get("steals", [])
     return {
-        "system": system, "replicas": replicas, "engines": len(per),
+        "system": system,
+        "replicas": replicas,
+        "engines": len(per),
         "computed_prompt_tokens": sum(t.get("num_computed_prompt_tokens", 0) for t in totals),
         "prompt_tokens": sum(r["num_input_tokens"] for r in rows),
         "kv_bytes_per_token": read_model_args(str(model)).kv_bytes_per_token_per_elem * 4,
-        "rows_per_engine": [r["num_rows"] for r in per], "units_per_engine": [r.get("num_units") for r in per],
-        "stolen_units_per_engine": [len(r.get("stolen_units") or []) for r in per], "steals": len(steals),
+        "rows_per_engine": [r["num_rows"] for r in per],
+        "units_per_engine": [r.get("num_units") for r in per],
+        "stolen_units_per_engine": [len(r.get("stolen_units") or []) for r in per],
+        "steals": len(steals),
         "computed_per_engine": [t.get("num_computed_prompt_tokens", 0) for t in totals],
         "preemptions_per_engine": [t.get("num_preemptions", 0) for t in totals],
-        "engine_busy_s": [r["run_seconds"] for r in per], "engine_end_s": [r["end_s"] - t0 for r in per],
+        "engine_busy_s": [r["run_seconds"] for r in per],
+        "engine_end_s": [r["end_s"] - t0 for r in per],
         "nodes": [r.get("node_id") for r in per],
         "first_request_s": [r["engine_ready_s"] - t0 for r in per],
-        "startup": {"engine_ready_s": [r["engine_ready_s"] - t0 for r in per],
-                    "read_tokenize_s": stages["read_tokenize_s"],
-                    "plan_s": stages["gather_s"] + stages["build_plan_s"]},
+        "startup": {
+            "engine_ready_s": [r["engine_ready_s"] - t0 for r in per],
+            "read_tokenize_s": stages["read_tokenize_s"],
+            "plan_s": stages["gather_s"] + stages["build_plan_s"],
+        },
         "threads": {"num_cpus_per_replica": 1, "torch_threads": "1 (Ray's OMP_NUM_THREADS for 1 CPU)"},
-        "outputs": {int(r["id"]): [int(t) for t in r["generated_tokens"]] for r in rows}}
+        "outputs": {int(r["id"]): [int(t) for t in r["generated_tokens"]] for r in rows},
+    }
 
 
 class ChatTokenize:
@@ -135,8 +188,12 @@ class ChatTokenize:
             text, tokens = chat_tokens(self.tokenizer, {"document": document, "question": question})
             texts.append(text)
             ids.append(tokens)
-        return {"id": batch["id"], "sampling_params": batch["sampling_params"], "prompt_text": texts,
-                "tokenized_prompt": ids}
+        return {
+            "id": batch["id"],
+            "sampling_params": batch["sampling_params"],
+            "prompt_text": texts,
+            "tokenized_prompt": ids,
+        }
 
 
 def ray_num_blocks(num_rows: int, replicas: int, batch_size: int) -> int:
@@ -152,34 +209,60 @@ def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float)
 
     margs = read_model_args(str(model))
     blocks = KV_CACHE_BYTES // (BLOCK * margs.kv_bytes_per_token_per_elem * 4)
-    engine_kwargs = dict(dtype="float32", block_size=BLOCK, num_gpu_blocks_override=blocks,
-                         kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=True,
-                         max_model_len=margs.max_position_embeddings,
-                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    engine_kwargs = dict(
+        dtype="float32",
+        block_size=BLOCK,
+        num_gpu_blocks_override=blocks,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        enable_prefix_caching=True,
+        max_model_len=margs.max_position_embeddings,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+    )
     if system.endswith("_ours"):
         engine_kwargs["max_num_seqs"] = MAX_NUM_BATCHED_TOKENS  # prefixflow's vLLM backend: no cap
     config = vLLMEngineProcessorConfig(
-        model_source=str(model), concurrency=(replicas, replicas), chat_template_stage=False,
-        tokenize_stage=False, engine_kwargs=engine_kwargs, placement_group_config={"bundles": [{"CPU": 1}]},
-        log_engine_metrics=False, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
+        model_source=str(model),
+        concurrency=(replicas, replicas),
+        chat_template_stage=False,
+        tokenize_stage=False,
+        engine_kwargs=engine_kwargs,
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        log_engine_metrics=False,
+        runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
+    )
     processor = build_processor(
         config,
-        preprocess=lambda r: dict(id=r["id"], tokenized_prompt=r["tokenized_prompt"],
-                                  sampling_params=r["sampling_params"]),
-        postprocess=lambda r: dict(id=r["id"], generated_tokens=[int(t) for t in r["generated_tokens"]],
-                                   num_input_tokens=r["num_input_tokens"], batch_uuid=r.get("batch_uuid"),
-                                   **_engine_fields(r)))
+        preprocess=lambda r: dict(
+            id=r["id"], tokenized_prompt=r["tokenized_prompt"], sampling_params=r["sampling_params"]
+        ),
+        postprocess=lambda r: dict(
+            id=r["id"],
+            generated_tokens=[int(t) for t in r["generated_tokens"]],
+            num_input_tokens=r["num_input_tokens"],
+            batch_uuid=r.get("batch_uuid"),
+            **_engine_fields(r),
+        ),
+    )
     num_rows = sum(1 for _ in open(data))
     num_blocks = ray_num_blocks(num_rows, replicas, config.batch_size)
-    ds = ray.data.read_json(str(data)).map_batches(ChatTokenize, fn_constructor_kwargs={"model": str(model)},
-                                                   concurrency=1, batch_size=256)
+    ds = ray.data.read_json(str(data)).map_batches(
+        ChatTokenize, fn_constructor_kwargs={"model": str(model)}, concurrency=1, batch_size=256
+    )
     ds = ds.sort("prompt_text").repartition(num_blocks)
     rows = processor(ds).take_all()
     return _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
 
 
-def _ray_record(system: str, replicas: int, rows: list[dict[str, Any]], config: Any, engine_kwargs: dict,
-                num_blocks: int, gpu_blocks: int, t0: float) -> dict[str, Any]:
+def _ray_record(
+    system: str,
+    replicas: int,
+    rows: list[dict[str, Any]],
+    config: Any,
+    engine_kwargs: dict,
+    num_blocks: int,
+    gpu_blocks: int,
+    t0: float,
+) -> dict[str, Any]:
     """The run's record from its output rows (the setup hook's per-request engine fields)."""
     by_pid: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
@@ -192,10 +275,16 @@ def _ray_record(system: str, replicas: int, rows: list[dict[str, Any]], config: 
     for r in sorted(rows, key=lambda r: r["arrival_time"]):
         batches.setdefault(r["batch_uuid"], len(batches))
     return {
-        "system": system, "replicas": replicas, "engines": len(engines), "num_blocks": num_blocks,
-        "batch_size": config.batch_size, "max_concurrent_batches": config.max_concurrent_batches,
-        "max_tasks_in_flight_per_actor": RAY_TASKS_IN_FLIGHT, "max_num_seqs": engine_kwargs.get("max_num_seqs", VLLM_DEFAULT_MAX_NUM_SEQS),
-        "num_gpu_blocks": gpu_blocks, "engine_kwargs": engine_kwargs,
+        "system": system,
+        "replicas": replicas,
+        "engines": len(engines),
+        "num_blocks": num_blocks,
+        "batch_size": config.batch_size,
+        "max_concurrent_batches": config.max_concurrent_batches,
+        "max_tasks_in_flight_per_actor": RAY_TASKS_IN_FLIGHT,
+        "max_num_seqs": engine_kwargs.get("max_num_seqs", VLLM_DEFAULT_MAX_NUM_SEQS),
+        "num_gpu_blocks": gpu_blocks,
+        "engine_kwargs": engine_kwargs,
         "computed_prompt_tokens": sum(r["num_input_tokens"] - r["num_cached_tokens"] for r in rows),
         "prompt_tokens": sum(r["num_input_tokens"] for r in rows),
         "rows_per_engine": [len(rs) for rs in engines],
@@ -211,13 +300,13 @@ def _ray_record(system: str, replicas: int, rows: list[dict[str, Any]], config: 
         "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
         "batch_rows": [sum(1 for r in rows if batches[r["batch_uuid"]] == b) for b in range(len(batches))],
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
-        "outputs": {int(r["id"]): r["generated_tokens"] for r in rows}}
+        "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},
+    }
 
 
 def _engine_fields(row: dict[str, Any]) -> dict[str, Any]:
     m = row.get("metrics") or {}
-    return {k: m.get(k) for k in ("num_cached_tokens", "finished_at", "pid", "arrival_time", "node_id",
-                                  "omp_threads")}
+    return {k: m.get(k) for k in ("num_cached_tokens", "finished_at", "pid", "arrival_time", "node_id", "omp_threads")}
 
 
 def record_engine_fields() -> None:
@@ -232,10 +321,14 @@ def record_engine_fields() -> None:
         import ray
 
         data = original(cls, output)
-        data.metrics = {**(data.metrics or {}), "num_cached_tokens": output.num_cached_tokens or 0,
-                        "finished_at": time.time(), "pid": os.getpid(),
-                        "node_id": ray.get_runtime_context().get_node_id(),
-                        "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+        data.metrics = {
+            **(data.metrics or {}),
+            "num_cached_tokens": output.num_cached_tokens or 0,
+            "finished_at": time.time(),
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
         return data
 
     stage.vLLMOutputData.from_vllm_engine_output = classmethod(from_vllm_engine_output)

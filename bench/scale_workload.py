@@ -28,16 +28,24 @@ from typing import Any
 
 import numpy as np
 
-SYSTEM = ("You are a careful reader working through a large batch of documents. Read the document "
-          "below and answer the question about it in one short sentence, using only what the "
-          "document says.")
+SYSTEM = (
+    "You are a careful reader working through a large batch of documents. Read the document "
+    "below and answer the question about it in one short sentence, using only what the "
+    "document says."
+)
 USER = "Document: {{ document }}\n\nQuestion: {{ question }}"
-BLOCK = 32                 # vLLM's CPU attention wants multiples of 32; every system uses 32
+BLOCK = 32  # vLLM's CPU attention wants multiples of 32; every system uses 32
 KV_CACHE_BYTES = 64 << 20  # per replica: about 16k tokens of the bench model (fp32)
-MODEL_SHAPE = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512,
-                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+MODEL_SHAPE = dict(
+    num_hidden_layers=4,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 WORKLOADS = ("fixed", "model_decided")
-MODEL_DECIDED_CAP = 160    # every row's max_tokens in the model-decided workload
+MODEL_DECIDED_CAP = 160  # every row's max_tokens in the model-decided workload
 MODEL_DECIDED_SAMPLING = {"temperature": 0.0, "max_tokens": MODEL_DECIDED_CAP, "frequency_penalty": 0.5}
 
 
@@ -61,20 +69,29 @@ def make_rows(tokenizer: Any, num_rows: int, seed: int = 0, top: int | None = No
         target = int(math.exp(rng.uniform(math.log(200), math.log(2000))))
         sentences: list[str] = []
         while len(tokenizer.encode(" ".join(sentences))) < target:
-            sentences += [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
-                          for _ in range(max(1, (target - len(tokenizer.encode(" ".join(sentences)))) // 12))]
+            sentences += [
+                f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
+                for _ in range(max(1, (target - len(tokenizer.encode(" ".join(sentences)))) // 12))
+            ]
         document = " ".join(sentences)
         for q in range(count):
-            rows.append({"doc_id": doc_id, "document": document,
-                         "question": f"{rng.choice(_QUESTIONS)} (ask {q}, part {rng.randint(1, 99)})",
-                         "max_tokens": rng.randint(8, 128)})
+            rows.append(
+                {
+                    "doc_id": doc_id,
+                    "document": document,
+                    "question": f"{rng.choice(_QUESTIONS)} (ask {q}, part {rng.randint(1, 99)})",
+                    "max_tokens": rng.randint(8, 128),
+                }
+            )
     rng.shuffle(rows)
     return [{"id": i, **r} for i, r in enumerate(rows)]
 
 
 def messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Document: {row['document']}\n\nQuestion: {row['question']}"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Document: {row['document']}\n\nQuestion: {row['question']}"},
+    ]
 
 
 def chat_tokens(tokenizer: Any, row: dict[str, Any]) -> tuple[str, list[int]]:
@@ -114,8 +131,11 @@ def greedy_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     the native engine."""
     from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", block_size=BLOCK,
-                                    kv_cache_bytes=4 * KV_CACHE_BYTES))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model), device="cpu", dtype="float32", block_size=BLOCK, kv_cache_bytes=4 * KV_CACHE_BYTES
+        )
+    )
     outs = engine.generate(prompts, SamplingParams(**MODEL_DECIDED_SAMPLING, ignore_eos=True))
     return [list(o.token_ids) for o in outs]
 
@@ -148,8 +168,10 @@ def choose_eos(outputs: list[list[int]], cap: int, also: tuple[int, ...] = ()) -
         if q3 - q1 > score:
             best, score = t, float(q3 - q1)
     if best < 0:
-        raise RuntimeError("no token of the bench model's greedy outputs spreads the lengths: change "
-                           "MODEL_DECIDED_CAP or the model's seed")
+        raise RuntimeError(
+            "no token of the bench model's greedy outputs spreads the lengths: change "
+            "MODEL_DECIDED_CAP or the model's seed"
+        )
     return best, np.minimum(first[best], always).tolist()
 
 
@@ -175,11 +197,19 @@ def with_eos(model: Path, eos_id: int, folder: Path) -> Path:
 def length_summary(lengths: list[int], cap: int) -> dict[str, Any]:
     """The output length distribution the bench records."""
     arr = np.asarray(lengths)
-    return {"cap": cap, "min": int(arr.min()), "p10": float(np.percentile(arr, 10)),
-            "median": float(np.median(arr)), "p90": float(np.percentile(arr, 90)), "max": int(arr.max()),
-            "mean": float(arr.mean()), "at_cap": float(np.mean(arr >= cap)), "total": int(arr.sum()),
-            "histogram_bins": (bins := [b for b in (1, 5, 10, 20, 40, 80, 120) if b < cap] + [cap, cap + 1]),
-            "histogram": np.histogram(arr, bins=bins)[0].tolist()}
+    return {
+        "cap": cap,
+        "min": int(arr.min()),
+        "p10": float(np.percentile(arr, 10)),
+        "median": float(np.median(arr)),
+        "p90": float(np.percentile(arr, 90)),
+        "max": int(arr.max()),
+        "mean": float(arr.mean()),
+        "at_cap": float(np.mean(arr >= cap)),
+        "total": int(arr.sum()),
+        "histogram_bins": (bins := [b for b in (1, 5, 10, 20, 40, 80, 120) if b < cap] + [cap, cap + 1]),
+        "histogram": np.histogram(arr, bins=bins)[0].tolist(),
+    }
 
 
 def prompt_token_floors(prompts: list[list[int]], block: int = BLOCK) -> dict[str, int]:
@@ -196,6 +226,8 @@ def prompt_token_floors(prompts: list[list[int]], block: int = BLOCK) -> dict[st
     order, lcp = sort_with_lcp(tokens, block)
     lens = tokens.lengths[order]
     shared = np.minimum(np.r_[0, lcp], np.maximum(lens - 1, 0)) // block * block
-    return {"prompt_tokens": int(lens.sum()),
-            "distinct_prompt_tokens": PrefixTree.from_sorted(order, lcp, tokens.lengths).tree_tokens(),
-            "whole_block_floor": int((lens - shared).sum())}
+    return {
+        "prompt_tokens": int(lens.sum()),
+        "distinct_prompt_tokens": PrefixTree.from_sorted(order, lcp, tokens.lengths).tree_tokens(),
+        "whole_block_floor": int((lens - shared).sum()),
+    }

@@ -47,9 +47,15 @@ from typing import Any
 
 
 RESULTS = Path("bench/results/score_bench.json")
-DEMO = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
-            num_key_value_heads=2, max_position_embeddings=32768)
-CHUNKS = (512, 256)   # hybrid prefilling chunk sizes measured (ScoreOptions default: 512)
+DEMO = dict(
+    num_hidden_layers=4,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+)
+CHUNKS = (512, 256)  # hybrid prefilling chunk sizes measured (ScoreOptions default: 512)
 
 
 def _status_mb(field: str) -> float:
@@ -68,7 +74,7 @@ def measure(variant: str, tokens: int, chunk: int) -> dict:
     path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **DEMO))
     ids = torch.randint(3, 600, (tokens,), generator=torch.Generator().manual_seed(0))
     run, extra = _variant(variant, path, tokens, chunk)
-    run(ids[:64])                                                  # warm-up
+    run(ids[:64])  # warm-up
     Path("/proc/self/clear_refs").write_text("5")
     base = _status_mb("VmRSS")
     t0 = time.perf_counter()
@@ -77,8 +83,13 @@ def measure(variant: str, tokens: int, chunk: int) -> dict:
     peak = _status_mb("VmHWM") - base
     if variant == "hybrid":
         variant = f"hybrid_c{chunk}"
-    return dict(variant=variant, tokens=tokens, peak_delta_mb=round(peak + extra, 1),
-                extra_mb=round(extra, 1), seconds=round(seconds, 2))
+    return dict(
+        variant=variant,
+        tokens=tokens,
+        peak_delta_mb=round(peak + extra, 1),
+        extra_mb=round(extra, 1),
+        seconds=round(seconds, 2),
+    )
 
 
 def _variant(variant: str, path: str, tokens: int, chunk: int):
@@ -104,9 +115,21 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
 
         def run(ids):
             n = len(ids)
-            step = StepInput((SeqChunk(0, tuple(ids.tolist()), 0, 0, tuple(range(-(-n // 16))),
-                                       sample=True, sampling_params=SamplingParams()),))
+            step = StepInput(
+                (
+                    SeqChunk(
+                        0,
+                        tuple(ids.tolist()),
+                        0,
+                        0,
+                        tuple(range(-(-n // 16))),
+                        sample=True,
+                        sampling_params=SamplingParams(),
+                    ),
+                )
+            )
             r.execute_logits(step)
+
         return run, kv_bytes / 2**20
     from transformers import AutoModelForCausalLM
 
@@ -116,6 +139,7 @@ def _variant(variant: str, path: str, tokens: int, chunk: int):
     def run_hf(ids):
         with torch.no_grad():
             hf(ids[None], **keep)
+
     return run_hf, 0.0
 
 
@@ -131,9 +155,21 @@ def memory_section(long_tokens: int, short_tokens: int) -> dict:
     plan += [("hybrid", long_tokens, c) for c in CHUNKS]
     plan += [(v, long_tokens, 0) for v in ("generate", "transformers", "transformers_keep1")]
     for variant, n, chunk in plan:
-        out = subprocess.run([sys.executable, "-m", "prefixflow.bench.score_bench", "--measure",
-                              variant, "--tokens", str(n), "--chunk", str(chunk)],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "prefixflow.bench.score_bench",
+                "--measure",
+                variant,
+                "--tokens",
+                str(n),
+                "--chunk",
+                str(chunk),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             rows.append(dict(variant=variant, tokens=n, error=out.stderr[-500:]))
             continue
@@ -150,10 +186,15 @@ def memory_section(long_tokens: int, short_tokens: int) -> dict:
             for other in ("generate", "transformers", "transformers_keep1"):
                 if f"hybrid_c{c}" in by and other in by:
                     ratios[f"{other}_over_hybrid_c{c}@{n}"] = round(
-                        by[other]["peak_delta_mb"] / by[f"hybrid_c{c}"]["peak_delta_mb"], 2)
-    return dict(method="peak RSS delta of one forward in a fresh process (VmHWM after "
-                       "clear_refs=5, minus RSS before); generate adds its KV cache size",
-                model=DEMO, rows=rows, ratios=ratios)
+                        by[other]["peak_delta_mb"] / by[f"hybrid_c{c}"]["peak_delta_mb"], 2
+                    )
+    return dict(
+        method="peak RSS delta of one forward in a fresh process (VmHWM after "
+        "clear_refs=5, minus RSS before); generate adds its KV cache size",
+        model=DEMO,
+        rows=rows,
+        ratios=ratios,
+    )
 
 
 def real_model_section(model: str, num_users: int, hf_requests: int) -> dict:
@@ -170,13 +211,21 @@ def real_model_section(model: str, num_users: int, hf_requests: int) -> dict:
     results = scorer.score(prompts, CHOICES)
     ours = _summary(scorer, len(prompts))
     sample = list(range(0, len(prompts), max(1, len(prompts) // hf_requests)))[:hf_requests]
-    hf = _hf_rate(path, [prompts[i] for i in sample], results[0].choice_token_ids,
-                  {k: results[i].probs for k, i in enumerate(sample)})
-    return dict(model=model, users=num_users, requests=len(prompts),
-                prompt_tokens=int(sum(map(len, prompts))), ours_offline=ours,
-                transformers_sample=hf,
-                requests_per_s_ratio_vs_transformers=round(ours["requests_per_s"]
-                                                           / hf["requests_per_s"], 2))
+    hf = _hf_rate(
+        path,
+        [prompts[i] for i in sample],
+        results[0].choice_token_ids,
+        {k: results[i].probs for k, i in enumerate(sample)},
+    )
+    return dict(
+        model=model,
+        users=num_users,
+        requests=len(prompts),
+        prompt_tokens=int(sum(map(len, prompts))),
+        ours_offline=ours,
+        transformers_sample=hf,
+        requests_per_s_ratio_vs_transformers=round(ours["requests_per_s"] / hf["requests_per_s"], 2),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,9 +243,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(a.measure, a.tokens, a.chunk)))
         return
     if a.model:
-        result: dict[str, Any] = {"load_average_at_start": os.getloadavg(),
-                                  "real_model": real_model_section(a.model, a.users, a.hf_requests),
-                                  "load_average_at_end": os.getloadavg()}
+        result: dict[str, Any] = {
+            "load_average_at_start": os.getloadavg(),
+            "real_model": real_model_section(a.model, a.users, a.hf_requests),
+            "load_average_at_end": os.getloadavg(),
+        }
         path = RESULTS.with_name(f"score_bench_{a.model}.json")
         path.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))

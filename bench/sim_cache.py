@@ -23,7 +23,6 @@ extends another turn of the same group reuses it through the cache). The prefix 
 member runs. A member whose prompt is the prefix computes its last token.
 """
 
-
 from prefixflow.bench.sim_items import MEMBER, OWNER
 
 # A unit is one trie node's blocks along one chain: id = node (a chain from token 0) or
@@ -33,8 +32,22 @@ from prefixflow.bench.sim_items import MEMBER, OWNER
 # hash table (keys, vals). Per replica (`rep`): queue head and tail, blocks used (held or
 # queued), blocks queued, and the ring of running requests (`ring`, FIFO).
 
-KERNELS = ("_home", "_slot", "_unslot", "_unqueue", "_queue", "_new_entry", "_allocate", "_chain",
-           "_lookup", "_hold", "_drop", "_shape", "_finish_oldest", "_run_item")
+KERNELS = (
+    "_home",
+    "_slot",
+    "_unslot",
+    "_unqueue",
+    "_queue",
+    "_new_entry",
+    "_allocate",
+    "_chain",
+    "_lookup",
+    "_hold",
+    "_drop",
+    "_shape",
+    "_finish_oldest",
+    "_run_item",
+)
 EMPTY = -1
 KEY, CACHED, REF, PREV, NEXT = range(5)
 HEAD, TAIL, USED, QUEUED, COUNT, START = range(6)
@@ -67,7 +80,7 @@ def _unslot(keys, vals, i):
             break
         home = _home(keys[j], mask)
         if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
-            continue   # its probe path does not cross i
+            continue  # its probe path does not cross i
         keys[i], vals[i] = keys[j], vals[j]
         i = j
     keys[i] = EMPTY
@@ -218,7 +231,7 @@ def _shape(kind, node, anchor, out_len, depth, bs):
     if kind == OWNER:
         return p, 0, p, p // bs, 0, 0
     base = depth[anchor] if kind == MEMBER else 0
-    own = max(p - base, 1)          # a member whose prompt is the prefix recomputes its last token
+    own = max(p - base, 1)  # a member whose prompt is the prefix recomputes its last token
     if kind == MEMBER and p == base:
         base = p - 1
     kv = own + max(out_len, 1) - 1  # the last output token is never fed back
@@ -255,10 +268,9 @@ def _run_item(st, i, r, R, W, cap, kind, node, anchor, outs, parent, depth, num_
             _finish_oldest(st, r, R, W, kind, node, anchor, outs, parent, depth, num_nodes, bs, units2, blocks2)
             hit, queued = _lookup(ent, keys, vals, r, R, units, blocks, k, first, cap_hit)
     _hold(ent, rep, keys, vals, pool, r, R, units, blocks, k, hashed + partial, cap)
-    if kind[i] == OWNER:   # its members hold the prefix from now on
+    if kind[i] == OWNER:  # its members hold the prefix from now on
         _drop(ent, rep, keys, vals, pool, r, R, units, blocks, k, 0, 0)
     else:
         ring[r, (rep[r, START] + rep[r, COUNT]) % W] = i
         rep[r, COUNT] += 1
     return base + hit * bs
-

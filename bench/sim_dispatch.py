@@ -43,8 +43,12 @@ def new_state(R: int, W: int, pool_size: int, max_chain: int) -> tuple[tuple, tu
     rep[:, HEAD] = -1
     rep[:, TAIL] = -1
     st = (ent, rep, np.full(size, EMPTY, np.int64), np.zeros(size, np.int64), pool, np.zeros((R, W), np.int64))
-    buf = (np.zeros(max_chain, np.int64), np.zeros(max_chain, np.int64),
-           np.zeros(max_chain, np.int64), np.zeros(max_chain, np.int64))
+    buf = (
+        np.zeros(max_chain, np.int64),
+        np.zeros(max_chain, np.int64),
+        np.zeros(max_chain, np.int64),
+        np.zeros(max_chain, np.int64),
+    )
     return st, buf
 
 
@@ -76,12 +80,12 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     n = len(task_starts) - 1
     inflight = np.zeros(R, np.int64)
     head = np.zeros(R, np.int64)
-    fin = np.zeros((R, max_in_flight))          # each actor's tasks in flight, a FIFO ring
+    fin = np.zeros((R, max_in_flight))  # each actor's tasks in flight, a FIFO ring
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
     now = 0.0
     for t in range(n):
         while True:
-            for q in range(R):                  # tasks finished by now leave their actor
+            for q in range(R):  # tasks finished by now leave their actor
                 while inflight[q] > 0 and fin[q, head[q]] <= now:
                     head[q] = (head[q] + 1) % max_in_flight
                     inflight[q] -= 1

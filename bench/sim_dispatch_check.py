@@ -47,9 +47,23 @@ GOAL = 0.05
 # memory time; the bench should record its own ("hardware_profile").
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
 # What validate_dispatch reads of a Ray run's record (module doc); `extract` keeps only these.
-RUN_FIELDS = ("system", "replicas", "workload", "block_rows", "batch_size", "max_tasks_in_flight_per_actor",
-              "max_num_seqs", "num_gpu_blocks", "rows_per_engine", "engine_busy_s", "first_request_s",
-              "computed_prompt_tokens", "row_engine", "row_block", "block_row_ids")
+RUN_FIELDS = (
+    "system",
+    "replicas",
+    "workload",
+    "block_rows",
+    "batch_size",
+    "max_tasks_in_flight_per_actor",
+    "max_num_seqs",
+    "num_gpu_blocks",
+    "rows_per_engine",
+    "engine_busy_s",
+    "first_request_s",
+    "computed_prompt_tokens",
+    "row_engine",
+    "row_block",
+    "block_row_ids",
+)
 
 
 def load_bench(path: Path) -> dict[str, Any]:
@@ -64,12 +78,24 @@ def extract(data: dict[str, Any]) -> dict[str, Any]:
     token ids, the model and hardware, the Ray runs' RUN_FIELDS): 0.5 MB gzipped for the
     2,048-row bench, against 17 MB for the whole file, so the validation can be rerun from
     the repository."""
-    runs = {key: {"repeats": [{f: rec[f] for f in RUN_FIELDS if f in rec} for rec in cell.get("repeats", [])
-                              if str(rec.get("system", key)).startswith("ray_llm")]}
-            for key, cell in data.get("runs", {}).items()}
-    return {"bench": "scale_bench (dispatch_check extract)", "args": data.get("args", {}),
-            "hardware_profile": data.get("hardware_profile"), "rows": data.get("rows"),
-            "token_rows": data.get("token_rows"), "runs": {k: v for k, v in runs.items() if v["repeats"]}}
+    runs = {
+        key: {
+            "repeats": [
+                {f: rec[f] for f in RUN_FIELDS if f in rec}
+                for rec in cell.get("repeats", [])
+                if str(rec.get("system", key)).startswith("ray_llm")
+            ]
+        }
+        for key, cell in data.get("runs", {}).items()
+    }
+    return {
+        "bench": "scale_bench (dispatch_check extract)",
+        "args": data.get("args", {}),
+        "hardware_profile": data.get("hardware_profile"),
+        "rows": data.get("rows"),
+        "token_rows": data.get("token_rows"),
+        "runs": {k: v for k, v in runs.items() if v["repeats"]},
+    }
 
 
 def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = None) -> dict[str, Any]:
@@ -93,10 +119,18 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
     per_run = [max(abs(e) for e in r["errors"].values()) for r in runs.values()]
     worst = max(per_run, default=None)
     within = sum(e <= GOAL for e in per_run)
-    return {"runs": runs, "max_abs_error": worst, "goal": GOAL, "within_goal": worst is not None and worst <= GOAL,
-            "runs_within_goal": f"{within} of {len(runs)}",
-            "cost_model": {"hardware": cm.hardware.name, "peak_flops": cm.hardware.peak_flops,
-                           "mem_bandwidth": cm.hardware.mem_bandwidth}}
+    return {
+        "runs": runs,
+        "max_abs_error": worst,
+        "goal": GOAL,
+        "within_goal": worst is not None and worst <= GOAL,
+        "runs_within_goal": f"{within} of {len(runs)}",
+        "cost_model": {
+            "hardware": cm.hardware.name,
+            "peak_flops": cm.hardware.peak_flops,
+            "mem_bandwidth": cm.hardware.mem_bandwidth,
+        },
+    }
 
 
 def bench_cost_model(data: dict[str, Any], path: Path) -> CostModel:
@@ -105,12 +139,17 @@ def bench_cost_model(data: dict[str, Any], path: Path) -> CostModel:
     args = data.get("args", {})
     cfg = args.get("model_config") or args.get("model")
     if not cfg or "vocab_size" not in cfg:
-        raise ValueError(f"{path}: args.model_config (or args.model) must give the bench model's config with "
-                         "vocab_size, for the busy-time model; or pass cost_model")
+        raise ValueError(
+            f"{path}: args.model_config (or args.model) must give the bench model's config with "
+            "vocab_size, for the busy-time model; or pass cost_model"
+        )
     shape = ModelShape.from_hf_config({"torch_dtype": "float32", **cfg})
     hw = data.get("hardware_profile")
-    profile = HardwareProfile("recorded", float(hw["peak_flops"]), float(hw["mem_bandwidth"]), 16 * GIB) if hw \
+    profile = (
+        HardwareProfile("recorded", float(hw["peak_flops"]), float(hw["mem_bandwidth"]), 16 * GIB)
+        if hw
         else CPU_PROFILE
+    )
     return CostModel(shape, profile)
 
 
@@ -123,17 +162,22 @@ def _field(rec: dict[str, Any], name: str, where: str) -> Any:
 def _rows(data: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[list[int]]]:
     rows, tokens = _field(data, "rows", str(path)), _field(data, "token_rows", str(path))
     if len(rows) != len(tokens) or [int(r["id"]) for r in rows] != list(range(len(rows))):
-        raise ValueError(f"{path}: rows must hold ids 0..{len(tokens) - 1} in order, one per token_rows entry "
-                         f"(got {len(rows)} rows for {len(tokens)} token rows)")
+        raise ValueError(
+            f"{path}: rows must hold ids 0..{len(tokens) - 1} in order, one per token_rows entry "
+            f"(got {len(rows)} rows for {len(tokens)} token rows)"
+        )
     for r, t in zip(rows, tokens):
         if int(r["prompt_tokens"]) != len(t):
-            raise ValueError(f"{path}: row {r['id']} says prompt_tokens={r['prompt_tokens']} but its token_rows "
-                             f"entry holds {len(t)} tokens")
+            raise ValueError(
+                f"{path}: row {r['id']} says prompt_tokens={r['prompt_tokens']} but its token_rows "
+                f"entry holds {len(t)} tokens"
+            )
     return rows, tokens
 
 
-def _dispatch_order(rec: dict[str, Any], row_block: dict[int, int], tokens: list[list[int]],
-                    where: str) -> tuple[np.ndarray, np.ndarray]:
+def _dispatch_order(
+    rec: dict[str, Any], row_block: dict[int, int], tokens: list[list[int]], where: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(row ids in the order the blocks hand them out, rows per block)."""
     block_rows = np.asarray(_field(rec, "block_rows", where), np.int64)
     if "block_row_ids" in rec:
@@ -146,17 +190,23 @@ def _dispatch_order(rec: dict[str, Any], row_block: dict[int, int], tokens: list
             blocks = [sorted(b, key=lambda r: tokens[r]) for b in blocks]
     order = [r for b in blocks for r in b]
     if [len(b) for b in blocks] != block_rows.tolist() or sorted(order) != list(range(len(tokens))):
-        raise ValueError(f"{where}: block_rows, row_block (or block_row_ids) must place every row once, "
-                         "block by block")
+        raise ValueError(f"{where}: block_rows, row_block (or block_row_ids) must place every row once, block by block")
     return np.asarray(order, np.int64), block_rows
 
 
 def _int_map(rec: dict[str, Any], name: str, where: str) -> dict[int, int]:
-    return {int(k): int(v) for k, v in _field(rec, name, where).items()}   # JSON keys are strings
+    return {int(k): int(v) for k, v in _field(rec, name, where).items()}  # JSON keys are strings
 
 
-def replay_run(w: Workload, rows: list[dict[str, Any]], tokens: list[list[int]], rec: dict[str, Any],
-               block_size: int, cm: CostModel, where: str) -> dict[str, Any]:
+def replay_run(
+    w: Workload,
+    rows: list[dict[str, Any]],
+    tokens: list[list[int]],
+    rec: dict[str, Any],
+    block_size: int,
+    cm: CostModel,
+    where: str,
+) -> dict[str, Any]:
     """One measured run replayed through the dispatch model; its predictions, measurements, errors."""
     workload = _field(rec, "workload", where)
     if any(workload not in r.get("output_tokens", {}) for r in rows):
@@ -167,10 +217,15 @@ def replay_run(w: Workload, rows: list[dict[str, Any]], tokens: list[list[int]],
         raise ValueError(f"{where}: row_engine must give each of the {len(rows)} rows its engine")
     order, block_rows = _dispatch_order(rec, row_block, tokens, where)
     R = int(_field(rec, "replicas", where))
-    ray = RayData(len(block_rows), int(_field(rec, "batch_size", where)),
-                  int(_field(rec, "max_tasks_in_flight_per_actor", where)))
-    cluster = Cluster(R, (int(_field(rec, "num_gpu_blocks", where)) - 1) * block_size, block_size,
-                      int(_field(rec, "max_num_seqs", where)))   # vLLM keeps one block as its null block
+    ray = RayData(
+        len(block_rows), int(_field(rec, "batch_size", where)), int(_field(rec, "max_tasks_in_flight_per_actor", where))
+    )
+    cluster = Cluster(
+        R,
+        (int(_field(rec, "num_gpu_blocks", where)) - 1) * block_size,
+        block_size,
+        int(_field(rec, "max_num_seqs", where)),
+    )  # vLLM keeps one block as its null block
     first = np.asarray(_field(rec, "first_request_s", where), float)
     if first.shape != (R,):
         raise ValueError(f"{where}: first_request_s must give each of the {R} engines its first request's time")
@@ -190,17 +245,28 @@ def replay_run(w: Workload, rows: list[dict[str, Any]], tokens: list[list[int]],
     measured_share, pred_share = measured_busy / measured_busy.sum(), run.busy_s / run.busy_s.sum()
     agree = float(np.mean([row_engine[int(r)] == int(e) for r, e in zip(order, run.item_replica)]))
     rows_error = np.abs(pred_rows - measured_rows).max() / measured_rows.mean()
-    return {"ready_s": np.round(first - first.min(), 2).tolist(), "clock_scale": round(clock_scale, 6),
-            "num_tasks": int(len(run.grain_replica)),
-            "row_engine_agreement": round(agree, 4),
-            "predicted": {"rows_per_engine": pred_rows.astype(int).tolist(), "computed_prompt_tokens": pred_computed,
-                          "busy_share": np.round(pred_share, 4).tolist()},
-            "measured": {"rows_per_engine": measured_rows.astype(int).tolist(),
-                         "computed_prompt_tokens": measured_computed,
-                         "busy_share": np.round(measured_share, 4).tolist()},
-            "errors": {"rows_per_engine": round(float(rows_error), 5), "placement": round(1 - agree, 5),
-                       "computed_prompt_tokens": round(pred_computed / measured_computed - 1, 5)},
-            "busy_share_error": round(float(np.abs(pred_share - measured_share).max() * R), 5)}
+    return {
+        "ready_s": np.round(first - first.min(), 2).tolist(),
+        "clock_scale": round(clock_scale, 6),
+        "num_tasks": int(len(run.grain_replica)),
+        "row_engine_agreement": round(agree, 4),
+        "predicted": {
+            "rows_per_engine": pred_rows.astype(int).tolist(),
+            "computed_prompt_tokens": pred_computed,
+            "busy_share": np.round(pred_share, 4).tolist(),
+        },
+        "measured": {
+            "rows_per_engine": measured_rows.astype(int).tolist(),
+            "computed_prompt_tokens": measured_computed,
+            "busy_share": np.round(measured_share, 4).tolist(),
+        },
+        "errors": {
+            "rows_per_engine": round(float(rows_error), 5),
+            "placement": round(1 - agree, 5),
+            "computed_prompt_tokens": round(pred_computed / measured_computed - 1, 5),
+        },
+        "busy_share_error": round(float(np.abs(pred_share - measured_share).max() * R), 5),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,14 +276,18 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.extract:
         out = Path(args.extract)
-        out.write_bytes(gzip.compress(json.dumps(extract(load_bench(Path(args.scale_bench))),
-                                                 separators=(",", ":")).encode(), 9, mtime=0))
+        out.write_bytes(
+            gzip.compress(
+                json.dumps(extract(load_bench(Path(args.scale_bench))), separators=(",", ":")).encode(), 9, mtime=0
+            )
+        )
         print(f"wrote {out}")
     report = validate_dispatch(Path(args.scale_bench))
     for key, run in report["runs"].items():
         print(key, json.dumps({k: run[k] for k in ("ready_s", "errors", "busy_share_error")}))
-    print(f"max_abs_error {report['max_abs_error']} (goal {report['goal']}); runs within it: "
-          f"{report['runs_within_goal']}")
+    print(
+        f"max_abs_error {report['max_abs_error']} (goal {report['goal']}); runs within it: {report['runs_within_goal']}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from prefixflow.pipeline import build_plan
 from prefixflow.pipeline.block_hash import HashedPrompts
 from prefixflow.pipeline.ragged import RaggedTokens
 
-BLOCK_SIZE = 16            # vLLM's and the native engine's default KV block
+BLOCK_SIZE = 16  # vLLM's and the native engine's default KV block
 PLAN_SLICE_ROWS = 2_500_000
-PLAIN, OWNER, MEMBER = 0, 1, 2   # kinds of simulated requests (see _Items)
+PLAIN, OWNER, MEMBER = 0, 1, 2  # kinds of simulated requests (see _Items)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -52,8 +52,14 @@ class _Items:
         vLLM backend, sharing only through vLLM's prefix cache."""
         keep = self.kind != OWNER
         n = int(keep.sum())
-        return _Items(np.full(n, PLAIN, np.int64), self.node[keep], np.zeros(n, np.int64), self.replica[keep],
-                      self.output_len[keep], self.row[keep])
+        return _Items(
+            np.full(n, PLAIN, np.int64),
+            self.node[keep],
+            np.zeros(n, np.int64),
+            self.replica[keep],
+            self.output_len[keep],
+            self.row[keep],
+        )
 
 
 def _concat(parts: Sequence[_Items]) -> _Items:
@@ -65,8 +71,14 @@ def plain_items(w: Workload, order: np.ndarray, outs: np.ndarray | None = None) 
     the caps)."""
     n = len(order)
     outs = w.output_len if outs is None else outs
-    return _Items(np.zeros(n, np.int64), w.end_node[order], np.zeros(n, np.int64), np.full(n, -1, np.int64),
-                  outs[order], order.astype(np.int64))
+    return _Items(
+        np.zeros(n, np.int64),
+        w.end_node[order],
+        np.zeros(n, np.int64),
+        np.full(n, -1, np.int64),
+        outs[order],
+        order.astype(np.int64),
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -108,7 +120,7 @@ def trie_order_lcp(w: Workload) -> tuple[np.ndarray, np.ndarray]:
     is the depth of their ends' lowest common ancestor."""
     order = w.sorted_order
     lev = levels(w.parent)
-    last = np.arange(len(w.parent), dtype=np.int64)      # last preorder id in each subtree
+    last = np.arange(len(w.parent), dtype=np.int64)  # last preorder id in each subtree
     for level in range(int(lev.max()), 0, -1):
         nodes = np.flatnonzero(lev == level)
         np.maximum.at(last, w.parent[nodes], last[nodes])
@@ -123,9 +135,14 @@ def trie_order_lcp(w: Workload) -> tuple[np.ndarray, np.ndarray]:
     return order, lcp
 
 
-def plan_workload(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
-                  tokens: Sequence[Sequence[int]] | RaggedTokens | None = None,
-                  order_lcp: tuple[np.ndarray, np.ndarray] | None = None, stealing: bool = False) -> Any:
+def plan_workload(
+    w: Workload,
+    num_replicas: int,
+    block_size: int = BLOCK_SIZE,
+    tokens: Sequence[Sequence[int]] | RaggedTokens | None = None,
+    order_lcp: tuple[np.ndarray, np.ndarray] | None = None,
+    stealing: bool = False,
+) -> Any:
     """prefixflow's plan of the workload: `build_plan` (batchllm order, groups at least a block
     long, as an engine asks; told each row's cap) on the real token ids when given, else on the
     trie's exact text order and LCPs (the planner's own tree, grouping, order and partition; no
@@ -136,8 +153,14 @@ def plan_workload(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
     else:
         order, lcp = order_lcp or trie_order_lcp(w)
         prompts = _SortedPrompts(w.prompt_lens, _no_hashes, block_size, _no_tokens, order=order, lcp=lcp)
-    return build_plan(prompts, output_lens=w.output_len, order="batchllm", num_replicas=num_replicas,
-                      min_prefix_len=block_size, stealing=stealing)
+    return build_plan(
+        prompts,
+        output_lens=w.output_len,
+        order="batchllm",
+        num_replicas=num_replicas,
+        min_prefix_len=block_size,
+        stealing=stealing,
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -147,33 +170,50 @@ class SlicedPlan:
     partition keeps Python tuples per run, and 10M runs of one prompt peaked at 8.7 GB.
     Each replica runs its part of every slice, slice after slice."""
 
-    rows: tuple[np.ndarray, ...]   # the global row ids of each slice
+    rows: tuple[np.ndarray, ...]  # the global row ids of each slice
     plans: tuple[Any, ...]
 
     @property
     def summary(self) -> dict[str, Any]:
-        keys = ("computed_prompt_tokens", "prompt_tokens", "num_groups", "num_shared_groups", "planning_seconds",
-                "num_units")
+        keys = (
+            "computed_prompt_tokens",
+            "prompt_tokens",
+            "num_groups",
+            "num_shared_groups",
+            "planning_seconds",
+            "num_units",
+        )
         sums = {k: sum(p.summary[k] for p in self.plans) for k in keys}
         total = max(sums["prompt_tokens"], 1)
+
         def ratio(k: str) -> float:
             return sum(p.summary[k] * p.summary["prompt_tokens"] for p in self.plans) / total
 
         worst = max(p.summary["predicted_seconds_max_over_mean"] for p in self.plans)
-        return {**sums, "single_level_token_saving_ratio": ratio("single_level_token_saving_ratio"),
-                "optimal_token_saving_ratio": ratio("optimal_token_saving_ratio"), "num_slices": len(self.plans),
-                "predicted_seconds_max_over_mean": worst}
+        return {
+            **sums,
+            "single_level_token_saving_ratio": ratio("single_level_token_saving_ratio"),
+            "optimal_token_saving_ratio": ratio("optimal_token_saving_ratio"),
+            "num_slices": len(self.plans),
+            "predicted_seconds_max_over_mean": worst,
+        }
 
 
-def make_plan(w: Workload, num_replicas: int, block_size: int = BLOCK_SIZE,
-              order_lcp: tuple[np.ndarray, np.ndarray] | None = None, stealing: bool = False) -> Any:
+def make_plan(
+    w: Workload,
+    num_replicas: int,
+    block_size: int = BLOCK_SIZE,
+    order_lcp: tuple[np.ndarray, np.ndarray] | None = None,
+    stealing: bool = False,
+) -> Any:
     """plan_workload, or a SlicedPlan of PLAN_SLICE_ROWS-row slices when nothing is shared."""
     order_lcp = order_lcp or trie_order_lcp(w)
     if len(w) <= PLAN_SLICE_ROWS or order_lcp[1].max(initial=0) > 0:
         return plan_workload(w, num_replicas, block_size, order_lcp=order_lcp, stealing=stealing)
     slices = tuple(np.arange(lo, min(lo + PLAN_SLICE_ROWS, len(w))) for lo in range(0, len(w), PLAN_SLICE_ROWS))
-    return SlicedPlan(slices, tuple(plan_workload(w.subset(rows), num_replicas, block_size, stealing=stealing)
-                                    for rows in slices))
+    return SlicedPlan(
+        slices, tuple(plan_workload(w.subset(rows), num_replicas, block_size, stealing=stealing) for rows in slices)
+    )
 
 
 def _ancestor_at_depth(w: Workload, nodes: np.ndarray, depths: np.ndarray) -> np.ndarray:
@@ -213,7 +253,7 @@ def plan_stream(w: Workload, plan: Any, outs: np.ndarray | None = None, cut_unit
     first[cuts[:-1]] = True
     first &= shared
     n_items = len(rows) + int(first.sum())
-    pos = np.arange(len(rows)) + np.cumsum(first)               # members after their owner
+    pos = np.arange(len(rows)) + np.cumsum(first)  # members after their owner
     owner_pos = pos[first] - 1
     kind, node, anc = (np.zeros(n_items, np.int64) for _ in range(3))
     replica, out, row = (np.zeros(n_items, np.int64) for _ in range(3))
@@ -221,7 +261,7 @@ def plan_stream(w: Workload, plan: Any, outs: np.ndarray | None = None, cut_unit
     replica[pos], out[pos], row[pos] = rep, outs[rows], rows
     kind[owner_pos], node[owner_pos], anc[owner_pos] = OWNER, anchor[first], anchor[first]
     replica[owner_pos], out[owner_pos], row[owner_pos] = rep[first], 0, -1
-    u = unit_starts[:-1]     # uncut, a replica with no rows is an empty unit (at n possibly)
+    u = unit_starts[:-1]  # uncut, a replica with no rows is an empty unit (at n possibly)
     starts = np.r_[np.r_[pos, n_items][u] - np.r_[first, False][u], n_items].astype(np.int64)
     owner = rep[u] if cut_units else np.arange(plan.num_replicas, dtype=np.int64)
     return PlanStream(_Items(kind, node, anc, replica, out, row), starts, owner, unit_seconds)
@@ -234,5 +274,9 @@ def _sliced_stream(w: Workload, plan: SlicedPlan, outs: np.ndarray, cut_units: b
         part.items.row[part.items.row >= 0] = rows[part.items.row[part.items.row >= 0]]
     offsets = np.cumsum([0] + [len(p.items.kind) for p in parts])
     starts = np.concatenate([p.unit_starts[:-1] + o for p, o in zip(parts, offsets)] + [offsets[-1:]])
-    return PlanStream(_concat([p.items for p in parts]), starts,
-                      np.concatenate([p.unit_owner for p in parts]), np.concatenate([p.unit_seconds for p in parts]))
+    return PlanStream(
+        _concat([p.items for p in parts]),
+        starts,
+        np.concatenate([p.unit_owner for p in parts]),
+        np.concatenate([p.unit_seconds for p in parts]),
+    )

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixflow.bench import sim_dispatch as dispatch
-from prefixflow.bench.sim_items import (BLOCK_SIZE, OWNER, PlanStream, _Items, plain_items, plan_stream,
-                                        plan_workload)
+from prefixflow.bench.sim_items import BLOCK_SIZE, OWNER, PlanStream, _Items, plain_items, plan_stream, plan_workload
 from prefixflow.bench.sim_workloads import Workload, levels
 from prefixflow.pipeline.cost_model import CostModel
 
-MAX_NUM_SEQS = 256         # vLLM's default request cap (every system gets the same)
+MAX_NUM_SEQS = 256  # vLLM's default request cap (every system gets the same)
 POLICIES = ("arrival", "sorted", "plan", "plan_steal")
 ALL_POLICIES = (*POLICIES, "plan_vllm", "plan_steal_unjoined")
 
@@ -48,8 +47,10 @@ class Cluster:
             if getattr(self, name) < 1:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)} is invalid: use at least 1")
         if self.cache_tokens < self.block_size:
-            raise ValueError(f"Cluster.cache_tokens={self.cache_tokens} is below one block "
-                             f"({self.block_size} tokens): give the KV cache's size in tokens")
+            raise ValueError(
+                f"Cluster.cache_tokens={self.cache_tokens} is below one block "
+                f"({self.block_size} tokens): give the KV cache's size in tokens"
+            )
 
     @property
     def cache_blocks(self) -> int:
@@ -133,10 +134,14 @@ def cost_coefficients(cm: CostModel) -> np.ndarray:
     """cost_model.CostModel's formulas as four per-token constants (seconds): T_comp =
     a * (p - s + d) + b * d + c * (p^2 - s^2), T_mem = m * (d * p + d * (d + 1) / 2)."""
     m, hw = cm.model, cm.hardware
-    return np.array([2.0 * m.layer_params / hw.peak_flops,
-                     2.0 * m.hidden_size * m.vocab_size / hw.peak_flops,
-                     2.0 * m.num_layers * m.num_heads * m.head_dim / hw.peak_flops,
-                     m.kv_bytes_per_token / hw.mem_bandwidth])
+    return np.array(
+        [
+            2.0 * m.layer_params / hw.peak_flops,
+            2.0 * m.hidden_size * m.vocab_size / hw.peak_flops,
+            2.0 * m.num_layers * m.num_heads * m.head_dim / hw.peak_flops,
+            m.kv_bytes_per_token / hw.mem_bandwidth,
+        ]
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -164,12 +169,12 @@ class Run:
         return w.depth[self.items.node] - self.cached_start
 
     def replica_computed(self, w: Workload, num_replicas: int) -> np.ndarray:
-        return np.bincount(self.item_replica, weights=self.computed_tokens(w),
-                           minlength=num_replicas).astype(np.int64)
+        return np.bincount(self.item_replica, weights=self.computed_tokens(w), minlength=num_replicas).astype(np.int64)
 
 
-def simulate(w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel,
-             how: Tasks | Units | None = None) -> Run:
+def simulate(
+    w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel, how: Tasks | Units | None = None
+) -> Run:
     """Run the items through the cluster's caches (sim_cache.py), dispatched `how` (sim_dispatch.py);
     None: each item on its `replica` (units of equal replicas, no stealing)."""
     how = how or fixed_units(items.replica)
@@ -183,8 +188,16 @@ def simulate(w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel
     n = len(items.kind)
     out = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(R), np.zeros(R))
     it = tuple(np.ascontiguousarray(a, np.int64) for a in (items.kind, items.node, items.anchor, items.output_len))
-    args = (st, buf, it, (w.parent, w.depth), (R, seqs, cluster.cache_blocks, cluster.block_size, len(w.parent)),
-            cost_coefficients(cost_model), out, how.starts.astype(np.int64))
+    args = (
+        st,
+        buf,
+        it,
+        (w.parent, w.depth),
+        (R, seqs, cluster.cache_blocks, cluster.block_size, len(w.parent)),
+        cost_coefficients(cost_model),
+        out,
+        how.starts.astype(np.int64),
+    )
     with np.errstate(over="ignore"):  # cache._home's multiplicative hash wraps on purpose (as in numba)
         if isinstance(how, Tasks):
             ready = np.zeros(R) if how.ready_s is None else np.asarray(how.ready_s, np.float64)
@@ -195,7 +208,8 @@ def simulate(w: Workload, items: _Items, cluster: Cluster, cost_model: CostModel
             order = np.argsort(how.owner, kind="stable")
             own_starts = np.searchsorted(how.owner[order], np.arange(R + 1)).astype(np.int64)
             grain, when = dispatch.kernel("_dispatch_units", n)(
-                *args, order.astype(np.int64), own_starts, how.seconds.astype(np.float64), bool(how.steal))
+                *args, order.astype(np.int64), own_starts, how.seconds.astype(np.float64), bool(how.steal)
+            )
     return Run(items, out[0], out[1], out[2], out[3], how, grain, when)
 
 
@@ -207,14 +221,20 @@ def fixed_units(replica: np.ndarray) -> Units:
     return Units(np.r_[cut, len(replica)].astype(np.int64), replica[cut].astype(np.int64), np.zeros(len(cut)))
 
 
-def ray_tasks(num_items: int, ray: RayData, num_replicas: int, block_rows: np.ndarray | None = None,
-              ready_s: np.ndarray | None = None) -> Tasks:
+def ray_tasks(
+    num_items: int,
+    ray: RayData,
+    num_replicas: int,
+    block_rows: np.ndarray | None = None,
+    ready_s: np.ndarray | None = None,
+) -> Tasks:
     """Ray Data's tasks over a stream of rows: its blocks (given, or RayData's), bundled;
     ready_s: Tasks'."""
     blocks = ray.block_rows(num_items, num_replicas) if block_rows is None else np.asarray(block_rows, np.int64)
     if int(blocks.sum()) != num_items:
-        raise ValueError(f"block_rows sum to {int(blocks.sum())} rows for a stream of {num_items}: "
-                         "give every row a block")
+        raise ValueError(
+            f"block_rows sum to {int(blocks.sum())} rows for a stream of {num_items}: give every row a block"
+        )
     edges = np.r_[0, np.cumsum(blocks)].astype(np.int64)
     return Tasks(edges[bundle_blocks(blocks, ray.batch_size)], ray.max_tasks_in_flight_per_actor, ready_s)
 
@@ -229,8 +249,15 @@ def plan_units(stream: PlanStream, steal: bool) -> Units:
     return Units(stream.unit_starts, stream.unit_owner, stream.unit_seconds, steal)
 
 
-def policy_stream(w: Workload, policy: str, num_replicas: int, plan=None, outs: np.ndarray | None = None,
-                  ray: RayData | None = None, block_size: int = BLOCK_SIZE) -> tuple[_Items, Tasks | Units]:
+def policy_stream(
+    w: Workload,
+    policy: str,
+    num_replicas: int,
+    plan=None,
+    outs: np.ndarray | None = None,
+    ray: RayData | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> tuple[_Items, Tasks | Units]:
     """The stream a policy feeds the replicas and how it is dispatched (module doc). plan: for the
     plan policies (items.make_plan's, with stealing=joins_pieces(policy); one made here when not
     given); outs: [n] tokens each row decodes (default its cap); ray: the arrival and sorted
@@ -244,7 +271,7 @@ def policy_stream(w: Workload, policy: str, num_replicas: int, plan=None, outs: 
         stream = plan_stream(w, plan, outs)
         if policy != "plan_vllm":
             return stream.items, plan_units(stream, policy.startswith("plan_steal"))
-        rows = stream.items.kind != OWNER   # the vLLM backend has no prefix owners
+        rows = stream.items.kind != OWNER  # the vLLM backend has no prefix owners
         before = np.r_[0, np.cumsum(rows)]
         return stream.items.rows_only(), Units(before[stream.unit_starts], stream.unit_owner, stream.unit_seconds)
     raise ValueError(f"policy={policy!r} is not known: use one of {', '.join(ALL_POLICIES)}")

@@ -27,8 +27,8 @@ from prefixflow.bench.sim_workloads import Workload
 from prefixflow.pipeline.block_hash import DEFAULT_MAX_CELLS
 from prefixflow.pipeline.prefix_tree import DEFAULT_BLOCK
 
-TEXT_BYTES_PER_TOKEN = 4   # UTF-8 bytes per token of English text
-REPLICAS_PER_NODE = 8      # GPUs per node: copies of the plan sent to nodes
+TEXT_BYTES_PER_TOKEN = 4  # UTF-8 bytes per token of English text
+REPLICAS_PER_NODE = 8  # GPUs per node: copies of the plan sent to nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,18 +60,24 @@ def sort_bytes(w: Workload) -> int:
     return int(w.prompt_lens.sum()) * TEXT_BYTES_PER_TOKEN
 
 
-def plan_stage_bytes(w: Workload, plan: Any, block_size: int = BLOCK_SIZE, num_replicas: int = 1,
-                     order_lcp: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, int]:
+def plan_stage_bytes(
+    w: Workload,
+    plan: Any,
+    block_size: int = BLOCK_SIZE,
+    num_replicas: int = 1,
+    order_lcp: tuple[np.ndarray, np.ndarray] | None = None,
+) -> dict[str, int]:
     """What prefixflow's plan stage moves (operators/stages/plan.py): per-row metadata to the driver,
     the KV-block hashes its sort gathers, and the plan to each node. The sort gathers, level by
     level, `width` hashes of every row still tied with another (sort_by_gather with
     DEFAULT_MAX_CELLS), plus the row's index in the request."""
     if isinstance(plan, SlicedPlan):
-        parts = [plan_stage_bytes(w.subset(rows), p, block_size, num_replicas)
-                 for rows, p in zip(plan.rows, plan.plans)]
+        parts = [
+            plan_stage_bytes(w.subset(rows), p, block_size, num_replicas) for rows, p in zip(plan.rows, plan.plans)
+        ]
         return {k: sum(part[k] for part in parts) for k in parts[0]}
     order, lcp = order_lcp or trie_order_lcp(w)
-    tied = np.zeros(len(w), np.int64)                       # blocks shared with a neighbour
+    tied = np.zeros(len(w), np.int64)  # blocks shared with a neighbour
     if len(lcp):
         lcp_blocks = lcp // block_size
         tied[order[:-1]] = lcp_blocks
@@ -86,14 +92,24 @@ def plan_stage_bytes(w: Workload, plan: Any, block_size: int = BLOCK_SIZE, num_r
         active = len(tied) - int(np.searchsorted(tied, depth))  # still tied past this level
     plan_bytes = plan.table.nbytes + plan.seq_index.nbytes + plan.run_starts.nbytes + plan.replica_runs.nbytes
     nodes = -(-num_replicas // REPLICAS_PER_NODE)
-    out = {"row_metadata_to_driver": 16 * len(w), "sort_hashes_to_driver": 8 * hashes,
-           "sort_requests_to_blocks": 8 * requests, "plan_to_nodes": int(plan_bytes) * nodes}
+    out = {
+        "row_metadata_to_driver": 16 * len(w),
+        "sort_hashes_to_driver": 8 * hashes,
+        "sort_requests_to_blocks": 8 * requests,
+        "plan_to_nodes": int(plan_bytes) * nodes,
+    }
     out["total"] = sum(out.values())
     return out
 
 
-def startup_seconds(policy: str, w: Workload, num_replicas: int, first_block_rows: int = 0,
-                    plan_bytes: int = 0, rates: StartupRates = STARTUP_RATES) -> dict[str, float]:
+def startup_seconds(
+    policy: str,
+    w: Workload,
+    num_replicas: int,
+    first_block_rows: int = 0,
+    plan_bytes: int = 0,
+    rates: StartupRates = STARTUP_RATES,
+) -> dict[str, float]:
     """The parts of a policy's start-up (module doc) and their total, "startup_s".
     first_block_rows: rows in the first block an engine gets (arrival, sorted); plan_bytes:
     plan_stage_bytes' total (plans)."""
@@ -103,7 +119,7 @@ def startup_seconds(policy: str, w: Workload, num_replicas: int, first_block_row
     read = text / (nodes * rates.read_bytes_per_node_s)
     cpus = nodes * rates.data_cpus_per_node
     block_tokens = tokens * first_block_rows / max(len(w), 1)
-    read_per_cpu = rates.read_bytes_per_node_s / rates.data_cpus_per_node   # a read task's share of its node
+    read_per_cpu = rates.read_bytes_per_node_s / rates.data_cpus_per_node  # a read task's share of its node
     first_block = block_tokens * TEXT_BYTES_PER_TOKEN / read_per_cpu + block_tokens / rates.tokenize_tokens_per_cpu_s
     load = rates.engine_load_s
     if policy == "arrival":
@@ -111,16 +127,27 @@ def startup_seconds(policy: str, w: Workload, num_replicas: int, first_block_row
     elif policy == "sorted":
         sort = text / (nodes * rates.shuffle_bytes_per_node_s)
         tokenize_first = block_tokens / rates.tokenize_tokens_per_cpu_s
-        parts = {"engine_load_s": load, "read_s": read, "sort_s": sort, "first_block_tokenize_s": tokenize_first,
-                 "startup_s": max(load, read + sort) + tokenize_first}
+        parts = {
+            "engine_load_s": load,
+            "read_s": read,
+            "sort_s": sort,
+            "first_block_tokenize_s": tokenize_first,
+            "startup_s": max(load, read + sort) + tokenize_first,
+        }
     elif policy.startswith("plan"):
         tokenize = tokens / (cpus * rates.tokenize_tokens_per_cpu_s)
         gather = plan_bytes / rates.driver_bytes_per_s
         plan = len(w) / rates.plan_prompts_per_driver_cpu_s
-        parts = {"read_s": read, "tokenize_s": tokenize, "gather_s": gather, "plan_s": plan, "engine_load_s": load,
-                 "startup_s": max(read, tokenize) + gather + plan + load,
-                 # what the same plan would wait if the engines loaded while it was made
-                 "startup_if_engines_load_meanwhile_s": max(load, max(read, tokenize) + gather + plan)}
+        parts = {
+            "read_s": read,
+            "tokenize_s": tokenize,
+            "gather_s": gather,
+            "plan_s": plan,
+            "engine_load_s": load,
+            "startup_s": max(read, tokenize) + gather + plan + load,
+            # what the same plan would wait if the engines loaded while it was made
+            "startup_if_engines_load_meanwhile_s": max(load, max(read, tokenize) + gather + plan),
+        }
     else:
         raise ValueError(f"policy={policy!r} has no start-up model: use arrival, sorted or a plan policy")
     return {k: round(v, 1) for k, v in parts.items()}

@@ -32,10 +32,10 @@ from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
 
 OUTPUT_MODELS = ("fixed", "model_decided")
-CAP_RANGE = (8, 128)             # max_tokens per row, uniform
-DECIDED_MEDIAN_SHARE = 0.25      # model_decided: median length over the cap
-DECIDED_SIGMA = 1.0              # model_decided: log-normal spread
-DECIDED_FAMILY_SHARE = 0.5       # model_decided: share of the log-variance a family shares
+CAP_RANGE = (8, 128)  # max_tokens per row, uniform
+DECIDED_MEDIAN_SHARE = 0.25  # model_decided: median length over the cap
+DECIDED_SIGMA = 1.0  # model_decided: log-normal spread
+DECIDED_FAMILY_SHARE = 0.5  # model_decided: share of the log-variance a family shares
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -94,20 +94,26 @@ def _preorder_ids(owner: np.ndarray, size: np.ndarray, owner_node: np.ndarray) -
     """Node ids of children laid out in preorder under their owners: children sorted by owner,
     each taking `size` ids (itself and its subtree) after its owner's node."""
     before = np.cumsum(size) - size
-    first = np.searchsorted(owner, owner, side="left")   # owner-sorted: first child of each owner
+    first = np.searchsorted(owner, owner, side="left")  # owner-sorted: first child of each owner
     return owner_node[owner] + 1 + before - before[first]
 
 
-def docs_questions(n: int, seed: int = 0, num_system: int = 4, sys_len: tuple[int, int] = (200, 800),
-                   doc_len: tuple[int, int] = (300, 3000), q_len: tuple[int, int] = (10, 100),
-                   max_questions: int = 1000) -> Workload:
+def docs_questions(
+    n: int,
+    seed: int = 0,
+    num_system: int = 4,
+    sys_len: tuple[int, int] = (200, 800),
+    doc_len: tuple[int, int] = (300, 3000),
+    q_len: tuple[int, int] = (10, 100),
+    max_questions: int = 1000,
+) -> Workload:
     """Documents x questions: Zipf(2) questions per document (most 1-5, a few hundreds, at most
     max_questions), documents log-uniform in doc_len tokens under one of `num_system` system
     prompts (uniform in sys_len), questions uniform in q_len."""
     rng = np.random.default_rng(seed)
     q = _zipf_counts(rng, n, 2.0, max_questions)
     nd = len(q)
-    sys_of = np.sort(rng.integers(0, num_system, nd))          # docs in random order per system
+    sys_of = np.sort(rng.integers(0, num_system, nd))  # docs in random order per system
     sys_size = 1 + np.bincount(sys_of, weights=1 + q, minlength=num_system).astype(np.int64)
     sys_node = 1 + np.cumsum(sys_size) - sys_size
     doc_node = _preorder_ids(sys_of, 1 + q, sys_node)
@@ -115,34 +121,45 @@ def docs_questions(n: int, seed: int = 0, num_system: int = 4, sys_len: tuple[in
     q_node = doc_node[doc_of_q] + 1 + np.arange(n) - np.repeat(np.cumsum(q) - q, q)
     docs = np.exp(rng.uniform(np.log(doc_len[0]), np.log(doc_len[1]), nd)).astype(np.int64)
     systems = rng.integers(sys_len[0], sys_len[1] + 1, num_system)
-    parent, depth = _trie([(sys_node, np.zeros(num_system, np.int64), systems),
-                           (doc_node, sys_node[sys_of], docs),
-                           (q_node, doc_node[doc_of_q], rng.integers(q_len[0], q_len[1] + 1, n))],
-                          1 + int(sys_size.sum()))
+    parent, depth = _trie(
+        [
+            (sys_node, np.zeros(num_system, np.int64), systems),
+            (doc_node, sys_node[sys_of], docs),
+            (q_node, doc_node[doc_of_q], rng.integers(q_len[0], q_len[1] + 1, n)),
+        ],
+        1 + int(sys_size.sum()),
+    )
     return _shuffled("docs_questions", parent, depth, q_node, rng)
 
 
-def conversations(n: int, seed: int = 0, num_system: int = 4, sys_len: tuple[int, int] = (200, 800),
-                  user_len: tuple[int, int] = (20, 200), answer_len: tuple[int, int] = (50, 400),
-                  max_turns: int = 24) -> Workload:
+def conversations(
+    n: int,
+    seed: int = 0,
+    num_system: int = 4,
+    sys_len: tuple[int, int] = (200, 800),
+    user_len: tuple[int, int] = (20, 200),
+    answer_len: tuple[int, int] = (50, 400),
+    max_turns: int = 24,
+) -> Workload:
     """Multi-turn chats: turn k's prompt is turn k-1's prompt, its recorded answer (answer_len
     tokens) and the next user message (user_len); Geometric(0.25) turns (mean 4, at most
     max_turns), every turn a row; one of `num_system` system prompts (sys_len) first."""
     rng = np.random.default_rng(seed)
     turns = np.minimum(rng.geometric(0.25, size=n), max_turns)
-    turns = turns[:int(np.searchsorted(np.cumsum(turns), n)) + 1]
+    turns = turns[: int(np.searchsorted(np.cumsum(turns), n)) + 1]
     turns[-1] -= int(turns.sum()) - n
     nc = len(turns)
     sys_of = np.sort(rng.integers(0, num_system, nc))
     sys_size = 1 + np.bincount(sys_of, weights=turns, minlength=num_system).astype(np.int64)
     sys_node = 1 + np.cumsum(sys_size) - sys_size
-    first = _preorder_ids(sys_of, turns, sys_node)              # a chat is a chain of turn nodes
+    first = _preorder_ids(sys_of, turns, sys_node)  # a chat is a chain of turn nodes
     k = np.arange(n) - np.repeat(np.cumsum(turns) - turns, turns)
     node = np.repeat(first, turns) + k
     par = np.where(k == 0, np.repeat(sys_node[sys_of], turns), node - 1)
-    edge = rng.integers(user_len[0], user_len[1] + 1, n) + \
-        np.where(k == 0, 0, rng.integers(answer_len[0], answer_len[1] + 1, n))
-    by_k = np.argsort(k, kind="stable")                          # turn by turn: parents first
+    edge = rng.integers(user_len[0], user_len[1] + 1, n) + np.where(
+        k == 0, 0, rng.integers(answer_len[0], answer_len[1] + 1, n)
+    )
+    by_k = np.argsort(k, kind="stable")  # turn by turn: parents first
     cuts = np.cumsum(np.bincount(k))[:-1]
     by_turn = [(node[i], par[i], edge[i]) for i in np.split(by_k, cuts)]
     systems = rng.integers(sys_len[0], sys_len[1] + 1, num_system)
@@ -159,8 +176,9 @@ def no_sharing(n: int, seed: int = 0) -> Workload:
     return _shuffled("no_sharing", parent, depth, nodes, rng)
 
 
-def _shuffled(name: str, parent: np.ndarray, depth: np.ndarray, prompt_nodes: np.ndarray,
-              rng: np.random.Generator) -> Workload:
+def _shuffled(
+    name: str, parent: np.ndarray, depth: np.ndarray, prompt_nodes: np.ndarray, rng: np.random.Generator
+) -> Workload:
     """Rows in random order. Node ids are in preorder with siblings in random order, so the
     text sort is the order of the end nodes (a prompt before its extensions)."""
     end = prompt_nodes[rng.permutation(len(prompt_nodes))]
@@ -168,8 +186,9 @@ def _shuffled(name: str, parent: np.ndarray, depth: np.ndarray, prompt_nodes: np
     return Workload(name, parent, depth, end, outs, np.argsort(end, kind="stable"))
 
 
-def workload_from_tokens(prompts: Sequence[Sequence[int]] | RaggedTokens,
-                         output_lens: Sequence[int] | np.ndarray | int = 8) -> Workload:
+def workload_from_tokens(
+    prompts: Sequence[Sequence[int]] | RaggedTokens, output_lens: Sequence[int] | np.ndarray | int = 8
+) -> Workload:
     """Real prompts as a Workload: the planner's own compact prefix tree (a prompt ends at its
     leaf; siblings differ at their first token) and the lexicographic token order."""
     tokens = prompts if isinstance(prompts, RaggedTokens) else RaggedTokens.from_sequences(prompts)
@@ -208,13 +227,20 @@ def families(w: Workload) -> np.ndarray:
     return fam
 
 
-def model_decided_lengths(w: Workload, seed: int = 0, median_share: float = DECIDED_MEDIAN_SHARE,
-                          sigma: float = DECIDED_SIGMA, family_share: float = DECIDED_FAMILY_SHARE) -> np.ndarray:
+def model_decided_lengths(
+    w: Workload,
+    seed: int = 0,
+    median_share: float = DECIDED_MEDIAN_SHARE,
+    sigma: float = DECIDED_SIGMA,
+    family_share: float = DECIDED_FAMILY_SHARE,
+) -> np.ndarray:
     """[n] output lengths the model decides (module doc): cap x a log-normal share, part of its
     log shared by the rows of a family, rounded, clipped to [1, cap]."""
     if not (0 < median_share <= 1 and sigma >= 0 and 0 <= family_share <= 1):
-        raise ValueError(f"model_decided_lengths: median_share={median_share} must be in (0, 1], "
-                         f"sigma={sigma} >= 0 and family_share={family_share} in [0, 1]")
+        raise ValueError(
+            f"model_decided_lengths: median_share={median_share} must be in (0, 1], "
+            f"sigma={sigma} >= 0 and family_share={family_share} in [0, 1]"
+        )
     rng = np.random.default_rng([seed, 38])
     fam = families(w)
     _, fam_index = np.unique(fam, return_inverse=True)

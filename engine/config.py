@@ -72,30 +72,75 @@ class EngineConfig:
     max_tokens_cap: int | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.model, str) and self.model != "", "model", self.model,
-                 "give a Hugging Face model folder, a hub id, a .gguf file or "
-                 "'smollm2-135m-instruct'")
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
-                 "use auto, float32, bfloat16 or float16")
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", self.block_size,
-                 "use a power of two between 1 and 256")
-        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes",
-                 self.kv_cache_bytes, "give a positive number of bytes or None")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-                 self.gpu_memory_utilization, "use a value in (0, 1]")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 self.max_num_batched_tokens, "use a positive token count")
-        _require(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs",
-                 self.max_num_seqs, "use None (no cap) or a positive count")
-        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
-                 self.max_model_len, "use None or at least 2")
-        _require(self.policy in ("batchllm", "vllm"), "policy", self.policy,
-                 "use 'batchllm' or 'vllm'")
-        _require(self.aligned_decode_batch is None or self.aligned_decode_batch >= 1,
-                 "aligned_decode_batch", self.aligned_decode_batch,
-                 "use None (off) or a positive number of requests per decode step")
-        _require(self.max_tokens_cap is None or self.max_tokens_cap >= 1, "max_tokens_cap",
-                 self.max_tokens_cap, "use None (no cap) or a positive number of tokens")
+        self._check_model_and_memory()
+        self._check_batching()
+
+    def _check_model_and_memory(self) -> None:
+        """The model, its dtype and the KV cache's shape and budget."""
+        _require(
+            isinstance(self.model, str) and self.model != "",
+            "model",
+            self.model,
+            "give a Hugging Face model folder, a hub id, a .gguf file or 'smollm2-135m-instruct'",
+        )
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "use auto, float32, bfloat16 or float16",
+        )
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "block_size",
+            self.block_size,
+            "use a power of two between 1 and 256",
+        )
+        _require(
+            self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+            "kv_cache_bytes",
+            self.kv_cache_bytes,
+            "give a positive number of bytes or None",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "use a value in (0, 1]",
+        )
+
+    def _check_batching(self) -> None:
+        """The scheduler's limits: tokens per step, requests, lengths, policy and caps."""
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "use a positive token count",
+        )
+        _require(
+            self.max_num_seqs is None or self.max_num_seqs >= 1,
+            "max_num_seqs",
+            self.max_num_seqs,
+            "use None (no cap) or a positive count",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            "max_model_len",
+            self.max_model_len,
+            "use None or at least 2",
+        )
+        _require(self.policy in ("batchllm", "vllm"), "policy", self.policy, "use 'batchllm' or 'vllm'")
+        _require(
+            self.aligned_decode_batch is None or self.aligned_decode_batch >= 1,
+            "aligned_decode_batch",
+            self.aligned_decode_batch,
+            "use None (off) or a positive number of requests per decode step",
+        )
+        _require(
+            self.max_tokens_cap is None or self.max_tokens_cap >= 1,
+            "max_tokens_cap",
+            self.max_tokens_cap,
+            "use None (no cap) or a positive number of tokens",
+        )
 
     def row_params(self, params: SamplingParams | Mapping[int, SamplingParams], row_id: int) -> SamplingParams:
         """A row's SamplingParams as this engine runs them: the one place both backends

@@ -20,15 +20,20 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Final, TypeVar
 
-INTAKE_MIN_ROWS = 16   # rows kept waiting however few run (the first steps, small batches)
-IDLE_POLL_S = 0.05     # an engine with nothing to run asks again this often
+INTAKE_MIN_ROWS = 16  # rows kept waiting however few run (the first steps, small batches)
+IDLE_POLL_S = 0.05  # an engine with nothing to run asks again this often
 NOT_READY: Final = None  # what a source of groups yields when none is ready now
 
 T = TypeVar("T")
 
 
-def wants_more(pending_rows: int, pending_tokens: int, num_running: int, max_num_batched_tokens: int,
-               max_num_seqs: int | None = None) -> bool:
+def wants_more(
+    pending_rows: int,
+    pending_tokens: int,
+    num_running: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int | None = None,
+) -> bool:
     """Whether the engine takes another group before its next step (module docstring).
     max_num_seqs: the engine's request cap (None: none); rows waiting past it wait anyway."""
     rows = max(INTAKE_MIN_ROWS, num_running)

@@ -70,8 +70,11 @@ class RequestOutput:
 def with_samples(outs: list[RequestOutput]) -> RequestOutput:
     """The n sample outputs of one request (index order) as one: sample 0's fields + samples.
     The prompt was computed once for all of them: cached is what none of them computed."""
-    return replace(outs[0], samples=tuple(o.as_sample(i) for i, o in enumerate(outs)),
-                   num_cached_tokens=min(o.num_cached_tokens for o in outs))
+    return replace(
+        outs[0],
+        samples=tuple(o.as_sample(i) for i, o in enumerate(outs)),
+        num_cached_tokens=min(o.num_cached_tokens for o in outs),
+    )
 
 
 def greedy_copies(out: RequestOutput, n: int) -> RequestOutput:
@@ -88,9 +91,9 @@ class StepStats:
 
     step: int
     num_tokens: int
-    num_prefill_tokens: int      # distinct prompt chunks (and recomputation after preemption)
+    num_prefill_tokens: int  # distinct prompt chunks (and recomputation after preemption)
     num_decode_tokens: int
-    num_prefix_tokens: int       # shared prefix chunks
+    num_prefix_tokens: int  # shared prefix chunks
     num_running_seqs: int
     num_used_blocks: int
     num_total_blocks: int
@@ -102,8 +105,8 @@ class StepStats:
 class EngineTotals:
     num_requests: int
     num_prompt_tokens: int
-    num_computed_prompt_tokens: int   # first computations; shared and cached tokens excluded
-    num_recomputed_tokens: int        # prefill work redone after preemption
+    num_computed_prompt_tokens: int  # first computations; shared and cached tokens excluded
+    num_recomputed_tokens: int  # prefill work redone after preemption
     num_output_tokens: int
     num_steps: int
     num_preemptions: int
@@ -122,8 +125,9 @@ class EngineTotals:
 
 
 def error_output(row_id: int, prompt: list[int], error: str) -> RequestOutput:
-    return RequestOutput(row_id=row_id, prompt_token_ids=tuple(prompt), token_ids=(), text="",
-                         finish_reason="abort", error=error)
+    return RequestOutput(
+        row_id=row_id, prompt_token_ids=tuple(prompt), token_ids=(), text="", finish_reason="abort", error=error
+    )
 
 
 def decode_output(token_ids: Any, params: SamplingParams, tokenizer: Any, ends_with_stop_id: bool) -> str:

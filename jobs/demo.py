@@ -21,28 +21,55 @@ from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.model_source import resolve_model
 
-_SUBJECTS = ("The model", "A student", "The scheduler", "My friend", "The engine", "A small cat",
-             "The teacher", "Our team", "The river", "This system")
-_VERBS = ("reads", "writes", "computes", "finds", "shares", "answers", "likes", "builds", "plans",
-          "sees")
-_OBJECTS = ("the long document", "a simple question", "every prefix", "the next token",
-            "a cached block", "the blue sky", "many requests", "the final answer",
-            "some numbers 1 2 3 42 2024", "an email to the user")
-_QUESTIONS = ("What is the document about?", "Who reads the long document?",
-              "Summarize the document in one sentence.", "What does the engine compute?",
-              "Is the sentiment positive, negative or neutral?", "What is the final answer?",
-              "Which numbers appear in the document?", "Translate the first sentence into French.",
-              "What does the scheduler plan?", "Write a short title for the document.")
+_SUBJECTS = (
+    "The model",
+    "A student",
+    "The scheduler",
+    "My friend",
+    "The engine",
+    "A small cat",
+    "The teacher",
+    "Our team",
+    "The river",
+    "This system",
+)
+_VERBS = ("reads", "writes", "computes", "finds", "shares", "answers", "likes", "builds", "plans", "sees")
+_OBJECTS = (
+    "the long document",
+    "a simple question",
+    "every prefix",
+    "the next token",
+    "a cached block",
+    "the blue sky",
+    "many requests",
+    "the final answer",
+    "some numbers 1 2 3 42 2024",
+    "an email to the user",
+)
+_QUESTIONS = (
+    "What is the document about?",
+    "Who reads the long document?",
+    "Summarize the document in one sentence.",
+    "What does the engine compute?",
+    "Is the sentiment positive, negative or neutral?",
+    "What is the final answer?",
+    "Which numbers appear in the document?",
+    "Translate the first sentence into French.",
+    "What does the scheduler plan?",
+    "Write a short title for the document.",
+)
 
 
-def demo_rows(num_docs: int = 12, questions_per_doc: int = 4, sentences_per_doc: int = 12,
-              seed: int = 0) -> list[dict[str, Any]]:
+def demo_rows(
+    num_docs: int = 12, questions_per_doc: int = 4, sentences_per_doc: int = 12, seed: int = 0
+) -> list[dict[str, Any]]:
     """Deterministic rows {id, doc_id, document, question}; same arguments -> same rows."""
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for d in range(num_docs):
-        sentences = [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
-                     for _ in range(sentences_per_doc)]
+        sentences = [
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(sentences_per_doc)
+        ]
         document = " ".join(sentences)
         for q in rng.sample(_QUESTIONS, questions_per_doc):
             rows.append({"id": len(rows), "doc_id": d, "document": document, "question": q})
@@ -81,16 +108,21 @@ def demo_spec(directory: str | Path) -> Any:
 
     directory = Path(directory).resolve()
     data = yaml.safe_load(example_path("demo.yaml").read_text())
-    overrides = {"input.path": str(example_path("passages.jsonl")),
-                 "output.path": str(directory / "output"), "output.overwrite": True}
+    overrides = {
+        "input.path": str(example_path("passages.jsonl")),
+        "output.path": str(directory / "output"),
+        "output.overwrite": True,
+    }
     return parse_spec(data, "demo.yaml", overrides)
 
 
 def run_demo(directory: str | Path = "demo_output", plan_only: bool = False) -> dict[str, Any]:
     """Run (or only plan) the demo job; prints the plan, some answers, then the metrics."""
     spec = demo_spec(directory)
-    print(f"prefixflow demo: {spec.model} answers {sum(1 for _ in open(spec.input.path))} "
-          f"questions about {spec.input.path}")
+    print(
+        f"prefixflow demo: {spec.model} answers {sum(1 for _ in open(spec.input.path))} "
+        f"questions about {spec.input.path}"
+    )
     resolve_model(spec.model)  # the one-time conversion, with its progress bar, before Ray starts
     result = run_job(spec, dry_run=plan_only)
     if not plan_only:

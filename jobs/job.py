@@ -20,13 +20,13 @@ from prefixflow.storage import StorageOptions
 @dataclass(frozen=True)
 class Job:
     name: str
-    config: ProcessorConfig        # every setting of the stages and engines
-    read: ReadOptions              # the input: paths, format, storage, limit
-    write: WriteOptions            # the output: path, format, storage (its lock's token set by the run)
-    overwrite: bool                # delete a finished or foreign output first
-    resume: bool                   # keep the committed parts of an interrupted run
-    error_file: bool               # format openai: the failed requests' lines in errors.jsonl
-    identity_key: str              # what must not change between a run and its resume (JSON)
+    config: ProcessorConfig  # every setting of the stages and engines
+    read: ReadOptions  # the input: paths, format, storage, limit
+    write: WriteOptions  # the output: path, format, storage (its lock's token set by the run)
+    overwrite: bool  # delete a finished or foreign output first
+    resume: bool  # keep the committed parts of an interrupted run
+    error_file: bool  # format openai: the failed requests' lines in errors.jsonl
+    identity_key: str  # what must not change between a run and its resume (JSON)
     engine_fields: dict[str, Any]  # the engine section as given (OpenAI's system_fingerprint)
 
     @property

@@ -45,10 +45,16 @@ def plot_png(m: dict[str, Any], sizes: np.ndarray) -> bytes:
     for ax, record in zip(axes, replicas):
         _plot_steps(ax, record)
     _plot_groups(axes[-1], sizes, m)
-    shown = "" if len(m["per_replica"]) <= len(replicas) else \
-        f" (first {len(replicas)} of {len(m['per_replica'])} replicas)"
-    fig.suptitle(f"prefixflow job {m['job']!r}: {m['rows']} rows in {m['wall_seconds']:.1f} s, "
-                 f"plan's token saving {m['token_saving_ratio']:.1%}{shown}", fontsize=13)
+    shown = (
+        ""
+        if len(m["per_replica"]) <= len(replicas)
+        else f" (first {len(replicas)} of {len(m['per_replica'])} replicas)"
+    )
+    fig.suptitle(
+        f"prefixflow job {m['job']!r}: {m['rows']} rows in {m['wall_seconds']:.1f} s, "
+        f"plan's token saving {m['token_saving_ratio']:.1%}{shown}",
+        fontsize=13,
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
@@ -58,13 +64,22 @@ def _plot_steps(ax: Any, record: dict[str, Any]) -> None:
     """Stacked tokens per engine step: shared prefixes and distinct prompt chunks (prefill),
     then decode tokens (one per running request)."""
     steps = [s for s in record.get("steps", []) if isinstance(s, dict)]
-    ax.set_title(f"replica {record['replica']}: {record['num_rows']} rows, {len(steps)} engine steps, "
-                 f"{record['seconds']:.1f} s", loc="left", fontsize=11)
+    ax.set_title(
+        f"replica {record['replica']}: {record['num_rows']} rows, {len(steps)} engine steps, {record['seconds']:.1f} s",
+        loc="left",
+        fontsize=11,
+    )
     ax.set_xlabel("engine step")
     ax.set_ylabel("tokens per step")
     if not steps:
-        ax.text(0.5, 0.5, "no per-step records (this engine keeps run totals only)",
-                ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no per-step records (this engine keeps run totals only)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         return
     prefill = np.array([s.get("num_prefill_tokens", 0) + s.get("num_prefix_tokens", 0) for s in steps])
     decode = np.array([s.get("num_decode_tokens", 0) for s in steps])
@@ -74,10 +89,24 @@ def _plot_steps(ax: Any, record: dict[str, Any]) -> None:
     # Prefill steps can be 100x the decode steps: a log scale keeps the decode tokens visible.
     log = prefill.max() > 20 * max(decode.max(), 1)
     base = 1 if log else 0
-    ax.fill_between(x, base, np.maximum(top, base), step="post", color="tab:blue", alpha=0.8,
-                    label=f"prefill (prompt) tokens: {int(prefill.sum()):,} in all")
-    ax.fill_between(x, np.maximum(top, base), np.maximum(both, base), step="post", color="tab:orange",
-                    alpha=0.8, label=f"decode tokens: {int(decode.sum()):,} in all")
+    ax.fill_between(
+        x,
+        base,
+        np.maximum(top, base),
+        step="post",
+        color="tab:blue",
+        alpha=0.8,
+        label=f"prefill (prompt) tokens: {int(prefill.sum()):,} in all",
+    )
+    ax.fill_between(
+        x,
+        np.maximum(top, base),
+        np.maximum(both, base),
+        step="post",
+        color="tab:orange",
+        alpha=0.8,
+        label=f"decode tokens: {int(decode.sum()):,} in all",
+    )
     if log:
         ax.set_yscale("log")
         ax.set_ylabel("tokens per step (log scale)")
@@ -89,8 +118,9 @@ def _plot_steps(ax: Any, record: dict[str, Any]) -> None:
 
 def _plot_groups(ax: Any, sizes: np.ndarray, m: dict[str, Any]) -> None:
     """How many groups of each size the plan made (a size-1 group shares no prefix)."""
-    ax.set_title(f"plan: {len(sizes)} prefix groups of {int(sizes.sum()):,} rows, order {m['order']}",
-                 loc="left", fontsize=11)
+    ax.set_title(
+        f"plan: {len(sizes)} prefix groups of {int(sizes.sum()):,} rows, order {m['order']}", loc="left", fontsize=11
+    )
     ax.set_xlabel("group size (rows sharing one prompt prefix)")
     ax.set_ylabel("number of groups")
     if not len(sizes):

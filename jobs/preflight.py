@@ -28,16 +28,34 @@ from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import model_max_len
-from prefixflow.operators.results.bookkeeping import (COMMITS, ERRORS_FILE, JOB_FILE, LOCK_FILE, MANIFEST,
-                                                      RESULTS_FILE, TMP_PREFIX)
+from prefixflow.operators.results.bookkeeping import (
+    COMMITS,
+    ERRORS_FILE,
+    JOB_FILE,
+    LOCK_FILE,
+    MANIFEST,
+    RESULTS_FILE,
+    TMP_PREFIX,
+)
 from prefixflow.operators.results.commit import input_listing
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
 from prefixflow.operators.stages.read import SUFFIXES, parse_file
 from prefixflow.operators.stages.tokenize import OPENAI_MESSAGES, check_row_sampling
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
 from prefixflow.requests import SamplingParams
-from prefixflow.storage import (HTTP, StorageOptions, check_scheme, check_shared, is_local, is_s3,
-                                list_input_files, local_path, normal_path, protocol, strip_scheme)
+from prefixflow.storage import (
+    HTTP,
+    StorageOptions,
+    check_scheme,
+    check_shared,
+    is_local,
+    is_s3,
+    list_input_files,
+    local_path,
+    normal_path,
+    protocol,
+    strip_scheme,
+)
 
 SAMPLE_ROWS = 32
 SAMPLE_BYTES = 1 << 20  # the first MiB of the first file holds the sample of any usual input
@@ -72,8 +90,13 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
         files, storage_failed = [], True
         problems.append(("input.path", _storage_failure(_first_path(spec.input.path), e, storage)))
     if spec.output_format() == "openai" and spec.input_format() != "openai":
-        problems.append(("output.format", "openai output needs input.format: openai (the lines "
-                         "are keyed by the requests' custom_id): use parquet or jsonl"))
+        problems.append(
+            (
+                "output.format",
+                "openai output needs input.format: openai (the lines "
+                "are keyed by the requests' custom_id): use parquet or jsonl",
+            )
+        )
     # The same storage settings failed for the input: one line says so, not a second wait.
     problems += _output_problems(spec, files) or _output_access_problems(spec, storage, storage_failed)
     rows: list[dict[str, Any]] = []
@@ -110,19 +133,31 @@ def _model_problems(spec: JobSpec) -> Problems:
     except (OSError, ValueError) as e:  # json.JSONDecodeError, UnicodeDecodeError
         return [("model", f"{str(model / 'config.json')!r} is not valid JSON ({e}): fix the file")]
     if not isinstance(config, dict):
-        return [("model", f"{str(model / 'config.json')!r} holds a {type(config).__name__}, not "
-                 "a JSON object: fix the file")]
+        return [
+            (
+                "model",
+                f"{str(model / 'config.json')!r} holds a {type(config).__name__}, not a JSON object: fix the file",
+            )
+        ]
     # Remote code may read a tokenizer from files of any name.
-    problem = (None if spec.engine.trust_remote_code else _tokenizer_problem(model)) \
-        or _vocab_problem(model, config) or _generation_config_problem(spec)
+    problem = (
+        (None if spec.engine.trust_remote_code else _tokenizer_problem(model))
+        or _vocab_problem(model, config)
+        or _generation_config_problem(spec)
+    )
     if problem is not None:
         return [("model", problem)]
     limit = model_max_len(str(model), None)  # what tokenization uses: config.json, no torch
     wanted = spec.engine.max_model_len
     if wanted is not None and wanted > limit:
-        return [("engine.max_model_len", f"{wanted} is more than the model allows ({limit}, "
-                 "max_position_embeddings in its config.json): use at most "
-                 f"{limit}, or leave it unset to use the model's")]
+        return [
+            (
+                "engine.max_model_len",
+                f"{wanted} is more than the model allows ({limit}, "
+                "max_position_embeddings in its config.json): use at most "
+                f"{limit}, or leave it unset to use the model's",
+            )
+        ]
     if wanted is not None and spec.engine.backend == "vllm" and not spec.resources.num_gpus_per_replica:
         from prefixflow.engine.vllm_backend.engine import cpu_context  # vLLM on CPUs: kept or refused
 
@@ -143,16 +178,26 @@ def kv_cache_problems(spec: JobSpec, node_memory: list[int]) -> Problems:
     if budget is None:
         return []
     if node_memory and budget > max(node_memory):
-        return [("engine.kv_cache_bytes", f"{budget:,} bytes is more than the memory of any node "
-                 f"that could run the engine ({max(node_memory):,} bytes on the largest): use "
-                 "less (on a GPU, less than its memory), or leave it unset to size the cache "
-                 "from the device's free memory")]
+        return [
+            (
+                "engine.kv_cache_bytes",
+                f"{budget:,} bytes is more than the memory of any node "
+                f"that could run the engine ({max(node_memory):,} bytes on the largest): use "
+                "less (on a GPU, less than its memory), or leave it unset to size the cache "
+                "from the device's free memory",
+            )
+        ]
     block = _kv_block_bytes(spec)
     if block is not None and budget < block:
-        return [("engine.kv_cache_bytes", f"{budget:,} bytes cannot hold one KV block of this "
-                 f"model ({spec.engine.block_size} tokens x K and V in every layer: {block:,} "
-                 f"bytes at the smallest dtype the engine may use): use at least {block:,}, or "
-                 "leave it unset")]
+        return [
+            (
+                "engine.kv_cache_bytes",
+                f"{budget:,} bytes cannot hold one KV block of this "
+                f"model ({spec.engine.block_size} tokens x K and V in every layer: {block:,} "
+                f"bytes at the smallest dtype the engine may use): use at least {block:,}, or "
+                "leave it unset",
+            )
+        ]
     return []
 
 
@@ -211,12 +256,16 @@ def _tokenizer_problem(model: Path) -> str | None:
         return None
     if {"vocab.json", "merges.txt"} <= names:
         return None
-    missing = ("merges.txt (beside vocab.json)" if "vocab.json" in names else
-               "tokenizer.json (or a vocabulary file: tokenizer.model, vocab.json with merges.txt, "
-               "vocab.txt)")
-    return (f"{str(model)!r} has no tokenizer: {missing} is missing (config.json and the weights "
-            "are there); copy the tokenizer files from where the model came from "
-            "(tokenizer.save_pretrained writes them)")
+    missing = (
+        "merges.txt (beside vocab.json)"
+        if "vocab.json" in names
+        else "tokenizer.json (or a vocabulary file: tokenizer.model, vocab.json with merges.txt, vocab.txt)"
+    )
+    return (
+        f"{str(model)!r} has no tokenizer: {missing} is missing (config.json and the weights "
+        "are there); copy the tokenizer files from where the model came from "
+        "(tokenizer.save_pretrained writes them)"
+    )
 
 
 # Names of the token embedding in the architectures transformers and vLLM load.
@@ -241,8 +290,10 @@ def _vocab_problem(model: Path, config: dict[str, Any]) -> str | None:
     if found is None or found[2] == vocab:
         return None
     name, file, rows = found
-    return (f"{where!r} has vocab_size {vocab}, which disagrees with the weights ({name} has "
-            f"{rows} rows in {file}): fix vocab_size (to {rows}), or copy the model again")
+    return (
+        f"{where!r} has vocab_size {vocab}, which disagrees with the weights ({name} has "
+        f"{rows} rows in {file}): fix vocab_size (to {rows}), or copy the model again"
+    )
 
 
 def _embedding_rows(model: Path) -> tuple[str, str, int] | None:
@@ -277,8 +328,7 @@ def _safetensors_header(file: Path) -> dict[str, Any]:
         if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
             raise ValueError("a header that is not a table of tensors")
     except (OSError, ValueError) as e:
-        raise ValueError(f"{str(file)!r} is not a safetensors file ({e}): copy the weights "
-                         "again") from None
+        raise ValueError(f"{str(file)!r} is not a safetensors file ({e}): copy the weights again") from None
     return header
 
 
@@ -296,10 +346,14 @@ def _chat_template_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Proble
     if model is None or spec.engine.trust_remote_code or _has_chat_template(model):
         return []
     what = "the /v1/chat/completions requests need" if field == "input" else "a chat prompt needs"
-    return [(field if field == "input" else f"prompt.{field}",
-             f"{what} the model's chat template, and {str(model)!r} has no chat template (no "
-             f"chat_template.jinja, no chat_template in tokenizer_config.json): {fix}, or add the "
-             "model's template as chat_template.jinja in its folder")]
+    return [
+        (
+            field if field == "input" else f"prompt.{field}",
+            f"{what} the model's chat template, and {str(model)!r} has no chat template (no "
+            f"chat_template.jinja, no chat_template in tokenizer_config.json): {fix}, or add the "
+            "model's template as chat_template.jinja in its folder",
+        )
+    ]
 
 
 def _has_chat_template(model: Path) -> bool:
@@ -332,9 +386,21 @@ def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
 
 # One file of each kind a job writes in its output folder (operators/results/write.py, commit.py): an
 # input glob that matches one of them would read the job's own output on its resume.
-WRITTEN = ("part-r000-000000000.jsonl", "part-r000-000000000.parquet", "part-errors-000000000.jsonl",
-           f"{COMMITS}/part-r000-000000000.jsonl.json", RESULTS_FILE, ERRORS_FILE, "metrics.json",
-           "plot.png", "_SUCCESS", JOB_FILE, MANIFEST, LOCK_FILE, f"{TMP_PREFIX}part-r000-000000000.jsonl")
+WRITTEN = (
+    "part-r000-000000000.jsonl",
+    "part-r000-000000000.parquet",
+    "part-errors-000000000.jsonl",
+    f"{COMMITS}/part-r000-000000000.jsonl.json",
+    RESULTS_FILE,
+    ERRORS_FILE,
+    "metrics.json",
+    "plot.png",
+    "_SUCCESS",
+    JOB_FILE,
+    MANIFEST,
+    LOCK_FILE,
+    f"{TMP_PREFIX}part-r000-000000000.jsonl",
+)
 
 
 def _clashes_with_input(spec: JobSpec, files: list[str], path: str) -> str | None:
@@ -356,8 +422,10 @@ def _clashes_with_input(spec: JobSpec, files: list[str], path: str) -> str | Non
         else:
             clash = out == where or _inside(out, where)
         if clash:
-            return (f"{path!r} is inside the input (input.path {pattern!r} would read what the "
-                    "job writes there): write it to a folder of its own")
+            return (
+                f"{path!r} is inside the input (input.path {pattern!r} would read what the "
+                "job writes there): write it to a folder of its own"
+            )
     for file in files:
         if _inside(_location(file), out) or _location(file) == out:
             return f"{path!r} holds the input file {file!r}: write it to a folder of its own"
@@ -378,13 +446,15 @@ def plan_out_problems(spec: JobSpec, out: str) -> Problems:
     except (ValueError, OSError):
         files = []
     problem = _clashes_with_input(spec, files, out)
-    if problem is None and (_location(out) == _location(spec.output.path)
-                            or _inside(_location(out), _location(spec.output.path))):
-        problem = (f"{out!r} is inside the job's output.path {spec.output.path!r}: write the "
-                   "plan elsewhere")
+    if problem is None and (
+        _location(out) == _location(spec.output.path) or _inside(_location(out), _location(spec.output.path))
+    ):
+        problem = f"{out!r} is inside the job's output.path {spec.output.path!r}: write the plan elsewhere"
     if problem is None and _exists_not_plan_table(out, storage):
-        problem = (f"{out!r} exists and is not a plan table written by `prefixflow plan`: "
-                   "choose a new file name (nothing was written)")
+        problem = (
+            f"{out!r} exists and is not a plan table written by `prefixflow plan`: "
+            "choose a new file name (nothing was written)"
+        )
     return [] if problem is None else [("--out", problem)]
 
 
@@ -442,8 +512,10 @@ def _local_output_problem(path: str) -> str | None:
         where = "is a file" if existing == out else f"is inside {str(existing)!r}, which is a file"
         return f"{path!r} {where}: give a folder (it is created when missing)"
     if not os.access(existing, os.W_OK | os.X_OK):  # also False on a read-only mount
-        return (f"{str(existing)!r} is not writable by this user, so the job cannot write "
-                f"{path!r}: choose a folder this user can write, or change its permissions")
+        return (
+            f"{str(existing)!r} is not writable by this user, so the job cannot write "
+            f"{path!r}: choose a folder this user can write, or change its permissions"
+        )
     return None
 
 
@@ -452,28 +524,40 @@ def _storage_failure(path: str, e: BaseException, storage: StorageOptions) -> st
     if is_local(path):
         return f"{path!r} cannot be read ({type(e).__name__}: {e})"
     if not is_s3(path):
-        return (f"{path!r} cannot be reached ({type(e).__name__}: {str(e)[:200]}): check the path "
-                f"and the credentials (storage.options.{protocol(path)}, or the environment "
-                "variables of its fsspec driver)")
+        return (
+            f"{path!r} cannot be reached ({type(e).__name__}: {str(e)[:200]}): check the path "
+            f"and the credentials (storage.options.{protocol(path)}, or the environment "
+            "variables of its fsspec driver)"
+        )
     from botocore import exceptions as boto
 
     endpoint = storage.endpoint() or "of AWS"
     if isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError)):
-        return (f"{path!r}: no AWS credentials were found: set storage.aws_access_key_id and "
-                "storage.aws_secret_access_key (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), "
-                "or storage.anonymous: true for a public bucket")
+        return (
+            f"{path!r}: no AWS credentials were found: set storage.aws_access_key_id and "
+            "storage.aws_secret_access_key (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), "
+            "or storage.anonymous: true for a public bucket"
+        )
     if isinstance(e, (boto.ConnectionError, boto.HTTPClientError)):
-        return (f"{path!r}: cannot reach the S3 endpoint {endpoint} ({type(e).__name__}): check "
-                "storage.endpoint_url (or AWS_ENDPOINT_URL) and the network")
+        return (
+            f"{path!r}: cannot reach the S3 endpoint {endpoint} ({type(e).__name__}): check "
+            "storage.endpoint_url (or AWS_ENDPOINT_URL) and the network"
+        )
     if isinstance(e, FileNotFoundError):
         bucket = strip_scheme(path).partition("/")[0]
-        return (f"{path!r}: the bucket {bucket!r} does not exist (endpoint {endpoint}): create "
-                "it, or fix the bucket name or storage.endpoint_url")
+        return (
+            f"{path!r}: the bucket {bucket!r} does not exist (endpoint {endpoint}): create "
+            "it, or fix the bucket name or storage.endpoint_url"
+        )
     if isinstance(e, PermissionError):
-        return (f"{path!r}: access denied ({e}): check the credentials (storage.aws_access_key_id "
-                "and storage.aws_secret_access_key, or the AWS_* variables) and the bucket's policy")
-    return (f"{path!r} cannot be listed ({type(e).__name__}: {str(e)[:200]}): check "
-            "storage.endpoint_url, storage.region and the credentials (or the AWS_* variables)")
+        return (
+            f"{path!r}: access denied ({e}): check the credentials (storage.aws_access_key_id "
+            "and storage.aws_secret_access_key, or the AWS_* variables) and the bucket's policy"
+        )
+    return (
+        f"{path!r} cannot be listed ({type(e).__name__}: {str(e)[:200]}): check "
+        "storage.endpoint_url, storage.region and the credentials (or the AWS_* variables)"
+    )
 
 
 def _first_path(path: str | list[str]) -> str:
@@ -530,8 +614,7 @@ def row_problems(spec: JobSpec, rows: list[dict[str, Any]]) -> Problems:
     return problems + _sampling_key_problems(good)
 
 
-def _template_problems(prompt: PromptTemplate, rows: list[dict[str, Any]],
-                       columns: list[str]) -> Problems:
+def _template_problems(prompt: PromptTemplate, rows: list[dict[str, Any]], columns: list[str]) -> Problems:
     problems: Problems = []
     for field in ("template", "system", "user", "messages_column"):
         value = getattr(prompt, field)
@@ -582,8 +665,13 @@ def _sampling_key_problems(rows: list[dict[str, Any]]) -> Problems:
         return []
     column, unknown = unknown_per_row[0]
     fix = did_you_mean(unknown[0], known) or f"use keys among: {', '.join(known)}"
-    return [("input", f"column {column!r} has keys SamplingParams does not know in every "
-             f"sampled row ({', '.join(map(repr, unknown))}): {fix}")]
+    return [
+        (
+            "input",
+            f"column {column!r} has keys SamplingParams does not know in every "
+            f"sampled row ({', '.join(map(repr, unknown))}): {fix}",
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -649,29 +737,55 @@ def resource_problems(spec: JobSpec, nodes: list[dict[str, float]]) -> Problems:
     most_cpus = max((n.get("CPU", 0) for n in nodes), default=0)
     most_gpus = max((n.get("GPU", 0) for n in nodes), default=0)
     if spec.engine.device.startswith("cuda") and most_gpus == 0:
-        return [("engine.device", f"{spec.engine.device!r} but the Ray cluster has no GPU: use "
-                 "engine.device: cpu (or auto), or run on a cluster with GPUs")]
+        return [
+            (
+                "engine.device",
+                f"{spec.engine.device!r} but the Ray cluster has no GPU: use "
+                "engine.device: cpu (or auto), or run on a cluster with GPUs",
+            )
+        ]
     if gpus > most_gpus:
-        return [("resources.num_gpus_per_replica", f"{gpus:g} but no node of the Ray cluster has "
-                 f"more than {most_gpus:g} GPU(s), so no engine actor could start: use at most "
-                 f"{most_gpus:g}")]
+        return [
+            (
+                "resources.num_gpus_per_replica",
+                f"{gpus:g} but no node of the Ray cluster has "
+                f"more than {most_gpus:g} GPU(s), so no engine actor could start: use at most "
+                f"{most_gpus:g}",
+            )
+        ]
     if cpus > most_cpus:
-        return [("resources.num_cpus_per_replica", f"{cpus:g} but no node of the Ray cluster has "
-                 f"more than {most_cpus:g} CPU(s), so no engine actor could start: use at most "
-                 f"{most_cpus:g}")]
+        return [
+            (
+                "resources.num_cpus_per_replica",
+                f"{cpus:g} but no node of the Ray cluster has "
+                f"more than {most_cpus:g} CPU(s), so no engine actor could start: use at most "
+                f"{most_cpus:g}",
+            )
+        ]
     if not any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes):
-        return [("resources", f"no node of the Ray cluster has both {cpus:g} CPU(s) and {gpus:g} "
-                 "GPU(s) (num_cpus_per_replica, num_gpus_per_replica): lower one of them")]
+        return [
+            (
+                "resources",
+                f"no node of the Ray cluster has both {cpus:g} CPU(s) and {gpus:g} "
+                "GPU(s) (num_cpus_per_replica, num_gpus_per_replica): lower one of them",
+            )
+        ]
     least = spec.replicas.min if not isinstance(spec.replicas, int) else None
     slots = engine_slots(nodes, cpus, gpus)
     if least is not None and slots < least:
-        return [("replicas.min", f"{least} but the Ray cluster holds {slots} engine(s) of {cpus:g} CPU(s) "
-                 f"and {gpus:g} GPU(s) at once: lower replicas.min, or start the job on more nodes")]
+        return [
+            (
+                "replicas.min",
+                f"{least} but the Ray cluster holds {slots} engine(s) of {cpus:g} CPU(s) "
+                f"and {gpus:g} GPU(s) at once: lower replicas.min, or start the job on more nodes",
+            )
+        ]
     return []
 
 
 def engine_slots(nodes: list[dict[str, float]], cpus: float, gpus: float) -> int:
     """How many engine actors of `cpus` CPUs and `gpus` GPUs the nodes hold at once."""
+
     def fits(have: float, need: float) -> float:
         return have // need if need > 0 else float("inf")
 

@@ -28,18 +28,27 @@ def plan_text(planned: PlannedJob) -> str:
         f"optimal {s['optimal_token_saving_ratio']:.1%})",
     ]
     for r in s["replicas"]:
-        lines.append(f"  replica {r['replica']}: {r['num_rows']} rows, {r['num_groups']} groups, "
-                     f"predicted cost {r['computed_prompt_tokens']} prompt tokens")
+        lines.append(
+            f"  replica {r['replica']}: {r['num_rows']} rows, {r['num_groups']} groups, "
+            f"predicted cost {r['computed_prompt_tokens']} prompt tokens"
+        )
     t = planned.timings
-    lines.append(f"  error rows {len(planned.error_row_ids)}; read+tokenize {t['read_tokenize_s']:.2f} s, "
-                 f"gather {t['gather_s']:.3f} s, build_plan {t['build_plan_s']:.3f} s")
+    lines.append(
+        f"  error rows {len(planned.error_row_ids)}; read+tokenize {t['read_tokenize_s']:.2f} s, "
+        f"gather {t['gather_s']:.3f} s, build_plan {t['build_plan_s']:.3f} s"
+    )
     return "\n".join(lines)
 
 
 def dry_run_result(planned: PlannedJob, wall_s: float) -> dict[str, Any]:
-    return {"dry_run": True, "plan": plain(planned.plan.summary), "timings": planned.timings,
-            "num_rows": planned.rows.num_rows, "num_error_rows": int(len(planned.error_row_ids)),
-            "wall_seconds": wall_s}
+    return {
+        "dry_run": True,
+        "plan": plain(planned.plan.summary),
+        "timings": planned.timings,
+        "num_rows": planned.rows.num_rows,
+        "num_error_rows": int(len(planned.error_row_ids)),
+        "wall_seconds": wall_s,
+    }
 
 
 class Progress:
@@ -52,8 +61,9 @@ class Progress:
     every `every_s` (tqdm's carriage-return redraws would make a log one endless line).
     """
 
-    def __init__(self, total_rows: int, error_rows: int = 0, quiet: bool = False,
-                 every_s: float = 10.0, redraw_s: float = 0.5):
+    def __init__(
+        self, total_rows: int, error_rows: int = 0, quiet: bool = False, every_s: float = 10.0, redraw_s: float = 0.5
+    ):
         self.source = RunProgress(total_rows, error_rows)
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
@@ -89,10 +99,17 @@ class Progress:
             more.append("loading engines")
         more += _replica_rates(self.source.replicas)
         # rate 0: tqdm shows the ETA as "?" (None would make it count from the line's start)
-        return {"n": s.rows, "total": s.rows_to_generate, "elapsed": time.time() - self.started,
-                "rate": s.rows_per_s or 0.0, "bar_format": LINE, "ncols": None,
-                "tok_s": s.tokens_per_s or 0.0, "saving": _pct(s.saving),
-                "more": "".join(" | " + m for m in more)}
+        return {
+            "n": s.rows,
+            "total": s.rows_to_generate,
+            "elapsed": time.time() - self.started,
+            "rate": s.rows_per_s or 0.0,
+            "bar_format": LINE,
+            "ncols": None,
+            "tok_s": s.tokens_per_s or 0.0,
+            "saving": _pct(s.saving),
+            "more": "".join(" | " + m for m in more),
+        }
 
     def line(self) -> str:
         return tqdm.format_meter(**self.fields())
@@ -102,8 +119,10 @@ class Progress:
             self.bar.close()
 
 
-LINE = ("[prefixflow] rows {n}/{total} ({percentage:.0f}%) | {tok_s:.1f} generated tok/s | "
-        "ETA {remaining} | saving {saving} | {elapsed}{more}")
+LINE = (
+    "[prefixflow] rows {n}/{total} ({percentage:.0f}%) | {tok_s:.1f} generated tok/s | "
+    "ETA {remaining} | saving {saving} | {elapsed}{more}"
+)
 
 
 class _Line(tqdm):
@@ -114,8 +133,14 @@ class _Line(tqdm):
 
     def __init__(self, progress: Progress):
         self.progress = progress
-        super().__init__(total=progress.source.total_rows, file=sys.stderr, leave=True,
-                         dynamic_ncols=True, mininterval=0, bar_format=LINE)
+        super().__init__(
+            total=progress.source.total_rows,
+            file=sys.stderr,
+            leave=True,
+            dynamic_ncols=True,
+            mininterval=0,
+            bar_format=LINE,
+        )
         self._sized()
         self.refresh()
 
@@ -149,8 +174,14 @@ def _rate(counts: dict[str, Any]) -> float:
     return counts["generated_tokens"] / max(counts["time"] - counts["run_started"], 1e-9)
 
 
-def metrics(job: Job, planned: PlannedJob, manifests: list[dict[str, Any]],
-            replica_records: list[dict], wall_s: float, generate_s: float) -> dict[str, Any]:
+def metrics(
+    job: Job,
+    planned: PlannedJob,
+    manifests: list[dict[str, Any]],
+    replica_records: list[dict],
+    wall_s: float,
+    generate_s: float,
+) -> dict[str, Any]:
     """metrics.json: counts, throughput, saving, stage times, per-replica times and steps."""
     rows = sum(m["num_rows"] for m in manifests)
     errors = sum(m["num_errors"] for m in manifests)
@@ -161,9 +192,15 @@ def metrics(job: Job, planned: PlannedJob, manifests: list[dict[str, Any]],
     plan_s = t["gather_s"] + t["build_plan_s"]
     config = job.config
     return {
-        "job": job.name, "model": masked(config.model), "order": config.order, "replicas": config.replicas,
-        "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
-        "prompt_tokens": prompt, "computed_prompt_tokens": round(computed),
+        "job": job.name,
+        "model": masked(config.model),
+        "order": config.order,
+        "replicas": config.replicas,
+        "rows": rows,
+        "rows_ok": rows - errors,
+        "rows_error": errors,
+        "prompt_tokens": prompt,
+        "computed_prompt_tokens": round(computed),
         "generated_tokens": generated,
         "token_saving_ratio": planned.plan.summary["token_saving_ratio"],
         "token_saving_ratio_measured": 1 - computed / prompt if prompt else 0.0,
@@ -172,9 +209,11 @@ def metrics(job: Job, planned: PlannedJob, manifests: list[dict[str, Any]],
         "wall_seconds": wall_s,
         "stage_seconds": {**t, "generate_write_s": generate_s},
         "plan_share_of_wall": plan_s / wall_s if wall_s else 0.0,
-        "throughput": {"rows_per_s": rows / generate_s if generate_s else 0.0,
-                       "generated_tokens_per_s": generated / generate_s if generate_s else 0.0,
-                       "total_tokens_per_s": (prompt + generated) / generate_s if generate_s else 0.0},
+        "throughput": {
+            "rows_per_s": rows / generate_s if generate_s else 0.0,
+            "generated_tokens_per_s": generated / generate_s if generate_s else 0.0,
+            "total_tokens_per_s": (prompt + generated) / generate_s if generate_s else 0.0,
+        },
         "sampling": sampling_used(config),
         "per_replica": [_replica(r) for r in replica_records],
         "plan": plain(planned.plan.summary),
@@ -188,7 +227,10 @@ def sampling_used(config: ProcessorConfig) -> dict[str, Any]:
     """The job's default sampling parameters, and which of them came from the model."""
     from dataclasses import asdict
 
-    return {"params": plain(asdict(config.sampling_params)), "from_generation_config": plain(config.sampling_from_model)}
+    return {
+        "params": plain(asdict(config.sampling_params)),
+        "from_generation_config": plain(config.sampling_from_model),
+    }
 
 
 def _engine_saving(records: list[dict]) -> float | None:
@@ -230,8 +272,10 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
     ]
     for r in m["per_replica"]:
         stolen = len(r.get("stolen_units") or [])
-        lines.append(f"  replica {r['replica']}: {r['num_rows']} rows in {r['seconds']:.2f} s, "
-                     f"{r['num_steps']} engine steps" + (f", {stolen} unit(s) taken from others" if stolen else ""))
+        lines.append(
+            f"  replica {r['replica']}: {r['num_rows']} rows in {r['seconds']:.2f} s, "
+            f"{r['num_steps']} engine steps" + (f", {stolen} unit(s) taken from others" if stolen else "")
+        )
     if "plot" in m:
         lines.append(f"  {m['plot']}")
     return "\n".join(lines)
@@ -239,4 +283,3 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
-

@@ -28,11 +28,24 @@ from prefixflow.jobs.spec import JobSpec
 from prefixflow.model_source import model_fingerprint, resolve_model
 from prefixflow.operators.faces.processor import Processor
 from prefixflow.operators.results.bookkeeping import MANIFEST
-from prefixflow.operators.results.commit import (Committed, OutputLock, check_job_file, drop_fenced,
-                                                 input_listing, job_identity, load_committed)
+from prefixflow.operators.results.commit import (
+    Committed,
+    OutputLock,
+    check_job_file,
+    drop_fenced,
+    input_listing,
+    job_identity,
+    load_committed,
+)
 from prefixflow.operators.results.openai_output import system_fingerprint, write_results
-from prefixflow.operators.results.write import (WriteOptions, clear_end_markers, prepare_output, sink_name,
-                                                start_sink, write_json)
+from prefixflow.operators.results.write import (
+    WriteOptions,
+    clear_end_markers,
+    prepare_output,
+    sink_name,
+    start_sink,
+    write_json,
+)
 from prefixflow.operators.stages.plan import PlannedJob
 from prefixflow.operators.stages.read import input_files, read_dataset
 from prefixflow.operators.stages.supervise import Supervisor
@@ -56,14 +69,17 @@ def ensure_ray(address: str | None = None) -> None:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
     gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
-    where = f"joined the cluster at {address}" if address else (
-        "started a local cluster for this run (set RAY_ADDRESS or --address to use another)")
-    print(f"Ray: {where}: {len(nodes)} node(s), {cpus:g} CPU(s), {gpus:g} GPU(s)",
-          file=sys.stderr, flush=True)
+    where = (
+        f"joined the cluster at {address}"
+        if address
+        else ("started a local cluster for this run (set RAY_ADDRESS or --address to use another)")
+    )
+    print(f"Ray: {where}: {len(nodes)} node(s), {cpus:g} CPU(s), {gpus:g} GPU(s)", file=sys.stderr, flush=True)
 
 
-def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet: bool = False,
-            address: str | None = None) -> dict[str, Any]:
+def run_job(
+    spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet: bool = False, address: str | None = None
+) -> dict[str, Any]:
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
     started = time.perf_counter()
     preflight(spec, source, address)
@@ -92,8 +108,9 @@ def run_job(spec: JobSpec, dry_run: bool = False, source: str = "<spec>", quiet:
             lock.release()
 
 
-def _generate(job: Job, processor: Processor, planned: PlannedJob, wopts: WriteOptions, started: float,
-              quiet: bool) -> dict[str, Any]:
+def _generate(
+    job: Job, processor: Processor, planned: PlannedJob, wopts: WriteOptions, started: float, quiet: bool
+) -> dict[str, Any]:
     """Run every row not committed yet, check that every row is, and write the end files."""
     import ray
 
@@ -112,43 +129,63 @@ def _generate(job: Job, processor: Processor, planned: PlannedJob, wopts: WriteO
     # Named, so that another process can read the running job's state (operators/results/write.py).
     sink = start_sink(job.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
-    progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet,
-                               error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)))
-    manifests, faults = Supervisor(job.config, planned, sink, wopts, job.config.max_retries_per_row,
-                                   progress).run()
+    progress = report.Progress(
+        total_rows=planned.rows.num_rows - before.num_rows,
+        quiet=quiet,
+        error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)),
+    )
+    manifests, faults = Supervisor(job.config, planned, sink, wopts, job.config.max_retries_per_row, progress).run()
     progress.close()
     final = load_committed(wopts.path, wopts.storage)
     # Without the parts a dead job's actors still committed after this job took the path over:
     # this job ran their rows itself (operators/results/commit.py: fencing).
-    final, fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence, before, final) \
-        if wopts.fence else (final, [])
+    final, fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence, before, final) if wopts.fence else (final, [])
     missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
     if len(missing) or len(final.row_ids) != planned.rows.num_rows:  # never report success short
-        raise RuntimeError(f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
-                           f"{wopts.path!r} were not committed: rerun with output.resume: true")
+        raise RuntimeError(
+            f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
+            f"{wopts.path!r} were not committed: rerun with output.resume: true"
+        )
     # The commit records are the truth (a killed actor's last report may never arrive).
-    metrics = report.metrics(job, planned, final.manifests, ray.get(sink.get.remote()),
-                             wall_s=time.perf_counter() - started,
-                             generate_s=time.perf_counter() - gen_started)
+    metrics = report.metrics(
+        job,
+        planned,
+        final.manifests,
+        ray.get(sink.get.remote()),
+        wall_s=time.perf_counter() - started,
+        generate_s=time.perf_counter() - gen_started,
+    )
     ray.kill(sink)  # now, not when Ray collects it: a resume in this process takes the same name
     metrics["fault_tolerance"] = {
-        "rows_committed_before": before.num_rows, "rows_written": final.num_rows - before.num_rows,
+        "rows_committed_before": before.num_rows,
+        "rows_written": final.num_rows - before.num_rows,
         "rows_reported": sum(m["num_rows"] for m in manifests),
         # parts without a commit record, left by a killed driver (before) or a killed actor
-        "orphans_removed": before.removed + final.removed, "fenced_parts_removed": fenced, **faults}
+        "orphans_removed": before.removed + final.removed,
+        "fenced_parts_removed": fenced,
+        **faults,
+    }
     _write_end_files(job, wopts, planned, final, fingerprint, metrics)
     if not quiet:
         print(report.metrics_text(metrics, wopts.path), flush=True)
     return metrics
 
 
-def _write_end_files(job: Job, wopts: WriteOptions, planned: PlannedJob, final: Committed, fingerprint: str,
-                     metrics: dict[str, Any]) -> None:
+def _write_end_files(
+    job: Job, wopts: WriteOptions, planned: PlannedJob, final: Committed, fingerprint: str, metrics: dict[str, Any]
+) -> None:
     """_manifest.json, plot.png, metrics.json (and results.jsonl for OpenAI's format), then
     _SUCCESS last: a folder with _SUCCESS holds every row once."""
-    write_json(join(wopts.path, MANIFEST), {"fingerprint": fingerprint, "num_rows": final.num_rows,
-                                           "parts": sorted(m["part"] for m in final.manifests),
-                                           "row_ids": final.row_ids.tolist()}, wopts.storage)
+    write_json(
+        join(wopts.path, MANIFEST),
+        {
+            "fingerprint": fingerprint,
+            "num_rows": final.num_rows,
+            "parts": sorted(m["part"] for m in final.manifests),
+            "row_ids": final.row_ids.tolist(),
+        },
+        wopts.storage,
+    )
     metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch

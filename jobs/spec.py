@@ -31,16 +31,34 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool,
-                      Tag, ValidationError, ValidatorFunctionWrapHandler, WrapValidator, create_model,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, short
 from prefixflow.jobs.job import Job
 from prefixflow.model_source import normalize_model  # torch-free
-from prefixflow.operators.config import (DEFAULT_BACKEND, ProcessorConfig, ScoreConfig, choice_problems,
-                                         limit_problems, setting_problems)
+from prefixflow.operators.config import (
+    DEFAULT_BACKEND,
+    ProcessorConfig,
+    ScoreConfig,
+    choice_problems,
+    limit_problems,
+    setting_problems,
+)
 from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.read import Format, ReadOptions, infer_format
 from prefixflow.operators.template import PromptTemplate
@@ -106,12 +124,13 @@ class _SpecLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         if len(self._path) >= MAX_DEPTH:
             mark = self.peek_event().start_mark
-            raise _YAMLProblem(".".join(p for p in self._path[:3] if p is not None) + "...",
-                               f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1}, "
-                               f"column {mark.column + 1}): a job spec needs only a few levels")
+            raise _YAMLProblem(
+                ".".join(p for p in self._path[:3] if p is not None) + "...",
+                f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1}, "
+                f"column {mark.column + 1}): a job spec needs only a few levels",
+            )
         # index: the key node of a mapping value, the position in a sequence, None for a key.
-        part = index.value if isinstance(index, yaml.ScalarNode) else (
-            str(index) if isinstance(index, int) else None)
+        part = index.value if isinstance(index, yaml.ScalarNode) else (str(index) if isinstance(index, int) else None)
         alias = self.check_event(yaml.AliasEvent)
         self._path.append(part)
         try:
@@ -127,22 +146,34 @@ class _SpecLoader(yaml.SafeLoader):
         line = node.start_mark.line + 1
         if alias:
             if id(node) not in self._sizes:  # its anchor is still being composed
-                raise _YAMLProblem(self._field(), f"an alias refers to itself (line {line}): a spec "
-                                   "holds plain data; write the value out")
+                raise _YAMLProblem(
+                    self._field(),
+                    f"an alias refers to itself (line {line}): a spec holds plain data; write the value out",
+                )
             levels = self._sizes[id(node)][1]
             if len(self._path) - 1 + levels > MAX_DEPTH:
-                raise _YAMLProblem(self._field(), f"nested more than {MAX_DEPTH} levels deep through "
-                                   f"aliases (line {line}): a job spec needs only a few levels")
+                raise _YAMLProblem(
+                    self._field(),
+                    f"nested more than {MAX_DEPTH} levels deep through "
+                    f"aliases (line {line}): a job spec needs only a few levels",
+                )
             return
-        children = (node.value if isinstance(node, yaml.SequenceNode) else
-                    [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
-                    else [])
+        children = (
+            node.value
+            if isinstance(node, yaml.SequenceNode)
+            else [n for pair in node.value for n in pair]
+            if isinstance(node, yaml.MappingNode)
+            else []
+        )
         measured = [self._sizes[id(child)] for child in children]
         size = 1 + sum(n for n, _ in measured)
         if size > MAX_NODES:
-            raise _YAMLProblem(self._field(), f"expands to more than {MAX_NODES:,} values (line "
-                               f"{line}; aliases count as the values they stand for): a job spec "
-                               "needs far fewer; remove the aliases that repeat large values")
+            raise _YAMLProblem(
+                self._field(),
+                f"expands to more than {MAX_NODES:,} values (line "
+                f"{line}; aliases count as the values they stand for): a job spec "
+                "needs far fewer; remove the aliases that repeat large values",
+            )
         self._sizes[id(node)] = (size, 1 + max((h for _, h in measured), default=0))
 
     def compose_mapping_node(self, anchor: Any) -> Any:
@@ -153,14 +184,20 @@ class _SpecLoader(yaml.SafeLoader):
                 continue
             line = key.start_mark.line + 1
             if key.tag == "tag:yaml.org,2002:merge" and (key.tag, key.value) in seen:
-                raise _YAMLProblem(self._field(), f"two '<<' merge keys in one mapping (lines "
-                                   f"{seen[key.tag, key.value]} and {line}): a mapping's keys must "
-                                   "be unique, and YAML readers differ on which merge wins; merge "
-                                   "several with one key: <<: [*a, *b]")
+                raise _YAMLProblem(
+                    self._field(),
+                    f"two '<<' merge keys in one mapping (lines "
+                    f"{seen[key.tag, key.value]} and {line}): a mapping's keys must "
+                    "be unique, and YAML readers differ on which merge wins; merge "
+                    "several with one key: <<: [*a, *b]",
+                )
             if (key.tag, key.value) in seen:
-                raise _YAMLProblem(self._field(key.value), f"duplicate key (lines "
-                                   f"{seen[key.tag, key.value]} and {line}): YAML would keep only "
-                                   "the last one; remove one of them")
+                raise _YAMLProblem(
+                    self._field(key.value),
+                    f"duplicate key (lines "
+                    f"{seen[key.tag, key.value]} and {line}): YAML would keep only "
+                    "the last one; remove one of them",
+                )
             seen[key.tag, key.value] = line
         return node
 
@@ -168,8 +205,16 @@ class _SpecLoader(yaml.SafeLoader):
 def load_yaml(text: str, source: str, field: str = "") -> Any:
     """Parse YAML text with the spec loader; raise SpecError (one line) on any problem."""
     if len(text) > MAX_SPEC_BYTES:
-        raise SpecError(source, [(field, f"the YAML is {len(text):,} characters; a job spec is at "
-                                  f"most {MAX_SPEC_BYTES >> 20} MiB: is this the right file?")])
+        raise SpecError(
+            source,
+            [
+                (
+                    field,
+                    f"the YAML is {len(text):,} characters; a job spec is at "
+                    f"most {MAX_SPEC_BYTES >> 20} MiB: is this the right file?",
+                )
+            ],
+        )
     try:
         return yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass: builds no objects
     except _YAMLProblem as e:
@@ -191,12 +236,19 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key or "" in key.split("."):
-            raise SpecError("--set", [("", f"{short(pair)} is not KEY=VALUE: write e.g. "
-                                       "--set sampling.max_tokens=32")])
+            raise SpecError("--set", [("", f"{short(pair)} is not KEY=VALUE: write e.g. --set sampling.max_tokens=32")])
         size = len(value.encode("utf-8", "surrogatepass"))
         if size > MAX_SET_BYTES:
-            raise SpecError("--set", [(key, f"the value is {size:,} bytes; a --set value is at most "
-                                       f"{MAX_SET_BYTES >> 10} KiB: put long values in the spec file")])
+            raise SpecError(
+                "--set",
+                [
+                    (
+                        key,
+                        f"the value is {size:,} bytes; a --set value is at most "
+                        f"{MAX_SET_BYTES >> 10} KiB: put long values in the spec file",
+                    )
+                ],
+            )
         out[key] = load_yaml(value, "--set", key)
     return out
 
@@ -205,8 +257,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
-            extra: dict[str, Any] | None = None) -> type[BaseModel]:
+def _mirror(cls: type, name: str, skip: tuple[str, ...] = (), extra: dict[str, Any] | None = None) -> type[BaseModel]:
     """A strict pydantic model with the fields, types and defaults of a frozen dataclass,
     plus `extra` fields ({name: (type, default)}) that the dataclass does not check."""
     hints = typing.get_type_hints(cls)
@@ -214,8 +265,7 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        default = f.default if f.default_factory is dataclasses.MISSING else \
-            Field(default_factory=f.default_factory)
+        default = f.default if f.default_factory is dataclasses.MISSING else Field(default_factory=f.default_factory)
         fields[f.name] = (_strict_bool(hints[f.name]), default)
     own = list(fields)
     fields.update(extra or {})
@@ -229,15 +279,17 @@ def _mirror(cls: type, name: str, skip: tuple[str, ...] = (),
     takes_bool = {k for k, (hint, _) in fields.items() if StrictBool in (hint, *typing.get_args(hint))}
 
     def no_bool_numbers(data: Any) -> Any:
-        for key, value in (data.items() if isinstance(data, dict) else ()):
+        for key, value in data.items() if isinstance(data, dict) else ():
             if isinstance(value, bool) and key in fields and key not in takes_bool:
                 raise invalid(cls.__name__, key, value, "give a number, not true or false")
         return data
 
     # pydantic annotates __validators__ as plain callables, though its own docs pass decorated
     # ones (a PydanticDescriptorProxy each), as here.
-    validators: dict[str, Any] = {"_no_bool_numbers": model_validator(mode="before")(no_bool_numbers),
-                                  "_check": model_validator(mode="after")(check)}
+    validators: dict[str, Any] = {
+        "_no_bool_numbers": model_validator(mode="before")(no_bool_numbers),
+        "_check": model_validator(mode="after")(check),
+    }
     return create_model(name, __base__=_Strict, __validators__=validators, **fields)
 
 
@@ -261,6 +313,7 @@ def _choice(name: str) -> AfterValidator:
     """ProcessorConfig's check of `name` (operators/config.CHOICES) for a str field
     (`Annotated[str, _choice(name)]`), run per field so that it is reported beside the spec's
     other problems."""
+
     def check(value: str) -> str:
         for _, bad, fix in choice_problems({name: value}):
             raise ValueError(f"{short(bad)} is invalid: {fix}")
@@ -274,6 +327,7 @@ def _limited(name: str) -> WrapValidator:
     (`Annotated[int, _limited(name)]`), run per field so that the spec names its own field
     path (output.rows_per_part, ...). YAML's true and false are refused before pydantic would
     read them as 1 and 0."""
+
     def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         if isinstance(value, bool):  # YAML's true is not a count
             raise ValueError(f"{value!r} is invalid: give a number, not true or false")
@@ -296,12 +350,28 @@ if TYPE_CHECKING:
 else:
     # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
     # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
-    EngineSpec = _mirror(EngineConfig, "EngineSpec", skip=("model",), extra={
-        "backend": (Annotated[str, _choice("engine.backend")], Field(
-            default=DEFAULT_BACKEND, description="native: prefixflow's engine; vllm: vLLM's engine (pip "
-            "install prefixflow[vllm])")),
-        "vllm": (dict[str, Any], Field(default_factory=dict, description="vLLM engine arguments, "
-                 "passed through (like ray.data.llm's engine_kwargs); backend vllm only"))})
+    EngineSpec = _mirror(
+        EngineConfig,
+        "EngineSpec",
+        skip=("model",),
+        extra={
+            "backend": (
+                Annotated[str, _choice("engine.backend")],
+                Field(
+                    default=DEFAULT_BACKEND,
+                    description="native: prefixflow's engine; vllm: vLLM's engine (pip install prefixflow[vllm])",
+                ),
+            ),
+            "vllm": (
+                dict[str, Any],
+                Field(
+                    default_factory=dict,
+                    description="vLLM engine arguments, "
+                    "passed through (like ray.data.llm's engine_kwargs); backend vllm only",
+                ),
+            ),
+        },
+    )
     SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
 
     # Object storage settings (prefixflow/storage.py); anything left out comes from the AWS
@@ -318,8 +388,9 @@ else:
 
 
 class InputSpec(_Strict):
-    path: str | list[str] = Field(description="file, directory, glob or list; a local path or "
-                                  "a URL (s3://, gs://, abfss://, file://, ...)")
+    path: str | list[str] = Field(
+        description="file, directory, glob or list; a local path or a URL (s3://, gs://, abfss://, file://, ...)"
+    )
     format: Literal["auto", "jsonl", "csv", "parquet", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1, description="read only the first N rows")
 
@@ -335,7 +406,8 @@ class InputSpec(_Strict):
 
 class TokenizeSpec(_Strict):
     concurrency: Annotated[int, _limited("tokenize_concurrency")] = Field(
-        default=_default("tokenize_concurrency"), description="tokenizer actors")
+        default=_default("tokenize_concurrency"), description="tokenizer actors"
+    )
     batch_size: Annotated[int, _limited("tokenize_batch_size")] = _default("tokenize_batch_size")
 
 
@@ -360,31 +432,37 @@ class ResourcesSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    path: str = Field(description="directory for parts and metrics.json; a local path or a URL "
-                      "(s3://, gs://, abfss://, file://, ...)")
+    path: str = Field(
+        description="directory for parts and metrics.json; a local path or a URL (s3://, gs://, abfss://, file://, ...)"
+    )
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     rows_per_part: Annotated[int, _limited("rows_per_chunk")] = _default("rows_per_chunk")
     overwrite: StrictBool = False
-    resume: StrictBool = Field(default=False, description="finish an interrupted job at this "
-                               "path: committed rows are kept and skipped")
+    resume: StrictBool = Field(
+        default=False, description="finish an interrupted job at this path: committed rows are kept and skipped"
+    )
     include_prompt: StrictBool = _default("include_prompt")
-    error_file: StrictBool = Field(default=False, description="format openai: the failed "
-                                   "requests' lines go to errors.jsonl, results.jsonl keeps the "
-                                   "others (as OpenAI's output and error files)")
+    error_file: StrictBool = Field(
+        default=False,
+        description="format openai: the failed "
+        "requests' lines go to errors.jsonl, results.jsonl keeps the "
+        "others (as OpenAI's output and error files)",
+    )
 
     @field_validator("path")
     @classmethod
     def _not_empty(cls, path: str) -> str:
         if not path.strip():  # the parts and bookkeeping would land in the working directory
-            raise ValueError(f"{path!r} is empty: give the folder (or URL) to write the job's "
-                             "output to")
+            raise ValueError(f"{path!r} is empty: give the folder (or URL) to write the job's output to")
         return path
 
     @model_validator(mode="after")
     def _resume_or_overwrite(self) -> "OutputSpec":
         if self.overwrite and self.resume:
-            raise ValueError("output.overwrite and output.resume are both true: choose one: "
-                             "resume keeps committed parts, overwrite deletes them")
+            raise ValueError(
+                "output.overwrite and output.resume are both true: choose one: "
+                "resume keeps committed parts, overwrite deletes them"
+            )
         return self
 
 
@@ -396,25 +474,31 @@ class JobSpec(_Strict):
     task: Annotated[str, _choice("task")] = Field(default=_default("task"), description="generate or score")
     input: InputSpec
     prompt: PromptSpec | None = None
-    score: ScoreSpec | None = Field(default=None,
-                                    description="settings of task: score")
+    score: ScoreSpec | None = Field(default=None, description="settings of task: score")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
-    order: Annotated[str, _choice("order")] = Field(default=_default("order"),
-                                    description="plan order: fcfs, dfs, batchllm or blendserve")
+    order: Annotated[str, _choice("order")] = Field(
+        default=_default("order"), description="plan order: fcfs, dfs, batchllm or blendserve"
+    )
     # A count or a {min, max} range; the discriminator picks the one a value means, so that its
     # problems are that form's alone.
-    replicas: Annotated[Annotated[int, _limited("replicas"), Tag("tag:count")]
-                        | Annotated[ReplicasSpec, Tag("tag:range")],
-                        Discriminator(lambda v: "tag:range" if isinstance(v, (dict, ReplicasSpec)) else "tag:count")] = \
-        Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
-    work_stealing: StrictBool = Field(default=_default("work_stealing"), description="a replica that runs "
-                                "dry takes the last unstarted plan units of the one expected to finish last")
-    max_retries_per_row: int = Field(default=_default("max_retries_per_row"), ge=0, le=10,
-                                     description="after an engine actor "
-                                     "dies, its uncommitted rows run again; a replica whose actor "
-                                     "dies this many more times in a row without committing a row "
-                                     "has its rows left become error records")
+    replicas: Annotated[
+        Annotated[int, _limited("replicas"), Tag("tag:count")] | Annotated[ReplicasSpec, Tag("tag:range")],
+        Discriminator(lambda v: "tag:range" if isinstance(v, (dict, ReplicasSpec)) else "tag:count"),
+    ] = Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
+    work_stealing: StrictBool = Field(
+        default=_default("work_stealing"),
+        description="a replica that runs dry takes the last unstarted plan units of the one expected to finish last",
+    )
+    max_retries_per_row: int = Field(
+        default=_default("max_retries_per_row"),
+        ge=0,
+        le=10,
+        description="after an engine actor "
+        "dies, its uncommitted rows run again; a replica whose actor "
+        "dies this many more times in a row without committing a row "
+        "has its rows left become error records",
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
     output: OutputSpec
@@ -427,25 +511,30 @@ class JobSpec(_Strict):
         score = self.score.model_dump() if self.score is not None else None
         problems = setting_problems(self.engine.model_dump(), self.task, score, self.order)
         if problems:  # parse_spec unpacks them
-            raise _SpecProblems([(field, f"{short(value)} is invalid: {fix}")
-                                 for field, value, fix in problems])
+            raise _SpecProblems([(field, f"{short(value)} is invalid: {fix}") for field, value, fix in problems])
         return self
 
     @model_validator(mode="after")
     def _prompt_for_format(self) -> "JobSpec":
         fmt = self.input_format()  # raises, naming input.format, when it cannot be inferred
         if self.task == "score" and self.score is None:
-            raise ValueError("task: score needs a score section, e.g. score: {choices: [\"Yes\", \"No\"]}")
+            raise ValueError('task: score needs a score section, e.g. score: {choices: ["Yes", "No"]}')
         if self.task == "score" and fmt == "openai":
-            raise ValueError("task: score cannot read OpenAI batch files (they are chat/completion "
-                             "requests): use task: generate, or a jsonl/csv/parquet input")
+            raise ValueError(
+                "task: score cannot read OpenAI batch files (they are chat/completion "
+                "requests): use task: generate, or a jsonl/csv/parquet input"
+            )
         if self.prompt is None and fmt != "openai":
-            raise ValueError("prompt is required unless input.format is openai: add prompt.template "
-                             "(e.g. \"Q: {{ question }}\") or prompt.user, or prompt.messages_column")
+            raise ValueError(
+                "prompt is required unless input.format is openai: add prompt.template "
+                '(e.g. "Q: {{ question }}") or prompt.user, or prompt.messages_column'
+            )
         if self.output.error_file and self.output_format() != "openai":
-            raise ValueError(f"output.error_file is true but the output format is {self.output_format()}: "
-                             "errors.jsonl is written for output.format: openai only; remove error_file "
-                             "(error rows carry their `error` column)")
+            raise ValueError(
+                f"output.error_file is true but the output format is {self.output_format()}: "
+                "errors.jsonl is written for output.format: openai only; remove error_file "
+                "(error rows carry their `error` column)"
+            )
         self._device_has_a_gpu()
         return self
 
@@ -453,14 +542,18 @@ class JobSpec(_Strict):
         # An actor without a GPU slot sees no GPU, so a cuda engine could never start in it.
         device, gpus = self.engine.device, self.resources.num_gpus_per_replica
         if device.startswith("cuda") and gpus == 0:
-            raise ValueError(f"engine.device is {device!r} but resources.num_gpus_per_replica is 0: "
-                             "set resources.num_gpus_per_replica (e.g. 1, one GPU per replica) or "
-                             "use engine.device: auto")
+            raise ValueError(
+                f"engine.device is {device!r} but resources.num_gpus_per_replica is 0: "
+                "set resources.num_gpus_per_replica (e.g. 1, one GPU per replica) or "
+                "use engine.device: auto"
+            )
         index = device.partition(":")[2]
         if index.isdigit() and int(index) >= math.ceil(gpus):
-            raise ValueError(f"engine.device is {device!r} but each replica sees only "
-                             f"{math.ceil(gpus)} GPU(s) (resources.num_gpus_per_replica): use "
-                             "engine.device: cuda")
+            raise ValueError(
+                f"engine.device is {device!r} but each replica sees only "
+                f"{math.ceil(gpus)} GPU(s) (resources.num_gpus_per_replica): use "
+                "engine.device: cuda"
+            )
 
     def input_format(self) -> Format:
         fmt = self.input.format
@@ -496,15 +589,30 @@ class JobSpec(_Strict):
         path = self.input.path
         storage = self.storage_options()
         return Job(
-            name=self.name, config=self.to_config(),
-            read=ReadOptions(path=path if isinstance(path, str) else tuple(path), format=self.input_format(),
-                             storage=storage, limit=self.input.limit, min_tasks=2 * self.tokenize.concurrency),
-            write=WriteOptions(path=normal_path(self.output.path), format=self.output_format(), storage=storage,
-                               model_name=Path(self.model).name, created=int(time.time()),
-                               # absolute, as the engine gets it: the actors' working folder may differ
-                               model=normalize_model(self.model)),
-            overwrite=self.output.overwrite, resume=self.output.resume, error_file=self.output.error_file,
-            identity_key=self._identity_key(), engine_fields=self.engine.model_dump())
+            name=self.name,
+            config=self.to_config(),
+            read=ReadOptions(
+                path=path if isinstance(path, str) else tuple(path),
+                format=self.input_format(),
+                storage=storage,
+                limit=self.input.limit,
+                min_tasks=2 * self.tokenize.concurrency,
+            ),
+            write=WriteOptions(
+                path=normal_path(self.output.path),
+                format=self.output_format(),
+                storage=storage,
+                model_name=Path(self.model).name,
+                created=int(time.time()),
+                # absolute, as the engine gets it: the actors' working folder may differ
+                model=normalize_model(self.model),
+            ),
+            overwrite=self.output.overwrite,
+            resume=self.output.resume,
+            error_file=self.output.error_file,
+            identity_key=self._identity_key(),
+            engine_fields=self.engine.model_dump(),
+        )
 
     def _identity_key(self) -> str:
         """What must not change between a run and its resume (the output flags may)."""
@@ -521,15 +629,22 @@ class JobSpec(_Strict):
             model=normalize_model(self.model),  # local paths absolute; hub ids and short names kept
             prompt=self.prompt_template(),
             sampling=self.sampling_given(),  # the model's generation_config.json fills the rest
-            engine=self.engine.model_dump(), order=self.order, replicas=self.num_replicas,
+            engine=self.engine.model_dump(),
+            order=self.order,
+            replicas=self.num_replicas,
             min_replicas=self.replicas.min if isinstance(self.replicas, ReplicasSpec) else None,
-            work_stealing=self.work_stealing, max_retries_per_row=self.max_retries_per_row,
+            work_stealing=self.work_stealing,
+            max_retries_per_row=self.max_retries_per_row,
             num_gpus_per_replica=self.resources.num_gpus_per_replica,
             num_cpus_per_replica=self.resources.num_cpus_per_replica,
-            tokenize_concurrency=self.tokenize.concurrency, tokenize_batch_size=self.tokenize.batch_size,
-            rows_per_chunk=self.output.rows_per_part, include_prompt=self.output.include_prompt,
-            openai_batch=self.input_format() == "openai", task=self.task,
-            score=self.score.model_dump() if self.score is not None else None)
+            tokenize_concurrency=self.tokenize.concurrency,
+            tokenize_batch_size=self.tokenize.batch_size,
+            rows_per_chunk=self.output.rows_per_part,
+            include_prompt=self.output.include_prompt,
+            openai_batch=self.input_format() == "openai",
+            task=self.task,
+            score=self.score.model_dump() if self.score is not None else None,
+        )
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
@@ -539,9 +654,17 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobS
         raise SpecError(str(path), [("", "no such file: give the path of a job YAML")])
     size = path.stat().st_size
     if size > MAX_SPEC_BYTES:
-        raise SpecError(str(path), [("", f"the file is {size:,} bytes; a job spec is at most "
-                                     f"{MAX_SPEC_BYTES >> 20} MiB (a few KiB is usual): is this the "
-                                     "right file?")])
+        raise SpecError(
+            str(path),
+            [
+                (
+                    "",
+                    f"the file is {size:,} bytes; a job spec is at most "
+                    f"{MAX_SPEC_BYTES >> 20} MiB (a few KiB is usual): is this the "
+                    "right file?",
+                )
+            ],
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -593,10 +716,18 @@ def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
         if data.get(k) is None:
             data[k] = {}
         if not isinstance(data[k], dict):
-            here = ".".join(keys[:i + 1])
+            here = ".".join(keys[: i + 1])
             kind = "a list" if isinstance(data[k], list) else f"{short(data[k])}, not a mapping"
-            raise SpecError(source, [(here, f"is {kind}: --set {dotted} cannot set a key under "
-                                      f"it; set the whole value instead, e.g. --set {here}=...")])
+            raise SpecError(
+                source,
+                [
+                    (
+                        here,
+                        f"is {kind}: --set {dotted} cannot set a key under "
+                        f"it; set the whole value instead, e.g. --set {here}=...",
+                    )
+                ],
+            )
         data = data[k]
     data[keys[-1]] = value
 
@@ -618,7 +749,9 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return f"{path}.{own.name}" if path else own.name, f"{own.value} is invalid: {own.fix}"
     if kind == "model_type":
         fields = ", ".join(_model_of(_field_annotation(loc)).model_fields) if _field_annotation(loc) else ""
-        return path, f"{short(value)} has the wrong type: this must be a mapping" + (f" with keys among: {fields}" if fields else "")
+        return path, f"{short(value)} has the wrong type: this must be a mapping" + (
+            f" with keys among: {fields}" if fields else ""
+        )
     if kind == "bool_type":  # StrictBool: text is not read as a boolean
         return path, f"{short(value)} is not a boolean: write true or false, without quotes"
     if kind == "int_parsing_size":  # e.g. 1e20 for an int: pydantic speaks of a string here

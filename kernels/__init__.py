@@ -24,12 +24,9 @@ layout everywhere: [num_blocks, block_size, num_kv_heads, head_dim]; block table
 if __name__ == "prefixflow.kernels":
     from prefixflow.kernels.kv_write import write_kv_cache, write_kv_cache_ref
     from prefixflow.kernels.norm import rms_norm, rms_norm_ref
-    from prefixflow.kernels.packed_prefill import (packed_prefill_attention,
-                                                   packed_prefill_attention_ref)
-    from prefixflow.kernels.paged_decode import (paged_decode_attention,
-                                                 paged_decode_attention_ref)
-    from prefixflow.kernels.prefix_attention import (prefix_shared_attention,
-                                                     prefix_shared_attention_ref)
+    from prefixflow.kernels.packed_prefill import packed_prefill_attention, packed_prefill_attention_ref
+    from prefixflow.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+    from prefixflow.kernels.prefix_attention import prefix_shared_attention, prefix_shared_attention_ref
     from prefixflow.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
     __all__ = [

@@ -55,8 +55,10 @@ def use_triton(q: torch.Tensor, head_dims: tuple[int, ...] | None = TRITON_HEAD_
 
 @functools.cache
 def _warn_fallback(head_dim: int) -> None:
-    warnings.warn(f"head_dim {head_dim} has no Triton kernel (supported: {TRITON_HEAD_DIMS}); "
-                  "using the slower torch reference", stacklevel=3)
+    warnings.warn(
+        f"head_dim {head_dim} has no Triton kernel (supported: {TRITON_HEAD_DIMS}); using the slower torch reference",
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +66,14 @@ def _warn_fallback(head_dim: int) -> None:
 # argument, the offending value and the fix.
 
 
-def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...],
-                 device: torch.device | None = None, contiguous: bool = False) -> torch.Tensor:
+def check_tensor(
+    name: str,
+    t: object,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -88,28 +96,39 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     # Kernels load head_dim vectors with unit stride; other strides are passed explicitly.
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have stride 1 in its last dimension, got strides "
-                         f"{t.stride()}; call .contiguous()")
+        raise ValueError(
+            f"{name} must have stride 1 in its last dimension, got strides {t.stride()}; call .contiguous()"
+        )
 
 
-def check_cache(k_cache: object, v_cache: object, num_heads: int, head_dim: int,
-                dtypes: tuple[torch.dtype, ...], device: torch.device | None) -> tuple[int, int]:
+def check_cache(
+    k_cache: object,
+    v_cache: object,
+    num_heads: int,
+    head_dim: int,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None,
+) -> tuple[int, int]:
     """Checks the paged cache pair; returns (block_size, num_kv_heads)."""
     check_tensor("k_cache", k_cache, 4, dtypes, device)
     check_tensor("v_cache", v_cache, 4, dtypes, device)
     assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache shape {tuple(k_cache.shape)} != v_cache shape "
-                         f"{tuple(v_cache.shape)}; both are [num_blocks, block_size, Hkv, D]")
+        raise ValueError(
+            f"k_cache shape {tuple(k_cache.shape)} != v_cache shape "
+            f"{tuple(v_cache.shape)}; both are [num_blocks, block_size, Hkv, D]"
+        )
     if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache strides {k_cache.stride()} != v_cache strides "
-                         f"{v_cache.stride()}; allocate both caches alike")
+        raise ValueError(
+            f"k_cache strides {k_cache.stride()} != v_cache strides {v_cache.stride()}; allocate both caches alike"
+        )
     _, block_size, num_kv_heads, d = k_cache.shape
     if d != head_dim:
         raise ValueError(f"k_cache head_dim {d} != q head_dim {head_dim}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's "
-                         f"{num_kv_heads} kv heads (GQA needs Hq % Hkv == 0)")
+        raise ValueError(
+            f"q has {num_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads (GQA needs Hq % Hkv == 0)"
+        )
     check_last_dim_contiguous("k_cache", k_cache)
     return block_size, num_kv_heads
 
@@ -126,8 +145,10 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 def check_head_dim_for_triton(head_dim: int) -> None:
     if head_dim not in TRITON_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the Triton kernels; "
-                         f"use one of {TRITON_HEAD_DIMS} or the *_ref function")
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the Triton kernels; "
+            f"use one of {TRITON_HEAD_DIMS} or the *_ref function"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +163,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # CPU attention with log-sum-exp: PyTorch's flash kernel for the CPU returns the output AND the
 # LSE, so the parts of a query's keys (shared prefix, own KV) are attended separately and merged
 # exactly (Cascade Inference's merge). Builds without it, and other devices, use plain matmuls.
-_FLASH_CPU = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-              if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else None)
+_FLASH_CPU = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    else None
+)
 
 # Gathered K/V of at most this many elements per batched-decode sub-batch (bounds CPU memory),
 # and the largest scratch buffer kept between calls.
@@ -159,18 +183,24 @@ def flash_cpu_reads_gqa() -> bool:
     past the first, so that a kernel reading too far reads NaN inside the allocation."""
     if _FLASH_CPU is None:
         return False
-    q = torch.linspace(-1, 1, 2 * 3 * 4).view(1, 2, 3, 4)                 # [B, Hq=2, L, D]
+    q = torch.linspace(-1, 1, 2 * 3 * 4).view(1, 2, 3, 4)  # [B, Hq=2, L, D]
     kv = torch.full((1, 2, 3, 4), float("nan"))
     kv[:, 0] = torch.linspace(1, -1, 12).view(3, 4)
-    k = v = kv[:, :1]                                                     # [B, Hkv=1, L, D]
+    k = v = kv[:, :1]  # [B, Hkv=1, L, D]
     out, _ = _FLASH_CPU(q, k, v, 0.0, False, scale=0.5)
     want, _ = attention_lse(q, k, v, 0.5, use_flash=False)
     return bool(torch.allclose(out, want, atol=1e-5))
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool = False, bias: torch.Tensor | None = None,
-                  use_flash: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    bias: torch.Tensor | None = None,
+    use_flash: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with GQA that also returns the log-sum-exp of the scaled scores.
 
     q: [B, Hq, Lq >= 1, D]; k, v: [B, Hkv, Lk >= 1, D], q's dtype (fp32/fp64), any strides with
@@ -183,8 +213,10 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         use_flash = _FLASH_CPU is not None and q.device.type == "cpu"
     if use_flash:
         if _FLASH_CPU is None:
-            raise ValueError("attention_lse(use_flash=True): this torch build has no CPU flash kernel "
-                             "(aten._scaled_dot_product_flash_attention_for_cpu); pass use_flash=None")
+            raise ValueError(
+                "attention_lse(use_flash=True): this torch build has no CPU flash kernel "
+                "(aten._scaled_dot_product_flash_attention_for_cpu); pass use_flash=None"
+            )
         # The kernel reads q/k/v through their strides (unit stride in D assumed); Lq = 0
         # crashes it, so callers skip empty query sets.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -197,12 +229,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     hkv, lk = k.shape[1], k.shape[2]
     g = hq // hkv
     s = torch.matmul(q.reshape(b, hkv, g * lq, d), k.transpose(-1, -2)) * scale
-    s = s.view(b, hkv, g, lq, lk)                                         # [B, Hkv, G, Lq, Lk]
+    s = s.view(b, hkv, g, lq, lk)  # [B, Hkv, G, Lq, Lk]
     if causal:
         s = s.masked_fill(~causal_keep(lq, lk, q.device), float("-inf"))
     if bias is not None:
         s = s + bias.unsqueeze(1)
-    lse = torch.logsumexp(s, dim=-1)                                      # [B, Hkv, G, Lq]
+    lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, Lq]
     p = torch.exp(s - lse.unsqueeze(-1)).view(b, hkv, g * lq, lk)
     out = torch.matmul(p, v).view(b, hq, lq, d)
     return out, lse.view(b, hq, lq)
@@ -211,8 +243,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 _scratch = threading.local()
 
 
-def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A per-thread buffer reused across calls, for CPU temporaries that never leave a
     reference call (gathered K/V). A fresh tensor of many megabytes costs more in page faults
     (glibc maps big allocations anew each time) than the copy into it. Holds, per name, the
@@ -226,8 +257,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
         # A normal tensor even under inference_mode: an inference tensor could not be
         # written by a later call made outside inference_mode.
         with torch.inference_mode(False):
-            buf = buffers[(name, dtype, device)] = torch.empty(numel, dtype=dtype,
-                                                               device=device)
+            buf = buffers[(name, dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 
@@ -245,15 +275,13 @@ def block_index(block_tables: torch.Tensor, num_blocks: list[int]) -> BlockIndex
     width = max(num_blocks, default=0)
     table = block_tables[:, :width]
     if any(n != width for n in num_blocks):
-        keep = torch.arange(width, device=table.device) < torch.tensor(
-            num_blocks, device=table.device)[:, None]
-        table = table[keep]                                              # row-major order
+        keep = torch.arange(width, device=table.device) < torch.tensor(num_blocks, device=table.device)[:, None]
+        table = table[keep]  # row-major order
     blocks = table.reshape(-1).long()
     return BlockIndex(blocks, _consecutive_run(blocks) if blocks.device.type == "cpu" else None)
 
 
-def gather_index(cache: torch.Tensor, index: BlockIndex, dtype: torch.dtype,
-                 name: str) -> torch.Tensor:
+def gather_index(cache: torch.Tensor, index: BlockIndex, dtype: torch.dtype, name: str) -> torch.Tensor:
     """The blocks of `index`, concatenated: [N * block_size, Hkv, D] in `dtype`. Consecutive
     blocks of a contiguous cache (a prefix or a sequence allocated in one go) are a view of
     it; others are gathered in one index_select over whole blocks (memcpy-sized rows: far
@@ -261,7 +289,7 @@ def gather_index(cache: torch.Tensor, index: BlockIndex, dtype: torch.dtype,
     next gather into that name or the next cache write."""
     n, block_size, hkv, d = cache.shape
     if index.run is not None and cache.is_contiguous():
-        return cache[index.run[0]:index.run[1]].view(-1, hkv, d).to(dtype)
+        return cache[index.run[0] : index.run[1]].view(-1, hkv, d).to(dtype)
     blocks = index.blocks
     if cache.is_contiguous() and cache.device.type == "cpu":
         out = scratch(name, (blocks.numel(), block_size * hkv * d), cache.dtype, cache.device)
@@ -273,8 +301,9 @@ def gather_index(cache: torch.Tensor, index: BlockIndex, dtype: torch.dtype,
     return rows.view(-1, hkv, d).to(dtype)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: list[int],
-                  dtype: torch.dtype, name: str) -> torch.Tensor:
+def gather_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: list[int], dtype: torch.dtype, name: str
+) -> torch.Tensor:
     """cache: [num_blocks, block_size, Hkv, D]; the first num_blocks[r] blocks of each row of
     block_tables [R, W] int32, concatenated: [sum(num_blocks) * block_size, Hkv, D] in `dtype`
     (see gather_index)."""
@@ -292,8 +321,7 @@ def _consecutive_run(blocks: torch.Tensor) -> tuple[int, int] | None:
 _step_memo = threading.local()
 
 
-def once_per_step(name: str, tensors: tuple[torch.Tensor, ...], extra: tuple,
-                  build: Callable[[], T]) -> T:
+def once_per_step(name: str, tensors: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], T]) -> T:
     """build(), reused while the same metadata tensors come back. Every layer of a step passes
     the same objects (built once by the model runner), so host work that depends only on them
     (lists, block indices, masks, value checks) runs once per step instead of once per layer.
@@ -302,8 +330,13 @@ def once_per_step(name: str, tensors: tuple[torch.Tensor, ...], extra: tuple,
     entries = _step_memo.__dict__.setdefault("entries", {})
     versions = tuple(None if t.is_inference() else t._version for t in tensors)
     hit = entries.get(name)
-    if (hit is not None and hit[2] == extra and hit[1] == versions and len(hit[0]) == len(tensors)
-            and all(a is b for a, b in zip(hit[0], tensors))):
+    if (
+        hit is not None
+        and hit[2] == extra
+        and hit[1] == versions
+        and len(hit[0]) == len(tensors)
+        and all(a is b for a, b in zip(hit[0], tensors))
+    ):
         return hit[3]
     value = build()
     entries[name] = (tensors, versions, extra, value)
@@ -329,8 +362,9 @@ class DecodeBatch:
     bias: torch.Tensor | None
 
 
-def decode_plan(kv_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                token_elems: int, dtype: torch.dtype) -> list[DecodeBatch]:
+def decode_plan(
+    kv_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, token_elems: int, dtype: torch.dtype
+) -> list[DecodeBatch]:
     """Sub-batches of a batched decode over kv_lens [B] (>= 1) keys, each gathering at most
     _DECODE_MAX_ELEMENTS elements (token_elems = Hkv * D per key); masks in `dtype`."""
     lens = kv_lens.tolist()
@@ -343,15 +377,16 @@ def decode_plan(kv_lens: torch.Tensor, block_tables: torch.Tensor, block_size: i
         bias = None
         if min(lens[lo:hi]) < length:
             pad = torch.arange(length, device=kv_lens.device) >= kv_lens[lo:hi, None]  # [B', L]
-            bias = torch.zeros(hi - lo, 1, 1, length, dtype=dtype, device=kv_lens.device
-                               ).masked_fill_(pad[:, None, None], float("-inf"))
-        batches.append(DecodeBatch(lo, hi, length,
-                                   block_index(block_tables[lo:hi], [nb] * (hi - lo)), bias))
+            bias = torch.zeros(hi - lo, 1, 1, length, dtype=dtype, device=kv_lens.device).masked_fill_(
+                pad[:, None, None], float("-inf")
+            )
+        batches.append(DecodeBatch(lo, hi, length, block_index(block_tables[lo:hi], [nb] * (hi - lo)), bias))
     return batches
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: list[DecodeBatch], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[DecodeBatch], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its paged keys, batched by `plan` (decode_plan of the
     sequences' kv_lens and block tables): each sub-batch gathers the same number of blocks for
     every sequence (one index_select per K and V, or a view) and masks the padding. The query
@@ -364,8 +399,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lo, hi, length = p.lo, p.hi, p.length
         k = gather_index(k_cache, p.index, q.dtype, "k")
         v = gather_index(v_cache, p.index, q.dtype, "v")
-        qg = q[lo:hi].reshape(hi - lo, hkv, hq // hkv, d)                      # [B', Hkv, G, D]
-        k = k.view(hi - lo, length, hkv, d).transpose(1, 2)                    # [B', Hkv, L, D]
+        qg = q[lo:hi].reshape(hi - lo, hkv, hq // hkv, d)  # [B', Hkv, G, D]
+        k = k.view(hi - lo, length, hkv, d).transpose(1, 2)  # [B', Hkv, L, D]
         v = v.view(hi - lo, length, hkv, d).transpose(1, 2)
         o, lse = attention_lse(qg, k, v, scale, bias=p.bias)
         outs.append(o.reshape(hi - lo, hq, d))
@@ -382,17 +417,19 @@ def causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return j <= (kv_len - q_len) + i
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's queries, the last n of its L keys, causally (bottom-right aligned).
 
     q: [n, Hq, D]; k, v: [L >= n, Hkv, D] (views are fine). Returns (out [n, Hq, D] as a
     transposed view, lse [n, Hq])."""
     n, kv_len = q.shape[0], k.shape[0]
     bias = None
-    if n != kv_len:   # the kernel's causal mask is top-left aligned: mask explicitly
+    if n != kv_len:  # the kernel's causal mask is top-left aligned: mask explicitly
         keep = causal_keep(n, kv_len, q.device)
         bias = q.new_zeros(1, 1, n, kv_len).masked_fill_(~keep, float("-inf"))
-    o, lse = attention_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                           v.transpose(0, 1)[None], scale, causal=n == kv_len, bias=bias)
+    o, lse = attention_lse(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, causal=n == kv_len, bias=bias
+    )
     return o[0].transpose(0, 1), lse[0].transpose(0, 1)

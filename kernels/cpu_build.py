@@ -26,25 +26,27 @@ log = logging.getLogger(__name__)
 
 # On x86, 512-bit vectors where the CPU has them (GCC picks 256 by default even then): decode
 # steps of peer_bench's shapes took 21-27% less time in the attention kernel (Sapphire Rapids).
-NATIVE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp",
-                *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64")
-                  else [])]
+NATIVE_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fopenmp",
+    *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),
+]
 
 
 def enabled() -> bool:
     return os.environ.get("PREFIXFLOW_CPU_KERNELS", "1") != "0"
 
 
-def load(name: str, source: str, flags: list[str],
-         signatures: dict[str, list]) -> ctypes.CDLL | None:
+def load(name: str, source: str, flags: list[str], signatures: dict[str, list]) -> ctypes.CDLL | None:
     """The library `name` built from `source` with `flags` (built on first use), its functions
     given `signatures` (argtypes; they return nothing); None where no C compiler can build it."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         log.info("no C compiler: the CPU kernels run as torch code")
         return None
-    key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine(), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"{name}_{key}.so"
     try:
         if not path.exists():
@@ -64,8 +66,12 @@ def _compile(cc: str, source: str, flags: list[str], path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, lib = Path(tmp) / f"{path.stem}.c", Path(tmp) / f"{path.stem}.so"
         src.write_text(source)
-        subprocess.run([cc, *flags, "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [cc, *flags, "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.replace(lib, path)  # atomic: processes building at once each install a whole file
 
 

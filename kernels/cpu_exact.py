@@ -151,18 +151,24 @@ _LANES = (8, 16, 4)
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     ptr, long_, int_, float_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    return cpu_build.load("cpu_exact", _SOURCE, _FLAGS, {
-        "pf_add_rms_norm_f32": [ptr, ptr, ptr, ptr, int_, int_, long_, float_, int_],
-        "pf_rotary_f32": [ptr, long_, int_, int_, int_, ptr, ptr, long_],
-    })
+    return cpu_build.load(
+        "cpu_exact",
+        _SOURCE,
+        _FLAGS,
+        {
+            "pf_add_rms_norm_f32": [ptr, ptr, ptr, ptr, int_, int_, long_, float_, int_],
+            "pf_rotary_f32": [ptr, long_, int_, int_, int_, ptr, ptr, long_],
+        },
+    )
 
 
 def _is_f32_cpu(t: torch.Tensor) -> bool:
     return t.dtype is torch.float32 and t.is_cpu
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, lanes: int | None = None) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lanes: int | None = None
+) -> torch.Tensor:
     """RMSNorm of x (+ residual, written into `residual`) in C: [T, H] float32 contiguous rows,
     residual alike; weight [H]. Returns a new [T, H]. Check `supports_norm`."""
     t, h = x.shape
@@ -171,19 +177,33 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if lib is None:
         raise RuntimeError("add_rms_norm: the CPU kernels are not built here; check `supports_norm()` first")
     lib.pf_add_rms_norm_f32(
-        x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-        out.data_ptr(), t, h, x.stride(0), eps, lanes or _norm_lanes(h))
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        t,
+        h,
+        x.stride(0),
+        eps,
+        lanes or _norm_lanes(h),
+    )
     return out
 
 
 def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
     """Whether `add_rms_norm` takes these tensors (else use torch). Cheap: every norm of every
     step asks."""
-    return (_is_f32_cpu(x) and x.dim() == 2 and x.is_contiguous() and cpu_build.enabled()
-            and (residual is None or (residual.shape == x.shape and residual.is_contiguous()
-                                      and _is_f32_cpu(residual)))
-            and _is_f32_cpu(weight) and weight.shape == x.shape[1:] and weight.is_contiguous()
-            and _norm_lanes(x.shape[1]) is not None)
+    return (
+        _is_f32_cpu(x)
+        and x.dim() == 2
+        and x.is_contiguous()
+        and cpu_build.enabled()
+        and (residual is None or (residual.shape == x.shape and residual.is_contiguous() and _is_f32_cpu(residual)))
+        and _is_f32_cpu(weight)
+        and weight.shape == x.shape[1:]
+        and weight.is_contiguous()
+        and _norm_lanes(x.shape[1]) is not None
+    )
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -200,10 +220,19 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def supports_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `rotary_` takes these tensors (else use torch)."""
     t, _, d = x.shape if x.dim() == 3 else (0, 0, 0)
-    return (_is_f32_cpu(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d
-            and cos.shape == sin.shape == (t, 1, d) and cos.stride() == sin.stride()
-            and cos.stride(-1) == 1 and _is_f32_cpu(cos) and _is_f32_cpu(sin)
-            and cpu_build.enabled() and rotary_is_exact(d))
+    return (
+        _is_f32_cpu(x)
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and cos.shape == sin.shape == (t, 1, d)
+        and cos.stride() == sin.stride()
+        and cos.stride(-1) == 1
+        and _is_f32_cpu(cos)
+        and _is_f32_cpu(sin)
+        and cpu_build.enabled()
+        and rotary_is_exact(d)
+    )
 
 
 @functools.cache
@@ -221,10 +250,11 @@ def _norm_lanes(hidden: int) -> int | None:
     want = F.rms_norm(want_residual, (hidden,), weight, 1e-6)
     for lanes in _LANES:
         r = residual.clone()
-        if (torch.equal(add_rms_norm(x, r, weight, 1e-6, lanes), want)
-                and torch.equal(r, want_residual)
-                and torch.equal(add_rms_norm(x[:1], None, weight, 1e-6, lanes),
-                                F.rms_norm(x[:1], (hidden,), weight, 1e-6))):
+        if (
+            torch.equal(add_rms_norm(x, r, weight, 1e-6, lanes), want)
+            and torch.equal(r, want_residual)
+            and torch.equal(add_rms_norm(x[:1], None, weight, 1e-6, lanes), F.rms_norm(x[:1], (hidden,), weight, 1e-6))
+        ):
             return lanes
     log.info("C RMSNorm rounds unlike this torch build at hidden %d: torch's is used", hidden)
     return None

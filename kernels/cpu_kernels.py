@@ -478,8 +478,7 @@ void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long 
         }
     }
 }
-""" % dict(max_d=MAX_HEAD_DIM, max_g=MAX_GQA_GROUP, max_bs=MAX_BLOCK_SIZE,
-         jb=VECTOR_FLOATS)
+""" % dict(max_d=MAX_HEAD_DIM, max_g=MAX_GQA_GROUP, max_bs=MAX_BLOCK_SIZE, jb=VECTOR_FLOATS)
 
 # Not -ffast-math: linking a shared library with it runs crtfastmath's constructor, which sets
 # flush-to-zero for the whole process (every later float op loses subnormals; hypothesis caught
@@ -492,11 +491,36 @@ _FLAGS = [*cpu_build.NATIVE_FLAGS, "-fno-trapping-math", "-fno-signed-zeros", "-
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where no C compiler can build it."""
     ptr, long_, int_, float_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    return cpu_build.load("cpu_kernels", _SOURCE, _FLAGS, {
-        "pf_attention_f32": [ptr, long_, long_, ptr, ptr, int_, int_, int_, ptr, ptr, ptr, int_,
-                             ptr, ptr, ptr, int_, ptr, int_, int_, float_],
-        "pf_write_kv_f32": [ptr, long_, long_, ptr, long_, long_, ptr, ptr, ptr, int_, int_, int_],
-    })
+    return cpu_build.load(
+        "cpu_kernels",
+        _SOURCE,
+        _FLAGS,
+        {
+            "pf_attention_f32": [
+                ptr,
+                long_,
+                long_,
+                ptr,
+                ptr,
+                int_,
+                int_,
+                int_,
+                ptr,
+                ptr,
+                ptr,
+                int_,
+                ptr,
+                ptr,
+                ptr,
+                int_,
+                ptr,
+                int_,
+                int_,
+                float_,
+            ],
+            "pf_write_kv_f32": [ptr, long_, long_, ptr, long_, long_, ptr, ptr, ptr, int_, int_, int_],
+        },
+    )
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -512,12 +536,18 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `AttentionCall` takes these tensors (else use the reference)."""
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    return (k_cache.is_contiguous() and d <= MAX_HEAD_DIM and bs <= MAX_BLOCK_SIZE
-            and hq // hkv <= MAX_GQA_GROUP and available(q, k_cache))
+    return (
+        k_cache.is_contiguous()
+        and d <= MAX_HEAD_DIM
+        and bs <= MAX_BLOCK_SIZE
+        and hq // hkv <= MAX_GQA_GROUP
+        and available(q, k_cache)
+    )
 
 
-def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+def write_kv_cpu(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """k, v: [T, Hkv, D] float32 (unit stride in D) into contiguous caches [blocks,
     block_size, Hkv, D] at slots [T] int64 (contiguous; < 0 skipped, the rest checked by the
     caller to be inside the cache)."""
@@ -526,24 +556,41 @@ def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     lib = _library()
     if lib is None:
         raise RuntimeError("write_kv_cpu: the CPU kernels are not built here; check `available()` first")
-    lib.pf_write_kv_f32(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                        v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                        slots.data_ptr(), t, hkv, d)
+    lib.pf_write_kv_f32(
+        k.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        v.data_ptr(),
+        v.stride(0),
+        v.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        t,
+        hkv,
+        d,
+    )
 
 
-def check_tables(num_blocks: int, block_size: int, kv_lens: list[int], block_tables: torch.Tensor,
-                 prefix_lens: Sequence[int] = (), prefix_block_tables: torch.Tensor | None = None
-                 ) -> None:
+def check_tables(
+    num_blocks: int,
+    block_size: int,
+    kv_lens: list[int],
+    block_tables: torch.Tensor,
+    prefix_lens: Sequence[int] = (),
+    prefix_block_tables: torch.Tensor | None = None,
+) -> None:
     """ValueError unless every key the kernel will read is inside the cache (host values)."""
     tables = [(block_tables, kv_lens)]
     if prefix_block_tables is not None:
         tables.append((prefix_block_tables, list(prefix_lens)))
     for table, lens in tables:
         for row, n in zip(table.tolist(), lens):
-            used = row[:-(-n // block_size)]
+            used = row[: -(-n // block_size)]
             if n < 0 or len(used) * block_size < n or any(b < 0 or b >= num_blocks for b in used):
-                raise ValueError(f"a block table row {row[:8]}... does not hold {n} keys in a "
-                                 f"cache of {num_blocks} blocks")
+                raise ValueError(
+                    f"a block table row {row[:8]}... does not hold {n} keys in a cache of {num_blocks} blocks"
+                )
 
 
 class AttentionCall:
@@ -563,10 +610,15 @@ class AttentionCall:
 
     __slots__ = ("_tensors", "_meta", "_num_seqs")
 
-    def __init__(self, kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                 prefix_of: torch.Tensor | None = None, prefix_lens: torch.Tensor | None = None,
-                 prefix_block_tables: torch.Tensor | None = None,
-                 cu_seqlens_q: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        kv_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        prefix_of: torch.Tensor | None = None,
+        prefix_lens: torch.Tensor | None = None,
+        prefix_block_tables: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+    ) -> None:
         assert block_tables.is_contiguous() and kv_lens.is_contiguous()
         p_ptr = pl_ptr = pt_ptr = cu_ptr = None
         p_stride = 0
@@ -578,14 +630,22 @@ class AttentionCall:
         if cu_seqlens_q is not None:
             assert cu_seqlens_q.is_contiguous()
             cu_ptr = cu_seqlens_q.data_ptr()
-        self._tensors = (kv_lens, block_tables, prefix_of, prefix_lens, prefix_block_tables,
-                         cu_seqlens_q)
-        self._meta = (cu_ptr, kv_lens.data_ptr(), block_tables.data_ptr(),
-                      block_tables.stride(0), p_ptr, pl_ptr, pt_ptr, p_stride)
+        self._tensors = (kv_lens, block_tables, prefix_of, prefix_lens, prefix_block_tables, cu_seqlens_q)
+        self._meta = (
+            cu_ptr,
+            kv_lens.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            p_ptr,
+            pl_ptr,
+            pt_ptr,
+            p_stride,
+        )
         self._num_seqs = kv_lens.shape[0]
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float, out: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor
+    ) -> torch.Tensor:
         """q, out: [T, Hq, D] float32 (unit stride in D), the queries of the S sequences
         concatenated; k_cache, v_cache: [blocks, block_size, Hkv, D] float32, contiguous."""
         if not out.is_contiguous():
@@ -595,7 +655,19 @@ class AttentionCall:
         lib = _library()
         if lib is None:
             raise RuntimeError("AttentionCall: the CPU kernels are not built here; check `supports()` first")
-        lib.pf_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
-                             v_cache.data_ptr(), bs, hkv, d, *self._meta, out.data_ptr(),
-                             self._num_seqs, hq, scale)
+        lib.pf_attention_f32(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            bs,
+            hkv,
+            d,
+            *self._meta,
+            out.data_ptr(),
+            self._num_seqs,
+            hq,
+            scale,
+        )
         return out

@@ -9,9 +9,16 @@ from __future__ import annotations
 import torch
 
 from prefixflow.kernels import cpu_kernels
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES,
-                                        check_last_dim_contiguous, check_shape, check_tensor,
-                                        layer_key, once_per_step, use_triton)
+from prefixflow.kernels._common import (
+    FLOAT_DTYPES,
+    REF_FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    layer_key,
+    once_per_step,
+    use_triton,
+)
 
 try:
     import triton
@@ -20,8 +27,14 @@ except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
 
-def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    dtypes: tuple[torch.dtype, ...],
+) -> None:
     check_tensor("k", k, 3, dtypes)
     dev = k.device
     check_tensor("v", v, 3, dtypes, dev)
@@ -30,15 +43,18 @@ def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, c, 4, dtypes, dev, contiguous=True)
         if tuple(c.shape[2:]) != (hkv, d):
-            raise ValueError(f"{name} has shape {tuple(c.shape)}; its last two dims must be "
-                             f"k's (num_kv_heads, head_dim) = {(hkv, d)}")
+            raise ValueError(
+                f"{name} has shape {tuple(c.shape)}; its last two dims must be "
+                f"k's (num_kv_heads, head_dim) = {(hkv, d)}"
+            )
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), dev)
     check_shape("slot_mapping", slot_mapping, (t,))
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatters k, v into the paged cache in place (Triton on CUDA, torch otherwise).
 
     k, v: [T, Hkv, D] float; k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous;
@@ -53,30 +69,36 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def write_kv_cache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_cpu(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """`write_kv_cache` in C on the CPU (kernels/cpu_kernels.py; float32, contiguous caches).
     The checks run once per step (every layer writes alike tensors at the same slots)."""
-    slots = once_per_step("kv_write_cpu", (slot_mapping,), layer_key(k, v, k_cache, v_cache),
-                          lambda: _checked_slots(k, v, k_cache, v_cache, slot_mapping))
+    slots = once_per_step(
+        "kv_write_cpu",
+        (slot_mapping,),
+        layer_key(k, v, k_cache, v_cache),
+        lambda: _checked_slots(k, v, k_cache, v_cache, slot_mapping),
+    )
     cpu_kernels.write_kv_cpu(k, v, k_cache, v_cache, slots)
 
 
-def _checked_slots(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+def _checked_slots(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> torch.Tensor:
     """int64 contiguous slots, after the argument checks and checking that no slot is past the
     cache (the C code trusts them; -1 means skip)."""
     _check_args(k, v, k_cache, v_cache, slot_mapping, (torch.float32,))
     capacity = k_cache.shape[0] * k_cache.shape[1]
     slots = slot_mapping.long().contiguous()
     if slots.numel() and int(slots.max()) >= capacity:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())}, outside the cache's "
-                         f"{capacity} slots")
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())}, outside the cache's {capacity} slots")
     return slots
 
 
-def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Torch version of `write_kv_cache` (same arguments)."""
     _check_args(k, v, k_cache, v_cache, slot_mapping, REF_FLOAT_DTYPES)
     # Which slots to write: once per step for all layers (they share slot_mapping).
@@ -103,9 +125,20 @@ def _slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
 if triton is not None:
 
     @triton.jit
-    def _write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh,
-                      stride_vt, stride_vh, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
+    def _write_kernel(
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        HEAD_DIM: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         # One program per token: copies its [Hkv, D] K and V rows into the slot's cache rows.
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -122,8 +155,9 @@ if triton is not None:
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Triton launcher of `write_kv_cache` (same arguments); head_dim must be a power of two."""
     _check_args(k, v, k_cache, v_cache, slot_mapping, FLOAT_DTYPES)
     check_last_dim_contiguous("k", k)
@@ -133,6 +167,17 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         raise ValueError(f"head_dim {d} must be a power of two for the Triton kernel")
     if t == 0:
         return
-    _write_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping.contiguous(), k.stride(0),
-                        k.stride(1), v.stride(0), v.stride(1), HEAD_DIM=d, NUM_KV_HEADS=hkv,
-                        BLOCK_H=triton.next_power_of_2(hkv))
+    _write_kernel[(t,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        HEAD_DIM=d,
+        NUM_KV_HEADS=hkv,
+        BLOCK_H=triton.next_power_of_2(hkv),
+    )

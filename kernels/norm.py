@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES, check_shape,
-                                        check_tensor, triton_available)
+from prefixflow.kernels._common import FLOAT_DTYPES, REF_FLOAT_DTYPES, check_shape, check_tensor, triton_available
 
 try:
     import triton
@@ -28,22 +27,22 @@ def _check_args(x, weight, residual, dtypes) -> None:
         check_shape("residual", residual, tuple(x.shape))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H] float, contiguous; weight: [H] in x's dtype; residual: optional [T, H].
 
     Without residual returns norm(x) [T, H]; with it returns (norm(x + residual), x + residual).
     Triton on CUDA, torch otherwise.
     """
-    if x.is_cuda and x.shape[-1] <= 65536 and triton_available():   # any hidden size
+    if x.is_cuda and x.shape[-1] <= 65536 and triton_available():  # any hidden size
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Torch version of `rms_norm` (same arguments)."""
     _check_args(x, weight, residual, REF_FLOAT_DTYPES)
     if residual is not None:
@@ -56,27 +55,27 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr, hidden, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+    ):
         # One program per row; the row fits one block (hidden <= BLOCK).
         row = tl.program_id(0).to(tl.int64) * hidden
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden
         x = tl.load(x_ptr + row + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(res_ptr + row + offs, mask=mask,
-                                            other=0.0).to(tl.float32)).to(x.dtype)
+            x = (x.to(tl.float32) + tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(new_res_ptr + row + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-        normed = (xf * rstd).to(x.dtype).to(tl.float32)          # cast like HF, then * weight
+        normed = (xf * rstd).to(x.dtype).to(tl.float32)  # cast like HF, then * weight
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row + offs, (w * normed).to(x.dtype), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None
-                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of `rms_norm` (same arguments); hidden size up to 65536."""
     _check_args(x, weight, residual, FLOAT_DTYPES)
     t, hidden = x.shape
@@ -86,7 +85,16 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     new_res = torch.empty_like(x) if residual is not None else y
     if t > 0:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(t,)](x, residual if residual is not None else x, weight, y, new_res,
-                               hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                               num_warps=min(16, max(1, block // 256)))
+        _rms_norm_kernel[(t,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            y,
+            new_res,
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
     return y if residual is None else (y, new_res)

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from prefixflow.kernels._common import (FLOAT_DTYPES, REF_FLOAT_DTYPES,
-                                        check_last_dim_contiguous, check_shape, check_tensor,
-                                        use_triton)
+from prefixflow.kernels._common import (
+    FLOAT_DTYPES,
+    REF_FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    use_triton,
+)
 
 try:
     import triton
@@ -30,8 +35,7 @@ def _check_args(q, k, positions, cos_sin, dtypes) -> None:
     check_tensor("k", k, 3, (q.dtype,), q.device)
     t, _, d = q.shape
     if k.shape[0] != t or k.shape[2] != d or d % 2:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same T and the "
-                         "same even head_dim")
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same T and the same even head_dim")
     check_tensor("positions", positions, 1, (torch.int64, torch.int32), q.device)
     check_shape("positions", positions, (t,))
     check_tensor("cos_sin", cos_sin, 3, (torch.float32,), q.device, contiguous=True)
@@ -54,8 +58,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
-def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                     cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D] float (views allowed); positions: [T] int64 (< P);
     cos_sin: [P, 2, D] fp32. Returns new contiguous (q_rot, k_rot) in q's dtype.
     Triton on CUDA, torch otherwise."""
@@ -64,24 +69,38 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotary_embedding_ref(q, k, positions, cos_sin)
 
 
-def rotary_embedding_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch version of `rotary_embedding` (same arguments)."""
     _check_args(q, k, positions, cos_sin, REF_FLOAT_DTYPES)
-    cs = cos_sin[positions.long()].to(q.dtype)                        # [T, 2, D]
+    cs = cos_sin[positions.long()].to(q.dtype)  # [T, 2, D]
     cos, sin = cs[:, 0:1], cs[:, 1:2]
     half = q.shape[-1] // 2
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
     return rotate(q).contiguous(), rotate(k).contiguous()
 
 
 if triton is not None:
 
     @triton.jit
-    def _rotate_heads(x_ptr, y_ptr, stride_t, stride_h, tok, num_heads, cos, sin, sign,
-                      partner, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rotate_heads(
+        x_ptr,
+        y_ptr,
+        stride_t,
+        stride_h,
+        tok,
+        num_heads,
+        cos,
+        sin,
+        sign,
+        partner,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         # x: [T, H, D] (strided), y: [T, H, D] contiguous; all heads of one token.
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, HEAD_DIM)
@@ -96,9 +115,23 @@ if triton is not None:
         tl.store(dst, out, mask=mask)
 
     @triton.jit
-    def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh,
-                       stride_kt, stride_kh, num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr,
-                       BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    def _rotary_kernel(
+        q_ptr,
+        k_ptr,
+        qo_ptr,
+        ko_ptr,
+        pos_ptr,
+        cs_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        num_q_heads,
+        num_kv_heads,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_HQ: tl.constexpr,
+        BLOCK_HK: tl.constexpr,
+    ):
         # One program per token: loads its cos/sin row once for all q and k heads.
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -106,18 +139,21 @@ if triton is not None:
         half = HEAD_DIM // 2
         cos = tl.load(cs_ptr + pos * 2 * HEAD_DIM + d)
         sin = tl.load(cs_ptr + pos * 2 * HEAD_DIM + HEAD_DIM + d)
-        cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)     # HF casts the table first
+        cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)  # HF casts the table first
         sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
         partner = tl.where(d < half, d + half, d - half)
         sign = tl.where(d < half, -1.0, 1.0)
-        _rotate_heads(q_ptr, qo_ptr, stride_qt, stride_qh, tok, num_q_heads, cos, sin, sign,
-                      partner, HEAD_DIM, BLOCK_HQ)
-        _rotate_heads(k_ptr, ko_ptr, stride_kt, stride_kh, tok, num_kv_heads, cos, sin, sign,
-                      partner, HEAD_DIM, BLOCK_HK)
+        _rotate_heads(
+            q_ptr, qo_ptr, stride_qt, stride_qh, tok, num_q_heads, cos, sin, sign, partner, HEAD_DIM, BLOCK_HQ
+        )
+        _rotate_heads(
+            k_ptr, ko_ptr, stride_kt, stride_kh, tok, num_kv_heads, cos, sin, sign, partner, HEAD_DIM, BLOCK_HK
+        )
 
 
-def rotary_embedding_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding_triton(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of `rotary_embedding` (same arguments); head_dim a power of two."""
     _check_args(q, k, positions, cos_sin, FLOAT_DTYPES)
     check_last_dim_contiguous("q", q)
@@ -129,8 +165,22 @@ def rotary_embedding_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.T
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hkv, d), dtype=q.dtype, device=q.device)
     if t > 0:
-        _rotary_kernel[(t,)](q, k, q_out, k_out, positions.contiguous(), cos_sin, q.stride(0),
-                             q.stride(1), k.stride(0), k.stride(1), hq, hkv, HEAD_DIM=d,
-                             BLOCK_HQ=triton.next_power_of_2(hq),
-                             BLOCK_HK=triton.next_power_of_2(hkv), num_warps=4)
+        _rotary_kernel[(t,)](
+            q,
+            k,
+            q_out,
+            k_out,
+            positions.contiguous(),
+            cos_sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            hq,
+            hkv,
+            HEAD_DIM=d,
+            BLOCK_HQ=triton.next_power_of_2(hq),
+            BLOCK_HK=triton.next_power_of_2(hkv),
+            num_warps=4,
+        )
     return q_out, k_out

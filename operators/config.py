@@ -38,19 +38,25 @@ CHOICES = {"task": TASKS, "order": ORDER_POLICIES, "engine.backend": BACKENDS}
 BACKEND_KEYS = ("backend", "vllm")
 # Score settings only the native Scorer honours (hybrid prefilling, its KV discard, SRJF order):
 # vLLM scores a row by decoding one token with the choices' log-probabilities.
-NATIVE_SCORE_FIELDS = ("chunk_size", "prefix_cache_bytes", "max_forward_bytes", "policy",
-                       "calibrate", "lam")
+NATIVE_SCORE_FIELDS = ("chunk_size", "prefix_cache_bytes", "max_forward_bytes", "policy", "calibrate", "lam")
 # generation_config.json keys -> SamplingParams fields: the ones vLLM's generation_config="auto"
 # takes as defaults (do_sample is ignored there too). Fields SamplingParams lacks are skipped.
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                          "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty",
-                          "min_p": "min_p"}
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_new_tokens": "max_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+}
 Problem = tuple[str, Any, str]  # (field path from the top, value, fix)
 # The numeric settings' limits, (lowest value, integer only, None allowed, fix): ProcessorConfig's
 # check and the job spec's (replicas, tokenize.*, output.rows_per_part, resources.*), one message.
 _COUNT = (1, True, False, "use a positive integer")
 LIMITS: dict[str, tuple[float, bool, bool, str]] = {
-    "replicas": _COUNT, "tokenize_concurrency": _COUNT, "tokenize_batch_size": _COUNT,
+    "replicas": _COUNT,
+    "tokenize_concurrency": _COUNT,
+    "tokenize_batch_size": _COUNT,
     "rows_per_chunk": _COUNT,
     "num_gpus_per_replica": (0, False, True, "use a number >= 0, or None to decide when the job runs"),
     "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
@@ -61,7 +67,7 @@ LIMITS: dict[str, tuple[float, bool, bool, str]] = {
 @dataclass(frozen=True)
 class TokenizeOptions:
     model: str
-    prompt: PromptTemplate | None   # None: OpenAI batch rows carry their own messages/prompt
+    prompt: PromptTemplate | None  # None: OpenAI batch rows carry their own messages/prompt
     max_model_len: int
     trust_remote_code: bool = False
     keep_prompt: bool = False
@@ -106,8 +112,12 @@ class ScoreConfig(ScoreOptions):
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
         if bool(self.choices) == bool(self.choices_column):
-            raise invalid("ScoreConfig", "choices", list(self.choices), "give exactly one of "
-                          "choices (e.g. ['Yes', 'No']) or choices_column")
+            raise invalid(
+                "ScoreConfig",
+                "choices",
+                list(self.choices),
+                "give exactly one of choices (e.g. ['Yes', 'No']) or choices_column",
+            )
         super().__post_init__()  # ScoreOptions checks its own fields, naming them
 
     def options(self) -> ScoreOptions:
@@ -202,12 +212,16 @@ class ProcessorConfig:
             object.__setattr__(self, "score", ScoreConfig(**self.score))
         self._check()
         engine = dict(self.engine)
-        object.__setattr__(self, "engine_config", EngineConfig(model=self.model, **{
-            k: v for k, v in engine.items() if k not in BACKEND_KEYS}))  # it checks its fields
+        object.__setattr__(
+            self,
+            "engine_config",
+            EngineConfig(model=self.model, **{k: v for k, v in engine.items() if k not in BACKEND_KEYS}),
+        )  # it checks its fields
         problems = setting_problems(engine, self.task, self.score, self.order)
         if problems:  # every one, a line each
-            raise ValueError("\n".join(str(invalid("ProcessorConfig", name, value, fix))
-                                        for name, value, fix in problems))
+            raise ValueError(
+                "\n".join(str(invalid("ProcessorConfig", name, value, fix)) for name, value, fix in problems)
+            )
         object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
         object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
 
@@ -244,38 +258,66 @@ class ProcessorConfig:
 
     def _check(self) -> None:
         """The fields' own checks (task, order and the engine's are setting_problems')."""
-        _require(self.task != "score" or self.score is not None, "score", self.score,
-                 "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}")
-        _require(self.task != "score" or not self.openai_batch, "task", self.task,
-                 "OpenAI batch files are chat/completion requests: use task 'generate' for them")
+        _require(
+            self.task != "score" or self.score is not None,
+            "score",
+            self.score,
+            "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}",
+        )
+        _require(
+            self.task != "score" or not self.openai_batch,
+            "task",
+            self.task,
+            "OpenAI batch files are chat/completion requests: use task 'generate' for them",
+        )
         for name, value, fix in limit_problems({name: getattr(self, name) for name in LIMITS}):
             raise invalid("ProcessorConfig", name, value, fix)
-        _require(self.min_replicas is None or 1 <= self.min_replicas <= self.replicas, "min_replicas",
-                 self.min_replicas, f"use None or an integer from 1 to replicas ({self.replicas})")
+        _require(
+            self.min_replicas is None or 1 <= self.min_replicas <= self.replicas,
+            "min_replicas",
+            self.min_replicas,
+            f"use None or an integer from 1 to replicas ({self.replicas})",
+        )
         _require(isinstance(self.work_stealing, bool), "work_stealing", self.work_stealing, "use True or False")
         for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("runtime_env", dict)):
             value = getattr(self, name)
             _require(value is None or isinstance(value, kind), name, value, f"give a {kind.__name__} or None")
-        _require(isinstance(self.engine, dict), "engine", self.engine, "give a dict of EngineConfig "
-                 "fields, plus backend and vllm")
-        _require("model" not in self.engine, "engine", self.engine,
-                 "give the model as ProcessorConfig.model, not inside engine")
+        _require(
+            isinstance(self.engine, dict),
+            "engine",
+            self.engine,
+            "give a dict of EngineConfig fields, plus backend and vllm",
+        )
+        _require(
+            "model" not in self.engine,
+            "engine",
+            self.engine,
+            "give the model as ProcessorConfig.model, not inside engine",
+        )
         known = [f.name for f in fields(EngineConfig) if f.name != "model"] + list(BACKEND_KEYS)
         for key in self.engine:
             hint = did_you_mean(str(key), known)
-            _require(key in known, f"engine.{key}", self.engine[key], "not an engine setting: "
-                     f"{hint + ' ' if hint else ''}use one of {', '.join(known)}")
+            _require(
+                key in known,
+                f"engine.{key}",
+                self.engine[key],
+                f"not an engine setting: {hint + ' ' if hint else ''}use one of {', '.join(known)}",
+            )
 
     def tokenize_options(self) -> TokenizeOptions:
         """The tokenize stage's options, built here for every caller (the Processor's tokenize
         actors, the map_batches Generator, ray.data.llm's stages). Reads the model's config
         for its context length unless engine.max_model_len is given."""
         return TokenizeOptions(
-            model=self.model, prompt=self.prompt_template,
+            model=self.model,
+            prompt=self.prompt_template,
             max_model_len=model_max_len(self.model, self.engine_config.max_model_len),
-            trust_remote_code=self.engine_config.trust_remote_code, keep_prompt=self.include_prompt,
-            sampling=self.sampling_params, chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs)
+            trust_remote_code=self.engine_config.trust_remote_code,
+            keep_prompt=self.include_prompt,
+            sampling=self.sampling_params,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
     @property
     def engine_workers(self) -> int:
@@ -301,26 +343,29 @@ def generation_defaults(model: str, skip: Collection[str] = ()) -> dict[str, Any
     path = generation_config_path(model)
     if not path.is_file():
         return {}
-    fix = "fix the file (a JSON object, e.g. {\"temperature\": 0.7}), or remove it"
+    fix = 'fix the file (a JSON object, e.g. {"temperature": 0.7}), or remove it'
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
-                         f"{fix}") from None
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {fix}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): {fix}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: {fix}")
     known = {f.name for f in fields(SamplingParams)}
-    taken = {key: name for key, name in GENERATION_CONFIG_KEYS.items()
-             if config.get(key) is not None and name in known and name not in skip}
+    taken = {
+        key: name
+        for key, name in GENERATION_CONFIG_KEYS.items()
+        if config.get(key) is not None and name in known and name not in skip
+    }
     for key, name in taken.items():
         try:
             SamplingParams().with_overrides({name: config[key]})
         except ValueError as e:  # SamplingParams.top_p=2.0: its fix, "use a value in (0, 1]"
             why = e.fix if isinstance(e, InvalidSetting) else str(e)
-            raise ValueError(f"{path}: {key}={short(config[key])} is invalid: {why}; fix the file "
-                             f"or set sampling.{name} in the spec") from None
+            raise ValueError(
+                f"{path}: {key}={short(config[key])} is invalid: {why}; fix the file or set sampling.{name} in the spec"
+            ) from None
     return {name: config[key] for key, name in taken.items()}
 
 
@@ -341,15 +386,15 @@ def sampling_with_defaults(model: str, given: dict[str, Any]) -> tuple[SamplingP
         return SamplingParams().with_overrides({**taken, **given}), taken
     except ValueError as e:  # each is valid alone: the two disagree (min_tokens > max_tokens)
         source = ", ".join(f"{k}={short(v)}" for k, v in taken.items())
-        raise ValueError(f"{e} ({source} taken from {generation_config_path(model)}: set them in "
-                         "the sampling settings to override)") from None
+        raise ValueError(
+            f"{e} ({source} taken from {generation_config_path(model)}: set them in the sampling settings to override)"
+        ) from None
 
 
 def choice_problems(values: dict[str, Any]) -> list[Problem]:
     """(field, value, fix) for each value of CHOICES' fields outside its choices: the one check
     of task, order and engine.backend (ProcessorConfig's, and the job spec's per field)."""
-    return [(name, value, one_of(CHOICES[name])) for name, value in values.items()
-            if value not in CHOICES[name]]
+    return [(name, value, one_of(CHOICES[name])) for name, value in values.items() if value not in CHOICES[name]]
 
 
 def limit_problems(values: dict[str, Any]) -> list[Problem]:
@@ -381,20 +426,33 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Prob
     backend = engine.get("backend") or DEFAULT_BACKEND
     args = engine.get("vllm") or {}
     if not isinstance(args, dict):
-        return [("engine.vllm", args, "give a mapping of vLLM engine arguments, e.g. "
-                 "{enforce_eager: true}")]
+        return [("engine.vllm", args, "give a mapping of vLLM engine arguments, e.g. {enforce_eager: true}")]
     if backend == "native":
-        return [("engine.vllm", args, "vLLM arguments need engine.backend: vllm; set it, or "
-                 "remove engine.vllm")] if args else []
+        return (
+            [("engine.vllm", args, "vLLM arguments need engine.backend: vllm; set it, or remove engine.vllm")]
+            if args
+            else []
+        )
     problems = _vllm_arg_problems(args)
     if engine.get("aligned_decode_batch") is not None:
-        problems.append(("engine.aligned_decode_batch", engine["aligned_decode_batch"], "only "
-                         "engine.backend: native honours it (vLLM forms its own decode batches): "
-                         "remove it or use the native backend"))
+        problems.append(
+            (
+                "engine.aligned_decode_batch",
+                engine["aligned_decode_batch"],
+                "only "
+                "engine.backend: native honours it (vLLM forms its own decode batches): "
+                "remove it or use the native backend",
+            )
+        )
     device = str(engine.get("device") or "auto")
     if device.startswith("cuda:"):
-        problems.append(("engine.device", device, "vLLM runs on the GPU(s) of the replica's "
-                         "actor (resources.num_gpus_per_replica): use cuda or auto"))
+        problems.append(
+            (
+                "engine.device",
+                device,
+                "vLLM runs on the GPU(s) of the replica's actor (resources.num_gpus_per_replica): use cuda or auto",
+            )
+        )
     return problems + _native_score_problems(task, score)
 
 
@@ -404,13 +462,25 @@ def _native_score_problems(task: str, score: Any) -> list[Problem]:
     if task != "score":
         return []
     # fields(), not vars(): ScoreOptions' fields live in slots
-    given = score if isinstance(score, dict) else {
-        f.name: getattr(score, f.name) for f in fields(score)} if score is not None else {}
+    given = (
+        score
+        if isinstance(score, dict)
+        else {f.name: getattr(score, f.name) for f in fields(score)}
+        if score is not None
+        else {}
+    )
     defaults = ScoreConfig.__dataclass_fields__
-    return [(f"score.{name}", given[name], "only engine.backend: native honours it (vLLM scores "
-             "with the choices' first-token log-probabilities): remove it or use the native "
-             "backend") for name in NATIVE_SCORE_FIELDS
-            if name in given and given[name] != defaults[name].default]
+    return [
+        (
+            f"score.{name}",
+            given[name],
+            "only engine.backend: native honours it (vLLM scores "
+            "with the choices' first-token log-probabilities): remove it or use the native "
+            "backend",
+        )
+        for name in NATIVE_SCORE_FIELDS
+        if name in given and given[name] != defaults[name].default
+    ]
 
 
 def _vllm_arg_problems(args: dict[str, Any]) -> list[Problem]:

@@ -36,6 +36,8 @@ def row_sampling(default: Any, value: Any) -> Any:
         try:
             value = json.loads(value)
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"sampling parameters are not a JSON object ({type(e).__name__}): "
-                             "give a mapping like {\"temperature\": 0}") from None
+            raise ValueError(
+                f"sampling parameters are not a JSON object ({type(e).__name__}): "
+                'give a mapping like {"temperature": 0}'
+            ) from None
     return default.with_overrides(value)

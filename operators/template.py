@@ -27,7 +27,6 @@ class RowError(ValueError):
     """This row cannot become a prompt; the message goes into its error record."""
 
 
-
 def _syntax_problem(source: str | None) -> str | None:
     """Why `source` is not a valid template (naming the line), or None when it is."""
     if source is None:
@@ -35,8 +34,10 @@ def _syntax_problem(source: str | None) -> str | None:
     try:
         compiled(source)
     except TemplateSyntaxError as e:
-        return (f"not a valid Jinja template (line {e.lineno}: {e.message}): fix the template, "
-                "e.g. \"Question: {{ question }}\"")
+        return (
+            f"not a valid Jinja template (line {e.lineno}: {e.message}): fix the template, "
+            'e.g. "Question: {{ question }}"'
+        )
     except RecursionError:  # Jinja's parser and compiler recurse once per level of nesting
         return "not a valid Jinja template: it is nested too deeply; fix the template"
     return None
@@ -72,8 +73,12 @@ class PromptTemplate:
         if len(kinds) != 1:
             # Name the extra kind (or template when none is given): the spec reports that field.
             name = kinds[1] if kinds else "template"
-            _invalid(name, getattr(self, name), "give exactly one of template, user (with "
-                     f"optional system) or messages_column; got {', '.join(kinds) or 'none'}")
+            _invalid(
+                name,
+                getattr(self, name),
+                "give exactly one of template, user (with "
+                f"optional system) or messages_column; got {', '.join(kinds) or 'none'}",
+            )
         if self.system is not None and self.user is None:
             _invalid("system", self.system, "system needs user: a chat prompt has a user message")
         for name in ("template", "system", "user"):
@@ -104,7 +109,6 @@ class PromptTemplate:
         messages.append({"role": "user", "content": user})
         return messages
 
-
     def _values(self, row: dict[str, Any]) -> dict[str, Any]:
         """The row's values a template sees: no nulls, no bookkeeping, binary values as the
         UTF-8 text they hold (a parquet binary column would otherwise render as "b'...'") and
@@ -121,9 +125,11 @@ class PromptTemplate:
                     v = v.decode("utf-8")
                 except UnicodeDecodeError as e:
                     if k in self.columns:
-                        raise RowError(f"column {k!r} holds bytes that are not UTF-8 text (byte "
-                                       f"{v[e.start]:#04x} at {e.start}): a prompt is text; "
-                                       "store the column as text") from None
+                        raise RowError(
+                            f"column {k!r} holds bytes that are not UTF-8 text (byte "
+                            f"{v[e.start]:#04x} at {e.start}): a prompt is text; "
+                            "store the column as text"
+                        ) from None
                     continue
             values[k] = v
         return values
@@ -151,11 +157,14 @@ def template_row_error(e: Exception, what: str, values: dict[str, Any] | None = 
     a row: past a limit of the sandbox, or by its own error (with the row's non-null columns
     when `values` are a row's). Messages are clipped: a template's own text may be huge."""
     if isinstance(e, TemplateLimitError):
-        return RowError(f"{what} exceeded a template limit for this row: {_clip(e.message)}; make "
-                        "the template build less")
+        return RowError(
+            f"{what} exceeded a template limit for this row: {_clip(e.message)}; make the template build less"
+        )
     if isinstance(e, (OverflowError, MemoryError, RecursionError)):
-        return RowError(f"{what} exceeded a template limit for this row ({type(e).__name__}: "
-                        f"{_clip(e)}); make the template build less")
+        return RowError(
+            f"{what} exceeded a template limit for this row ({type(e).__name__}: "
+            f"{_clip(e)}); make the template build less"
+        )
     if isinstance(e, TemplateError):
         have = "" if values is None else f"; the row's non-null columns are: {', '.join(sorted(values)) or 'none'}"
         return RowError(f"{what} failed for this row: {_clip(e.message or e)}{have}")
@@ -172,8 +181,10 @@ def _clip(e: object) -> str:
 def messages_from_value(value: Any, column: str) -> list[dict[str, str]]:
     """Validate chat messages from a column (a list of {role, content}, or its JSON text)."""
     if value is None:
-        raise RowError(f"column {column!r} is missing or null in this row: it must hold chat "
-                       "messages [{\"role\": ..., \"content\": ...}]")
+        raise RowError(
+            f"column {column!r} is missing or null in this row: it must hold chat "
+            'messages [{"role": ..., "content": ...}]'
+        )
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -206,11 +217,13 @@ def content_text(parts: list[Any], index: int) -> str:
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif isinstance(kind, str) and kind != "text":
-            raise RowError(f"message {index} has a content part of type {short(kind)}: this model "
-                           "takes text only; remove it")
+            raise RowError(
+                f"message {index} has a content part of type {short(kind)}: this model takes text only; remove it"
+            )
         else:
-            raise RowError(f"message {index} has a content part that is not "
-                           "{\"type\": \"text\", \"text\": ...}: give text parts only")
+            raise RowError(
+                f'message {index} has a content part that is not {{"type": "text", "text": ...}}: give text parts only'
+            )
     return "".join(texts)
 
 

@@ -61,17 +61,28 @@ class BlendServeResult:
     memory_s: np.ndarray
 
 
-def blendserve_order(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
-                     output_lens: np.ndarray | None = None,
-                     cost_model: CostModel | None = None) -> np.ndarray:
+def blendserve_order(
+    tree: PrefixTree,
+    grouping: Grouping,
+    lengths: np.ndarray,
+    output_lens: np.ndarray | None = None,
+    cost_model: CostModel | None = None,
+) -> np.ndarray:
     """The run order (a permutation of prompt indices) under BlendServe; see `blendserve_plan`."""
     return blendserve_plan(tree, grouping, lengths, output_lens, cost_model=cost_model).order
 
 
-def blendserve_plan(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
-                    output_lens: np.ndarray | None = None, *, cost_model: CostModel | None = None,
-                    sharing_keep: float = 0.99, kv_budget_bytes: float | None = None,
-                    default_output_len: int = DEFAULT_OUTPUT_LEN) -> BlendServeResult:
+def blendserve_plan(
+    tree: PrefixTree,
+    grouping: Grouping,
+    lengths: np.ndarray,
+    output_lens: np.ndarray | None = None,
+    *,
+    cost_model: CostModel | None = None,
+    sharing_keep: float = 0.99,
+    kv_budget_bytes: float | None = None,
+    default_output_len: int = DEFAULT_OUTPUT_LEN,
+) -> BlendServeResult:
     """The BlendServe order with its diagnostics (module docstring, steps 1-4).
 
     output_lens: [n] estimates; entries < 0 are unknown (sampled estimation, Sec. 5.1); None:
@@ -101,13 +112,24 @@ def blendserve_plan(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
         split = sort_and_split(tree, comp, mem, max(allowed - scan_loss, 0.0))
         order, starts = dual_scan(split.order, comp, mem, batch_mem_s)
     kept = _saved_tokens(order, grouping) / grouping.saved_tokens if grouping.saved_tokens else 1.0
-    return BlendServeResult(order, split.order, starts, float(density(comp.sum(), mem.sum())),
-                            split.num_splits, split.cost_tokens, split.theta, split.stop_reason,
-                            kept, comp, mem)
+    return BlendServeResult(
+        order,
+        split.order,
+        starts,
+        float(density(comp.sum(), mem.sum())),
+        split.num_splits,
+        split.cost_tokens,
+        split.theta,
+        split.stop_reason,
+        kept,
+        comp,
+        mem,
+    )
 
 
-def estimate_output_lens(tree: PrefixTree, output_lens: np.ndarray | None,
-                         default: int = DEFAULT_OUTPUT_LEN) -> np.ndarray:
+def estimate_output_lens(
+    tree: PrefixTree, output_lens: np.ndarray | None, default: int = DEFAULT_OUTPUT_LEN
+) -> np.ndarray:
     """Per-request output lengths; entries < 0 are unknown and estimated per subtree (Sec. 5.1)."""
     n = len(tree.order)
     if output_lens is None:
@@ -133,8 +155,9 @@ def estimate_output_lens(tree: PrefixTree, output_lens: np.ndarray | None,
     return np.where(known, outs, np.rint(by_seq).astype(np.int64))
 
 
-def request_costs(cm: CostModel, grouping: Grouping, lengths: np.ndarray,
-                  outs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def request_costs(
+    cm: CostModel, grouping: Grouping, lengths: np.ndarray, outs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """T_comp and T_mem per request; a group's prefix compute is spread over its members."""
     key = group_keys(grouping)
     _, gid, size = np.unique(key, return_inverse=True, return_counts=True)
@@ -152,13 +175,12 @@ class SplitResult:
     stop_reason: str
 
 
-def sort_and_split(tree: PrefixTree, comp: np.ndarray, mem: np.ndarray,
-                   budget_tokens: float) -> SplitResult:
+def sort_and_split(tree: PrefixTree, comp: np.ndarray, mem: np.ndarray, budget_tokens: float) -> SplitResult:
     """Layer-wise sort and conditional node split until C1 or C2 (Sec. 5.2, 5.4)."""
     n = len(tree.order)
     ptr, kids = tree.children()
     ptr, kids = ptr.tolist(), kids.tolist()
-    children = [kids[ptr[v]:ptr[v + 1]] for v in range(tree.num_nodes)]
+    children = [kids[ptr[v] : ptr[v + 1]] for v in range(tree.num_nodes)]
     parent = tree.parent.copy()
     node_c, node_m = _subtree_sums(tree, comp), _subtree_sums(tree, mem)
     leaf_rho = density(comp, mem)
@@ -199,8 +221,9 @@ def _outliers(rho: np.ndarray, fixed: np.ndarray) -> np.ndarray:
     return out
 
 
-def _move_to_root(take: np.ndarray, children: list[list[int]], parent: np.ndarray,
-                  node_c: np.ndarray, node_m: np.ndarray) -> None:
+def _move_to_root(
+    take: np.ndarray, children: list[list[int]], parent: np.ndarray, node_c: np.ndarray, node_m: np.ndarray
+) -> None:
     """Re-insert leaves under the root; their old ancestors lose their time (Sec. 5.2)."""
     moved = set(take.tolist())
     for v in set(parent[take].tolist()):
@@ -276,8 +299,7 @@ def _longest_nonincreasing(values: np.ndarray) -> np.ndarray:
     return mask
 
 
-def dual_scan(seq: np.ndarray, comp: np.ndarray, mem: np.ndarray,
-              batch_mem_s: float) -> tuple[np.ndarray, np.ndarray]:
+def dual_scan(seq: np.ndarray, comp: np.ndarray, mem: np.ndarray, batch_mem_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Dual scanner (Sec. 5.3, Alg. 3) over `seq` sorted compute-dense first.
 
     Returns (order, batch_starts). Sec. 4.2: every decode step reads all resident KV, so a share
@@ -304,10 +326,10 @@ def dual_scan(seq: np.ndarray, comp: np.ndarray, mem: np.ndarray,
     return order.astype(np.int64), np.asarray(starts, dtype=np.int64)
 
 
-def _balance(cum_c: np.ndarray, cum_m: np.ndarray, lo: int, hi: int, t: float,
-             rho_root: float) -> tuple[int, int]:
+def _balance(cum_c: np.ndarray, cum_m: np.ndarray, lo: int, hi: int, t: float, rho_root: float) -> tuple[int, int]:
     """(left, right): admit lo..left-1 and right..hi-1 so that their memory time is about t and
     their compute is as close as possible to rho_root times it."""
+
     def right_of(j: int) -> int:
         return max(min(_from(cum_m, cum_m[hi] - max(t - (cum_m[j] - cum_m[lo]), 0.0)), hi), j)
 

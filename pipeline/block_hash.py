@@ -34,7 +34,7 @@ from prefixflow.pipeline.ragged import RaggedTokens
 
 DEFAULT_BLOCK_SIZE = 16  # engine.block_size's default (engine/config.py)
 DEFAULT_MAX_CELLS = 1 << 22  # hashes the sort holds per level (32 MiB a copy; it makes a few)
-HASH_BITS = 63           # non-negative int64: the sort pads ended sequences with -1
+HASH_BITS = 63  # non-negative int64: the sort pads ended sequences with -1
 
 # (flat token ids, start of each block in flat, tokens in each block, block_size) -> one uint64
 # per block. Injectable so that a test can force collisions.
@@ -62,8 +62,9 @@ def hash_token_blocks(flat: np.ndarray, start: np.ndarray, count: np.ndarray, bl
     return acc
 
 
-def block_hashes(tokens: RaggedTokens, block_size: int = DEFAULT_BLOCK_SIZE,
-                 hash_fn: BlockHashFn = hash_token_blocks) -> RaggedTokens:
+def block_hashes(
+    tokens: RaggedTokens, block_size: int = DEFAULT_BLOCK_SIZE, hash_fn: BlockHashFn = hash_token_blocks
+) -> RaggedTokens:
     """Chained hashes of each prompt's blocks (the last block may be short): a ragged int64
     array with ceil(len / block_size) values per prompt, each in [0, 2**63)."""
     if block_size < 1:
@@ -74,18 +75,19 @@ def block_hashes(tokens: RaggedTokens, block_size: int = DEFAULT_BLOCK_SIZE,
     row = np.repeat(np.arange(len(lens), dtype=np.int64), per_row)
     k = np.arange(offsets[-1], dtype=np.int64) - offsets[:-1][row]
     start = tokens.offsets[:-1][row] + k * block_size
-    own = np.asarray(hash_fn(tokens.flat, start, np.minimum(block_size, lens[row] - k * block_size),
-                             block_size), dtype=np.uint64)
+    own = np.asarray(
+        hash_fn(tokens.flat, start, np.minimum(block_size, lens[row] - k * block_size), block_size), dtype=np.uint64
+    )
     return RaggedTokens(_chain(own, offsets, per_row), offsets)
 
 
 def _chain(own: np.ndarray, offsets: np.ndarray, per_row: np.ndarray) -> np.ndarray:
     """h[k] = mix(h[k-1], own[k]): equal h[k] stands for equal blocks 0..k, not block k alone."""
     out = np.empty(len(own), dtype=np.uint64)
-    by_blocks = np.argsort(-per_row, kind="stable")   # rows with block k are a prefix of this
+    by_blocks = np.argsort(-per_row, kind="stable")  # rows with block k are a prefix of this
     prev = np.zeros(len(per_row), dtype=np.uint64)
     for k in range(int(per_row.max()) if len(per_row) else 0):
-        rows = by_blocks[:np.count_nonzero(per_row > k)]
+        rows = by_blocks[: np.count_nonzero(per_row > k)]
         idx = offsets[rows] + k
         prev[rows] = _mix(prev[rows] * _GOLDEN ^ own[idx])
         out[idx] = prev[rows]
@@ -117,8 +119,12 @@ class HashedPrompts:
         return len(self.lengths)
 
     @classmethod
-    def from_tokens(cls, prompts: Sequence[Sequence[int]] | Any, block_size: int = DEFAULT_BLOCK_SIZE,
-                    hash_fn: BlockHashFn = hash_token_blocks) -> "HashedPrompts":
+    def from_tokens(
+        cls,
+        prompts: Sequence[Sequence[int]] | Any,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hash_fn: BlockHashFn = hash_token_blocks,
+    ) -> "HashedPrompts":
         """In-memory prompts planned through their hashes (tests, benches)."""
         tokens = RaggedTokens.from_sequences(prompts)
         hashes = block_hashes(tokens, block_size, hash_fn)
@@ -132,9 +138,9 @@ class HashedPrompts:
         return sort_hashes_with_lcp(self.lengths, self.gather, self.block_size, self.max_cells)
 
 
-def sort_hashes_with_lcp(lengths: np.ndarray, gather: Gather,
-                         block_size: int, max_cells: int | None = None,
-                         width: int = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+def sort_hashes_with_lcp(
+    lengths: np.ndarray, gather: Gather, block_size: int, max_cells: int | None = None, width: int = DEFAULT_BLOCK
+) -> tuple[np.ndarray, np.ndarray]:
     """(order, lcp in tokens) of prompts known by their lengths and their block hashes.
 
     gather(seqs, depth, width) -> int64 [len(seqs), width]: hashes of blocks depth ..

@@ -42,8 +42,16 @@ from typing import Any
 import numpy as np
 
 DEFAULT_OUTPUT_LEN = 128  # output tokens assumed per request when the caller gives no estimate
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8": 1,
-                "float8_e4m3fn": 1, "int8": 1}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float8": 1,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +68,21 @@ class ModelShape:
     dtype_bytes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "dtype_bytes"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "dtype_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"ModelShape.{name}={value!r} is invalid: use a positive integer")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelShape.num_kv_heads={self.num_kv_heads} must divide "
-                             f"num_heads={self.num_heads}")
+            raise ValueError(f"ModelShape.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str | os.PathLike) -> "ModelShape":
@@ -81,17 +96,25 @@ class ModelShape:
         else:
             raw = config
         cfg: dict[str, Any] = raw.get("text_config", raw)  # multi-modal wrappers keep the LLM inside
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                               "intermediate_size", "vocab_size") if k not in cfg]
+        missing = [
+            k
+            for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+            if k not in cfg
+        ]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}: give a Llama-family config.json")
         heads = int(cfg["num_attention_heads"])
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
-        return cls(num_layers=int(cfg["num_hidden_layers"]), hidden_size=int(cfg["hidden_size"]),
-                   num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                   intermediate_size=int(cfg["intermediate_size"]),
-                   vocab_size=int(cfg["vocab_size"]), dtype_bytes=_DTYPE_BYTES.get(dtype, 2))
+        return cls(
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
+        )
 
     @property
     def layer_params(self) -> int:
@@ -111,8 +134,16 @@ class ModelShape:
 
 
 # Llama-3.1-8B: the model BlendServe's case study and most offline batch jobs use.
-LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                       intermediate_size=14336, vocab_size=128256, dtype_bytes=2)
+LLAMA3_8B = ModelShape(
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    dtype_bytes=2,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +173,9 @@ HARDWARE = {  # vendor datasheet peaks (dense bf16, HBM bandwidth, capacity)
 }
 
 
-def measure_cpu_profile(matmul_size: int = 512, copy_mib: int = 64, memory_bytes: float = 4 * GIB,
-                        repeats: int = 3) -> HardwareProfile:
+def measure_cpu_profile(
+    matmul_size: int = 512, copy_mib: int = 64, memory_bytes: float = 4 * GIB, repeats: int = 3
+) -> HardwareProfile:
     """A profile of this CPU: float32 matmul FLOP/s and array-copy bandwidth (read + write)."""
     a = np.ones((matmul_size, matmul_size), dtype=np.float32)
     src = np.ones(copy_mib * 1024 * 1024 // 4, dtype=np.float32)
@@ -165,8 +197,10 @@ def get_hardware(hardware: str | HardwareProfile) -> HardwareProfile:
     if hardware == "cpu":
         return measure_cpu_profile()
     if hardware not in HARDWARE:
-        raise ValueError(f"hardware={hardware!r} is not a known profile: use one of "
-                         f"{', '.join([*HARDWARE, 'cpu'])} or a HardwareProfile")
+        raise ValueError(
+            f"hardware={hardware!r} is not a known profile: use one of "
+            f"{', '.join([*HARDWARE, 'cpu'])} or a HardwareProfile"
+        )
     return HARDWARE[hardware]
 
 
@@ -194,16 +228,18 @@ class CostModel:
     hardware: HardwareProfile = HARDWARE["h100"]
 
     @classmethod
-    def create(cls, model: ModelShape | dict | str | None = None,
-               hardware: str | HardwareProfile = "h100") -> "CostModel":
+    def create(
+        cls, model: ModelShape | dict | str | None = None, hardware: str | HardwareProfile = "h100"
+    ) -> "CostModel":
         return cls(get_model_shape(model), get_hardware(hardware))
 
     @property
     def kv_budget_bytes(self) -> float:
         return self.hardware.kv_budget_bytes(self.model)
 
-    def compute_seconds(self, prompt_lens: np.ndarray, output_lens: np.ndarray,
-                        cached_lens: np.ndarray | int = 0) -> np.ndarray:
+    def compute_seconds(
+        self, prompt_lens: np.ndarray, output_lens: np.ndarray, cached_lens: np.ndarray | int = 0
+    ) -> np.ndarray:
         """T_comp of tokens cached_lens .. prompt_lens-1 plus the decode (module docstring)."""
         m = self.model
         p = np.asarray(prompt_lens, dtype=np.float64)
@@ -224,9 +260,12 @@ class CostModel:
         """T_comp of a shared prefix computed once (no decode, no logits)."""
         return self.compute_seconds(prefix_lens, np.zeros_like(np.asarray(prefix_lens)), 0)
 
-    def step_seconds(self, decode_kv_lens: np.ndarray | list[int],
-                     prefill_chunks: np.ndarray | Sequence[tuple[int, int]] = (),
-                     bubbles: bool = True) -> float:
+    def step_seconds(
+        self,
+        decode_kv_lens: np.ndarray | list[int],
+        prefill_chunks: np.ndarray | Sequence[tuple[int, int]] = (),
+        bubbles: bool = True,
+    ) -> float:
         """Predicted seconds of one engine step (module docstring).
 
         decode_kv_lens: KV tokens each decode of the step attends to (its context).
@@ -239,20 +278,24 @@ class CostModel:
         ctx, new = chunks[:, 0], chunks[:, 1]
         tokens, sampled = len(kv) + new.sum(), len(kv) + len(chunks)
         per_head = 2.0 * m.num_layers * m.num_heads * m.head_dim
-        flops = (2.0 * m.layer_params * tokens + 2.0 * m.hidden_size * m.vocab_size * sampled
-                 + per_head * ((ctx + new) ** 2 - ctx ** 2).sum() + 2.0 * per_head * kv.sum())
+        flops = (
+            2.0 * m.layer_params * tokens
+            + 2.0 * m.hidden_size * m.vocab_size * sampled
+            + per_head * ((ctx + new) ** 2 - ctx**2).sum()
+            + 2.0 * per_head * kv.sum()
+        )
         weights = (m.layer_params + m.hidden_size * m.vocab_size) * m.dtype_bytes
         linear = max(flops / self.hardware.peak_flops, weights / self.hardware.mem_bandwidth)
         read = len(kv) * kv.max() if bubbles and len(kv) else kv.sum()
         return float(linear + read * m.kv_bytes_per_token / self.hardware.mem_bandwidth)
 
-    def predict(self, prompt_lens: np.ndarray, output_lens: np.ndarray,
-                cached_lens: np.ndarray | int = 0) -> RequestCost:
+    def predict(
+        self, prompt_lens: np.ndarray, output_lens: np.ndarray, cached_lens: np.ndarray | int = 0
+    ) -> RequestCost:
         """Vectorised over requests: arrays in, arrays out."""
         comp = self.compute_seconds(prompt_lens, output_lens, cached_lens)
         mem = self.memory_seconds(prompt_lens, output_lens)
-        kv = (np.asarray(prompt_lens, np.float64) + np.asarray(output_lens, np.float64)) \
-            * self.model.kv_bytes_per_token
+        kv = (np.asarray(prompt_lens, np.float64) + np.asarray(output_lens, np.float64)) * self.model.kv_bytes_per_token
         return RequestCost(comp, mem, kv, density(comp, mem))
 
 

@@ -68,34 +68,38 @@ def _solve(tree: PrefixTree, min_prefix_len: int) -> np.ndarray:
     list, root = 0) of the group the prompts would otherwise join is below threshold[v]."""
     ptr_arr, kids_arr = tree.children()
     # memoryviews, not lists: Python ints cost 36 bytes each at millions of nodes (from_sorted)
-    ptr, kids, depth, parent = int64_view(ptr_arr), int64_view(kids_arr), int64_view(tree.depth), \
-        int64_view(tree.parent)
+    ptr, kids, depth, parent = (
+        int64_view(ptr_arr),
+        int64_view(kids_arr),
+        int64_view(tree.depth),
+        int64_view(tree.parent),
+    )
     threshold = np.zeros(tree.num_nodes, dtype=np.int64)
     thr_view = int64_view(threshold)
     acc: list[list[int] | None] = [None] * tree.num_nodes  # sum of children's h vectors
-    path: list[int] = []                                    # depths of the current ancestors
+    path: list[int] = []  # depths of the current ancestors
     stack = [(0, False)]
     while stack:
         v, leaving = stack.pop()
-        if not leaving and ptr[v] == ptr[v + 1] and v != 0:   # a leaf: h(leaf, e) = e
+        if not leaving and ptr[v] == ptr[v + 1] and v != 0:  # a leaf: h(leaf, e) = e
             _add(acc, parent[v], path)
             continue
         if not leaving:
             stack.append((v, True))
             path.append(depth[v])
-            stack.extend((c, False) for c in reversed(kids[ptr[v]:ptr[v + 1]]))
+            stack.extend((c, False) for c in reversed(kids[ptr[v] : ptr[v + 1]]))
             continue
         path.pop()
         a = acc[v]
         assert a is not None, "an internal node is left after its children added their h vectors"
         acc[v] = None
-        form = a[-1] - depth[v]                       # group at v: members earn depth(v), pay once
-        passed = a[:-1]                               # non-decreasing in the ancestor depth
+        form = a[-1] - depth[v]  # group at v: members earn depth(v), pay once
+        passed = a[:-1]  # non-decreasing in the ancestor depth
         t = sum(1 for x in passed if x < form) if depth[v] >= min_prefix_len else 0
         if v == 0:
-            thr_view[v] = 1                           # the root "groups" whatever reaches it
+            thr_view[v] = 1  # the root "groups" whatever reaches it
             break
-        thr_view[v] = t                               # passed[:t] < form <= passed[t:]
+        thr_view[v] = t  # passed[:t] < form <= passed[t:]
         _add(acc, parent[v], [form] * t + passed[t:])
     return threshold
 
@@ -108,8 +112,12 @@ def _add(acc: list[list[int] | None], node: int, vec: list[int]) -> None:
 def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
     """Top-down: each prompt joins the deepest ancestor where a group forms."""
     ptr_arr, kids_arr = tree.children()
-    ptr, kids, thr, leaf_seq = int64_view(ptr_arr), int64_view(kids_arr), int64_view(threshold), \
-        int64_view(tree.leaf_seq)
+    ptr, kids, thr, leaf_seq = (
+        int64_view(ptr_arr),
+        int64_view(kids_arr),
+        int64_view(threshold),
+        int64_view(tree.leaf_seq),
+    )
     num_seqs = len(tree.order)
     group_node = np.zeros(num_seqs, dtype=np.int64)
     group_view = int64_view(group_node)
@@ -127,7 +135,7 @@ def _assign(tree: PrefixTree, threshold: np.ndarray) -> Grouping:
         child_e = len(path_nodes) if e_idx < thr[v] or v == 0 else e_idx
         path_nodes.append(v)
         stack.append((v, e_idx, True))
-        stack.extend((c, child_e, False) for c in reversed(kids[ptr[v]:ptr[v + 1]]))
+        stack.extend((c, child_e, False) for c in reversed(kids[ptr[v] : ptr[v + 1]]))
     prefix_len = tree.depth[group_node]
     counts = np.bincount(group_node, minlength=tree.num_nodes)
     formed = np.flatnonzero(counts > 0)

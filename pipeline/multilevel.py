@@ -37,7 +37,7 @@ from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
 UNITS_PER_REPLICA = 32  # merged units are at most this share of a replica's work
-STICKY_CUT = 0.25       # a cut recomputing more than this share of a unit's cap joins its units
+STICKY_CUT = 0.25  # a cut recomputing more than this share of a unit's cap joins its units
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -57,8 +57,9 @@ class NestedGrouping:
     leaf_of: np.ndarray
 
 
-def nested_groups(tree: PrefixTree, lengths: np.ndarray, output_lens: np.ndarray | None,
-                  min_prefix_len: int = 1, block_size: int = 1) -> NestedGrouping:
+def nested_groups(
+    tree: PrefixTree, lengths: np.ndarray, output_lens: np.ndarray | None, min_prefix_len: int = 1, block_size: int = 1
+) -> NestedGrouping:
     """Nested groups and their depth-first order (module docstring, steps 1 and 2)."""
     num_nodes, n = tree.num_nodes, len(tree.order)
     leaves = np.flatnonzero(tree.leaf_seq >= 0)
@@ -67,12 +68,12 @@ def nested_groups(tree: PrefixTree, lengths: np.ndarray, output_lens: np.ndarray
     formed[tree.parent[leaves]] = True
     formed &= (tree.leaf_seq < 0) & (tree.depth >= min_prefix_len)
     formed[0] = False
-    up = np.where(formed, np.arange(num_nodes), parent)     # nearest group at or above a node
+    up = np.where(formed, np.arange(num_nodes), parent)  # nearest group at or above a node
     up[0] = 0
     group_node = np.zeros(n, dtype=np.int64)
     group_node[tree.leaf_seq[leaves]] = _jump_to_fixed_point(up)[tree.parent[leaves]]
     decode = np.ones(n) if output_lens is None else np.asarray(output_lens, dtype=np.float64)
-    member_key = -decode / np.maximum(lengths, 1)          # BatchLLM Eq. 2: more decode first
+    member_key = -decode / np.maximum(lengths, 1)  # BatchLLM Eq. 2: more decode first
     node_start = _dfs_starts(tree, member_key, -_subtree_r(tree, lengths, decode, output_lens is not None))
     row_order = np.empty(n, dtype=np.int64)
     row_order[node_start[leaves]] = tree.leaf_seq[leaves]
@@ -90,8 +91,7 @@ def nested_groups(tree: PrefixTree, lengths: np.ndarray, output_lens: np.ndarray
     starts = group_runs(grouping, row_order, np.zeros(n, dtype=np.int64))
     computed = computed_tokens(grouping, lengths, starts, row_order, prev_lcp, block_size)
     saved = int(lengths.sum()) - int(computed.sum())
-    return NestedGrouping(Grouping(group_node, grouping.prefix_len, saved), row_order, prev_lcp,
-                          node_start, leaf_of)
+    return NestedGrouping(Grouping(group_node, grouping.prefix_len, saved), row_order, prev_lcp, node_start, leaf_of)
 
 
 def _jump_to_fixed_point(up: np.ndarray) -> np.ndarray:
@@ -147,7 +147,7 @@ def _dfs_starts(tree: PrefixTree, member_key: np.ndarray, inner_key: np.ndarray)
     offset = np.zeros(tree.num_nodes, dtype=np.int64)
     offset[sib] = before - before[base]
     anc = np.maximum(tree.parent, 0)
-    while np.any(anc != 0):                   # offset[v]: sum from v up to, not including, anc[v]
+    while np.any(anc != 0):  # offset[v]: sum from v up to, not including, anc[v]
         offset, anc = offset + offset[anc], anc[anc]
     return offset
 
@@ -156,14 +156,16 @@ def group_runs(grouping: Grouping, order: np.ndarray, replica: np.ndarray) -> np
     """Run starts (plus len(order)): maximal stretches of one group on one replica; an
     ungrouped prompt is a run of its own. replica: [len(order)] replica of each position."""
     key = grouping.group_node[order]
-    new = np.r_[True, (key[1:] != key[:-1]) | (key[1:] == 0) | (replica[1:] != replica[:-1])] \
-        if len(key) else np.zeros(0, bool)
+    new = (
+        np.r_[True, (key[1:] != key[:-1]) | (key[1:] == 0) | (replica[1:] != replica[:-1])]
+        if len(key)
+        else np.zeros(0, bool)
+    )
     run_starts: np.ndarray = np.r_[np.flatnonzero(new), len(key)].astype(np.int64)
     return run_starts
 
 
-def run_prefix_lens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndarray,
-                    order: np.ndarray) -> np.ndarray:
+def run_prefix_lens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndarray, order: np.ndarray) -> np.ndarray:
     """[num_runs] the shared prefix of each run: its group's, or 0 (its rows run as whole
     prompts, hashed from the root) for an ungrouped prompt, a run of one, or a run whose
     prompts all equal the prefix (each would compute its last token after the owner)."""
@@ -174,8 +176,14 @@ def run_prefix_lens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndar
     return np.where((np.diff(run_starts) > 1) & (longest > prefix), prefix, 0)
 
 
-def row_cached(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndarray, order: np.ndarray,
-               prev_lcp: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def row_cached(
+    grouping: Grouping,
+    lengths: np.ndarray,
+    run_starts: np.ndarray,
+    order: np.ndarray,
+    prev_lcp: np.ndarray,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What the engines do not compute, rows in `order` on one replica after another:
     (cached tokens of each row, each run's prefix length, tokens its prefix owner finds cached).
     A member attends to its run's prefix (all but the last token when its prompt is the
@@ -194,8 +202,14 @@ def row_cached(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndarray, 
     return cached, run_prefix, np.where(run_prefix > 0, owner_hit, 0)
 
 
-def computed_tokens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndarray, order: np.ndarray,
-                    prev_lcp: np.ndarray, block_size: int) -> np.ndarray:
+def computed_tokens(
+    grouping: Grouping,
+    lengths: np.ndarray,
+    run_starts: np.ndarray,
+    order: np.ndarray,
+    prev_lcp: np.ndarray,
+    block_size: int,
+) -> np.ndarray:
     """[num_runs] prompt tokens each run computes: its owner's new prefix tokens and its rows'."""
     cached, run_prefix, owner_hit = row_cached(grouping, lengths, run_starts, order, prev_lcp, block_size)
     rows = lengths[order] - cached
@@ -204,9 +218,16 @@ def computed_tokens(grouping: Grouping, lengths: np.ndarray, run_starts: np.ndar
     return computed
 
 
-def row_seconds(cm: CostModel, grouping: Grouping, lengths: np.ndarray, outs: np.ndarray,
-                run_starts: np.ndarray, order: np.ndarray, prev_lcp: np.ndarray, block_size: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def row_seconds(
+    cm: CostModel,
+    grouping: Grouping,
+    lengths: np.ndarray,
+    outs: np.ndarray,
+    run_starts: np.ndarray,
+    order: np.ndarray,
+    prev_lcp: np.ndarray,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(T_comp of each row of `order`, T_comp of each run's prefix owner, T_mem of each row)."""
     cached, run_prefix, owner_hit = row_cached(grouping, lengths, run_starts, order, prev_lcp, block_size)
     p, d = lengths[order], outs[order]
@@ -233,8 +254,9 @@ def boundary_lcp(tree: PrefixTree, ng: NestedGrouping, order: np.ndarray, at: np
     return out
 
 
-def merged_units(tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num_replicas: int,
-                 cut_cost: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def merged_units(
+    tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num_replicas: int, cut_cost: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(unit starts in row_order plus n, family of each unit), module docstring step 3. A unit
     root is a node whose subtree costs at most cap (a replica's share / UNITS_PER_REPLICA)
     under a parent that costs more (a leaf costing more is a unit of its own); consecutive
@@ -255,7 +277,7 @@ def merged_units(tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num
     root = (ok & ~ok[parent]) | ((tree.leaf_seq >= 0) & ~ok)
     root[0] = False
     roots = np.flatnonzero(root)
-    roots = roots[np.argsort(start[roots], kind="stable")]   # disjoint, covering 0..n-1
+    roots = roots[np.argsort(start[roots], kind="stable")]  # disjoint, covering 0..n-1
     unit_start, key = start[roots], parent[roots]
     leaf = tree.leaf_seq[roots]
     member = (leaf >= 0) & (ng.grouping.group_node[np.maximum(leaf, 0)] == key) & (key > 0)
@@ -279,13 +301,22 @@ def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float) -> np.ndarray
     split buys (balance at that grain), so at cluster scale, where a unit holds thousands of
     prompts, only cuts below a system prompt happen and none is joined. Families stay contiguous
     stretches of units, scanned as one (partition.py cuts inside one only to fill a replica)."""
-    new = np.r_[True, (family[1:] != family[:-1]) & (cost[1:] <= STICKY_CUT * cap)] if len(family) else \
-        np.zeros(0, bool)
+    new = (
+        np.r_[True, (family[1:] != family[:-1]) & (cost[1:] <= STICKY_CUT * cap)] if len(family) else np.zeros(0, bool)
+    )
     return np.cumsum(new) - 1
 
 
-def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, outs: np.ndarray,
-                     cm: CostModel, num_replicas: int, block_size: int, stealing: bool = False) -> ReplicaRuns:
+def plan_multi_level(
+    tree: PrefixTree,
+    ng: NestedGrouping,
+    lengths: np.ndarray,
+    outs: np.ndarray,
+    cm: CostModel,
+    num_replicas: int,
+    block_size: int,
+    stealing: bool = False,
+) -> ReplicaRuns:
     """Split the depth-first order's units across replicas (dual scan, BlendServe Sec. 5.5),
     each replica running its parts in depth-first order, then cut into runs. Depth-first, not
     in the order the scan took them: a replica's rows are then a subsequence of a preorder,
@@ -300,47 +331,100 @@ def plan_multi_level(tree: PrefixTree, ng: NestedGrouping, lengths: np.ndarray, 
     comp[starts[:-1]] += owner
     cut_cost = cm.prefix_seconds((ng.prev_lcp // block_size) * block_size)
     units, family = merged_units(tree, ng, comp + mem, num_replicas, cut_cost)
-    # A unit inside one run (a group's members, or one of k chunks of them) carries the run's
-    # owner (a k-th of it): a part holding a unit's rows computes the owner once (partition.py
-    # prices it per part), and a replica holding some of the k chunks pays it once too.
-    run = np.searchsorted(starts, units[:-1], "right") - 1
-    inside = units[1:] <= starts[np.minimum(run + 1, len(starts) - 1)]
-    chunks = np.bincount(run[inside], minlength=len(owner))
-    unit_owner = np.where(inside, owner[run] / np.maximum(chunks[run], 1), 0.0) if len(owner) else np.zeros(0)
-    comp[starts[:-1][np.unique(run[inside])]] -= owner[np.unique(run[inside])]
-    cum_c, cum_m = np.r_[0.0, np.cumsum(comp)], np.r_[0.0, np.cumsum(mem)]
-    fam_c = np.bincount(family, weights=np.diff(cum_c[units]) + unit_owner)
-    fam_m = np.bincount(family, weights=np.diff(cum_m[units]))
-    part = partition_runs(units, comp, mem, unit_owner, np.zeros(len(units) - 1, np.int64), num_replicas,
-                          run_density=density(fam_c, fam_m)[family], row_cut_compute=cut_cost,
-                          join_s=float(comp.sum() + unit_owner.sum()) / (num_replicas * UNITS_PER_REPLICA)
-                          if stealing else 0.0)
-    part_len = part.part_hi - part.part_lo
-    new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
-    pos = np.arange(n, dtype=np.int64) + np.repeat(part.part_lo - new_starts[:-1], part_len)
+    unit_owner = _owners_to_units(comp, owner, starts, units)
+    part = _partition_units(units, family, comp, mem, unit_owner, cut_cost, num_replicas, stealing)
+    pos, replica = _parts_in_replica_order(part, n)
     seq_index = order[pos]
-    replica = np.repeat(part.part_replica.astype(np.int64), part_len)
     prev_lcp = _final_prev_lcp(tree, ng, pos, seq_index, replica)
     run_starts = group_runs(g, seq_index, replica)
     run_computed = computed_tokens(g, lengths, run_starts, seq_index, prev_lcp, block_size)
     run_replica = replica[run_starts[:-1]] if n else np.zeros(0, np.int64)
     final_c, final_owner, final_m = row_seconds(cm, g, lengths, outs, run_starts, seq_index, prev_lcp, block_size)
     final_c[run_starts[:-1]] += final_owner
+
     def per(x: np.ndarray) -> np.ndarray:
         return np.bincount(replica, weights=x, minlength=num_replicas)
 
     # Saved tokens the split gave up: these rows' computation here, less in the uncut order.
-    lost = np.bincount(run_replica, weights=run_computed, minlength=num_replicas) - \
-        per(_row_computed(g, lengths, starts, order, ng.prev_lcp, block_size)[pos])
-    preds = Partition(part.part_lo, part.part_hi, part.part_run, part.part_replica, part.replica_parts,
-                      per(final_c), per(final_m), np.maximum(np.rint(lost), 0).astype(np.int64))
+    lost = np.bincount(run_replica, weights=run_computed, minlength=num_replicas) - per(
+        _row_computed(g, lengths, starts, order, ng.prev_lcp, block_size)[pos]
+    )
+    preds = Partition(
+        part.part_lo,
+        part.part_hi,
+        part.part_run,
+        part.part_replica,
+        part.replica_parts,
+        per(final_c),
+        per(final_m),
+        np.maximum(np.rint(lost), 0).astype(np.int64),
+    )
     replica_runs = np.searchsorted(run_replica, np.arange(num_replicas + 1)).astype(np.int64)
-    return ReplicaRuns(seq_index, run_starts, run_prefix_lens(g, lengths, run_starts, seq_index), run_computed,
-                          run_replica, replica_runs, preds)
+    return ReplicaRuns(
+        seq_index,
+        run_starts,
+        run_prefix_lens(g, lengths, run_starts, seq_index),
+        run_computed,
+        run_replica,
+        replica_runs,
+        preds,
+    )
 
 
-def _final_prev_lcp(tree: PrefixTree, ng: NestedGrouping, pos: np.ndarray, seq_index: np.ndarray,
-                    replica: np.ndarray) -> np.ndarray:
+def _owners_to_units(comp: np.ndarray, owner: np.ndarray, starts: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """[num_units] the prefix owner's seconds each unit carries, taken off its run's first row
+    in `comp` (in place). A unit inside one run (a group's members, or one of k chunks of them)
+    carries the run's owner (a k-th of it): a part holding a unit's rows computes the owner once
+    (partition.py prices it per part), and a replica holding some of the k chunks pays it once too."""
+    run = np.searchsorted(starts, units[:-1], "right") - 1
+    inside = units[1:] <= starts[np.minimum(run + 1, len(starts) - 1)]
+    chunks = np.bincount(run[inside], minlength=len(owner))
+    unit_owner = np.where(inside, owner[run] / np.maximum(chunks[run], 1), 0.0) if len(owner) else np.zeros(0)
+    comp[starts[:-1][np.unique(run[inside])]] -= owner[np.unique(run[inside])]
+    return unit_owner
+
+
+def _partition_units(
+    units: np.ndarray,
+    family: np.ndarray,
+    comp: np.ndarray,
+    mem: np.ndarray,
+    unit_owner: np.ndarray,
+    cut_cost: np.ndarray,
+    num_replicas: int,
+    stealing: bool,
+) -> Partition:
+    """The dual scan over the units (partition.py), a family's units sorted as one by the
+    family's density; with stealing, pieces under a unit's share may join their group's replica."""
+    cum_c, cum_m = np.r_[0.0, np.cumsum(comp)], np.r_[0.0, np.cumsum(mem)]
+    fam_c = np.bincount(family, weights=np.diff(cum_c[units]) + unit_owner)
+    fam_m = np.bincount(family, weights=np.diff(cum_m[units]))
+    return partition_runs(
+        units,
+        comp,
+        mem,
+        unit_owner,
+        np.zeros(len(units) - 1, np.int64),
+        num_replicas,
+        run_density=density(fam_c, fam_m)[family],
+        row_cut_compute=cut_cost,
+        join_s=float(comp.sum() + unit_owner.sum()) / (num_replicas * UNITS_PER_REPLICA) if stealing else 0.0,
+    )
+
+
+def _parts_in_replica_order(part: Partition, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(position in row_order of each plan row, its replica): the parts laid end to end in the
+    partition's order (replica by replica), each part's rows in depth-first order."""
+    part_len = part.part_hi - part.part_lo
+    new_starts = np.r_[0, np.cumsum(part_len)].astype(np.int64)
+    pos = np.arange(n, dtype=np.int64) + np.repeat(part.part_lo - new_starts[:-1], part_len)
+    replica = np.repeat(part.part_replica.astype(np.int64), part_len)
+    return pos, replica
+
+
+def _final_prev_lcp(
+    tree: PrefixTree, ng: NestedGrouping, pos: np.ndarray, seq_index: np.ndarray, replica: np.ndarray
+) -> np.ndarray:
     """prev_lcp in plan order: a replica's first row shares nothing; a row whose neighbour
     changed (a part boundary) shares their lowest common ancestor."""
     prev_lcp: np.ndarray = ng.prev_lcp[pos]
@@ -353,8 +437,9 @@ def _final_prev_lcp(tree: PrefixTree, ng: NestedGrouping, pos: np.ndarray, seq_i
     return prev_lcp
 
 
-def _row_computed(g: Grouping, lengths: np.ndarray, run_starts: np.ndarray, order: np.ndarray,
-                  prev_lcp: np.ndarray, block_size: int) -> np.ndarray:
+def _row_computed(
+    g: Grouping, lengths: np.ndarray, run_starts: np.ndarray, order: np.ndarray, prev_lcp: np.ndarray, block_size: int
+) -> np.ndarray:
     """Prompt tokens each row of `order` computes, its run's owner charged to its first row."""
     cached, run_prefix, owner_hit = row_cached(g, lengths, run_starts, order, prev_lcp, block_size)
     rows: np.ndarray = (lengths[order] - cached).astype(np.float64)

@@ -24,8 +24,14 @@ __all__ = ["ORDER_POLICIES", "batchllm_order", "dfs_order", "group_keys", "order
 ORDER_POLICIES = ("fcfs", "dfs", "batchllm", "blendserve")
 
 
-def order_prompts(policy: str, tree: PrefixTree, grouping: Grouping, lengths: np.ndarray,
-                  output_lens: np.ndarray | None = None, cost_model: CostModel | None = None) -> np.ndarray:
+def order_prompts(
+    policy: str,
+    tree: PrefixTree,
+    grouping: Grouping,
+    lengths: np.ndarray,
+    output_lens: np.ndarray | None = None,
+    cost_model: CostModel | None = None,
+) -> np.ndarray:
     """A permutation of prompt indices in run order under `policy`.
 
     cost_model: a `cost_model.CostModel` for resource-aware policies (blendserve)."""
@@ -40,8 +46,7 @@ def order_prompts(policy: str, tree: PrefixTree, grouping: Grouping, lengths: np
     raise ValueError(f"order={policy!r} is not a known policy: use one of {', '.join(ORDER_POLICIES)}")
 
 
-def batchllm_order(grouping: Grouping, lengths: np.ndarray,
-                   output_lens: np.ndarray | None = None) -> np.ndarray:
+def batchllm_order(grouping: Grouping, lengths: np.ndarray, output_lens: np.ndarray | None = None) -> np.ndarray:
     """Groups by R_group descending (BatchLLM Eq. 3), members by R = L_decode / L_prefill (Eq. 2).
 
     Without output-length estimates every request's L_decode is normalised to 1 (Sec. 3.3.2),
@@ -55,10 +60,10 @@ def batchllm_order(grouping: Grouping, lengths: np.ndarray,
     distinct = lengths - grouping.prefix_len
     prefix_of_group = np.zeros(gid.max() + 1 if n else 0, dtype=np.int64)
     prefix_of_group[gid] = grouping.prefix_len
-    computed = np.bincount(gid, weights=distinct) + prefix_of_group      # L_prefix + sum L_distinct
+    computed = np.bincount(gid, weights=distinct) + prefix_of_group  # L_prefix + sum L_distinct
     if output_lens is None:
         decode = np.ones(n)
-        r_group = 1.0 / np.maximum(computed, 1)                          # Eq. 3 as written
+        r_group = 1.0 / np.maximum(computed, 1)  # Eq. 3 as written
     else:
         decode = np.asarray(output_lens, dtype=np.float64)
         r_group = np.bincount(gid, weights=decode) / np.maximum(computed, 1)
@@ -84,7 +89,7 @@ def dfs_order(tree: PrefixTree, lengths: np.ndarray) -> np.ndarray:
         if leaf_seq[v] >= 0:
             out.append(leaf_seq[v])
             continue
-        children = kids[ptr[v]:ptr[v + 1]]
+        children = kids[ptr[v] : ptr[v + 1]]
         # Stable: heaviest first, ties by their first prompt's input position (PrefixTree.children);
         # the stack pops the last pushed.
         children = sorted(children, key=lambda c: -weight[c])

@@ -76,10 +76,17 @@ class ReplicaRuns:
     partition: Partition
 
 
-def partition_runs(run_starts: np.ndarray, row_compute: np.ndarray, row_memory: np.ndarray,
-                   run_prefix_compute: np.ndarray, run_prefix_len: np.ndarray,
-                   num_replicas: int, run_density: np.ndarray | None = None,
-                   row_cut_compute: np.ndarray | None = None, join_s: float = 0.0) -> Partition:
+def partition_runs(
+    run_starts: np.ndarray,
+    row_compute: np.ndarray,
+    row_memory: np.ndarray,
+    run_prefix_compute: np.ndarray,
+    run_prefix_len: np.ndarray,
+    num_replicas: int,
+    run_density: np.ndarray | None = None,
+    row_cut_compute: np.ndarray | None = None,
+    join_s: float = 0.0,
+) -> Partition:
     """Split the order's runs across replicas, balanced on predicted time (dual-scan fill).
 
     run_starts: [num_runs + 1] row boundaries of the runs in the policy order.
@@ -131,8 +138,9 @@ class _Filler:
     and that end stops. The replica is full when both ends have stopped.
     """
 
-    def __init__(self, run_starts: np.ndarray, cum_c: np.ndarray, cum_m: np.ndarray, prefix_c: np.ndarray,
-                 cut_c: np.ndarray) -> None:
+    def __init__(
+        self, run_starts: np.ndarray, cum_c: np.ndarray, cum_m: np.ndarray, prefix_c: np.ndarray, cut_c: np.ndarray
+    ) -> None:
         self.starts, self.cum_c, self.cum_m, self.prefix_c, self.cut_c = run_starts, cum_c, cum_m, prefix_c, cut_c
 
     def cost(self, run: int, lo: int, hi: int) -> tuple[float, float]:
@@ -153,7 +161,7 @@ class _Filler:
             m_star = max(self.rest[1] / share, 1e-30)
             pieces.extend((run, lo, hi, replica) for run, lo, hi in self._fill_one(c_star, m_star))
         left, right = self.ends
-        pieces.extend((run, lo, hi, num_replicas - 1) for run, lo, hi in self.units[left:right + 1])
+        pieces.extend((run, lo, hi, num_replicas - 1) for run, lo, hi in self.units[left : right + 1])
         return pieces
 
     def _fill_one(self, c_star: float, m_star: float) -> list[tuple[int, int, int]]:
@@ -194,18 +202,19 @@ class _Filler:
     def _cut(self, run: int, lo: int, hi: int, room_c: float, room_m: float) -> int:
         """The row end `cut` in (lo, hi) whose piece lo..cut-1 fits both rooms and fills the most
         compute less what row `cut` then recomputes; lo when no cut gains (or none fits)."""
-        c = self.cum_c[lo + 1:hi + 1] - self.cum_c[lo] + self.prefix_c[run]
-        m = self.cum_m[lo + 1:hi + 1] - self.cum_m[lo]
+        c = self.cum_c[lo + 1 : hi + 1] - self.cum_c[lo] + self.prefix_c[run]
+        m = self.cum_m[lo + 1 : hi + 1] - self.cum_m[lo]
         fits = int(np.count_nonzero((c <= room_c * (1 + 1e-9)) & (m <= room_m * (1 + 1e-9))))  # both grow
         if fits == 0:
             return lo
-        gain = c[:fits] - self.cut_c[lo + 1:lo + 1 + fits]
+        gain = c[:fits] - self.cut_c[lo + 1 : lo + 1 + fits]
         best = int(np.argmax(gain[::-1]))  # the latest of equal gains
         return lo + fits - best if gain[fits - 1 - best] > 0 else lo
 
 
-def _join_small_pieces(pieces: list[tuple[int, int, int, int]], filler: _Filler,
-                       join_s: float) -> list[tuple[int, int, int, int]]:
+def _join_small_pieces(
+    pieces: list[tuple[int, int, int, int]], filler: _Filler, join_s: float
+) -> list[tuple[int, int, int, int]]:
     """Move a piece predicted to take at most `join_s` to the replica of a neighbour it was cut
     from (the piece ending where it starts, or starting where it ends) when that saves compute:
     its replica stops recomputing the prefix they share (a document's last questions, cut off
@@ -250,20 +259,35 @@ def _join_small_pieces(pieces: list[tuple[int, int, int, int]], filler: _Filler,
     return merged
 
 
-def _assemble(pieces: list[tuple[int, int, int, int]], run_starts: np.ndarray, cum_c: np.ndarray,
-              cum_m: np.ndarray, prefix_c: np.ndarray, prefix_len: np.ndarray, num_replicas: int) -> Partition:
+def _assemble(
+    pieces: list[tuple[int, int, int, int]],
+    run_starts: np.ndarray,
+    cum_c: np.ndarray,
+    cum_m: np.ndarray,
+    prefix_c: np.ndarray,
+    prefix_len: np.ndarray,
+    num_replicas: int,
+) -> Partition:
     arr = np.asarray(pieces, dtype=np.int64).reshape(-1, 4)
     run, lo, hi, replica = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
     keep = np.lexsort((lo, replica))
     run, lo, hi, replica = run[keep], lo[keep], hi[keep], replica[keep]
-    c = cum_c[hi] - cum_c[lo] + prefix_c[run]   # every part computes its prefix once
+    c = cum_c[hi] - cum_c[lo] + prefix_c[run]  # every part computes its prefix once
     m = cum_m[hi] - cum_m[lo]
     # A run of L rows cut into k parts saves sum (L_i - 1) * P = (L - k) * P: each part after
     # the first recomputes the prefix once.
     lost = np.where(lo != run_starts[run], prefix_len[run], 0)
+
     def per(x: np.ndarray) -> np.ndarray:
         return np.bincount(replica, weights=x, minlength=num_replicas)
 
-    return Partition(lo, hi, run, replica.astype(np.int32),
-                     np.searchsorted(replica, np.arange(num_replicas + 1)).astype(np.int64),
-                     per(c), per(m), per(lost).astype(np.int64))
+    return Partition(
+        lo,
+        hi,
+        run,
+        replica.astype(np.int32),
+        np.searchsorted(replica, np.arange(num_replicas + 1)).astype(np.int64),
+        per(c),
+        per(m),
+        per(lost).astype(np.int64),
+    )

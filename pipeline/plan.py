@@ -53,8 +53,9 @@ class PlanUnit:
 
     @property
     def row_ids(self) -> np.ndarray:
-        return np.concatenate([g.row_ids for g in self.groups]).astype(np.int64) if self.groups else \
-            np.zeros(0, np.int64)
+        return (
+            np.concatenate([g.row_ids for g in self.groups]).astype(np.int64) if self.groups else np.zeros(0, np.int64)
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -74,12 +75,12 @@ class Plan:
     table: pa.Table
     summary: dict[str, Any]
     tokens: RaggedTokens | None  # None when planned from block hashes (then `hashed`)
-    seq_index: np.ndarray     # [num_rows] prompt index of each table row
-    run_starts: np.ndarray    # [num_runs + 1] table-row boundaries of the runs (groups)
+    seq_index: np.ndarray  # [num_rows] prompt index of each table row
+    run_starts: np.ndarray  # [num_runs + 1] table-row boundaries of the runs (groups)
     replica_runs: np.ndarray  # [num_replicas + 1] run boundaries of each replica
     # Units: the partition's parts in plan order (a subtree, or a piece of a large group), what
     # a replica that runs dry may take from another, whole (units(), operators/stages/work_queue.py).
-    unit_starts: np.ndarray   # [num_units + 1] table-row boundaries of the units
+    unit_starts: np.ndarray  # [num_units + 1] table-row boundaries of the units
     unit_seconds: np.ndarray  # [num_units] predicted seconds of each unit (cost_model.py)
     hashed: HashedPrompts | None = None
 
@@ -99,7 +100,7 @@ class Plan:
         hash collision shrinks it, the tokens after the last whole block extend it. The table
         keeps the planned (whole-block) prefix_len."""
         first, last = self._replica_range(replica)
-        return self._groups(replica, self.run_starts[first:last + 1])
+        return self._groups(replica, self.run_starts[first : last + 1])
 
     def units(self, replica: int = 0) -> list[PlanUnit]:
         """The replica's units in plan order, each with its groups: a run that a unit boundary
@@ -109,7 +110,7 @@ class Plan:
         first, last = self._replica_range(replica)
         lo, hi = int(self.run_starts[first]), int(self.run_starts[last])
         u_lo, u_hi = np.searchsorted(self.unit_starts, [lo, hi])
-        cuts = np.union1d(self.run_starts[first:last + 1], self.unit_starts[u_lo:u_hi + 1])
+        cuts = np.union1d(self.run_starts[first : last + 1], self.unit_starts[u_lo : u_hi + 1])
         groups = self._groups(replica, cuts)
         unit_of = np.searchsorted(self.unit_starts, cuts[:-1], side="right") - 1
         units = []
@@ -149,14 +150,16 @@ class Plan:
             plen = int(cols["prefix_len"][lo])
             if hashed is not None:  # planned from block hashes
                 plen = shared_prefix(plen, prompts, hashed.block_size)
-            groups.append(PrefixGroup(
-                group_id=int(run_of[k]),
-                prefix=prompts[0][:plen],
-                row_ids=cols["row_id"][lo:hi],
-                distinct=tuple(p[plen:] for p in prompts),
-                output_lens=None if out_lens is None else out_lens[lo:hi],
-                replica=replica,
-            ))
+            groups.append(
+                PrefixGroup(
+                    group_id=int(run_of[k]),
+                    prefix=prompts[0][:plen],
+                    row_ids=cols["row_id"][lo:hi],
+                    distinct=tuple(p[plen:] for p in prompts),
+                    output_lens=None if out_lens is None else out_lens[lo:hi],
+                    replica=replica,
+                )
+            )
         return groups
 
     def replica_table(self, replica: int) -> pa.Table:
@@ -165,12 +168,18 @@ class Plan:
         return self.table.slice(lo, hi - lo)
 
 
-def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts | Any, *,
-               row_ids: Sequence[int] | np.ndarray | None = None,
-               output_lens: Sequence[int] | np.ndarray | None = None,
-               order: str = DEFAULT_ORDER, num_replicas: int = 1, min_prefix_len: int = 1,
-               model: ModelShape | dict | str | None = None,
-               hardware: str | HardwareProfile = "h100", stealing: bool = False) -> Plan:
+def build_plan(
+    prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts | Any,
+    *,
+    row_ids: Sequence[int] | np.ndarray | None = None,
+    output_lens: Sequence[int] | np.ndarray | None = None,
+    order: str = DEFAULT_ORDER,
+    num_replicas: int = 1,
+    min_prefix_len: int = 1,
+    model: ModelShape | dict | str | None = None,
+    hardware: str | HardwareProfile = "h100",
+    stealing: bool = False,
+) -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
 
     prompts: token-id sequences (lists, numpy arrays, a pyarrow list array, or RaggedTokens),
@@ -204,26 +213,20 @@ def build_plan(prompts: Sequence[Sequence[int]] | RaggedTokens | HashedPrompts |
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
     cost_model = CostModel.create(model, hardware)
-    if order == "batchllm":
-        block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
-        planned, ref, plan_kind = _batchllm(tree, grouping, lengths, est, cost_model, num_replicas,
-                                            min_prefix_len, block, stealing)
-    else:
-        assert grouping is not None, "every order but batchllm makes the single-level grouping"
-        planned = _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
-        ref, plan_kind = grouping, None
-    table = _plan_table(ids, planned.seq_index, lengths, outs, planned.run_starts, planned.run_prefix,
-                        planned.run_replica, planned.replica_runs)
-    summary = _summary(tree, grouping, lengths, np.diff(planned.run_starts), planned.run_computed,
-                       planned.run_replica, num_replicas, order)
+    planned, ref, plan_kind = _plan_runs(
+        tree, grouping, lengths, est, cost_model, order, num_replicas, min_prefix_len, hashed, stealing
+    )
+    table = _plan_table(ids, planned, lengths, outs)
+    summary = _summary(tree, grouping, lengths, planned, num_replicas, order)
     _add_predictions(summary, planned.partition, cost_model, ref, outs is None)
     if plan_kind is not None:
         summary["batchllm_plan"] = plan_kind
     unit_starts, unit_s = _units(cost_model, lengths, est, planned, num_replicas)
     summary["num_units"] = int(len(unit_starts) - 1)
     summary["planning_seconds"] = time.perf_counter() - started
-    return Plan(table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs,
-                unit_starts, unit_s, hashed)
+    return Plan(
+        table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs, unit_starts, unit_s, hashed
+    )
 
 
 def _prefix_tree(source: HashedPrompts | RaggedTokens) -> PrefixTree:
@@ -233,8 +236,31 @@ def _prefix_tree(source: HashedPrompts | RaggedTokens) -> PrefixTree:
     return PrefixTree.build(source)
 
 
-def _units(cm: CostModel, lengths: np.ndarray, est: np.ndarray | None, planned: ReplicaRuns,
-           num_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+def _plan_runs(
+    tree: PrefixTree,
+    grouping: Grouping | None,
+    lengths: np.ndarray,
+    est: np.ndarray | None,
+    cost_model: CostModel,
+    order: str,
+    num_replicas: int,
+    min_prefix_len: int,
+    hashed: HashedPrompts | None,
+    stealing: bool,
+) -> tuple[ReplicaRuns, Grouping, str | None]:
+    """The order's plan: (its runs split across replicas, the grouping whose saving it keeps
+    a share of, which batchllm plan it is: "nested" or "single_level", None for other orders)."""
+    if order == "batchllm":
+        block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
+        return _batchllm(tree, grouping, lengths, est, cost_model, num_replicas, min_prefix_len, block, stealing)
+    assert grouping is not None, "every order but batchllm makes the single-level grouping"
+    planned = _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
+    return planned, grouping, None
+
+
+def _units(
+    cm: CostModel, lengths: np.ndarray, est: np.ndarray | None, planned: ReplicaRuns, num_replicas: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(unit starts in plan order, predicted seconds of each unit). A unit is a part of the
     partition (a subtree, a group, or a piece of one), cut further where it is predicted to
     take more than a replica's share / UNITS_PER_REPLICA, so that a replica that runs dry finds
@@ -263,8 +289,15 @@ def _units(cm: CostModel, lengths: np.ndarray, est: np.ndarray | None, planned: 
     return starts, np.maximum(np.add.reduceat(comp, starts[:-1]), np.add.reduceat(mem, starts[:-1]))
 
 
-def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est: np.ndarray | None,
-                  cost_model: CostModel, order: str, num_replicas: int) -> ReplicaRuns:
+def _single_level(
+    tree: PrefixTree,
+    grouping: Grouping,
+    lengths: np.ndarray,
+    est: np.ndarray | None,
+    cost_model: CostModel,
+    order: str,
+    num_replicas: int,
+) -> ReplicaRuns:
     """fcfs, dfs, blendserve: one level of groups (BatchLLM Alg. 1), the policy's order cut into
     runs of one group, runs split across replicas (partition.py)."""
     seq_order = order_prompts(order, tree, grouping, lengths, est, cost_model=cost_model)
@@ -276,13 +309,20 @@ def _single_level(tree: PrefixTree, grouping: Grouping, lengths: np.ndarray, est
     seq_index, new_starts, part_len, part_prefix = _parts_in_plan_order(seq_order, starts, grouping, part)
     part_prompt = np.add.reduceat(lengths[seq_index], new_starts[:-1]) if len(lengths) else np.zeros(0, np.int64)
     part_computed = part_prompt - (part_len - 1) * part_prefix
-    return ReplicaRuns(seq_index, new_starts, part_prefix, part_computed, part.part_replica, part.replica_parts,
-                       part)
+    return ReplicaRuns(seq_index, new_starts, part_prefix, part_computed, part.part_replica, part.replica_parts, part)
 
 
-def _batchllm(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, est: np.ndarray | None,
-              cost_model: CostModel, num_replicas: int, min_prefix_len: int,
-              block: int, stealing: bool = False) -> tuple[ReplicaRuns, Grouping, str]:
+def _batchllm(
+    tree: PrefixTree,
+    grouping: Grouping | None,
+    lengths: np.ndarray,
+    est: np.ndarray | None,
+    cost_model: CostModel,
+    num_replicas: int,
+    min_prefix_len: int,
+    block: int,
+    stealing: bool = False,
+) -> tuple[ReplicaRuns, Grouping, str]:
     """The batchllm plan: nested groups (multilevel.py), unless the single-level plan (BatchLLM
     Alg. 1, groups in Eq. 3 order) is predicted to compute fewer prompt tokens. The nested
     prediction is what the engines compute; the single-level one counts no hit across groups,
@@ -302,8 +342,9 @@ def _batchllm(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, 
     return nested, ng.grouping, "nested"
 
 
-def _parts_in_plan_order(seq_order: np.ndarray, starts: np.ndarray, grouping: Grouping,
-                         part: Partition) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _parts_in_plan_order(
+    seq_order: np.ndarray, starts: np.ndarray, grouping: Grouping, part: Partition
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Plan order: replica by replica, each keeping the policy's order of its parts (a part is a
     run, or a piece of a run cut between replicas; each piece keeps the run's prefix).
     Returns (prompt index per plan row, part starts, part lengths, part prefix lengths)."""
@@ -317,20 +358,27 @@ def _parts_in_plan_order(seq_order: np.ndarray, starts: np.ndarray, grouping: Gr
     return seq_index, new_starts, part_len, part_prefix
 
 
-def _partition(cm: CostModel, seq_order: np.ndarray, starts: np.ndarray, run_prefix: np.ndarray,
-               lengths: np.ndarray, outs: np.ndarray | None, num_replicas: int) -> Partition:
+def _partition(
+    cm: CostModel,
+    seq_order: np.ndarray,
+    starts: np.ndarray,
+    run_prefix: np.ndarray,
+    lengths: np.ndarray,
+    outs: np.ndarray | None,
+    num_replicas: int,
+) -> Partition:
     """Predicted cost of every row and run prefix, then the balanced split (partition.py)."""
     row_prefix = np.repeat(run_prefix, np.diff(starts))
     prompt = lengths[seq_order]
     out = np.full(len(seq_order), DEFAULT_OUTPUT_LEN) if outs is None else outs[seq_order]
     row_c = cm.compute_seconds(prompt, out, row_prefix)
     row_m = cm.memory_seconds(prompt, out)
-    return partition_runs(starts, row_c, row_m, cm.prefix_seconds(run_prefix), run_prefix,
-                          num_replicas)
+    return partition_runs(starts, row_c, row_m, cm.prefix_seconds(run_prefix), run_prefix, num_replicas)
 
 
-def _add_predictions(summary: dict[str, Any], part: Partition, cm: CostModel, grouping: Grouping,
-                     assumed_outputs: bool) -> None:
+def _add_predictions(
+    summary: dict[str, Any], part: Partition, cm: CostModel, grouping: Grouping, assumed_outputs: bool
+) -> None:
     """Per replica: predicted time (cost_model.py) and the saved tokens the cut gave up."""
     predicted = part.predicted_s
     for r, rep in enumerate(summary["replicas"]):
@@ -343,39 +391,56 @@ def _add_predictions(summary: dict[str, Any], part: Partition, cm: CostModel, gr
     summary["lost_saving_tokens"] = int(part.lost_saving_tokens.sum())
     saved = summary["prompt_tokens"] - summary["computed_prompt_tokens"]
     summary["sharing_kept"] = float(saved / grouping.saved_tokens) if grouping.saved_tokens else 1.0
-    summary["cost_model"] = {"hardware": cm.hardware.name,
-                             "kv_bytes_per_token": cm.model.kv_bytes_per_token,
-                             "output_len_assumed": DEFAULT_OUTPUT_LEN if assumed_outputs else None}
+    summary["cost_model"] = {
+        "hardware": cm.hardware.name,
+        "kv_bytes_per_token": cm.model.kv_bytes_per_token,
+        "output_len_assumed": DEFAULT_OUTPUT_LEN if assumed_outputs else None,
+    }
 
 
-def _plan_table(ids: np.ndarray, seq_index: np.ndarray, lengths: np.ndarray, outs: np.ndarray | None,
-                run_starts: np.ndarray, run_prefix: np.ndarray, run_replica: np.ndarray,
-                replica_runs: np.ndarray) -> pa.Table:
+def _plan_table(ids: np.ndarray, planned: ReplicaRuns, lengths: np.ndarray, outs: np.ndarray | None) -> pa.Table:
+    seq_index, run_starts, run_prefix = planned.seq_index, planned.run_starts, planned.run_prefix
+    run_replica, replica_runs = planned.run_replica, planned.replica_runs
     run_len = np.diff(run_starts)
     prefix = np.repeat(run_prefix, run_len).astype(np.int32)
     prompt_len = lengths[seq_index].astype(np.int32)
     replica = np.repeat(run_replica, run_len).astype(np.int32)
     first_row_of_replica = run_starts[replica_runs[:-1]]
-    rank = np.arange(len(seq_index), dtype=np.int64) - first_row_of_replica[replica] if len(seq_index) else \
-        np.zeros(0, np.int64)
-    output_len = pa.nulls(len(seq_index), pa.int32()) if outs is None else \
-        pa.array(outs[seq_index].astype(np.int32), mask=outs[seq_index] < 0)
-    return pa.table({
-        "row_id": pa.array(ids[seq_index]),
-        "replica": pa.array(replica),
-        "rank": pa.array(rank),
-        "group_id": pa.array(np.repeat(np.arange(len(run_len), dtype=np.int64), run_len)),
-        "prefix_len": pa.array(prefix),
-        "distinct_len": pa.array(prompt_len - prefix),
-        "prompt_len": pa.array(prompt_len),
-        "output_len": output_len,
-    })
+    rank = (
+        np.arange(len(seq_index), dtype=np.int64) - first_row_of_replica[replica]
+        if len(seq_index)
+        else np.zeros(0, np.int64)
+    )
+    output_len = (
+        pa.nulls(len(seq_index), pa.int32())
+        if outs is None
+        else pa.array(outs[seq_index].astype(np.int32), mask=outs[seq_index] < 0)
+    )
+    return pa.table(
+        {
+            "row_id": pa.array(ids[seq_index]),
+            "replica": pa.array(replica),
+            "rank": pa.array(rank),
+            "group_id": pa.array(np.repeat(np.arange(len(run_len), dtype=np.int64), run_len)),
+            "prefix_len": pa.array(prefix),
+            "distinct_len": pa.array(prompt_len - prefix),
+            "prompt_len": pa.array(prompt_len),
+            "output_len": output_len,
+        }
+    )
 
 
-def _summary(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, run_len: np.ndarray,
-             run_computed: np.ndarray, run_replica: np.ndarray, num_replicas: int,
-             order: str) -> dict[str, Any]:
+def _summary(
+    tree: PrefixTree,
+    grouping: Grouping | None,
+    lengths: np.ndarray,
+    planned: ReplicaRuns,
+    num_replicas: int,
+    order: str,
+) -> dict[str, Any]:
+    run_len, run_computed, run_replica = np.diff(planned.run_starts), planned.run_computed, planned.run_replica
     total = int(lengths.sum())
+
     def ratio(saved: float) -> float:
         return float(saved) / total if total else 0.0
 
@@ -383,9 +448,14 @@ def _summary(tree: PrefixTree, grouping: Grouping | None, lengths: np.ndarray, r
     replicas = []
     for r in range(num_replicas):
         mine = run_replica == r
-        replicas.append({"replica": r, "num_rows": int(run_len[mine].sum()),
-                         "num_groups": int(mine.sum()),
-                         "computed_prompt_tokens": int(run_computed[mine].sum())})
+        replicas.append(
+            {
+                "replica": r,
+                "num_rows": int(run_len[mine].sum()),
+                "num_groups": int(mine.sum()),
+                "computed_prompt_tokens": int(run_computed[mine].sum()),
+            }
+        )
     return {
         "num_rows": int(len(lengths)),
         "num_groups": int(len(run_len)),

@@ -56,8 +56,9 @@ def ragged_gather(seqs: RaggedTokens) -> Gather:
     return gather
 
 
-def sort_by_gather(lens: np.ndarray, gather: Gather, block: int = DEFAULT_BLOCK,
-                   max_cells: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def sort_by_gather(
+    lens: np.ndarray, gather: Gather, block: int = DEFAULT_BLOCK, max_cells: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """`sort_with_lcp` over sequences that need not be in memory: `gather` fetches `width`
     symbols of the still-undecided sequences per level (from a flat buffer, or from the blocks
     of a dataset). max_cells bounds the symbols held per level (width shrinks while many
@@ -111,11 +112,12 @@ def sort_by_gather(lens: np.ndarray, gather: Gather, block: int = DEFAULT_BLOCK,
     return order, lcp
 
 
-def _gather_block(flat: np.ndarray, starts_at: np.ndarray, lens: np.ndarray, depth: int,
-                  cols: np.ndarray) -> np.ndarray:
+def _gather_block(
+    flat: np.ndarray, starts_at: np.ndarray, lens: np.ndarray, depth: int, cols: np.ndarray
+) -> np.ndarray:
     """Tokens depth .. depth+block-1 of each sequence, -1 past its end. -> [A, block]"""
-    pos = depth + cols                                # [block]
-    valid = pos[None, :] < lens[:, None]              # [A, block]
+    pos = depth + cols  # [block]
+    valid = pos[None, :] < lens[:, None]  # [A, block]
     idx = np.where(valid, starts_at[:, None] + pos[None, :], 0)
     vals = flat[idx] if len(flat) else np.zeros(idx.shape, dtype=np.int64)
     vals = vals.astype(np.int64, copy=False) if vals.dtype.kind == "u" else vals
@@ -205,11 +207,33 @@ class PrefixTree:
             first.append(order_view[k])
             stack.append(leaf)
         post.append(0)
-        def as_arr(x: array) -> np.ndarray:
-            return np.frombuffer(x, dtype=np.int64) if len(x) else np.zeros(0, np.int64)
+        return cls._from_typed_arrays(depth, parent, lo, hi, leaf_seq, post, order, lcp, first)
 
-        return cls(as_arr(depth), as_arr(parent), as_arr(lo), as_arr(hi), as_arr(leaf_seq),
-                   as_arr(post), order, lcp, as_arr(first))
+    @classmethod
+    def _from_typed_arrays(
+        cls,
+        depth: array,
+        parent: array,
+        lo: array,
+        hi: array,
+        leaf_seq: array,
+        post: array,
+        order: np.ndarray,
+        lcp: np.ndarray,
+        first: array,
+    ) -> "PrefixTree":
+        """The tree from from_sorted's typed arrays, as numpy arrays over their memory (no copy)."""
+        return cls(
+            _int64_array(depth),
+            _int64_array(parent),
+            _int64_array(lo),
+            _int64_array(hi),
+            _int64_array(leaf_seq),
+            _int64_array(post),
+            order,
+            lcp,
+            _int64_array(first),
+        )
 
     @property
     def num_nodes(self) -> int:
@@ -245,6 +269,11 @@ class PrefixTree:
 
 def _int64s(values: list[int]) -> array:
     return array("q", values)
+
+
+def _int64_array(values: array) -> np.ndarray:
+    """A typed array of int64 as a numpy array over the same memory (an empty one: a new array)."""
+    return np.frombuffer(values, dtype=np.int64) if len(values) else np.zeros(0, np.int64)
 
 
 def int64_view(values: np.ndarray) -> memoryview:

@@ -27,8 +27,10 @@ class RaggedTokens:
         if self.flat.ndim != 1 or self.offsets.ndim != 1 or len(self.offsets) < 1:
             raise ValueError("RaggedTokens needs a 1-D flat array and 1-D offsets with at least one entry")
         if self.offsets[0] != 0 or self.offsets[-1] != len(self.flat):
-            raise ValueError(f"RaggedTokens offsets must start at 0 and end at len(flat)={len(self.flat)}, "
-                             f"got {self.offsets[0]}..{self.offsets[-1]}")
+            raise ValueError(
+                f"RaggedTokens offsets must start at 0 and end at len(flat)={len(self.flat)}, "
+                f"got {self.offsets[0]}..{self.offsets[-1]}"
+            )
         if len(self.offsets) > 1 and np.any(np.diff(self.offsets) < 0):
             raise ValueError("RaggedTokens offsets must be non-decreasing")
 
@@ -36,7 +38,7 @@ class RaggedTokens:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+        return self.flat[self.offsets[i] : self.offsets[i + 1]]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -63,7 +65,7 @@ class RaggedTokens:
         np.cumsum(lengths, out=offsets[1:])
         flat = np.empty(int(offsets[-1]), dtype=np.int64)
         for i, p in enumerate(prompts):
-            flat[offsets[i]:offsets[i + 1]] = p
+            flat[offsets[i] : offsets[i + 1]] = p
         if len(flat) and (flat.min() < 0):
             raise ValueError("token ids must be non-negative integers")
         if len(flat) == 0 or flat.max() < 2**31:
@@ -87,6 +89,6 @@ def _from_arrow(prompts: Any) -> RaggedTokens | None:
     flat = prompts.values.to_numpy(zero_copy_only=False)
     start = int(offsets[0])
     if start or int(offsets[-1]) != len(flat):  # a sliced array: views into the values
-        flat = flat[start:int(offsets[-1])]
+        flat = flat[start : int(offsets[-1])]
         offsets = offsets - start
     return RaggedTokens(flat, offsets)

@@ -22,10 +22,23 @@ __version__ = "0.1.0"
 
 # The public API's names: api.__all__, listed here so that `import prefixflow` imports nothing
 # (tests/cpu/test_import_isolation.py checks that the two lists agree).
-_API = ("build_processor", "ProcessorConfig", "Processor", "Generator", "PromptTemplate", "build_llm_processor",
-        "vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
-        "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
-        "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig", "ServeDeploymentProcessorConfig")
+_API = (
+    "build_processor",
+    "ProcessorConfig",
+    "Processor",
+    "Generator",
+    "PromptTemplate",
+    "build_llm_processor",
+    "vLLMEngineProcessorConfig",
+    "ChatTemplateStageConfig",
+    "TokenizerStageConfig",
+    "DetokenizeStageConfig",
+    "PrepareMultimodalStageConfig",
+    "HttpRequestStageConfig",
+    "SGLangEngineProcessorConfig",
+    "HttpRequestProcessorConfig",
+    "ServeDeploymentProcessorConfig",
+)
 
 __all__ = ["__version__", *_API]
 

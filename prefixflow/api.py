@@ -28,27 +28,48 @@ from prefixflow.operators.faces.batch_generator import Generator
 from prefixflow.operators.faces.processor import Processor
 from prefixflow.operators.faces.ray_llm import RayLLMProcessor
 from prefixflow.operators.faces.ray_llm import build_processor as build_ray_llm_processor
-from prefixflow.operators.faces.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
-                                                       HttpRequestProcessorConfig, HttpRequestStageConfig,
-                                                       PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
-                                                       ServeDeploymentProcessorConfig, TokenizerStageConfig,
-                                                       vLLMEngineProcessorConfig)
+from prefixflow.operators.faces.ray_llm_config import (
+    ChatTemplateStageConfig,
+    DetokenizeStageConfig,
+    HttpRequestProcessorConfig,
+    HttpRequestStageConfig,
+    PrepareMultimodalStageConfig,
+    SGLangEngineProcessorConfig,
+    ServeDeploymentProcessorConfig,
+    TokenizerStageConfig,
+    vLLMEngineProcessorConfig,
+)
 from prefixflow.operators.template import PromptTemplate
 
 # ours, then ray.data.llm's config classes under the names Ray gives them (the package's lazy
 # exports, prefixflow/__init__.py, list the same)
-__all__ = ["Generator", "ProcessorConfig", "Processor", "PromptTemplate", "build_llm_processor",
-           "build_processor", "vLLMEngineProcessorConfig", "ChatTemplateStageConfig", "TokenizerStageConfig",
-           "DetokenizeStageConfig", "PrepareMultimodalStageConfig", "HttpRequestStageConfig",
-           "SGLangEngineProcessorConfig", "HttpRequestProcessorConfig", "ServeDeploymentProcessorConfig"]
+__all__ = [
+    "Generator",
+    "ProcessorConfig",
+    "Processor",
+    "PromptTemplate",
+    "build_llm_processor",
+    "build_processor",
+    "vLLMEngineProcessorConfig",
+    "ChatTemplateStageConfig",
+    "TokenizerStageConfig",
+    "DetokenizeStageConfig",
+    "PrepareMultimodalStageConfig",
+    "HttpRequestStageConfig",
+    "SGLangEngineProcessorConfig",
+    "HttpRequestProcessorConfig",
+    "ServeDeploymentProcessorConfig",
+]
 
 
-def build_processor(config: ProcessorConfig | vLLMEngineProcessorConfig,
-                    preprocess: Callable[[dict], dict] | None = None,
-                    postprocess: Callable[[dict], dict] | None = None,
-                    preprocess_map_kwargs: dict[str, Any] | None = None,
-                    postprocess_map_kwargs: dict[str, Any] | None = None,
-                    builder_kwargs: dict[str, Any] | None = None) -> Processor | RayLLMProcessor:
+def build_processor(
+    config: ProcessorConfig | vLLMEngineProcessorConfig,
+    preprocess: Callable[[dict], dict] | None = None,
+    postprocess: Callable[[dict], dict] | None = None,
+    preprocess_map_kwargs: dict[str, Any] | None = None,
+    postprocess_map_kwargs: dict[str, Any] | None = None,
+    builder_kwargs: dict[str, Any] | None = None,
+) -> Processor | RayLLMProcessor:
     """A callable Dataset -> Dataset that tokenizes, plans globally and generates when the
     Dataset it returns executes.
 
@@ -62,16 +83,25 @@ def build_processor(config: ProcessorConfig | vLLMEngineProcessorConfig,
     builder_kwargs: its `chat_template_kwargs`).
     """
     if isinstance(config, vLLMEngineProcessorConfig):
-        return build_ray_llm_processor(config, preprocess, postprocess, preprocess_map_kwargs,
-                                       postprocess_map_kwargs, builder_kwargs)
+        return build_ray_llm_processor(
+            config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs, builder_kwargs
+        )
     if not isinstance(config, ProcessorConfig):
-        raise TypeError(f"build_processor needs a ProcessorConfig or a vLLMEngineProcessorConfig, "
-                        f"got {type(config).__name__}")
+        raise TypeError(
+            f"build_processor needs a ProcessorConfig or a vLLMEngineProcessorConfig, got {type(config).__name__}"
+        )
     if builder_kwargs:
-        raise TypeError(f"build_processor got builder_kwargs={builder_kwargs!r}: that is ray.data.llm's, "
-                        "taken with a vLLMEngineProcessorConfig; give ProcessorConfig(chat_template_kwargs=...)")
-    return Processor(config, preprocess=preprocess, postprocess=postprocess,
-                     preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs)
+        raise TypeError(
+            f"build_processor got builder_kwargs={builder_kwargs!r}: that is ray.data.llm's, "
+            "taken with a vLLMEngineProcessorConfig; give ProcessorConfig(chat_template_kwargs=...)"
+        )
+    return Processor(
+        config,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        preprocess_map_kwargs=preprocess_map_kwargs,
+        postprocess_map_kwargs=postprocess_map_kwargs,
+    )
 
 
 build_llm_processor = build_processor  # ray.data.llm's older name, for code written for earlier Ray

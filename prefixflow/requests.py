@@ -80,8 +80,11 @@ class SamplingParams:
         _set(self, "top_p", _real("top_p", self.top_p, "use a value in (0, 1]"))
         _set(self, "top_k", _integer("top_k", self.top_k, -1, INT32_MAX, "use -1 or 0 to disable, or a positive k"))
         _set(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, INT32_MAX, "ask for at least one token"))
-        _set(self, "min_tokens", _integer("min_tokens", self.min_tokens, 0, INT32_MAX,
-                                          "use a value between 0 and max_tokens"))
+        _set(
+            self,
+            "min_tokens",
+            _integer("min_tokens", self.min_tokens, 0, INT32_MAX, "use a value between 0 and max_tokens"),
+        )
         if self.seed is not None:
             _set(self, "seed", _integer("seed", self.seed, 0, INT64_MAX, "use None or a non-negative integer"))
         if self.logprobs is not None:
@@ -92,11 +95,16 @@ class SamplingParams:
             _check(isinstance(getattr(self, flag), bool), flag, getattr(self, flag), "use true or false")
         self._check_vllm_fields()
         _check(self.temperature >= 0, "temperature", self.temperature, "use 0 for greedy or a positive value")
-        _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
-               self.temperature, f"use 0 for greedy decoding or at least {MIN_TEMPERATURE}")
+        _check(
+            self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+            "temperature",
+            self.temperature,
+            f"use 0 for greedy decoding or at least {MIN_TEMPERATURE}",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "use a value in (0, 1]")
-        _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-               "use a value between 0 and max_tokens")
+        _check(
+            self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "use a value between 0 and max_tokens"
+        )
 
     def _check_vllm_fields(self) -> None:
         """The fields vLLM's SamplingParams has and ours gained (issue 15), vLLM's ranges."""
@@ -110,8 +118,12 @@ class SamplingParams:
         _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, fix)
         _set(self, "min_p", _real("min_p", self.min_p, "use a value in [0, 1]; 0 disables"))
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "use a value in [0, 1]; 0 disables")
-        _check(self.detokenize or not self.stop, "detokenize", self.detokenize,
-               "stop strings need the text: keep detokenize true, or use stop_token_ids")
+        _check(
+            self.detokenize or not self.stop,
+            "detokenize",
+            self.detokenize,
+            "stop strings need the text: keep detokenize true, or use stop_token_ids",
+        )
         if self.structured_outputs is not None:
             _set(self, "structured_outputs", _structured(self.structured_outputs))
 
@@ -132,8 +144,10 @@ class SamplingParams:
         """These parameters with a row's (or request body's) overrides applied; null values
         keep the default. ValueError naming the unknown key or the bad value."""
         if not isinstance(overrides, Mapping):
-            raise ValueError(f"sampling parameters must be a mapping of field -> value, got "
-                             f"{type(overrides).__name__}: e.g. {{\"temperature\": 0, \"max_tokens\": 16}}")
+            raise ValueError(
+                f"sampling parameters must be a mapping of field -> value, got "
+                f'{type(overrides).__name__}: e.g. {{"temperature": 0, "max_tokens": 16}}'
+            )
         allowed = [f.name for f in fields(self)]
         values = {str(k): v for k, v in overrides.items() if v is not None}
         unknown = [k for k in values if k not in allowed]
@@ -165,8 +179,10 @@ def params_for_row(params: "SamplingParams | Mapping[int, SamplingParams]", row_
     try:
         return params[row_id]
     except KeyError:
-        raise ValueError(f"params has no SamplingParams for row_id={row_id}: give one for every row, "
-                         "or a single SamplingParams for all") from None
+        raise ValueError(
+            f"params has no SamplingParams for row_id={row_id}: give one for every row, "
+            "or a single SamplingParams for all"
+        ) from None
 
 
 def _set(params: SamplingParams, name: str, value: object) -> None:
@@ -208,8 +224,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
 def _token_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple, np.ndarray)):
         raise _invalid("stop_token_ids", ids, "use a list of token ids")
-    return tuple(_integer("stop_token_ids", t, 0, INT32_MAX, "use token ids of the model's vocabulary")
-                 for t in ids)
+    return tuple(_integer("stop_token_ids", t, 0, INT32_MAX, "use token ids of the model's vocabulary") for t in ids)
 
 
 class FrozenDict(dict):
@@ -231,8 +246,7 @@ def _structured(value: object) -> FrozenDict:
     if not isinstance(value, Mapping):
         raise _invalid(name, value, f"give a mapping with one key among {kinds}")
     keys = [str(k) for k, v in value.items() if v is not None]
-    _check(len(keys) == 1 and keys[0] in STRUCTURED_KINDS, name, value,
-           f"give exactly one key among {kinds}")
+    _check(len(keys) == 1 and keys[0] in STRUCTURED_KINDS, name, value, f"give exactly one key among {kinds}")
     kind, spec = keys[0], value[keys[0]]
     fix = f"{name}.{kind} needs {STRUCTURED_KINDS[kind]}"
     if kind == "json":
@@ -277,9 +291,9 @@ class PrefixGroup:
     """
 
     group_id: int
-    prefix: np.ndarray                     # [prefix_len] shared prompt tokens
-    row_ids: np.ndarray                    # [num_members] int64 row ids, in run order
-    distinct: tuple[np.ndarray, ...]       # per member: prompt tokens after the prefix
+    prefix: np.ndarray  # [prefix_len] shared prompt tokens
+    row_ids: np.ndarray  # [num_members] int64 row ids, in run order
+    distinct: tuple[np.ndarray, ...]  # per member: prompt tokens after the prefix
     output_lens: np.ndarray | None = None  # [num_members] expected output lengths, if known
     replica: int = 0
 
@@ -303,6 +317,7 @@ class PrefixGroup:
         return self.prefix_len + sum(len(d) for d in self.distinct)
 
     def __repr__(self) -> str:
-        return (f"PrefixGroup(id={self.group_id}, prefix_len={self.prefix_len}, "
-                f"members={self.num_members}, replica={self.replica})")
-
+        return (
+            f"PrefixGroup(id={self.group_id}, prefix_len={self.prefix_len}, "
+            f"members={self.num_members}, replica={self.replica})"
+        )

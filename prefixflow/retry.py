@@ -21,7 +21,7 @@ PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirector
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 5      # tries of one operation, the first included
+    max_attempts: int = 5  # tries of one operation, the first included
     base_delay_s: float = 0.2  # backoff: base * 2**k with full jitter, capped
     max_delay_s: float = 5.0
 
@@ -31,21 +31,26 @@ class RetryPolicy:
         return tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.max_attempts),
             wait=tenacity.wait_random_exponential(multiplier=self.base_delay_s, max=self.max_delay_s),
-            retry=tenacity.retry_if_exception(is_transient), sleep=sleep)
+            retry=tenacity.retry_if_exception(is_transient),
+            sleep=sleep,
+        )
 
 
 def is_transient(error: BaseException) -> bool:
     return isinstance(error, (OSError, TimeoutError)) and not isinstance(error, PERMANENT)
 
 
-def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(),
-                 sleep: Callable[[float], None] = time.sleep) -> T:
+def with_retries(
+    fn: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(), sleep: Callable[[float], None] = time.sleep
+) -> T:
     """Call fn until it succeeds, a permanent error occurs (raised as it is), or the attempts
     run out (an OSError naming `what`, the attempts and the last error)."""
     try:
         return policy.retrying(sleep)(fn)
     except tenacity.RetryError as e:
         last = e.last_attempt.exception()
-        raise OSError(f"storage: {what} failed {policy.max_attempts} times, last error: "
-                      f"{type(last).__name__}: {last}. Parts committed so far are kept: fix "
-                      "storage and rerun with output.resume: true") from last
+        raise OSError(
+            f"storage: {what} failed {policy.max_attempts} times, last error: "
+            f"{type(last).__name__}: {last}. Parts committed so far are kept: fix "
+            "storage and rerun with output.resume: true"
+        ) from last

@@ -46,8 +46,18 @@ from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
 from prefixflow.deadline import TimeLimitExceeded, time_limit
-from prefixflow.template_budget import (BUDGET, MAX_RENDER_SECONDS, MAX_TEXT, Budget, TemplateLimitError,
-                                        bounded, current, num, over, size)
+from prefixflow.template_budget import (
+    BUDGET,
+    MAX_RENDER_SECONDS,
+    MAX_TEXT,
+    Budget,
+    TemplateLimitError,
+    bounded,
+    current,
+    num,
+    over,
+    size,
+)
 from prefixflow.template_checks import BoundedEscapeFormatter, BoundedFormatter, Check, check_binop, method_args
 from prefixflow.template_filters import FILTER_CHECKS, bounded_pprint, checked_filter_args, filter_tojson
 
@@ -208,8 +218,11 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """str.format / format_map as Jinja's sandbox runs them, with BoundedFormatter."""
-        if not (isinstance(value, (types.MethodType, types.BuiltinMethodType))
-                and value.__name__ in ("format", "format_map") and isinstance(value.__self__, str)):
+        if not (
+            isinstance(value, (types.MethodType, types.BuiltinMethodType))
+            and value.__name__ in ("format", "format_map")
+            and isinstance(value.__self__, str)
+        ):
             return None  # the same test as Jinja's
         text: str = value.__self__
         format_map = value.__name__ == "format_map"
@@ -222,8 +235,9 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                     raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
                 kwargs = args[0]
                 args = ()
-            formatter = (BoundedEscapeFormatter(self, escape=text.escape) if isinstance(text, Markup)
-                         else BoundedFormatter(self))
+            formatter = (
+                BoundedEscapeFormatter(self, escape=text.escape) if isinstance(text, Markup) else BoundedFormatter(self)
+            )
             return bounded(type(text)(formatter.vformat(text, args, kwargs)), current())
 
         return update_wrapper(bounded_format, value)
@@ -249,8 +263,9 @@ def _raise_exception(message: Any) -> None:
     raise TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     """transformers' tojson for chat templates: JSON without Jinja's HTML escaping."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -269,8 +284,13 @@ def environment(chat: bool = False) -> _BoundedEnvironment:
     does not escape HTML, raise_exception and strftime_now."""
     if not chat:
         return _BoundedEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True)
-    env = _BoundedEnvironment(undefined=Undefined, autoescape=False, trim_blocks=True, lstrip_blocks=True,
-                              extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = _BoundedEnvironment(
+        undefined=Undefined,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_Generation, jinja2.ext.loopcontrols],
+    )
     env.filters["tojson"] = _bounded_filter("tojson", _tojson, filter_tojson(2, 3))
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     return env

@@ -40,13 +40,23 @@ from prefixflow.retry import RetryPolicy
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 # "s3:/b", "file:/x", "simplecache::s3://b": a scheme without its "//" (or a chained URL)
 _BARE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
-LOCAL = ("file", "local")   # fsspec's names for the local filesystem
+LOCAL = ("file", "local")  # fsspec's names for the local filesystem
 S3 = ("s3", "s3a")
 DBFS_MOUNT = "/dbfs"
 # The package that serves a scheme, where it is not fsspec itself: named in the error when it
 # is missing (adlfs registers abfss only once installed, so fsspec alone does not know it).
-DRIVERS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs",
-           "abfss": "adlfs", "az": "adlfs", "adl": "adlfs", "oci": "ocifs", "hf": "huggingface_hub"}
+DRIVERS = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "az": "adlfs",
+    "adl": "adlfs",
+    "oci": "ocifs",
+    "hf": "huggingface_hub",
+}
 
 
 def protocol(path: str) -> str | None:
@@ -61,7 +71,7 @@ def protocol(path: str) -> str | None:
 def _fold_scheme(path: str) -> str:
     """`path` with its scheme in lower case (schemes are case-insensitive; fsspec's are not)."""
     match = _URL.match(path) or _BARE_SCHEME.match(path)
-    return path if match is None else match.group(1).lower() + path[len(match.group(1)):]
+    return path if match is None else match.group(1).lower() + path[len(match.group(1)) :]
 
 
 def is_s3(path: str) -> bool:
@@ -93,7 +103,7 @@ def mount_dbfs(path: str) -> str:
     path = str(path)
     if protocol(path) != "dbfs" or not os.path.isdir(DBFS_MOUNT):
         return path
-    return posixpath.join(DBFS_MOUNT, path[len("dbfs:"):].lstrip("/"))
+    return posixpath.join(DBFS_MOUNT, path[len("dbfs:") :].lstrip("/"))
 
 
 def check_scheme(path: str) -> None:
@@ -106,10 +116,12 @@ def check_scheme(path: str) -> None:
     if proto == "dbfs" and os.path.isdir(DBFS_MOUNT):  # a path that missed normal_path()
         raise ValueError(f"{shown!r}: give it as {mount_dbfs(path)!r} (the DBFS mount)")
     if proto == "dbfs":
-        raise ValueError(f"{shown!r}: dbfs:/ paths are read through the {DBFS_MOUNT} mount of "
-                         f"Databricks nodes (dbfs:/x is {DBFS_MOUNT}/x there), and this machine "
-                         f"has no {DBFS_MOUNT}: run on Databricks, or give the URL of the storage "
-                         "behind it (abfss://, s3://, gs://)")
+        raise ValueError(
+            f"{shown!r}: dbfs:/ paths are read through the {DBFS_MOUNT} mount of "
+            f"Databricks nodes (dbfs:/x is {DBFS_MOUNT}/x there), and this machine "
+            f"has no {DBFS_MOUNT}: run on Databricks, or give the URL of the storage "
+            "behind it (abfss://, s3://, gs://)"
+        )
     import fsspec
     from fsspec.registry import known_implementations
 
@@ -120,25 +132,34 @@ def check_scheme(path: str) -> None:
         pass
     except ValueError:  # "Protocol not known"
         if proto not in DRIVERS:
-            raise ValueError(f"{shown!r}: {proto}:// is not a storage scheme fsspec knows: check "
-                             "the path (local paths and s3://, gs://, abfss://, az://, file:// "
-                             "and the other schemes of fsspec's registry work)") from None
+            raise ValueError(
+                f"{shown!r}: {proto}:// is not a storage scheme fsspec knows: check "
+                "the path (local paths and s3://, gs://, abfss://, az://, file:// "
+                "and the other schemes of fsspec's registry work)"
+            ) from None
     known = known_implementations.get(proto, {})
     package = DRIVERS.get(proto) or known.get("class", proto).split(".")[0]
-    raise ValueError(f"{shown!r}: {proto}:// needs the package {package!r}, which is not "
-                     f"installed: `pip install {package}` on every node of the cluster")
+    raise ValueError(
+        f"{shown!r}: {proto}:// needs the package {package!r}, which is not "
+        f"installed: `pip install {package}` on every node of the cluster"
+    )
 
 
 # Schemes fsspec serves that a job cannot use, and why. The job's readers, tokenizers and
 # engine actors are Ray workers in processes of their own, on any node: every one of them must
 # see the same files. (http(s) input is read file by file: `list_input_files`.)
-NOT_SHARED = {"memory": "a filesystem inside one process: each Ray worker of the job would see "
-                        "its own, empty one"}
-READ_ONLY = {"http": "fsspec's HTTP filesystem only reads", "https": "fsspec's HTTP filesystem only reads",
-             "zip": "an archive is read-only here", "tar": "an archive is read-only here",
-             "libarchive": "an archive is read-only here", "github": "a repository view is read-only",
-             "git": "a repository view is read-only", "data": "a data: URL holds its bytes inline",
-             "reference": "a reference filesystem is read-only"}
+NOT_SHARED = {"memory": "a filesystem inside one process: each Ray worker of the job would see its own, empty one"}
+READ_ONLY = {
+    "http": "fsspec's HTTP filesystem only reads",
+    "https": "fsspec's HTTP filesystem only reads",
+    "zip": "an archive is read-only here",
+    "tar": "an archive is read-only here",
+    "libarchive": "an archive is read-only here",
+    "github": "a repository view is read-only",
+    "git": "a repository view is read-only",
+    "data": "a data: URL holds its bytes inline",
+    "reference": "a reference filesystem is read-only",
+}
 HTTP = ("http", "https")
 _S3_INSTANCES: dict[tuple, Any] = {}  # StorageOptions._s3's, by arguments, AWS_* environment, pid
 
@@ -167,10 +188,15 @@ def normal_path(path: str) -> str:
     proto = protocol(text)
     bare = _BARE_SCHEME.match(text)
     if proto is None and bare is not None and bare.group(1) not in LOCAL:
-        why = "fsspec's chained URLs are not taken: give one scheme" if "::" in text else \
-            f"a URL needs '//' after its scheme: {bare.group(1)}://..."
-        raise ValueError(f"{masked(text)!r} is neither a URL nor a plain path ({why}; a local "
-                         "path whose first name holds a colon starts with ./)")
+        why = (
+            "fsspec's chained URLs are not taken: give one scheme"
+            if "::" in text
+            else f"a URL needs '//' after its scheme: {bare.group(1)}://..."
+        )
+        raise ValueError(
+            f"{masked(text)!r} is neither a URL nor a plain path ({why}; a local "
+            "path whose first name holds a colon starts with ./)"
+        )
     if proto is None and bare is None:
         return str(Path(text).expanduser().resolve())
     if proto is None or proto in LOCAL:  # file:/x, file://x, local://x
@@ -183,8 +209,11 @@ def normal_path(path: str) -> str:
 # (A scheme with fewer slashes than "//" too: "s3:/user:password@b" is echoed when refused.)
 _PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/*)([^/\s@:'\"]*):([^/\s@'\"]*)@")
 _HTTP_USER = re.compile(r"(\bhttps?:/*)([^/\s@:'\"]+)@", re.IGNORECASE)
-_SECRET_QUERY = re.compile(r"([?&][\w.-]*(?:sig|signature|token|secret|password|passwd|key|"
-                           r"credential)[\w.-]*=)[^&\s'\"#]+", re.IGNORECASE)
+_SECRET_QUERY = re.compile(
+    r"([?&][\w.-]*(?:sig|signature|token|secret|password|passwd|key|"
+    r"credential)[\w.-]*=)[^&\s'\"#]+",
+    re.IGNORECASE,
+)
 
 
 def masked(text: str) -> str:
@@ -208,7 +237,7 @@ class StorageOptions:
     aws_access_key_id: str | None = None
     aws_secret_access_key: str | None = None
     aws_session_token: str | None = None
-    max_attempts: int = 5            # per S3 request (botocore) and per part write (with_retries)
+    max_attempts: int = 5  # per S3 request (botocore) and per part write (with_retries)
     retry_base_delay_s: float = 0.2
     # {scheme: {argument: value}}: keyword arguments of that scheme's fsspec filesystem, e.g.
     # {"gs": {"project": "p"}, "abfss": {"account_name": "a"}}; for s3 over the fields above.
@@ -217,23 +246,35 @@ class StorageOptions:
     def __post_init__(self) -> None:
         # Checked here, so that a job spec (jobs/spec.py mirrors this class) and Python callers
         # get the same errors.
-        require(1 <= self.max_attempts <= 20, "StorageOptions", "max_attempts", self.max_attempts,
-                "use 1 to 20 tries per storage request")
-        require(0 <= self.retry_base_delay_s <= 60, "StorageOptions", "retry_base_delay_s",
-                self.retry_base_delay_s, "use a first backoff of 0 to 60 seconds")
-        bad = [k for k, v in self.options.items()
-               if not isinstance(v, dict) or _URL.match(f"{k}://") is None]
+        require(
+            1 <= self.max_attempts <= 20,
+            "StorageOptions",
+            "max_attempts",
+            self.max_attempts,
+            "use 1 to 20 tries per storage request",
+        )
+        require(
+            0 <= self.retry_base_delay_s <= 60,
+            "StorageOptions",
+            "retry_base_delay_s",
+            self.retry_base_delay_s,
+            "use a first backoff of 0 to 60 seconds",
+        )
+        bad = [k for k, v in self.options.items() if not isinstance(v, dict) or _URL.match(f"{k}://") is None]
         if bad:  # the scheme names the entry; its value stays out of the message (credentials)
-            raise invalid("StorageOptions", "options", {bad[0]: "..."},
-                          "give {scheme: {argument: value}}, e.g. {gs: {project: my-project}}")
+            raise invalid(
+                "StorageOptions",
+                "options",
+                {bad[0]: "..."},
+                "give {scheme: {argument: value}}, e.g. {gs: {project: my-project}}",
+            )
 
     @property
     def retry(self) -> RetryPolicy:
         return RetryPolicy(max_attempts=self.max_attempts, base_delay_s=self.retry_base_delay_s)
 
     def endpoint(self) -> str | None:
-        return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or None)
+        return self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
     def filesystem(self, path: str) -> Any:
         """An fsspec filesystem for `path`: the local one, s3fs, or the driver of its scheme.
@@ -263,15 +304,19 @@ class StorageOptions:
         region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             client_kwargs["region_name"] = region
-        kwargs = dict(anon=self.anonymous, key=self.aws_access_key_id,
-                      secret=self.aws_secret_access_key, token=self.aws_session_token,
-                      client_kwargs=client_kwargs, skip_instance_cache=True,
-                      # no listings cache: it would go stale when another worker writes a part
-                      use_listings_cache=False,
-                      # botocore retries 5xx, throttling and dropped connections with
-                      # backoff on every request, reads included.
-                      config_kwargs={"retries": {"max_attempts": self.max_attempts,
-                                                 "mode": "standard"}})
+        kwargs = dict(
+            anon=self.anonymous,
+            key=self.aws_access_key_id,
+            secret=self.aws_secret_access_key,
+            token=self.aws_session_token,
+            client_kwargs=client_kwargs,
+            skip_instance_cache=True,
+            # no listings cache: it would go stale when another worker writes a part
+            use_listings_cache=False,
+            # botocore retries 5xx, throttling and dropped connections with
+            # backoff on every request, reads included.
+            config_kwargs={"retries": {"max_attempts": self.max_attempts, "mode": "standard"}},
+        )
         kwargs.update(extra)
         # One instance per arguments, AWS_* environment and process: the botocore session and
         # client (their service models: a few tenths of a CPU-second) are made once, not for
@@ -300,6 +345,7 @@ class StorageOptions:
 def same_filesystem(paths: list[str]) -> bool:
     """Whether one filesystem serves all `paths` (one scheme; and one account, for URLs that
     name it before the first '/')."""
+
     def key(p: str) -> tuple[str, str]:
         if is_local(p):
             return ("file", "")
@@ -349,8 +395,7 @@ def with_scheme(original: str, listed: str) -> str:
     return f"{proto}://{listed.lstrip('/')}"
 
 
-def list_input_files(path: str | list[str], storage: StorageOptions,
-                     suffixes: tuple[str, ...] = ()) -> list[str]:
+def list_input_files(path: str | list[str], storage: StorageOptions, suffixes: tuple[str, ...] = ()) -> list[str]:
     """Expand files, directories (their files, sorted, recursively) and globs into file paths
     (normal_path's form). An http(s) URL names one file: HTTP has no listing to expand a folder
     or a glob with ('?' starts its query).
@@ -368,8 +413,7 @@ def list_input_files(path: str | list[str], storage: StorageOptions,
         elif any(ch in p for ch in "*?["):
             matches = sorted(fs.glob(strip_scheme(p)))
         elif fs.isdir(strip_scheme(p)):
-            matches = sorted(f for f in fs.find(strip_scheme(p))
-                             if not posixpath.basename(f).startswith(("_", ".")))
+            matches = sorted(f for f in fs.find(strip_scheme(p)) if not posixpath.basename(f).startswith(("_", ".")))
             if suffixes:
                 matches = [f for f in matches if f.endswith(suffixes)] or matches
         elif fs.exists(strip_scheme(p)):
@@ -377,8 +421,10 @@ def list_input_files(path: str | list[str], storage: StorageOptions,
         else:
             matches = []
         if not matches:
-            raise FieldProblem("input.path", f"{masked(p)!r} matches no file: check the path (and, "
-                               "for a URL, the bucket, endpoint and credentials)")
+            raise FieldProblem(
+                "input.path",
+                f"{masked(p)!r} matches no file: check the path (and, for a URL, the bucket, endpoint and credentials)",
+            )
         found.extend(with_scheme(p, m) for m in matches)
     return found
 
@@ -387,8 +433,11 @@ def _http_file(url: str, fs: Any) -> list[str]:
     """[url] when the server has the file (one HEAD request), [] when it answers 404; the
     OSError of a server that cannot be reached."""
     if url.endswith("/"):
-        raise FieldProblem("input.path", f"{masked(url)!r} names a folder, which HTTP cannot list: "
-                           "give the URL of each file (input.path takes a list)")
+        raise FieldProblem(
+            "input.path",
+            f"{masked(url)!r} names a folder, which HTTP cannot list: "
+            "give the URL of each file (input.path takes a list)",
+        )
     try:
         fs.info(url)
     except FileNotFoundError as e:  # fsspec's answer to any failure: a 404, or no connection

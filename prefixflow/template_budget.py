@@ -68,8 +68,7 @@ class Budget:
             raise TemplateLimitError(f"built more than {MAX_WORK:,} characters and items in all")
 
 
-BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("prefixflow_template_budget",
-                                                                       default=None)
+BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("prefixflow_template_budget", default=None)
 
 
 def current() -> Budget:
@@ -84,8 +83,9 @@ def num(n: int) -> str:
 def over(size: int, what: str = "a value") -> None:
     """TemplateLimitError when `size` passes MAX_TEXT; `what` says what would have been made."""
     if size > MAX_TEXT:
-        raise TemplateLimitError(f"{what} of size {num(size)} (characters, and {ITEM_SIZE} per list "
-                                 f"item; the limit is {MAX_TEXT:,})")
+        raise TemplateLimitError(
+            f"{what} of size {num(size)} (characters, and {ITEM_SIZE} per list item; the limit is {MAX_TEXT:,})"
+        )
 
 
 def check_int(n: Any, what: str, limit: int = MAX_TEXT) -> None:
@@ -170,8 +170,7 @@ def bounded(value: _V, budget: Budget) -> _V:
         return value
     if isinstance(value, int):
         if value.bit_length() > MAX_INT_BITS:
-            raise TemplateLimitError(f"an integer of {value.bit_length():,} bits (the limit is "
-                                     f"{MAX_INT_BITS:,})")
+            raise TemplateLimitError(f"an integer of {value.bit_length():,} bits (the limit is {MAX_INT_BITS:,})")
         return value
     total = size(value, budget)  # a container's walk is charged as it goes
     over(total)

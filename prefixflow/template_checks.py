@@ -24,8 +24,19 @@ from typing import Any, Callable, TypeVar
 
 from jinja2.sandbox import SandboxedEscapeFormatter, SandboxedFormatter
 
-from prefixflow.template_budget import (ITEM_SIZE, MAX_INT_BITS, MAX_TEXT, Budget, TemplateLimitError,
-                                        check_int, is_lazy, materialized, num, over, size)
+from prefixflow.template_budget import (
+    ITEM_SIZE,
+    MAX_INT_BITS,
+    MAX_TEXT,
+    Budget,
+    TemplateLimitError,
+    check_int,
+    is_lazy,
+    materialized,
+    num,
+    over,
+    size,
+)
 
 Check = Callable[[tuple, dict, Budget], "tuple | None"]  # (args, kwargs, budget) -> new args or None
 
@@ -36,9 +47,11 @@ def check_binop(op: str, left: Any, right: Any, budget: Budget) -> None:
     if op == "*":
         if isinstance(left, int) and isinstance(right, int):
             if left.bit_length() + right.bit_length() > MAX_INT_BITS:
-                raise TemplateLimitError(f"'*' would make an integer of about "
-                                         f"{left.bit_length() + right.bit_length():,} bits (the "
-                                         f"limit is {MAX_INT_BITS:,})")
+                raise TemplateLimitError(
+                    f"'*' would make an integer of about "
+                    f"{left.bit_length() + right.bit_length():,} bits (the "
+                    f"limit is {MAX_INT_BITS:,})"
+                )
             return
         seq, n = (left, right) if isinstance(right, int) else (right, left)
         if isinstance(seq, sequences) and isinstance(n, int) and n > 0:
@@ -47,8 +60,9 @@ def check_binop(op: str, left: Any, right: Any, budget: Budget) -> None:
         if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
             bits = right * (abs(left).bit_length() - 1)  # at least this many
             if bits > MAX_INT_BITS:
-                raise TemplateLimitError(f"'**' would make an integer of at least {num(bits)} bits "
-                                         f"(the limit is {MAX_INT_BITS:,})")
+                raise TemplateLimitError(
+                    f"'**' would make an integer of at least {num(bits)} bits (the limit is {MAX_INT_BITS:,})"
+                )
     elif op == "+":
         if isinstance(left, sequences) and isinstance(right, sequences):
             over(size(left, budget) + size(right, budget), "'+' would make a value")
@@ -64,8 +78,7 @@ def check_percent(fmt: str | bytes, args: Any, budget: Budget) -> None:
     """`fmt % args`: every width and precision (`*` takes the next argument) at most MAX_TEXT,
     and the result (its fields filled with the largest argument) within MAX_TEXT."""
     text = fmt.decode("latin-1") if isinstance(fmt, bytes) else fmt
-    values = list(args.values()) if isinstance(args, Mapping) else (
-        list(args) if isinstance(args, tuple) else [args])
+    values = list(args.values()) if isinstance(args, Mapping) else (list(args) if isinstance(args, tuple) else [args])
     fields = [f for f in _PERCENT_FIELD.findall(text) if f[2] != "%"]
     position = 0
     for width, precision, _ in fields:

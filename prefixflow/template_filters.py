@@ -20,8 +20,18 @@ import pprint
 import re
 from typing import Any
 
-from prefixflow.template_budget import (ITEM_SIZE, MAX_WORK, Budget, TemplateLimitError, check_int,
-                                        is_lazy, materialized, num, over, size)
+from prefixflow.template_budget import (
+    ITEM_SIZE,
+    MAX_WORK,
+    Budget,
+    TemplateLimitError,
+    check_int,
+    is_lazy,
+    materialized,
+    num,
+    over,
+    size,
+)
 from prefixflow.template_checks import Check, arg, check_percent, check_replace, joined_size
 
 MAX_REGEX_STEPS = 10_000_000  # about a second of the regex engine, which nothing can interrupt
@@ -31,24 +41,29 @@ def _filter_widths(name: str) -> Check:
     def check(args: tuple, kwargs: dict, budget: Budget) -> None:
         for n in (*args[1:], *kwargs.values()):
             check_int(n, f"the {name} filter")
+
     return check
 
 
 def _filter_count(param: str) -> Check:
     """batch(linecount) and slice(slices): one step per list they will make, and per filler."""
+
     def check(args: tuple, kwargs: dict, budget: Budget) -> None:
         n = arg(args, kwargs, 1, param, 0)
         if isinstance(n, int) and n > 0:
             lists = len(args[0]) // n + 1 if param == "linecount" and hasattr(args[0], "__len__") else 0
             budget.step(n + lists)
+
     return check
 
 
 def _filter_chars(name: str) -> Check:
     """list, sort, slice, groupby of a string: a list of its characters."""
+
     def check(args: tuple, kwargs: dict, budget: Budget) -> None:
         if isinstance(args[0], (str, bytes)):
             over(len(args[0]) * (1 + ITEM_SIZE), f"the {name} filter would make a list")
+
     return check
 
 
@@ -85,8 +100,10 @@ def _filter_wordwrap(args: tuple, kwargs: dict, budget: Budget) -> None:
         lines += (n // width if breaks_words else 0) + (word.group().count("-") if at_hyphens else 0)
         copied = n * (n // width) // 2 if breaks_words else 0
         if budget.work + copied > MAX_WORK:
-            raise TemplateLimitError(f"the wordwrap filter would copy {num(copied)} characters to break a "
-                                     f"word of {n:,} into lines of {width:,} (the limit is {MAX_WORK:,} in all)")
+            raise TemplateLimitError(
+                f"the wordwrap filter would copy {num(copied)} characters to break a "
+                f"word of {n:,} into lines of {width:,} (the limit is {MAX_WORK:,} in all)"
+            )
         budget.charge(copied)
         over(len(value) + lines * joiner, "the wordwrap filter would make a value")
     over(len(value) + lines * joiner, "the wordwrap filter would make a value")
@@ -94,8 +111,9 @@ def _filter_wordwrap(args: tuple, kwargs: dict, budget: Budget) -> None:
 
 def _filter_replace(args: tuple, kwargs: dict, budget: Budget) -> None:
     """replace(s, old, new, count): Jinja makes numbers text first."""
-    old, new = (str(x) if isinstance(x, (int, float)) else x
-                for x in (arg(args, kwargs, 1, "old"), arg(args, kwargs, 2, "new")))
+    old, new = (
+        str(x) if isinstance(x, (int, float)) else x for x in (arg(args, kwargs, 1, "old"), arg(args, kwargs, 2, "new"))
+    )
     check_replace(args[0], old, new, arg(args, kwargs, 3, "count"))
 
 
@@ -125,13 +143,20 @@ def filter_tojson(indent_at: int, separators_at: int | None) -> Check:
     """tojson: Jinja's (value, indent) or a chat template's (x, ensure_ascii, indent,
     separators, sort_keys). With an indent, every line carries indent x depth characters;
     with separators, every item one: those are measured by encoding in pieces, counted."""
+
     def check(args: tuple, kwargs: dict, budget: Budget) -> None:
         indent = arg(args, kwargs, indent_at, "indent")
         seps = None if separators_at is None else arg(args, kwargs, separators_at, "separators")
         width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
         check_int(width, "tojson's indent")
-        long_seps = tuple(seps) if isinstance(seps, (list, tuple)) and len(seps) == 2 and \
-            all(isinstance(s, str) for s in seps) and len(seps[0]) + len(seps[1]) > 4 else None
+        long_seps = (
+            tuple(seps)
+            if isinstance(seps, (list, tuple))
+            and len(seps) == 2
+            and all(isinstance(s, str) for s in seps)
+            and len(seps[0]) + len(seps[1]) > 4
+            else None
+        )
         if width <= 0 and long_seps is None:
             return  # escaping grows a value a few times at most
         over(max(width, 0) * (_depth(args[0]) + 1), "tojson's indent would make a line")
@@ -143,6 +168,7 @@ def filter_tojson(indent_at: int, separators_at: int | None) -> Check:
                 over(made, "the tojson filter would make a value")
         except (TypeError, ValueError):
             return  # not JSON: the filter says so itself
+
     return check
 
 
@@ -173,11 +199,12 @@ def _filter_urlize(args: tuple, kwargs: dict, budget: Budget) -> None:
         k = len(run.group()) - 3 * run.group().count("&gt;")
         steps += k * (k + 1) // 2
         if steps > MAX_REGEX_STEPS:
-            raise TemplateLimitError("the urlize filter would search runs of punctuation "
-                                     f"({k:,} characters in a row) more than {MAX_REGEX_STEPS:,} "
-                                     "times")
-    added = sum(len(x) for x in (arg(args, kwargs, 3, "target"), arg(args, kwargs, 4, "rel"))
-                if isinstance(x, str))
+            raise TemplateLimitError(
+                "the urlize filter would search runs of punctuation "
+                f"({k:,} characters in a row) more than {MAX_REGEX_STEPS:,} "
+                "times"
+            )
+    added = sum(len(x) for x in (arg(args, kwargs, 3, "target"), arg(args, kwargs, 4, "rel")) if isinstance(x, str))
     if added:
         links = value.count(".") + value.count("@") + value.count(":") + 1  # a link has one
         over(len(value) + links * added, "the urlize filter would make a value")
@@ -209,22 +236,32 @@ def _all(*checks: Check) -> Check:
     def check(args: tuple, kwargs: dict, budget: Budget) -> None:
         for one in checks:
             one(args, kwargs, budget)
+
     return check
 
 
 # Built-in filters that build in proportion to an argument: checked before they run.
 FILTER_CHECKS: dict[str, Check] = {
-    "center": _filter_widths("center"), "indent": _filter_indent, "wordwrap": _filter_wordwrap,
-    "batch": _filter_count("linecount"), "slice": _all(_filter_count("slices"), _filter_chars("slice")),
-    "replace": _filter_replace, "format": _filter_format, "join": _filter_join, "sum": _filter_sum,
-    "list": _filter_chars("list"), "sort": _filter_chars("sort"), "groupby": _filter_chars("groupby"),
-    "tojson": filter_tojson(1, None), "urlize": _filter_urlize}
+    "center": _filter_widths("center"),
+    "indent": _filter_indent,
+    "wordwrap": _filter_wordwrap,
+    "batch": _filter_count("linecount"),
+    "slice": _all(_filter_count("slices"), _filter_chars("slice")),
+    "replace": _filter_replace,
+    "format": _filter_format,
+    "join": _filter_join,
+    "sum": _filter_sum,
+    "list": _filter_chars("list"),
+    "sort": _filter_chars("sort"),
+    "groupby": _filter_chars("groupby"),
+    "tojson": filter_tojson(1, None),
+    "urlize": _filter_urlize,
+}
 # Filters that consume their whole input: a lazy one is made a list first, within the limits.
 MATERIALIZING = frozenset({"list", "join", "sort", "reverse", "slice", "groupby", "sum"})
 
 
-def checked_filter_args(name: str, check: Check | None, args: tuple, kwargs: dict,
-                        budget: Budget) -> tuple:
+def checked_filter_args(name: str, check: Check | None, args: tuple, kwargs: dict, budget: Budget) -> tuple:
     """A filter's arguments once what it would build is within the limits."""
     if not args:
         return args

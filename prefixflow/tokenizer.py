@@ -108,8 +108,9 @@ class FastTokenizer:
             raise ValueError("this model has no chat template: use a plain prompt template")
         return source
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = False, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, tokenize: bool = False, **kwargs: Any
+    ) -> str:
         """chat_text(self, ...): the text only, as transformers' tokenize=False gives it."""
         if tokenize:
             raise ValueError("FastTokenizer.apply_chat_template renders text only: use tokenize=False")
@@ -120,9 +121,14 @@ class FastTokenizer:
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-              chat_template: str | None = None, continue_final_message: bool = False,
-              **variables: Any) -> str:
+def chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = False,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    **variables: Any,
+) -> str:
     """`messages` as the chat template of `tokenizer` (a FastTokenizer or a transformers
     tokenizer) writes them, or as `chat_template` does (a template, or the name of one of the
     model's named templates), rendered in the bounded sandbox with transformers'
@@ -143,8 +149,14 @@ def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_pro
         if not isinstance(final, str):
             raise ValueError('continue_final_message is set but the final message has no text "content"')
         messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
-    values = {"messages": messages, "tools": None, "documents": None,
-              "add_generation_prompt": add_generation_prompt, **tokenizer.special_tokens_map, **variables}
+    values = {
+        "messages": messages,
+        "tools": None,
+        "documents": None,
+        "add_generation_prompt": add_generation_prompt,
+        **tokenizer.special_tokens_map,
+        **variables,
+    }
     text = render(source, values, chat=True)
     return text if final is None else _open_final(text, final)
 
@@ -153,10 +165,12 @@ def _open_final(text: str, final: str) -> str:
     """The rendered chat cut right after the final message's text (transformers' rule)."""
     tag = _CONTINUE_TAG.strip()
     if final.strip() not in text or tag not in text:
-        raise ValueError("continue_final_message is set but the final message does not appear in the "
-                         "chat after applying the chat template (the template deletes part of it)")
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the "
+            "chat after applying the chat template (the template deletes part of it)"
+        )
     at = text.rindex(tag)
-    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:

@@ -33,8 +33,9 @@ def build_tree(root: Path) -> Path:
             continue
         target.mkdir(parents=True)
         for entry in (REPO / folder).iterdir():
-            if entry.suffix == ".py" or (entry.is_dir() and (entry / "__init__.py").exists()
-                                         and f"{name}.{entry.name}" not in dirs):
+            if entry.suffix == ".py" or (
+                entry.is_dir() and (entry / "__init__.py").exists() and f"{name}.{entry.name}" not in dirs
+            ):
                 os.symlink(entry, target / entry.name)
     return root / "prefixflow"
 
@@ -42,8 +43,17 @@ def build_tree(root: Path) -> Path:
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else DEFAULT_ROOT
     build_tree(root)
-    cmd = [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
-           "--cache-dir", str(root / ".mypy_cache"), "-p", "prefixflow"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(REPO / "pyproject.toml"),
+        "--cache-dir",
+        str(root / ".mypy_cache"),
+        "-p",
+        "prefixflow",
+    ]
     return subprocess.run(cmd, cwd=root).returncode
 
 

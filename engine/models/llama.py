@@ -30,13 +30,18 @@ class LlamaAttention(nn.Module):
         self.kv_size = args.num_kv_heads * args.head_dim
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
         self.head_dim = args.head_dim
-        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=args.qkv_bias)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, queries: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        queries: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
         """x: [T, H] -> [T, H]; with `queries` (the last layer's view) every row's K/V is
         written and only the rows queries.rows are answered: -> [N, H]."""
         t, hqk = x.shape[0], self.num_heads + self.num_kv_heads
@@ -44,14 +49,14 @@ class LlamaAttention(nn.Module):
         # q and k rotate in one call: their heads are adjacent in each row of qkv.
         qk, v = heads[:, :hqk], heads[:, hqk:]
         if cpu_exact.supports_rotary(qk, cos, sin):
-            cpu_exact.rotary_(qk, cos, sin)        # in place, one C call (v stays a view)
+            cpu_exact.rotary_(qk, cos, sin)  # in place, one C call (v stays a view)
         else:
-            qk, v = apply_rotary(qk, cos, sin), v.contiguous()                     # [T, Hq+Hkv, D]
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]                      # [T, Hq|Hkv, D]
+            qk, v = apply_rotary(qk, cos, sin), v.contiguous()  # [T, Hq+Hkv, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq|Hkv, D]
         if queries is not None:
-            q = q[queries.rows]                                                    # [N, Hq, D]
-        o = self.attn(q, k, v, meta, queries)                                      # [T|N, Hq, D]
-        out: torch.Tensor = self.o_proj(o.reshape(o.shape[0], self.q_size))        # [T|N, H]
+            q = q[queries.rows]  # [N, Hq, D]
+        o = self.attn(q, k, v, meta, queries)  # [T|N, Hq, D]
+        out: torch.Tensor = self.o_proj(o.reshape(o.shape[0], self.q_size))  # [T|N, H]
         return out
 
 
@@ -63,9 +68,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata, queries: AttentionMetadata | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        queries: AttentionMetadata | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # Pre-norm block; `residual` carries the stream, x the last sublayer's output. With
         # `queries` (the last layer), rows other than queries.rows stop after their K/V.
         if residual is None:
@@ -99,8 +110,11 @@ class LlamaForCausalLM(nn.Module):
 
     # HF weight name suffix -> (our parameter suffix, index of the slice in the fused tensor)
     packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
@@ -119,12 +133,13 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.decoder_layers()]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         """input_ids, positions: [T] int64; logits_indices: [N] int64 rows of the last layer's
         output (the step's rows, or meta.last_layer's) whose next-token logits are wanted.
         Returns [N, V] fp32."""
-        x = self.model.embed_tokens(input_ids)                                     # [T, H]
+        x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.model.rotary(positions, x.dtype)
         residual: torch.Tensor | None = None
         last = len(self.model.layers) - 1
@@ -133,8 +148,8 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:
             raise ValueError("the model has no decoder layers (ModelArgs.num_layers is 0)")
         # Only the sampled rows go through the last residual add, the final norm and the head.
-        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])           # [N, H]
-        logits: torch.Tensor = self.lm_head(x)                                     # [N, V] fp32
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])  # [N, H]
+        logits: torch.Tensor = self.lm_head(x)  # [N, V] fp32
         return logits
 
     def slice_of(self, hf_name: str) -> tuple[str, slice | None]:

@@ -36,8 +36,9 @@ def model_dir(path: str | Path) -> Path:
     return resolve_model(path)
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-               max_positions: int | None = None) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", max_positions: int | None = None
+) -> LlamaForCausalLM:
     """Build our model for the checkpoint at `path` and load its weights.
 
     dtype: "auto" (see `torch_dtype`), "float32", "bfloat16" or "float16". max_positions: size
@@ -58,13 +59,12 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu; checks that a requested CUDA device exists."""
+    """ "auto" -> cuda when available, else cpu; checks that a requested CUDA device exists."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"EngineConfig.device={device!r} but CUDA is not available; use "
-                         "'cpu' or 'auto'")
+        raise ValueError(f"EngineConfig.device={device!r} but CUDA is not available; use 'cpu' or 'auto'")
     return dev
 
 
@@ -75,9 +75,11 @@ def resolve_max_model_len(config: EngineConfig, args: ModelArgs) -> int:
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
-        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds what the "
-                         f"model supports ({limit}: max_position_embeddings, or the sliding "
-                         "window); use a smaller value or None")
+        raise ValueError(
+            f"EngineConfig.max_model_len={config.max_model_len} exceeds what the "
+            f"model supports ({limit}: max_position_embeddings, or the sliding "
+            "window); use a smaller value or None"
+        )
     return config.max_model_len
 
 
@@ -88,8 +90,7 @@ def torch_dtype(dtype: str, path: str | Path, device: str | torch.device) -> tor
     if dtype in DTYPES:
         return DTYPES[dtype]
     if dtype != "auto":
-        raise ValueError(f"dtype={dtype!r} is not supported: use auto or one of "
-                         f"{', '.join(DTYPES)}")
+        raise ValueError(f"dtype={dtype!r} is not supported: use auto or one of {', '.join(DTYPES)}")
     if torch.device(device).type == "cpu":
         return torch.float32
     cfg = read_json(model_dir(path) / "config.json")
@@ -114,14 +115,17 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     continue  # tied checkpoints sometimes store the copy too
                 name, rows = model.slice_of(hf_name)
                 if name not in params:
-                    raise ValueError(f"{file.name} holds weight {hf_name!r} that the "
-                                     f"{model.args.architecture} model does not have")
+                    raise ValueError(
+                        f"{file.name} holds weight {hf_name!r} that the {model.args.architecture} model does not have"
+                    )
                 target = params[name] if rows is None else params[name][rows]
                 tensor = f.get_tensor(hf_name)
                 if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"weight {hf_name!r} in {file.name} has shape "
-                                     f"{tuple(tensor.shape)}; config.json implies "
-                                     f"{tuple(target.shape)}")
+                    raise ValueError(
+                        f"weight {hf_name!r} in {file.name} has shape "
+                        f"{tuple(tensor.shape)}; config.json implies "
+                        f"{tuple(target.shape)}"
+                    )
                 target.copy_(tensor)
                 loaded.add((name, 0 if rows is None else _slice_index(model, hf_name)))
     missing = sorted(f"{n}[{i}]" for n, i in expected - loaded)
@@ -132,8 +136,10 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
 
 def _num_hf_tensors(model: LlamaForCausalLM) -> dict[str, int]:
     """Each parameter name -> how many HF tensors fill it (3 for qkv, 2 for gate_up)."""
-    return {name: 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-            for name, _ in model.named_parameters()}
+    return {
+        name: 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
+        for name, _ in model.named_parameters()
+    }
 
 
 def _slice_index(model: LlamaForCausalLM, hf_name: str) -> int:

@@ -32,8 +32,9 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type={self.rope_type!r} is not supported: use one of "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise ValueError(
+                f"rope_type={self.rope_type!r} is not supported: use one of {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +75,14 @@ def read_model_args(path: str | Path) -> ModelArgs:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"config.json architectures={archs!r} is not supported: prefixflow's "
-                         f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"config.json architectures={archs!r} is not supported: prefixflow's "
+            f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported: "
-                         "the engine implements silu only")
+        raise ValueError(
+            f"config.json hidden_act={cfg['hidden_act']!r} is not supported: the engine implements silu only"
+        )
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     sliding = cfg.get("sliding_window")
@@ -107,6 +111,9 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     params: dict[str, Any] = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if k in params}
+    fields = {
+        k: params[k]
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if k in params
+    }
     return RopeConfig(theta=theta, rope_type=rope_type, **fields)

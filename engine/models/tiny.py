@@ -66,12 +66,19 @@ _DEFAULTS: dict[str, Any] = dict(
 
 _FINAL_NORM_SCALE = 4.0
 
-_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=256)
+_LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=256,
+)
 
 
-def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                         llama3_rope: bool = False, **config_overrides: Any) -> Path:
+def make_tiny_checkpoint(
+    path: str | os.PathLike, arch: str = "llama", seed: int = 0, llama3_rope: bool = False, **config_overrides: Any
+) -> Path:
     """Write a random-weight checkpoint of `arch` into `path` (created) and return it.
 
     arch: "llama", "mistral" or "qwen2" (Qwen2 has q/k/v biases).
@@ -122,17 +129,27 @@ def _quiet_progress_bars() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def tiny_checkpoint_cached(arch: str = "llama", seed: int = 0, llama3_rope: bool = False,
-                           **config_overrides: Any) -> Path:
+def tiny_checkpoint_cached(
+    arch: str = "llama", seed: int = 0, llama3_rope: bool = False, **config_overrides: Any
+) -> Path:
     """Like `make_tiny_checkpoint`, written once under `$PREFIXFLOW_CACHE/tiny/` (default
     `~/.cache/prefixflow/tiny/`) in a folder keyed by the arguments, then reused.
 
     Safe when several processes ask at once: each writes a temporary folder and renames it.
     """
     # The transformers version is part of the key: its init and file format may change.
-    key = json.dumps(dict(v=_FORMAT_VERSION, transformers=version("transformers"), arch=arch,
-                          seed=seed, llama3_rope=llama3_rope, overrides=config_overrides),
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        dict(
+            v=_FORMAT_VERSION,
+            transformers=version("transformers"),
+            arch=arch,
+            seed=seed,
+            llama3_rope=llama3_rope,
+            overrides=config_overrides,
+        ),
+        sort_keys=True,
+        default=str,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = cache_root() / "tiny"
     final = root / f"{arch}-{digest}"
@@ -155,15 +172,23 @@ def tiny_checkpoint_cached(arch: str = "llama", seed: int = 0, llama3_rope: bool
 def _model_class(arch: str) -> type:
     import transformers
 
-    return {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-            "qwen2": transformers.Qwen2ForCausalLM}[arch]
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+    }[arch]
 
 
 def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict[str, Any]) -> PretrainedConfig:
     import transformers
 
-    fields = dict(_DEFAULTS, vocab_size=vocab_size, pad_token_id=SPECIAL_TOKENS.index(PAD),
-                  bos_token_id=SPECIAL_TOKENS.index(BOS), eos_token_id=SPECIAL_TOKENS.index(EOS))
+    fields = dict(
+        _DEFAULTS,
+        vocab_size=vocab_size,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+    )
     if llama3_rope and int(version("transformers").split(".")[0]) >= 5:
         fields["rope_parameters"] = dict(_LLAMA3_ROPE)
     elif llama3_rope:  # transformers 4 reads rope_theta beside rope_scaling
@@ -173,10 +198,13 @@ def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict
         fields["sliding_window"] = None  # we attend to the whole context, like HF then
     fields.update(overrides)
     if fields["vocab_size"] != vocab_size:
-        raise ValueError(f"vocab_size={fields['vocab_size']} must equal the tokenizer's "
-                         f"{vocab_size}: leave vocab_size out of the overrides")
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
+        raise ValueError(
+            f"vocab_size={fields['vocab_size']} must equal the tokenizer's "
+            f"{vocab_size}: leave vocab_size out of the overrides"
+        )
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[
+        arch
+    ]
     config: PretrainedConfig = cls(**fields)
     return config
 
@@ -186,8 +214,9 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-                                  bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), bos_token=BOS, eos_token=EOS, pad_token=PAD
+    )
     tok.chat_template = CHAT_TEMPLATE
     tok.additional_special_tokens = list(SPECIAL_TOKENS[3:])
     return tok
@@ -200,15 +229,17 @@ def _tokenizer_json() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE,
-                                  special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer)
     # Like Llama: the tokenizer adds BOS itself when asked for special tokens.
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
-        special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))]
+    )
     return tok.to_str()
 
 
@@ -225,13 +256,31 @@ into French. Classify the sentiment of the sentence as positive, negative or neu
 a helpful assistant. Write a short poem about the sea, the wind and the morning light.
 """
 
-_SUBJECTS = ("the model", "a student", "the scheduler", "my friend", "the engine", "a small cat",
-             "the teacher", "our team", "the river", "this system")
-_VERBS = ("reads", "writes", "computes", "finds", "shares", "answers", "likes", "builds",
-          "plans", "sees")
-_OBJECTS = ("the long document", "a simple question", "every prefix", "the next token",
-            "a cached block", "the blue sky", "many requests", "the final answer",
-            "some numbers 1 2 3 42 2024", "an email to the user")
+_SUBJECTS = (
+    "the model",
+    "a student",
+    "the scheduler",
+    "my friend",
+    "the engine",
+    "a small cat",
+    "the teacher",
+    "our team",
+    "the river",
+    "this system",
+)
+_VERBS = ("reads", "writes", "computes", "finds", "shares", "answers", "likes", "builds", "plans", "sees")
+_OBJECTS = (
+    "the long document",
+    "a simple question",
+    "every prefix",
+    "the next token",
+    "a cached block",
+    "the blue sky",
+    "many requests",
+    "the final answer",
+    "some numbers 1 2 3 42 2024",
+    "an email to the user",
+)
 
 
 def _corpus() -> list[str]:
@@ -256,9 +305,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--kv-heads", type=int, default=None)
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in dict(
-        num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            num_hidden_layers=args.layers,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+        ).items()
+        if v is not None
+    }
     if args.tied:
         overrides["tie_word_embeddings"] = True
     out = make_tiny_checkpoint(args.path, args.arch, args.seed, args.llama3_rope, **overrides)

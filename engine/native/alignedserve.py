@@ -47,15 +47,31 @@ class DensityFirstBatcher:
     starvation_level: tree level whose nodes keep starvation timestamps (4**level ranges).
     """
 
-    def __init__(self, max_blocks: int, min_requests: int, block_size: int = 16,
-                 max_len: int = 65536, starvation_s: float = 30.0, starvation_level: int = 4,
-                 max_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        max_blocks: int,
+        min_requests: int,
+        block_size: int = 16,
+        max_len: int = 65536,
+        starvation_s: float = 30.0,
+        starvation_level: int = 4,
+        max_requests: int | None = None,
+    ) -> None:
         owner = "DensityFirstBatcher"
-        for name, value in (("max_blocks", max_blocks), ("min_requests", min_requests),
-                            ("block_size", block_size), ("max_len", max_len)):
+        for name, value in (
+            ("max_blocks", max_blocks),
+            ("min_requests", min_requests),
+            ("block_size", block_size),
+            ("max_len", max_len),
+        ):
             require(value >= 1, owner, name, value, "use a positive integer")
-        require(max_requests is None or max_requests >= min_requests, owner, "max_requests", max_requests,
-                f"use None or at least min_requests ({min_requests})")
+        require(
+            max_requests is None or max_requests >= min_requests,
+            owner,
+            "max_requests",
+            max_requests,
+            f"use None or at least min_requests ({min_requests})",
+        )
         require(starvation_s > 0, owner, "starvation_s", starvation_s, "use a positive number of seconds")
         self.max_requests = max_requests if max_requests is not None else np.iinfo(np.int64).max
         self.max_blocks, self.min_requests, self.block_size = max_blocks, min_requests, block_size
@@ -108,17 +124,17 @@ class DensityFirstBatcher:
             a, b = self._range(level, index)
             if self._fits(a, b):
                 if b - a >= self.min_requests or (level == 0 and index == 0):
-                    return a, b                                  # case 1
-                return self._widen(a, b, self._range(*parent))    # case 3
+                    return a, b  # case 1
+                return self._widen(a, b, self._range(*parent))  # case 3
             if level == self.depth:  # one length, too many to fit: as many as fit
                 return a, a + self._fit_from(a, b)
             parent = (level, index)
             kids = [self._range(level + 1, 4 * index + k) for k in range(4)]
-            best = max(range(4), key=lambda k: kids[k][1] - kids[k][0])   # case 2: densest child
+            best = max(range(4), key=lambda k: kids[k][1] - kids[k][0])  # case 2: densest child
             level, index = level + 1, 4 * index + best
 
     def _fit_from(self, a: int, b: int) -> int:
-        by_blocks = int(np.searchsorted(self._cum[a:b + 1] - self._cum[a], self.max_blocks, "right")) - 1
+        by_blocks = int(np.searchsorted(self._cum[a : b + 1] - self._cum[a], self.max_blocks, "right")) - 1
         return min(by_blocks, self.max_requests)
 
     def _widen(self, a: int, b: int, parent: tuple[int, int]) -> tuple[int, int]:

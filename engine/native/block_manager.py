@@ -33,8 +33,13 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
-        require(num_blocks >= 1, "BlockManager", "num_blocks", num_blocks,
-                "the KV cache needs at least one block; raise EngineConfig.kv_cache_bytes")
+        require(
+            num_blocks >= 1,
+            "BlockManager",
+            "num_blocks",
+            num_blocks,
+            "the KV cache needs at least one block; raise EngineConfig.kv_cache_bytes",
+        )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_cache = enable_prefix_cache
@@ -43,7 +48,7 @@ class BlockManager:
         # freed (least recently freed first = LRU eviction).
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.ahead: set[int] = set()      # hashed by the step being scheduled, not yet computed
+        self.ahead: set[int] = set()  # hashed by the step being scheduled, not yet computed
         self.num_evictions = 0
 
     @property

@@ -18,10 +18,16 @@ def finished_output(seq: Sequence, tokenizer: Any, drop_last_from_text: bool) ->
     else:
         text = decode_output(out_ids, seq.params, tokenizer, drop_last_from_text)
     logprobs = tuple(seq.logprobs) if seq.params.logprobs is not None else None
-    return RequestOutput(row_id=seq.row_id, prompt_token_ids=tuple(seq.token_ids[:seq.num_prompt_tokens]),
-                         token_ids=tuple(out_ids), text=text, finish_reason=seq.finish_reason or "length",
-                         logprobs=logprobs, prefix_len=seq.prefix_len,
-                         num_cached_tokens=max(seq.num_cached_tokens, 0))
+    return RequestOutput(
+        row_id=seq.row_id,
+        prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
+        token_ids=tuple(out_ids),
+        text=text,
+        finish_reason=seq.finish_reason or "length",
+        logprobs=logprobs,
+        prefix_len=seq.prefix_len,
+        num_cached_tokens=max(seq.num_cached_tokens, 0),
+    )
 
 
 def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> tuple[str, bool] | None:
@@ -48,10 +54,10 @@ def append_text(seq: Sequence, tokenizer: Any) -> None:
     recent tokens and append only text that is complete (no partial UTF-8 character)."""
     ids = seq.output_token_ids
     skip = seq.params.skip_special_tokens
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    new_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-        seq.text += new_text[len(prefix_text):]
+        seq.text += new_text[len(prefix_text) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
 
@@ -65,5 +71,5 @@ def cut_at_stop_string(seq: Sequence) -> bool:
             cut, end = i, i + len(stop)
     if cut < 0:
         return False
-    seq.text = seq.text[:end if seq.params.include_stop_str_in_output else cut]
+    seq.text = seq.text[: end if seq.params.include_stop_str_in_output else cut]
     return True

@@ -22,8 +22,15 @@ from prefixflow.engine.native.finish import append_text, check_finish, finished_
 from prefixflow.engine.native.scheduler import Scheduler
 from prefixflow.engine.native.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
 from prefixflow.engine.native.step import SampledToken
-from prefixflow.engine.outputs import (EngineTotals, RequestOutput, StepStats, TokenLogprob, error_output,
-                                       greedy_copies, with_samples)
+from prefixflow.engine.outputs import (
+    EngineTotals,
+    RequestOutput,
+    StepStats,
+    TokenLogprob,
+    error_output,
+    greedy_copies,
+    with_samples,
+)
 from prefixflow.pipeline import build_plan
 from prefixflow.requests import PrefixGroup, SamplingParams
 
@@ -51,6 +58,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model_runner: Any = None) -> None:
         if model_runner is None:
             from prefixflow.engine.native.model_runner import ModelRunner  # torch only from here
+
             model_runner = ModelRunner(config)
         self.config = config
         self.runner = model_runner
@@ -82,8 +90,14 @@ class LLMEngine:
         self.stats, self._samples, self._copies = [], {}, {}
         sched = self.scheduler
         start = time.perf_counter()
-        counts = {"requests": 0, "prompt": 0, "output": 0, "computed0": sched.num_computed_prompt_tokens,
-                  "recomputed0": sched.num_recomputed_tokens, "preempt0": sched.num_preemptions}
+        counts = {
+            "requests": 0,
+            "prompt": 0,
+            "output": 0,
+            "computed0": sched.num_computed_prompt_tokens,
+            "recomputed0": sched.num_recomputed_tokens,
+            "preempt0": sched.num_preemptions,
+        }
         made = self._make_groups(groups, params)
         self._open_groups = {}
         exhausted = completed = False
@@ -113,20 +127,24 @@ class LLMEngine:
             if not completed:  # the caller stopped iterating, or a step raised
                 sched.abort_all()
         self.totals = EngineTotals(
-            num_requests=counts["requests"], num_prompt_tokens=counts["prompt"],
+            num_requests=counts["requests"],
+            num_prompt_tokens=counts["prompt"],
             num_computed_prompt_tokens=sched.num_computed_prompt_tokens - counts["computed0"],
             num_recomputed_tokens=sched.num_recomputed_tokens - counts["recomputed0"],
-            num_output_tokens=counts["output"], num_steps=len(self.stats),
+            num_output_tokens=counts["output"],
+            num_steps=len(self.stats),
             num_preemptions=sched.num_preemptions - counts["preempt0"],
-            wall_time_s=time.perf_counter() - start)
+            wall_time_s=time.perf_counter() - start,
+        )
 
     def _take(self, made: Iterator[Made | None], counts: dict[str, int]) -> Generator[RequestOutput, None, bool]:
         """Add groups from `made` while the scheduler wants more (engine/intake.py; all of
         them under policy "vllm": vLLM's queue holds every request it is given), yielding the
         error outputs of rows that cannot run; returns whether `made` is exhausted."""
         sched = self.scheduler
-        while self.config.policy == "vllm" or wants_more(*sched.pending_work(), sched.num_running,
-                                                         self.config.max_num_batched_tokens, sched.max_num_seqs):
+        while self.config.policy == "vllm" or wants_more(
+            *sched.pending_work(), sched.num_running, self.config.max_num_batched_tokens, sched.max_num_seqs
+        ):
             item = next(made, _END)
             if item is _END or item is NOT_READY:
                 return item is _END
@@ -144,8 +162,13 @@ class LLMEngine:
         members to that group: they attend to the prefix already computed, as one group."""
         key = (group.group_id, len(group.prefix.token_ids) if group.prefix else 0)
         open_group = self._open_groups.get(key)
-        if open_group is not None and not open_group.is_done and group.prefix is not None and \
-                open_group.prefix is not None and open_group.prefix.token_ids == group.prefix.token_ids:
+        if (
+            open_group is not None
+            and not open_group.is_done
+            and group.prefix is not None
+            and open_group.prefix is not None
+            and open_group.prefix.token_ids == group.prefix.token_ids
+        ):
             for seq in group.pending:
                 seq.group = open_group
             open_group.pending.extend(group.pending)
@@ -153,8 +176,13 @@ class LLMEngine:
         self._open_groups[key] = group
         self.scheduler.add_group(group)
 
-    def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
-                 *, add_special_tokens: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
+        *,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for each prompt; outputs in input order.
 
         prompts: token-id lists, or strings. Strings are encoded with the model's tokenizer as
@@ -169,13 +197,16 @@ class LLMEngine:
             by_row: Params = params
         else:
             if len(params) != len(token_lists):
-                raise ValueError(f"params has {len(params)} entries for {len(token_lists)} prompts: "
-                                 "give one SamplingParams, or one per prompt")
+                raise ValueError(
+                    f"params has {len(params)} entries for {len(token_lists)} prompts: "
+                    "give one SamplingParams, or one per prompt"
+                )
             by_row = dict(enumerate(params))
         if not token_lists:
             return []
-        plan = build_plan(token_lists, row_ids=list(range(len(token_lists))), order="batchllm",
-                          min_prefix_len=self.runner.block_size)
+        plan = build_plan(
+            token_lists, row_ids=list(range(len(token_lists))), order="batchllm", min_prefix_len=self.runner.block_size
+        )
         results = {out.row_id: out for out in self.run(plan.groups(0), by_row)}
         return [results[i] for i in range(len(token_lists))]
 
@@ -189,8 +220,9 @@ class LLMEngine:
         """A fresh block manager and scheduler, with no request: at start, and after a failed
         run (operators/stages/isolate.py), since a step that raised may have left the KV bookkeeping
         half-updated. The hashed prefix cache is dropped with it; the model stays loaded."""
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
-                                          self.config.enable_prefix_cache)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, self.runner.block_size, self.config.enable_prefix_cache
+        )
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
 
     # ---- the step -----------------------------------------------------------------------------
@@ -201,8 +233,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = sched.schedule()
         if not out.chunks:
-            raise RuntimeError("internal error: the scheduler made no progress with requests left "
-                               f"({len(sched.waiting)} waiting groups, {len(sched.active)} active)")
+            raise RuntimeError(
+                "internal error: the scheduler made no progress with requests left "
+                f"({len(sched.waiting)} waiting groups, {len(sched.active)} active)"
+            )
         num_running = sched.num_running
         used_blocks = self.block_manager.num_used_blocks
         try:
@@ -211,12 +245,20 @@ class LLMEngine:
             self.block_manager.forget_ahead()  # blocks hashed for this step were never written
             raise
         finished = [self._on_token(seq, token) for seq, token in sched.update(out, result.sampled)]
-        self.stats.append(StepStats(
-            step=len(self.stats), num_tokens=out.num_tokens(), num_prefill_tokens=out.num_tokens("prefill"),
-            num_decode_tokens=out.num_tokens("decode"), num_prefix_tokens=out.num_tokens("prefix"),
-            num_running_seqs=num_running, num_used_blocks=used_blocks,
-            num_total_blocks=self.block_manager.num_blocks, num_preemptions=out.num_preemptions,
-            duration_s=time.perf_counter() - t0))
+        self.stats.append(
+            StepStats(
+                step=len(self.stats),
+                num_tokens=out.num_tokens(),
+                num_prefill_tokens=out.num_tokens("prefill"),
+                num_decode_tokens=out.num_tokens("decode"),
+                num_prefix_tokens=out.num_tokens("prefix"),
+                num_running_seqs=num_running,
+                num_used_blocks=used_blocks,
+                num_total_blocks=self.block_manager.num_blocks,
+                num_preemptions=out.num_preemptions,
+                duration_s=time.perf_counter() - t0,
+            )
+        )
         return [f for f in finished if f is not None]
 
     def _on_token(self, seq: Sequence, token: SampledToken) -> RequestOutput | None:
@@ -242,14 +284,14 @@ class LLMEngine:
 
     # ---- requests in ----------------------------------------------------------------------------
 
-    def _make_groups(self, groups: Iterable[PrefixGroup | None], params: Params
-                     ) -> Iterator[Made | None]:
+    def _make_groups(self, groups: Iterable[PrefixGroup | None], params: Params) -> Iterator[Made | None]:
         """Our GroupStates in plan order; a row sampling n > 1 times leaves its group for a
         group of its own right after it, whose prefix is its prompt (computed once). A greedy
         row asking n > 1 stays a member and runs once (`_once`). NOT_READY passes through."""
         if self.config.policy == "vllm":  # arrival order: the whole run is taken first
-            rows = sorted((int(row_id), g.prompt(i).tolist())
-                          for g in every_group(groups) for i, row_id in enumerate(g.row_ids))
+            rows = sorted(
+                (int(row_id), g.prompt(i).tolist()) for g in every_group(groups) for i, row_id in enumerate(g.row_ids)
+            )
             for row_id, prompt in rows:
                 p = self.config.row_params(params, row_id)
                 if p.n > 1 and not p.greedy:
@@ -291,9 +333,18 @@ class LLMEngine:
         group, errors = self._make_group(next(self._ids), prefix, [(row_id, prefix, last, p, 0)])
         if group is not None:
             for i in range(1, p.n):  # the first passed the checks: so do the others
-                group.pending.append(replace(group.pending[0], seq_id=next(self._ids), token_ids=list(prompt),
-                                             block_table=[], block_hashes=[], params=p.sample_params(i),
-                                             sample_index=i, logprobs=[]))
+                group.pending.append(
+                    replace(
+                        group.pending[0],
+                        seq_id=next(self._ids),
+                        token_ids=list(prompt),
+                        block_table=[],
+                        block_hashes=[],
+                        params=p.sample_params(i),
+                        sample_index=i,
+                        logprobs=[],
+                    )
+                )
             group.pending[0].params = p.sample_params(0)
             for s in group.pending:
                 s.num_samples = p.n
@@ -312,37 +363,53 @@ class LLMEngine:
             if error:
                 errors.append(error_output(row_id, prompt, error))
                 continue
-            group.pending.append(Sequence(
-                seq_id=next(self._ids), token_ids=prompt, own_start=prefix_len,
-                hash_seed=member_hash_seed(prompt[:prefix_len]), row_id=row_id,
-                num_prompt_tokens=len(prompt), params=p, group=group, sample_index=index))
+            group.pending.append(
+                Sequence(
+                    seq_id=next(self._ids),
+                    token_ids=prompt,
+                    own_start=prefix_len,
+                    hash_seed=member_hash_seed(prompt[:prefix_len]),
+                    row_id=row_id,
+                    num_prompt_tokens=len(prompt),
+                    params=p,
+                    group=group,
+                    sample_index=index,
+                )
+            )
         if not group.pending:
             return None, errors
         if any(s.prefix_len > 0 for s in group.pending):
             group.prefix = PrefixSeq(seq_id=next(self._ids), token_ids=prefix, own_start=0, hash_seed=ROOT_HASH_SEED)
         return group, errors
 
-    def _check_request(self, prompt: list[int], prefix_len: int, group_prefix_len: int,
-                       p: SamplingParams) -> str | None:
+    def _check_request(
+        self, prompt: list[int], prefix_len: int, group_prefix_len: int, p: SamplingParams
+    ) -> str | None:
         if not prompt:
             return "the prompt is empty: give at least one token"
         if len(prompt) >= self.max_model_len:
-            return (f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}: "
-                    "shorten the prompt or raise EngineConfig.max_model_len")
+            return (
+                f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt or raise EngineConfig.max_model_len"
+            )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size}): check the tokenizer"
         if p.structured_outputs is not None:
-            return (f"structured_outputs ({next(iter(p.structured_outputs))}) needs engine.backend: vllm; "
-                    "the native engine has no structured-output decoding")
+            return (
+                f"structured_outputs ({next(iter(p.structured_outputs))}) needs engine.backend: vllm; "
+                "the native engine has no structured-output decoding"
+            )
         if p.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; the model runner has none: use stop_token_ids"
         bm = self.block_manager
         num_tokens = min(len(prompt) + p.max_tokens, self.max_model_len) - prefix_len
         need = bm.blocks_for(num_tokens) + (bm.blocks_for(group_prefix_len) if prefix_len else 0)
         if need > bm.num_blocks:
-            return (f"the request needs {need} KV blocks (prompt {len(prompt)} + max_tokens {p.max_tokens}) "
-                    f"but the cache has {bm.num_blocks}: raise EngineConfig.kv_cache_bytes or lower max_tokens")
+            return (
+                f"the request needs {need} KV blocks (prompt {len(prompt)} + max_tokens {p.max_tokens}) "
+                f"but the cache has {bm.num_blocks}: raise EngineConfig.kv_cache_bytes or lower max_tokens"
+            )
         return None
 
     def _encode(self, prompt: str | Seq[int], add_special_tokens: bool) -> list[int]:

@@ -44,8 +44,14 @@ import torch
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.models.layers.attention import AttentionMetadata
-from prefixflow.engine.models.loader import (load_model, load_tokenizer, read_eos_token_ids, resolve_device,
-                                             resolve_max_model_len, torch_dtype)
+from prefixflow.engine.models.loader import (
+    load_model,
+    load_tokenizer,
+    read_eos_token_ids,
+    resolve_device,
+    resolve_max_model_len,
+    torch_dtype,
+)
 from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
@@ -95,12 +101,20 @@ class ModelRunner:
             return StepOutput(sampled=())
         params = [c.sampling_params for c in sampling if c.sampling_params is not None]
         assert len(params) == len(sampling), "build_step_batch lets no sampled chunk lack sampling_params"
-        out = self.sampler.sample(logits, params, [c.num_generated for c in sampling],
-                                  [list(c.history) for c in sampling])
-        return StepOutput(sampled=tuple(
-            SampledToken(seq_id=c.seq_id, token_id=out.token_ids[i], logprob=out.logprobs[i],
-                         top_logprobs=out.top_logprobs[i])
-            for i, c in enumerate(sampling)))
+        out = self.sampler.sample(
+            logits, params, [c.num_generated for c in sampling], [list(c.history) for c in sampling]
+        )
+        return StepOutput(
+            sampled=tuple(
+                SampledToken(
+                    seq_id=c.seq_id,
+                    token_id=out.token_ids[i],
+                    logprob=out.logprobs[i],
+                    top_logprobs=out.top_logprobs[i],
+                )
+                for i, c in enumerate(sampling)
+            )
+        )
 
     @torch.inference_mode()
     def execute_logits(self, step: StepInput) -> torch.Tensor:
@@ -108,33 +122,48 @@ class ModelRunner:
         sample=True, in chunk order."""
         batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
         ids, positions, meta, logits_indices = self._to_device(batch)
-        with _cpu_threads(1 if self.device.type == "cpu" and
-                          batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and
-                          cpu_oversubscribed() else None):
+        with _cpu_threads(
+            1
+            if self.device.type == "cpu" and batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and cpu_oversubscribed()
+            else None
+        ):
             logits: torch.Tensor = self.model(ids, positions, meta, logits_indices)
             return logits
 
     # ------------------------------------------------------------------ internals
 
-    def _to_device(self, b: StepBatch
-                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _to_device(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         # Two host->device copies per step: all int64 arrays in one, all int32 ones in another
         # (the last layer's view, when there is one, after the step's own arrays).
         last = b.last
-        longs = self._copy(b.int64_buffer if last is None
-                           else np.concatenate([b.int64_buffer, last.int64_buffer]))
-        ints = self._copy(b.int32_buffer if last is None
-                          else np.concatenate([b.int32_buffer, last.int32_buffer]))
+        longs = self._copy(b.int64_buffer if last is None else np.concatenate([b.int64_buffer, last.int64_buffer]))
+        ints = self._copy(b.int32_buffer if last is None else np.concatenate([b.int32_buffer, last.int32_buffer]))
         t, n = b.num_tokens, b.num_sampled
         r = last.num_rows if last is not None else 0
         ids, positions, slots, logits_idx, rows, row_slots = longs.split([t, t, t, n, r, r])
         last_meta = None
         if last is not None:
             ints, last_ints = ints.split([b.int32_buffer.shape[0], last.int32_buffer.shape[0]])
-            last_meta = _metadata(last_ints, row_slots, r, last.num_prefixes, b, rows=rows,
-                                  is_prefill_only=False, is_decode_only=last.num_prefixes == 0)
-        meta = _metadata(ints, slots, b.num_seqs, b.num_prefixes, b, last_layer=last_meta,
-                         is_prefill_only=b.is_prefill_only, is_decode_only=b.is_decode_only)
+            last_meta = _metadata(
+                last_ints,
+                row_slots,
+                r,
+                last.num_prefixes,
+                b,
+                rows=rows,
+                is_prefill_only=False,
+                is_decode_only=last.num_prefixes == 0,
+            )
+        meta = _metadata(
+            ints,
+            slots,
+            b.num_seqs,
+            b.num_prefixes,
+            b,
+            last_layer=last_meta,
+            is_prefill_only=b.is_prefill_only,
+            is_decode_only=b.is_decode_only,
+        )
         return ids, positions, meta, logits_idx
 
     def _copy(self, host: np.ndarray) -> torch.Tensor:
@@ -170,34 +199,51 @@ class ModelRunner:
     def _num_blocks(self, budget: int) -> int:
         num = budget // (self.block_size * self.kv_bytes_per_token)
         if num < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
-                             f"{self.block_size} tokens x {self.kv_bytes_per_token} bytes; raise "
-                             "EngineConfig.kv_cache_bytes or gpu_memory_utilization")
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds no block of "
+                f"{self.block_size} tokens x {self.kv_bytes_per_token} bytes; raise "
+                "EngineConfig.kv_cache_bytes or gpu_memory_utilization"
+            )
         return int(num)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         a = self.args
         # [layers, K/V, blocks, block_size, Hkv, D]; zeros, so that never-written slots that a
         # kernel may load (and mask) hold no NaN.
-        cache = torch.zeros(a.num_layers, 2, num_blocks, self.block_size, a.num_kv_heads,
-                            a.head_dim, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(
+            a.num_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for layer, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(cache[layer, 0], cache[layer, 1])
         return cache
 
 
-def _metadata(ints: torch.Tensor, slots: torch.Tensor, num_seqs: int, num_prefixes: int,
-              b: StepBatch, **flags: Any) -> AttentionMetadata:
+def _metadata(
+    ints: torch.Tensor, slots: torch.Tensor, num_seqs: int, num_prefixes: int, b: StepBatch, **flags: Any
+) -> AttentionMetadata:
     """The AttentionMetadata of int32 arrays laid out as StepBatch.int32_buffer, for num_seqs
     sequences and num_prefixes prefixes (the step's, or its last layer's view)."""
     s, g = num_seqs, num_prefixes
     cu, kv_lens, tables, p_lens, p_tables, ranges = ints.split(
-        [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1])
+        [s + 1, s, s * b.max_blocks, g, g * b.max_prefix_blocks, g + 1]
+    )
     return AttentionMetadata(
-        slot_mapping=slots, cu_seqlens_q=cu, kv_lens=kv_lens,
-        block_tables=tables.view(s, b.max_blocks), prefix_lens=p_lens,
-        prefix_block_tables=p_tables.view(g, b.max_prefix_blocks), prefix_seq_ranges=ranges,
-        **flags)
+        slot_mapping=slots,
+        cu_seqlens_q=cu,
+        kv_lens=kv_lens,
+        block_tables=tables.view(s, b.max_blocks),
+        prefix_lens=p_lens,
+        prefix_block_tables=p_tables.view(g, b.max_prefix_blocks),
+        prefix_seq_ranges=ranges,
+        **flags,
+    )
 
 
 def cpu_oversubscribed() -> bool:
@@ -228,8 +274,16 @@ def _warmup_step(num_tokens: int, num_sampled: int, block_size: int) -> StepInpu
     sizes = [num_tokens // num_sampled] * num_sampled
     sizes[-1] += num_tokens - sum(sizes)
     params = SamplingParams(temperature=0.0)
-    chunks = tuple(SeqChunk(seq_id=i, token_ids=(0,) * n, start_pos=0, num_cached_tokens=0,
-                            block_table=(0,) * -(-n // block_size), sample=True,
-                            sampling_params=params)
-                   for i, n in enumerate(sizes))
+    chunks = tuple(
+        SeqChunk(
+            seq_id=i,
+            token_ids=(0,) * n,
+            start_pos=0,
+            num_cached_tokens=0,
+            block_table=(0,) * -(-n // block_size),
+            sample=True,
+            sampling_params=params,
+        )
+        for i, n in enumerate(sizes)
+    )
     return StepInput(chunks=chunks)

@@ -55,38 +55,44 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
-               histories: list[list[int]] | None = None) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        num_generated: list[int],
+        histories: list[list[int]] | None = None,
+    ) -> SamplerOutput:
         """logits: [N, V] fp32 raw next-token logits; params, num_generated: one per row.
         histories: per row, its prompt + generated tokens (needed by rows with penalties)."""
         n = logits.shape[0]
         assert len(params) == n == len(num_generated), "one SamplingParams per logits row"
         if n == 0:
             return SamplerOutput([], [], [])
-        logprobs = torch.log_softmax(logits, dim=-1)                       # [N, V]
+        logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
         if any(p.has_penalties for p in params):
             assert histories is not None, "rows with penalties need their token histories"
             logits = apply_penalties(logits, params, histories, num_generated)
-        token_ids = logits.argmax(dim=-1)                                   # greedy for all rows
+        token_ids = logits.argmax(dim=-1)  # greedy for all rows
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
-            token_ids[idx] = self._sample_rows(logits[idx], [params[i] for i in rows],
-                                               [num_generated[i] for i in rows])
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1))                 # [N, 1]
+            token_ids[idx] = self._sample_rows(logits[idx], [params[i] for i in rows], [num_generated[i] for i in rows])
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
         k_max = min(max((p.logprobs or 0) for p in params), logprobs.shape[1])
-        top_values, top_ids = logprobs.topk(k_max, dim=-1)                 # [N, k_max]
+        top_values, top_ids = logprobs.topk(k_max, dim=-1)  # [N, k_max]
         # One device->host copy for everything (fp64 holds token ids exactly).
-        host = torch.cat([token_ids.unsqueeze(1).double(), chosen.double(), top_ids.double(),
-                          top_values.double()], dim=1).tolist()
+        host = torch.cat(
+            [token_ids.unsqueeze(1).double(), chosen.double(), top_ids.double(), top_values.double()], dim=1
+        ).tolist()
         return SamplerOutput(
             token_ids=[int(row[0]) for row in host],
             logprobs=[row[1] for row in host],
-            top_logprobs=[_top_pairs(row[2:], k_max, p.logprobs or 0)
-                          for row, p in zip(host, params)])
+            top_logprobs=[_top_pairs(row[2:], k_max, p.logprobs or 0) for row, p in zip(host, params)],
+        )
 
-    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
-                     num_generated: list[int]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]
+    ) -> torch.Tensor:
         # logits: [M, V] -> sampled token ids [M]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
@@ -94,13 +100,14 @@ class Sampler:
             logits = apply_min_p(logits, [p.min_p for p in params])
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)                               # [M, V]
+        probs = torch.softmax(logits, dim=-1)  # [M, V]
         noise = self._exponential_noise(probs.shape, params, num_generated)
         # A zero variate would turn 0/0 into NaN, which argmax would pick.
         return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
 
-    def _exponential_noise(self, shape: torch.Size, params: list[SamplingParams],
-                           num_generated: list[int]) -> torch.Tensor:
+    def _exponential_noise(
+        self, shape: torch.Size, params: list[SamplingParams], num_generated: list[int]
+    ) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
@@ -129,21 +136,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     m, v = logits.shape
     dev = logits.device
     # A top_k beyond the vocabulary keeps it all (clamped here, before it reaches a tensor).
-    k = torch.tensor([min(kk, v) if kk > 0 else v for kk in top_k], device=dev)       # [M]
+    k = torch.tensor([min(kk, v) if kk > 0 else v for kk in top_k], device=dev)  # [M]
     # p = 1 must keep everything, even when rounding makes the cumulative mass reach 1 early.
     p = torch.tensor([pp if pp < 1.0 else float("inf") for pp in top_p], device=dev)  # [M]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)                        # [M, V]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
     ranks = torch.arange(v, device=dev).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs    # probability of the better-ranked tokens
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the better-ranked tokens
     # The best token is always kept (mass_before == 0), so no row is left empty.
     sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                    num_generated: list[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]], num_generated: list[int]
+) -> torch.Tensor:
     """vLLM's penalties (OpenAI's definition for presence / frequency), on a copy of logits [N, V]:
     repetition_penalty divides the positive logits (multiplies the negative ones) of tokens seen
     in the prompt or the output; frequency_penalty * count and presence_penalty * (count > 0)
@@ -153,8 +161,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], historie
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     device, dtype = logits.device, logits.dtype
     idx = torch.tensor(rows, device=device)
-    counts = _token_counts([histories[i][len(histories[i]) - num_generated[i]:] for i in rows],
-                           logits.shape[1], device, dtype)                  # [R, V]
+    counts = _token_counts(
+        [histories[i][len(histories[i]) - num_generated[i] :] for i in rows], logits.shape[1], device, dtype
+    )  # [R, V]
     sub = logits[idx]
     repeat = [k for k, i in enumerate(rows) if params[i].repetition_penalty != 1.0]
     if repeat:

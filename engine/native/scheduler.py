@@ -43,8 +43,8 @@ class SchedulerOutput:
     scheduled: set[int] = field(default_factory=set)  # seq_ids in this batch
     token_budget: int = 0
     block_size: int = 16
-    blocked: bool = False       # a start failed for memory: no later start in this step (FIFO)
-    growth_blocks: int = 0      # blocks the running requests are expected to grow into
+    blocked: bool = False  # a start failed for memory: no later start in this step (FIFO)
+    growth_blocks: int = 0  # blocks the running requests are expected to grow into
     completing: set[int] = field(default_factory=set)  # prefixes this step computes to the end
     num_preemptions: int = 0
 
@@ -77,13 +77,20 @@ class SchedulerOutput:
             seq = owner if isinstance(owner, Sequence) else None
             # penalties count the prompt's and output's tokens: only those rows carry them
             penalised = seq is not None and c.sample and seq.params.has_penalties
-            chunks.append(SeqChunk(
-                seq_id=owner.seq_id, token_ids=tuple(owner.own_token_ids(c.start, c.start + c.num_tokens)),
-                start_pos=start_pos, num_cached_tokens=c.start, block_table=tuple(owner.block_table),
-                prefix_index=prefix_index, sample=c.sample,
-                sampling_params=seq.params if seq is not None else None,
-                num_generated=seq.num_output_tokens if seq is not None else 0,
-                history=_history(seq) if seq is not None and penalised else ()))
+            chunks.append(
+                SeqChunk(
+                    seq_id=owner.seq_id,
+                    token_ids=tuple(owner.own_token_ids(c.start, c.start + c.num_tokens)),
+                    start_pos=start_pos,
+                    num_cached_tokens=c.start,
+                    block_table=tuple(owner.block_table),
+                    prefix_index=prefix_index,
+                    sample=c.sample,
+                    sampling_params=seq.params if seq is not None else None,
+                    num_generated=seq.num_output_tokens if seq is not None else 0,
+                    history=_history(seq) if seq is not None and penalised else (),
+                )
+            )
         return StepInput(tuple(chunks), tuple(prefixes))
 
 
@@ -92,12 +99,11 @@ def _history(seq: Sequence) -> tuple[int, ...]:
     output alone for frequency and presence penalties (a step copies it for every row)."""
     if seq.params.repetition_penalty != 1.0:
         return tuple(seq.token_ids)
-    return tuple(seq.token_ids[seq.num_prompt_tokens:])
+    return tuple(seq.token_ids[seq.num_prompt_tokens :])
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 max_model_len: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None) -> None:
         self.bm = block_manager
         self.max_model_len = max_model_len or config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -113,8 +119,8 @@ class Scheduler:
         self.active: list[GroupState] = []
         self.num_running = 0
         self.num_preemptions = 0
-        self.num_computed_prompt_tokens = 0   # first computations only (token saving)
-        self.num_recomputed_tokens = 0        # prefill work redone after preemption
+        self.num_computed_prompt_tokens = 0  # first computations only (token saving)
+        self.num_recomputed_tokens = 0  # prefill work redone after preemption
         self._order = itertools.count()
         self.aligned = aligned_batcher(config, block_manager.block_size)
         self._num_steps = 0  # the aligned batcher's clock (deterministic, unlike wall time)
@@ -250,8 +256,13 @@ class Scheduler:
         prefix = group.prefix
         if prefix is not None:
             hits = self.bm.lookup(prefix, prefix.num_own_tokens // self.bm.block_size)
-            need = (self.bm.blocks_for(prefix.num_own_tokens) - len(hits)
-                    + self.bm.num_reclaimed(hits) + self._watermark() + self._kept_from_new_groups(group, out))
+            need = (
+                self.bm.blocks_for(prefix.num_own_tokens)
+                - len(hits)
+                + self.bm.num_reclaimed(hits)
+                + self._watermark()
+                + self._kept_from_new_groups(group, out)
+            )
             if not self.bm.can_allocate(need):
                 out.blocked = True
                 return
@@ -271,8 +282,9 @@ class Scheduler:
     def _start_member(self, group: GroupState, seq: Sequence, out: SchedulerOutput) -> bool:
         """Start (or restart after preemption) a pending member if its whole prompt fits."""
         hits = self.bm.lookup(seq, (seq.num_own_tokens - 1) // self.bm.block_size)  # >= 1 token left
-        while not self.bm.can_allocate(self.bm.blocks_for(seq.num_own_tokens) - len(hits)
-                                       + self.bm.num_reclaimed(hits) + self._watermark()):
+        while not self.bm.can_allocate(
+            self.bm.blocks_for(seq.num_own_tokens) - len(hits) + self.bm.num_reclaimed(hits) + self._watermark()
+        ):
             victim = self._idle_group_victim(group, out)
             if victim is None:
                 return False
@@ -293,8 +305,7 @@ class Scheduler:
             out.growth_blocks += self._growth_blocks(seq, n)
         return True
 
-    def _add_prompt_chunk(self, out: SchedulerOutput, owner: KVOwner, n: int, sample: bool,
-                          kind: str) -> None:
+    def _add_prompt_chunk(self, out: SchedulerOutput, owner: KVOwner, n: int, sample: bool, kind: str) -> None:
         # Hashed now, not after the step: a prefix admitted later in this step reuses them.
         self.bm.hash_ahead(owner, n)
         out.add(owner, n, sample=sample, kind=kind)
@@ -325,8 +336,9 @@ class Scheduler:
         if self.max_model_len is not None:
             final = min(final, self.max_model_len)
         remaining = max(0, final - len(seq.token_ids))
-        expected = len(seq.token_ids) + -(-remaining * self.output_fraction.numerator
-                                          // self.output_fraction.denominator)
+        expected = len(seq.token_ids) + -(
+            -remaining * self.output_fraction.numerator // self.output_fraction.denominator
+        )
         held = max(len(seq.block_table), self.bm.blocks_for(seq.num_computed_tokens + scheduled))
         return max(0, self.bm.blocks_for(expected - seq.own_start) - held)
 
@@ -375,8 +387,7 @@ class Scheduler:
             if group is starting:
                 return None
             prefix = group.prefix
-            if (not group.running and prefix is not None and prefix.block_table
-                    and prefix.seq_id not in out.scheduled):
+            if not group.running and prefix is not None and prefix.block_table and prefix.seq_id not in out.scheduled:
                 return group
         return None
 
@@ -484,10 +495,14 @@ def aligned_batcher(config: EngineConfig, block_size: int) -> DensityFirstBatche
     if config.aligned_decode_batch is None:
         return None
     n = min(config.aligned_decode_batch, config.max_num_batched_tokens)
-    return DensityFirstBatcher(max_blocks=np.iinfo(np.int64).max // 2, min_requests=n,
-                               max_requests=n, block_size=block_size,
-                               max_len=config.max_model_len or 65536,
-                               starvation_s=ALIGNED_STARVATION_STEPS)
+    return DensityFirstBatcher(
+        max_blocks=np.iinfo(np.int64).max // 2,
+        min_requests=n,
+        max_requests=n,
+        block_size=block_size,
+        max_len=config.max_model_len or 65536,
+        starvation_s=ALIGNED_STARVATION_STEPS,
+    )
 
 
 class OutputFraction:
@@ -496,8 +511,8 @@ class OutputFraction:
     so a running request is expected to use as much of its remaining max_tokens."""
 
     def __init__(self) -> None:
-        self.used = 0      # output tokens of the finished requests
-        self.allowed = 0   # their max_tokens
+        self.used = 0  # output tokens of the finished requests
+        self.allowed = 0  # their max_tokens
 
     @property
     def numerator(self) -> int:

@@ -26,8 +26,8 @@ def member_hash_seed(prefix_token_ids: list[int]) -> int:
 
 
 class SeqStatus(Enum):
-    WAITING = "waiting"     # not started, or preempted (holds no blocks)
-    RUNNING = "running"     # holds own blocks: prefilling or decoding
+    WAITING = "waiting"  # not started, or preempted (holds no blocks)
+    RUNNING = "running"  # holds own blocks: prefilling or decoding
     FINISHED = "finished"
 
 
@@ -55,7 +55,7 @@ class KVOwner:
         return len(self.token_ids) - self.own_start
 
     def own_token_ids(self, start: int, end: int) -> list[int]:
-        return self.token_ids[self.own_start + start:self.own_start + end]
+        return self.token_ids[self.own_start + start : self.own_start + end]
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -66,7 +66,7 @@ class KVOwner:
 class PrefixSeq(KVOwner):
     """The chunked computation of a group's shared prefix (a chunk with prefix_index -1)."""
 
-    num_cached_tokens: int = -1       # hashed-cache hits at first admission; -1: unset
+    num_cached_tokens: int = -1  # hashed-cache hits at first admission; -1: unset
 
     @property
     def is_complete(self) -> bool:
@@ -83,13 +83,13 @@ class Sequence(KVOwner):
     group: GroupState | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    num_cached_tokens: int = -1       # prompt tokens not computed at first admission; -1: unset
+    num_cached_tokens: int = -1  # prompt tokens not computed at first admission; -1: unset
     logprobs: list = field(default_factory=list)
-    text: str = ""                    # incremental detokenization state (engine/outputs.py)
+    text: str = ""  # incremental detokenization state (engine/outputs.py)
     prefix_offset: int = 0
     read_offset: int = 0
-    admit_order: int = -1             # scheduler's start counter; -1: never started
-    sample_index: int = 0             # which of the row's SamplingParams.n samples this is
+    admit_order: int = -1  # scheduler's start counter; -1: never started
+    sample_index: int = 0  # which of the row's SamplingParams.n samples this is
     num_samples: int = 1
 
     @property
@@ -98,7 +98,7 @@ class Sequence(KVOwner):
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -107,8 +107,7 @@ class Sequence(KVOwner):
     @property
     def is_decoding(self) -> bool:
         """Prefill done: exactly the last token (just sampled) still needs its KV."""
-        return self.status is SeqStatus.RUNNING and self.num_uncomputed_tokens == 1 \
-            and self.num_output_tokens > 0
+        return self.status is SeqStatus.RUNNING and self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
 
 
 @dataclass(eq=False)
@@ -127,7 +126,7 @@ class GroupState:
     running: list[Sequence] = field(default_factory=list)
     active: bool = False
     admit_order: int = -1
-    prefix_carried: bool = False      # a member has started: it carries the prefix's computation
+    prefix_carried: bool = False  # a member has started: it carries the prefix's computation
 
     @property
     def prefix_ready(self) -> bool:

@@ -62,8 +62,7 @@ class LastLayerBatch:
     num_prefixes: int
 
 
-def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
-                     num_kv_blocks: int) -> StepBatch:
+def build_step_batch(step: StepInput, block_size: int, max_model_len: int, num_kv_blocks: int) -> StepBatch:
     """Flatten `step`; raises ValueError when a chunk contradicts the contract (engine/native/step.py)."""
     chunks = step.chunks
     if not chunks:
@@ -71,22 +70,20 @@ def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
     for c in chunks:
         _check_chunk(c, step, block_size, max_model_len)
     # Chunks with prefix g (in g order) first, then those without; stable within each.
-    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].prefix_index < 0,
-                                                      chunks[i].prefix_index))
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].prefix_index < 0, chunks[i].prefix_index))
     seqs = [chunks[i] for i in order]
-    q_lens = np.array([len(c.token_ids) for c in seqs], dtype=np.int64)          # [S]
+    q_lens = np.array([len(c.token_ids) for c in seqs], dtype=np.int64)  # [S]
     cu = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     t = int(cu[-1])
-    offset = np.arange(t, dtype=np.int64) - np.repeat(cu[:-1], q_lens)           # i within chunk
+    offset = np.arange(t, dtype=np.int64) - np.repeat(cu[:-1], q_lens)  # i within chunk
     starts = np.array([c.start_pos for c in seqs], dtype=np.int64)
     cached = np.array([c.num_cached_tokens for c in seqs], dtype=np.int64)
-    positions = np.repeat(starts, q_lens) + offset                               # [T]
-    own_index = np.repeat(cached, q_lens) + offset                               # [T] own-KV idx
-    tables = _table_matrix([c.block_table for c in seqs])                        # [S, max_blocks]
+    positions = np.repeat(starts, q_lens) + offset  # [T]
+    own_index = np.repeat(cached, q_lens) + offset  # [T] own-KV idx
+    tables = _table_matrix([c.block_table for c in seqs])  # [S, max_blocks]
     seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-    slots = tables[seq_of_token, own_index // block_size].astype(np.int64) * block_size \
-        + own_index % block_size                                                 # [T]
+    slots = tables[seq_of_token, own_index // block_size].astype(np.int64) * block_size + own_index % block_size  # [T]
     ids = np.fromiter(chain.from_iterable(c.token_ids for c in seqs), dtype=np.int64, count=t)
     position_in_sorted = np.empty(len(chunks), dtype=np.int64)
     position_in_sorted[order] = np.arange(len(chunks))
@@ -95,29 +92,44 @@ def build_step_batch(step: StepInput, block_size: int, max_model_len: int,
     p_lens, p_tables, ranges = _prefix_arrays(seqs, step)
     for name, tab in (("block_table", tables), ("prefix block_table", p_tables)):
         if tab.size and (tab.min() < 0 or tab.max() >= num_kv_blocks):
-            raise ValueError(f"a {name} holds block ids in {tab.min()}..{tab.max()}, outside "
-                             f"the cache's 0..{num_kv_blocks - 1}")
+            raise ValueError(
+                f"a {name} holds block ids in {tab.min()}..{tab.max()}, outside the cache's 0..{num_kv_blocks - 1}"
+            )
     last = None
     if 0 < len(sampled_seqs) < t:
-        last_seqs = np.sort(sampled_seqs)                                       # kernel order
-        last = _last_layer_batch(last_seqs, cu, slots, cached + q_lens, tables, p_lens,
-                                 p_tables, ranges)
-        logits_indices = np.searchsorted(last_seqs, sampled_seqs)              # rows of `last`
+        last_seqs = np.sort(sampled_seqs)  # kernel order
+        last = _last_layer_batch(last_seqs, cu, slots, cached + q_lens, tables, p_lens, p_tables, ranges)
+        logits_indices = np.searchsorted(last_seqs, sampled_seqs)  # rows of `last`
     int64_buffer = np.concatenate([ids, positions, slots, logits_indices.astype(np.int64)])
-    int32_buffer = np.concatenate([cu, cached + q_lens, tables.ravel(), p_lens, p_tables.ravel(),
-                                   ranges]).astype(np.int32)
+    int32_buffer = np.concatenate([cu, cached + q_lens, tables.ravel(), p_lens, p_tables.ravel(), ranges]).astype(
+        np.int32
+    )
     has_prefix = seqs[0].prefix_index >= 0
     return StepBatch(
-        int64_buffer=int64_buffer, int32_buffer=int32_buffer, num_tokens=t, num_seqs=len(seqs),
-        num_prefixes=len(p_lens), num_sampled=len(logits_indices), max_blocks=tables.shape[1],
+        int64_buffer=int64_buffer,
+        int32_buffer=int32_buffer,
+        num_tokens=t,
+        num_seqs=len(seqs),
+        num_prefixes=len(p_lens),
+        num_sampled=len(logits_indices),
+        max_blocks=tables.shape[1],
         max_prefix_blocks=p_tables.shape[1],
         is_prefill_only=not has_prefix and not cached.any(),
-        is_decode_only=not has_prefix and bool((q_lens == 1).all()), last=last)
+        is_decode_only=not has_prefix and bool((q_lens == 1).all()),
+        last=last,
+    )
 
 
-def _last_layer_batch(last_seqs: np.ndarray, cu: np.ndarray, slots: np.ndarray,
-                      kv_lens: np.ndarray, tables: np.ndarray, p_lens: np.ndarray,
-                      p_tables: np.ndarray, ranges: np.ndarray) -> LastLayerBatch:
+def _last_layer_batch(
+    last_seqs: np.ndarray,
+    cu: np.ndarray,
+    slots: np.ndarray,
+    kv_lens: np.ndarray,
+    tables: np.ndarray,
+    p_lens: np.ndarray,
+    p_tables: np.ndarray,
+    ranges: np.ndarray,
+) -> LastLayerBatch:
     """The sampled sequences `last_seqs` (ascending kernel indices) as one query each: the last
     row of each chunk, which sees all of its sequence's own keys after the step's writes."""
     rows = cu[last_seqs + 1] - 1
@@ -128,14 +140,22 @@ def _last_layer_batch(last_seqs: np.ndarray, cu: np.ndarray, slots: np.ndarray,
     np.cumsum(counts[keep], out=last_ranges[1:])
     return LastLayerBatch(
         int64_buffer=np.concatenate([rows, slots[rows]]),
-        int32_buffer=np.concatenate([np.arange(len(rows) + 1), kv_lens[last_seqs],
-                                     tables[last_seqs].ravel(), p_lens[keep],
-                                     p_tables[keep].ravel(), last_ranges]).astype(np.int32),
-        num_rows=len(rows), num_prefixes=int(keep.sum()))
+        int32_buffer=np.concatenate(
+            [
+                np.arange(len(rows) + 1),
+                kv_lens[last_seqs],
+                tables[last_seqs].ravel(),
+                p_lens[keep],
+                p_tables[keep].ravel(),
+                last_ranges,
+            ]
+        ).astype(np.int32),
+        num_rows=len(rows),
+        num_prefixes=int(keep.sum()),
+    )
 
 
-def _prefix_arrays(seqs: list[SeqChunk], step: StepInput
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _prefix_arrays(seqs: list[SeqChunk], step: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """prefix_lens [G], prefix_block_tables [G, max_prefix_blocks], prefix_seq_ranges [G+1]
     over the prefixes that this step's chunks use (G may be smaller than len(step.prefixes))."""
     used = sorted({c.prefix_index for c in seqs if c.prefix_index >= 0})
@@ -152,7 +172,7 @@ def _table_matrix(tables: list[tuple[int, ...]]) -> np.ndarray:
     width = max((len(t) for t in tables), default=0) or 1
     out = np.zeros((len(tables), width), dtype=np.int64)
     for r, t in enumerate(tables):
-        out[r, :len(t)] = t
+        out[r, : len(t)] = t
     return out
 
 
@@ -161,26 +181,36 @@ def _check_chunk(c: SeqChunk, step: StepInput, block_size: int, max_model_len: i
     if n == 0:
         raise ValueError(f"SeqChunk(seq_id={c.seq_id}) has no token_ids; drop empty chunks")
     if c.start_pos < 0 or c.num_cached_tokens < 0:
-        raise ValueError(f"SeqChunk(seq_id={c.seq_id}) has start_pos={c.start_pos}, "
-                         f"num_cached_tokens={c.num_cached_tokens}; both must be >= 0")
+        raise ValueError(
+            f"SeqChunk(seq_id={c.seq_id}) has start_pos={c.start_pos}, "
+            f"num_cached_tokens={c.num_cached_tokens}; both must be >= 0"
+        )
     if c.start_pos + n > max_model_len:
-        raise ValueError(f"SeqChunk(seq_id={c.seq_id}) reaches position {c.start_pos + n - 1}, "
-                         f"beyond max_model_len={max_model_len}")
+        raise ValueError(
+            f"SeqChunk(seq_id={c.seq_id}) reaches position {c.start_pos + n - 1}, beyond max_model_len={max_model_len}"
+        )
     if len(c.block_table) * block_size < c.num_cached_tokens + n:
-        raise ValueError(f"SeqChunk(seq_id={c.seq_id}).block_table has {len(c.block_table)} "
-                         f"blocks of {block_size}, too few for {c.num_cached_tokens} cached + "
-                         f"{n} new tokens")
+        raise ValueError(
+            f"SeqChunk(seq_id={c.seq_id}).block_table has {len(c.block_table)} "
+            f"blocks of {block_size}, too few for {c.num_cached_tokens} cached + "
+            f"{n} new tokens"
+        )
     if not -1 <= c.prefix_index < len(step.prefixes):
-        raise ValueError(f"SeqChunk(seq_id={c.seq_id}).prefix_index={c.prefix_index} but the "
-                         f"step has {len(step.prefixes)} prefixes")
+        raise ValueError(
+            f"SeqChunk(seq_id={c.seq_id}).prefix_index={c.prefix_index} but the step has {len(step.prefixes)} prefixes"
+        )
     if c.prefix_index >= 0:
         p = step.prefixes[c.prefix_index]
         if len(p.block_table) * block_size < p.length or p.length < 1:
-            raise ValueError(f"SharedPrefix {c.prefix_index} has length {p.length} and "
-                             f"{len(p.block_table)} blocks of {block_size}; the blocks must "
-                             "cover a non-empty prefix")
+            raise ValueError(
+                f"SharedPrefix {c.prefix_index} has length {p.length} and "
+                f"{len(p.block_table)} blocks of {block_size}; the blocks must "
+                "cover a non-empty prefix"
+            )
         if c.start_pos != p.length + c.num_cached_tokens:
-            raise ValueError(f"SeqChunk(seq_id={c.seq_id}).start_pos={c.start_pos} must equal "
-                             f"prefix length {p.length} + num_cached_tokens {c.num_cached_tokens}")
+            raise ValueError(
+                f"SeqChunk(seq_id={c.seq_id}).start_pos={c.start_pos} must equal "
+                f"prefix length {p.length} + num_cached_tokens {c.num_cached_tokens}"
+            )
     if c.sample and c.sampling_params is None:
         raise ValueError(f"SeqChunk(seq_id={c.seq_id}) has sample=True but no sampling_params")

@@ -21,8 +21,13 @@ class PrefixCache:
     """Group id -> PrefixKV, least recently used first; `capacity_bytes` bounds the total."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        require(capacity_bytes >= 0, "PrefixCache", "capacity_bytes", capacity_bytes,
-                "use 0 (no prefix cache) or a positive byte budget")
+        require(
+            capacity_bytes >= 0,
+            "PrefixCache",
+            "capacity_bytes",
+            capacity_bytes,
+            "use 0 (no prefix cache) or a positive byte budget",
+        )
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[Hashable, PrefixKV] = OrderedDict()
         self._pending: dict[Hashable, int] = {}

@@ -46,13 +46,18 @@ class ScoreOutput:
     error: str | None = None
 
 
-def choice_token_ids(choices: Sequence[Choice], tokenizer: Any, vocab_size: int,
-                     leading_space: bool) -> tuple[int, ...]:
+def choice_token_ids(
+    choices: Sequence[Choice], tokenizer: Any, vocab_size: int, leading_space: bool
+) -> tuple[int, ...]:
     """First token id of each choice; ValueError naming the choice for empty, out-of-vocabulary
     or colliding choices."""
     if isinstance(choices, (str, bytes)) or len(choices) < 1:
-        raise invalid("ScoreConfig", "choices", choices, "give a non-empty list of labels (strings or "
-                      "token ids), e.g. ['Yes', 'No']")
+        raise invalid(
+            "ScoreConfig",
+            "choices",
+            choices,
+            "give a non-empty list of labels (strings or token ids), e.g. ['Yes', 'No']",
+        )
     ids: list[int] = []
     for c in choices:
         if isinstance(c, bool) or not isinstance(c, (str, int)):
@@ -65,15 +70,16 @@ def choice_token_ids(choices: Sequence[Choice], tokenizer: Any, vocab_size: int,
                 raise ValueError(f"choice {c!r} encodes to no token: use a non-empty label")
             tok = int(toks[0])
         if not 0 <= tok < vocab_size:
-            raise ValueError(f"choice {c!r} is token {tok}, outside the vocabulary 0.."
-                             f"{vocab_size - 1}")
+            raise ValueError(f"choice {c!r} is token {tok}, outside the vocabulary 0..{vocab_size - 1}")
         ids.append(tok)
     seen: dict[int, Choice] = {}
     for c, tok in zip(choices, ids):
         if tok in seen:
-            raise ValueError(f"choices {seen[tok]!r} and {c!r} both start with token {tok} "
-                             f"({_show(tokenizer, tok)}): their first-token probabilities "
-                             "are the same number; use labels whose first tokens differ")
+            raise ValueError(
+                f"choices {seen[tok]!r} and {c!r} both start with token {tok} "
+                f"({_show(tokenizer, tok)}): their first-token probabilities "
+                "are the same number; use labels whose first tokens differ"
+            )
         seen[tok] = c
     return tuple(ids)
 
@@ -85,22 +91,35 @@ def _show(tokenizer: Any, tok: int) -> str:
         return "?"
 
 
-def make_output(row_id: int, choices: Sequence[Choice], ids: tuple[int, ...], logits: Any,
-                prompt_len: int, prefix_len: int, num_cached: int) -> ScoreOutput:
+def make_output(
+    row_id: int,
+    choices: Sequence[Choice],
+    ids: tuple[int, ...],
+    logits: Any,
+    prompt_len: int,
+    prefix_len: int,
+    num_cached: int,
+) -> ScoreOutput:
     """logits: [V] fp32 next-token logits after the prompt."""
     import torch
 
-    full = torch.log_softmax(logits.float(), dim=-1)                             # [V]
+    full = torch.log_softmax(logits.float(), dim=-1)  # [V]
     index = torch.tensor(ids, device=logits.device)
-    probs = torch.softmax(logits.float()[index], dim=-1)                         # [num_choices]
+    probs = torch.softmax(logits.float()[index], dim=-1)  # [num_choices]
     labels = tuple(str(c) for c in choices)
-    return ScoreOutput(row_id=row_id, choices=labels, choice_token_ids=ids,
-                       probs=tuple(probs.tolist()), logprobs=tuple(full[index].tolist()),
-                       label=labels[int(probs.argmax())], prompt_len=prompt_len,
-                       prefix_len=prefix_len, num_cached_tokens=num_cached)
+    return ScoreOutput(
+        row_id=row_id,
+        choices=labels,
+        choice_token_ids=ids,
+        probs=tuple(probs.tolist()),
+        logprobs=tuple(full[index].tolist()),
+        label=labels[int(probs.argmax())],
+        prompt_len=prompt_len,
+        prefix_len=prefix_len,
+        num_cached_tokens=num_cached,
+    )
 
 
-def error_output(row_id: int, choices: Sequence[Choice], prompt_len: int, error: str
-                 ) -> ScoreOutput:
+def error_output(row_id: int, choices: Sequence[Choice], prompt_len: int, error: str) -> ScoreOutput:
     labels = tuple(str(c) for c in choices) if not isinstance(choices, str) else (choices,)
     return ScoreOutput(row_id=row_id, choices=labels, prompt_len=prompt_len, error=error)

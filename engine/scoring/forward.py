@@ -53,9 +53,14 @@ class PrefixKV:
 
 
 @torch.inference_mode()
-def hybrid_forward(model: LlamaForCausalLM, token_ids: torch.Tensor, prefix: PrefixKV | None,
-                   chunk_size: int, keep_kv: bool = False, want_logits: bool = True
-                   ) -> tuple[torch.Tensor | None, PrefixKV | None]:
+def hybrid_forward(
+    model: LlamaForCausalLM,
+    token_ids: torch.Tensor,
+    prefix: PrefixKV | None,
+    chunk_size: int,
+    keep_kv: bool = False,
+    want_logits: bool = True,
+) -> tuple[torch.Tensor | None, PrefixKV | None]:
     """Run `token_ids` (positions P .. P+T-1 after `prefix`, P = prefix.length or 0).
 
     token_ids: [T >= 1] int64 on the model's device.
@@ -66,20 +71,19 @@ def hybrid_forward(model: LlamaForCausalLM, token_ids: torch.Tensor, prefix: Pre
     t, p = int(token_ids.shape[0]), prefix.length if prefix is not None else 0
     w = model.lm_head.weight
     kv_shape = (a.num_kv_heads, p + t, a.head_dim)
-    store = torch.empty((2, a.num_layers) + kv_shape, dtype=w.dtype, device=w.device) \
-        if keep_kv else None
+    store = torch.empty((2, a.num_layers) + kv_shape, dtype=w.dtype, device=w.device) if keep_kv else None
     scratch = None if keep_kv else torch.empty((2,) + kv_shape, dtype=w.dtype, device=w.device)
-    r = model.model.embed_tokens(token_ids)                                      # [T, H] residual
+    r = model.model.embed_tokens(token_ids)  # [T, H] residual
     q_buf = torch.empty(t, a.num_heads * a.head_dim, dtype=r.dtype, device=r.device)
     positions = torch.arange(p, p + t, device=r.device)
     for i, layer in enumerate(model.model.decoder_layers()):
-        kv = store[:, i] if store is not None else scratch                        # [2, Hkv, P+T, D]
+        kv = store[:, i] if store is not None else scratch  # [2, Hkv, P+T, D]
         assert kv is not None, "scratch is allocated when keep_kv is False"
         if prefix is not None:
             kv[0, :, :p] = prefix.k[i]
             kv[1, :, :p] = prefix.v[i]
         last = i == a.num_layers - 1
-        q_lo = 0 if not last else (t - 1 if want_logits else t)   # queries this layer must answer
+        q_lo = 0 if not last else (t - 1 if want_logits else t)  # queries this layer must answer
         _project_qkv(model, layer, r, positions, q_buf, kv, p, chunk_size)
         if q_lo < t:
             _attend(q_buf, kv, p, q_lo, chunk_size, a, layer.self_attn.attn.scale)
@@ -87,27 +91,33 @@ def hybrid_forward(model: LlamaForCausalLM, token_ids: torch.Tensor, prefix: Pre
     kept = PrefixKV(store[0], store[1]) if store is not None else None
     if not want_logits:
         return None, kept
-    h = model.model.norm(r[t - 1:t])                                             # [1, H]
-    return model.lm_head(h)[0], kept                                             # [V] fp32
+    h = model.model.norm(r[t - 1 : t])  # [1, H]
+    return model.lm_head(h)[0], kept  # [V] fp32
 
 
-def _project_qkv(model: LlamaForCausalLM, layer: LlamaDecoderLayer, r: torch.Tensor,
-                 positions: torch.Tensor, q_buf: torch.Tensor, kv: torch.Tensor, p: int,
-                 chunk: int) -> None:
+def _project_qkv(
+    model: LlamaForCausalLM,
+    layer: LlamaDecoderLayer,
+    r: torch.Tensor,
+    positions: torch.Tensor,
+    q_buf: torch.Tensor,
+    kv: torch.Tensor,
+    p: int,
+    chunk: int,
+) -> None:
     """Pass A: q into q_buf rows, rotated k and v into kv[:, :, p + rows]."""
     attn = layer.self_attn
     t = r.shape[0]
     for lo in range(0, t, chunk):
         hi = min(t, lo + chunk)
         n = hi - lo
-        h = layer.input_layernorm(r[lo:hi])                                      # [n, H]
+        h = layer.input_layernorm(r[lo:hi])  # [n, H]
         q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        cos, sin = model.model.rotary(positions[lo:hi], h.dtype)                 # [n, 1, D]
-        q_buf[lo:hi] = apply_rotary(q.view(n, attn.num_heads, attn.head_dim), cos, sin
-                                    ).view(n, -1)
+        cos, sin = model.model.rotary(positions[lo:hi], h.dtype)  # [n, 1, D]
+        q_buf[lo:hi] = apply_rotary(q.view(n, attn.num_heads, attn.head_dim), cos, sin).view(n, -1)
         k = apply_rotary(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)  # [n, Hkv, D]
-        kv[0, :, p + lo:p + hi] = k.transpose(0, 1)
-        kv[1, :, p + lo:p + hi] = v.view(n, attn.num_kv_heads, attn.head_dim).transpose(0, 1)
+        kv[0, :, p + lo : p + hi] = k.transpose(0, 1)
+        kv[1, :, p + lo : p + hi] = v.view(n, attn.num_kv_heads, attn.head_dim).transpose(0, 1)
 
 
 def attention_tile(num_keys: int, chunk_size: int) -> int:
@@ -116,8 +126,7 @@ def attention_tile(num_keys: int, chunk_size: int) -> int:
     return max(16, min(chunk_size, MASK_BYTES // (4 * max(1, num_keys))))
 
 
-def _attend(q_buf: torch.Tensor, kv: torch.Tensor, p: int, q_lo: int, chunk: int,
-            a: ModelArgs, scale: float) -> None:
+def _attend(q_buf: torch.Tensor, kv: torch.Tensor, p: int, q_lo: int, chunk: int, a: ModelArgs, scale: float) -> None:
     """Causal attention of query rows q_lo..T-1 (positions p+row) over kv[:, :, :p+row+1];
     outputs overwrite the q rows. SDPA's flash kernels (CPU and CUDA) never materialise the
     scores; only the causal mask of a query tile is materialised."""
@@ -127,21 +136,21 @@ def _attend(q_buf: torch.Tensor, kv: torch.Tensor, p: int, q_lo: int, chunk: int
         hi = min(t, lo + tile)
         n, kv_len = hi - lo, p + hi
         q = q_buf[lo:hi].view(n, a.num_heads, a.head_dim).transpose(0, 1).unsqueeze(0)
-        k = kv[0, :, :kv_len].unsqueeze(0)                                       # [1, Hkv, L, D]
+        k = kv[0, :, :kv_len].unsqueeze(0)  # [1, Hkv, L, D]
         v = kv[1, :, :kv_len].unsqueeze(0)
         mask, causal = None, False
         if n > 1 and p + lo == 0:
-            causal = True                                  # square: top-left causal is right
+            causal = True  # square: top-left causal is right
         elif n > 1:
             rows = torch.arange(p + lo, p + hi, device=q.device).unsqueeze(1)
-            mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= rows     # [n, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           scale=scale, enable_gqa=True)         # [1, Hq, n, D]
+            mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= rows  # [n, L]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )  # [1, Hq, n, D]
         q_buf[lo:hi] = o[0].transpose(0, 1).reshape(n, -1)
 
 
-def _mlp_block(layer: LlamaDecoderLayer, r: torch.Tensor, o_buf: torch.Tensor, q_lo: int,
-               chunk: int) -> None:
+def _mlp_block(layer: LlamaDecoderLayer, r: torch.Tensor, o_buf: torch.Tensor, q_lo: int, chunk: int) -> None:
     """Pass B on rows q_lo..T-1: r += o_proj(o); r += mlp(norm(r)), in place."""
     t = r.shape[0]
     for lo in range(q_lo, t, chunk):
@@ -150,8 +159,9 @@ def _mlp_block(layer: LlamaDecoderLayer, r: torch.Tensor, o_buf: torch.Tensor, q
         r[lo:hi] += layer.mlp(layer.post_attention_layernorm(r[lo:hi]))
 
 
-def forward_bytes(a: ModelArgs, elem: int, num_tokens: int, prefix_len: int, chunk_size: int,
-                  keep_kv: bool = False) -> int:
+def forward_bytes(
+    a: ModelArgs, elem: int, num_tokens: int, prefix_len: int, chunk_size: int, keep_kv: bool = False
+) -> int:
     """Predicted peak bytes of `hybrid_forward` beyond the weights (the maximum-input-length
     model; Sec. 3.1 profiles it, we count it): full-length buffers (residual [T, H], q/o
     [T, Hq*D], one layer's K/V or, with keep_kv, every layer's), the group's prefix KV, and one
@@ -159,21 +169,22 @@ def forward_bytes(a: ModelArgs, elem: int, num_tokens: int, prefix_len: int, chu
     mask (bool and SDPA's float copy, [tile, P+T])."""
     t, p, c = num_tokens, prefix_len, min(chunk_size, num_tokens)
     kv_token = 2 * a.num_kv_heads * a.head_dim
-    full = t * (a.hidden_size + a.num_heads * a.head_dim) + 8 * t // elem       # + token ids
+    full = t * (a.hidden_size + a.num_heads * a.head_dim) + 8 * t // elem  # + token ids
     layer_kv = (p + t) * kv_token * (a.num_layers if keep_kv else 1)
     prefix_kv = p * kv_token * a.num_layers
     qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    chunk_a = c * (a.hidden_size + 2 * qkv)                        # norm out, qkv, rotary temps
-    chunk_b = c * (2 * a.hidden_size + 4 * a.intermediate_size)    # gate_up, silu, product, out
+    chunk_a = c * (a.hidden_size + 2 * qkv)  # norm out, qkv, rotary temps
+    chunk_b = c * (2 * a.hidden_size + 4 * a.intermediate_size)  # gate_up, silu, product, out
     mask = 5 * min(c, attention_tile(p + t, chunk_size)) * (p + t)
     return elem * (full + layer_kv + prefix_kv + max(chunk_a, chunk_b)) + mask
 
 
-def max_input_len(a: ModelArgs, elem: int, budget_bytes: int, prefix_len: int,
-                  chunk_size: int, max_model_len: int) -> int:
+def max_input_len(
+    a: ModelArgs, elem: int, budget_bytes: int, prefix_len: int, chunk_size: int, max_model_len: int
+) -> int:
     """Longest prompt (prefix included) whose `forward_bytes` fits `budget_bytes`; 0 if none."""
     lo, hi = 0, max(0, max_model_len - prefix_len)
-    while lo < hi:                                   # forward_bytes rises with num_tokens
+    while lo < hi:  # forward_bytes rises with num_tokens
         mid = (lo + hi + 1) // 2
         if forward_bytes(a, elem, mid, prefix_len, chunk_size) <= budget_bytes:
             lo = mid

@@ -36,14 +36,19 @@ class ScoreOptions:
 
     def __post_init__(self) -> None:
         for name, ok, fix in (
-                ("chunk_size", self.chunk_size >= 1, "use a positive token count"),
-                ("prefix_cache_bytes",
-                 self.prefix_cache_bytes is None or self.prefix_cache_bytes >= 0,
-                 "use None, 0 or a byte budget"),
-                ("max_forward_bytes", self.max_forward_bytes is None or self.max_forward_bytes > 0,
-                 "use None or a positive byte budget"),
-                ("policy", self.policy in SCORE_POLICIES,
-                 f"use one of {', '.join(map(repr, SCORE_POLICIES))}"),
-                ("lam", self.lam >= 0, "use 0 or a positive weight")):
+            ("chunk_size", self.chunk_size >= 1, "use a positive token count"),
+            (
+                "prefix_cache_bytes",
+                self.prefix_cache_bytes is None or self.prefix_cache_bytes >= 0,
+                "use None, 0 or a byte budget",
+            ),
+            (
+                "max_forward_bytes",
+                self.max_forward_bytes is None or self.max_forward_bytes > 0,
+                "use None or a positive byte budget",
+            ),
+            ("policy", self.policy in SCORE_POLICIES, f"use one of {', '.join(map(repr, SCORE_POLICIES))}"),
+            ("lam", self.lam >= 0, "use 0 or a positive weight"),
+        ):
             if not ok:
                 raise invalid("ScoreOptions", name, getattr(self, name), fix)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,8 +32,7 @@ from prefixflow.engine.outputs import EngineTotals, StepStats
 from prefixflow.engine.models.loader import load_model, load_tokenizer, resolve_device, resolve_max_model_len
 from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.scoring.cache import PrefixCache
-from prefixflow.engine.scoring.choices import (Choice, ScoreOutput, choice_token_ids,
-                                               error_output, make_output)
+from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, error_output, make_output
 from prefixflow.engine.scoring.forward import forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.srjf import CachedLen, SRJFScheduler
@@ -62,15 +61,15 @@ class ScoreStats:
     num_prefix_misses: int = 0
     num_evictions: int = 0
     wall_time_s: float = 0.0
-    latency_s: dict[int, float] = field(default_factory=dict)   # row_id -> finish - arrival
+    latency_s: dict[int, float] = field(default_factory=dict)  # row_id -> finish - arrival
 
 
 @dataclass(slots=True, eq=False)
 class _Req:
     row_id: int
     group: Hashable
-    tokens: np.ndarray            # [prompt_len] int64
-    prefix_len: int               # shared prefix computed once per group (0: none)
+    tokens: np.ndarray  # [prompt_len] int64
+    prefix_len: int  # shared prefix computed once per group (0: none)
     choices: Sequence[Choice]
     choice_ids: tuple[int, ...]
     arrival: float
@@ -91,8 +90,7 @@ class Scorer:
         self.elem = next(self.model.parameters()).element_size()  # the dtype load_model chose
         budget = options.prefix_cache_bytes
         if budget is None:
-            budget = config.kv_cache_bytes if config.kv_cache_bytes is not None \
-                else DEFAULT_PREFIX_CACHE_BYTES
+            budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_PREFIX_CACHE_BYTES
         self.prefix_cache_bytes = budget
         self.score_stats = ScoreStats()
         self.stats: list[StepStats] = []
@@ -103,14 +101,25 @@ class Scorer:
         when its first `prefix_len` tokens come from a group's prefix KV."""
         if self.options.max_forward_bytes is None:
             return self.max_model_len
-        return max_input_len(self.args, self.elem, self.options.max_forward_bytes, prefix_len,
-                             self.options.chunk_size, self.max_model_len)
+        return max_input_len(
+            self.args,
+            self.elem,
+            self.options.max_forward_bytes,
+            prefix_len,
+            self.options.chunk_size,
+            self.max_model_len,
+        )
 
     # ------------------------------------------------------------------ public API
 
-    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]], choices: PromptChoices, *,
-              row_ids: Sequence[int] | None = None, order: str = "batchllm"
-              ) -> list[ScoreOutput]:
+    def score(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        choices: PromptChoices,
+        *,
+        row_ids: Sequence[int] | None = None,
+        order: str = "batchllm",
+    ) -> list[ScoreOutput]:
         """Score each prompt (a string or token ids); outputs in input order. choices: one
         list for every row, or one list per row. Prompts are planned (build_plan) so that
         shared prefixes are computed once."""
@@ -120,17 +129,21 @@ class Scorer:
         by_row = _per_row_choices(choices, ids)
         tokens = [self._encode(p) for p in prompts]
         empty = "the prompt is empty: give at least one token"
-        outs = {i: error_output(i, by_row.get(i, ()), 0, empty)
-                for i, t in zip(ids, tokens) if not t}
+        outs = {i: error_output(i, by_row.get(i, ()), 0, empty) for i, t in zip(ids, tokens) if not t}
         kept = [(i, t) for i, t in zip(ids, tokens) if t]
         if kept:
             plan = build_plan([t for _, t in kept], row_ids=[i for i, _ in kept], order=order)
             outs.update((o.row_id, o) for o in self.score_groups(plan.groups(0), by_row))
         return [outs[i] for i in ids]
 
-    def score_groups(self, groups: Iterable[PrefixGroup], choices: Choices, *,
-                     arrivals: Mapping[int, float] | None = None,
-                     tokens_per_s: float | None = None) -> Iterator[ScoreOutput]:
+    def score_groups(
+        self,
+        groups: Iterable[PrefixGroup],
+        choices: Choices,
+        *,
+        arrivals: Mapping[int, float] | None = None,
+        tokens_per_s: float | None = None,
+    ) -> Iterator[ScoreOutput]:
         """Score planned groups; yields each row's output when done (bad rows first).
         choices: one list for all rows or a mapping row_id -> list. arrivals: optional
         row_id -> seconds after the start at which the row arrives (online benchmarks); the
@@ -138,36 +151,35 @@ class Scorer:
         advances by computed tokens / tokens_per_s per request (the JCT proxy of Sec. 6.3)
         instead of the wall clock, so that online studies do not depend on the machine's
         load; latencies are then in virtual seconds."""
-        require(tokens_per_s is None or tokens_per_s > 0, "Scorer.score_groups", "tokens_per_s", tokens_per_s,
-                "use None or a rate > 0")
+        require(
+            tokens_per_s is None or tokens_per_s > 0,
+            "Scorer.score_groups",
+            "tokens_per_s",
+            tokens_per_s,
+            "use None or a rate > 0",
+        )
         start, skipped = time.perf_counter(), 0.0
         virtual = 0.0
-        clock: Callable[[], float] = (lambda: virtual + skipped) if tokens_per_s else \
-            (lambda: time.perf_counter() - start + skipped)
+        clock: Callable[[], float] = (
+            (lambda: virtual + skipped) if tokens_per_s else (lambda: time.perf_counter() - start + skipped)
+        )
         self.score_stats = stats = ScoreStats()
         self.totals = None
         cache = PrefixCache(self.prefix_cache_bytes)
-        reqs: list[_Req] = []
-        for i, g in enumerate(groups):
-            members, errors = self._group_requests(("group", i), g, choices, arrivals)
-            stats.num_requests += len(members) + len(errors)
-            stats.num_errors += len(errors)
-            yield from errors
-            reqs += members
-            if members and members[0].prefix_len > 0:
-                cache.expect(members[0].group, len(members))
-        reqs.sort(key=lambda r: r.arrival)                       # stable: plan order on ties
+        reqs = yield from self._admit_groups(groups, choices, arrivals, stats, cache)
         # SRJFScheduler hands back the very array it was given (np.asarray of an int64 array
         # is that array), so its id() finds the request and its group's cached prefix.
         by_array: dict[Hashable, _Req] = {id(r.tokens): r for r in reqs}  # the queue's request ids
-        cached_len: CachedLen = lambda toks: (by_array[id(toks)].prefix_len  # noqa: E731
-                                              if by_array[id(toks)].group in cache else 0)
+
+        def cached_len(toks: np.ndarray) -> int:
+            return by_array[id(toks)].prefix_len if by_array[id(toks)].group in cache else 0
+
         queue = _make_queue(self.options)
         waiting = deque(reqs)
         while waiting or len(queue):
             now = clock()
             if not len(queue) and waiting[0].arrival > now:
-                skipped += waiting[0].arrival - now              # idle: jump to the next arrival
+                skipped += waiting[0].arrival - now  # idle: jump to the next arrival
                 now = waiting[0].arrival
             while waiting and waiting[0].arrival <= now:
                 r = waiting.popleft()
@@ -181,26 +193,45 @@ class Scorer:
             yield out
         stats.num_evictions = cache.num_evictions
         stats.wall_time_s = time.perf_counter() - start
-        self.totals = EngineTotals(
-            num_requests=stats.num_requests, num_prompt_tokens=stats.num_prompt_tokens,
-            num_computed_prompt_tokens=stats.num_computed_tokens, num_recomputed_tokens=0, num_output_tokens=0,
-            num_steps=0, num_preemptions=0, wall_time_s=stats.wall_time_s)
+        self.totals = _engine_totals(stats)
 
     # ------------------------------------------------------------------ internals
 
+    def _admit_groups(
+        self,
+        groups: Iterable[PrefixGroup],
+        choices: Choices,
+        arrivals: Mapping[int, float] | None,
+        stats: ScoreStats,
+        cache: PrefixCache,
+    ) -> Generator[ScoreOutput, None, list[_Req]]:
+        """Every group's valid members as requests, in arrival order (plan order on ties);
+        yields the bad rows' errors as each group is read, counts rows in `stats`, and tells
+        the cache how many members will read each shared prefix."""
+        reqs: list[_Req] = []
+        for i, g in enumerate(groups):
+            members, errors = self._group_requests(("group", i), g, choices, arrivals)
+            stats.num_requests += len(members) + len(errors)
+            stats.num_errors += len(errors)
+            yield from errors
+            reqs += members
+            if members and members[0].prefix_len > 0:
+                cache.expect(members[0].group, len(members))
+        reqs.sort(key=lambda r: r.arrival)  # stable: plan order on ties
+        return reqs
+
     @torch.inference_mode()
     def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats) -> ScoreOutput:
-        ids = torch.from_numpy(req.tokens).to(self.device)                       # [T] int64
+        ids = torch.from_numpy(req.tokens).to(self.device)  # [T] int64
         p, c = req.prefix_len, self.options.chunk_size
         stats.num_prompt_tokens += len(req.tokens)
         num_cached, prefix = 0, None
         if p > 0:
             prefix = cache.get(req.group)
             if prefix is None:
-                _, prefix = hybrid_forward(self.model, ids[:p], None, c, keep_kv=True,
-                                           want_logits=False)
+                _, prefix = hybrid_forward(self.model, ids[:p], None, c, keep_kv=True, want_logits=False)
                 assert prefix is not None, "hybrid_forward(keep_kv=True) returns the prefix's KV"
-                cache.put(req.group, prefix)   # kept for the members left, if it fits
+                cache.put(req.group, prefix)  # kept for the members left, if it fits
                 stats.num_prefix_misses += 1
                 stats.num_computed_tokens += p
             else:
@@ -210,12 +241,11 @@ class Scorer:
         stats.num_computed_tokens += len(req.tokens) - p
         if p > 0:
             cache.finished(req.group)
-        return make_output(req.row_id, req.choices, req.choice_ids, logits, len(req.tokens), p,
-                           num_cached)
+        return make_output(req.row_id, req.choices, req.choice_ids, logits, len(req.tokens), p, num_cached)
 
-    def _group_requests(self, key: Hashable, g: PrefixGroup, choices: Choices,
-                        arrivals: Mapping[int, float] | None
-                        ) -> tuple[list[_Req], list[ScoreOutput]]:
+    def _group_requests(
+        self, key: Hashable, g: PrefixGroup, choices: Choices, arrivals: Mapping[int, float] | None
+    ) -> tuple[list[_Req], list[ScoreOutput]]:
         """Valid members as requests (sharing the prefix when it pays and fits), and errors."""
         members, errors = [], []
         for i in range(g.num_members):
@@ -223,8 +253,9 @@ class Scorer:
             row_choices = choices.get(row, ()) if isinstance(choices, Mapping) else choices
             tokens = np.ascontiguousarray(g.prompt(i), dtype=np.int64)
             try:
-                ids = choice_token_ids(row_choices, self.tokenizer, self.args.vocab_size,
-                                       self.options.choice_leading_space)
+                ids = choice_token_ids(
+                    row_choices, self.tokenizer, self.args.vocab_size, self.options.choice_leading_space
+                )
                 _check_prompt_ids(tokens, self.args.vocab_size)
             except ValueError as e:
                 errors.append(error_output(row, row_choices, len(tokens), str(e)))
@@ -237,8 +268,7 @@ class Scorer:
             r.prefix_len = p
             limit = self.max_input_len(p)
             if len(r.tokens) > limit:
-                errors.append(error_output(r.row_id, r.choices, len(r.tokens), self._too_long(
-                    len(r.tokens), limit, p)))
+                errors.append(error_output(r.row_id, r.choices, len(r.tokens), self._too_long(len(r.tokens), limit, p)))
                 continue
             kept.append(r)
         return kept, errors
@@ -253,31 +283,52 @@ class Scorer:
         if any(len(r.tokens) == p for r in members):
             p -= 1
         budget = self.options.max_forward_bytes
-        if budget is not None and forward_bytes(self.args, self.elem, p, 0,
-                                                self.options.chunk_size, keep_kv=True) > budget:
+        if (
+            budget is not None
+            and forward_bytes(self.args, self.elem, p, 0, self.options.chunk_size, keep_kv=True) > budget
+        ):
             return 0
         return p
 
     def _too_long(self, n: int, limit: int, p: int) -> str:
         if self.options.max_forward_bytes is None or limit == self.max_model_len:
-            return (f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}; "
-                    "shorten it or raise EngineConfig.max_model_len")
-        return (f"the prompt has {n} tokens, more than the maximum input length {limit} that "
-                f"ScoreOptions.max_forward_bytes={self.options.max_forward_bytes} allows "
-                f"(shared prefix {p} tokens); shorten it or raise max_forward_bytes")
+            return (
+                f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}; "
+                "shorten it or raise EngineConfig.max_model_len"
+            )
+        return (
+            f"the prompt has {n} tokens, more than the maximum input length {limit} that "
+            f"ScoreOptions.max_forward_bytes={self.options.max_forward_bytes} allows "
+            f"(shared prefix {p} tokens); shorten it or raise max_forward_bytes"
+        )
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=self.options.add_special_tokens)
-                        ["input_ids"])
+            return list(self.tokenizer(prompt, add_special_tokens=self.options.add_special_tokens)["input_ids"])
         return [int(t) for t in prompt]
+
+
+def _engine_totals(stats: ScoreStats) -> EngineTotals:
+    """A scoring run as EngineTotals: every prompt token is prefill; no steps, no outputs."""
+    return EngineTotals(
+        num_requests=stats.num_requests,
+        num_prompt_tokens=stats.num_prompt_tokens,
+        num_computed_prompt_tokens=stats.num_computed_tokens,
+        num_recomputed_tokens=0,
+        num_output_tokens=0,
+        num_steps=0,
+        num_preemptions=0,
+        wall_time_s=stats.wall_time_s,
+    )
 
 
 def _check_prompt_ids(tokens: np.ndarray, vocab_size: int) -> None:
     bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
     if len(bad):
-        raise ValueError(f"the prompt holds token id {int(bad[0])}, outside the vocabulary "
-                         f"0..{vocab_size - 1}; tokenize with the model's tokenizer")
+        raise ValueError(
+            f"the prompt holds token id {int(bad[0])}, outside the vocabulary "
+            f"0..{vocab_size - 1}; tokenize with the model's tokenizer"
+        )
 
 
 class _Fifo:
@@ -307,8 +358,10 @@ def _per_row_choices(choices: PromptChoices, row_ids: list[int]) -> Mapping[int,
     if _one_list(choices):
         return {i: choices for i in row_ids}
     if len(choices) != len(row_ids):
-        raise ValueError(f"choices has {len(choices)} lists for {len(row_ids)} prompts: give "
-                         "one list of labels for all rows, or one list per row")
+        raise ValueError(
+            f"choices has {len(choices)} lists for {len(row_ids)} prompts: give "
+            "one list of labels for all rows, or one list per row"
+        )
     return dict(zip(row_ids, choices))
 
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from prefixflow.errors import require
 
-CachedLen = Callable[[np.ndarray], int]   # tokens -> leading tokens the prefix cache holds
-JCT = Callable[[int, int], float]         # (n_input, n_cached) -> predicted job time
+CachedLen = Callable[[np.ndarray], int]  # tokens -> leading tokens the prefix cache holds
+JCT = Callable[[int, int], float]  # (n_input, n_cached) -> predicted job time
 
 
 def miss_tokens(n_input: int, n_cached: int) -> float:
@@ -58,8 +58,9 @@ class SRJFScheduler:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def add(self, req_id: Hashable, tokens: np.ndarray | list[int], now: float,
-            cached_len: CachedLen | None = None) -> None:
+    def add(
+        self, req_id: Hashable, tokens: np.ndarray | list[int], now: float, cached_len: CachedLen | None = None
+    ) -> None:
         """Queue a request. `cached_len` (the cache at arrival) is what plain SRJF scores by."""
         tokens = np.asarray(tokens)
         at_arrival = int(cached_len(tokens)) if cached_len is not None else 0

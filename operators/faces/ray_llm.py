@@ -33,11 +33,18 @@ import pyarrow as pa
 
 from prefixflow.operators.config import TokenizeOptions
 from prefixflow.operators.faces.processor import Merged, Processor, engine_actor_options
-from prefixflow.operators.faces.ray_llm_config import (ChatTemplateStageConfig, DetokenizeStageConfig,
-                                                       HttpRequestProcessorConfig, HttpRequestStageConfig,
-                                                       PrepareMultimodalStageConfig, SGLangEngineProcessorConfig,
-                                                       ServeDeploymentProcessorConfig, TokenizerStageConfig,
-                                                       engine_settings, vLLMEngineProcessorConfig)
+from prefixflow.operators.faces.ray_llm_config import (
+    ChatTemplateStageConfig,
+    DetokenizeStageConfig,
+    HttpRequestProcessorConfig,
+    HttpRequestStageConfig,
+    PrepareMultimodalStageConfig,
+    SGLangEngineProcessorConfig,
+    ServeDeploymentProcessorConfig,
+    TokenizerStageConfig,
+    engine_settings,
+    vLLMEngineProcessorConfig,
+)
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.row_sampling import row_sampling
 from prefixflow.operators.stages.plan import fetch_rows
@@ -49,26 +56,47 @@ logger = logging.getLogger(__name__)
 ERROR_COLUMN = "__inference_error__"
 # The columns ray.data.llm 2.60's vLLM stage writes on every row (stage outputs overwrite an
 # input column of the same name); the engine pops these inputs.
-RAY_COLUMNS = ("prompt", "prompt_token_ids", "num_input_tokens", "generated_tokens", "generated_text",
-               "num_generated_tokens", "embeddings", "metrics", "logprobs", "prompt_logprobs",
-               "request_id", "batch_uuid", "time_taken_llm", "params", ERROR_COLUMN)
+RAY_COLUMNS = (
+    "prompt",
+    "prompt_token_ids",
+    "num_input_tokens",
+    "generated_tokens",
+    "generated_text",
+    "num_generated_tokens",
+    "embeddings",
+    "metrics",
+    "logprobs",
+    "prompt_logprobs",
+    "request_id",
+    "batch_uuid",
+    "time_taken_llm",
+    "params",
+    ERROR_COLUMN,
+)
 CONSUMED = ("sampling_params", "tokenized_prompt")
 OURS_DROPPED = ("error", "row_id", "replica")  # Ray has them as __inference_error__, request_id
-METRICS_TYPE = pa.struct([pa.field("num_generation_tokens", pa.int64()),
-                          pa.field("num_cached_tokens", pa.int64())])
+METRICS_TYPE = pa.struct([pa.field("num_generation_tokens", pa.int64()), pa.field("num_cached_tokens", pa.int64())])
 
 
 class RayLLMProcessor(Processor):
     """prefixflow's Processor with ray.data.llm's stages, columns and error rule."""
 
-    def __init__(self, config: vLLMEngineProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
-                 postprocess: Callable[[Row], Row] | None = None,
-                 preprocess_map_kwargs: dict[str, Any] | None = None,
-                 postprocess_map_kwargs: dict[str, Any] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None):
-        super().__init__(config.processor_config(chat_template_kwargs), preprocess, postprocess,
-                         preprocess_map_kwargs=preprocess_map_kwargs,
-                         postprocess_map_kwargs=postprocess_map_kwargs)
+    def __init__(
+        self,
+        config: vLLMEngineProcessorConfig,
+        preprocess: Callable[[Row], Row] | None = None,
+        postprocess: Callable[[Row], Row] | None = None,
+        preprocess_map_kwargs: dict[str, Any] | None = None,
+        postprocess_map_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
+        super().__init__(
+            config.processor_config(chat_template_kwargs),
+            preprocess,
+            postprocess,
+            preprocess_map_kwargs=preprocess_map_kwargs,
+            postprocess_map_kwargs=postprocess_map_kwargs,
+        )
         self.ray_config = config
         self.stages = config.stages()
         self._tokenizer: Any = None
@@ -88,8 +116,7 @@ class RayLLMProcessor(Processor):
     def tokenize_options(self) -> TokenizeOptions:
         # ray.data.llm's chat stage: rows give `messages` only while it is on, and a
         # conversation ending with an assistant message is continued
-        return replace(super().tokenize_options(), messages=self.stages["chat_template"].enabled,
-                       continue_last=True)
+        return replace(super().tokenize_options(), messages=self.stages["chat_template"].enabled, continue_last=True)
 
     def tokenize_args(self) -> dict[str, Any]:
         from ray.data import ActorPoolStrategy
@@ -97,8 +124,11 @@ class RayLLMProcessor(Processor):
         chat, tok = self.stages["chat_template"], self.stages["tokenize"]
         stage = tok if tok.enabled or not chat.enabled else chat
         c = stage.concurrency
-        args: dict[str, Any] = {"compute": ActorPoolStrategy(min_size=1, max_size=c) if isinstance(c, int)
-                                else ActorPoolStrategy(min_size=c[0], max_size=c[1])}
+        args: dict[str, Any] = {
+            "compute": ActorPoolStrategy(min_size=1, max_size=c)
+            if isinstance(c, int)
+            else ActorPoolStrategy(min_size=c[0], max_size=c[1])
+        }
         for key in ("runtime_env", "num_cpus", "memory"):
             if getattr(stage, key) is not None:
                 args[key] = getattr(stage, key)
@@ -127,9 +157,11 @@ class RayLLMProcessor(Processor):
         errors = [r.get("error") for r in rows]
         bad = next((i for i, e in enumerate(errors) if e), None)
         if bad is not None and not self.ray_config.should_continue_on_error:
-            raise RuntimeError(f"row {rows[bad].get('row_id')} failed: {errors[bad]} (ray.data.llm fails the "
-                               "dataset on a row's error; with should_continue_on_error=True such rows come "
-                               f"back with their {ERROR_COLUMN})")
+            raise RuntimeError(
+                f"row {rows[bad].get('row_id')} failed: {errors[bad]} (ray.data.llm fails the "
+                "dataset on a row's error; with should_continue_on_error=True such rows come "
+                f"back with their {ERROR_COLUMN})"
+            )
         ids = np.array([r["row_id"] for r in rows], dtype=np.int64)
         good = [i for i, e in enumerate(errors) if not e]
         prompt_ids: list[Any] = [None] * len(rows)
@@ -145,16 +177,25 @@ class RayLLMProcessor(Processor):
             if detokenize and not text and r.get("generated_tokens") and not e:
                 text = self._decode(r["generated_tokens"])
             params = "" if e else repr(row_sampling(self.config.sampling_params, r.get("sampling_params")))
-            values = {"prompt": r.get("prompt") or "", "prompt_token_ids": p,
-                      "num_input_tokens": 0 if e else r["num_input_tokens"],
-                      "generated_tokens": [] if e else r["generated_tokens"], "generated_text": text,
-                      "num_generated_tokens": 0 if e else r["num_generated_tokens"], "embeddings": None,
-                      "metrics": None if e else {"num_generation_tokens": r["num_generated_tokens"],
-                                                 "num_cached_tokens": r.get("_pf_cached")},
-                      "logprobs": r.get("logprobs"), "prompt_logprobs": None,
-                      "request_id": -1 if e else r["row_id"], "batch_uuid": batch,
-                      "time_taken_llm": -1.0 if e else self._time_taken(r["replica"]),
-                      "params": params, ERROR_COLUMN: e or ""}
+            values = {
+                "prompt": r.get("prompt") or "",
+                "prompt_token_ids": p,
+                "num_input_tokens": 0 if e else r["num_input_tokens"],
+                "generated_tokens": [] if e else r["generated_tokens"],
+                "generated_text": text,
+                "num_generated_tokens": 0 if e else r["num_generated_tokens"],
+                "embeddings": None,
+                "metrics": None
+                if e
+                else {"num_generation_tokens": r["num_generated_tokens"], "num_cached_tokens": r.get("_pf_cached")},
+                "logprobs": r.get("logprobs"),
+                "prompt_logprobs": None,
+                "request_id": -1 if e else r["row_id"],
+                "batch_uuid": batch,
+                "time_taken_llm": -1.0 if e else self._time_taken(r["replica"]),
+                "params": params,
+                ERROR_COLUMN: e or "",
+            }
             for name in RAY_COLUMNS:
                 out[name].append(values[name])
         return _with_ray_columns(block, out)
@@ -187,11 +228,15 @@ class RayLLMProcessor(Processor):
 
     def log_input_column_names(self) -> None:
         if self.stages["chat_template"].enabled:
-            message = ("The first stage of the processor is ChatTemplateStage.\nRequired input columns:\n"
-                       "\tmessages: A list of messages in OpenAI chat format.")
+            message = (
+                "The first stage of the processor is ChatTemplateStage.\nRequired input columns:\n"
+                "\tmessages: A list of messages in OpenAI chat format."
+            )
         else:
-            message = ("The first stage of the processor is TokenizeStage.\nRequired input columns:\n"
-                       "\tprompt: The text prompt (str) to tokenize.")
+            message = (
+                "The first stage of the processor is TokenizeStage.\nRequired input columns:\n"
+                "\tprompt: The text prompt (str) to tokenize."
+            )
         logger.info(message + "\nOptional input columns:\n\tsampling_params: vLLM's sampling parameters.")
 
 
@@ -205,10 +250,17 @@ def _with_ray_columns(block: pa.Table, values: dict[str, list[Any]]) -> pa.Table
     table = block.select(keep)
     back = {f"input_{n}": n for n in OURS_DROPPED if f"input_{n}" in names}
     table = table.rename_columns([back.get(c, c) for c in table.column_names])
-    types = {"prompt_token_ids": pa.list_(pa.int64()), "num_input_tokens": pa.int64(),
-             "generated_tokens": pa.list_(pa.int64()), "num_generated_tokens": pa.int64(),
-             "request_id": pa.int64(), "time_taken_llm": pa.float64(), "metrics": METRICS_TYPE,
-             "embeddings": pa.null(), "prompt_logprobs": pa.null()}
+    types = {
+        "prompt_token_ids": pa.list_(pa.int64()),
+        "num_input_tokens": pa.int64(),
+        "generated_tokens": pa.list_(pa.int64()),
+        "num_generated_tokens": pa.int64(),
+        "request_id": pa.int64(),
+        "time_taken_llm": pa.float64(),
+        "metrics": METRICS_TYPE,
+        "embeddings": pa.null(),
+        "prompt_logprobs": pa.null(),
+    }
     for name in RAY_COLUMNS:
         kind = types.get(name)
         if name == "logprobs":
@@ -234,11 +286,14 @@ class SkipErrors:
         return out
 
 
-def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
-                    postprocess: Callable[[Row], Row] | None = None,
-                    preprocess_map_kwargs: dict[str, Any] | None = None,
-                    postprocess_map_kwargs: dict[str, Any] | None = None,
-                    builder_kwargs: dict[str, Any] | None = None) -> RayLLMProcessor:
+def build_processor(
+    config: vLLMEngineProcessorConfig,
+    preprocess: Callable[[Row], Row] | None = None,
+    postprocess: Callable[[Row], Row] | None = None,
+    preprocess_map_kwargs: dict[str, Any] | None = None,
+    postprocess_map_kwargs: dict[str, Any] | None = None,
+    builder_kwargs: dict[str, Any] | None = None,
+) -> RayLLMProcessor:
     """ray.data.llm.build_processor for a vLLMEngineProcessorConfig: prefixflow's planned,
     lazy processor. builder_kwargs: as Ray's vLLM builder, `chat_template_kwargs` only."""
     if not isinstance(config, vLLMEngineProcessorConfig):
@@ -249,15 +304,34 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[Row
         raise ValueError(f"builder_kwargs cannot contain {sorted(reserved)}: pass them to build_processor itself")
     unknown = set(builder_kwargs) - {"chat_template_kwargs"}
     if unknown:
-        raise TypeError(f"builder_kwargs {sorted(unknown)} are not arguments of the vLLM processor "
-                        "builder: it takes chat_template_kwargs")
-    return RayLLMProcessor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs,
-                           builder_kwargs.get("chat_template_kwargs"))
+        raise TypeError(
+            f"builder_kwargs {sorted(unknown)} are not arguments of the vLLM processor "
+            "builder: it takes chat_template_kwargs"
+        )
+    return RayLLMProcessor(
+        config,
+        preprocess,
+        postprocess,
+        preprocess_map_kwargs,
+        postprocess_map_kwargs,
+        builder_kwargs.get("chat_template_kwargs"),
+    )
 
 
 build_llm_processor = build_processor  # Ray's older name, for code written for earlier Ray
 
-__all__ = ["ChatTemplateStageConfig", "DetokenizeStageConfig", "HttpRequestProcessorConfig",
-           "HttpRequestStageConfig", "PrepareMultimodalStageConfig", "RayLLMProcessor",
-           "SGLangEngineProcessorConfig", "ServeDeploymentProcessorConfig", "TokenizerStageConfig",
-           "build_llm_processor", "build_processor", "engine_settings", "vLLMEngineProcessorConfig"]
+__all__ = [
+    "ChatTemplateStageConfig",
+    "DetokenizeStageConfig",
+    "HttpRequestProcessorConfig",
+    "HttpRequestStageConfig",
+    "PrepareMultimodalStageConfig",
+    "RayLLMProcessor",
+    "SGLangEngineProcessorConfig",
+    "ServeDeploymentProcessorConfig",
+    "TokenizerStageConfig",
+    "build_llm_processor",
+    "build_processor",
+    "engine_settings",
+    "vLLMEngineProcessorConfig",
+]

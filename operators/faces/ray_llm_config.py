@@ -53,8 +53,12 @@ def check_concurrency(cls: str, name: str, value: Any) -> Concurrency | None:
     """An int n >= 1 or a (min, max) pair with 1 <= min <= max (a list is taken as the pair)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and \
-            all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 1 <= value[0] <= value[1]:
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and 1 <= value[0] <= value[1]
+    ):
         return (value[0], value[1])
     raise invalid(cls, name, value, "give a positive int, or a (min, max) pair with 1 <= min <= max")
 
@@ -124,8 +128,12 @@ def resolve_stage(value: Any, cls: type, field_name: str, defaults: dict[str, An
     elif isinstance(value, dict):
         unknown = sorted(set(value) - {f.name for f in fields(cls)})
         if unknown:
-            raise invalid("vLLMEngineProcessorConfig", f"{field_name}.{unknown[0]}", value[unknown[0]],
-                           f"{cls.__name__} has no such field")
+            raise invalid(
+                "vLLMEngineProcessorConfig",
+                f"{field_name}.{unknown[0]}",
+                value[unknown[0]],
+                f"{cls.__name__} has no such field",
+            )
         stage = cls(**value)
     elif isinstance(value, cls):
         stage = value
@@ -184,40 +192,60 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
         if self.task_type not in TASK_TYPES:
             raise invalid(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
         if self.task_type != "generate":
-            raise invalid(name, "task_type", self.task_type, "prefixflow's ray.data.llm face generates "
-                           "text only: use 'generate' (choice probabilities: prefixflow.ProcessorConfig("
-                           "task='score'))")
+            raise invalid(
+                name,
+                "task_type",
+                self.task_type,
+                "prefixflow's ray.data.llm face generates "
+                "text only: use 'generate' (choice probabilities: prefixflow.ProcessorConfig("
+                "task='score'))",
+            )
         for key, fix in REFUSED.items():
             if getattr(self, key):
                 raise invalid(name, key, getattr(self, key), fix)
-        self.stages()                # each stage config checked, by name
-        self.processor_config()      # ProcessorConfig checks the rest (engine_kwargs by name)
+        self.stages()  # each stage config checked, by name
+        self.processor_config()  # ProcessorConfig checks the rest (engine_kwargs by name)
         self.engine_bundle()
 
     def stages(self) -> dict[str, Any]:
         """The four stage configs, resolved (legacy booleans folded in, processor defaults filled)."""
-        defaults = {"batch_size": self.batch_size, "concurrency": self.concurrency,
-                    "runtime_env": self.runtime_env, "model_source": self.model_source}
+        defaults = {
+            "batch_size": self.batch_size,
+            "concurrency": self.concurrency,
+            "runtime_env": self.runtime_env,
+            "model_source": self.model_source,
+        }
         chat = resolve_stage(self.chat_template_stage, ChatTemplateStageConfig, "chat_template_stage", defaults)
         if self.apply_chat_template is not None or self.chat_template is not None:
-            chat = _replace(chat, enabled=chat.enabled if self.apply_chat_template is None else self.apply_chat_template,
-                            chat_template=self.chat_template or chat.chat_template)
+            chat = _replace(
+                chat,
+                enabled=chat.enabled if self.apply_chat_template is None else self.apply_chat_template,
+                chat_template=self.chat_template or chat.chat_template,
+            )
         tok = resolve_stage(self.tokenize_stage, TokenizerStageConfig, "tokenize_stage", defaults)
         if self.tokenize is not None:
             tok = _replace(tok, enabled=self.tokenize)
         detok = resolve_stage(self.detokenize_stage, DetokenizeStageConfig, "detokenize_stage", defaults)
         if self.detokenize is not None:
             detok = _replace(detok, enabled=self.detokenize)
-        mm = resolve_stage(self.prepare_multimodal_stage, PrepareMultimodalStageConfig,
-                           "prepare_multimodal_stage", defaults)
+        mm = resolve_stage(
+            self.prepare_multimodal_stage, PrepareMultimodalStageConfig, "prepare_multimodal_stage", defaults
+        )
         if mm.enabled:
-            raise invalid("vLLMEngineProcessorConfig", "prepare_multimodal_stage", self.prepare_multimodal_stage,
-                           "multimodal inputs are not supported: leave the stage off")
+            raise invalid(
+                "vLLMEngineProcessorConfig",
+                "prepare_multimodal_stage",
+                self.prepare_multimodal_stage,
+                "multimodal inputs are not supported: leave the stage off",
+            )
         for stage_name, stage in (("chat_template_stage", chat), ("tokenize_stage", tok), ("detokenize_stage", detok)):
             if stage.model_source != self.model_source:
-                raise invalid("vLLMEngineProcessorConfig", f"{stage_name}.model_source", stage.model_source,
-                               "prefixflow renders, tokenizes and decodes with model_source's own "
-                               "tokenizer: remove it")
+                raise invalid(
+                    "vLLMEngineProcessorConfig",
+                    f"{stage_name}.model_source",
+                    stage.model_source,
+                    "prefixflow renders, tokenizes and decodes with model_source's own tokenizer: remove it",
+                )
         return {"chat_template": chat, "tokenize": tok, "detokenize": detok, "prepare_multimodal": mm}
 
     def processor_config(self, chat_template_kwargs: dict[str, Any] | None = None) -> ProcessorConfig:
@@ -231,14 +259,22 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
         stage_concurrency = sized.concurrency if isinstance(sized.concurrency, int) else sized.concurrency[1]
         kwargs = chat.chat_template_kwargs if chat.chat_template_kwargs is not None else chat_template_kwargs
         return ProcessorConfig(
-            model=self.model_source, engine=engine_settings(self.engine_kwargs, self.log_engine_metrics,
-                                                            self.task_type),
-            replicas=replicas, min_replicas=least, rows_per_chunk=self.batch_size, tokenize_batch_size=sized.batch_size,
-            tokenize_concurrency=stage_concurrency, num_gpus_per_replica=None, include_prompt=True,
-            order=self.order, chat_template=chat.chat_template if chat.enabled else None,
+            model=self.model_source,
+            engine=engine_settings(self.engine_kwargs, self.log_engine_metrics, self.task_type),
+            replicas=replicas,
+            min_replicas=least,
+            rows_per_chunk=self.batch_size,
+            tokenize_batch_size=sized.batch_size,
+            tokenize_concurrency=stage_concurrency,
+            num_gpus_per_replica=None,
+            include_prompt=True,
+            order=self.order,
+            chat_template=chat.chat_template if chat.enabled else None,
             chat_template_kwargs=dict(kwargs) if kwargs and chat.enabled else None,
-            runtime_env=self.runtime_env, num_cpus_per_replica=self.engine_bundle().get("CPU", 1.0),
-            sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS))
+            runtime_env=self.runtime_env,
+            num_cpus_per_replica=self.engine_bundle().get("CPU", 1.0),
+            sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS),
+        )
 
     def engine_bundle(self) -> dict[str, float]:
         """An engine actor's resources from placement_group_config ({} when not given): its
@@ -248,10 +284,16 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             return {}
         name = "vLLMEngineProcessorConfig"
         if not isinstance(pg, dict) or not (set(pg) <= {"bundles", "bundle_per_worker", "strategy"}):
-            raise invalid(name, "placement_group_config", pg, "give {'bundles': [...]} or "
-                           "{'bundle_per_worker': {...}}, optionally with 'strategy'")
+            raise invalid(
+                name,
+                "placement_group_config",
+                pg,
+                "give {'bundles': [...]} or {'bundle_per_worker': {...}}, optionally with 'strategy'",
+            )
         if pg.get("bundle_per_worker") is not None:
-            workers = self.engine_kwargs.get("tensor_parallel_size", 1) * self.engine_kwargs.get("pipeline_parallel_size", 1)
+            workers = self.engine_kwargs.get("tensor_parallel_size", 1) * self.engine_kwargs.get(
+                "pipeline_parallel_size", 1
+            )
             bundles = [pg["bundle_per_worker"]] * workers
         else:
             bundles = pg.get("bundles") or []
@@ -269,8 +311,9 @@ def _replace(stage: Any, **changes: Any) -> Any:
     return type(stage)(**{**values, **changes})
 
 
-def engine_settings(engine_kwargs: dict[str, Any], log_engine_metrics: bool = True,
-                    task_type: str = "generate") -> dict[str, Any]:
+def engine_settings(
+    engine_kwargs: dict[str, Any], log_engine_metrics: bool = True, task_type: str = "generate"
+) -> dict[str, Any]:
     """ProcessorConfig.engine for ray.data.llm's engine_kwargs: the vLLM arguments prefixflow
     derives from its own EngineConfig (engine/vllm_backend/args.OWN_ARGS, the one mapping of vLLM names
     to EngineConfig fields: max_model_len, max_num_batched_tokens, max_num_seqs,
@@ -298,18 +341,24 @@ def engine_settings(engine_kwargs: dict[str, Any], log_engine_metrics: bool = Tr
 
 def _refused(name: str, instead: str) -> type:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise ValueError(f"{name} is not supported by prefixflow, which runs the model itself with "
-                         f"vLLM or its own engine: {instead}")
+        raise ValueError(
+            f"{name} is not supported by prefixflow, which runs the model itself with vLLM or its own engine: {instead}"
+        )
 
     return type(name, (), {"__init__": __init__, "__doc__": f"Refused: {instead}"})
 
 
 SGLangEngineProcessorConfig = _refused(
-    "SGLangEngineProcessorConfig", "use vLLMEngineProcessorConfig (the same fields, vLLM's "
-    "engine_kwargs) or prefixflow.ProcessorConfig")
+    "SGLangEngineProcessorConfig",
+    "use vLLMEngineProcessorConfig (the same fields, vLLM's engine_kwargs) or prefixflow.ProcessorConfig",
+)
 HttpRequestProcessorConfig = _refused(
-    "HttpRequestProcessorConfig", "to query an HTTP endpoint keep ray.data.llm's; to run the model "
-    "here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig")
+    "HttpRequestProcessorConfig",
+    "to query an HTTP endpoint keep ray.data.llm's; to run the model "
+    "here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig",
+)
 ServeDeploymentProcessorConfig = _refused(
-    "ServeDeploymentProcessorConfig", "to query a Ray Serve deployment keep ray.data.llm's; to run "
-    "the model here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig")
+    "ServeDeploymentProcessorConfig",
+    "to query a Ray Serve deployment keep ray.data.llm's; to run "
+    "the model here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig",
+)

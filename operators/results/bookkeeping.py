@@ -54,8 +54,10 @@ TEXT: Kind = ("text", lambda v: isinstance(v, str))
 INT: Kind = ("an integer", _is_int)
 NUMBER: Kind = ("a number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
 SHA256: Kind = ("a sha256 in hex", lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None)
-ROW_IDS: Kind = ("a list of row ids (integers from 0)",
-                 lambda v: isinstance(v, list) and all(_is_int(x) and 0 <= x < 2 ** 63 for x in v))
+ROW_IDS: Kind = (
+    "a list of row ids (integers from 0)",
+    lambda v: isinstance(v, list) and all(_is_int(x) and 0 <= x < 2**63 for x in v),
+)
 
 
 def maybe(kind: Kind) -> Kind:
@@ -67,8 +69,14 @@ def maybe(kind: Kind) -> Kind:
 # operators/write.write_part). _job.json's other fields are compared, not read.
 LOCK_FIELDS = {"host": TEXT, "pid": INT, "started": NUMBER, "heartbeat": NUMBER, "token": TEXT}
 JOB_FIELDS = {"fingerprint": SHA256}
-RECORD_FIELDS = {"part": TEXT, "row_ids": ROW_IDS, "num_rows": maybe(INT), "bytes": maybe(INT),
-                 "sha256": maybe(SHA256), "writer": maybe(TEXT)}
+RECORD_FIELDS = {
+    "part": TEXT,
+    "row_ids": ROW_IDS,
+    "num_rows": maybe(INT),
+    "bytes": maybe(INT),
+    "sha256": maybe(SHA256),
+    "writer": maybe(TEXT),
+}
 
 
 class Damaged(ValueError):
@@ -83,8 +91,10 @@ def read_bookkeeping(fs: Any, path: str, fields: dict[str, Kind], name: str | No
     an object without a field of its type: never an AttributeError or a traceback later."""
     name = name or basename(path)
     if is_local(path) and os.path.islink(local_path(path)):
-        raise Damaged(f"{name} is a symbolic link (to {os.readlink(local_path(path))!r}), which "
-                      "prefixflow never follows in an output folder")
+        raise Damaged(
+            f"{name} is a symbolic link (to {os.readlink(local_path(path))!r}), which "
+            "prefixflow never follows in an output folder"
+        )
     try:
         value = json.loads(fs.cat_file(path))
     except FileNotFoundError:
@@ -136,7 +146,9 @@ def refuse_links(out: str, fs: Any) -> None:
             inside = where != folder
             if entry.is_symlink() and (inside or is_own(entry.name)):
                 name = f"{COMMITS}/{entry.name}" if inside else entry.name
-                raise ValueError(f"output.path={masked(out)!r}: {name} is a symbolic link (to "
-                                 f"{os.readlink(entry.path)!r}); prefixflow never follows a link "
-                                 "in its output folder (it would read, write or delete where it "
-                                 f"points): remove the link ({entry.path}) or choose a new path")
+                raise ValueError(
+                    f"output.path={masked(out)!r}: {name} is a symbolic link (to "
+                    f"{os.readlink(entry.path)!r}); prefixflow never follows a link "
+                    "in its output folder (it would read, write or delete where it "
+                    f"points): remove the link ({entry.path}) or choose a new path"
+                )

@@ -56,26 +56,37 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
-from prefixflow.operators.results.bookkeeping import (COMMITS, JOB_FIELDS, JOB_FILE, LOCK_FIELDS, LOCK_FILE, PART_NAME,
-                                                      RECORD_FIELDS, TMP_PREFIX, Damaged, basename, check_fields,
-                                                      read_bookkeeping, refuse_links)
+from prefixflow.operators.results.bookkeeping import (
+    COMMITS,
+    JOB_FIELDS,
+    JOB_FILE,
+    LOCK_FIELDS,
+    LOCK_FILE,
+    PART_NAME,
+    RECORD_FIELDS,
+    TMP_PREFIX,
+    Damaged,
+    basename,
+    check_fields,
+    read_bookkeeping,
+    refuse_links,
+)
 from prefixflow.operators.results.part_rows import holds_rows
 from prefixflow.retry import with_retries
-from prefixflow.storage import (HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol,
-                                strip_scheme)
+from prefixflow.storage import HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol, strip_scheme
 
 _log = logging.getLogger(__name__)
-HEARTBEAT_S = 60.0   # how often a running job refreshes its lock
-STALE_S = 300.0      # a lock not refreshed for this long belongs to a job that is gone
+HEARTBEAT_S = 60.0  # how often a running job refreshes its lock
+STALE_S = 300.0  # a lock not refreshed for this long belongs to a job that is gone
 
 
 @dataclass(frozen=True)
 class Committed:
     """What earlier runs of this job committed to the output path."""
 
-    row_ids: np.ndarray          # int64, sorted, unique
+    row_ids: np.ndarray  # int64, sorted, unique
     manifests: list[dict[str, Any]]
-    removed: list[str]           # orphan parts and temporary files deleted
+    removed: list[str]  # orphan parts and temporary files deleted
 
     @property
     def num_rows(self) -> int:
@@ -90,8 +101,9 @@ def record_bytes(manifest: dict[str, Any], row_ids: list[int]) -> bytes:
     return json.dumps({**manifest, "row_ids": [int(r) for r in row_ids]}).encode("utf-8")
 
 
-def job_identity(planned: Any, num_replicas: int, spec_key: str,
-                 inputs: list[list[Any]], model: dict[str, str] | None = None) -> dict[str, Any]:
+def job_identity(
+    planned: Any, num_replicas: int, spec_key: str, inputs: list[list[Any]], model: dict[str, str] | None = None
+) -> dict[str, Any]:
     """What a resume must find unchanged, part by part (named in the refusal), and their hash.
 
     inputs: input_listing() of the job's input files; model: model_fingerprint() of the model."""
@@ -102,8 +114,13 @@ def job_identity(planned: Any, num_replicas: int, spec_key: str,
         plan.update(np.asarray(table.column("row_id").to_numpy(), np.int64).tobytes())
         plan.update(np.asarray(table.column("group_id").to_numpy(), np.int64).tobytes())
         plan.update(np.asarray(table.column("prefix_len").to_numpy(), np.int64).tobytes())
-    parts = {"spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(), "model": model or {},
-             "inputs": inputs, "input_content": planned.content_digest, "plan": plan.hexdigest()}
+    parts = {
+        "spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(),
+        "model": model or {},
+        "inputs": inputs,
+        "input_content": planned.content_digest,
+        "plan": plan.hexdigest(),
+    }
     fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
     return {"fingerprint": fingerprint, **parts}
 
@@ -122,8 +139,11 @@ def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
     out = []
     for folder, names in by_folder.items():
         fs = storage.filesystem(folder)
-        listed = {} if protocol(folder) in HTTP else \
-            {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
+        listed = (
+            {}
+            if protocol(folder) in HTTP
+            else {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
+        )
         for f in names:
             e = listed.get(strip_scheme(f).rstrip("/")) or fs.info(f)
             out.append([masked(f), _file_identity(f, e)])
@@ -137,14 +157,14 @@ def _file_identity(path: str, entry: dict[str, Any]) -> int | str:
     for header in ("ETag", "Last-Modified"):
         if entry.get(header):
             return f"{header}: {entry[header]}"
-    raise ValueError(f"input.path: {masked(path)!r} has no size, ETag or Last-Modified (its "
-                     "server sends none), so a resume could not tell that it changed: serve it "
-                     "with a Content-Length, or copy it to a folder or object storage")
+    raise ValueError(
+        f"input.path: {masked(path)!r} has no size, ETag or Last-Modified (its "
+        "server sends none), so a resume could not tell that it changed: serve it "
+        "with a Content-Length, or copy it to a folder or object storage"
+    )
 
 
-
-def load_committed(out: str, storage: StorageOptions, clean: bool = True,
-                   verify: bool = False) -> Committed:
+def load_committed(out: str, storage: StorageOptions, clean: bool = True, verify: bool = False) -> Committed:
     """Read the commit records under `out`; a record counts only when its part is there with the
     recorded size (and, with `verify`, the recorded sha256 and exactly the recorded row ids:
     every part is read once). With `clean`, delete records that do not count, parts that have
@@ -175,8 +195,10 @@ def load_committed(out: str, storage: StorageOptions, clean: bool = True,
     row_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     unique = np.unique(row_ids)
     if len(unique) != len(row_ids):
-        raise RuntimeError(f"output.path={masked(out)!r}: a row id is in two committed parts; "
-                           "the commit records were changed by hand: rerun into a new path")
+        raise RuntimeError(
+            f"output.path={masked(out)!r}: a row id is in two committed parts; "
+            "the commit records were changed by hand: rerun into a new path"
+        )
     return Committed(unique, kept, removed)
 
 
@@ -195,9 +217,11 @@ def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         part = name.removesuffix(".json")
         if not PART_NAME.match(part):
-            raise ValueError(f"output.path={masked(out)!r}: {COMMITS}/{name} is not a commit "
-                             "record this job writes (a part name with a path or odd characters "
-                             "in it); the folder was changed by hand: rerun into a new path")
+            raise ValueError(
+                f"output.path={masked(out)!r}: {COMMITS}/{name} is not a commit "
+                "record this job writes (a part name with a path or odd characters "
+                "in it); the folder was changed by hand: rerun into a new path"
+            )
         try:
             record = read_bookkeeping(fs, p, {}, f"{COMMITS}/{name}")
             if record is not None and record.get("part") == part:
@@ -209,9 +233,11 @@ def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
         if record is None:  # deleted since the listing
             continue
         if record.get("part") != part:
-            raise ValueError(f"output.path={masked(out)!r}: {COMMITS}/{name} names part "
-                             f"{short(record.get('part'))}, not {part!r}; the commit records "
-                             "were changed by hand: rerun into a new path")
+            raise ValueError(
+                f"output.path={masked(out)!r}: {COMMITS}/{name} names part "
+                f"{short(record.get('part'))}, not {part!r}; the commit records "
+                "were changed by hand: rerun into a new path"
+            )
         records.append(record)
     return records, unreadable
 
@@ -223,14 +249,21 @@ def _content_matches(fs: Any, out: str, record: dict[str, Any]) -> bool:
     data = fs.cat_file(join(out, record["part"]))
     want = record.get("sha256")
     if want is not None and hashlib.sha256(data).hexdigest() != want:
-        _log.warning("%s/%s does not match the checksum in its commit record (changed since it "
-                     "was written): its rows run again", masked(out), record["part"])
+        _log.warning(
+            "%s/%s does not match the checksum in its commit record (changed since it was written): its rows run again",
+            masked(out),
+            record["part"],
+        )
         return False
     row_ids = record["row_ids"]
     if record.get("num_rows", len(row_ids)) != len(row_ids) or not holds_rows(record["part"], data, row_ids):
-        _log.warning("%s/%s/%s.json names rows that its part does not hold (the record was "
-                     "changed since it was written): its rows run again", masked(out), COMMITS,
-                     record["part"])
+        _log.warning(
+            "%s/%s/%s.json names rows that its part does not hold (the record was "
+            "changed since it was written): its rows run again",
+            masked(out),
+            COMMITS,
+            record["part"],
+        )
         return False
     return True
 
@@ -245,23 +278,25 @@ def check_fence(out: str, storage: StorageOptions, token: str | None) -> None:
     except Damaged:  # changed by hand: not this job's lock any more
         held = None
     if held is None or held.get("token") != token:
-        raise JobFenced(f"output.path={masked(out)!r} was taken over by another job (its lock "
-                        "is no longer this job's): this job's writers stop")
+        raise JobFenced(
+            f"output.path={masked(out)!r} was taken over by another job (its lock "
+            "is no longer this job's): this job's writers stop"
+        )
 
 
 class JobFenced(RuntimeError):
     """This job's lock on its output path is gone: another job took the path over."""
 
 
-def drop_fenced(out: str, storage: StorageOptions, token: str, before: Committed,
-                final: Committed) -> tuple[Committed, list[str]]:
+def drop_fenced(
+    out: str, storage: StorageOptions, token: str, before: Committed, final: Committed
+) -> tuple[Committed, list[str]]:
     """`final` (this job's last read of the commit records) without the parts a job other than
     `token`'s committed since `before`: a dead job's actor that committed after this job took
     its lock over. Their records (then the parts) are deleted; this job ran every row that
     `before` did not hold, so nothing is lost. Returns the counted parts and the names dropped."""
     old = {m["part"] for m in before.manifests}
-    fenced = [m["part"] for m in final.manifests
-              if m["part"] not in old and m.get("writer") not in (None, token)]
+    fenced = [m["part"] for m in final.manifests if m["part"] not in old and m.get("writer") not in (None, token)]
     if not fenced:
         return final, []
     fs = storage.filesystem(out)
@@ -295,13 +330,23 @@ def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, 
     """Write `_job.json` (job_identity()), or on resume check that it is the same job and input."""
     fs = storage.filesystem(out)
     path = join(out, JOB_FILE)
-    old = read_job_file(out, fs, "this cannot be checked to be the same job: choose a new path, "
-                        "or set output.overwrite: true to start again") if resume else None
+    old = (
+        read_job_file(
+            out,
+            fs,
+            "this cannot be checked to be the same job: choose a new path, "
+            "or set output.overwrite: true to start again",
+        )
+        if resume
+        else None
+    )
     if old is not None:
         if old["fingerprint"] != identity["fingerprint"]:
-            raise ValueError(f"output.path={masked(out)!r} holds parts of a different job or "
-                             f"input: {_what_changed(old, identity)}; resume needs the same spec "
-                             "and input: choose a new path or set output.overwrite: true")
+            raise ValueError(
+                f"output.path={masked(out)!r} holds parts of a different job or "
+                f"input: {_what_changed(old, identity)}; resume needs the same spec "
+                "and input: choose a new path or set output.overwrite: true"
+            )
         return
     commit_bytes(path, json.dumps(identity).encode("utf-8"), storage)
 
@@ -325,8 +370,10 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     if old.get("inputs") != new["inputs"]:
         before = {f[0]: f for f in old.get("inputs") or []}
         changed = [f[0] for f in new["inputs"] if before.pop(f[0], None) != f] + sorted(before)
-        return (f"input files changed since the first run (size or modification time): "
-                f"{', '.join(changed[:5]) or 'the list of files'}")
+        return (
+            f"input files changed since the first run (size or modification time): "
+            f"{', '.join(changed[:5]) or 'the list of files'}"
+        )
     if old.get("input_content") != new["input_content"]:
         return "the input's content changed since the first run"
     return "the plan differs from the first run's"
@@ -336,8 +383,7 @@ def _model_changed(old: dict[str, str], new: dict[str, str]) -> str:
     if not old:
         return "the first run recorded no model fingerprint (an older prefixflow)"
     changed = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
-    return (f"the model's files changed since the first run ({', '.join(changed[:5])}): its "
-            "answers would mix two models")
+    return f"the model's files changed since the first run ({', '.join(changed[:5])}): its answers would mix two models"
 
 
 class OutputLock:
@@ -355,8 +401,13 @@ class OutputLock:
     def __init__(self, out: str, storage: StorageOptions):
         self.out, self.storage, self.path = out, storage, join(out, LOCK_FILE)
         now = time.time()
-        self.holder: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
-                       "heartbeat": now, "token": uuid.uuid4().hex}
+        self.holder: dict[str, Any] = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": now,
+            "heartbeat": now,
+            "token": uuid.uuid4().hex,
+        }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -372,13 +423,17 @@ class OutputLock:
 
     def _take_over(self, held: dict[str, Any] | None) -> None:
         if held is not None and not _stale(held):
-            raise ValueError(f"output.path={masked(self.out)!r} is in use by another job "
-                             f"({_describe(held)}): wait for it to end, or choose another path")
+            raise ValueError(
+                f"output.path={masked(self.out)!r} is in use by another job "
+                f"({_describe(held)}): wait for it to end, or choose another path"
+            )
         self._remove(held)  # its holder is gone
         if not self._create():
-            raise ValueError(f"output.path={masked(self.out)!r} is in use by another job "
-                             f"({_describe(self._read())}): wait for it to end, or choose "
-                             "another path")
+            raise ValueError(
+                f"output.path={masked(self.out)!r} is in use by another job "
+                f"({_describe(self._read())}): wait for it to end, or choose "
+                "another path"
+            )
 
     def release(self) -> None:
         self._stop.set()
@@ -387,8 +442,13 @@ class OutputLock:
         try:
             self._remove(self.holder)
         except Exception as e:  # noqa: BLE001 - storage down: keep the job's own error; a rerun takes it over
-            _log.warning("could not delete %s (%s): the next job on this path takes it over "
-                         "(at once on this host, else after %.0f s)", self.path, e, STALE_S)
+            _log.warning(
+                "could not delete %s (%s): the next job on this path takes it over "
+                "(at once on this host, else after %.0f s)",
+                self.path,
+                e,
+                STALE_S,
+            )
 
     def _create(self) -> bool:
         """Create the lock file holding self.holder; False when it exists."""
@@ -419,9 +479,11 @@ class OutputLock:
         try:
             return read_bookkeeping(self.storage.filesystem(self.out), self.path, LOCK_FIELDS)
         except Damaged as e:
-            raise ValueError(f"output.path={masked(self.out)!r}: its {e}, so it is not a lock "
-                             f"prefixflow took: if no job is writing to this path, delete "
-                             f"{masked(self.path)} and run again") from None
+            raise ValueError(
+                f"output.path={masked(self.out)!r}: its {e}, so it is not a lock "
+                f"prefixflow took: if no job is writing to this path, delete "
+                f"{masked(self.path)} and run again"
+            ) from None
 
     def _remove(self, held: dict[str, Any] | None) -> None:
         """Delete the lock if it still is `held` (not someone's who took it over meanwhile)."""
@@ -444,8 +506,13 @@ class OutputLock:
                 else:
                     os.replace(self._local_tmp(data), local_path(self.path))
             except Exception as e:  # noqa: BLE001 - a missed beat is only late: STALE_S leaves room for many
-                _log.debug("output lock %s: a heartbeat failed (%s: %s); the next one is in %s s",
-                           self.path, type(e).__name__, e, HEARTBEAT_S)
+                _log.debug(
+                    "output lock %s: a heartbeat failed (%s: %s); the next one is in %s s",
+                    self.path,
+                    type(e).__name__,
+                    e,
+                    HEARTBEAT_S,
+                )
 
 
 def _create_object(fs: Any, path: str, data: bytes) -> None:
@@ -481,7 +548,7 @@ def _stale(held: dict[str, Any]) -> bool:
 
 
 def _pid_alive(pid: int) -> bool:
-    if not 0 < pid < 2 ** 31:  # os.kill(0 or -1, ...) asks about process groups; no pid is larger
+    if not 0 < pid < 2**31:  # os.kill(0 or -1, ...) asks about process groups; no pid is larger
         return False
     try:
         os.kill(pid, 0)
@@ -500,5 +567,7 @@ def _describe(held: dict[str, Any] | None) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held["started"]))
     except (OverflowError, OSError, ValueError):  # a time no calendar holds
         started = short(held["started"])
-    return (f"{LOCK_FILE} held by host {held['host'][:100]} pid {held['pid']}, started "
-            f"{started}, last heartbeat {age:.0f} s ago")
+    return (
+        f"{LOCK_FILE} held by host {held['host'][:100]} pid {held['pid']}, started "
+        f"{started}, last heartbeat {age:.0f} s ago"
+    )

@@ -40,8 +40,9 @@ ENGINE_FAILED = "the engine failed on this row"
 _PARAM = re.compile(r"\bbody\.(\w+)|\bSamplingParams\.(\w+)=")
 
 
-def output_line(row: dict[str, Any], created: int, default_model: str, model: str = "",
-                fingerprint: str | None = None) -> dict[str, Any]:
+def output_line(
+    row: dict[str, Any], created: int, default_model: str, model: str = "", fingerprint: str | None = None
+) -> dict[str, Any]:
     """The OpenAI batch output record of one output row. model: the model path, whose tokenizer
     spells the tokens of `logprobs` (needed only when the row has logprobs); fingerprint: the
     body's system_fingerprint (`system_fingerprint`)."""
@@ -56,16 +57,28 @@ def output_line(row: dict[str, Any], created: int, default_model: str, model: st
         rec["error"] = None
         return rec
     samples = _samples(row)
-    generated = (sum(len(s["token_ids"] or []) for s in samples) if row.get("samples")
-                 else row["num_generated_tokens"])
-    usage = {"prompt_tokens": row["num_input_tokens"], "completion_tokens": generated,
-             "total_tokens": row["num_input_tokens"] + generated,
-             "prompt_tokens_details": {"cached_tokens": int(row.get(CACHED) or 0)}}
+    generated = sum(len(s["token_ids"] or []) for s in samples) if row.get("samples") else row["num_generated_tokens"]
+    usage = {
+        "prompt_tokens": row["num_input_tokens"],
+        "completion_tokens": generated,
+        "total_tokens": row["num_input_tokens"] + generated,
+        "prompt_tokens_details": {"cached_tokens": int(row.get(CACHED) or 0)},
+    }
     choices = [_choice(s, chat, model) for s in samples]
-    body: dict[str, Any] = ({"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion"} if chat
-                            else {"id": f"cmpl-{digest[:24]}", "object": "text_completion"})
-    body.update({"created": created, "model": row.get("_pf_model") or default_model,
-                 "system_fingerprint": fingerprint, "choices": choices, "usage": usage})
+    body: dict[str, Any] = (
+        {"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion"}
+        if chat
+        else {"id": f"cmpl-{digest[:24]}", "object": "text_completion"}
+    )
+    body.update(
+        {
+            "created": created,
+            "model": row.get("_pf_model") or default_model,
+            "system_fingerprint": fingerprint,
+            "choices": choices,
+            "usage": usage,
+        }
+    )
     rec["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     rec["error"] = None
     return rec
@@ -77,8 +90,12 @@ def error_body(message: str, chat: bool = True) -> tuple[int, dict[str, Any]]:
     if ENGINE_FAILED in message:
         return 500, {"message": message, "type": "server_error", "param": None, "code": None}
     if "max_model_len" in message and "the prompt has" in message:
-        return 400, {"message": message, "type": "invalid_request_error",
-                     "param": "messages" if chat else "prompt", "code": "context_length_exceeded"}
+        return 400, {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "messages" if chat else "prompt",
+            "code": "context_length_exceeded",
+        }
     named = _PARAM.search(message)
     param = (named.group(1) or named.group(2)) if named else None
     return 400, {"message": message, "type": "invalid_request_error", "param": param, "code": None}
@@ -95,8 +112,15 @@ def _samples(row: dict[str, Any]) -> list[dict[str, Any]]:
     """The row's answers: its `samples` (n > 1) or the one generated text."""
     if row.get("samples"):
         return sorted(row["samples"], key=lambda s: s["index"])
-    return [{"index": 0, "text": row["generated_text"], "token_ids": row.get("generated_tokens"),
-             "finish_reason": row["finish_reason"], "logprobs": row.get("logprobs")}]
+    return [
+        {
+            "index": 0,
+            "text": row["generated_text"],
+            "token_ids": row.get("generated_tokens"),
+            "finish_reason": row["finish_reason"],
+            "logprobs": row.get("logprobs"),
+        }
+    ]
 
 
 def _choice(sample: dict[str, Any], chat: bool, model: str) -> dict[str, Any]:
@@ -123,13 +147,18 @@ def token_text(data: bytes) -> str:
 def chat_logprobs(entries: list[dict[str, Any]], to_bytes: Callable[[int], bytes]) -> dict[str, Any]:
     """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}
     from the engine's per-token entries ({token_id, logprob, top: [[token_id, logprob], ...]})."""
+
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         data = to_bytes(token_id)
         return {"token": token_text(data), "logprob": logprob, "bytes": list(data)}
 
-    return {"content": [{**item(e["token_id"], e["logprob"]),
-                         "top_logprobs": [item(t, lp) for t, lp in e.get("top") or []]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [
+            {**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e.get("top") or []]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(entries: list[dict[str, Any]], to_bytes: Callable[[int], bytes]) -> dict[str, Any]:
@@ -137,9 +166,12 @@ def completion_logprobs(entries: list[dict[str, Any]], to_bytes: Callable[[int],
     (each token's offset in the text: where its first whole character starts)."""
     data = [to_bytes(e["token_id"]) for e in entries]
     offsets = [len(b"".join(data[:i]).decode("utf-8", errors="ignore")) for i in range(len(data))]
-    return {"tokens": [token_text(d) for d in data], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{token_text(to_bytes(t)): lp for t, lp in e.get("top") or []} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [token_text(d) for d in data],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{token_text(to_bytes(t)): lp for t, lp in e.get("top") or []} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 @functools.lru_cache(maxsize=4)
@@ -163,15 +195,17 @@ def write_results(out: str, storage: Any, error_file: bool = False) -> str:
         record = json.loads(fs.cat_file(join(out, COMMITS, f"{manifest['part']}.json")))
         lines = [line for line in fs.cat_file(join(out, manifest["part"])).splitlines() if line]
         if len(lines) != len(record["row_ids"]):
-            raise RuntimeError(f"{manifest['part']} in {out!r} has {len(lines)} lines but its commit "
-                               f"record {len(record['row_ids'])} rows: rerun with output.resume: true")
+            raise RuntimeError(
+                f"{manifest['part']} in {out!r} has {len(lines)} lines but its commit "
+                f"record {len(record['row_ids'])} rows: rerun with output.resume: true"
+            )
         keyed.extend(zip(record["row_ids"], lines))
     keyed.sort(key=lambda pair: pair[0])
-    failed = [error_file and (json.loads(line).get("response") or {}).get("status_code") != 200
-              for _, line in keyed]
+    failed = [error_file and (json.loads(line).get("response") or {}).get("status_code") != 200 for _, line in keyed]
     path = join(out, RESULTS_FILE)
     commit_bytes(path, b"".join(line + b"\n" for (_, line), bad in zip(keyed, failed) if not bad), storage)
     if error_file:
-        commit_bytes(join(out, ERRORS_FILE),
-                     b"".join(line + b"\n" for (_, line), bad in zip(keyed, failed) if bad), storage)
+        commit_bytes(
+            join(out, ERRORS_FILE), b"".join(line + b"\n" for (_, line), bad in zip(keyed, failed) if bad), storage
+        )
     return path

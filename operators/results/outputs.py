@@ -45,19 +45,29 @@ OPTIONAL = (CACHED, PLAN_REPLICA)  # with_outputs fills them with nulls where a 
 INTERNAL = tuple(f.name for f in OUTPUT_FIELDS if f.name.startswith("_pf_"))
 # With SamplingParams.n > 1 (any row of a chunk): every sample of each row, in index order
 # (OpenAI batch `choices` are built from it: keep the names).
-SAMPLE_TYPE = pa.struct([
-    pa.field("index", pa.int32()),
-    pa.field("text", pa.string()),
-    pa.field("token_ids", pa.list_(pa.int32())),
-    pa.field("finish_reason", pa.string()),
-    pa.field("logprobs", pa.string()),   # JSON, null unless asked
-])
+SAMPLE_TYPE = pa.struct(
+    [
+        pa.field("index", pa.int32()),
+        pa.field("text", pa.string()),
+        pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("finish_reason", pa.string()),
+        pa.field("logprobs", pa.string()),  # JSON, null unless asked
+    ]
+)
 SAMPLES_FIELD = pa.field("samples", pa.list_(SAMPLE_TYPE))
 KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
 
 
-def output_chunk(outs: list[Any], rows: pa.Table, prompt_len: np.ndarray, computed: np.ndarray,
-                 ranks: np.ndarray, replica: int, plan_replica: int, score: bool = False) -> pa.Table:
+def output_chunk(
+    outs: list[Any],
+    rows: pa.Table,
+    prompt_len: np.ndarray,
+    computed: np.ndarray,
+    ranks: np.ndarray,
+    replica: int,
+    plan_replica: int,
+    score: bool = False,
+) -> pa.Table:
     """Output rows for finished requests: their input columns plus the output columns.
 
     rows, prompt_len, computed, ranks: per output, in `outs` order (its input row, prompt
@@ -66,8 +76,13 @@ def output_chunk(outs: list[Any], rows: pa.Table, prompt_len: np.ndarray, comput
     score: `outs` are ScoreOutputs of the score task (operators/results/score.py).
     """
     n = len(outs)
-    common = {"num_input_tokens": prompt_len.tolist(), "replica": [replica] * n, RANK: ranks.tolist(),
-              COMPUTED: computed.tolist(), PLAN_REPLICA: [plan_replica] * n}
+    common = {
+        "num_input_tokens": prompt_len.tolist(),
+        "replica": [replica] * n,
+        RANK: ranks.tolist(),
+        COMPUTED: computed.tolist(),
+        PLAN_REPLICA: [plan_replica] * n,
+    }
     if score:
         columns = {**score_columns(outs), **common}
         return with_score_fields(with_outputs(rows, columns, score=True), outs)
@@ -84,11 +99,14 @@ def output_chunk(outs: list[Any], rows: pa.Table, prompt_len: np.ndarray, comput
     }
     table = with_outputs(rows, columns)
     if any(getattr(o, "logprobs", None) is not None for o in outs):
-        table = table.append_column("logprobs", pa.array(
-            [None if o.logprobs is None else json.dumps(plain(o.logprobs)) for o in outs], pa.string()))
+        table = table.append_column(
+            "logprobs",
+            pa.array([None if o.logprobs is None else json.dumps(plain(o.logprobs)) for o in outs], pa.string()),
+        )
     if any(getattr(o, "samples", ()) for o in outs):
-        table = table.append_column(SAMPLES_FIELD, pa.array([sample_rows(o, e) for o, e in zip(outs, errors)],
-                                                            SAMPLES_FIELD.type))
+        table = table.append_column(
+            SAMPLES_FIELD, pa.array([sample_rows(o, e) for o, e in zip(outs, errors)], SAMPLES_FIELD.type)
+        )
     return table
 
 
@@ -97,9 +115,16 @@ def sample_rows(out: Any, error: str | None) -> list[dict[str, Any]] | None:
     if error:
         return None
     samples = out.samples or (out.as_sample(0),)
-    return [{"index": s.index, "text": s.text, "token_ids": [int(t) for t in s.token_ids],
-             "finish_reason": s.finish_reason,
-             "logprobs": None if s.logprobs is None else json.dumps(plain(s.logprobs))} for s in samples]
+    return [
+        {
+            "index": s.index,
+            "text": s.text,
+            "token_ids": [int(t) for t in s.token_ids],
+            "finish_reason": s.finish_reason,
+            "logprobs": None if s.logprobs is None else json.dumps(plain(s.logprobs)),
+        }
+        for s in samples
+    ]
 
 
 def token_counts(group: Any, prefix_counted: bool) -> tuple[list[int], list[float]]:

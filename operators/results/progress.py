@@ -29,12 +29,12 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Snapshot:
-    rows: int                # rows the engines finished (a row the engine failed included)
-    rows_to_generate: int    # the run's rows minus its error records
-    error_rows: int          # error records: never run, never counted in `rows`
+    rows: int  # rows the engines finished (a row the engine failed included)
+    rows_to_generate: int  # the run's rows minus its error records
+    error_rows: int  # error records: never run, never counted in `rows`
     generated_tokens: int
-    engine_s: float | None   # seconds since the first engine was ready; None: none is yet
-    saving: float | None     # token saving measured on the committed parts; None: none yet
+    engine_s: float | None  # seconds since the first engine was ready; None: none is yet
+    saving: float | None  # token saving measured on the committed parts; None: none yet
 
     @property
     def rows_per_s(self) -> float | None:
@@ -64,12 +64,12 @@ class RunProgress:
 
     def __init__(self, total_rows: int = 0, error_rows: int = 0):
         self.total_rows = total_rows
-        self.error_rows = error_rows          # known before the engines start
+        self.error_rows = error_rows  # known before the engines start
         self.committed_rows = self.committed_tokens = 0  # generated rows in committed parts
-        self.committed_errors = 0             # rows of committed error-record parts
+        self.committed_errors = 0  # rows of committed error-record parts
         self.prompt = self.computed = 0.0
-        self.replicas: dict[int, dict[str, Any]] = {}    # replica -> its running engine's counters
-        self.done_rows = self.done_tokens = 0             # runs folded by run_done
+        self.replicas: dict[int, dict[str, Any]] = {}  # replica -> its running engine's counters
+        self.done_rows = self.done_tokens = 0  # runs folded by run_done
         self.first_started: float | None = None
 
     def add_rows(self, rows: int, error_rows: int = 0) -> None:
@@ -110,9 +110,14 @@ class RunProgress:
         rows = max(self.committed_rows, self.done_rows + sum(int(c["rows"]) for c in live))
         tokens = max(self.committed_tokens, self.done_tokens + sum(int(c["generated_tokens"]) for c in live))
         since = self.first_started
-        return Snapshot(rows=min(rows, to_generate), rows_to_generate=to_generate, error_rows=errors,
-                        generated_tokens=tokens, engine_s=max(now - since, 1e-9) if since is not None else None,
-                        saving=1 - self.computed / self.prompt if self.prompt else None)
+        return Snapshot(
+            rows=min(rows, to_generate),
+            rows_to_generate=to_generate,
+            error_rows=errors,
+            generated_tokens=tokens,
+            engine_s=max(now - since, 1e-9) if since is not None else None,
+            saving=1 - self.computed / self.prompt if self.prompt else None,
+        )
 
 
 class LiveBar:
@@ -125,13 +130,14 @@ class LiveBar:
     close_when_done: close the bar when every row is generated (False: more rows may come).
     """
 
-    def __init__(self, name: str, total_rows: int = 0, error_rows: int = 0, every_s: float = 1.0,
-                 close_when_done: bool = True):
+    def __init__(
+        self, name: str, total_rows: int = 0, error_rows: int = 0, every_s: float = 1.0, close_when_done: bool = True
+    ):
         self.name = name
         self.source = RunProgress(total_rows, error_rows)
         self.every_s = every_s
         self.close_when_done = close_when_done
-        self.bar: Any = None    # the tqdm_ray bar, made at the first draw after an engine report
+        self.bar: Any = None  # the tqdm_ray bar, made at the first draw after an engine report
         self.closed = False
         self.last = 0.0
         self.lock = threading.Lock()
@@ -185,8 +191,7 @@ class LiveBar:
             if self.close_when_done and n >= total:
                 self.close()
         except Exception as e:  # noqa: BLE001 - drawing must never fail a replica or the sink
-            _log.debug("progress bar %r: drawing failed (%s: %s); the counts go on", self.name,
-                       type(e).__name__, e)
+            _log.debug("progress bar %r: drawing failed (%s: %s); the counts go on", self.name, type(e).__name__, e)
 
     def close(self) -> None:
         if self.bar is not None and not self.closed:

@@ -26,14 +26,30 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.results.bookkeeping import (COMMITS, END_FILES, JOB_FILE, LOCK_FILE, PART_NAME, TMP_PREFIX,
-                                                      basename, is_own, refuse_links)
-from prefixflow.operators.results.commit import (Committed, check_fence, commit_bytes, commit_record_path,
-                                                 read_job_file, record_bytes)
+from prefixflow.operators.results.bookkeeping import (
+    COMMITS,
+    END_FILES,
+    JOB_FILE,
+    LOCK_FILE,
+    PART_NAME,
+    TMP_PREFIX,
+    basename,
+    is_own,
+    refuse_links,
+)
+from prefixflow.operators.results.commit import (
+    Committed,
+    check_fence,
+    commit_bytes,
+    commit_record_path,
+    read_job_file,
+    record_bytes,
+)
 from prefixflow.operators.results.openai_output import output_line
 from prefixflow.operators.results.outputs import COMPUTED, PLAN_REPLICA, RANK
 from prefixflow.operators.results.progress import LiveBar
 from prefixflow.storage import StorageOptions, is_local, join, masked, normal_path
+
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 
@@ -61,14 +77,17 @@ def part_manifest(table: pa.Table, suffix: str = "") -> dict[str, Any]:
     tag = "errors" if replica < 0 else f"r{replica if planned is None else planned:03d}"
     errors = table.column("error").is_valid()
     return {
-        "part": f"part-{tag}-{first_rank:09d}{suffix}", "replica": replica, "num_rows": table.num_rows,
+        "part": f"part-{tag}-{first_rank:09d}{suffix}",
+        "replica": replica,
+        "num_rows": table.num_rows,
         "num_errors": int(pc.sum(errors.cast(pa.int64())).as_py() or 0),
         "prompt_tokens": int(pc.sum(table.column("num_input_tokens")).as_py() or 0),
         "computed_prompt_tokens": float(pc.sum(table.column(COMPUTED)).as_py() or 0.0),
         "generated_tokens": int(pc.sum(table.column("num_generated_tokens")).as_py() or 0),
         "written_at": time.time(),
         # Which engine actor wrote it: where to look when a part is wrong, or a worker dies.
-        "worker": f"{socket.gethostname()}:{os.getpid()}", "node_id": ray_node_id(),
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "node_id": ray_node_id(),
     }
 
 
@@ -83,8 +102,9 @@ def write_part(table: pa.Table, opts: WriteOptions) -> pa.Table:
     # Its size and checksum let a resume notice a part deleted or damaged since, its writer's
     # token a part that a fenced job wrote (operators/results/commit.py).
     record = {**manifest, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "writer": opts.fence}
-    commit_bytes(commit_record_path(opts.path, name),
-                 record_bytes(record, table.column("row_id").to_pylist()), opts.storage)
+    commit_bytes(
+        commit_record_path(opts.path, name), record_bytes(record, table.column("row_id").to_pylist()), opts.storage
+    )
     return pa.table({k: [v] for k, v in manifest.items()})
 
 
@@ -98,13 +118,14 @@ def ray_node_id() -> str | None:
 
 def encode_part(table: pa.Table, opts: WriteOptions) -> bytes:
     if opts.format == "openai":
-        lines = [json.dumps(output_line(r, opts.created, opts.model_name, opts.model, opts.system_fingerprint))
-                 for r in table.to_pylist()]
+        lines = [
+            json.dumps(output_line(r, opts.created, opts.model_name, opts.model, opts.system_fingerprint))
+            for r in table.to_pylist()
+        ]
         return ("\n".join(lines) + "\n").encode("utf-8")
     table = table.drop_columns([c for c in table.column_names if c.startswith("_pf_")])
     if opts.format == "jsonl":
-        lines = [json.dumps(json_value(r), ensure_ascii=False, allow_nan=False, default=str)
-                 for r in table.to_pylist()]
+        lines = [json.dumps(json_value(r), ensure_ascii=False, allow_nan=False, default=str) for r in table.to_pylist()]
         return ("\n".join(lines) + "\n").encode("utf-8")
     import pyarrow.parquet as pq
 
@@ -142,26 +163,36 @@ def prepare_output(opts: WriteOptions, overwrite: bool, resume: bool = False) ->
     (operators/results/commit.py), which stays.
     """
     if overwrite and resume:
-        raise ValueError(f"output.overwrite=True and output.resume=True for {masked(opts.path)!r}: "
-                         "overwrite deletes the committed parts that resume would keep; set one")
+        raise ValueError(
+            f"output.overwrite=True and output.resume=True for {masked(opts.path)!r}: "
+            "overwrite deletes the committed parts that resume would keep; set one"
+        )
     fs = opts.storage.filesystem(opts.path)
     names = [basename(p) for p in fs.ls(opts.path, detail=False)] if fs.exists(opts.path) else []
     names = [n for n in names if n != LOCK_FILE and not n.startswith(".")]
     refuse_links(opts.path, fs)
     if (resume or overwrite) and names and JOB_FILE not in names:
         flag = "resume" if resume else "overwrite"
-        raise ValueError(f"output.{flag}=True but output.path={masked(opts.path)!r} holds no "
-                         f"prefixflow job (files such as {names[0]!r}, no {JOB_FILE}), so none of "
-                         "its files are a job's to keep or delete: choose a new path")
+        raise ValueError(
+            f"output.{flag}=True but output.path={masked(opts.path)!r} holds no "
+            f"prefixflow job (files such as {names[0]!r}, no {JOB_FILE}), so none of "
+            "its files are a job's to keep or delete: choose a new path"
+        )
     if overwrite and names:  # its _job.json must be one prefixflow wrote (resume: check_job_file)
-        read_job_file(opts.path, fs, "it is not one prefixflow wrote, and none of the folder's "
-                      "files are a job's to delete (output.overwrite=True): choose a new path, "
-                      "or empty the folder yourself")
+        read_job_file(
+            opts.path,
+            fs,
+            "it is not one prefixflow wrote, and none of the folder's "
+            "files are a job's to delete (output.overwrite=True): choose a new path, "
+            "or empty the folder yourself",
+        )
     own = [n for n in names if is_own(n)]
     if not (resume or overwrite) and (own or any(n.startswith("part-") for n in names)):
         # (another tool's part-* files too: a fresh job's parts beside them would be read as one output)
-        raise ValueError(f"output.path={masked(opts.path)!r} already holds a job's output: choose "
-                         "a new path, set output.resume: true to finish it, or output.overwrite: true")
+        raise ValueError(
+            f"output.path={masked(opts.path)!r} already holds a job's output: choose "
+            "a new path, set output.resume: true to finish it, or output.overwrite: true"
+        )
     if overwrite:  # (resume: the end markers go once the job file matches: clear_end_markers)
         _delete_own_files(opts.path, fs, own)
     if is_local(opts.path):  # object stores have no folders (gcsfs would create a bucket)
@@ -176,8 +207,11 @@ def _delete_own_files(out: str, fs: Any, own: list[str]) -> None:
     records = join(out, COMMITS)
     if COMMITS in own and fs.isdir(records):
         names = [basename(p) for p in fs.ls(records, detail=False)]
-        mine = [join(records, n) for n in names if n.startswith(TMP_PREFIX)
-                or (n.endswith(".json") and PART_NAME.match(n.removesuffix(".json")))]
+        mine = [
+            join(records, n)
+            for n in names
+            if n.startswith(TMP_PREFIX) or (n.endswith(".json") and PART_NAME.match(n.removesuffix(".json")))
+        ]
         if mine:
             fs.rm(mine)  # one request per batch on an object store
         if is_local(out) and len(mine) == len(names):
@@ -234,7 +268,7 @@ class MetricsSink:
         self.parts: list[dict[str, Any]] = []
         self.part_rows: list[np.ndarray] = []
         self.engines: dict[str, dict[str, int]] = {}  # run token -> {"pid", "item"}
-        self.live: dict[int, dict[str, Any]] = {}     # replica -> its last live report
+        self.live: dict[int, dict[str, Any]] = {}  # replica -> its last live report
         self.metrics = JobMetrics(job)
         self.bar: Any = None  # the Python API's live bar on the driver (show_progress)
 
@@ -301,8 +335,7 @@ class MetricsSink:
         return {"parts": self.take_committed(), "live": dict(self.live)}
 
     def status(self) -> dict[str, Any]:
-        return {"engines_ready": dict(self.engines), "replicas_done": len(self.records),
-                "live": dict(self.live)}
+        return {"engines_ready": dict(self.engines), "replicas_done": len(self.records), "live": dict(self.live)}
 
 
 class JobMetrics:
@@ -324,19 +357,21 @@ class JobMetrics:
         "live_generated_tokens": "tokens the replica's running engine has generated",
         "live_generated_tokens_per_s": "the replica's generated tokens per second since its engine loaded",
     }
-    FROM_MANIFEST = {"rows": "num_rows", "rows_errored": "num_errors", "prompt_tokens": "prompt_tokens",
-                     "computed_prompt_tokens": "computed_prompt_tokens",
-                     "generated_tokens": "generated_tokens"}
+    FROM_MANIFEST = {
+        "rows": "num_rows",
+        "rows_errored": "num_errors",
+        "prompt_tokens": "prompt_tokens",
+        "computed_prompt_tokens": "computed_prompt_tokens",
+        "generated_tokens": "generated_tokens",
+    }
 
     def __init__(self, job: str):
         from ray.util.metrics import Counter, Gauge
 
         self.job = job
         keys = ("job", "replica")
-        self.counters = {k: Counter(f"prefixflow_{k}", description=d, tag_keys=keys)
-                         for k, d in self.COUNTERS.items()}
-        self.gauges = {k: Gauge(f"prefixflow_{k}", description=d, tag_keys=keys)
-                       for k, d in self.GAUGES.items()}
+        self.counters = {k: Counter(f"prefixflow_{k}", description=d, tag_keys=keys) for k, d in self.COUNTERS.items()}
+        self.gauges = {k: Gauge(f"prefixflow_{k}", description=d, tag_keys=keys) for k, d in self.GAUGES.items()}
 
     def _tags(self, replica: int) -> dict[str, str]:
         return {"job": self.job, "replica": str(replica)}

@@ -32,8 +32,7 @@ class AttemptLedger:
     max_retries: int
     streaks: dict[int | None, int] = field(default_factory=dict)
 
-    def record_failure(self, died: list[int | None], gained: dict[int, int],
-                       committed: int, why: str) -> list[int]:
+    def record_failure(self, died: list[int | None], gained: dict[int, int], committed: int, why: str) -> list[int]:
         """Record a death; returns the replicas to give up now.
 
         died: the work items blamed for the death (empty when no row is to blame).
@@ -53,11 +52,12 @@ class AttemptLedger:
             if streak <= self.max_retries:
                 continue
             if item is None or item == ERRORS_ITEM:
-                what = ("before loading the model" if item is None else "while writing error records")
+                what = "before loading the model" if item is None else "while writing error records"
                 raise EnginesKeepDying(
                     f"engine actors died {streak} times in a row {what}, committing nothing "
                     f"(last: {why}); no row is to blame, so the job stops. The {committed} "
-                    "committed rows are kept: fix the cluster and rerun with output.resume: true")
+                    "committed rows are kept: fix the cluster and rerun with output.resume: true"
+                )
             give_up.append(item)
         for item in give_up:
             del self.streaks[item]

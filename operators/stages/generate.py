@@ -79,14 +79,13 @@ class UnitFeed:
     output (the pace of work stealing), `committed` when every row of it is committed.
     """
 
-    def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray,
-                 queue: Any = None, token: str = ""):
+    def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray, queue: Any = None, token: str = ""):
         self.replica, self.payloads, self.skip, self.queue, self.token = replica, payloads, skip, queue, token
-        self.left: dict[int, int] = {}        # unit -> its rows not committed yet
-        self.to_run: dict[int, int] = {}      # unit -> its rows without an output yet
-        self.unit_of: dict[int, int] = {}     # row -> its unit
-        self.stolen: list[int] = []           # units taken from another replica's queue
-        self.units: list[int] = []            # every unit run, in the order taken
+        self.left: dict[int, int] = {}  # unit -> its rows not committed yet
+        self.to_run: dict[int, int] = {}  # unit -> its rows without an output yet
+        self.unit_of: dict[int, int] = {}  # row -> its unit
+        self.stolen: list[int] = []  # units taken from another replica's queue
+        self.units: list[int] = []  # every unit run, in the order taken
         # Unit ids number the plan's units replica by replica, as `payloads` lists them.
         self.unit_refs = [ref for refs in payloads for ref in refs]
 
@@ -109,8 +108,11 @@ class UnitFeed:
         """The payload less the rows not to run; a unit with none left is finished at once."""
         unit = payload.unit
         ids = unit.row_ids
-        keep = ~np.isin(ids, self.skip) if rows is None else np.isin(ids, np.asarray(rows, np.int64)) & \
+        keep = (
             ~np.isin(ids, self.skip)
+            if rows is None
+            else np.isin(ids, np.asarray(rows, np.int64)) & ~np.isin(ids, self.skip)
+        )
         if not keep.any():
             self._finished(unit.unit_id)
             return
@@ -174,8 +176,9 @@ class ReplicaRunner:
         see one_unit)."""
         yield from self.run_units(replica, [one_unit(replica, groups, rows, row_ids)])
 
-    def run_units(self, replica: int, feed: Iterable[UnitPayload | None],
-                  ran: Callable[[int], None] | None = None) -> Iterator[pa.Table]:
+    def run_units(
+        self, replica: int, feed: Iterable[UnitPayload | None], ran: Callable[[int], None] | None = None
+    ) -> Iterator[pa.Table]:
         """Output chunks (config.rows_per_chunk rows, each of one plan replica, so that a part
         keeps its plan name) of the units `feed` yields, taken as the engine has room; `ran`
         hears each row id as its output comes (UnitFeed.ran)."""
@@ -209,10 +212,19 @@ class ReplicaRunner:
         engine = self.load()
         totals = engine.totals
         steps = [plain(s) for s in engine.stats]
-        return {"replica": replica, "num_rows": book.num_rows, "num_groups": book.num_groups,
-                "num_units": len(book.units), "start_s": started, "engine_ready_s": loaded,
-                "end_s": finished, "seconds": finished - started, "run_seconds": finished - loaded,
-                "engine_totals": plain(totals) if totals is not None else None, "steps": steps}
+        return {
+            "replica": replica,
+            "num_rows": book.num_rows,
+            "num_groups": book.num_groups,
+            "num_units": len(book.units),
+            "start_s": started,
+            "engine_ready_s": loaded,
+            "end_s": finished,
+            "seconds": finished - started,
+            "run_seconds": finished - loaded,
+            "engine_totals": plain(totals) if totals is not None else None,
+            "steps": steps,
+        }
 
 
 @dataclass
@@ -276,9 +288,16 @@ class _Book:
         rows = rows.take(pa.array(np.argsort(np.asarray(order), kind="stable")))
         ranks = np.array([self.units[k].ranks[i] for k, i in places], dtype=np.int64)
         counts = [self.counts[int(o.row_id)] for o in outs]
-        return output_chunk(outs, rows, np.array([c[0] for c in counts], np.int64),
-                            np.array([c[1] for c in counts], np.float64), ranks, replica,
-                            self.plan_replica(outs[0].row_id), self.config.task == "score")
+        return output_chunk(
+            outs,
+            rows,
+            np.array([c[0] for c in counts], np.int64),
+            np.array([c[1] for c in counts], np.float64),
+            ranks,
+            replica,
+            self.plan_replica(outs[0].row_id),
+            self.config.task == "score",
+        )
 
 
 class Heartbeat:
@@ -289,17 +308,24 @@ class Heartbeat:
     replaced when a run starts) and the counts `finished` keeps.
     """
 
-    def __init__(self, engine: ReplicaEngine, replica: int, run_started: float,
-                 report: Callable[[dict[str, Any]], None], every_s: float = PROGRESS_EVERY_S):
+    def __init__(
+        self,
+        engine: ReplicaEngine,
+        replica: int,
+        run_started: float,
+        report: Callable[[dict[str, Any]], None],
+        every_s: float = PROGRESS_EVERY_S,
+    ):
         self.engine, self.replica, self.run_started, self.report = engine, replica, run_started, report
-        self.rows = self.output_tokens = 0   # from finished requests (main thread)
+        self.rows = self.output_tokens = 0  # from finished requests (main thread)
         self.decode_tokens = self.steps = 0  # from engine steps (this thread)
         self._seen: list[Any] | None = None  # the stats list read last, and how far
         self._index = 0
         self._report_failed = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True,
-                                        name=f"prefixflow-heartbeat-{replica}")
+        self._thread = threading.Thread(
+            target=self._loop, args=(every_s,), daemon=True, name=f"prefixflow-heartbeat-{replica}"
+        )
         self._thread.start()
 
     def finished(self, out: Any) -> None:
@@ -321,22 +347,34 @@ class Heartbeat:
         # count every token, the first (sampled at prefill) included: the larger is nearer.
         tokens = max(self.decode_tokens, self.output_tokens)
         try:
-            self.report({"replica": self.replica, "rows": self.rows, "generated_tokens": tokens,
-                         "steps": self.steps, "run_started": self.run_started, "time": time.time()})
+            self.report(
+                {
+                    "replica": self.replica,
+                    "rows": self.rows,
+                    "generated_tokens": tokens,
+                    "steps": self.steps,
+                    "run_started": self.run_started,
+                    "time": time.time(),
+                }
+            )
         except Exception as e:  # noqa: BLE001 - a progress report must never fail the replica
             # said once (twice a second would flood the log): the bar stalls, the rows do not
             log = logger.debug if self._report_failed else logger.warning
-            log("replica %d: a progress report failed (%s: %s); the run goes on without live "
-                "progress", self.replica, type(e).__name__, e)
+            log(
+                "replica %d: a progress report failed (%s: %s); the run goes on without live progress",
+                self.replica,
+                type(e).__name__,
+                e,
+            )
             self._report_failed = True
 
     def _read_steps(self) -> None:
         stats = self.engine.stats
         if stats is not self._seen:
             if self._seen is not None:  # a new run replaced the list: finish the old one first
-                self._count(self._seen[self._index:])
+                self._count(self._seen[self._index :])
             self._seen, self._index = stats, 0
-        new = stats[self._index:]
+        new = stats[self._index :]
         self._index += len(new)
         self._count(new)
 
@@ -371,10 +409,18 @@ class ReplicaGenerator:
     """An engine actor of the job driver (operators/stages/supervise.py): `run_item` runs a
     replica's units (from the job's WorkQueue) on a ReplicaRunner, or writes the error records."""
 
-    def __init__(self, config: ProcessorConfig, rows: RowIndex, payloads: list[list[Any]],
-                 error_row_ids: np.ndarray, extra_errors: dict[int, str], sink: Any = None,
-                 done: np.ndarray | None = None, skip: np.ndarray | None = None,
-                 write: WriteOptions | None = None):
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        rows: RowIndex,
+        payloads: list[list[Any]],
+        error_row_ids: np.ndarray,
+        extra_errors: dict[int, str],
+        sink: Any = None,
+        done: np.ndarray | None = None,
+        skip: np.ndarray | None = None,
+        write: WriteOptions | None = None,
+    ):
         self.config = config
         # Row ids already committed by an earlier attempt (operators/results/commit.py): not run again.
         self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
@@ -432,14 +478,18 @@ class ReplicaGenerator:
 
         yield from self.runner.run_units(replica, feed, feed.ran)
         if self.runner.record is not None and self.sink is not None:
-            record = {**self.runner.record, "node_id": ray_node_id(), "units": list(feed.units),
-                      "stolen_units": list(feed.stolen)}
+            record = {
+                **self.runner.record,
+                "node_id": ray_node_id(),
+                "units": list(feed.units),
+                "stolen_units": list(feed.stolen),
+            }
             ray.get(self.sink.put.remote(record))  # recorded before the item ends
 
     def _error_records(self) -> Iterator[pa.Table]:
         ids = self.error_row_ids
         for lo in range(0, len(ids), self.config.rows_per_chunk):
-            chunk = ids[lo:lo + self.config.rows_per_chunk]
+            chunk = ids[lo : lo + self.config.rows_per_chunk]
             ranks = np.arange(lo, lo + len(chunk))[~np.isin(chunk, self.done)]
             chunk = chunk[~np.isin(chunk, self.done)]
             if not len(chunk):
@@ -452,10 +502,18 @@ class ReplicaGenerator:
                 why = why or self.extra_errors.get(rid, "unknown error")
                 messages.append(f"{src}: {why}" if src else why)
             n = len(chunk)
-            columns = {"row_id": chunk.tolist(), "generated_text": [None] * n, "generated_tokens": [[]] * n,
-                       "num_input_tokens": [0] * n, "num_generated_tokens": [0] * n,
-                       "finish_reason": [None] * n, "error": messages, "replica": [-1] * n,
-                       RANK: ranks.tolist(), COMPUTED: [0.0] * n}
+            columns = {
+                "row_id": chunk.tolist(),
+                "generated_text": [None] * n,
+                "generated_tokens": [[]] * n,
+                "num_input_tokens": [0] * n,
+                "num_generated_tokens": [0] * n,
+                "finish_reason": [None] * n,
+                "error": messages,
+                "replica": [-1] * n,
+                RANK: ranks.tolist(),
+                COMPUTED: [0.0] * n,
+            }
             score = self.config.task == "score"
             table = with_outputs(rows, columns, score)
             yield with_score_fields(table, None) if score else table
@@ -470,14 +528,16 @@ def one_unit(replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarra
     return UnitPayload(PlanUnit(0, replica, list(groups), 0.0), taken, np.arange(len(order), dtype=np.int64))
 
 
-def group_outputs(engine: ReplicaEngine, config: ProcessorConfig, groups: list[Any], rows: pa.Table,
-                  row_ids: np.ndarray) -> Iterator[Any]:
+def group_outputs(
+    engine: ReplicaEngine, config: ProcessorConfig, groups: list[Any], rows: pa.Table, row_ids: np.ndarray
+) -> Iterator[Any]:
     """engine_outputs for a list of groups run as one unit (one_unit)."""
     return engine_outputs(engine, config, _Book(config), [one_unit(0, groups, rows, row_ids)])
 
 
-def engine_outputs(engine: ReplicaEngine, config: ProcessorConfig, book: "_Book",
-                   feed: Iterable[UnitPayload | None]) -> Iterator[Any]:
+def engine_outputs(
+    engine: ReplicaEngine, config: ProcessorConfig, book: "_Book", feed: Iterable[UnitPayload | None]
+) -> Iterator[Any]:
     """The engine's outputs for the units of `feed` (generated requests, or scored rows), one
     per row: an exception inside the engine fails only the rows it hits (operators/stages/isolate.py).
     Generation takes the units' groups as the engine has room (engine/intake.py); the score
@@ -492,11 +552,15 @@ def engine_outputs(engine: ReplicaEngine, config: ProcessorConfig, book: "_Book"
             if payload is NOT_READY:
                 time.sleep(IDLE_POLL_S)
                 continue
-            yield from run_isolated(lambda groups: scorer.score_groups(groups, book.params, **more),
-                                    payload.unit.groups, lambda: None,
-                                    lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why))
+            yield from run_isolated(
+                lambda groups: scorer.score_groups(groups, book.params, **more),
+                payload.unit.groups,
+                lambda: None,
+                lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why),
+            )
         return
     groups = (g for payload in units for g in ((NOT_READY,) if payload is NOT_READY else payload.unit.groups))
     generator = cast(GeneratingEngine, engine)
-    yield from run_isolated(lambda gs: generator.run(gs, book.params), groups, generator.reset,
-                            lambda rid, why: error_output(rid, [], why))
+    yield from run_isolated(
+        lambda gs: generator.run(gs, book.params), groups, generator.reset, lambda rid, why: error_output(rid, [], why)
+    )

@@ -45,9 +45,12 @@ class EngineBroken(RuntimeError):
     """The engine failed on every request it was given alone: no row is to blame."""
 
 
-def run_isolated(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]],
-                 groups: Iterable[PrefixGroup | None], reset: Callable[[], None],
-                 failed: Callable[[int, str], Out]) -> Iterator[Out]:
+def run_isolated(
+    run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]],
+    groups: Iterable[PrefixGroup | None],
+    reset: Callable[[], None],
+    failed: Callable[[int, str], Out],
+) -> Iterator[Out]:
     """The outputs of `run(groups)`, one per row, even when `run` raises.
 
     run: runs groups through the engine, yielding one output per row as it finishes.
@@ -63,8 +66,11 @@ def run_isolated(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]],
         error = yield from _attempt(run, _recording(source, taken), done)
         if error is None:
             return
-        _log.warning("the engine failed (%s: %s); running the rows left group by group, then row by row",
-                     type(error).__name__, error)
+        _log.warning(
+            "the engine failed (%s: %s); running the rows left group by group, then row by row",
+            type(error).__name__,
+            error,
+        )
         reset()
         yield from _isolate(run, taken, done, reset, failed)
 
@@ -77,8 +83,13 @@ def _recording(source: Iterator[PrefixGroup | None], taken: list[PrefixGroup]) -
         yield group
 
 
-def _isolate(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], groups: list[PrefixGroup],
-             done: set[int], reset: Callable[[], None], failed: Callable[[int, str], Out]) -> Iterator[Out]:
+def _isolate(
+    run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]],
+    groups: list[PrefixGroup],
+    done: set[int],
+    reset: Callable[[], None],
+    failed: Callable[[int, str], Out],
+) -> Iterator[Out]:
     """Each group's rows not yet done alone; a group that fails again row by row."""
     failures: list[str] = []  # rows that failed alone since the last row that ran
     for group in groups:
@@ -93,9 +104,14 @@ def _isolate(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], group
         yield from _one_by_one(run, left, done, reset, failed, failures)
 
 
-def _one_by_one(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], group: PrefixGroup, done: set[int],
-                reset: Callable[[], None], failed: Callable[[int, str], Out],
-                failures: list[str]) -> Iterator[Out]:
+def _one_by_one(
+    run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]],
+    group: PrefixGroup,
+    done: set[int],
+    reset: Callable[[], None],
+    failed: Callable[[int, str], Out],
+    failures: list[str],
+) -> Iterator[Out]:
     """Each member of `group` not yet done, run alone; one that still fails gets `failed`.
     `failures` collects the failures since the last success (EngineBroken past the limit)."""
     for member in _members(group, done):
@@ -109,14 +125,17 @@ def _one_by_one(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], gr
             why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
             failures.append(why)
             if len(failures) >= MAX_FAILURES_IN_A_ROW:
-                raise EngineBroken(f"the engine failed on each of the last {len(failures)} rows "
-                                   f"run alone and ran none in between (last: {why}): the engine "
-                                   "is broken, not the rows")
+                raise EngineBroken(
+                    f"the engine failed on each of the last {len(failures)} rows "
+                    f"run alone and ran none in between (last: {why}): the engine "
+                    "is broken, not the rows"
+                )
             yield failed(row_id, f"the engine failed on this row: {why}")
 
 
-def _attempt(run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], groups: Iterable[PrefixGroup | None],
-             done: set[int]) -> Generator[Out, None, Exception | None]:
+def _attempt(
+    run: Callable[[Iterable[PrefixGroup | None]], Iterable[Out]], groups: Iterable[PrefixGroup | None], done: set[int]
+) -> Generator[Out, None, Exception | None]:
     """Yield run(groups)'s outputs, noting their rows in `done`; return the exception, if any."""
     try:
         for out in run(groups):
@@ -146,8 +165,7 @@ def without_rows(group: PrefixGroup, done: np.ndarray) -> PrefixGroup | None:
     if len(idx) == 1 and len(prefix):  # a group of one has an empty prefix (PrefixGroup)
         distinct, prefix = (np.concatenate([prefix, distinct[0]]),), prefix[:0]
     lens = None if group.output_lens is None else group.output_lens[idx]
-    return dataclasses.replace(group, prefix=prefix, row_ids=group.row_ids[idx],
-                               distinct=distinct, output_lens=lens)
+    return dataclasses.replace(group, prefix=prefix, row_ids=group.row_ids[idx], distinct=distinct, output_lens=lens)
 
 
 def _members(group: PrefixGroup, done: set[int]) -> Iterator[PrefixGroup]:
@@ -155,7 +173,11 @@ def _members(group: PrefixGroup, done: set[int]) -> Iterator[PrefixGroup]:
     for i, row_id in enumerate(group.row_ids.tolist()):
         if row_id in done:
             continue
-        yield PrefixGroup(group_id=group.group_id, prefix=group.prefix[:0], row_ids=group.row_ids[i:i + 1],
-                          distinct=(group.prompt(i),),
-                          output_lens=None if group.output_lens is None else group.output_lens[i:i + 1],
-                          replica=group.replica)
+        yield PrefixGroup(
+            group_id=group.group_id,
+            prefix=group.prefix[:0],
+            row_ids=group.row_ids[i : i + 1],
+            distinct=(group.prompt(i),),
+            output_lens=None if group.output_lens is None else group.output_lens[i : i + 1],
+            replica=group.replica,
+        )

@@ -42,34 +42,75 @@ from prefixflow.requests import INT32_MAX, SamplingParams
 URLS = ("/v1/chat/completions", "/v1/completions")
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # body field -> SamplingParams field (tests/cpu/test_jobs_openai.py checks each exists).
-_SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-             "stop": "stop", "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens",
-             "ignore_eos": "ignore_eos", "n": "n", "presence_penalty": "presence_penalty",
-             "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-             "min_p": "min_p", "include_stop_str_in_output": "include_stop_str_in_output",
-             "skip_special_tokens": "skip_special_tokens"}
+_SAMPLING = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
+    "n": "n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+}
 # Fields that say nothing about what is generated: accepted with any value.
-NO_MEANING = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key",
-              "safety_identifier", "parallel_tool_calls", "request_id")
+NO_MEANING = (
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "parallel_tool_calls",
+    "request_id",
+)
 # Fields accepted only at a value that changes nothing (what a client sends by default).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stream": (None, False), "stream_options": (None,), "echo": (None, False), "suffix": (None, ""),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "web_search_options": (None,), "best_of": (None, 1)}
-_ROUTED = {"/v1/chat/completions": ("messages", "logprobs", "top_logprobs", "response_format"),
-           "/v1/completions": ("prompt", "logprobs", "response_format")}
+    "stream": (None, False),
+    "stream_options": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "best_of": (None, 1),
+}
+_ROUTED = {
+    "/v1/chat/completions": ("messages", "logprobs", "top_logprobs", "response_format"),
+    "/v1/completions": ("prompt", "logprobs", "response_format"),
+}
 
 
 def parse_requests(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Turn parsed JSONL records into request rows; a bad request keeps its error."""
     out = []
     for rec in records:
-        row = {"custom_id": None, "_pf_url": None, "_pf_model": None, "_pf_messages": None,
-               "_pf_prompt_text": None, "_pf_sampling": None,
-               "_pf_source": rec.get("_pf_source"), ERROR: rec.get(ERROR)}
+        row = {
+            "custom_id": None,
+            "_pf_url": None,
+            "_pf_model": None,
+            "_pf_messages": None,
+            "_pf_prompt_text": None,
+            "_pf_sampling": None,
+            "_pf_source": rec.get("_pf_source"),
+            ERROR: rec.get(ERROR),
+        }
         if row[ERROR] is not None:  # broken line: recover the custom_id if it is readable
             row["custom_id"] = _recover_custom_id(rec.get("_pf_raw") or "")
             out.append(row)
@@ -136,13 +177,17 @@ def _check_fields(body: dict[str, Any], url: str) -> None:
             continue
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:
-                raise ValueError(f"body.{name}={value!r} is not supported: remove it (accepted only "
-                                 f"as {' or '.join(json.dumps(v) for v in NEUTRAL[name])})")
+                raise ValueError(
+                    f"body.{name}={value!r} is not supported: remove it (accepted only "
+                    f"as {' or '.join(json.dumps(v) for v in NEUTRAL[name])})"
+                )
             continue
         other = {"/v1/chat/completions": "/v1/completions"}.get(url, "/v1/chat/completions")
         where = f" (it belongs to {other})" if name in _ROUTED[other] else ""
-        raise ValueError(f"body.{name} is not a field prefixflow honours for {url}{where}: remove "
-                         f"it (the sampling fields are {', '.join(sorted(_SAMPLING))})")
+        raise ValueError(
+            f"body.{name} is not a field prefixflow honours for {url}{where}: remove "
+            f"it (the sampling fields are {', '.join(sorted(_SAMPLING))})"
+        )
 
 
 def _check_max_tokens(body: dict[str, Any]) -> None:
@@ -150,9 +195,11 @@ def _check_max_tokens(body: dict[str, Any]) -> None:
     either one (or the smaller) would answer a request its sender did not make."""
     given = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
     if len(given) == 2 and given["max_tokens"] != given["max_completion_tokens"]:
-        raise ValueError(f"body.max_tokens={given['max_tokens']!r} and body.max_completion_tokens="
-                         f"{given['max_completion_tokens']!r} disagree: they are one limit, give one of "
-                         "them (max_completion_tokens is the current name) or the same value in both")
+        raise ValueError(
+            f"body.max_tokens={given['max_tokens']!r} and body.max_completion_tokens="
+            f"{given['max_completion_tokens']!r} disagree: they are one limit, give one of "
+            "them (max_completion_tokens is the current name) or the same value in both"
+        )
 
 
 def _overrides(body: dict[str, Any], url: str) -> dict[str, Any]:
@@ -180,8 +227,13 @@ def structured_outputs(fmt: Any) -> dict[str, Any] | None:
     schema = (fmt.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
     if kind == "json_schema" and isinstance(schema, dict):
         return {"json": schema}
-    raise invalid("body", "response_format", fmt, 'use {"type": "text"}, {"type": "json_object"} or '
-                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+    raise invalid(
+        "body",
+        "response_format",
+        fmt,
+        'use {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+    )
 
 
 def _logprobs(body: dict[str, Any], url: str) -> Any:
@@ -192,8 +244,7 @@ def _logprobs(body: dict[str, Any], url: str) -> Any:
     asked = body.get("logprobs")
     if url == "/v1/chat/completions":
         if asked is not None and not isinstance(asked, bool):
-            raise invalid("body", "logprobs", asked, "use true, false or null (the count goes in "
-                          "body.top_logprobs)")
+            raise invalid("body", "logprobs", asked, "use true, false or null (the count goes in body.top_logprobs)")
         top = body.get("top_logprobs")
         if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float))):
             raise invalid("body", "top_logprobs", top, "use an integer in [0, 20] or null")

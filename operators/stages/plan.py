@@ -58,13 +58,13 @@ class RowIndex:
 class PlannedJob:
     """The Plan plus where the rows are, and which rows are error records."""
 
-    plan: Any                   # prefixflow.pipeline.Plan over the good rows
+    plan: Any  # prefixflow.pipeline.Plan over the good rows
     rows: RowIndex
-    error_row_ids: np.ndarray   # rows that become error records without running
+    error_row_ids: np.ndarray  # rows that become error records without running
     extra_errors: dict[int, str] = field(default_factory=dict)  # row id -> error found here
     timings: dict[str, float] = field(default_factory=dict)
-    content_digest: str = ""    # sha256 over every row's columns but the tokens, in row order
-    driver_bytes: int = 0       # what planning brought to the driver: metadata and hash windows
+    content_digest: str = ""  # sha256 over every row's columns but the tokens, in row order
+    driver_bytes: int = 0  # what planning brought to the driver: metadata and hash windows
 
 
 def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
@@ -73,16 +73,21 @@ def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
         # An empty input leaves blocks without rows (and without our columns): nothing to plan.
         if block.num_rows:
             raise RuntimeError(f"a tokenized block of {block.num_rows} rows has no {TOKENS} column")
-        return {"num_rows": 0, "good": np.zeros(0, np.int64), "lengths": np.zeros(0, np.int64),
-                "digest": _block_digest(block)}
+        return {
+            "num_rows": 0,
+            "good": np.zeros(0, np.int64),
+            "lengths": np.zeros(0, np.int64),
+            "digest": _block_digest(block),
+        }
     errors = block.column(ERROR).is_valid().to_numpy(zero_copy_only=False)
     good = np.flatnonzero(~errors)
     tokens = block.column(TOKENS).take(pa.array(good)).combine_chunks() if len(good) else None
     meta = {
         "num_rows": block.num_rows,
         "good": good,
-        "lengths": np.zeros(0, np.int64) if tokens is None else
-        pc.list_value_length(tokens).to_numpy(zero_copy_only=False).astype(np.int64),
+        "lengths": np.zeros(0, np.int64)
+        if tokens is None
+        else pc.list_value_length(tokens).to_numpy(zero_copy_only=False).astype(np.int64),
         "digest": _block_digest(block),
     }
     if MAX_TOKENS in block.column_names:
@@ -128,8 +133,7 @@ def _gather_meta(refs: list[Any], custom_ids: bool, block_size: int) -> tuple[li
     meta_refs, hash_refs = [], []
     for ref in refs:
         nodes = (where.get(ref) or {}).get("node_ids") or []
-        options = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=nodes[0], soft=True)} \
-            if nodes else {}
+        options = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=nodes[0], soft=True)} if nodes else {}
         meta_ref, hash_ref = task.options(num_cpus=0.25, num_returns=2, **options).remote(ref, custom_ids, block_size)
         meta_refs.append(meta_ref)
         hash_refs.append(hash_ref)
@@ -148,8 +152,15 @@ class ReceivedBytes:
     total: int = 0
 
 
-def gather_hashes(rows: RowIndex, hash_refs: list[Any], row_ids: np.ndarray, received: ReceivedBytes,
-                  seqs: np.ndarray, depth: int, width: int) -> np.ndarray:
+def gather_hashes(
+    rows: RowIndex,
+    hash_refs: list[Any],
+    row_ids: np.ndarray,
+    received: ReceivedBytes,
+    seqs: np.ndarray,
+    depth: int,
+    width: int,
+) -> np.ndarray:
     """The plan sort's `gather` (pipeline/prefix_tree.sort_by_gather) over the blocks: one small
     task per block that holds any of the prompts `seqs` (positions in `row_ids`)."""
     import ray
@@ -217,7 +228,7 @@ def _unit_payloads(plan: Any, rows: RowIndex, replica: int) -> Any:
     payloads, at = [], 0
     for unit in units:
         ids = unit.row_ids
-        payloads.append(UnitPayload(unit, fetch_rows(rows, ids), ranks[at:at + len(ids)].astype(np.int64)))
+        payloads.append(UnitPayload(unit, fetch_rows(rows, ids), ranks[at : at + len(ids)].astype(np.int64)))
         at += len(ids)
     return payloads[0] if len(payloads) == 1 else tuple(payloads)
 
@@ -227,9 +238,16 @@ def replica_row_ids(planned: PlannedJob, replica: int) -> np.ndarray:
     return planned.plan.replica_table(replica).column("row_id").to_numpy().astype(np.int64)
 
 
-def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = False,
-                 default_max_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 stealing: bool = False) -> PlannedJob:
+def plan_dataset(
+    ds: Any,
+    *,
+    order: str,
+    num_replicas: int,
+    custom_ids: bool = False,
+    default_max_tokens: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    stealing: bool = False,
+) -> PlannedJob:
     """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc).
 
     default_max_tokens: the output-length hint of rows whose own max_tokens is null (the job's
@@ -243,25 +261,33 @@ def plan_dataset(ds: Any, *, order: str, num_replicas: int, custom_ids: bool = F
     metas, hash_refs = _gather_meta(refs, custom_ids, block_size)
     offsets = np.r_[0, np.cumsum([m["num_rows"] for m in metas])].astype(np.int64)
     rows = RowIndex(tuple(refs), offsets)
-    good_ids = np.concatenate([offsets[b] + m["good"] for b, m in enumerate(metas)] or
-                              [np.zeros(0, np.int64)]).astype(np.int64)
+    good_ids = np.concatenate([offsets[b] + m["good"] for b, m in enumerate(metas)] or [np.zeros(0, np.int64)]).astype(
+        np.int64
+    )
     lengths = np.concatenate([m["lengths"] for m in metas] or [np.zeros(0, np.int64)])
     extra: dict[int, str] = {}
     keep = np.ones(len(good_ids), bool)
     if custom_ids:
-        keep, extra = _duplicate_custom_ids(good_ids, [c for m in metas
-                                                       for c in m.get("custom_id", [None] * m["num_rows"])])
+        keep, extra = _duplicate_custom_ids(
+            good_ids, [c for m in metas for c in m.get("custom_id", [None] * m["num_rows"])]
+        )
     out_lens = _output_lens(metas, default_max_tokens)
     if not keep.all():
         sel = np.flatnonzero(keep)
         good_ids, lengths = good_ids[sel], lengths[sel]
         out_lens = None if out_lens is None else out_lens[sel]
     received = ReceivedBytes(sum(v.nbytes for m in metas for v in m.values() if isinstance(v, np.ndarray)))
-    prompts = HashedPrompts(lengths, partial(gather_hashes, rows, hash_refs, good_ids, received), block_size,
-                            partial(fetch_tokens, rows, good_ids), max_cells=DEFAULT_MAX_CELLS)
+    prompts = HashedPrompts(
+        lengths,
+        partial(gather_hashes, rows, hash_refs, good_ids, received),
+        block_size,
+        partial(fetch_tokens, rows, good_ids),
+        max_cells=DEFAULT_MAX_CELLS,
+    )
     t2 = time.perf_counter()
-    plan = build_plan(prompts, row_ids=good_ids, output_lens=out_lens, order=order,
-                      num_replicas=num_replicas, stealing=stealing)
+    plan = build_plan(
+        prompts, row_ids=good_ids, output_lens=out_lens, order=order, num_replicas=num_replicas, stealing=stealing
+    )
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
     error_ids = np.setdiff1d(np.arange(offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
@@ -297,13 +323,16 @@ def _duplicate_custom_ids(good_ids: np.ndarray, custom_ids: list[Any]) -> tuple[
         earlier = first.get(custom_ids[row], row)
         if earlier != row:
             keep[i] = False
-            extra[row] = (f"duplicate custom_id {custom_ids[row]!r} (first used by row {earlier}): "
-                          "give every request a unique custom_id")
+            extra[row] = (
+                f"duplicate custom_id {custom_ids[row]!r} (first used by row {earlier}): "
+                "give every request a unique custom_id"
+            )
     return keep, extra
 
 
-def fetch_rows(rows: RowIndex, row_ids: np.ndarray, drop: tuple[str, ...] = (TOKENS,),
-               columns: tuple[str, ...] | None = None) -> pa.Table:
+def fetch_rows(
+    rows: RowIndex, row_ids: np.ndarray, drop: tuple[str, ...] = (TOKENS,), columns: tuple[str, ...] | None = None
+) -> pa.Table:
     """Pull the given rows, in the given order, from the blocks in the object store.
 
     Only blocks that hold at least one of the rows are fetched; the token column is dropped
@@ -319,8 +348,11 @@ def fetch_rows(rows: RowIndex, row_ids: np.ndarray, drop: tuple[str, ...] = (TOK
     for b in np.unique(blocks):
         mine = np.flatnonzero(blocks == b)
         block = ray.get(rows.block_refs[int(b)])
-        block = block.select(list(columns)) if columns is not None else \
-            block.drop_columns([c for c in drop if c in block.column_names])
+        block = (
+            block.select(list(columns))
+            if columns is not None
+            else block.drop_columns([c for c in drop if c in block.column_names])
+        )
         parts.append(block.take(pa.array(local[mine])))
         order.append(mine)
     table = pa.concat_tables(parts, promote_options="permissive")

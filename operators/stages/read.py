@@ -46,8 +46,12 @@ Format = Literal["jsonl", "csv", "parquet", "openai"]
 _log = logging.getLogger(__name__)
 # A JSON escape of a UTF-16 surrogate (half of a pair, or a lone one the line cannot store).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "csv": (".csv",),
-            "parquet": (".parquet",), "openai": (".jsonl", ".json")}
+SUFFIXES = {
+    "jsonl": (".jsonl", ".json", ".ndjson"),
+    "csv": (".csv",),
+    "parquet": (".parquet",),
+    "openai": (".jsonl", ".json"),
+}
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class ReadOptions:
     storage: StorageOptions = StorageOptions()
     limit: int | None = None
     chunk_bytes: int = 64 << 20  # JSONL files larger than this are read by several tasks
-    min_tasks: int = 1           # split JSONL input into at least this many reads (> 1 MiB each)
+    min_tasks: int = 1  # split JSONL input into at least this many reads (> 1 MiB each)
 
 
 def infer_format(path: str | list[str] | tuple[str, ...]) -> Format:
@@ -71,8 +75,10 @@ def infer_format(path: str | list[str] | tuple[str, ...]) -> Format:
             return fmt
     if name.endswith(SUFFIXES["jsonl"]):
         return "jsonl"
-    raise ValueError(f"input.format cannot be inferred from input.path={first!r}: set "
-                     "input.format to one of jsonl, csv, parquet, openai")
+    raise ValueError(
+        f"input.format cannot be inferred from input.path={first!r}: set "
+        "input.format to one of jsonl, csv, parquet, openai"
+    )
 
 
 def read_dataset(opts: ReadOptions) -> Any:
@@ -83,22 +89,28 @@ def read_dataset(opts: ReadOptions) -> Any:
     items = file_ranges(files, opts) if opts.format != "parquet" else []
     clash = clashing_columns(files, opts.storage, opts.format, items)
     if clash:
-        _log.info("input: column(s) %s have different types in different files (or parts of a "
-                  "file): read as text (strings as they are, other values as JSON)",
-                  ", ".join(map(repr, clash)))
+        _log.info(
+            "input: column(s) %s have different types in different files (or parts of a "
+            "file): read as text (strings as they are, other values as JSON)",
+            ", ".join(map(repr, clash)),
+        )
     if opts.format == "parquet" and not clash and same_filesystem(files):
         # Ray's reader gets the files' fsspec filesystem (wrapped for pyarrow), whatever the scheme.
         paths, fs = opts.storage.arrow_filesystem(files)
         with _footer_readers(len(files)):
             ds = ray.data.read_parquet(paths, filesystem=fs).map_batches(
-                _add_bookkeeping, batch_format="pyarrow", batch_size=None)
+                _add_bookkeeping, batch_format="pyarrow", batch_size=None
+            )
     else:
         # Parquet files whose schemas clash, or that lie on different filesystems, are read one
         # by one here (Ray's reader fails on the first and takes one filesystem).
         items = items or file_ranges(files, opts)
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            parse_files, fn_kwargs={"fmt": opts.format, "storage": opts.storage, "text_columns": clash},
-            batch_size=1, batch_format="pyarrow")
+            parse_files,
+            fn_kwargs={"fmt": opts.format, "storage": opts.storage, "text_columns": clash},
+            batch_size=1,
+            batch_format="pyarrow",
+        )
     if opts.limit is not None:
         ds = ds.limit(opts.limit)
     return ds
@@ -143,12 +155,15 @@ def _add_bookkeeping(table: pa.Table) -> pa.Table:
 def _reserved_error(names: list[str], where: str) -> str | None:
     if not names:
         return None
-    return (f"{where} has column(s) {', '.join(map(repr, names))}: names starting with {RESERVED} "
-            "are reserved for prefixflow's bookkeeping columns; rename them")
+    return (
+        f"{where} has column(s) {', '.join(map(repr, names))}: names starting with {RESERVED} "
+        "are reserved for prefixflow's bookkeeping columns; rename them"
+    )
 
 
-def clashing_columns(files: list[str], storage: StorageOptions, fmt: Format = "parquet",
-                     items: list[dict[str, Any]] | None = None) -> list[str]:
+def clashing_columns(
+    files: list[str], storage: StorageOptions, fmt: Format = "parquet", items: list[dict[str, Any]] | None = None
+) -> list[str]:
     """Columns whose type differs between files (or byte ranges) beyond what Arrow can promote
     (int in one, string in another): every file reads them as text (`to_text`).
 
@@ -236,20 +251,27 @@ def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:
     return items
 
 
-def parse_files(batch: pa.Table, fmt: Format, storage: StorageOptions,
-                text_columns: list[str] | None = None) -> pa.Table:
+def parse_files(
+    batch: pa.Table, fmt: Format, storage: StorageOptions, text_columns: list[str] | None = None
+) -> pa.Table:
     """map_batches function: each input row is one file (or byte range) -> its rows.
     text_columns: parquet columns to read as text (clashing_columns)."""
-    tables = [parse_file(item["path"], fmt, storage, item["start"], item["end"], text_columns)
-              for item in batch.to_pylist()]
+    tables = [
+        parse_file(item["path"], fmt, storage, item["start"], item["end"], text_columns) for item in batch.to_pylist()
+    ]
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def parse_file(path: str, fmt: Format, storage: StorageOptions, start: int = 0, end: int = -1,
-               text_columns: list[str] | None = None) -> pa.Table:
+def parse_file(
+    path: str,
+    fmt: Format,
+    storage: StorageOptions,
+    start: int = 0,
+    end: int = -1,
+    text_columns: list[str] | None = None,
+) -> pa.Table:
     source = masked(path)  # rows are named by it, in messages and error records
-    data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {source}",
-                               storage.retry)
+    data, begin = with_retries(lambda: _read_bytes(path, storage, start, end), f"read {source}", storage.retry)
     if fmt == "csv":
         table = parse_csv(data, source)
     elif fmt == "parquet":
@@ -315,22 +337,40 @@ def _parse_line(raw: bytes, where: str, name: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return {SOURCE: where, ERROR: f"{name} is not valid UTF-8 (byte {raw[e.start]:#04x} at column "
-                f"{e.start + 1}): re-encode the file as UTF-8", "_pf_raw": raw.decode("utf-8", "replace")}
+        return {
+            SOURCE: where,
+            ERROR: f"{name} is not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+            f"{e.start + 1}): re-encode the file as UTF-8",
+            "_pf_raw": raw.decode("utf-8", "replace"),
+        }
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        return {SOURCE: where, ERROR: f"{name} is not valid JSON ({e.msg} at column {e.colno}): fix or "
-                "remove the line", "_pf_raw": text}
+        return {
+            SOURCE: where,
+            ERROR: f"{name} is not valid JSON ({e.msg} at column {e.colno}): fix or remove the line",
+            "_pf_raw": text,
+        }
     except RecursionError:
-        return {SOURCE: where, ERROR: f"{name} is nested too deeply to read (JSON arrays or objects inside "
-                "thousands of others): flatten the value", "_pf_raw": text[:1000]}
+        return {
+            SOURCE: where,
+            ERROR: f"{name} is nested too deeply to read (JSON arrays or objects inside "
+            "thousands of others): flatten the value",
+            "_pf_raw": text[:1000],
+        }
     if _SURROGATE_ESCAPE.search(text) and not _is_unicode(value):
-        return {SOURCE: where, ERROR: f"{name} is not valid Unicode (lone surrogate: a \\uD800-\\uDFFF escape "
-                "without its pair): fix the escape", "_pf_raw": text}
+        return {
+            SOURCE: where,
+            ERROR: f"{name} is not valid Unicode (lone surrogate: a \\uD800-\\uDFFF escape "
+            "without its pair): fix the escape",
+            "_pf_raw": text,
+        }
     if not isinstance(value, dict):
-        return {SOURCE: where, ERROR: f"{name} is a JSON {type(value).__name__}, not an object: each line must "
-                "be one JSON object", "_pf_raw": text}
+        return {
+            SOURCE: where,
+            ERROR: f"{name} is a JSON {type(value).__name__}, not an object: each line must be one JSON object",
+            "_pf_raw": text,
+        }
     reserved = [k for k in value if k.startswith(RESERVED)]
     for k in reserved:  # the row's other columns stay in its error record
         del value[k]
@@ -356,19 +396,30 @@ def parse_csv(data: bytes, source: str) -> pa.Table:
 
     def on_invalid(row: Any) -> str:
         line = row.number if row.number is not None else "?"
-        bad.append({SOURCE: f"{source}:{line}", "_pf_raw": row.text,
-                    ERROR: f"CSV line {line} has {row.actual_columns} fields, the header has "
-                           f"{row.expected_columns}: quote fields that contain commas"})
+        bad.append(
+            {
+                SOURCE: f"{source}:{line}",
+                "_pf_raw": row.text,
+                ERROR: f"CSV line {line} has {row.actual_columns} fields, the header has "
+                f"{row.expected_columns}: quote fields that contain commas",
+            }
+        )
         return "skip"
 
     if not data.lstrip(b"\xef\xbb\xbf").strip():  # an empty file (a BOM at most): no rows
         return rows_to_table([])
     try:
-        table = csv.read_csv(io.BytesIO(data),
-                             parse_options=csv.ParseOptions(invalid_row_handler=on_invalid))
+        table = csv.read_csv(io.BytesIO(data), parse_options=csv.ParseOptions(invalid_row_handler=on_invalid))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # e.g. a header whose quote never closes
-        return rows_to_table([{SOURCE: source, ERROR: f"{source} cannot be read as CSV ({e}): fix "
-                               "the file", "_pf_raw": data[:1000].decode("utf-8", "replace")}])
+        return rows_to_table(
+            [
+                {
+                    SOURCE: source,
+                    ERROR: f"{source} cannot be read as CSV ({e}): fix the file",
+                    "_pf_raw": data[:1000].decode("utf-8", "replace"),
+                }
+            ]
+        )
     twice = _name_twice(table.column_names, source)
     if twice is not None:  # columns cannot be told apart: every row says why
         table = _rows_as_errors(table, source, twice)
@@ -395,8 +446,10 @@ def _name_twice(names: list[str], source: str) -> str | None:
     seen: dict[str, int] = {}
     for i, name in enumerate(names, start=1):
         if name in seen:
-            return (f"the CSV header of {source} names column {name!r} twice (columns {seen[name]} "
-                    f"and {i}): rename one of them")
+            return (
+                f"the CSV header of {source} names column {name!r} twice (columns {seen[name]} "
+                f"and {i}): rename one of them"
+            )
         seen[name] = i
     return None
 
@@ -404,10 +457,10 @@ def _name_twice(names: list[str], source: str) -> str | None:
 def _rows_as_errors(table: pa.Table, source: str, why: str) -> pa.Table:
     """Every row of a CSV file an error record (its values kept as text in _pf_raw)."""
     columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
-    raw = [json.dumps([to_text(c[r]) for c in columns], ensure_ascii=False, default=str)
-           for r in range(table.num_rows)]
-    return rows_to_table([{SOURCE: f"{source}:row {r + 1}", ERROR: why, "_pf_raw": raw[r]}
-                          for r in range(table.num_rows)])
+    raw = [json.dumps([to_text(c[r]) for c in columns], ensure_ascii=False, default=str) for r in range(table.num_rows)]
+    return rows_to_table(
+        [{SOURCE: f"{source}:row {r + 1}", ERROR: why, "_pf_raw": raw[r]} for r in range(table.num_rows)]
+    )
 
 
 def _decode_text_columns(table: pa.Table) -> tuple[pa.Table, list[str | None]]:
@@ -423,8 +476,10 @@ def _decode_text_columns(table: pa.Table) -> tuple[pa.Table, list[str | None]]:
                 texts.append(None if raw is None else raw.decode("utf-8"))
             except UnicodeDecodeError as e:
                 texts.append(None)
-                errors[row] = errors[row] or (f"CSV row {row + 1}, column {field.name!r}, is not valid "
-                                              f"UTF-8 (byte {raw[e.start]:#04x}): re-encode the file as UTF-8")
+                errors[row] = errors[row] or (
+                    f"CSV row {row + 1}, column {field.name!r}, is not valid "
+                    f"UTF-8 (byte {raw[e.start]:#04x}): re-encode the file as UTF-8"
+                )
         table = table.set_column(i, field.name, pa.array(texts, pa.string()))
     return table, errors
 

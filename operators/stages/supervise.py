@@ -52,9 +52,9 @@ class Progress(Protocol):
 class _Running:
     item: int
     actor: Any
-    token: str         # names this run of the item to the sink
+    token: str  # names this run of the item to the sink
     started: float
-    rows: np.ndarray   # the error item's rows when it started (committed ones included)
+    rows: np.ndarray  # the error item's rows when it started (committed ones included)
 
 
 class Supervisor:
@@ -67,13 +67,19 @@ class Supervisor:
     engine_options: Ray options of the engine actors (default engine_actor_options(config)).
     """
 
-    def __init__(self, config: ProcessorConfig, planned: PlannedJob, sink: Any, wopts: WriteOptions | None,
-                 max_retries_per_row: int, progress: Progress | None = None,
-                 engine_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        planned: PlannedJob,
+        sink: Any,
+        wopts: WriteOptions | None,
+        max_retries_per_row: int,
+        progress: Progress | None = None,
+        engine_options: dict[str, Any] | None = None,
+    ):
         import ray
 
-        self.config, self.planned, self.sink, self.wopts, self.progress = (
-            config, planned, sink, wopts, progress)
+        self.config, self.planned, self.sink, self.wopts, self.progress = (config, planned, sink, wopts, progress)
         self.engine_options = engine_actor_options(config) if engine_options is None else engine_options
         self.actor_cls = ray.remote(ReplicaGenerator)
         self.payloads = unit_payload_refs(planned, config.replicas)
@@ -113,8 +119,13 @@ class Supervisor:
                 rows_left[u] = left.tolist()
         replica = plan.table.column("replica").to_numpy()[plan.unit_starts[:-1]].tolist()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return ray.remote(WorkQueue).options(num_cpus=0, scheduling_strategy=here).remote(
-            replica, plan.unit_seconds.tolist(), self.config.replicas, rows_left, done, self.config.work_stealing)
+        return (
+            ray.remote(WorkQueue)
+            .options(num_cpus=0, scheduling_strategy=here)
+            .remote(
+                replica, plan.unit_seconds.tolist(), self.config.replicas, rows_left, done, self.config.work_stealing
+            )
+        )
 
     def run(self) -> tuple[list[dict], dict[str, Any]]:
         """Run every uncommitted row; returns this run's manifest rows and the fault report."""
@@ -176,8 +187,7 @@ class Supervisor:
         self.poisoned += [int(r) for r in left if int(r) not in known]
 
     def _error_rows(self) -> np.ndarray:
-        return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64),
-                               np.asarray(self.poisoned, np.int64)])
+        return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64), np.asarray(self.poisoned, np.int64)])
 
     def _start(self, item: int, committed: Committed) -> None:
         why = self.failures[-1]["error"] if self.failures else ""
@@ -185,13 +195,21 @@ class Supervisor:
         # The error records need no engine: that actor takes no GPU and no CPU slot.
         opts = self.engine_options if item != ERRORS_ITEM else engine_actor_options(self.config, needs_engine=False)
         actor = self.actor_cls.options(**opts).remote(
-            config=self.config, rows=self.planned.rows, payloads=self.payloads,
-            error_row_ids=job.error_row_ids, extra_errors=job.extra_errors, sink=self.sink,
-            done=committed.row_ids, skip=np.asarray(self.poisoned, np.int64), write=self.wopts)
+            config=self.config,
+            rows=self.planned.rows,
+            payloads=self.payloads,
+            error_row_ids=job.error_row_ids,
+            extra_errors=job.extra_errors,
+            sink=self.sink,
+            done=committed.row_ids,
+            skip=np.asarray(self.poisoned, np.int64),
+            write=self.wopts,
+        )
         token = uuid.uuid4().hex
         queue = None if item == ERRORS_ITEM else self.queue
         self.running[actor.run_item.remote(item, token, queue)] = _Running(
-            item, actor, token, time.time(), self._error_rows() if item == ERRORS_ITEM else np.zeros(0, np.int64))
+            item, actor, token, time.time(), self._error_rows() if item == ERRORS_ITEM else np.zeros(0, np.int64)
+        )
 
     def _stop_idle(self) -> None:
         """Once every unit is done, stop the replica actors that never loaded their engine
@@ -232,8 +250,7 @@ class Supervisor:
         ray.kill(run.actor)  # its work is done: free its CPUs/GPU now
         left = np.setdiff1d(run.rows, now.row_ids)
         if len(left):  # a bug, not a fault: starting it again would loop
-            raise RuntimeError(f"work item {run.item} finished without committing "
-                               f"rows {left[:10].tolist()}")
+            raise RuntimeError(f"work item {run.item} finished without committing rows {left[:10].tolist()}")
 
     def _on_death(self, run: _Running, error: BaseException, now: Committed) -> None:
         """Record a dead engine actor; hand its units back to the queue (their uncommitted
@@ -246,12 +263,18 @@ class Supervisor:
         held = ray.get(self.queue.held.remote(run.token)) if run.item != ERRORS_ITEM else []
         left = {u: np.setdiff1d(self.unit_rows[u], np.union1d(now.row_ids, self.poisoned)) for u in held}
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        self.failures.append({"item": run.item, "error": why, "engine_loaded": loaded,
-                              "rows_committed": now.num_rows, "units_held": len(held),
-                              "item_rows_left": int(sum(len(v) for v in left.values())),
-                              "after_s": round(time.time() - run.started, 2)})
-        give_up = self.ledger.record_failure([run.item] if loaded else [], _gained(self.last, now),
-                                             now.num_rows, why)
+        self.failures.append(
+            {
+                "item": run.item,
+                "error": why,
+                "engine_loaded": loaded,
+                "rows_committed": now.num_rows,
+                "units_held": len(held),
+                "item_rows_left": int(sum(len(v) for v in left.values())),
+                "after_s": round(time.time() - run.started, 2),
+            }
+        )
+        give_up = self.ledger.record_failure([run.item] if loaded else [], _gained(self.last, now), now.num_rows, why)
         if run.item in give_up:  # its rows failed every attempt: error records now
             if not self.config.work_stealing:  # nobody else will take its queued units either
                 queued = ray.get(self.queue.drop.remote(run.item))
@@ -266,11 +289,14 @@ class Supervisor:
     def report(self) -> dict[str, Any]:
         """The fault report of the run (metrics.json's fault_tolerance, with the counts of rows)."""
         status = self.queue_status
-        return {"engine_failures": len(self.failures), "failures": self.failures,
-                "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
-                "replicas_given_up": sorted(self.given_up), "rows_given_up": len(self.poisoned),
-                "work_queue": {"units": status["units"], "steals": status["steals"],
-                               "paces": status["paces"]}}
+        return {
+            "engine_failures": len(self.failures),
+            "failures": self.failures,
+            "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
+            "replicas_given_up": sorted(self.given_up),
+            "rows_given_up": len(self.poisoned),
+            "work_queue": {"units": status["units"], "steals": status["steals"], "paces": status["paces"]},
+        }
 
 
 def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
@@ -278,8 +304,12 @@ def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dic
     needs_engine=False); spread over the cluster's nodes (data-parallel replicas share no
     state, and each one wants a node's memory bandwidth to itself); no restarts, no task
     retries (a death is handled by whoever runs the actors, which knows what was committed)."""
-    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
-                            "max_restarts": 0, "max_task_retries": 0, "scheduling_strategy": "SPREAD"}
+    opts: dict[str, Any] = {
+        "num_cpus": cfg.num_cpus_per_replica if needs_engine else 0,
+        "max_restarts": 0,
+        "max_task_retries": 0,
+        "scheduling_strategy": "SPREAD",
+    }
     gpus = gpus_per_replica(cfg) if needs_engine else 0
     if gpus:
         opts["num_gpus"] = gpus
@@ -306,8 +336,11 @@ def replicas_to_start(queued: list[int], running: set[int], given_up: set[int], 
     may take (queued[r]: units in replica r's queue). With stealing, any queued unit; without
     (the static plan), only its own: a replica whose queue ran dry would start, find nothing
     and end, again and again, loading its model each time while the others still run."""
-    return [r for r in range(len(queued)) if r not in running and r not in given_up
-            and (queued[r] if not stealing else sum(queued)) > 0]
+    return [
+        r
+        for r in range(len(queued))
+        if r not in running and r not in given_up and (queued[r] if not stealing else sum(queued)) > 0
+    ]
 
 
 def _gained(before: Committed, after: Committed) -> dict[int, int]:
@@ -326,5 +359,7 @@ def _with_error_rows(planned: PlannedJob, rows: list[int], why: str) -> PlannedJ
         return planned
     msg = f"the engine failed on this row in every attempt ({why}): the row was given up"
     return dataclasses.replace(
-        planned, error_row_ids=np.concatenate([planned.error_row_ids, np.asarray(rows, np.int64)]),
-        extra_errors={**planned.extra_errors, **{r: msg for r in rows}})
+        planned,
+        error_row_ids=np.concatenate([planned.error_row_ids, np.asarray(rows, np.int64)]),
+        extra_errors={**planned.extra_errors, **{r: msg for r in rows}},
+    )

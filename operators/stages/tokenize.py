@@ -91,18 +91,23 @@ class Tokenize:
                 if not text.strip():
                     raise RowError("empty prompt: the prompt text is blank")
                 return text, False
-        raise RowError("the row has no prompt: give a prompt template, or a `messages` "
-                       "(chat) or `prompt` (text) column")
+        raise RowError(
+            "the row has no prompt: give a prompt template, or a `messages` (chat) or `prompt` (text) column"
+        )
 
     def _chat(self, messages: list[dict[str, str]]) -> str:
         add = self.opts.prompt.add_generation_prompt if self.opts.prompt is not None else True
         if self.opts.continue_last and messages and messages[-1].get("role") != "user":
             add = False
         try:
-            return chat_text(self.tokenizer, messages, add_generation_prompt=add,
-                             chat_template=self.opts.chat_template,
-                             continue_final_message=self.opts.continue_last and not add,
-                             **(self.opts.chat_template_kwargs or {}))
+            return chat_text(
+                self.tokenizer,
+                messages,
+                add_generation_prompt=add,
+                chat_template=self.opts.chat_template,
+                continue_final_message=self.opts.continue_last and not add,
+                **(self.opts.chat_template_kwargs or {}),
+            )
         except Exception as e:  # noqa: BLE001 - the template may refuse roles or orders, or pass a limit: a row error
             raise template_row_error(e, "the chat template") from None
 
@@ -121,9 +126,11 @@ class Tokenize:
         if n == 0:
             return "empty prompt: it has no tokens"
         if n >= self.opts.max_model_len:
-            return (f"prompt has {n} tokens but the context is {self.opts.max_model_len} "
-                    "(engine.max_model_len or the model's max_position_embeddings): shorten the "
-                    "prompt or raise engine.max_model_len")
+            return (
+                f"prompt has {n} tokens but the context is {self.opts.max_model_len} "
+                "(engine.max_model_len or the model's max_position_embeddings): shorten the "
+                "prompt or raise engine.max_model_len"
+            )
         return None
 
 

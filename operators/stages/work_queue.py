@@ -53,12 +53,12 @@ class Take:
 
 @dataclass(slots=True)
 class _Unit:
-    replica: int              # the replica whose queue holds it
-    seconds: float            # predicted (cost model)
+    replica: int  # the replica whose queue holds it
+    seconds: float  # predicted (cost model)
     rows: tuple[int, ...] | None = None  # rows left to run; None: all
     holder: str | None = None  # the engine (run token) that took it
-    taker: int = -1           # the replica of that engine
-    ran: bool = False         # every row of it has its output (counted in the taker's pace)
+    taker: int = -1  # the replica of that engine
+    ran: bool = False  # every row of it has its output (counted in the taker's pace)
     done: bool = False
 
 
@@ -79,8 +79,10 @@ class WorkQueue:
 
     def __post_init__(self) -> None:
         done = set(self.done_units)
-        self.units = [_Unit(int(r), float(s), done=u in done) for u, (r, s) in
-                      enumerate(zip(self.unit_replica, self.unit_seconds))]
+        self.units = [
+            _Unit(int(r), float(s), done=u in done)
+            for u, (r, s) in enumerate(zip(self.unit_replica, self.unit_seconds))
+        ]
         for u, rows in self.rows_left.items():
             self.units[u].rows = tuple(int(r) for r in rows)
         self.queues: list[deque[int]] = [deque() for _ in range(self.num_replicas)]
@@ -88,8 +90,8 @@ class WorkQueue:
             if not unit.done:
                 self.queues[unit.replica].append(u)
         self.seconds_left = [sum(self.units[u].seconds for u in q) for q in self.queues]
-        self.held_seconds = [0.0] * self.num_replicas   # predicted seconds of units held, by taker
-        self.done_seconds = [0.0] * self.num_replicas   # ... of units run (`ran`), by taker
+        self.held_seconds = [0.0] * self.num_replicas  # predicted seconds of units held, by taker
+        self.done_seconds = [0.0] * self.num_replicas  # ... of units run (`ran`), by taker
         self.first_take: list[float | None] = [None] * self.num_replicas
         self.started = self.clock()
 
@@ -107,16 +109,26 @@ class WorkQueue:
             return Take(DONE)
         victim = max(victims, key=lambda r: (left[r], -r))
         unit = self.queues[victim].pop()
-        self.steals.append({"unit": unit, "from": victim, "to": replica, "seconds": self.units[unit].seconds,
-                            "victim_expected_s": round(left[victim], 3), "at_s": self.clock() - self.started})
+        self.steals.append(
+            {
+                "unit": unit,
+                "from": victim,
+                "to": replica,
+                "seconds": self.units[unit].seconds,
+                "victim_expected_s": round(left[victim], 3),
+                "at_s": self.clock() - self.started,
+            }
+        )
         return self._hand(unit, replica, token, victim)
 
     def paces(self) -> list[float | None]:
         """Each replica's predicted seconds run per second since its first take (None before
         it ran a unit)."""
         now = self.clock()
-        return [done / max(now - first, 1e-9) if done > 0 and first is not None else None
-                for done, first in zip(self.done_seconds, self.first_take)]
+        return [
+            done / max(now - first, 1e-9) if done > 0 and first is not None else None
+            for done, first in zip(self.done_seconds, self.first_take)
+        ]
 
     def expected_seconds_left(self) -> list[float]:
         """Seconds until each replica has run its queued and held units, at its pace (module
@@ -187,9 +199,14 @@ class WorkQueue:
 
     def counts(self) -> dict:
         """Units queued per replica (and in all), held, done; whether every unit is done."""
-        return {"queued": [len(q) for q in self.queues], "num_queued": sum(len(q) for q in self.queues),
-                "held": sum(u.holder is not None for u in self.units), "done": sum(u.done for u in self.units),
-                "units": len(self.units), "all_done": all(u.done for u in self.units)}
+        return {
+            "queued": [len(q) for q in self.queues],
+            "num_queued": sum(len(q) for q in self.queues),
+            "held": sum(u.holder is not None for u in self.units),
+            "done": sum(u.done for u in self.units),
+            "units": len(self.units),
+            "all_done": all(u.done for u in self.units),
+        }
 
     def status(self) -> dict:
         """counts() and every steal (unit, from, to, predicted seconds, when): metrics.json."""

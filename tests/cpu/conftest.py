@@ -23,8 +23,14 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
+        ray.init(
+            num_cpus=4,
+            address="local",
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            configure_logging=False,
+        )
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield ray
@@ -44,8 +50,11 @@ def s3_server():
     """moto's S3 server on 127.0.0.1; yields its endpoint URL. Dummy credentials are set in
     the environment (before any Ray worker that needs them starts) and passed explicitly."""
     proc, endpoint = start_moto_server()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         os.environ.setdefault(key, value)
     yield endpoint
     proc.terminate()
@@ -63,8 +72,9 @@ def start_driver(ray_local, tmp_path):
 
     def start(spec: Path) -> subprocess.Popen:
         log = open(tmp_path / f"driver-{len(procs)}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "prefixflow.cli", "run", str(spec)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixflow.cli", "run", str(spec)], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
         procs.append(proc)
         return proc

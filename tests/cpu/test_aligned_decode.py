@@ -19,8 +19,7 @@ def spread_prompts(vocab: int) -> list[list[int]]:
     that share a prefix."""
     rng = random.Random(0)
     tok = lambda: rng.randrange(3, vocab)  # noqa: E731  (0..2 are pad / bos / eos)
-    prompts = [[tok() for _ in range(rng.randint(3, 6) if i % 2 else rng.randint(40, 48))]
-               for i in range(10)]
+    prompts = [[tok() for _ in range(rng.randint(3, 6) if i % 2 else rng.randint(40, 48))] for i in range(10)]
     prefix = [tok() for _ in range(20)]
     return prompts + [prefix + [tok(), tok()], prefix + [tok()]]
 
@@ -30,9 +29,16 @@ def test_greedy_outputs_are_the_same_with_aligned_decode_batches():
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     results, engines = {}, {}
     for n in (None, 3):
-        engines[n] = engine = LLMEngine(EngineConfig(model=path, device="cpu", block_size=4,
-                                                     kv_cache_bytes=16 << 20,
-                                                     max_num_batched_tokens=64, aligned_decode_batch=n))
+        engines[n] = engine = LLMEngine(
+            EngineConfig(
+                model=path,
+                device="cpu",
+                block_size=4,
+                kv_cache_bytes=16 << 20,
+                max_num_batched_tokens=64,
+                aligned_decode_batch=n,
+            )
+        )
         prompts = spread_prompts(engine.runner.vocab_size)
         results[n] = engine.generate(prompts, params)
     off, on = results[None], results[3]
@@ -45,8 +51,13 @@ def test_greedy_outputs_are_the_same_with_aligned_decode_batches():
 
 
 def _spec(engine: dict) -> dict:
-    return {"model": "m", "input": {"path": "in.jsonl"}, "output": {"path": "out"},
-            "prompt": {"template": "Q: {{ question }}"}, "engine": engine}
+    return {
+        "model": "m",
+        "input": {"path": "in.jsonl"},
+        "output": {"path": "out"},
+        "prompt": {"template": "Q: {{ question }}"},
+        "engine": engine,
+    }
 
 
 def test_the_switch_in_a_spec_and_in_processor_config(tiny_model):

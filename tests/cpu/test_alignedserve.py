@@ -14,8 +14,12 @@ def blocks_of(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
     return np.maximum(-(-np.minimum(kv_lens, 65535) // block_size), 1)
 
 
-@given(st.lists(st.integers(1, 70000), min_size=0, max_size=300), st.integers(1, 4000),
-       st.integers(1, 64), st.sampled_from([1, 16]))
+@given(
+    st.lists(st.integers(1, 70000), min_size=0, max_size=300),
+    st.integers(1, 4000),
+    st.integers(1, 64),
+    st.sampled_from([1, 16]),
+)
 @settings(max_examples=200, deadline=None)
 def test_batches_respect_memory_and_minimum_size(kv_lens, max_blocks, min_requests, block_size):
     lens = np.array(kv_lens, dtype=np.int64)
@@ -35,15 +39,15 @@ def test_batches_respect_memory_and_minimum_size(kv_lens, max_blocks, min_reques
 
 def test_batch_comes_from_the_densest_length_range():
     rng = np.random.default_rng(0)
-    dense = rng.integers(1000, 1100, 200)      # many requests of similar length
-    sparse = rng.integers(100, 60000, 20)       # a few spread over the range
+    dense = rng.integers(1000, 1100, 200)  # many requests of similar length
+    sparse = rng.integers(100, 60000, 20)  # a few spread over the range
     lens = np.r_[sparse, dense]
     batcher = DensityFirstBatcher(max_blocks=4000, min_requests=36, block_size=16)
     batch = batcher.select(lens, now=0.0)
     assert len(batch) >= 36
     assert blocks_of(lens[batch], 16).sum() <= 4000
     picked = lens[batch]
-    assert picked.max() - picked.min() < 1100    # similar lengths, not FCFS's spread
+    assert picked.max() - picked.min() < 1100  # similar lengths, not FCFS's spread
     assert np.mean((picked >= 1000) & (picked < 1100)) > 0.9
 
 
@@ -61,7 +65,7 @@ def test_starved_range_is_served_after_the_threshold():
     batcher = DensityFirstBatcher(max_blocks=2000, min_requests=8, block_size=16, starvation_s=10.0)
     served_at = None
     for step in range(30):
-        crowd = rng.integers(500, 600, 100)     # new similar requests keep arriving
+        crowd = rng.integers(500, 600, 100)  # new similar requests keep arriving
         lens = np.r_[lonely, crowd]
         batch = batcher.select(lens, now=float(step))
         if 0 in batch.tolist():
@@ -111,8 +115,10 @@ def test_step_price_counts_the_bubble_of_the_longest_kv_read():
     aligned = cm.step_seconds([100, 100]) + cm.step_seconds([1000, 1000])
     assert aligned < mixed
     assert 2 * cm.step_seconds([100, 1000], bubbles=False) == pytest.approx(
-        cm.step_seconds([100, 100], bubbles=False) + cm.step_seconds([1000, 1000], bubbles=False))
+        cm.step_seconds([100, 100], bubbles=False) + cm.step_seconds([1000, 1000], bubbles=False)
+    )
     # A big prefill chunk is compute-bound: its FLOPs set the price.
     big = cm.step_seconds([], [(0, 8192)])
-    assert big > weights and big == pytest.approx(cm.compute_seconds(8192, 0) + 2 * m.hidden_size
-                                                  * m.vocab_size / cm.hardware.peak_flops)
+    assert big > weights and big == pytest.approx(
+        cm.compute_seconds(8192, 0) + 2 * m.hidden_size * m.vocab_size / cm.hardware.peak_flops
+    )

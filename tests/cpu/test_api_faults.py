@@ -40,10 +40,15 @@ def _kill_first_writer(processor: Processor, killed: dict, stop: threading.Event
 def test_a_python_api_job_survives_a_killed_engine_actor(ray_local, tiny_model):
     rows = demo_rows(num_docs=6, questions_per_doc=6, sentences_per_doc=4, seed=6)  # 36 rows
     config = ProcessorConfig(
-        model=str(tiny_model), prompt={"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
-        sampling={"temperature": 0, "max_tokens": 24}, replicas=2, rows_per_chunk=2, max_retries_per_row=1,
+        model=str(tiny_model),
+        prompt={"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
+        sampling={"temperature": 0, "max_tokens": 24},
+        replicas=2,
+        rows_per_chunk=2,
+        max_retries_per_row=1,
         # Few sequences at a time, so rows finish (and blocks commit) one after another.
-        engine={"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2})
+        engine={"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
+    )
     processor = Processor(config)
     out = processor(ray_local.data.from_items(rows))  # builds the sink; nothing runs yet
     killed: dict = {}
@@ -66,5 +71,7 @@ def test_a_python_api_job_survives_a_killed_engine_actor(ray_local, tiny_model):
     # The same answers as a run without a fault (greedy decoding, the same plan).
     again = {r["id"]: r["generated_text"] for r in Processor(config)(ray_local.data.from_items(rows)).take_all()}
     assert {r["id"]: r["generated_text"] for r in got} == again
-    print(f"\nPython API engine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed['replica']} "
-          f"SIGKILLed holding {failure['item_rows_left']} uncommitted rows; lost 0, repeated 0")
+    print(
+        f"\nPython API engine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed['replica']} "
+        f"SIGKILLed holding {failure['item_rows_left']} uncommitted rows; lost 0, repeated 0"
+    )

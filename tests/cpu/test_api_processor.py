@@ -12,11 +12,13 @@ import prefixflow
 
 
 def test_import_is_light():
-    code = ("import sys, prefixflow\n"
-            "prefixflow.build_processor, prefixflow.ProcessorConfig, prefixflow.Generator\n"
-            "import prefixflow.cli, prefixflow.jobs.spec\n"
-            "heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys, prefixflow\n"
+        "prefixflow.build_processor, prefixflow.ProcessorConfig, prefixflow.Generator\n"
+        "import prefixflow.cli, prefixflow.jobs.spec\n"
+        "heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -34,16 +36,20 @@ def test_config_errors_name_the_field(tiny_model):
 @pytest.fixture(scope="module")
 def config(tiny_model):
     return prefixflow.ProcessorConfig(
-        model=str(tiny_model), sampling={"temperature": 0, "max_tokens": 5}, replicas=1,
-        engine={"device": "cpu", "kv_cache_bytes": 16 << 20})
+        model=str(tiny_model),
+        sampling={"temperature": 0, "max_tokens": 5},
+        replicas=1,
+        engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
+    )
 
 
 def _rows():
     shared = "You are a helpful assistant. The quick brown fox jumps over the lazy dog."
-    rows = [{"k": i, "q": f"{shared} Question {i % 3}: what does the fox do?",
-             "sampling_params": None} for i in range(9)]
-    rows[0]["sampling_params"] = {"max_tokens": 2}   # per-row override, as in ray.data.llm
-    rows[1]["sampling_params"] = {"bogus": 1}        # invalid: an error record, not a failed job
+    rows = [
+        {"k": i, "q": f"{shared} Question {i % 3}: what does the fox do?", "sampling_params": None} for i in range(9)
+    ]
+    rows[0]["sampling_params"] = {"max_tokens": 2}  # per-row override, as in ray.data.llm
+    rows[1]["sampling_params"] = {"bogus": 1}  # invalid: an error record, not a failed job
     return rows
 
 
@@ -55,8 +61,13 @@ def test_processor_and_generator_agree(ray_local, config):
         config,
         # merged into the row, as in ray.data.llm: `k` and `sampling_params` stay
         preprocess=lambda row: {"messages": [{"role": "user", "content": row["q"]}]},
-        postprocess=lambda row: {"k": row["k"], "tokens": list(row["generated_tokens"]),
-                                 "text": row["generated_text"], "error": row["error"]})
+        postprocess=lambda row: {
+            "k": row["k"],
+            "tokens": list(row["generated_tokens"]),
+            "text": row["generated_text"],
+            "error": row["error"],
+        },
+    )
     out = sorted(processor(ds).take_all(), key=lambda r: r["k"])
     assert [r["k"] for r in out] == list(range(9))
     assert [r["error"] is None for r in out] == [True, False] + [True] * 7
@@ -66,8 +77,13 @@ def test_processor_and_generator_agree(ray_local, config):
 
     # The lighter mode: the same requests through map_batches, one plan per batch.
     ds2 = ray.data.from_items([{**r, "messages": [{"role": "user", "content": r["q"]}]} for r in _rows()])
-    batched = ds2.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config},
-                              batch_size=4, concurrency=1, batch_format="pyarrow")
+    batched = ds2.map_batches(
+        prefixflow.Generator,
+        fn_constructor_kwargs={"config": config},
+        batch_size=4,
+        concurrency=1,
+        batch_format="pyarrow",
+    )
     rows = sorted(batched.take_all(), key=lambda r: r["k"])
     assert [r["k"] for r in rows] == list(range(9))
     for a, b in zip(out, rows):
@@ -87,10 +103,20 @@ def test_generator_renders_the_configs_chat_template(ray_local, tiny_model):
     import ray
 
     template = "{{ greeting }}|{% for m in messages %}{{ m['content'] }}{% endfor %}|"
-    config = prefixflow.ProcessorConfig(model=str(tiny_model), sampling={"temperature": 0, "max_tokens": 2},
-                                        engine={"device": "cpu", "kv_cache_bytes": 16 << 20}, include_prompt=True,
-                                        chat_template=template, chat_template_kwargs={"greeting": "hello"})
+    config = prefixflow.ProcessorConfig(
+        model=str(tiny_model),
+        sampling={"temperature": 0, "max_tokens": 2},
+        engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
+        include_prompt=True,
+        chat_template=template,
+        chat_template_kwargs={"greeting": "hello"},
+    )
     ds = ray.data.from_items([{"messages": [{"role": "user", "content": "what does the fox do?"}]}])
-    rows = ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config}, batch_size=1,
-                          concurrency=1, batch_format="pyarrow").take_all()
+    rows = ds.map_batches(
+        prefixflow.Generator,
+        fn_constructor_kwargs={"config": config},
+        batch_size=1,
+        concurrency=1,
+        batch_format="pyarrow",
+    ).take_all()
     assert rows[0]["prompt"] == "hello|what does the fox do?|" and rows[0]["error"] is None

@@ -9,16 +9,16 @@ from prefixflow.operators.stages.attempts import ERRORS_ITEM, AttemptLedger, Eng
 
 def test_a_replica_dying_without_progress_is_given_up_after_its_retries():
     ledger = AttemptLedger(max_retries=1)
-    assert ledger.record_failure([0], {}, 0, "killed") == []       # streak 1
-    assert ledger.record_failure([0], {}, 0, "killed") == [0]      # streak 2 > 1: give up
+    assert ledger.record_failure([0], {}, 0, "killed") == []  # streak 1
+    assert ledger.record_failure([0], {}, 0, "killed") == [0]  # streak 2 > 1: give up
     assert ledger.streaks == {}
 
 
 def test_progress_ends_a_streak():
     ledger = AttemptLedger(max_retries=1)
     assert ledger.record_failure([0], {}, 0, "x") == []
-    assert ledger.record_failure([0], {0: 4}, 4, "x") == []        # it committed rows: streak 0
-    assert ledger.record_failure([0], {}, 4, "x") == []            # streak 1 again
+    assert ledger.record_failure([0], {0: 4}, 4, "x") == []  # it committed rows: streak 0
+    assert ledger.record_failure([0], {}, 4, "x") == []  # streak 1 again
     assert ledger.record_failure([0], {}, 4, "x") == [0]
 
 

@@ -43,6 +43,7 @@ BAD_SAMPLING = [  # (override, the field its error names)
 
 # --- case 1 and 7: sampling values are checked in one place ---------------------------------
 
+
 @pytest.mark.parametrize("override, field", BAD_SAMPLING)
 def test_bad_sampling_value_is_a_value_error_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field):
@@ -50,8 +51,7 @@ def test_bad_sampling_value_is_a_value_error_naming_the_field(override, field):
 
 
 def test_sampling_params_accept_integral_floats_and_clip_nothing():
-    p = SamplingParams(top_k=5.0, max_tokens=3.0, seed=2**63 - 1, stop="x", stop_token_ids=[7.0],
-                       temperature=0)
+    p = SamplingParams(top_k=5.0, max_tokens=3.0, seed=2**63 - 1, stop="x", stop_token_ids=[7.0], temperature=0)
     assert (p.top_k, p.max_tokens, p.stop, p.stop_token_ids, p.temperature) == (5, 3, ("x",), (7,), 0.0)
     assert isinstance(p.top_k, int) and isinstance(p.temperature, float)
     q = SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), stop_token_ids=np.array([3]))
@@ -63,13 +63,25 @@ def test_sampling_params_accept_integral_floats_and_clip_nothing():
         SamplingParams().with_overrides([1, 2])
 
 
-_values = st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300) | st.floats() | \
-    st.text(max_size=5) | st.lists(st.integers() | st.text(max_size=3) | st.floats(), max_size=3)
+_values = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**300)
+    | st.floats()
+    | st.text(max_size=5)
+    | st.lists(st.integers() | st.text(max_size=3) | st.floats(), max_size=3)
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)] + ["beam_width", "best_of"]),
-                       _values, max_size=5))
+@given(
+    st.dictionaries(
+        st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)] + ["beam_width", "best_of"]),
+        _values,
+        max_size=5,
+    )
+)
 def test_fuzzed_overrides_make_params_or_a_value_error(overrides):
     try:
         p = SamplingParams().with_overrides(overrides)
@@ -80,8 +92,7 @@ def test_fuzzed_overrides_make_params_or_a_value_error(overrides):
 
 
 def test_spec_sampling_gets_the_same_checks():
-    base = {"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"},
-            "output": {"path": "out"}}
+    base = {"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"}, "output": {"path": "out"}}
     for key, value in (("top_k", 1e20), ("max_tokens", 2**40), ("seed", -5)):
         with pytest.raises(SpecError) as e:
             parse_spec({**base, "sampling": {key: value}})
@@ -93,20 +104,28 @@ def test_tokenize_makes_bad_sampling_rows_error_records(tiny_model):
     from prefixflow.operators.stages.tokenize import Tokenize
     from prefixflow.operators.template import PromptTemplate
 
-    tok = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=PromptTemplate(template="Q: {{ q }}"),
-                                   max_model_len=256, sampling=SamplingParams(max_tokens=4)))
+    tok = Tokenize(
+        TokenizeOptions(
+            model=str(tiny_model),
+            prompt=PromptTemplate(template="Q: {{ q }}"),
+            max_model_len=256,
+            sampling=SamplingParams(max_tokens=4),
+        )
+    )
     cases = [(json.dumps(o), f) for o, f in BAD_SAMPLING] + [("[1, 2]", "mapping"), ("[" * 5000, "JSON")]
     good = [None, json.dumps({"temperature": 0, "top_k": 10**6}), json.dumps({"seed": None})]
     values = [v for v, _ in cases] + good
-    table = tok(pa.table({"q": ["hello"] * len(values), "sampling_params": values,
-                          ERROR: pa.nulls(len(values), pa.string())}))
+    table = tok(
+        pa.table({"q": ["hello"] * len(values), "sampling_params": values, ERROR: pa.nulls(len(values), pa.string())})
+    )
     errors = table.column(ERROR).to_pylist()
     for (_, field), error in zip(cases, errors):
         assert error and "invalid sampling parameters for this row" in error and field in error, error
-    assert errors[len(cases):] == [None] * len(good)
+    assert errors[len(cases) :] == [None] * len(good)
 
 
 # --- case 2: an exception inside the engine fails only its row -------------------------------
+
 
 def _failing_engine(model: str, bad_row: int):
     """Our own LLMEngine with one method made to raise for one row: after case 1 no real
@@ -138,8 +157,7 @@ def test_an_engine_exception_fails_only_its_row(tiny_model):
     rows = pa.table({"q": [str(i) for i in range(len(prompts))]})
     row_ids = np.arange(len(prompts))
 
-    healthy = {o.row_id: o for o in group_outputs(_failing_engine(str(tiny_model), -1), config, groups,
-                                                    rows, row_ids)}
+    healthy = {o.row_id: o for o in group_outputs(_failing_engine(str(tiny_model), -1), config, groups, rows, row_ids)}
     engine = _failing_engine(str(tiny_model), 2)
     outs = list(group_outputs(engine, config, groups, rows, row_ids))
     assert sorted(o.row_id for o in outs) == list(range(len(prompts)))  # each row once
@@ -196,8 +214,9 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
 
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 11], [20, 21, 22]]
     groups = build_plan(prompts, row_ids=[0, 1, 2], order="batchllm", min_prefix_len=4).groups(0)
-    config = ProcessorConfig(model=str(tiny_model), task="score", score={"choices": ["Yes", "No"]},
-                             prompt={"template": "{{ q }}"})
+    config = ProcessorConfig(
+        model=str(tiny_model), task="score", score={"choices": ["Yes", "No"]}, prompt={"template": "{{ q }}"}
+    )
     rows = pa.table({"q": ["a", "b", "c"]})
     scorer = FailsOnRow(EngineConfig(model=str(tiny_model), device="cpu"), config.score.options())
     outs = list(group_outputs(scorer, config, groups, rows, np.arange(3)))
@@ -207,30 +226,35 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     assert by_row[0].error is None and by_row[2].error is None and by_row[0].label in ("Yes", "No")
     ids = [int(o.row_id) for o in outs]
     n = np.zeros(len(outs), np.int64)
-    table = output_chunk(outs, rows.take(pa.array(ids)), n, n.astype(float), n, replica=0, plan_replica=0,
-                         score=True)
+    table = output_chunk(outs, rows.take(pa.array(ids)), n, n.astype(float), n, replica=0, plan_replica=0, score=True)
     assert table.column("error").null_count == 2 and table.column("label").null_count == 1
 
 
 # --- case 3: lines Python parses but Arrow cannot store --------------------------------------
 
+
 def test_lone_surrogates_and_deep_nesting_become_error_records():
     deep = b'{"q": ' + b"[" * 10000 + b"]" * 10000 + b"}"
-    data = b"\n".join([b'{"q": "\\ud800"}', b'{"q": "pair \\ud83d\\ude00"}', deep, b'{"q": "ok"}',
-                       b'{"q": "text \\\\ud800"}'])
+    data = b"\n".join(
+        [b'{"q": "\\ud800"}', b'{"q": "pair \\ud83d\\ude00"}', deep, b'{"q": "ok"}', b'{"q": "text \\\\ud800"}']
+    )
     recs = parse_jsonl(data, "f.jsonl")
     table = rows_to_table(recs)  # raised UnicodeEncodeError
     errors = table.column(ERROR).to_pylist()
     assert "line 1 is not valid Unicode (lone surrogate" in errors[0]
     assert "line 3 is nested too deeply" in errors[2]
     assert [errors[i] for i in (1, 3, 4)] == [None] * 3
-    assert table.column("q").to_pylist()[1] == "pair \U0001F600"
+    assert table.column("q").to_pylist()[1] == "pair \U0001f600"
 
 
 def test_openai_lines_with_lone_surrogates_or_bad_escapes_keep_their_custom_id():
-    data = b"\n".join([b'{"custom_id": "\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}',
-                       b'{"custom_id": "a\\qb", "body": ',
-                       b'{"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "\\udc00"}}'])
+    data = b"\n".join(
+        [
+            b'{"custom_id": "\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}',
+            b'{"custom_id": "a\\qb", "body": ',
+            b'{"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "\\udc00"}}',
+        ]
+    )
     rows = rows_to_table(parse_requests(parse_jsonl(data, "f.jsonl"))).to_pylist()  # raised
     assert [r["custom_id"] for r in rows] == ["\\ud800", "a\\qb", "ok"]  # as the lines spell them
     assert "lone surrogate" in rows[0][ERROR] and "not valid JSON" in rows[1][ERROR]
@@ -248,6 +272,7 @@ def test_csv_non_utf8_value_fails_its_row_only():
 
 
 # --- case 4: OpenAI logprobs fields -----------------------------------------------------------
+
 
 def test_openai_logprobs_null_is_off_and_wrong_types_are_request_errors():
     chat = {"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}}
@@ -267,8 +292,7 @@ def test_openai_logprobs_null_is_off_and_wrong_types_are_request_errors():
         (chat, {"seed": "abc"}, "seed"),
         (chat, {"stop": [1]}, "stop"),
     ]
-    recs = [{"custom_id": f"r{i}", **req, "body": {**req["body"], **extra}}
-            for i, (req, extra, _) in enumerate(cases)]
+    recs = [{"custom_id": f"r{i}", **req, "body": {**req["body"], **extra}} for i, (req, extra, _) in enumerate(cases)]
     rows = parse_requests(recs)  # raised TypeError
     for row, (_, _, want) in zip(rows, cases):
         if isinstance(want, str):
@@ -283,11 +307,17 @@ def test_openai_max_tokens_and_max_completion_tokens_must_agree():
     """Issue 43: both limits given and different: the request is an error record naming both
     (never the smaller, or either one, run silently); equal, it runs with that limit."""
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    recs = [{"custom_id": f"r{i}", "url": "/v1/chat/completions", "body": {**body, **extra}}
-            for i, extra in enumerate([{"max_tokens": 5, "max_completion_tokens": 9},
-                                       {"max_tokens": 9, "max_completion_tokens": 5},
-                                       {"max_tokens": 7, "max_completion_tokens": 7},
-                                       {"max_tokens": None, "max_completion_tokens": 6}])]
+    recs = [
+        {"custom_id": f"r{i}", "url": "/v1/chat/completions", "body": {**body, **extra}}
+        for i, extra in enumerate(
+            [
+                {"max_tokens": 5, "max_completion_tokens": 9},
+                {"max_tokens": 9, "max_completion_tokens": 5},
+                {"max_tokens": 7, "max_completion_tokens": 7},
+                {"max_tokens": None, "max_completion_tokens": 6},
+            ]
+        )
+    ]
     rows = parse_requests(recs)
     for row in rows[:2]:
         assert "body.max_tokens" in row[ERROR] and "body.max_completion_tokens" in row[ERROR], row
@@ -305,11 +335,15 @@ def test_a_duplicate_custom_id_is_reported_when_its_first_use_is_an_error_record
     from prefixflow.operators.stages.plan import plan_dataset
     from prefixflow.operators.stages.tokenize import Tokenize
 
-    lines = [b'{"custom_id": "broken", "url": "/v1/completions", "body": {',
-             json.dumps({"custom_id": "invalid", "url": "/v1/embeddings", "body": {}}).encode(),
-             json.dumps({"custom_id": "fine", "url": "/v1/completions", "body": {"prompt": "a"}}).encode()]
-    lines += [json.dumps({"custom_id": cid, "url": "/v1/completions", "body": {"prompt": "b"}}).encode()
-              for cid in ("broken", "invalid", "fine")]
+    lines = [
+        b'{"custom_id": "broken", "url": "/v1/completions", "body": {',
+        json.dumps({"custom_id": "invalid", "url": "/v1/embeddings", "body": {}}).encode(),
+        json.dumps({"custom_id": "fine", "url": "/v1/completions", "body": {"prompt": "a"}}).encode(),
+    ]
+    lines += [
+        json.dumps({"custom_id": cid, "url": "/v1/completions", "body": {"prompt": "b"}}).encode()
+        for cid in ("broken", "invalid", "fine")
+    ]
     table = rows_to_table(parse_requests(parse_jsonl(b"\n".join(lines), "f.jsonl")))
     tokenized = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=None, max_model_len=64))(table)
     blocks = [tokenized.slice(0, 4), tokenized.slice(4)]  # first uses and duplicates in two blocks
@@ -322,9 +356,19 @@ def test_a_duplicate_custom_id_is_reported_when_its_first_use_is_an_error_record
 
 # --- case 6: input columns named like output columns -----------------------------------------
 
+
 def test_input_columns_named_like_outputs_are_kept_as_input_name():
-    rows = pa.table({"q": ["a"], "error": ["mine"], "row_id": [77], "input_error": ["x"], "_pf_prompt": ["P"],
-                     "prompt": ["user prompt"], "_pf_error": [None]})
+    rows = pa.table(
+        {
+            "q": ["a"],
+            "error": ["mine"],
+            "row_id": [77],
+            "input_error": ["x"],
+            "_pf_prompt": ["P"],
+            "prompt": ["user prompt"],
+            "_pf_error": [None],
+        }
+    )
     columns = {f.name: [None] for f in OUTPUT_FIELDS} | {"row_id": [0], "generated_tokens": [[]]}
     out = with_outputs(rows, columns).to_pylist()[0]
     assert out["input_error"] == "x" and out["input_input_error"] == "mine" and out["input_row_id"] == 77
@@ -335,10 +379,20 @@ def test_input_columns_named_like_outputs_are_kept_as_input_name():
 def test_generator_mode_keeps_the_batchs_own_columns(tiny_model):
     from prefixflow.operators.faces.batch_generator import Generator
 
-    gen = Generator(model=str(tiny_model), prompt={"template": "Q: {{ q }}"},
-                    sampling={"temperature": 0, "max_tokens": 2}, engine={"device": "cpu", "kv_cache_bytes": 16 << 20})
-    batch = pa.table({"q": ["a", "b", "c"], "row_id": [7, 8, 9], "error": ["x", "y", "z"],
-                      "sampling_params": [None, '{"stop": [1]}', None]})
+    gen = Generator(
+        model=str(tiny_model),
+        prompt={"template": "Q: {{ q }}"},
+        sampling={"temperature": 0, "max_tokens": 2},
+        engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
+    )
+    batch = pa.table(
+        {
+            "q": ["a", "b", "c"],
+            "row_id": [7, 8, 9],
+            "error": ["x", "y", "z"],
+            "sampling_params": [None, '{"stop": [1]}', None],
+        }
+    )
     out = gen(batch).to_pylist()
     assert [r["row_id"] for r in out] == [7, 8, 9]  # ours is dropped in this mode: theirs stays
     assert [r["input_error"] for r in out] == ["x", "y", "z"]
@@ -347,16 +401,21 @@ def test_generator_mode_keeps_the_batchs_own_columns(tiny_model):
 
 # --- whole jobs --------------------------------------------------------------------------------
 
+
 def _run(tmp_path, tiny_model, input: dict, prompt: dict):
     from prefixflow.jobs.run import run_job
     from prefixflow.operators.results.write import read_output
 
-    spec = parse_spec({
-        "model": str(tiny_model), "input": input, "prompt": prompt,
-        "sampling": {"temperature": 0, "max_tokens": 4},
-        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 4},
-    })
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": input,
+            "prompt": prompt,
+            "sampling": {"temperature": 0, "max_tokens": 4},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 4},
+        }
+    )
     run_job(spec, quiet=True)
     return read_output(str(tmp_path / "out"))
 
@@ -364,8 +423,16 @@ def _run(tmp_path, tiny_model, input: dict, prompt: dict):
 @pytest.mark.slow
 def test_job_with_bad_values_and_clashing_columns_finishes(ray_local, tiny_model, tmp_path):
     lines = [json.dumps({"q": f"question {i}", "error": f"e{i}", "row_id": 100 + i}) for i in range(6)]
-    lines.append(json.dumps({"q": "big top_k", "error": "e6", "row_id": 106,
-                             "sampling_params": {"top_k": 10**6, "temperature": 0.5, "seed": 1}}))
+    lines.append(
+        json.dumps(
+            {
+                "q": "big top_k",
+                "error": "e6",
+                "row_id": 106,
+                "sampling_params": {"top_k": 10**6, "temperature": 0.5, "seed": 1},
+            }
+        )
+    )
     bad = BAD_SAMPLING[:4] + BAD_SAMPLING[-1:]  # stop [1], seed "abc", top_k 1e30, max_tokens 2**70, beam_width
     for i, (override, _) in enumerate(bad):
         lines.append(json.dumps({"q": "bad", "error": f"b{i}", "row_id": 200 + i, "sampling_params": override}))
@@ -393,8 +460,9 @@ def test_parquet_files_with_clashing_schemas(ray_local, tiny_model, tmp_path):
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"q": [1, 2, 3], "k": ["a", "b", "c"]}), tmp_path / "in" / "a.parquet")
     pq.write_table(pa.table({"q": ["four", "five"], "k": ["d", "e"]}), tmp_path / "in" / "b.parquet")
-    out = _run(tmp_path, tiny_model, {"path": str(tmp_path / "in"), "format": "parquet"},
-               {"template": "Q: {{ q }} {{ k }}"})
+    out = _run(
+        tmp_path, tiny_model, {"path": str(tmp_path / "in"), "format": "parquet"}, {"template": "Q: {{ q }} {{ k }}"}
+    )
     assert sorted(r["q"] for r in out) == ["1", "2", "3", "five", "four"]
     assert all(r["error"] is None and r["num_generated_tokens"] >= 1 for r in out)
 

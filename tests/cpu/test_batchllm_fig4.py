@@ -26,7 +26,7 @@ def test_fig4_tree_shape():
     internal = sorted(int(d) for d, leaf in zip(tree.depth, tree.leaf_seq) if leaf < 0)
     # root, 'b' (level 1), 'de' (level 2, depth 3), 'f' (level 3, depth 4), 'hijk' (depth 8)
     assert internal == [0, 1, 3, 4, 8]
-    assert first_level_saved_tokens(tree) == 4          # "reusing the first level saves 4 tokens"
+    assert first_level_saved_tokens(tree) == 4  # "reusing the first level saves 4 tokens"
 
 
 def test_fig4_enlarged_first_level():
@@ -35,8 +35,10 @@ def test_fig4_enlarged_first_level():
     grouping = maximize_reuse(tree)
     # Prompts 4 and 5 share 8 tokens (saves 8); 3 and 6 share 'bde' (saves 3); 1, 2 alone.
     assert grouping.saved_tokens == 11
-    shared = {frozenset(np.flatnonzero(grouping.group_node == v).tolist()): int(tree.depth[v])
-              for v in set(grouping.group_node.tolist()) - {0}}
+    shared = {
+        frozenset(np.flatnonzero(grouping.group_node == v).tolist()): int(tree.depth[v])
+        for v in set(grouping.group_node.tolist()) - {0}
+    }
     assert shared == {frozenset({3, 4}): 8, frozenset({2, 5}): 3}
     plan = build_plan(prompts)
     total = sum(map(len, prompts))

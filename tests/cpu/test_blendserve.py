@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixflow.pipeline import RaggedTokens, build_plan
-from prefixflow.pipeline.blendserve import (blendserve_plan, estimate_output_lens, request_costs,
-                                            sort_and_split)
+from prefixflow.pipeline.blendserve import blendserve_plan, estimate_output_lens, request_costs, sort_and_split
 from prefixflow.pipeline.cost_model import CostModel, density
 from prefixflow.pipeline.grouping import maximize_reuse
 from prefixflow.pipeline.ordering import dfs_order, runs
@@ -80,7 +79,7 @@ def test_split_keeps_99_percent_of_the_sharing(mixed):
     assert saved >= 0.99 * grouping.saved_tokens
     assert res.sharing_kept >= 0.99
     plan = build_plan(tokens, output_lens=outs, order="blendserve")
-    assert plan.summary["sharing_kept"] >= 0.99   # the dual scan's cuts included
+    assert plan.summary["sharing_kept"] >= 0.99  # the dual scan's cuts included
 
 
 def test_splitting_stops_at_c1_when_splits_are_cheap(mixed):
@@ -89,7 +88,7 @@ def test_splitting_stops_at_c1_when_splits_are_cheap(mixed):
     res = sort_and_split(tree, comp, mem, budget_tokens=float("inf"))
     assert res.stop_reason == "C1"
     rho = density(comp, mem)[res.order]
-    assert np.all(np.diff(rho) <= 1e-12 * np.abs(rho[:-1]))       # non-increasing
+    assert np.all(np.diff(rho) <= 1e-12 * np.abs(rho[:-1]))  # non-increasing
     assert sorted(res.order.tolist()) == list(range(len(tokens)))
     assert res.num_splits > 0
 
@@ -100,7 +99,7 @@ def test_splitting_stops_at_c2_when_every_outlier_costs_more_than_theta(mixed):
     rho = density(comp, mem)
     none = sort_and_split(tree, comp, mem, budget_tokens=0.0)
     assert none.stop_reason == "C2" and none.num_splits == 0 and none.theta == -1
-    assert np.any(np.diff(rho[none.order]) > 0)                     # still out of order
+    assert np.any(np.diff(rho[none.order]) > 0)  # still out of order
     some = sort_and_split(tree, comp, mem, budget_tokens=0.01 * grouping.saved_tokens)
     assert some.stop_reason == "C2" and 0 < some.cost_tokens <= 0.01 * grouping.saved_tokens
     assert some.num_splits > 0 and 0 < some.theta <= some.cost_tokens
@@ -113,7 +112,7 @@ def test_split_threshold_on_a_small_tree():
     tree = PrefixTree.build(RaggedTokens.from_sequences(prompts), block=8)
     comp, mem = np.array([10.0, 9.0, 0.5, 5.0, 4.0]), np.ones(5)
     kept = sort_and_split(tree, comp, mem, budget_tokens=49)
-    assert kept.stop_reason == "C2" and kept.num_splits == 0         # moving it costs 50 > 49
+    assert kept.stop_reason == "C2" and kept.num_splits == 0  # moving it costs 50 > 49
     assert kept.order.tolist() == [0, 1, 2, 3, 4]
     moved = sort_and_split(tree, comp, mem, budget_tokens=50)
     assert moved.stop_reason == "C1" and moved.num_splits == 1 and moved.cost_tokens == 50
@@ -138,9 +137,9 @@ def test_sampled_output_lengths_fill_their_subtree_then_siblings():
     tree = PrefixTree.build(RaggedTokens.from_sequences(prompts), block=4)
     sampled = np.array([100, -1, 300, 7, -1, -1])
     est = estimate_output_lens(tree, sampled, default=5)
-    assert est[:4].tolist() == [100, 200, 300, 7]   # own subtree's mean
-    assert est[4] == 7                              # b's subtree: its sampled member
-    assert est[5] == round((100 + 300 + 7) / 3)     # unsampled subtree: the parent's (siblings')
+    assert est[:4].tolist() == [100, 200, 300, 7]  # own subtree's mean
+    assert est[4] == 7  # b's subtree: its sampled member
+    assert est[5] == round((100 + 300 + 7) / 3)  # unsampled subtree: the parent's (siblings')
     assert estimate_output_lens(tree, None, default=5).tolist() == [5] * 6
     assert estimate_output_lens(tree, np.full(6, -1), default=9).tolist() == [9] * 6
 
@@ -156,8 +155,10 @@ def small_jobs(draw):
     """Prompts from a few shared stems, output lengths including 0 (prefill only) and unknowns."""
     stems = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4))
     n = draw(st.integers(1, 30))
-    prompts = [draw(st.sampled_from(stems))[:draw(st.integers(1, 30))] +
-               draw(st.lists(st.integers(0, 3), max_size=5)) for _ in range(n)]
+    prompts = [
+        draw(st.sampled_from(stems))[: draw(st.integers(1, 30))] + draw(st.lists(st.integers(0, 3), max_size=5))
+        for _ in range(n)
+    ]
     outs = draw(st.one_of(st.none(), st.lists(st.integers(-1, 3000), min_size=n, max_size=n)))
     return prompts, outs
 
@@ -167,13 +168,42 @@ def test_a_scan_that_joins_split_requests_does_not_widen_the_split_allowance():
     # sharing that the splits had cost, and the redone splits were then given 2 tokens
     # against an allowance of 1.
     lengths = [1] * 8 + [6] + [1] * 4 + [6, 1, 6, 1, 1, 2, 1, 1, 1, 23, 1, 22, 22, 1, 1, 1, 22]
-    outs = [0, 0, 0, 0, 0, 0, 0, -1, 450, 174, 0, 775, 723, -1, 1131, 2926, 0, 32, -1, 1861, 0,
-            37, 668, 25, 86, 499, 11, 0, 0, 0]
+    outs = [
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        -1,
+        450,
+        174,
+        0,
+        775,
+        723,
+        -1,
+        1131,
+        2926,
+        0,
+        32,
+        -1,
+        1861,
+        0,
+        37,
+        668,
+        25,
+        86,
+        499,
+        11,
+        0,
+        0,
+        0,
+    ]
     tokens = RaggedTokens.from_sequences([[0] * n for n in lengths])
     tree = PrefixTree.build(tokens, block=4)
     grouping = maximize_reuse(tree)
-    res = blendserve_plan(tree, grouping, tokens.lengths, np.array(outs), sharing_keep=0.99,
-                          kv_budget_bytes=1e9)
+    res = blendserve_plan(tree, grouping, tokens.lengths, np.array(outs), sharing_keep=0.99, kv_budget_bytes=1e9)
     assert res.split_cost_tokens <= 0.01 * grouping.saved_tokens + 1e-9
 
 
@@ -184,8 +214,14 @@ def test_order_is_a_permutation_on_any_job(job, keep, kv_budget):
     tokens = RaggedTokens.from_sequences(prompts)
     tree = PrefixTree.build(tokens, block=4)
     grouping = maximize_reuse(tree)
-    res = blendserve_plan(tree, grouping, tokens.lengths, None if outs is None else np.array(outs),
-                          sharing_keep=keep, kv_budget_bytes=kv_budget)
+    res = blendserve_plan(
+        tree,
+        grouping,
+        tokens.lengths,
+        None if outs is None else np.array(outs),
+        sharing_keep=keep,
+        kv_budget_bytes=kv_budget,
+    )
     assert sorted(res.order.tolist()) == list(range(len(prompts)))
     assert sorted(res.sorted_order.tolist()) == list(range(len(prompts)))
     assert res.batch_starts[0] == 0 and res.batch_starts[-1] == len(prompts)

@@ -112,14 +112,14 @@ def test_blocks_hashed_ahead_are_found_in_the_same_step_and_forgotten_if_it_fail
     bm = BlockManager(num_blocks=16, block_size=4)
     first, second = owner(range(10)), owner(list(range(8)) + [50, 51])
     bm.allocate(first, 10)
-    bm.hash_ahead(first, 10)            # scheduled, not computed yet: its 2 full blocks hashed
+    bm.hash_ahead(first, 10)  # scheduled, not computed yet: its 2 full blocks hashed
     assert bm.lookup(second, 2) == first.block_table[:2]
-    bm.forget_ahead()                   # the step raised: that KV was never written
+    bm.forget_ahead()  # the step raised: that KV was never written
     assert bm.lookup(second, 2) == [] and all(b.hash is None for b in bm.blocks)
     bm.free(first)
     bm.allocate(first, 10)
     bm.hash_ahead(first, 10)
-    bm.commit(first, 10)                # the step ran: commit adds nothing, the hashes stay
+    bm.commit(first, 10)  # the step ran: commit adds nothing, the hashes stay
     bm.commit_ahead()
-    bm.forget_ahead()                   # a later failure does not touch computed blocks
+    bm.forget_ahead()  # a later failure does not touch computed blocks
     assert bm.lookup(second, 2) == first.block_table[:2]

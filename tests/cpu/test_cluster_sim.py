@@ -26,13 +26,15 @@ CM = CostModel.create(None, "h100")
 
 
 def small_docs(n: int = 150, seed: int = 0) -> cs.Workload:
-    return cs.docs_questions(n, seed=seed, num_system=2, sys_len=(20, 60), doc_len=(20, 200), q_len=(3, 30),
-                             max_questions=60)
+    return cs.docs_questions(
+        n, seed=seed, num_system=2, sys_len=(20, 60), doc_len=(20, 200), q_len=(3, 30), max_questions=60
+    )
 
 
 def small_chats(n: int = 120, seed: int = 0) -> cs.Workload:
-    return cs.conversations(n, seed=seed, num_system=2, sys_len=(20, 60), user_len=(3, 20),
-                            answer_len=(5, 40), max_turns=8)
+    return cs.conversations(
+        n, seed=seed, num_system=2, sys_len=(20, 60), user_len=(3, 20), answer_len=(5, 40), max_turns=8
+    )
 
 
 def distinct_prompts(lengths: list[int]) -> list[list[int]]:
@@ -47,6 +49,7 @@ def sim(w, policy, cluster, plan=None, outs=None, ray=None):
 
 # ---- a block-by-block reference of the simulator's cache, with its own dispatch ------------------
 
+
 class RefReplica:
     """One replica's cache, block by block: each block a key naming everything before it."""
 
@@ -54,7 +57,7 @@ class RefReplica:
         self.cap, self.used = cap, 0
         self.present: set = set()
         self.refs: dict = {}
-        self.queue: OrderedDict = OrderedDict()   # unreferenced blocks, head evicted first
+        self.queue: OrderedDict = OrderedDict()  # unreferenced blocks, head evicted first
         self.running: list = []
 
     def allocate(self, n: int) -> None:
@@ -92,15 +95,21 @@ def ref_item(items, i, tokens, depth, bs):
     the prefix (its tokens are its first member's, the next item)."""
     kind, row = int(items.kind[i]), int(items.row[i])
     prompt = tokens[row] if row >= 0 else tokens[int(items.row[i + 1])]
-    root = lambda n: [("r", tuple(prompt[:(j + 1) * bs])) for j in range(n // bs)]  # noqa: E731
+    root = lambda n: [("r", tuple(prompt[: (j + 1) * bs])) for j in range(n // bs)]  # noqa: E731
     if kind == cs.OWNER:
         plen = int(depth[items.anchor[i]])
         return [], root(plen), plen // bs, 0, plen, 0, 0
     base = int(depth[items.anchor[i]]) if kind == cs.MEMBER else 0
     own = max(len(prompt) - base, 1)
     start = len(prompt) - 1 if kind == cs.MEMBER and len(prompt) == base else base
-    counted = [("m", tuple(prompt[:base]), tuple(prompt[base:base + (j + 1) * bs]))
-               for j in range((len(prompt) - base) // bs)] if kind == cs.MEMBER else root(len(prompt))
+    counted = (
+        [
+            ("m", tuple(prompt[:base]), tuple(prompt[base : base + (j + 1) * bs]))
+            for j in range((len(prompt) - base) // bs)
+        ]
+        if kind == cs.MEMBER
+        else root(len(prompt))
+    )
     pinned = root(base) if kind == cs.MEMBER else []
     kv = own + max(int(items.output_len[i]), 1) - 1
     return pinned, counted, (own - 1) // bs, start, own, max(kv // bs - own // bs, 0), -(-kv // bs) - kv // bs
@@ -183,11 +192,21 @@ class Reference:
             self.run_range(how.starts[u], how.starts[u + 1], r)
 
 
-@pytest.mark.parametrize("make,policy,replicas,cache_blocks,seqs", [
-    (small_docs, "arrival", 1, 40, 4), (small_chats, "arrival", 3, 30, 8), (small_docs, "sorted", 2, 25, 3),
-    (small_chats, "sorted", 1, 60, 256), (small_chats, "plan", 1, 40, 4), (small_docs, "plan", 3, 24, 6),
-    (small_docs, "plan_steal", 3, 24, 6), (small_chats, "plan_steal", 2, 30, 4), (small_chats, "plan_vllm", 2, 30, 4),
-    (small_docs, "plan_vllm", 3, 24, 8)])
+@pytest.mark.parametrize(
+    "make,policy,replicas,cache_blocks,seqs",
+    [
+        (small_docs, "arrival", 1, 40, 4),
+        (small_chats, "arrival", 3, 30, 8),
+        (small_docs, "sorted", 2, 25, 3),
+        (small_chats, "sorted", 1, 60, 256),
+        (small_chats, "plan", 1, 40, 4),
+        (small_docs, "plan", 3, 24, 6),
+        (small_docs, "plan_steal", 3, 24, 6),
+        (small_chats, "plan_steal", 2, 30, 4),
+        (small_chats, "plan_vllm", 2, 30, 4),
+        (small_docs, "plan_vllm", 3, 24, 8),
+    ],
+)
 def test_simulator_matches_a_block_by_block_reference(make, policy, replicas, cache_blocks, seqs):
     """Small caches that evict all the time and decided lengths below the caps: the per-segment
     bookkeeping (partial units, the LRU queue, held blocks, admission), the time and the
@@ -212,11 +231,12 @@ def test_simulator_matches_a_block_by_block_reference(make, policy, replicas, ca
 
 # ---- Ray Data's hand-out: blocks, bundles, tasks in flight, the pull -------------------------------
 
+
 def test_blocks_are_split_evenly_and_bundled_whole_up_to_batch_size():
     assert cs.split_rows(10, 3).tolist() == [4, 3, 3] and cs.split_rows(2, 5).tolist() == [1, 1]
     assert cs.RayData().block_rows(10_000, 4).tolist() == cs.split_rows(10_000, 4 * 4 * 16).tolist()
-    assert cs.bundle_blocks(np.array([10, 10, 40, 5, 5, 5]), 32).tolist() == [0, 3, 6]   # 60 rows, then the rest
-    assert cs.bundle_blocks(np.array([100, 100, 100]), 32).tolist() == [0, 1, 2, 3]      # a big block is one task
+    assert cs.bundle_blocks(np.array([10, 10, 40, 5, 5, 5]), 32).tolist() == [0, 3, 6]  # 60 rows, then the rest
+    assert cs.bundle_blocks(np.array([100, 100, 100]), 32).tolist() == [0, 1, 2, 3]  # a big block is one task
     assert cs.bundle_blocks(np.full(10, 5), 32).tolist() == [0, 7, 10]
     with pytest.raises(ValueError, match="block_rows"):
         cs.ray_tasks(10, cs.RayData(), 2, np.array([4, 4]))
@@ -240,8 +260,9 @@ def test_with_no_more_tasks_than_slots_every_actor_gets_its_share_at_once():
     """4 engines, 64 equal blocks, 16 in flight: the first fill places them all, round robin:
     16 blocks each, whatever the blocks cost."""
     w = cs.workload_from_tokens(distinct_prompts(list(range(50, 50 + 128))), 16)
-    run = cs.simulate(w, cs.plain_items(w, np.arange(128)), cs.Cluster(4, 1 << 20), CM,
-                      cs.ray_tasks(128, cs.RayData(64, 2, 16), 4))
+    run = cs.simulate(
+        w, cs.plain_items(w, np.arange(128)), cs.Cluster(4, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 4)
+    )
     assert run.grain_replica.tolist() == [t % 4 for t in range(64)]
     assert np.bincount(run.item_replica).tolist() == [32] * 4
 
@@ -256,14 +277,16 @@ def test_engines_up_after_the_data_fill_their_slots_in_the_order_they_come_up():
     ready = np.array([0.0, 1e-9, 2e-9, 3e-9])
     run = cs.simulate(w, items, cs.Cluster(4, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 4, ready_s=ready))
     assert run.grain_replica.tolist() == [t // 16 for t in range(64)]
-    late = cs.simulate(w, items, cs.Cluster(2, 1 << 20), CM,
-                       cs.ray_tasks(128, cs.RayData(64, 2, 64), 2, ready_s=np.array([0.0, 1e6])))
+    late = cs.simulate(
+        w, items, cs.Cluster(2, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 64), 2, ready_s=np.array([0.0, 1e6]))
+    )
     assert late.grain_replica.tolist() == [0] * 64 and late.grain_time_s.max() < 1e6
     with pytest.raises(ValueError, match="ready_s"):
         cs.simulate(w, items, cs.Cluster(2, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 2, ready_s=[0.0]))
 
 
 # ---- plan units and stealing -------------------------------------------------------------------
+
 
 def units_run(lengths, starts, owner, seconds, steal):
     w = cs.workload_from_tokens(distinct_prompts(lengths), 16)
@@ -274,7 +297,7 @@ def units_run(lengths, starts, owner, seconds, steal):
 def assert_whole_units(run):
     starts = run.dispatch.starts
     for u in range(len(starts) - 1):
-        assert set(run.item_replica[starts[u]:starts[u + 1]].tolist()) <= {int(run.grain_replica[u])}
+        assert set(run.item_replica[starts[u] : starts[u + 1]].tolist()) <= {int(run.grain_replica[u])}
 
 
 def test_a_replica_that_runs_dry_takes_the_last_units_of_the_busiest_whole():
@@ -287,7 +310,7 @@ def test_a_replica_that_runs_dry_takes_the_last_units_of_the_busiest_whole():
     assert static.grain_replica.tolist() == [0] * 6 + [1]
     assert_whole_units(run)
     assert sorted(run.items.row[np.argsort(run.item_replica, kind="stable")].tolist()) == list(range(61))
-    assert run.busy_s.sum() == pytest.approx(static.busy_s.sum(), rel=1e-12)     # the same work, moved
+    assert run.busy_s.sum() == pytest.approx(static.busy_s.sum(), rel=1e-12)  # the same work, moved
     assert run.busy_s.max() < 0.6 * static.busy_s.max()
 
 
@@ -295,8 +318,13 @@ def test_the_victim_is_the_replica_with_the_most_predicted_work_left():
     """Replica 0's units are predicted long but cheap, replica 1's predicted short but dear:
     replica 2, dry after its one row, first takes replica 0's last unit (the prediction rules,
     not the truth), and stays whole-unit throughout."""
-    run = units_run([100] * 30 + [1000] * 30 + [50], [0, 10, 20, 30, 40, 50, 60, 61],
-                    [0, 0, 0, 1, 1, 1, 2], [5, 5, 5, 1, 1, 1, 0.1], steal=True)
+    run = units_run(
+        [100] * 30 + [1000] * 30 + [50],
+        [0, 10, 20, 30, 40, 50, 60, 61],
+        [0, 0, 0, 1, 1, 1, 2],
+        [5, 5, 5, 1, 1, 1, 0.1],
+        steal=True,
+    )
     stolen = np.flatnonzero(run.grain_replica != run.dispatch.owner)
     assert run.grain_replica[2] == 2 and stolen[np.argmin(run.grain_time_s[stolen])] == 2
     assert_whole_units(run)
@@ -310,8 +338,10 @@ def test_stealing_on_a_plan_with_decided_lengths_moves_whole_units_and_keeps_the
     w = cs.docs_questions(3000, seed=4)
     outs = cs.model_decided_lengths(w, seed=4)
     cluster = cs.h100_cluster(4, CM)
-    static, steal, unjoined = (sim(w, p, cluster, cs.make_plan(w, 4, stealing=p == "plan_steal"), outs)
-                               for p in ("plan", "plan_steal", "plan_steal_unjoined"))
+    static, steal, unjoined = (
+        sim(w, p, cluster, cs.make_plan(w, 4, stealing=p == "plan_steal"), outs)
+        for p in ("plan", "plan_steal", "plan_steal_unjoined")
+    )
     assert np.all(static.grain_replica == static.dispatch.owner)
     assert unjoined.dispatch.starts.tolist() == static.dispatch.starts.tolist()
     balance = lambda run: run.busy_s.max() / run.busy_s.mean()  # noqa: E731
@@ -325,6 +355,7 @@ def test_stealing_on_a_plan_with_decided_lengths_moves_whole_units_and_keeps_the
 
 # ---- output lengths ------------------------------------------------------------------------------
 
+
 def test_model_decided_lengths_are_seeded_spread_capped_and_alike_within_a_family():
     w = cs.docs_questions(20_000, seed=1)
     a, b, c = (cs.model_decided_lengths(w, seed) for seed in (0, 0, 1))
@@ -334,7 +365,7 @@ def test_model_decided_lengths_are_seeded_spread_capped_and_alike_within_a_famil
     assert 0.2 < np.median(share) < 0.3 and 0.03 < np.mean(a == w.output_len) < 0.15 and np.mean(share < 0.1) > 0.05
     fam = families(w)
     order = np.argsort(fam, kind="stable")
-    same = fam[order][1:] == fam[order][:-1]                       # neighbours in one family
+    same = fam[order][1:] == fam[order][:-1]  # neighbours in one family
     log_share = np.log(share[order])
     assert np.corrcoef(log_share[1:][same], log_share[:-1][same])[0, 1] > 0.3
     assert cs.output_lengths(w, "fixed").tolist() == w.output_len.tolist()
@@ -344,8 +375,14 @@ def test_model_decided_lengths_are_seeded_spread_capped_and_alike_within_a_famil
 
 # ---- validate_dispatch on synthetic scale_bench files ----------------------------------------------
 
-MODEL_CONFIG = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                    num_key_value_heads=2, vocab_size=512)
+MODEL_CONFIG = dict(
+    num_hidden_layers=4,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 
 
 def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_s, tweak=None):
@@ -356,27 +393,48 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_
     rng = np.random.default_rng(2)
     caps = rng.integers(8, 40, len(tokens))
     decided = rng.integers(1, caps + 1)
-    rows = [{"id": i, "prompt_tokens": len(t), "max_tokens": int(caps[i]),
-             "output_tokens": {"fixed": int(caps[i]), "model_decided": int(decided[i])}} for i, t in enumerate(tokens)]
+    rows = [
+        {
+            "id": i,
+            "prompt_tokens": len(t),
+            "max_tokens": int(caps[i]),
+            "output_tokens": {"fixed": int(caps[i]), "model_decided": int(decided[i])},
+        }
+        for i, t in enumerate(tokens)
+    ]
     data = {"args": {"block_size": 16, "model_config": MODEL_CONFIG}, "rows": rows, "token_rows": tokens}
     w = cs.workload_from_tokens(tokens, caps)
     ray = cs.RayData(len(block_rows), batch_size, in_flight)
     items, cluster = cs.plain_items(w, np.arange(len(tokens)), decided), cs.Cluster(replicas, 63 * 16, 16, 8)
-    replay = lambda ready: cs.simulate(w, items, cluster, bench_cost_model(data, path),  # noqa: E731
-                                       cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready))
+
+    def replay(ready):
+        tasks = cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready)
+        return cs.simulate(w, items, cluster, bench_cost_model(data, path), tasks)
+
     run, probe = replay(np.array(ready_s)), replay(None)
-    seconds = 7 * run.busy_s.sum() / probe.busy_s.sum()      # validate_dispatch scales back by 1 / this
-    rec = {"system": "ray_llm_arrival", "replicas": replicas, "workload": "model_decided",
-           "num_blocks": len(block_rows), "block_rows": list(block_rows), "batch_size": batch_size,
-           "max_tasks_in_flight_per_actor": in_flight, "max_num_seqs": 8, "num_gpu_blocks": 64,
-           "rows_per_engine": np.bincount(run.item_replica, minlength=replicas).tolist(),
-           "engine_busy_s": (7 * run.busy_s).tolist(), "first_request_s": (40.0 + np.array(ready_s) * seconds).tolist(),
-           "computed_prompt_tokens": int(run.computed_tokens(w).sum()),
-           "row_engine": {str(i): int(r) for i, r in enumerate(run.item_replica)},
-           "row_block": {str(i): int(b) for i, b in enumerate(np.repeat(np.arange(len(block_rows)), block_rows))}}
+    seconds = 7 * run.busy_s.sum() / probe.busy_s.sum()  # validate_dispatch scales back by 1 / this
+    rec = {
+        "system": "ray_llm_arrival",
+        "replicas": replicas,
+        "workload": "model_decided",
+        "num_blocks": len(block_rows),
+        "block_rows": list(block_rows),
+        "batch_size": batch_size,
+        "max_tasks_in_flight_per_actor": in_flight,
+        "max_num_seqs": 8,
+        "num_gpu_blocks": 64,
+        "rows_per_engine": np.bincount(run.item_replica, minlength=replicas).tolist(),
+        "engine_busy_s": (7 * run.busy_s).tolist(),
+        "first_request_s": (40.0 + np.array(ready_s) * seconds).tolist(),
+        "computed_prompt_tokens": int(run.computed_tokens(w).sum()),
+        "row_engine": {str(i): int(r) for i, r in enumerate(run.item_replica)},
+        "row_block": {str(i): int(b) for i, b in enumerate(np.repeat(np.arange(len(block_rows)), block_rows))},
+    }
     (tweak or (lambda r: None))(rec)
-    data["runs"] = {f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
-                    f"prefixflow_vllm/{replicas}": {"repeats": [{"system": "prefixflow_vllm"}]}}
+    data["runs"] = {
+        f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
+        f"prefixflow_vllm/{replicas}": {"repeats": [{"system": "prefixflow_vllm"}]},
+    }
     path.write_text(json.dumps(data))
     return path
 
@@ -394,7 +452,7 @@ def test_validate_dispatch_finds_no_error_in_the_simulators_own_replay(tmp_path)
     assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
     assert run["busy_share_error"] == 0.0 and out["runs_within_goal"] == "1 of 1"
     first, _, last = run["predicted"]["rows_per_engine"]
-    assert first > last          # the first engine up took more
+    assert first > last  # the first engine up took more
     assert run["row_engine_agreement"] == 1.0 and out["max_abs_error"] == 0.0 and out["within_goal"]
     assert run["num_tasks"] < 40
 
@@ -428,6 +486,7 @@ def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
 
 # ---- the compact plan is build_plan's ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("make", [small_docs, small_chats])
 def test_trie_order_and_lcp_are_the_token_sort(make):
     w = make(seed=7)
@@ -445,19 +504,20 @@ def test_compact_plan_equals_build_plan_on_the_token_ids(make, replicas):
     w = make(400, seed=replicas)
     tokens = cs.trie_tokens(w)
     compact = cs.plan_workload(w, replicas)
-    real = build_plan(tokens, output_lens=w.output_len, order="batchllm", num_replicas=replicas,
-                      min_prefix_len=cs.BLOCK_SIZE)
+    real = build_plan(
+        tokens, output_lens=w.output_len, order="batchllm", num_replicas=replicas, min_prefix_len=cs.BLOCK_SIZE
+    )
     for col in ("row_id", "replica", "group_id", "prefix_len", "prompt_len"):
         assert compact.table.column(col).to_pylist() == real.table.column(col).to_pylist()
     assert compact.unit_starts.tolist() == real.unit_starts.tolist()
     assert compact.summary["computed_prompt_tokens"] == real.summary["computed_prompt_tokens"]
     ours = sim(w, "plan", cs.Cluster(replicas, 600, max_num_seqs=16), compact)
-    predicted = cs.predict_computed_tokens(tokens, replicas, 600, "plan", max_num_seqs=16,
-                                           output_lens=w.output_len)
+    predicted = cs.predict_computed_tokens(tokens, replicas, 600, "plan", max_num_seqs=16, output_lens=w.output_len)
     assert ours.replica_computed(w, replicas).tolist() == predicted.replica_computed.tolist()
-    assert predicted.row_replica.tolist() == \
-        [dict(zip(real.table.column("row_id").to_pylist(), real.table.column("replica").to_pylist()))[i]
-         for i in range(len(tokens))]
+    assert predicted.row_replica.tolist() == [
+        dict(zip(real.table.column("row_id").to_pylist(), real.table.column("replica").to_pylist()))[i]
+        for i in range(len(tokens))
+    ]
 
 
 def test_cost_coefficients_are_the_cost_model():
@@ -477,7 +537,7 @@ def test_mixes_have_the_stated_shape():
     per_doc = per_doc[per_doc > 0]
     assert np.mean(per_doc <= 5) > 0.8 and per_doc.max() >= 100
     chats = cs.conversations(20_000)
-    par = chats.parent[chats.end_node]        # a turn extends the turn before it, or starts a chat
+    par = chats.parent[chats.end_node]  # a turn extends the turn before it, or starts a chat
     is_turn = np.isin(par, chats.end_node)
     assert 0.5 < is_turn.mean() < 0.9 and np.all(chats.depth[par] < chats.prompt_lens)
     alone = cs.no_sharing(1000)
@@ -485,6 +545,7 @@ def test_mixes_have_the_stated_shape():
 
 
 # ---- predictions against engine counters -----------------------------------------------------
+
 
 def test_prediction_matches_the_native_engine_on_the_plan(tiny_model):
     """The native engine running build_plan's groups on two replicas, with a cache that evicts:
@@ -511,6 +572,7 @@ def test_prediction_matches_vllm_in_arrival_and_sorted_order(tiny_model):
 
 # ---- the CLI ------------------------------------------------------------------------------------
 
+
 def test_quick_run_writes_every_mix_and_policy(tmp_path):
     """The CLI, in a process of its own, which must not import numba: vLLM's CPU build cannot
     start in a process that did (llvmlite), and the suite runs vLLM in its own process."""
@@ -518,8 +580,10 @@ def test_quick_run_writes_every_mix_and_policy(tmp_path):
     import sys
 
     out = tmp_path / "cluster_sim.json"
-    code = (f"import sys; from prefixflow.bench import cluster_sim; cluster_sim.main(['--quick', '--prompts', "
-            f"'1500', '--replicas', '4', '--out', '{out}']); print('numba imported:', 'numba' in sys.modules)")
+    code = (
+        f"import sys; from prefixflow.bench import cluster_sim; cluster_sim.main(['--quick', '--prompts', "
+        f"'1500', '--replicas', '4', '--out', '{out}']); print('numba imported:', 'numba' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "numba imported: False" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -535,7 +599,8 @@ def test_quick_run_writes_every_mix_and_policy(tmp_path):
                 assert row["prompt_tokens"] == mix["prompt_tokens"] and row["gpu_hours_busy"] > 0
                 assert 1.0 <= row["slowest_replica_over_mean"] < 2
                 assert row["makespan_hours_with_startup"] == pytest.approx(
-                    row["makespan_hours_without_startup"] + row["startup"]["startup_s"] / 3600, abs=1e-4)
+                    row["makespan_hours_without_startup"] + row["startup"]["startup_s"] / 3600, abs=1e-4
+                )
             start = {p: rows[p]["startup"]["startup_s"] for p in rows}
             assert start["arrival"] <= start["sorted"] < start["plan"] == start["plan_steal"]
             assert rows["arrival"]["bytes_moved_before_generation"] == 0
@@ -568,7 +633,7 @@ def test_a_mix_without_sharing_is_planned_in_slices(monkeypatch):
     run = cs.simulate(w, items, cs.Cluster(4, 4096), CM, how)
     assert run.computed_tokens(w).sum() == w.prompt_lens.sum() == plan.summary["computed_prompt_tokens"]
     assert run.item_replica.tolist() == items.replica.tolist()
-    assert cs.make_plan(small_docs(), 4).__class__.__name__ == "Plan"   # sharing: one plan
+    assert cs.make_plan(small_docs(), 4).__class__.__name__ == "Plan"  # sharing: one plan
 
 
 def test_prediction_with_measured_replicas_runs_each_replica_alone():
@@ -588,6 +653,7 @@ def test_prediction_with_measured_replicas_runs_each_replica_alone():
 
 # ---- the plan's multi-level sharing and its balance, as the simulator sees them --------------
 
+
 @pytest.mark.parametrize("mix", ["conversations", "docs_questions"])
 def test_plan_prediction_is_what_the_simulated_engines_compute(mix):
     """Nested groups run depth first: the planner's computed tokens and per-replica time are the
@@ -599,8 +665,9 @@ def test_plan_prediction_is_what_the_simulated_engines_compute(mix):
     cluster = cs.h100_cluster(4, CM)
     plan = cs.make_plan(w, 4)
     stream = sim_items.plan_stream(w, plan, cut_units=False)
-    run = cs.simulate(w, stream.items, cluster, CM, cs.Units(stream.unit_starts, stream.unit_owner,
-                                                             stream.unit_seconds))
+    run = cs.simulate(
+        w, stream.items, cluster, CM, cs.Units(stream.unit_starts, stream.unit_owner, stream.unit_seconds)
+    )
     s = plan.summary
     assert run.computed_tokens(w).sum() == s["computed_prompt_tokens"]
     predicted = np.array([r["predicted_seconds"] for r in s["replicas"]])
@@ -623,7 +690,7 @@ def test_partition_pairs_compute_and_memory_bound_work_on_every_replica():
     plan = cs.make_plan(w, 8)
     comp = np.array([r["predicted_compute_seconds"] for r in plan.summary["replicas"]])
     mem = np.array([r["predicted_memory_seconds"] for r in plan.summary["replicas"]])
-    assert 0.8 < comp.sum() / mem.sum() < 1.25            # a mixed job: neither side dominates
+    assert 0.8 < comp.sum() / mem.sum() < 1.25  # a mixed job: neither side dominates
     busy = np.maximum(comp, mem)
     assert busy.sum() <= 1.01 * max(comp.sum(), mem.sum())
     assert busy.max() / busy.mean() <= 1.03
@@ -644,18 +711,22 @@ def test_small_cache_validation_case_computes_no_more_than_single_level_or_sorte
     cache, bs = v["native_blocks"] * v["native_block_size"], v["native_block_size"]
     w = cs.workload_from_tokens(prompts, v["max_tokens"])
     cluster = cs.Cluster(replicas, cache, bs, len(w))
-    plans = {order: build_plan(prompts, output_lens=[v["max_tokens"]] * len(w), order=order,
-                               num_replicas=replicas, min_prefix_len=bs) for order in ("batchllm", "dfs")}
+    plans = {
+        order: build_plan(
+            prompts, output_lens=[v["max_tokens"]] * len(w), order=order, num_replicas=replicas, min_prefix_len=bs
+        )
+        for order in ("batchllm", "dfs")
+    }
     s = plans["batchllm"].summary
-    run = {k: cs.simulate(w, sim_items.plan_stream(w, p, cut_units=False).items, cluster, CM)
-           for k, p in plans.items()}
+    run = {k: cs.simulate(w, sim_items.plan_stream(w, p, cut_units=False).items, cluster, CM) for k, p in plans.items()}
     computed = s["computed_prompt_tokens"]
     assert run["batchllm"].computed_tokens(w).sum() == computed
     assert computed <= s["prompt_tokens"] * (1 - s["single_level_token_saving_ratio"])
-    assert computed <= run["dfs"].computed_tokens(w).sum()          # one level, run depth first
+    assert computed <= run["dfs"].computed_tokens(w).sum()  # one level, run depth first
     assert computed <= cs.predict_validation(prompts, "sorted").computed_prompt_tokens
-    sorted_here = cs.predict_computed_tokens(prompts, replicas, cache, "sorted", block_size=bs,
-                                             max_num_seqs=None, output_lens=v["max_tokens"])
+    sorted_here = cs.predict_computed_tokens(
+        prompts, replicas, cache, "sorted", block_size=bs, max_num_seqs=None, output_lens=v["max_tokens"]
+    )
     # On 4 replicas (30 rows each) sorted's batches of 32 cut the job only 3 times (7,407 tokens,
     # 1,320 to 2,096 per replica) where the dual scan's two ends cut more (7,701, balanced in time).
     assert computed <= sorted_here.computed_prompt_tokens or replicas == 4

@@ -7,13 +7,25 @@ import json
 import numpy as np
 import pytest
 
-from prefixflow.pipeline.cost_model import (HARDWARE, LLAMA3_8B, CostModel, HardwareProfile, ModelShape,
-                                            get_hardware, measure_cpu_profile)
+from prefixflow.pipeline.cost_model import (
+    HARDWARE,
+    LLAMA3_8B,
+    CostModel,
+    HardwareProfile,
+    ModelShape,
+    get_hardware,
+    measure_cpu_profile,
+)
 
 LLAMA3_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "vocab_size": 128256, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -30,15 +42,18 @@ def test_shape_from_hf_config_dict_file_and_directory(tmp_path):
 
 def test_llama3_8b_parameter_count_and_kv_bytes():
     total = (LLAMA3_8B.weight_bytes) / LLAMA3_8B.dtype_bytes
-    assert total == pytest.approx(8.03e9, rel=0.01)          # the published 8.03B parameters
+    assert total == pytest.approx(8.03e9, rel=0.01)  # the published 8.03B parameters
     assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 kv heads
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"hidden_size": 8}, "num_hidden_layers"),
-    (dict(LLAMA3_8B_CONFIG, num_key_value_heads=5), "num_kv_heads=5"),
-    (dict(LLAMA3_8B_CONFIG, num_hidden_layers=0), "num_layers=0"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"hidden_size": 8}, "num_hidden_layers"),
+        (dict(LLAMA3_8B_CONFIG, num_key_value_heads=5), "num_kv_heads=5"),
+        (dict(LLAMA3_8B_CONFIG, num_hidden_layers=0), "num_layers=0"),
+    ],
+)
 def test_bad_configs_name_the_field(config, message):
     with pytest.raises(ValueError, match=message):
         ModelShape.from_hf_config(config)
@@ -89,7 +104,10 @@ def test_policy_modules_import_no_torch_or_ray():
     import sys
 
     modules = ["cost_model", "blendserve", "partition"]
-    code = ("import sys\n" + "".join(f"import prefixflow.pipeline.{m}\n" for m in modules) +
-            "print(','.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))\n")
+    code = (
+        "import sys\n"
+        + "".join(f"import prefixflow.pipeline.{m}\n" for m in modules)
+        + "print(','.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -47,10 +47,16 @@ def workload(vocab: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
     """HF's greedy tokens (EOS ends them, as in our engine) and their log-probabilities."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
 
@@ -117,8 +123,10 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch():
     path = str(tiny_checkpoint_cached("llama", seed=1))
     engine = make_engine(path, max_num_batched_tokens=32)
     prompts = workload(engine.runner.vocab_size)
-    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=100 + i, max_tokens=MAX_NEW)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=100 + i, max_tokens=MAX_NEW)
+        for i in range(len(prompts))
+    ]
     batch = engine.generate(prompts, params)
     for i in (0, 4, len(prompts) - 1):
         alone = engine.generate([prompts[i]], [params[i]])[0]
@@ -138,15 +146,17 @@ def test_text_stop_strings_and_string_prompts():
     assert stop
     cut = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
     assert cut.finish_reason == "stop"
-    assert cut.text == free.text[:free.text.find(stop)]
-    assert free.token_ids[:len(cut.token_ids)] == cut.token_ids
+    assert cut.text == free.text[: free.text.find(stop)]
+    assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
 
 
 def test_too_long_prompt_gets_an_error_and_the_run_goes_on():
     path = str(tiny_checkpoint_cached("llama", seed=1))
     engine = make_engine(path, max_model_len=32)
     vocab = engine.runner.vocab_size
-    outs = engine.generate([[5] * 40, [6, 7, 8], [4, vocab]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    outs = engine.generate(
+        [[5] * 40, [6, 7, 8], [4, vocab]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
     assert outs[0].error is not None and "max_model_len" in outs[0].error
     assert outs[0].finish_reason == "abort" and outs[0].token_ids == ()
     assert outs[1].error is None and len(outs[1].token_ids) == 4
@@ -183,5 +193,4 @@ def test_prefixes_admitted_in_one_step_share_their_common_blocks(model):
     assert engine.stats[0].num_prefix_tokens == 2 * len(system) + 9 + 11 - len(system)
     alone = make_engine(path, max_num_batched_tokens=256, enable_prefix_cache=False)
     alone.generate(prompts, params)
-    assert (alone.totals.num_computed_prompt_tokens - engine.totals.num_computed_prompt_tokens
-            == len(system))
+    assert alone.totals.num_computed_prompt_tokens - engine.totals.num_computed_prompt_tokens == len(system)

@@ -28,8 +28,9 @@ def test_the_cap_changes_what_the_engine_makes(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=ASKED, min_tokens=ASKED, ignore_eos=True)
     lengths = {}
     for cap in (None, CAP):
-        engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_bytes=16 << 20,
-                                        max_tokens_cap=cap))
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_model), device="cpu", kv_cache_bytes=16 << 20, max_tokens_cap=cap)
+        )
         outs = engine.generate(prompts, params)
         lengths[cap] = [(len(o.token_ids), o.finish_reason) for o in outs]
     assert lengths == {None: [(ASKED, "length")] * 2, CAP: [(CAP, "length")] * 2}
@@ -44,9 +45,16 @@ def _spec(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": q}) + "\n" for q in QUESTIONS))
-    spec = parse_spec({"model": str(tiny_model), "input": {"path": str(data)},
-                       "output": {"path": str(tmp_path / "out")}, "prompt": {"template": "{{ q }}"},
-                       "sampling": SAMPLING, "engine": ENGINE})
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": {"path": str(data)},
+            "output": {"path": str(tmp_path / "out")},
+            "prompt": {"template": "{{ q }}"},
+            "sampling": SAMPLING,
+            "engine": ENGINE,
+        }
+    )
     assert spec.to_config().engine_config.max_tokens_cap == CAP
     run_job(spec, quiet=True)
     return [(r["num_generated_tokens"], r["finish_reason"]) for r in read_output(str(tmp_path / "out")).to_pylist()]
@@ -55,8 +63,9 @@ def _spec(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
 def _python_api(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
     import ray
 
-    config = prefixflow.ProcessorConfig(model=str(tiny_model), prompt={"template": "{{ q }}"},
-                                        sampling=SAMPLING, engine=ENGINE)
+    config = prefixflow.ProcessorConfig(
+        model=str(tiny_model), prompt={"template": "{{ q }}"}, sampling=SAMPLING, engine=ENGINE
+    )
     rows = prefixflow.build_processor(config)(ray.data.from_items([{"q": q} for q in QUESTIONS])).take_all()
     return [(r["num_generated_tokens"], r["finish_reason"]) for r in rows]
 
@@ -64,11 +73,17 @@ def _python_api(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
 def _map_batches(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
     import ray
 
-    config = prefixflow.ProcessorConfig(model=str(tiny_model), prompt={"template": "{{ q }}"},
-                                        sampling=SAMPLING, engine=ENGINE)
+    config = prefixflow.ProcessorConfig(
+        model=str(tiny_model), prompt={"template": "{{ q }}"}, sampling=SAMPLING, engine=ENGINE
+    )
     ds = ray.data.from_items([{"q": q} for q in QUESTIONS])
-    rows = ds.map_batches(prefixflow.Generator, fn_constructor_kwargs={"config": config}, batch_size=4,
-                          concurrency=1, batch_format="pyarrow").take_all()
+    rows = ds.map_batches(
+        prefixflow.Generator,
+        fn_constructor_kwargs={"config": config},
+        batch_size=4,
+        concurrency=1,
+        batch_format="pyarrow",
+    ).take_all()
     return [(r["num_generated_tokens"], r["finish_reason"]) for r in rows]
 
 
@@ -78,16 +93,23 @@ def _ray_data_llm(ray_local, tiny_model, tmp_path) -> list[tuple[int, str]]:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("ray.data.llm's face runs vLLM, which is not installed")
     config = prefixflow.vLLMEngineProcessorConfig(
-        model_source=str(tiny_model), engine_kwargs={"enforce_eager": True, "max_tokens_cap": CAP},
-        chat_template_stage=False, detokenize_stage=False)
+        model_source=str(tiny_model),
+        engine_kwargs={"enforce_eager": True, "max_tokens_cap": CAP},
+        chat_template_stage=False,
+        detokenize_stage=False,
+    )
     assert config.processor_config().engine_config.max_tokens_cap == CAP
-    processor = prefixflow.build_processor(config, preprocess=lambda row: {
-        "prompt": row["q"], "sampling_params": SAMPLING})
+    processor = prefixflow.build_processor(
+        config, preprocess=lambda row: {"prompt": row["q"], "sampling_params": SAMPLING}
+    )
     rows = processor(ray.data.from_items([{"q": q} for q in QUESTIONS])).take_all()
     return [(r["num_generated_tokens"], r["finish_reason"]) for r in rows]
 
 
-@pytest.mark.parametrize("face", [_spec, _python_api, _map_batches, _ray_data_llm],
-                         ids=["job_spec", "python_api", "map_batches", "ray_data_llm"])
+@pytest.mark.parametrize(
+    "face",
+    [_spec, _python_api, _map_batches, _ray_data_llm],
+    ids=["job_spec", "python_api", "map_batches", "ray_data_llm"],
+)
 def test_the_cap_reaches_the_engine_from_every_face(face, ray_local, tiny_model, tmp_path):
     assert face(ray_local, tiny_model, tmp_path) == [(CAP, "length")] * len(QUESTIONS)

@@ -38,20 +38,28 @@ pytestmark = pytest.mark.slow
 JOB_TIMEOUT_S = 300
 
 
-def _job(root: Path, model: Path, rows: list[dict], replicas: int, max_retries: int = 1,
-         rows_per_part: int = 2, cpus_per_replica: int = 1) -> Path:
+def _job(
+    root: Path,
+    model: Path,
+    rows: list[dict],
+    replicas: int,
+    max_retries: int = 1,
+    rows_per_part: int = 2,
+    cpus_per_replica: int = 1,
+) -> Path:
     with open(root / "in.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     spec = {
-        "model": str(model), "input": {"path": str(root / "in.jsonl")},
+        "model": str(model),
+        "input": {"path": str(root / "in.jsonl")},
         "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
         "sampling": {"temperature": 0, "max_tokens": 24},
         # Few sequences at a time, so rows finish (and parts commit) one after another.
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
-        "replicas": replicas, "max_retries_per_row": max_retries,
+        "replicas": replicas,
+        "max_retries_per_row": max_retries,
         "resources": {"num_cpus_per_replica": cpus_per_replica},
-        "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": rows_per_part,
-                   "resume": True},
+        "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": rows_per_part, "resume": True},
     }
     (root / "job.yaml").write_text(yaml.safe_dump(spec))
     return root / "job.yaml"
@@ -112,8 +120,10 @@ def test_driver_sigkill_then_rerun_is_exactly_once(start_driver, tiny_model, tmp
     assert ft["rows_written"] == ft["rows_reported"] == len(rows) - len(committed)
     got = _assert_exactly_once(out, rows)
     assert all(r["error"] is None for r in got)
-    print(f"\ndriver kill: {len(rows)} rows, 1 replica, committed before the kill "
-          f"{len(committed)}, redone {ft['rows_written']}, lost 0")
+    print(
+        f"\ndriver kill: {len(rows)} rows, 1 replica, committed before the kill "
+        f"{len(committed)}, redone {ft['rows_written']}, lost 0"
+    )
 
 
 def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, tmp_path):
@@ -144,12 +154,13 @@ def test_engine_actor_sigkill_reruns_uncommitted_rows(start_driver, tiny_model, 
     by_dead = sum(len(rec["row_ids"]) for rec in records if rec["worker"] == record["worker"])
     assert by_dead + by_others == len(rows) and by_dead < len(rows)
     assert not writers_overlap(records), "two engine actors of one replica wrote parts at once"
-    print(f"\nengine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed} SIGKILLed "
-          f"holding {failure['item_rows_left']} uncommitted rows, which the live actors ran; lost 0")
+    print(
+        f"\nengine kill: {len(rows)} rows, 2 replicas, the actor of replica {killed} SIGKILLed "
+        f"holding {failure['item_rows_left']} uncommitted rows, which the live actors ran; lost 0"
+    )
 
 
-def test_units_of_a_replica_that_cannot_start_are_taken_and_a_kill_loses_nothing(start_driver, tiny_model,
-                                                                                   tmp_path):
+def test_units_of_a_replica_that_cannot_start_are_taken_and_a_kill_loses_nothing(start_driver, tiny_model, tmp_path):
     rows = demo_rows(num_docs=6, questions_per_doc=6, sentences_per_doc=4, seed=8)  # 36 rows
     # The session's cluster has 4 CPU slots: one engine of 3 at a time, so the other replica's
     # actor waits while the first runs dry and takes its units (a part named after one plan
@@ -190,9 +201,11 @@ def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_l
     sink = _job_sink(ray_local, out, proc)
     seen = set(ray_local.get(sink.status.remote())["engines_ready"])
     for attempt in (2, 3):
+
         def loaded() -> dict:
             engines = ray_local.get(sink.status.remote())["engines_ready"]
             return {t: e for t, e in engines.items() if t not in seen}
+
         _wait(lambda: bool(loaded()), proc, f"run {attempt}'s engine loaded")
         token, engine = next(iter(loaded().items()))
         os.kill(engine["pid"], signal.SIGKILL)
@@ -209,8 +222,10 @@ def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_l
     assert len(errors) == len(rows) - kept
     assert all("the engine failed on this row in every attempt" in r["error"] for r in errors)
     assert all(r["generated_text"] for r in got if r["error"] is None)
-    print(f"\nengine keeps dying: {len(rows)} rows, 1 replica, 3 actors SIGKILLed, "
-          f"{kept} rows done, {ft['rows_given_up']} given up as error rows, lost 0")
+    print(
+        f"\nengine keeps dying: {len(rows)} rows, 1 replica, 3 actors SIGKILLed, "
+        f"{kept} rows done, {ft['rows_given_up']} given up as error rows, lost 0"
+    )
 
 
 def _job_sink(ray, out: Path, proc: subprocess.Popen):

@@ -26,24 +26,34 @@ JOB_TIMEOUT_S = 300
 def bucket(s3_server):
     import boto3
 
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="pf-faults")
-    return StorageOptions(endpoint_url=s3_server, region="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket="pf-faults")
+    return StorageOptions(
+        endpoint_url=s3_server, region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
 
 
-def _spec(root, model, endpoint: str, prefix: str, fmt: str, max_attempts: int,
-          resume: bool = False):
+def _spec(root, model, endpoint: str, prefix: str, fmt: str, max_attempts: int, resume: bool = False):
     spec = {
-        "model": str(model), "input": {"path": f"s3://pf-faults/{prefix}/in/", "format": fmt},
+        "model": str(model),
+        "input": {"path": f"s3://pf-faults/{prefix}/in/", "format": fmt},
         "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
         "sampling": {"temperature": 0, "max_tokens": 4},
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
-        "output": {"path": f"s3://pf-faults/{prefix}/out/", "format": "jsonl", "rows_per_part": 2,
-                   "resume": resume},
-        "storage": {"endpoint_url": endpoint, "region": "us-east-1", "aws_access_key_id": "testing",
-                    "aws_secret_access_key": "testing", "max_attempts": max_attempts,
-                    "retry_base_delay_s": 0.05},
+        "output": {"path": f"s3://pf-faults/{prefix}/out/", "format": "jsonl", "rows_per_part": 2, "resume": resume},
+        "storage": {
+            "endpoint_url": endpoint,
+            "region": "us-east-1",
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "max_attempts": max_attempts,
+            "retry_base_delay_s": 0.05,
+        },
     }
     path = root / f"{prefix}-{len(list(root.glob('*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -58,7 +68,7 @@ def _put_input(storage: StorageOptions, prefix: str, fmt: str) -> list[dict]:
             pq.write_table(pa.Table.from_pylist(rows), f)
     else:
         for i in range(0, len(rows), 4):  # a few files: several reads go through the proxy
-            body = "".join(json.dumps(r) + "\n" for r in rows[i:i + 4]).encode()
+            body = "".join(json.dumps(r) + "\n" for r in rows[i : i + 4]).encode()
             fs.pipe_file(f"s3://pf-faults/{prefix}/in/part-{i}.jsonl", body)
     return rows
 
@@ -72,8 +82,7 @@ def _exactly_once(storage: StorageOptions, prefix: str, rows: list[dict]) -> Non
     out = read_output(f"s3://pf-faults/{prefix}/out/", storage)
     assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)
     assert len(out) == len(rows) and all(r["error"] is None for r in out)
-    manifest = json.loads(storage.filesystem("s3://pf-faults").cat_file(
-        f"pf-faults/{prefix}/out/_manifest.json"))
+    manifest = json.loads(storage.filesystem("s3://pf-faults").cat_file(f"pf-faults/{prefix}/out/_manifest.json"))
     assert manifest["row_ids"] == list(range(len(rows)))
 
 
@@ -90,8 +99,7 @@ def test_flaky_s3_job_completes_with_nothing_lost(start_driver, tiny_model, buck
     # commit-record PUTs and the manifest all meet faults.
     proxy = FaultProxy(storage.endpoint_url, fail_every=4, delay_every=5, delay_s=0.3)
     try:
-        rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, prefix, fmt,
-                                          max_attempts=5)))
+        rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, prefix, fmt, max_attempts=5)))
     finally:
         proxy.close()
     assert rc == 0, log[-4000:]
@@ -99,8 +107,10 @@ def test_flaky_s3_job_completes_with_nothing_lost(start_driver, tiny_model, buck
     assert metrics["rows"] == len(rows) and metrics["rows_error"] == 0
     _exactly_once(storage, prefix, rows)
     assert proxy.failed > 0 and proxy.delayed > 0
-    print(f"\nflaky S3 ({fmt} input): {len(rows)} rows, {proxy.requests} requests, {proxy.failed} "
-          f"answered 503, {proxy.delayed} delayed {proxy.delay_s}s, lost 0")
+    print(
+        f"\nflaky S3 ({fmt} input): {len(rows)} rows, {proxy.requests} requests, {proxy.failed} "
+        f"answered 503, {proxy.delayed} delayed {proxy.delay_s}s, lost 0"
+    )
 
 
 def test_persistent_s3_failure_fails_clearly_and_resumes(start_driver, tiny_model, bucket, tmp_path):
@@ -110,8 +120,7 @@ def test_persistent_s3_failure_fails_clearly_and_resumes(start_driver, tiny_mode
     # PUT fails.
     proxy = FaultProxy(storage.endpoint_url, puts_ok=8)
     try:
-        rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, "down", "parquet",
-                                          max_attempts=2)))
+        rc, log = _run(start_driver(_spec(tmp_path, tiny_model, proxy.endpoint, "down", "parquet", max_attempts=2)))
     finally:
         proxy.close()
     assert rc != 0, "the job succeeded although the storage refused every write"
@@ -125,15 +134,18 @@ def test_persistent_s3_failure_fails_clearly_and_resumes(start_driver, tiny_mode
     for rec in committed:  # committed parts are intact: their rows are all there
         part = read_output_part(fs, f"pf-faults/down/out/{rec['part']}")
         assert [r["row_id"] for r in part] == rec["row_ids"]
-    rc, log = _run(start_driver(_spec(tmp_path, tiny_model, storage.endpoint_url, "down", "parquet",
-                                      max_attempts=2, resume=True)))
+    rc, log = _run(
+        start_driver(_spec(tmp_path, tiny_model, storage.endpoint_url, "down", "parquet", max_attempts=2, resume=True))
+    )
     assert rc == 0, log[-4000:]
     ft = _metrics(storage, "down")["fault_tolerance"]
     assert ft["rows_committed_before"] == sum(len(r["row_ids"]) for r in committed)
     assert ft["rows_written"] == len(rows) - ft["rows_committed_before"]
     _exactly_once(storage, "down", rows)
-    print(f"\nS3 down: {len(rows)} rows, {proxy.failed} PUTs refused, committed before "
-          f"{ft['rows_committed_before']}, redone {ft['rows_written']}, lost 0")
+    print(
+        f"\nS3 down: {len(rows)} rows, {proxy.failed} PUTs refused, committed before "
+        f"{ft['rows_committed_before']}, redone {ft['rows_written']}, lost 0"
+    )
 
 
 def read_output_part(fs, path: str) -> list[dict]:

@@ -30,16 +30,19 @@ from prefixflow.operators.results.write import read_output
 
 pytestmark = pytest.mark.slow
 
-JOBS = settings(max_examples=10, deadline=None, phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck), derandomize=True)
+JOBS = settings(
+    max_examples=10, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck), derandomize=True
+)
 
 # Each kind of line: (is it good?, its bytes given a row number). Bad lines cover what issue 12
 # found: missing, null or blank columns, broken or non-object JSON, non-UTF-8 bytes, lone
 # surrogates, deep nesting, and per-row sampling values of the wrong type or unknown keys.
 LINES = {
     "good": (True, lambda i: json.dumps({"id": i, "q": f"question number {i} about things"})),
-    "good_sampled": (True, lambda i: json.dumps({"id": i, "q": f"row {i}", "sampling_params":
-                                                 {"max_tokens": 2, "temperature": 0}})),
+    "good_sampled": (
+        True,
+        lambda i: json.dumps({"id": i, "q": f"row {i}", "sampling_params": {"max_tokens": 2, "temperature": 0}}),
+    ),
     "missing": (False, lambda i: json.dumps({"id": i, "other": "x"})),
     "null": (False, lambda i: json.dumps({"id": i, "q": None})),
     "blank": (False, lambda i: json.dumps({"id": i, "q": "   "})),  # see below
@@ -50,42 +53,51 @@ LINES = {
     "stop_int": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params": {"stop": [1]}})),
     "seed_text": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params": {"seed": "abc"}})),
     "top_k_huge": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params": {"top_k": 1e30}})),
-    "max_tokens_huge": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
-                                                     {"max_tokens": 2 ** 70}})),
-    "unknown_key": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
-                                                 {"beam_width": 2}})),
+    "max_tokens_huge": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params": {"max_tokens": 2**70}})),
+    "unknown_key": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params": {"beam_width": 2}})),
     # Issue 27: values the reader must keep as they are, and reserved column names.
     "int_question": (True, lambda i: json.dumps({"id": i, "q": 40 + i})),
     "accented": (True, lambda i: json.dumps({"id": i, "q": f"Qu'est-ce qu'une \"rivière\" {i}?\nDis."})),
-    "nan_and_big": (True, lambda i: '{"id": %d, "q": "row %d", "score": NaN, "n": %d}' % (i, i, 2 ** 70)),
+    "nan_and_big": (True, lambda i: '{"id": %d, "q": "row %d", "score": NaN, "n": %d}' % (i, i, 2**70)),
     "reserved": (False, lambda i: json.dumps({"id": i, "q": "x", "_pf_tokens": [1, 2]})),
-    "tiny_temperature": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params":
-                                                       {"temperature": 1e-40}})),
+    "tiny_temperature": (False, lambda i: json.dumps({"id": i, "q": "x", "sampling_params": {"temperature": 1e-40}})),
 }
 BAD_UTF8 = b'{"id": %d, "q": "caf\xe9"}'
 
-specs = st.fixed_dictionaries({
-    "prompt": st.sampled_from([{"template": "Q: {{ q }}"}, {"user": "{{ q }}"},
-                               {"system": "Be brief.", "user": "Answer: {{ q }}"}]),
-    "order": st.sampled_from(["fcfs", "dfs", "batchllm", "blendserve"]),
-    "replicas": st.integers(1, 2),
-    "format": st.sampled_from(["parquet", "jsonl"]),
-    "rows_per_part": st.integers(1, 5),
-    "sampling": st.sampled_from([{"temperature": 0, "max_tokens": 3},
-                                 {"temperature": 0.8, "top_p": 0.9, "seed": 7, "max_tokens": 2}]),
-    # One in five specs is broken on purpose: the job must refuse it up front.
-    "broken_spec": st.sampled_from([None, None, None, None,
-                                    ("sampling.temperature", -1), ("output.rows_per_part", 0),
-                                    ("order", "random"), ("sampling.top_k", 1e20),
-                                    ("sampling.temperature", 1e-40)]),
-})
+specs = st.fixed_dictionaries(
+    {
+        "prompt": st.sampled_from(
+            [{"template": "Q: {{ q }}"}, {"user": "{{ q }}"}, {"system": "Be brief.", "user": "Answer: {{ q }}"}]
+        ),
+        "order": st.sampled_from(["fcfs", "dfs", "batchllm", "blendserve"]),
+        "replicas": st.integers(1, 2),
+        "format": st.sampled_from(["parquet", "jsonl"]),
+        "rows_per_part": st.integers(1, 5),
+        "sampling": st.sampled_from(
+            [{"temperature": 0, "max_tokens": 3}, {"temperature": 0.8, "top_p": 0.9, "seed": 7, "max_tokens": 2}]
+        ),
+        # One in five specs is broken on purpose: the job must refuse it up front.
+        "broken_spec": st.sampled_from(
+            [
+                None,
+                None,
+                None,
+                None,
+                ("sampling.temperature", -1),
+                ("output.rows_per_part", 0),
+                ("order", "random"),
+                ("sampling.top_k", 1e20),
+                ("sampling.temperature", 1e-40),
+            ]
+        ),
+    }
+)
 rows = st.lists(st.sampled_from([*LINES, "bad_utf8"]), max_size=7)
 
 
 @JOBS
 @given(spec=specs, kinds=rows)
-def test_fuzzed_jobs_keep_every_row_and_never_crash(ray_local, tiny_model, tmp_path_factory, capsys,
-                                                    spec, kinds):
+def test_fuzzed_jobs_keep_every_row_and_never_crash(ray_local, tiny_model, tmp_path_factory, capsys, spec, kinds):
     root = tmp_path_factory.mktemp("fuzzjob")
     lines, good = [], []
     for i, kind in enumerate(kinds):
@@ -98,12 +110,16 @@ def test_fuzzed_jobs_keep_every_row_and_never_crash(ray_local, tiny_model, tmp_p
             # A blank column is a blank prompt only when the template adds no text of its own.
             good.append(ok if kind != "blank" else spec["prompt"] != {"user": "{{ q }}"})
     (root / "in.jsonl").write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
-    data = {"model": str(tiny_model), "input": {"path": str(root / "in.jsonl")},
-            "prompt": spec["prompt"], "sampling": dict(spec["sampling"]), "order": spec["order"],
-            "replicas": spec["replicas"],
-            "engine": {"device": "cpu", "dtype": "float32", "kv_cache_bytes": 16 << 20},
-            "output": {"path": str(root / "out"), "format": spec["format"],
-                       "rows_per_part": spec["rows_per_part"]}}
+    data = {
+        "model": str(tiny_model),
+        "input": {"path": str(root / "in.jsonl")},
+        "prompt": spec["prompt"],
+        "sampling": dict(spec["sampling"]),
+        "order": spec["order"],
+        "replicas": spec["replicas"],
+        "engine": {"device": "cpu", "dtype": "float32", "kv_cache_bytes": 16 << 20},
+        "output": {"path": str(root / "out"), "format": spec["format"], "rows_per_part": spec["rows_per_part"]},
+    }
     if spec["broken_spec"] is not None:
         field, value = spec["broken_spec"]
         section, _, key = field.rpartition(".")
@@ -159,8 +175,11 @@ def _refuse(constant: str) -> None:
 
 def _files(folder: Path, skip: Path | None = None) -> frozenset[tuple[str, int, int]]:
     """(path, size, mtime) of every file under `folder` but those under `skip`."""
-    return frozenset((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
-                     if p.is_file() and (skip is None or not p.is_relative_to(skip)))
+    return frozenset(
+        (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+        if p.is_file() and (skip is None or not p.is_relative_to(skip))
+    )
 
 
 def _records(output: pa.Table | list[dict]) -> list[dict]:

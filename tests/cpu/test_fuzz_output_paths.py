@@ -37,16 +37,29 @@ from prefixflow.storage import StorageOptions
 
 from support.output_folders import FORMATS, committed_job, record, snapshot
 
-FAST = settings(max_examples=40, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 # -- folders with links ------------------------------------------------------------------------
 
-LINKED = st.sampled_from([COMMITS, JOB_FILE, LOCK_FILE, "_SUCCESS", "_manifest.json", "metrics.json",
-                          "part-r000-000000000.jsonl", "part-r000-000000002.jsonl",
-                          f"{COMMITS}/part-r000-000000000.jsonl.json", "notes.txt"])
-TARGETS = st.sampled_from(["victim", "victim/keep.txt", "other/_commits", "other/_job.json",
-                           "other/part-r000-000000000.jsonl", "nowhere"])
+LINKED = st.sampled_from(
+    [
+        COMMITS,
+        JOB_FILE,
+        LOCK_FILE,
+        "_SUCCESS",
+        "_manifest.json",
+        "metrics.json",
+        "part-r000-000000000.jsonl",
+        "part-r000-000000002.jsonl",
+        f"{COMMITS}/part-r000-000000000.jsonl.json",
+        "notes.txt",
+    ]
+)
+TARGETS = st.sampled_from(
+    ["victim", "victim/keep.txt", "other/_commits", "other/_job.json", "other/part-r000-000000000.jsonl", "nowhere"]
+)
 STEPS = st.sampled_from(["load", "resume", "overwrite", "fresh", "lock"])
 
 
@@ -103,9 +116,14 @@ def test_fuzzed_links_in_an_output_folder_are_refused_by_name(tmp_path_factory, 
 
 # -- records with moved ids --------------------------------------------------------------------
 
-EDITS = st.lists(st.tuples(st.sampled_from(["move", "append", "drop", "swap", "recount", "copy",
-                                            "delete_part", "delete_record", "empty"]),
-                           st.integers(0, 2), st.integers(0, 2)), max_size=4)
+EDITS = st.lists(
+    st.tuples(
+        st.sampled_from(["move", "append", "drop", "swap", "recount", "copy", "delete_part", "delete_record", "empty"]),
+        st.integers(0, 2),
+        st.integers(0, 2),
+    ),
+    max_size=4,
+)
 
 
 def _edit(out: Path, parts: list[str], edit: tuple[str, int, int]) -> None:
@@ -144,8 +162,7 @@ def _rows_held(path: Path) -> list[int]:
     if path.suffix == ".parquet":
         return pq.read_table(path).column("row_id").to_pylist()
     lines = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return [line["row_id"] if "row_id" in line else int(line["custom_id"].removeprefix("req-"))
-            for line in lines]
+    return [line["row_id"] if "row_id" in line else int(line["custom_id"].removeprefix("req-")) for line in lines]
 
 
 @FAST
@@ -170,8 +187,23 @@ def test_fuzzed_records_never_claim_rows_their_parts_do_not_hold(tmp_path_factor
 
 # -- paths and URLs ----------------------------------------------------------------------------
 
-SCHEMES = st.sampled_from(["", "file://", "FILE://", "File://", "file:", "s3://", "S3://", "gs://",
-                           "HTTPS://", "memory://", "Memory://", "s3:/", "simplecache::s3://"])
+SCHEMES = st.sampled_from(
+    [
+        "",
+        "file://",
+        "FILE://",
+        "File://",
+        "file:",
+        "s3://",
+        "S3://",
+        "gs://",
+        "HTTPS://",
+        "memory://",
+        "Memory://",
+        "s3:/",
+        "simplecache::s3://",
+    ]
+)
 SEGMENTS = st.lists(st.sampled_from(["a", "b", "..", ".", "in", "link", "x y"]), max_size=5)
 CREDS = st.sampled_from(["", "alice@", "alice:SECRET1@", "bob:p%40SECRET2@"])
 QUERIES = st.sampled_from(["", "?sig=SECRET3", "?a=1&X-Amz-Signature=SECRET4", "?api_key=SECRET5"])
@@ -194,8 +226,9 @@ def test_fuzzed_paths_have_one_form_and_never_show_a_secret(tmp_path_factory, sc
         assert "SECRET" not in str(e) and ("is neither a URL nor a plain path" in str(e)), str(e)
         return
     assert normal_path(got) == got  # idempotent: every check and writer sees one form
-    assert protocol(got) == (protocol(path) if protocol(path) != "local" else "file") or \
-        (local and protocol(got) in (None, "file"))
+    assert protocol(got) == (protocol(path) if protocol(path) != "local" else "file") or (
+        local and protocol(got) in (None, "file")
+    )
     if local:
         plain = got.removeprefix("file://")
         assert plain == os.path.realpath(os.path.join(root, *segments)) and ".." not in plain.split("/")
@@ -214,10 +247,11 @@ def job_root(tmp_path_factory, tiny_model):
 
 
 @FAST
-@given(st.sampled_from(["", "file://", "FILE://", "file:"]),
-       st.lists(st.sampled_from(["data", "in", "other", "..", ".", "to_in", "to_data", "out"]),
-                min_size=1, max_size=5),
-       st.sampled_from(["data/in", "data/in/a.jsonl", "data/**/*.jsonl", "data/*/a.jsonl", "to_in"]))
+@given(
+    st.sampled_from(["", "file://", "FILE://", "file:"]),
+    st.lists(st.sampled_from(["data", "in", "other", "..", ".", "to_in", "to_data", "out"]), min_size=1, max_size=5),
+    st.sampled_from(["data/in", "data/in/a.jsonl", "data/**/*.jsonl", "data/*/a.jsonl", "to_in"]),
+)
 def test_fuzzed_outputs_inside_the_input_are_refused_however_spelled(job_root, scheme, segments, inp):
     root, model = job_root
     out = f"{scheme}{root}/{'/'.join(segments)}"
@@ -226,9 +260,15 @@ def test_fuzzed_outputs_inside_the_input_are_refused_however_spelled(job_root, s
     clash = _under(file, real)  # the output is, or holds, the input file
     clash |= inp in ("data/in", "to_in") and _under(real, folder)
     clash |= inp == "data/**/*.jsonl" and _under(real, data)  # its parts would match the glob
-    spec = parse_spec({"model": str(model), "input": {"path": f"{root}/{inp}", "format": "jsonl"},
-                       "prompt": {"template": "{{ q }}"}, "engine": {"device": "cpu"},
-                       "output": {"path": out}})
+    spec = parse_spec(
+        {
+            "model": str(model),
+            "input": {"path": f"{root}/{inp}", "format": "jsonl"},
+            "prompt": {"template": "{{ q }}"},
+            "engine": {"device": "cpu"},
+            "output": {"path": out},
+        }
+    )
     try:
         preflight(spec)
         problems = {}

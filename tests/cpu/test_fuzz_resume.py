@@ -28,16 +28,17 @@ from prefixflow.operators.results.commit import COMMITS, check_job_file, load_co
 from prefixflow.operators.stages.read import parse_csv, parse_jsonl, rows_to_table, to_text
 from prefixflow.storage import StorageOptions
 
-FAST = settings(max_examples=50, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
-scalars = (st.none() | st.booleans() | st.integers(-2 ** 80, 2 ** 80) | st.floats(allow_nan=False)
-           | st.text(max_size=12))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) |
-                      st.dictionaries(st.text(string.ascii_lowercase, max_size=3), c, max_size=3),
-                      max_leaves=6)
-rows = st.lists(st.dictionaries(st.sampled_from(["q", "id", "n", "_pf_x"]), values, max_size=4),
-                min_size=1, max_size=8)
+scalars = st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=False) | st.text(max_size=12)
+values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(string.ascii_lowercase, max_size=3), c, max_size=3),
+    max_leaves=6,
+)
+rows = st.lists(st.dictionaries(st.sampled_from(["q", "id", "n", "_pf_x"]), values, max_size=4), min_size=1, max_size=8)
 
 
 @FAST
@@ -75,12 +76,14 @@ names = st.sampled_from(["q", "a", "_pf_error", "_pf_x", "id", ""])
 
 
 @FAST
-@given(st.lists(names, min_size=1, max_size=4).filter(lambda h: h != [""]),  # a blank line is no header
-       st.lists(st.lists(st.text(string.ascii_letters + " ,\"", max_size=6), min_size=1, max_size=4),
-                max_size=5))
+@given(
+    st.lists(names, min_size=1, max_size=4).filter(lambda h: h != [""]),  # a blank line is no header
+    st.lists(st.lists(st.text(string.ascii_letters + ' ,"', max_size=6), min_size=1, max_size=4), max_size=5),
+)
 def test_fuzzed_csv_headers_give_one_record_per_line(header, body):
-    text = ",".join(header) + "\n" + "".join(",".join(f'"{v.replace(chr(34), "")}"' for v in row)
-                                              + "\n" for row in body)
+    text = (
+        ",".join(header) + "\n" + "".join(",".join(f'"{v.replace(chr(34), "")}"' for v in row) + "\n" for row in body)
+    )
     table = parse_csv(text.encode(), "f.csv")  # never raises
     assert all(parse_csv(empty, "f.csv").num_rows == 0 for empty in (b"", b"\n\n", b"\xef\xbb\xbf"))
     (broken,) = parse_csv(b'q,"a\n1,2\n', "f.csv").column(ERROR).to_pylist()
@@ -91,16 +94,28 @@ def test_fuzzed_csv_headers_give_one_record_per_line(header, body):
         assert all(e for e in table.column(ERROR).to_pylist())
 
 
-part_names = st.sampled_from(["part-r000-000000000.jsonl", "part-r001-000000004.jsonl",
-                              "../victim", "../../victim", "/etc/passwd", "part-x/../../victim",
-                              "part-r000-000000008.parquet", "victim"])
-record_kinds = st.sampled_from(["good", "junk_json", "other_part", "wrong_size", "wrong_sha",
-                                "no_sha", "not_a_dict", "missing_part"])
+part_names = st.sampled_from(
+    [
+        "part-r000-000000000.jsonl",
+        "part-r001-000000004.jsonl",
+        "../victim",
+        "../../victim",
+        "/etc/passwd",
+        "part-x/../../victim",
+        "part-r000-000000008.parquet",
+        "victim",
+    ]
+)
+record_kinds = st.sampled_from(
+    ["good", "junk_json", "other_part", "wrong_size", "wrong_sha", "no_sha", "not_a_dict", "missing_part"]
+)
 
 
 @FAST
-@given(st.lists(st.tuples(part_names, record_kinds), max_size=5),
-       st.sampled_from(["{}", "{bad", "[]", '{"fingerprint": "x"}', None]))
+@given(
+    st.lists(st.tuples(part_names, record_kinds), max_size=5),
+    st.sampled_from(["{}", "{bad", "[]", '{"fingerprint": "x"}', None]),
+)
 def test_fuzzed_output_folders_never_reach_outside(tmp_path_factory, entries, job_file):
     root = tmp_path_factory.mktemp("hostile")
     out, victim = root / "job" / "out", root / "victim"
@@ -131,8 +146,14 @@ def test_fuzzed_output_folders_never_reach_outside(tmp_path_factory, entries, jo
 
 def _plant(out: Path, part: str, kind: str, row_ids: list[int]) -> None:
     data = b"".join(json.dumps({"id": r}).encode() + b"\n" for r in row_ids)
-    record = {"part": part, "replica": 0, "num_rows": len(row_ids), "bytes": len(data),
-              "sha256": hashlib.sha256(data).hexdigest(), "row_ids": row_ids}
+    record = {
+        "part": part,
+        "replica": 0,
+        "num_rows": len(row_ids),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "row_ids": row_ids,
+    }
     target = out / part
     if kind != "missing_part" and target.resolve().is_relative_to(out.resolve()) and "/" not in part:
         target.write_bytes(data if kind != "wrong_sha" else bytes(reversed(data)))
@@ -142,12 +163,14 @@ def _plant(out: Path, part: str, kind: str, row_ids: list[int]) -> None:
     elif kind == "not_a_dict":
         payload = json.dumps([record]).encode()
     else:
-        changes = {"other_part": {"part": "part-r009-000000000.jsonl"}, "wrong_size": {"bytes": 1},
-                   "no_sha": {"sha256": None}}.get(kind, {})
+        changes = {
+            "other_part": {"part": "part-r009-000000000.jsonl"},
+            "wrong_size": {"bytes": 1},
+            "no_sha": {"sha256": None},
+        }.get(kind, {})
         payload = json.dumps({**record, **changes}).encode()
     (out / COMMITS / name).write_bytes(payload)
 
 
 def _snapshot(root: Path, out: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for p in root.rglob("*")
-            if p.is_file() and not p.is_relative_to(out)}
+    return {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file() and not p.is_relative_to(out)}

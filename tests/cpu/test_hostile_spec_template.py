@@ -31,11 +31,11 @@ from prefixflow.operators.stages.read import parse_jsonl
 from prefixflow.operators.template import PromptTemplate, RowError, messages_from_value
 from prefixflow.requests import SamplingParams
 
-HOSTILE = settings(max_examples=25, deadline=None, derandomize=True,
-                   suppress_health_check=[HealthCheck.too_slow])
+HOSTILE = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --- class 8: YAML resource bombs --------------------------------------------------------------
+
 
 def _bomb(levels: int, indent: str = "", width: int = 9) -> str:
     """Billion laughs: level 0 is `width` strings, each level `width` aliases of the one before."""
@@ -45,8 +45,7 @@ def _bomb(levels: int, indent: str = "", width: int = 9) -> str:
 
 
 def _spec_text(tail: str = "") -> str:
-    return ("model: /m\ninput: {path: in.jsonl}\nprompt: {template: 'Q: {{ q }}'}\n"
-            "output: {path: out}\n" + tail)
+    return "model: /m\ninput: {path: in.jsonl}\nprompt: {template: 'Q: {{ q }}'}\noutput: {path: out}\n" + tail
 
 
 @pytest.mark.parametrize("levels", [9, 10])
@@ -70,7 +69,7 @@ def test_alias_bomb_in_a_set_value_is_refused():
     flow = "{" + _bomb(8).replace("\n", ", ").rstrip(", ") + "}"
     with pytest.raises(SpecError) as e:
         parse_overrides([f"engine.vllm={flow}"])
-    (field, message), = e.value.problems
+    ((field, message),) = e.value.problems
     assert e.value.source == "--set" and field.startswith("engine.vllm.l") and "expands to" in message
 
 
@@ -78,8 +77,7 @@ def test_recursive_and_deep_aliases_are_refused():
     with pytest.raises(SpecError, match="refers to itself"):
         load_yaml("sampling: {stop: &s [a, *s]}\n", "s.yaml")
     # Each anchor is shallow where it is written, but aliases stack the levels up.
-    deep = "a0: &a0 [[[[[[[[x]]]]]]]]\n" + "".join(
-        f"a{i}: &a{i} [[[[[[[[*a{i - 1}]]]]]]]]\n" for i in range(1, 6))
+    deep = "a0: &a0 [[[[[[[[x]]]]]]]]\n" + "".join(f"a{i}: &a{i} [[[[[[[[*a{i - 1}]]]]]]]]\n" for i in range(1, 6))
     with pytest.raises(SpecError, match="nested more than 32 levels") as e:
         load_yaml(deep, "s.yaml")
     assert e.value.problems[0][0].startswith("a")
@@ -87,13 +85,14 @@ def test_recursive_and_deep_aliases_are_refused():
 
 def test_anchors_aliases_and_merge_keys_still_work(tmp_path):
     data = load_yaml("base: &b {x: 1, y: [1, 2]}\nmore: {<<: *b, y: 3}\nboth: [*b, *b]\n", "s")
-    assert data == {"base": {"x": 1, "y": [1, 2]}, "more": {"x": 1, "y": 3},
-                    "both": [{"x": 1, "y": [1, 2]}] * 2}
+    assert data == {"base": {"x": 1, "y": [1, 2]}, "more": {"x": 1, "y": 3}, "both": [{"x": 1, "y": [1, 2]}] * 2}
     path = tmp_path / "job.yaml"
-    path.write_text("model: /m\ninput: {path: &p in.jsonl}\nname: *p\n"
-                    "prompt: {template: 'Q: {{ q }}'}\noutput: {path: out}\n"
-                    "sampling: &s {stop: &stops [\"\\n\\n\", END], max_tokens: 8}\n"
-                    "score: null\n")
+    path.write_text(
+        "model: /m\ninput: {path: &p in.jsonl}\nname: *p\n"
+        "prompt: {template: 'Q: {{ q }}'}\noutput: {path: out}\n"
+        'sampling: &s {stop: &stops ["\\n\\n", END], max_tokens: 8}\n'
+        "score: null\n"
+    )
     spec = load_spec(path)
     assert spec.name == "in.jsonl" and spec.sampling.stop == ("\n\n", "END")
     # A wide spec without aliases is nowhere near the bound: 20,000 stop strings.
@@ -119,14 +118,14 @@ def alias_bombs(draw: st.DrawFn) -> str:
     flow YAML, under a random field, sometimes with mappings instead of lists."""
     width = draw(st.integers(4, 12))
     levels = 1
-    while width ** levels <= 200_000:
+    while width**levels <= 200_000:
         levels += 1
     levels += draw(st.integers(0, 2))
     as_maps = draw(st.booleans())
     lines = []
     for i in range(levels):
         items = [f"s{j}" for j in range(width)] if i == 0 else [f"*l{i - 1}"] * width
-        body = (", ".join(f"k{j}: {v}" for j, v in enumerate(items)) if as_maps else ", ".join(items))
+        body = ", ".join(f"k{j}: {v}" for j, v in enumerate(items)) if as_maps else ", ".join(items)
         lines.append(f"l{i}: &l{i} " + ("{" + body + "}" if as_maps else "[" + body + "]"))
     where = draw(st.sampled_from(["", "engine:\n  vllm:\n", "x:\n"]))
     indent = "    " if where.startswith("engine") else ("  " if where else "")
@@ -163,8 +162,11 @@ BOMBS = [
     "{{ ns.s | length }}",
     "{% set ns = namespace(a=['lol'] * 10) %}{% for i in range(12) %}"
     "{% set ns.a = [ns.a, ns.a, ns.a, ns.a, ns.a, ns.a, ns.a, ns.a, ns.a, ns.a] %}{% endfor %}{{ ns.a }}",
-    "{% set a0 = ['lol'] * 9 %}" + "".join(  # billion laughs, unrolled
-        f"{{% set a{i} = [{', '.join([f'a{i - 1}'] * 9)}] %}}" for i in range(1, 10)) + "{{ a9 }}",
+    "{% set a0 = ['lol'] * 9 %}"
+    + "".join(  # billion laughs, unrolled
+        f"{{% set a{i} = [{', '.join([f'a{i - 1}'] * 9)}] %}}" for i in range(1, 10)
+    )
+    + "{{ a9 }}",
     "{% macro f(n) %}{{ f(n) }}{{ f(n) }}{% endmacro %}{{ f(1) }}",
     "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
     "{{ lipsum(10**7) }}",
@@ -193,9 +195,14 @@ def test_template_bombs_in_chat_prompts_and_validate_are_row_errors():
         PromptTemplate(user="{{ 'a' * 10**12 }}").render({"q": "x"})
     with pytest.raises(RowError, match="prompt.system exceeded a template limit"):
         PromptTemplate(system="{{ range(10**9) | list }}", user="{{ q }}").render({"q": "x"})
-    spec = parse_spec({"model": "/m", "input": {"path": "in.jsonl"}, "output": {"path": "out"},
-                       "prompt": {"template": "{% if q == 'bomb' %}{{ 'x' | center(10**12) }}"
-                                  "{% endif %}Q: {{ q }}"}})
+    spec = parse_spec(
+        {
+            "model": "/m",
+            "input": {"path": "in.jsonl"},
+            "output": {"path": "out"},
+            "prompt": {"template": "{% if q == 'bomb' %}{{ 'x' | center(10**12) }}{% endif %}Q: {{ q }}"},
+        }
+    )
     rows = [{"q": "fine", ERROR: None}, {"q": "bomb", ERROR: None}]
     report = row_report(spec, rows)
     assert report.num_bad == 1 and "exceeded a template limit" in report.reasons[0], report
@@ -206,11 +213,19 @@ def test_template_bomb_rows_become_error_records_in_the_tokenize_stage(tiny_mode
     from prefixflow.operators.config import TokenizeOptions
     from prefixflow.operators.stages.tokenize import Tokenize
 
-    source = ("{% if q == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
-              "{% endfor %}{% endfor %}{% elif q == 'pow' %}{{ 10 ** (10 ** 10) }}"
-              "{% elif q == 'mul' %}{{ 'a' * 10**12 }}{% endif %}Q: {{ q }}")
-    tok = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=PromptTemplate(template=source),
-                                   max_model_len=256, sampling=SamplingParams(max_tokens=4)))
+    source = (
+        "{% if q == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{% endfor %}{% endfor %}{% elif q == 'pow' %}{{ 10 ** (10 ** 10) }}"
+        "{% elif q == 'mul' %}{{ 'a' * 10**12 }}{% endif %}Q: {{ q }}"
+    )
+    tok = Tokenize(
+        TokenizeOptions(
+            model=str(tiny_model),
+            prompt=PromptTemplate(template=source),
+            max_model_len=256,
+            sampling=SamplingParams(max_tokens=4),
+        )
+    )
     qs = ["hello", "loop", "pow", "mul", "bye"]
     table = tok(pa.table({"q": qs, ERROR: pa.nulls(len(qs), pa.string())}))
     errors = table.column(ERROR).to_pylist()
@@ -219,8 +234,7 @@ def test_template_bomb_rows_become_error_records_in_the_tokenize_stage(tiny_mode
 
 
 def _reference(source: str, values: dict) -> str:
-    env = ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
-                                        keep_trailing_newline=True)
+    env = ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True)
     return env.from_string(source).render(values)
 
 
@@ -247,9 +261,14 @@ NORMAL = [
     "{% endautoescape %}{{ ('<b>' | safe).center(9) }} {{ ('x' | safe) * 2 }} "
     "{{ ('<i>{}</i>' | safe).format(q) }} {{ ('<i>' | safe) ~ '<b>' }}",
 ]
-VALUES = {"q": "what is a banana", "n": 42, "x": 3.14159, "docs": ["  alpha ", "beta", "gamma"],
-          "meta": {"a": 1, "b": "two"},
-          "tree": [{"name": "r", "kids": [{"name": "c1", "kids": []}, {"name": "c2", "kids": []}]}]}
+VALUES = {
+    "q": "what is a banana",
+    "n": 42,
+    "x": 3.14159,
+    "docs": ["  alpha ", "beta", "gamma"],
+    "meta": {"a": 1, "b": "two"},
+    "tree": [{"name": "r", "kids": [{"name": "c1", "kids": []}, {"name": "c2", "kids": []}]}],
+}
 
 
 @pytest.mark.parametrize("source", NORMAL)
@@ -257,23 +276,38 @@ def test_normal_templates_render_exactly_as_jinja_does(source):
     assert PromptTemplate(template=source).render(VALUES) == _reference(source, VALUES)
 
 
-PIECES = ["{{ q }}", "{{ n * 3 }}{{ n // 2 }}{{ -n }}", "{{ q ~ n ~ xs }}", "{{ xs | join('-') }}",
-          "{{ q | upper | center(n) }}", "{{ [n, q] }}{{ (n, n) }}{{ {'a': n, 'b': xs} }}",
-          "{{ '%s=%d|%5.2f' % (q, n, n / 3) }}", "{{ '{}:{!r}:{:>6}'.format(q, n, q) }}",
-          "{{ q.ljust(n) }}|{{ q.replace('a', 'AB') }}", "{{ xs * 2 }}{{ q * n }}",
-          "{{ q + q }}{{ xs + [q] }}",
-          "{{ n ** 3 }}{{ 2 ** n }}", "{{ range(n) | list }}{{ range(n) | sum }}",
-          "{% for x in xs %}{{ loop.index }}:{{ x }}{% if not loop.last %},{% endif %}{% endfor %}",
-          "{% if n > 7 %}big{% else %}small{% endif %}", "{{ xs | map('upper') | join }}{{ xs | length }}",
-          "{% set ns = namespace(t='') %}{% for x in xs %}{% set ns.t = ns.t ~ x %}{% endfor %}{{ ns.t }}",
-          "{% macro m(a) %}<{{ a }}>{% endmacro %}{{ m(q) }}{{ m(n) }}", "{{ xs | batch(2) | list }}",
-          "{{ q | wordwrap(4) | indent(2) }}", "{{ q | format if '%' not in q else q }}"]
+PIECES = [
+    "{{ q }}",
+    "{{ n * 3 }}{{ n // 2 }}{{ -n }}",
+    "{{ q ~ n ~ xs }}",
+    "{{ xs | join('-') }}",
+    "{{ q | upper | center(n) }}",
+    "{{ [n, q] }}{{ (n, n) }}{{ {'a': n, 'b': xs} }}",
+    "{{ '%s=%d|%5.2f' % (q, n, n / 3) }}",
+    "{{ '{}:{!r}:{:>6}'.format(q, n, q) }}",
+    "{{ q.ljust(n) }}|{{ q.replace('a', 'AB') }}",
+    "{{ xs * 2 }}{{ q * n }}",
+    "{{ q + q }}{{ xs + [q] }}",
+    "{{ n ** 3 }}{{ 2 ** n }}",
+    "{{ range(n) | list }}{{ range(n) | sum }}",
+    "{% for x in xs %}{{ loop.index }}:{{ x }}{% if not loop.last %},{% endif %}{% endfor %}",
+    "{% if n > 7 %}big{% else %}small{% endif %}",
+    "{{ xs | map('upper') | join }}{{ xs | length }}",
+    "{% set ns = namespace(t='') %}{% for x in xs %}{% set ns.t = ns.t ~ x %}{% endfor %}{{ ns.t }}",
+    "{% macro m(a) %}<{{ a }}>{% endmacro %}{{ m(q) }}{{ m(n) }}",
+    "{{ xs | batch(2) | list }}",
+    "{{ q | wordwrap(4) | indent(2) }}",
+    "{{ q | format if '%' not in q else q }}",
+]
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(PIECES), min_size=1, max_size=4),
-       st.fixed_dictionaries({"q": st.text(max_size=12), "n": st.integers(0, 20),
-                              "xs": st.lists(st.text(max_size=5), max_size=4)}))
+@given(
+    st.lists(st.sampled_from(PIECES), min_size=1, max_size=4),
+    st.fixed_dictionaries(
+        {"q": st.text(max_size=12), "n": st.integers(0, 20), "xs": st.lists(st.text(max_size=5), max_size=4)}
+    ),
+)
 def test_generated_normal_templates_render_as_jinja_does(pieces, values):
     source = "Q " + " ".join(pieces)
     try:
@@ -298,8 +332,9 @@ def test_a_template_nested_too_deeply_is_a_spec_problem_not_a_recursion_error():
     with pytest.raises(ValueError, match="nested too deeply"):
         PromptTemplate(template=deep)
     with pytest.raises(SpecError, match="prompt.template: .* nested too deeply"):
-        parse_spec({"model": "/m", "input": {"path": "in.jsonl"}, "output": {"path": "out"},
-                    "prompt": {"template": deep}})
+        parse_spec(
+            {"model": "/m", "input": {"path": "in.jsonl"}, "output": {"path": "out"}, "prompt": {"template": deep}}
+        )
 
 
 HOSTILE_PARTS = {
@@ -340,12 +375,20 @@ def hostile_templates(draw: st.DrawFn) -> str:
         return f"{{% for i in range({a}) %}}{{% for j in range({b}) %}}{{% endfor %}}{{% endfor %}}"
     if kind == "doubling":
         op = draw(st.sampled_from(["~", "+"]))
-        return ("{% set ns = namespace(s=q) %}{% for i in range(" + str(draw(st.integers(40, 90)))
-                + f") %}}{{% set ns.s = ns.s {op} ns.s %}}{{% endfor %}}{{{{ ns.s | length }}}}")
+        return (
+            "{% set ns = namespace(s=q) %}{% for i in range("
+            + str(draw(st.integers(40, 90)))
+            + f") %}}{{% set ns.s = ns.s {op} ns.s %}}{{% endfor %}}{{{{ ns.s | length }}}}"
+        )
     if kind == "nesting":
         width = draw(st.integers(3, 12))
-        return ("{% set ns = namespace(a=[q]) %}{% for i in range(" + str(draw(st.integers(30, 60))) +
-                ") %}{% set ns.a = (" + ", ".join(["ns.a"] * width) + ") %}{% endfor %}{{ ns.a | length }}")
+        return (
+            "{% set ns = namespace(a=[q]) %}{% for i in range("
+            + str(draw(st.integers(30, 60)))
+            + ") %}{% set ns.a = ("
+            + ", ".join(["ns.a"] * width)
+            + ") %}{% endfor %}{{ ns.a | length }}"
+        )
     n = draw(st.integers(10**7 + 1, 10**13)) if kind != "power" else draw(st.integers(10**5, 10**12))
     return draw(st.sampled_from(WRAPS)).format(HOSTILE_PARTS[kind](n))
 
@@ -368,18 +411,20 @@ NON_TEXT = [
 
 @pytest.mark.parametrize("part", NON_TEXT, ids=lambda p: p["type"])
 def test_messages_with_a_non_text_part_are_row_errors(part):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
-    with pytest.raises(RowError, match=f"message 1 has a content part of type '{part['type']}': "
-                                       "this model takes text only; remove it"):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]},
+    ]
+    with pytest.raises(
+        RowError, match=f"message 1 has a content part of type '{part['type']}': this model takes text only; remove it"
+    ):
         messages_from_value(messages, "messages")
     with pytest.raises(RowError, match="message 1 has a content part"):
         PromptTemplate(messages_column="m").render({"m": json.dumps(messages)})
 
 
 def test_text_parts_still_make_the_message():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
-                                             {"type": "text", "text": "there"}]}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
     assert messages_from_value(messages, "m") == [{"role": "user", "content": "Hello there"}]
     with pytest.raises(RowError, match="message 0 has a content part that is not"):
         messages_from_value([{"role": "user", "content": ["just a string"]}], "m")
@@ -387,13 +432,27 @@ def test_text_parts_still_make_the_message():
 
 def test_openai_chat_request_with_an_image_part_is_an_error_record():
     def line(cid: str, content: object) -> bytes:
-        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                           "body": {"messages": [{"role": "user", "content": content}]}}).encode()
+        return json.dumps(
+            {
+                "custom_id": cid,
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": content}]},
+            }
+        ).encode()
 
-    rows = parse_requests(parse_jsonl(b"\n".join([
-        line("img", [{"type": "text", "text": "Describe"}, NON_TEXT[0]]),
-        line("txt", [{"type": "text", "text": "Describe"}]),
-        line("plain", "Describe")]), "b.jsonl"))
+    rows = parse_requests(
+        parse_jsonl(
+            b"\n".join(
+                [
+                    line("img", [{"type": "text", "text": "Describe"}, NON_TEXT[0]]),
+                    line("txt", [{"type": "text", "text": "Describe"}]),
+                    line("plain", "Describe"),
+                ]
+            ),
+            "b.jsonl",
+        )
+    )
     by_id = {r["custom_id"]: r for r in rows}
     error = by_id["img"][ERROR]
     assert "message 0 has a content part of type 'image_url': this model takes text only" in error
@@ -402,21 +461,30 @@ def test_openai_chat_request_with_an_image_part_is_an_error_record():
 
 # --- class 5b: temperatures below the floor -----------------------------------------------------
 
+
 @pytest.mark.parametrize("temperature", [1e-40, 1e-38, 1e-6, 0.0099])
 def test_tiny_positive_temperature_is_refused_everywhere(temperature):
     fix = "use 0 for greedy decoding or at least 0.01"
     with pytest.raises(ValueError, match=f"SamplingParams.temperature={temperature!r} is invalid: {fix}"):
         SamplingParams(temperature=temperature)
     with pytest.raises(SpecError) as e:
-        parse_spec({"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"},
-                    "output": {"path": "out"}, "sampling": {"temperature": temperature}})
+        parse_spec(
+            {
+                "model": "/m",
+                "input": {"path": "in.jsonl"},
+                "prompt": {"template": "{{ q }}"},
+                "output": {"path": "out"},
+                "sampling": {"temperature": temperature},
+            }
+        )
     assert e.value.problems == [("sampling.temperature", f"{temperature!r} is invalid: {fix}")]
     from prefixflow.operators.stages.tokenize import check_row_sampling
 
     with pytest.raises(RowError, match=f"temperature={temperature!r} is invalid: {fix}"):
         check_row_sampling(SamplingParams(), {"sampling_params": {"temperature": temperature}})
-    rows = parse_requests([{"custom_id": "t", "url": "/v1/completions",
-                            "body": {"prompt": "hi", "temperature": temperature}}])
+    rows = parse_requests(
+        [{"custom_id": "t", "url": "/v1/completions", "body": {"prompt": "hi", "temperature": temperature}}]
+    )
     assert fix in rows[0][ERROR]
 
 
@@ -427,23 +495,29 @@ def test_zero_and_the_floor_and_above_are_accepted():
 
 # --- whole job on the real local Ray -------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_job_with_bombing_rows_and_tiny_temperatures_finishes(ray_local, tiny_model, tmp_path):
     from prefixflow.jobs.run import run_job
     from prefixflow.operators.results.write import read_output
 
     qs = ["one", "mul", "two", "loop", "three", "temp"]
-    lines = [json.dumps({"q": q, **({"sampling_params": {"temperature": 1e-40}} if q == "temp" else {})})
-             for q in qs]
+    lines = [json.dumps({"q": q, **({"sampling_params": {"temperature": 1e-40}} if q == "temp" else {})}) for q in qs]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    spec = parse_spec({
-        "model": str(tiny_model), "input": {"path": str(tmp_path / "in.jsonl")},
-        "prompt": {"template": "{% if q == 'mul' %}{{ 'a' * 10**12 }}{% elif q == 'loop' %}"
-                               "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-                               "{% endfor %}{% endif %}Q: {{ q }}"},
-        "sampling": {"temperature": 0, "max_tokens": 3},
-        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 3}})
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": {"path": str(tmp_path / "in.jsonl")},
+            "prompt": {
+                "template": "{% if q == 'mul' %}{{ 'a' * 10**12 }}{% elif q == 'loop' %}"
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                "{% endfor %}{% endif %}Q: {{ q }}"
+            },
+            "sampling": {"temperature": 0, "max_tokens": 3},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 3},
+        }
+    )
     run_job(spec, quiet=True)
     by_q = {r["q"]: r for r in read_output(str(tmp_path / "out"))}
     assert sorted(by_q) == sorted(qs)

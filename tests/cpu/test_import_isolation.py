@@ -10,9 +10,9 @@ LIGHT_MODULES = [
     "prefixflow.requests",
     "prefixflow.errors",
     "prefixflow.paths",
-    "prefixflow.model_source",   # the torch-free pieces every layer needs (tests/cpu/test_layers.py)
+    "prefixflow.model_source",  # the torch-free pieces every layer needs (tests/cpu/test_layers.py)
     "prefixflow.tokenizer",
-    "prefixflow.sandbox",        # every template's bounded Jinja, with its limits and clock
+    "prefixflow.sandbox",  # every template's bounded Jinja, with its limits and clock
     "prefixflow.digest",
     "prefixflow.storage",
     "prefixflow.retry",

@@ -32,7 +32,7 @@ def test_demo_plan_dry_run_and_plan_out(ray_local, tiny_model, tmp_path, capsys)
     path.write_text(yaml.safe_dump(spec))
     assert cli(["run", str(path), "--dry-run", "--json", "--set", "order=dfs"]) == 0
     out = capsys.readouterr().out
-    result = json.loads(out[out.index("{\n"):])
+    result = json.loads(out[out.index("{\n") :])
     assert result["dry_run"] and result["plan"]["order"] == "dfs" and result["num_rows"] == 48
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
     assert cli(["plan", str(path), "--out", str(tmp_path / "plan.parquet")]) == 0

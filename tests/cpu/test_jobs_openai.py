@@ -26,34 +26,75 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
         json.dumps({**requests[0], "body": {**requests[0]["body"], "max_tokens": 3}}).encode(),  # duplicate id
         b'{"custom_id": "broken-1", "method": "POST", "url": "/v1/chat/completions", "body": {',
         json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}).encode(),
-        json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
-                    "body": {"prompt": "hi", "temperature": -3}}).encode(),
+        json.dumps(
+            {
+                "custom_id": "bad-temp",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": "hi", "temperature": -3},
+            }
+        ).encode(),
         # Wrong types fail their request only; null logprobs mean off.
-        json.dumps({"custom_id": "lp-null", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                             "logprobs": None, "top_logprobs": None}}).encode(),
-        json.dumps({"custom_id": "lp-list", "method": "POST", "url": "/v1/completions",
-                    "body": {"prompt": "hi", "logprobs": [1]}}).encode(),
-        json.dumps({"custom_id": "seed-str", "method": "POST", "url": "/v1/completions",
-                    "body": {"prompt": "hi", "seed": "abc"}}).encode(),
-        json.dumps({"custom_id": "stop-int", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"messages": [{"role": "user", "content": "hi"}], "stop": [1]}}).encode(),
-    ] + [json.dumps({"custom_id": cid, "method": "POST", "url": f"/v1/{url}", "body": body}).encode()
-         for cid, url, body in NEW_CASES]
+        json.dumps(
+            {
+                "custom_id": "lp-null",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                    "logprobs": None,
+                    "top_logprobs": None,
+                },
+            }
+        ).encode(),
+        json.dumps(
+            {
+                "custom_id": "lp-list",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": "hi", "logprobs": [1]},
+            }
+        ).encode(),
+        json.dumps(
+            {
+                "custom_id": "seed-str",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": "hi", "seed": "abc"},
+            }
+        ).encode(),
+        json.dumps(
+            {
+                "custom_id": "stop-int",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "hi"}], "stop": [1]},
+            }
+        ).encode(),
+    ] + [
+        json.dumps({"custom_id": cid, "method": "POST", "url": f"/v1/{url}", "body": body}).encode()
+        for cid, url, body in NEW_CASES
+    ]
     (tmp_path / "batch.jsonl").write_bytes(b"\n".join(lines + extra) + b"\n")
-    spec = parse_spec({
-        "model": str(tiny_model), "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai"},
-        "sampling": {"temperature": 0, "max_tokens": 16},
-        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": str(tmp_path / "out"), "resume": True, "error_file": True},
-    })
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai"},
+            "sampling": {"temperature": 0, "max_tokens": 16},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "output": {"path": str(tmp_path / "out"), "resume": True, "error_file": True},
+        }
+    )
     assert spec.output_format() == "openai"
     run_job(spec, quiet=True)
     out = read_output(str(tmp_path / "out"))
     results, errors = ((tmp_path / "out" / name).read_text().splitlines() for name in ("results.jsonl", "errors.jsonl"))
-    expected = [r["custom_id"] for r in requests] + [requests[0]["custom_id"], "broken-1", "bad-url", "bad-temp",
-                                                     "lp-null", "lp-list", "seed-str", "stop-int"] + \
-        [cid for cid, _, _ in NEW_CASES]
+    expected = (
+        [r["custom_id"] for r in requests]
+        + [requests[0]["custom_id"], "broken-1", "bad-url", "bad-temp", "lp-null", "lp-list", "seed-str", "stop-int"]
+        + [cid for cid, _, _ in NEW_CASES]
+    )
     # error_file: the failed requests in errors.jsonl, the others in results.jsonl, each file in
     # input order (the broken line's id recovered in place), every request once in all
     ok, failed = ([json.loads(line) for line in part] for part in (results, errors))
@@ -78,11 +119,17 @@ def test_openai_batch_round_trip(ray_local, tiny_model, tmp_path):
     message = {cid: rs[0]["response"]["body"].get("error", {}).get("message", "") for cid, rs in by_id.items()}
     dup = by_id[requests[0]["custom_id"]]
     assert sorted(r["response"]["status_code"] for r in dup) == [200, 400]
-    assert "duplicate custom_id" in next(r for r in dup if r["response"]["status_code"] == 400)[
-        "response"]["body"]["error"]["message"]
+    assert (
+        "duplicate custom_id"
+        in next(r for r in dup if r["response"]["status_code"] == 400)["response"]["body"]["error"]["message"]
+    )
     assert "not valid JSON" in message["broken-1"] and "/v1/embeddings" in message["bad-url"]
     assert by_id["bad-temp"][0]["response"]["body"]["error"] == {
-        "message": message["bad-temp"], "type": "invalid_request_error", "param": "temperature", "code": None}
+        "message": message["bad-temp"],
+        "type": "invalid_request_error",
+        "param": "temperature",
+        "code": None,
+    }
     assert by_id["lp-null"][0]["response"]["status_code"] == 200
     assert "body.logprobs" in message["lp-list"] and "seed" in message["seed-str"] and "stop" in message["stop-int"]
     bodies = [r["response"]["body"] for r in out if r["response"]["status_code"] == 200]
@@ -174,13 +221,24 @@ class BatchOutputLine(_Strict):
 HI = [{"role": "user", "content": "hi"}]
 # Issue 15: every body field honoured or an error record naming it.
 NEW_CASES = [
-    ("chat-lp", "chat/completions", {"messages": HI, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
-                                     "user": "u1", "metadata": {"k": "v"}, "stream": False, "store": False}),
+    (
+        "chat-lp",
+        "chat/completions",
+        {
+            "messages": HI,
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "user": "u1",
+            "metadata": {"k": "v"},
+            "stream": False,
+            "store": False,
+        },
+    ),
     ("cmpl-lp", "completions", {"prompt": "The sky is", "max_tokens": 3, "logprobs": 2, "echo": False}),
     ("n-2", "chat/completions", {"messages": HI, "max_tokens": 3, "n": 2, "temperature": 1, "seed": 7}),
     ("n-greedy", "chat/completions", {"messages": HI, "max_tokens": 3, "n": 2, "temperature": 0}),
-    ("json-object", "chat/completions", {"messages": HI, "max_tokens": 3,
-                                         "response_format": {"type": "json_object"}}),
+    ("json-object", "chat/completions", {"messages": HI, "max_tokens": 3, "response_format": {"type": "json_object"}}),
     ("unknown-field", "chat/completions", {"messages": HI, "max_tokens": 3, "frobnicate": 1}),
     ("logit-bias", "completions", {"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 10}}),
     ("stream-true", "chat/completions", {"messages": HI, "max_tokens": 3, "stream": True}),
@@ -226,12 +284,19 @@ def test_a_body_is_checked_against_its_own_fields_not_a_made_up_default():
     min_tokens exceeds its own max_tokens is an error record naming the field."""
     from prefixflow.operators.stages.openai_batch import parse_requests
 
-    chat = {"custom_id": "a", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100}}
-    both = {"custom_id": "b", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 4}}
-    rows = parse_requests([{**chat, "_pf_source": "f:1", "_pf_error": None},
-                           {**both, "_pf_source": "f:2", "_pf_error": None}])
+    chat = {
+        "custom_id": "a",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100},
+    }
+    both = {
+        "custom_id": "b",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 4},
+    }
+    rows = parse_requests(
+        [{**chat, "_pf_source": "f:1", "_pf_error": None}, {**both, "_pf_source": "f:2", "_pf_error": None}]
+    )
     assert rows[0]["_pf_error"] is None and json.loads(rows[0]["_pf_sampling"]) == {"min_tokens": 100}
     assert "min_tokens" in rows[1]["_pf_error"]
 
@@ -259,16 +324,20 @@ def test_logprob_tokens_carry_the_real_bytes_of_split_characters(tiny_model):
     from prefixflow.tokenizer import load_tokenizer, token_bytes
 
     text = "naïve café — 日本 😀"
-    for tokenizer in (load_tokenizer(tiny_model), AutoTokenizer.from_pretrained(str(tiny_model)),
-                      SimpleNamespace(backend_tokenizer=_byte_fallback_tokenizer())):
+    for tokenizer in (
+        load_tokenizer(tiny_model),
+        AutoTokenizer.from_pretrained(str(tiny_model)),
+        SimpleNamespace(backend_tokenizer=_byte_fallback_tokenizer()),
+    ):
         backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer.backend
         ids = backend.encode(text, add_special_tokens=False).ids
         to_bytes = token_bytes(tokenizer)
         parts = [to_bytes(i) for i in ids]
         assert b"".join(parts).lstrip(b" ") == text.encode()
         assert any(_partial(p) for p in parts)  # some character is split across tokens
-        content = chat_logprobs([{"token_id": i, "logprob": -1.0, "top": [[i, -1.0]]} for i in ids],
-                                to_bytes)["content"]
+        content = chat_logprobs([{"token_id": i, "logprob": -1.0, "top": [[i, -1.0]]} for i in ids], to_bytes)[
+            "content"
+        ]
         assert [bytes(c["bytes"]) for c in content] == parts
         assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
         assert not any("\ufffd" in c["token"] for c in content)
@@ -294,20 +363,31 @@ def _byte_fallback_tokenizer():
         vocab[piece] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return tok
 
 
 def test_error_records_as_openai_writes_them():
     from prefixflow.operators.results.openai_output import error_body, output_line, system_fingerprint
 
-    assert error_body("f.jsonl:3: body.top_k=-7 is invalid: use -1") == (400, {
-        "message": "f.jsonl:3: body.top_k=-7 is invalid: use -1", "type": "invalid_request_error",
-        "param": "top_k", "code": None})
+    assert error_body("f.jsonl:3: body.top_k=-7 is invalid: use -1") == (
+        400,
+        {
+            "message": "f.jsonl:3: body.top_k=-7 is invalid: use -1",
+            "type": "invalid_request_error",
+            "param": "top_k",
+            "code": None,
+        },
+    )
     too_long = "the prompt has 900 tokens but max_model_len is 512: shorten the prompt"
     assert error_body(too_long, chat=False)[1] | {"message": ""} == {
-        "message": "", "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+        "message": "",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
     status, body = error_body("f.jsonl:2: the engine failed on this row in every attempt (x): given up")
     assert (status, body["type"]) == (500, "server_error")
     row = {"custom_id": "a", "row_id": 3, "error": too_long, "_pf_url": "/v1/completions"}
@@ -315,8 +395,17 @@ def test_error_records_as_openai_writes_them():
     from prefixflow.jobs.spec import SpecError
 
     with pytest.raises(SpecError, match="output.error_file is true but the output format is jsonl"):
-        parse_spec({"model": "m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"},
-                    "output": {"path": "out", "format": "jsonl", "error_file": True}})
+        parse_spec(
+            {
+                "model": "m",
+                "input": {"path": "in.jsonl"},
+                "prompt": {"template": "{{ q }}"},
+                "output": {"path": "out", "format": "jsonl", "error_file": True},
+            }
+        )
     fp = system_fingerprint({"model.safetensors": "ab"}, {"backend": "native"})
-    assert fp == system_fingerprint({"model.safetensors": "ab"}, {"backend": "native"}) != \
-        system_fingerprint({"model.safetensors": "ab"}, {"backend": "vllm"})
+    assert (
+        fp
+        == system_fingerprint({"model.safetensors": "ab"}, {"backend": "native"})
+        != system_fingerprint({"model.safetensors": "ab"}, {"backend": "vllm"})
+    )

@@ -20,12 +20,18 @@ pytestmark = pytest.mark.slow  # end to end on a real local Ray
 
 @pytest.fixture(scope="module")
 def bucket(s3_server):
-    storage = StorageOptions(endpoint_url=s3_server, region="us-east-1",
-                             aws_access_key_id="testing", aws_secret_access_key="testing")
+    storage = StorageOptions(
+        endpoint_url=s3_server, region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
     import boto3
 
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="pf-test")
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket="pf-test")
     return storage, storage.filesystem("s3://pf-test")
 
 
@@ -34,16 +40,22 @@ def test_s3_parquet_in_jsonl_out(ray_local, tiny_model, bucket):
     rows = demo_rows(num_docs=2, questions_per_doc=3, sentences_per_doc=4, seed=2)
     with fs.open("s3://pf-test/in/part-0.parquet", "wb") as f:
         pq.write_table(pa.Table.from_pylist(rows), f)
-    spec = parse_spec({
-        "model": str(tiny_model),
-        "input": {"path": "s3://pf-test/in/", "format": "parquet"},
-        "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
-        "sampling": {"temperature": 0, "max_tokens": 4, "logprobs": 1},
-        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": "s3://pf-test/out/", "format": "jsonl", "include_prompt": True},
-        "storage": {"endpoint_url": storage.endpoint_url, "region": "us-east-1",
-                    "aws_access_key_id": "testing", "aws_secret_access_key": "testing"},
-    })
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": {"path": "s3://pf-test/in/", "format": "parquet"},
+            "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
+            "sampling": {"temperature": 0, "max_tokens": 4, "logprobs": 1},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "output": {"path": "s3://pf-test/out/", "format": "jsonl", "include_prompt": True},
+            "storage": {
+                "endpoint_url": storage.endpoint_url,
+                "region": "us-east-1",
+                "aws_access_key_id": "testing",
+                "aws_secret_access_key": "testing",
+            },
+        }
+    )
     metrics = run_job(spec, quiet=True)
     out = read_output("s3://pf-test/out/", storage)
     assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)

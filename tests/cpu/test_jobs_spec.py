@@ -17,8 +17,12 @@ from prefixflow.jobs.spec import SpecError, load_spec, parse_spec
 
 
 def _spec(**changes):
-    data = {"model": "m", "input": {"path": "in.jsonl"}, "output": {"path": "out"},
-            "prompt": {"template": "Q: {{ question }}"}}
+    data = {
+        "model": "m",
+        "input": {"path": "in.jsonl"},
+        "output": {"path": "out"},
+        "prompt": {"template": "Q: {{ question }}"},
+    }
     for dotted, value in changes.items():
         keys = dotted.split("__")
         d = data
@@ -42,8 +46,7 @@ def test_unknown_key_names_path_and_suggests():
 
 
 def test_wrong_type_and_bad_values_name_the_field():
-    p = _problems(_spec(sampling={"max_tokens": "many"}, replicas=0, order="random",
-                        engine={"dtype": "fp8"}))
+    p = _problems(_spec(sampling={"max_tokens": "many"}, replicas=0, order="random", engine={"dtype": "fp8"}))
     assert "wrong type" in p["sampling.max_tokens"]
     assert "0 is invalid: use a positive integer" in p["replicas"]
     assert "'batchllm'" in p["order"]
@@ -113,7 +116,17 @@ def test_cli_validate_exit_codes(tmp_path, capsys, tiny_model):
     path.write_text(yaml.safe_dump({**good, "replica": 2}))
     assert cli(["validate", str(path)]) == 2
     assert "did you mean 'replicas'" in capsys.readouterr().err
-    assert cli(["validate", str(path), "--set", "replica=", ]) == 2  # still unknown
+    assert (
+        cli(
+            [
+                "validate",
+                str(path),
+                "--set",
+                "replica=",
+            ]
+        )
+        == 2
+    )  # still unknown
 
 
 def test_set_overrides(tmp_path, tiny_model):
@@ -133,8 +146,7 @@ def test_output_format_defaults():
 def test_true_or_false_is_no_number():
     """pydantic would turn `top_k: true` into 1: a mirrored section refuses a bool for a
     number field, naming it; real bool fields still take one."""
-    base = {"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"},
-            "output": {"path": "out"}}
+    base = {"model": "/m", "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ q }}"}, "output": {"path": "out"}}
     for section, key in (("sampling", "top_k"), ("sampling", "temperature"), ("engine", "block_size")):
         with pytest.raises(SpecError, match=rf"{section}\.{key}: True is invalid: give a number"):
             parse_spec({**base, section: {key: True}})
@@ -149,13 +161,21 @@ def test_engine_backend_and_vllm_arguments_name_the_field():
     vllm = {"engine": {"backend": "vllm", "vllm": {"enforce_eager": True}}}
     assert parse_spec({**_spec(), **vllm}).engine.vllm == {"enforce_eager": True}
     bad = _problems(_spec(engine__backend="vllm", engine__vllm={"enforce_eagr": True}))
-    assert bad == {"engine.vllm.enforce_eagr": "True is invalid: not a vLLM engine argument: did "
-                   "you mean 'enforce_eager'? see vLLM's EngineArgs for the names"}
-    assert "use engine.dtype instead" in _problems(_spec(engine__backend="vllm",
-                                                         engine__vllm={"dtype": "half"}))["engine.vllm.dtype"]
+    assert bad == {
+        "engine.vllm.enforce_eagr": "True is invalid: not a vLLM engine argument: did "
+        "you mean 'enforce_eager'? see vLLM's EngineArgs for the names"
+    }
+    assert (
+        "use engine.dtype instead"
+        in _problems(_spec(engine__backend="vllm", engine__vllm={"dtype": "half"}))["engine.vllm.dtype"]
+    )
     assert "need engine.backend: vllm" in _problems(_spec(engine__vllm={"enforce_eager": True}))["engine.vllm"]
-    assert "use cuda or auto" in _problems(_spec(engine__backend="vllm", engine__device="cuda:0",
-                                                 resources__num_gpus_per_replica=1))["engine.device"]
+    assert (
+        "use cuda or auto"
+        in _problems(_spec(engine__backend="vllm", engine__device="cuda:0", resources__num_gpus_per_replica=1))[
+            "engine.device"
+        ]
+    )
     score = _spec(task="score", score={"choices": ["Yes", "No"], "chunk_size": 64}, engine__backend="vllm")
     assert "only engine.backend: native honours it" in _problems(score)["score.chunk_size"]
     # The Python API checks the same, naming the same field.
@@ -164,16 +184,23 @@ def test_engine_backend_and_vllm_arguments_name_the_field():
     with pytest.raises(ValueError, match=r"ProcessorConfig\.engine\.backend='gpu' is invalid"):
         ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "gpu"})
     with pytest.raises(ValueError, match=r"ProcessorConfig\.score\.chunk_size=64 is invalid: only"):
-        ProcessorConfig(model="smollm2-135m-instruct", task="score", engine={"backend": "vllm"},
-                        score={"choices": ["Yes", "No"], "chunk_size": 64})
+        ProcessorConfig(
+            model="smollm2-135m-instruct",
+            task="score",
+            engine={"backend": "vllm"},
+            score={"choices": ["Yes", "No"], "chunk_size": 64},
+        )
 
 
-@pytest.mark.parametrize("prompt", [
-    {"template": "Q: {{ q }}", "user": "{{ q }}"},   # two kinds
-    {"add_generation_prompt": False},                 # no kind
-    {"system": "Be brief.", "messages_column": "m"},  # system without user
-    {"user": "{{ q "},                                # bad syntax
-])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        {"template": "Q: {{ q }}", "user": "{{ q }}"},  # two kinds
+        {"add_generation_prompt": False},  # no kind
+        {"system": "Be brief.", "messages_column": "m"},  # system without user
+        {"user": "{{ q "},  # bad syntax
+    ],
+)
 def test_prompt_python_api_and_spec_refuse_alike(prompt, tiny_model):
     """PromptTemplate itself checks "exactly one of" (the spec is generated from it): the
     Python API and the spec refuse the same prompts with the same message."""
@@ -181,20 +208,25 @@ def test_prompt_python_api_and_spec_refuse_alike(prompt, tiny_model):
 
     with pytest.raises(ValueError) as api:
         prefixflow.ProcessorConfig(model=str(tiny_model), prompt=prompt)
-    (field, message), = _problems(_spec(prompt=prompt)).items()
+    ((field, message),) = _problems(_spec(prompt=prompt)).items()
     assert str(api.value) == f"PromptTemplate.{field.removeprefix('prompt.')}={message}"
 
 
-@pytest.mark.parametrize("score", [
-    {"choices": ["Yes"], "choices_column": "c"}, {}, {"choices": ["Yes"], "chunk_size": 0},
-    {"choices": ["Yes"], "lam": -1.0},
-])
+@pytest.mark.parametrize(
+    "score",
+    [
+        {"choices": ["Yes"], "choices_column": "c"},
+        {},
+        {"choices": ["Yes"], "chunk_size": 0},
+        {"choices": ["Yes"], "lam": -1.0},
+    ],
+)
 def test_score_python_api_and_spec_refuse_alike(score, tiny_model):
     import prefixflow
 
     with pytest.raises(ValueError) as api:
         prefixflow.ProcessorConfig(model=str(tiny_model), task="score", score=score)
-    (field, message), = _problems(_spec(task="score", score=score)).items()
+    ((field, message),) = _problems(_spec(task="score", score=score)).items()
     owner = "ScoreConfig" if field == "score.choices" else "ScoreOptions"
     assert str(api.value) == f"{owner}.{field.removeprefix('score.')}={message}"
 
@@ -220,5 +252,6 @@ def test_every_bad_vllm_argument_is_reported():
     assert sorted(bad) == [f"engine.vllm.{key}" for key in sorted(args)]
     with pytest.raises(ValueError) as api:
         ProcessorConfig(model="smollm2-135m-instruct", engine={"backend": "vllm", "vllm": args})
-    assert [line.split("=")[0] for line in str(api.value).splitlines()] == \
-        [f"ProcessorConfig.engine.vllm.{key}" for key in args]
+    assert [line.split("=")[0] for line in str(api.value).splitlines()] == [
+        f"ProcessorConfig.engine.vllm.{key}" for key in args
+    ]

@@ -38,18 +38,37 @@ def _kill_cluster(marker: str) -> None:
 def test_ray_job_submit(tiny_model, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
-                   capture_output=True)
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     temp_dir = tempfile.mkdtemp(prefix="pfrs", dir="/tmp")  # short: Ray's socket paths are limited
     gcs_port, dash_port = free_port(), free_port()
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host",
-         "127.0.0.1", "--port", str(gcs_port), "--dashboard-port", str(dash_port), "--num-cpus", "2",
-         # the agent on a port the OS gives it (0): another Ray on this machine (the session's)
-         # holds the default one, and a port picked beforehand can be taken before it binds
-         "--dashboard-agent-listen-port", "0",
-         "--disable-usage-stats", "--temp-dir", temp_dir, "--block"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--port",
+            str(gcs_port),
+            "--dashboard-port",
+            str(dash_port),
+            "--num-cpus",
+            "2",
+            # the agent on a port the OS gives it (0): another Ray on this machine (the session's)
+            # holds the default one, and a port picked beforehand can be taken before it binds
+            "--dashboard-agent-listen-port",
+            "0",
+            "--disable-usage-stats",
+            "--temp-dir",
+            temp_dir,
+            "--block",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_dashboard(dash_port)
         work = tmp_path / "work"
@@ -59,8 +78,19 @@ def test_ray_job_submit(tiny_model, tmp_path):
         spec.update(model=str(tiny_model), input={"path": str(data)}, replicas=1)
         spec["output"].update(path=str(tmp_path / "out"))
         (work / "job.yaml").write_text(yaml.safe_dump(spec))
-        submit = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}",
-                  "--working-dir", str(work), "--", "prefixflow", "run", "job.yaml"]
+        submit = [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dash_port}",
+            "--working-dir",
+            str(work),
+            "--",
+            "prefixflow",
+            "run",
+            "job.yaml",
+        ]
         for _ in range(10):  # the head's job agent comes up a little after the dashboard
             result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
             if "No available agent" not in result.stdout + result.stderr:

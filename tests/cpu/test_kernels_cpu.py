@@ -16,13 +16,16 @@ from prefixflow.bench.kernel_cases import make_prefix_case
 from prefixflow.kernels import cpu_kernels
 from prefixflow.kernels.kv_write import write_kv_cache, write_kv_cache_ref
 from prefixflow.kernels.paged_decode import paged_decode_attention, paged_decode_attention_cpu
-from prefixflow.kernels.prefix_attention import (prefix_shared_attention,
-                                                 prefix_shared_attention_cpu,
-                                                 prefix_shared_attention_ref)
+from prefixflow.kernels.prefix_attention import (
+    prefix_shared_attention,
+    prefix_shared_attention_cpu,
+    prefix_shared_attention_ref,
+)
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.supports(torch.zeros(1, 1, 8),
-                                                        torch.zeros(1, 4, 1, 8)),
-                                reason="no C compiler to build the CPU kernel")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.supports(torch.zeros(1, 1, 8), torch.zeros(1, 4, 1, 8)),
+    reason="no C compiler to build the CPU kernel",
+)
 
 # (heads, kv heads, head dim, block size): GQA 2 and 4, MHA, odd sizes, one-token blocks
 SHAPES = [(8, 4, 64, 32), (8, 2, 64, 16), (4, 4, 32, 4), (6, 3, 40, 5), (2, 1, 128, 1)]
@@ -37,27 +40,37 @@ def test_decode_with_shared_prefixes_matches_the_oracle(shape, threads):
     # enough members to be read as one tile of several members' queries (the kernel's group
     # path, up to 16 rows of query heads at a time; the rest go one by one).
     many = [(1, n) for n in (1, 3, 7, 20, 33, 2, 5, 9, 11, 64, 4)]
-    case = make_prefix_case([(70, [(1, 1), (1, 9), (1, 33)]), (5, [(1, 2)]), (0, [(1, 4)]),
-                             (40, many)],
-                            [(1, 1), (1, 50)], num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                            block_size=bs, dtype=torch.float32, seed=hq + d + bs)
+    case = make_prefix_case(
+        [(70, [(1, 1), (1, 9), (1, 33)]), (5, [(1, 2)]), (0, [(1, 4)]), (40, many)],
+        [(1, 1), (1, 50)],
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        dtype=torch.float32,
+        seed=hq + d + bs,
+    )
     _check_the_c_path(case, threads)
 
 
 def test_decode_without_prefix_matches_the_oracle_and_writes_a_strided_out():
-    case = make_prefix_case([], [(1, n) for n in (1, 7, 64, 65, 200)], num_heads=8,
-                            num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                            seed=3)
-    out = torch.zeros(case.q.shape[0], 8, 128)[:, :, ::2]     # last dim strided: rejected
+    case = make_prefix_case(
+        [],
+        [(1, n) for n in (1, 7, 64, 65, 200)],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=3,
+    )
+    out = torch.zeros(case.q.shape[0], 8, 128)[:, :, ::2]  # last dim strided: rejected
     with pytest.raises(ValueError):
-        paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens,
-                                   case.block_tables, case.scale, out)
+        paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens, case.block_tables, case.scale, out)
     out = torch.zeros(8, case.q.shape[0], 64).transpose(0, 1)  # not contiguous, unit stride in D
-    paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens,
-                               case.block_tables, case.scale, out)
+    paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens, case.block_tables, case.scale, out)
     assert rel_error(out, naive_prefix_attention(case)) < 1e-5
-    again = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.kv_lens,
-                                   case.block_tables, case.scale)
+    again = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.kv_lens, case.block_tables, case.scale)
     assert torch.equal(again, out)
 
 
@@ -68,11 +81,16 @@ def test_chunked_steps_with_shared_prefixes_match_the_oracle(shape, threads):
     # (queries, own keys): chunks that start the sequence (q == own), chunks after cached
     # keys, single queries beside them, chunks longer than one tile of the kernel (64 rows),
     # a prefix's own computation (no prefix, long), and groups whose prefix is empty.
-    case = make_prefix_case([(70, [(1, 1), (5, 9), (33, 33), (100, 140)]), (5, [(1, 2), (2, 2)]),
-                             (0, [(1, 4), (7, 7)])],
-                            [(1, 1), (1, 50), (17, 17), (3, 80), (64, 64), (65, 65)],
-                            num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                            dtype=torch.float32, seed=hq + d + bs)
+    case = make_prefix_case(
+        [(70, [(1, 1), (5, 9), (33, 33), (100, 140)]), (5, [(1, 2), (2, 2)]), (0, [(1, 4), (7, 7)])],
+        [(1, 1), (1, 50), (17, 17), (3, 80), (64, 64), (65, 65)],
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        dtype=torch.float32,
+        seed=hq + d + bs,
+    )
     _check_the_c_path(case, threads)
 
 
@@ -91,13 +109,13 @@ def _check_the_c_path(case, threads: int) -> None:
 
 
 def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
-    case = make_prefix_case([(40, [(1, 5)])], [(1, 3)], num_heads=4, num_kv_heads=2,
-                            head_dim=32, block_size=8, dtype=torch.float32, seed=6)
+    case = make_prefix_case(
+        [(40, [(1, 5)])], [(1, 3)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, seed=6
+    )
     bad = case.block_tables.clone()
     bad[0, 0] = case.k_cache.shape[0]
     with pytest.raises(ValueError, match="block table"):
-        paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens, bad,
-                                   case.scale)
+        paged_decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.kv_lens, bad, case.scale)
     bad_prefix = case.prefix_block_tables.clone()
     bad_prefix[0, 0] = -1
     args = list(case.args())
@@ -107,21 +125,24 @@ def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
 
 
 def test_other_dtypes_and_the_switch_keep_the_reference(monkeypatch):
-    case = make_prefix_case([(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32,
-                            block_size=8, dtype=torch.float64, seed=7)
+    case = make_prefix_case(
+        [(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float64, seed=7
+    )
     assert not cpu_kernels.supports(case.q, case.k_cache)
-    f32 = make_prefix_case([(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32,
-                           block_size=8, dtype=torch.float32, seed=7)
+    f32 = make_prefix_case(
+        [(9, [(1, 3)])], [], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, seed=7
+    )
     monkeypatch.setenv("PREFIXFLOW_CPU_KERNELS", "0")
     assert not cpu_kernels.supports(f32.q, f32.k_cache)
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
 def test_without_a_working_compiler_the_reference_runs(compiler, monkeypatch, tmp_path):
-    case = make_prefix_case([(9, [(1, 3)])], [(1, 2)], num_heads=4, num_kv_heads=2,
-                            head_dim=32, block_size=8, dtype=torch.float32, seed=8)
+    case = make_prefix_case(
+        [(9, [(1, 3)])], [(1, 2)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, seed=8
+    )
     monkeypatch.setenv("CC", compiler)
-    monkeypatch.setenv("PREFIXFLOW_CACHE", str(tmp_path))   # nothing built there yet
+    monkeypatch.setenv("PREFIXFLOW_CACHE", str(tmp_path))  # nothing built there yet
     cpu_kernels._library.cache_clear()
     try:
         assert not cpu_kernels.supports(case.q, case.k_cache)
@@ -133,10 +154,12 @@ def test_without_a_working_compiler_the_reference_runs(compiler, monkeypatch, tm
 def test_the_kernel_shares_torchs_openmp_runtime():
     # In a fresh process: other libraries the suite imports (sentencepiece) map their own
     # libgomp; what matters is that loading ours adds none next to torch's.
-    script = ("import torch\n"
-              "from prefixflow.kernels import cpu_kernels\n"
-              "assert cpu_kernels._library() is not None\n"
-              "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))\n")
+    script = (
+        "import torch\n"
+        "from prefixflow.kernels import cpu_kernels\n"
+        "assert cpu_kernels._library() is not None\n"
+        "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     runtimes = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert len(runtimes) == 1 and "/torch/lib/" in runtimes[0], runtimes
@@ -145,7 +168,7 @@ def test_the_kernel_shares_torchs_openmp_runtime():
 @pytest.mark.parametrize("tokens", [3, 400])
 def test_kv_write_matches_torch_and_skips_negative_slots(tokens):
     gen = torch.Generator().manual_seed(tokens)
-    kv = torch.randn(tokens, 2, 3, 16, generator=gen)       # k and v interleaved: strided views
+    kv = torch.randn(tokens, 2, 3, 16, generator=gen)  # k and v interleaved: strided views
     k, v = kv[:, 0], kv[:, 1]
     slots = torch.randperm(40 * 16, generator=gen)[:tokens]
     slots[::5] = -1

@@ -16,8 +16,8 @@ DTYPES = [torch.float16, torch.float32]
 
 def _cos_sin(positions: int, d: int) -> torch.Tensor:
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-    emb = torch.outer(torch.arange(positions).float(), inv).repeat(1, 2)      # [P, D]
-    return torch.stack([emb.cos(), emb.sin()], dim=1)                       # [P, 2, D]
+    emb = torch.outer(torch.arange(positions).float(), inv).repeat(1, 2)  # [P, D]
+    return torch.stack([emb.cos(), emb.sin()], dim=1)  # [P, 2, D]
 
 
 def test_rms_norm_ref_matches_formula():
@@ -35,7 +35,7 @@ def test_rms_norm_ref_matches_formula():
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_triton(dtype, with_residual):
     gen = torch.Generator().manual_seed(1)
-    x, res = torch.randn(2, 6, 80, generator=gen).to(dtype)     # hidden not a power of two
+    x, res = torch.randn(2, 6, 80, generator=gen).to(dtype)  # hidden not a power of two
     w = torch.randn(80, generator=gen).to(dtype)
     res = res if with_residual else None
     got, want = rms_norm_triton(x, w, 1e-5, res), rms_norm_ref(x, w, 1e-5, res)
@@ -55,9 +55,8 @@ def test_rotary_ref_matches_complex_rotation():
     cs = _cos_sin(16, 8).double().float()
     q_rot, _ = rotary_embedding_ref(q, k, pos, cs)
     inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).double() / 8))
-    angle = pos.double()[:, None] * inv                                     # [T, D/2]
-    z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones_like(angle),
-                                                            angle)[:, None, :]
+    angle = pos.double()[:, None] * inv  # [T, D/2]
+    z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones_like(angle), angle)[:, None, :]
     assert torch.allclose(q_rot, torch.cat([z.real, z.imag], dim=-1), atol=1e-6)
 
 
@@ -65,7 +64,7 @@ def test_rotary_ref_matches_complex_rotation():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_triton_matches_ref_on_strided_views(dtype):
     gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(5, 4 + 2 * 2, 32, generator=gen).to(dtype)   # fused projection output
+    qkv = torch.randn(5, 4 + 2 * 2, 32, generator=gen).to(dtype)  # fused projection output
     q, k = qkv[:, :4], qkv[:, 4:6]
     pos = torch.tensor([3, 0, 7, 7, 1])
     cs = _cos_sin(8, 32)
@@ -83,8 +82,7 @@ def test_engine_layers_round_like_hugging_face():
     from prefixflow.kernels.rotary import apply_rotary
 
     g = torch.Generator().manual_seed(0)
-    cos, sin = RotaryEmbedding(64, 2048, RopeConfig())(torch.randint(0, 2048, (300,), generator=g),
-                                                       torch.float32)
+    cos, sin = RotaryEmbedding(64, 2048, RopeConfig())(torch.randint(0, 2048, (300,), generator=g), torch.float32)
     x = torch.randn(300, 12, 64, generator=g) * 3
     hf = x * cos + torch.cat([-x[..., 32:], x[..., :32]], dim=-1) * sin
     assert torch.equal(apply_rotary(x, cos, sin), hf)
@@ -95,8 +93,8 @@ def test_engine_layers_round_like_hugging_face():
     assert torch.equal(norm(h), hf)
 
 
-@pytest.mark.parametrize("hidden", [64, 576, 1000, 4096, 8200])   # 4096+: torch's cascaded sum
-@pytest.mark.parametrize("rows", [1, 7, 130])                      # 130: the C loop's threads
+@pytest.mark.parametrize("hidden", [64, 576, 1000, 4096, 8200])  # 4096+: torch's cascaded sum
+@pytest.mark.parametrize("rows", [1, 7, 130])  # 130: the C loop's threads
 def test_c_rms_norm_rounds_like_torch(hidden, rows):
     from prefixflow.kernels import cpu_exact
 
@@ -108,9 +106,10 @@ def test_c_rms_norm_rounds_like_torch(hidden, rows):
     want_residual = x + residual
     want = torch.nn.functional.rms_norm(want_residual, (hidden,), weight, 1e-5)
     assert torch.equal(cpu_exact.add_rms_norm(x, residual, weight, 1e-5), want)
-    assert torch.equal(residual, want_residual)                       # the sum, in place
-    assert torch.equal(cpu_exact.add_rms_norm(x, None, weight, 1e-5),
-                       torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-5))
+    assert torch.equal(residual, want_residual)  # the sum, in place
+    assert torch.equal(
+        cpu_exact.add_rms_norm(x, None, weight, 1e-5), torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-5)
+    )
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -120,9 +119,10 @@ def test_c_rotary_rotates_strided_qkv_in_place_like_torch(head_dim):
     from prefixflow.kernels import cpu_exact
 
     g = torch.Generator().manual_seed(head_dim)
-    heads = torch.randn(90, 9 + 2 * 3, head_dim, generator=g) * 4   # a fused qkv, 9 q / 3 kv
+    heads = torch.randn(90, 9 + 2 * 3, head_dim, generator=g) * 4  # a fused qkv, 9 q / 3 kv
     cos, sin = RotaryEmbedding(head_dim, 4096, RopeConfig(theta=1e5))(
-        torch.randint(0, 4096, (90,), generator=g), torch.float32)
+        torch.randint(0, 4096, (90,), generator=g), torch.float32
+    )
     qk = heads[:, :12]
     want, v = apply_rotary(qk, cos, sin), heads[:, 12:].clone()
     assert cpu_exact.supports_rotary(qk, cos, sin)
@@ -140,7 +140,7 @@ def test_layers_keep_torch_where_the_c_norm_would_round_otherwise(monkeypatch):
     h, r = torch.randn(2, 9, 320, generator=g)
     norm = RMSNorm(320, 1e-6)
     want = norm.weight * ((h + r) * torch.rsqrt((h + r).pow(2).mean(-1, keepdim=True) + 1e-6))
-    monkeypatch.setattr(cpu_exact, "_LANES", (3,))   # no such vector width: never exact
+    monkeypatch.setattr(cpu_exact, "_LANES", (3,))  # no such vector width: never exact
     cpu_exact._norm_lanes.cache_clear()
     try:
         assert not cpu_exact.supports_norm(h, r, norm.weight)

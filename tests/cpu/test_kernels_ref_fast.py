@@ -6,8 +6,7 @@ padding, sub-batches, and the plain-matmul fallback for torch builds without the
 import pytest
 import torch
 
-from prefixflow.kernels import (packed_prefill_attention_ref, paged_decode_attention_ref,
-                                prefix_shared_attention_ref)
+from prefixflow.kernels import packed_prefill_attention_ref, paged_decode_attention_ref, prefix_shared_attention_ref
 from prefixflow.kernels import _common
 from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
 from support.kernel_oracles import naive_packed_prefill, rel_error
@@ -50,12 +49,11 @@ def dense_oracle(c: PrefixCase) -> torch.Tensor:
         pb, po = _slots(c.prefix_block_tables[g].tolist(), p_len, bs) if p_len else ([], [])
         ob, oo = _slots(c.block_tables[s].tolist(), lens[s], bs)
         blocks, offs = torch.tensor(pb + ob, dtype=torch.long), torch.tensor(po + oo)
-        k = kc[blocks, offs].repeat_interleave(ratio, dim=1)                # [K, Hq, D]
+        k = kc[blocks, offs].repeat_interleave(ratio, dim=1)  # [K, Hq, D]
         v = vc[blocks, offs].repeat_interleave(ratio, dim=1)
         n = hi - lo
         j, i = torch.arange(len(ob)), torch.arange(n)
-        keep = torch.cat([torch.ones(n, p_len, dtype=torch.bool),
-                          j[None] <= lens[s] - n + i[:, None]], dim=1)      # [n, K]
+        keep = torch.cat([torch.ones(n, p_len, dtype=torch.bool), j[None] <= lens[s] - n + i[:, None]], dim=1)  # [n, K]
         scores = torch.einsum("thd,khd->htk", q[lo:hi], k) * c.scale
         p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
         out[lo:hi] = torch.einsum("htk,khd->thd", p, v)
@@ -65,8 +63,9 @@ def dense_oracle(c: PrefixCase) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_prefix_ref_engine_like(flash, ratio, dtype):
-    c = make_prefix_case(*ENGINE_LIKE, num_heads=2 * ratio, num_kv_heads=2, head_dim=64,
-                         block_size=16, dtype=dtype, seed=ratio)
+    c = make_prefix_case(
+        *ENGINE_LIKE, num_heads=2 * ratio, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=ratio
+    )
     out = torch.full_like(c.q, float("nan"))
     assert prefix_shared_attention_ref(*c.args(), out=out) is out
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -75,8 +74,9 @@ def test_prefix_ref_engine_like(flash, ratio, dtype):
 
 def test_decode_ref_padding_and_sub_batches(flash, monkeypatch):
     lens = [1, 17, 64, 3, 100, 33, 16, 250]
-    c = make_prefix_case([], [(1, n) for n in lens], num_heads=8, num_kv_heads=2, head_dim=32,
-                         block_size=16, dtype=torch.float32, seed=7)
+    c = make_prefix_case(
+        [], [(1, n) for n in lens], num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=7
+    )
     want = dense_oracle(c)
     args = (c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale)
     assert rel_error(paged_decode_attention_ref(*args), want) < 1e-5
@@ -86,8 +86,9 @@ def test_decode_ref_padding_and_sub_batches(flash, monkeypatch):
 
 
 def test_refs_on_a_strided_cache_and_in_float16(flash):
-    c = make_prefix_case(*ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
-                         dtype=torch.float16, seed=3)
+    c = make_prefix_case(
+        *ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float16, seed=3
+    )
     want = dense_oracle(c)
     got = prefix_shared_attention_ref(*c.args())
     assert got.dtype == torch.float16 and rel_error(got, want) < 2e-3
@@ -103,11 +104,19 @@ def test_refs_on_a_strided_cache_and_in_float16(flash):
 
 
 def test_outputs_survive_later_calls_that_reuse_the_scratch_buffers():
-    big = make_prefix_case([(64, [(1, 90), (3, 30)])], [(1, 200)], num_heads=4,
-                           num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
-                           seed=11)
-    small = make_prefix_case([(5, [(1, 3)])], [(2, 2)], num_heads=4, num_kv_heads=2,
-                             head_dim=32, block_size=16, dtype=torch.float32, seed=12)
+    big = make_prefix_case(
+        [(64, [(1, 90), (3, 30)])],
+        [(1, 200)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        seed=11,
+    )
+    small = make_prefix_case(
+        [(5, [(1, 3)])], [(2, 2)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=12
+    )
     first = prefix_shared_attention_ref(*big.args())
     kept = first.clone()
     second = prefix_shared_attention_ref(*small.args())
@@ -146,20 +155,27 @@ def test_attention_lse_returns_the_log_sum_exp(use_flash):
     square_k, square_v = k[:, :, :5], v[:, :, :5]
     out, _ = _common.attention_lse(q, square_k, square_v, 0.25, causal=True, use_flash=use_flash)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
-    scores = (q @ square_k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.25).masked_fill(
-        ~causal, float("-inf"))
+    scores = (q @ square_k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.25).masked_fill(~causal, float("-inf"))
     want = torch.softmax(scores, -1) @ square_v.repeat_interleave(3, dim=1)
     assert torch.allclose(out, want, atol=1e-12)
 
 
 def test_scratch_buffers_work_inside_and_outside_inference_mode(monkeypatch):
-    c = make_prefix_case([(40, [(1, 23), (3, 5)])], [(1, 70)], num_heads=4, num_kv_heads=2,
-                         head_dim=32, block_size=16, dtype=torch.float32, seed=1)
+    c = make_prefix_case(
+        [(40, [(1, 23), (3, 5)])],
+        [(1, 70)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        seed=1,
+    )
     want = dense_oracle(c)
-    with torch.inference_mode():   # the engine's mode: buffers first made here
+    with torch.inference_mode():  # the engine's mode: buffers first made here
         assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
     assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
-    monkeypatch.setattr(_common, "_SCRATCH_MAX_ELEMENTS", 1000)   # too big to keep: fresh
+    monkeypatch.setattr(_common, "_SCRATCH_MAX_ELEMENTS", 1000)  # too big to keep: fresh
     assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
 
 
@@ -171,20 +187,29 @@ def _renumbered(c: PrefixCase) -> PrefixCase:
     rows += [(c.block_tables[s], n) for s, n in enumerate(c.kv_lens.tolist())]
     new_of = {0: 0}
     for table, n in rows:
-        for b in table[:-(-n // bs)].tolist():
+        for b in table[: -(-n // bs)].tolist():
             new_of.setdefault(b, len(new_of))
     for b in range(c.k_cache.shape[0]):
         new_of.setdefault(b, len(new_of))
-    old = torch.tensor(sorted(new_of, key=new_of.get))             # old id of each new id
+    old = torch.tensor(sorted(new_of, key=new_of.get))  # old id of each new id
     remap = torch.tensor([new_of[b] for b in range(len(new_of))], dtype=torch.int32)
-    return PrefixCase(**{**c.__dict__, "k_cache": c.k_cache[old], "v_cache": c.v_cache[old],
-                         "block_tables": remap[c.block_tables.long()],
-                         "prefix_block_tables": remap[c.prefix_block_tables.long()]})
+    return PrefixCase(
+        **{
+            **c.__dict__,
+            "k_cache": c.k_cache[old],
+            "v_cache": c.v_cache[old],
+            "block_tables": remap[c.block_tables.long()],
+            "prefix_block_tables": remap[c.prefix_block_tables.long()],
+        }
+    )
 
 
 def test_consecutive_blocks_are_read_in_place(flash):
-    c = _renumbered(make_prefix_case(*ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32,
-                                     block_size=16, dtype=torch.float32, seed=5))
+    c = _renumbered(
+        make_prefix_case(
+            *ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=5
+        )
+    )
     assert rel_error(prefix_shared_attention_ref(*c.args()), dense_oracle(c)) < 1e-5
     # A prefix of consecutive blocks is a view of the cache (no copy at every layer and step).
     nb = -(-int(c.prefix_lens[0]) // c.k_cache.shape[1])
@@ -195,17 +220,18 @@ def test_consecutive_blocks_are_read_in_place(flash):
 def test_step_host_work_runs_once_for_all_layers(monkeypatch):
     from prefixflow.kernels import prefix_attention
 
-    c = make_prefix_case(*ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                         dtype=torch.float32, seed=6)
+    c = make_prefix_case(
+        *ENGINE_LIKE, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=6
+    )
     calls = []
     real = prefix_attention._plan
     monkeypatch.setattr(prefix_attention, "_plan", lambda *a: calls.append(1) or real(*a))
     want = dense_oracle(c)
-    for _ in range(3):   # three layers of one step: same metadata tensors
+    for _ in range(3):  # three layers of one step: same metadata tensors
         assert rel_error(prefix_shared_attention_ref(*c.args()), want) < 1e-5
     assert len(calls) == 1
     args = list(c.args())
-    args[3] = c.cu_seqlens_q.clone()   # the next step's tensors
+    args[3] = c.cu_seqlens_q.clone()  # the next step's tensors
     prefix_shared_attention_ref(*args)
     assert len(calls) == 2
     bad = list(c.args())
@@ -221,8 +247,8 @@ def test_kv_write_works_out_its_slots_once_per_step(monkeypatch):
     calls = []
     real = kv_write._slots
     monkeypatch.setattr(kv_write, "_slots", lambda s: calls.append(1) or real(s))
-    slots = torch.tensor([5, -1, 0, 9])             # -1: a token whose KV is not written
-    for layer in range(2):                          # two layers, one step
+    slots = torch.tensor([5, -1, 0, 9])  # -1: a token whose KV is not written
+    for layer in range(2):  # two layers, one step
         k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
         kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
         kv_write.write_kv_cache_ref(k, v, kc, vc, slots)

@@ -42,16 +42,25 @@ def _poisoned(x: torch.Tensor) -> torch.Tensor:
 def test_prefix_shared_triton(name, ratio, dtype):
     groups, solo = PREFIX_CASES[name]
     seed = sorted(PREFIX_CASES).index(name) * 10 + ratio
-    c = make_prefix_case(groups, solo, num_heads=ratio, num_kv_heads=1, head_dim=32,
-                         block_size=4, dtype=dtype, seed=seed)
+    c = make_prefix_case(
+        groups, solo, num_heads=ratio, num_kv_heads=1, head_dim=32, block_size=4, dtype=dtype, seed=seed
+    )
     out = _poisoned(c.q)
     assert prefix_shared_attention_triton(*c.args(), out=out) is out
     assert rel_error(out, naive_prefix_attention(c)) < TOL[dtype]
 
 
 def test_prefix_shared_triton_bf16_gqa_two_kv_heads():
-    c = make_prefix_case([(6, [(1, 2), (3, 5)])], [(2, 2)], num_heads=8, num_kv_heads=2,
-                         head_dim=32, block_size=8, dtype=torch.bfloat16, seed=99)
+    c = make_prefix_case(
+        [(6, [(1, 2), (3, 5)])],
+        [(2, 2)],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=8,
+        dtype=torch.bfloat16,
+        seed=99,
+    )
     out = _poisoned(c.q)
     prefix_shared_attention_triton(*c.args(), out=out)
     assert rel_error(out, naive_prefix_attention(c)) < TOL[torch.bfloat16]
@@ -61,18 +70,26 @@ def test_prefix_shared_triton_bf16_gqa_two_kv_heads():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 def test_paged_decode_triton(ratio, dtype, num_splits):
-    c = make_prefix_case([], [(1, n) for n in (1, 5, 40, 17)], num_heads=2 * ratio,
-                         num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype,
-                         seed=ratio + (num_splits or 0))
+    c = make_prefix_case(
+        [],
+        [(1, n) for n in (1, 5, 40, 17)],
+        num_heads=2 * ratio,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=dtype,
+        seed=ratio + (num_splits or 0),
+    )
     out = _poisoned(c.q)
-    paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables,
-                                  c.scale, out=out, num_splits=num_splits)
+    paged_decode_attention_triton(
+        c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale, out=out, num_splits=num_splits
+    )
     assert rel_error(out, naive_prefix_attention(c)) < TOL[dtype]
 
 
 def _prefill_inputs(ratio: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    cu = torch.tensor([0, 5, 5, 6, 26], dtype=torch.int32)      # includes an empty prompt
+    cu = torch.tensor([0, 5, 5, 6, 26], dtype=torch.int32)  # includes an empty prompt
     q = torch.randn(26, 2 * ratio, 32, generator=gen).to(dtype)
     k, v = torch.randn(2, 26, 2, 32, generator=gen).to(dtype)
     return q, k, v, cu, gen
@@ -93,8 +110,7 @@ def test_packed_prefill_triton_writes_cache():
     slots = torch.randperm(40, generator=gen)[:26]
     slots[3] = -1
     out = _poisoned(q)
-    packed_prefill_attention_triton(q, k, v, cu, 0.2, out=out, k_cache=k_cache,
-                                    v_cache=v_cache, slot_mapping=slots)
+    packed_prefill_attention_triton(q, k, v, cu, 0.2, out=out, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     assert rel_error(out, naive_packed_prefill(q, k, v, cu, 0.2)) < 1e-3
     ok = slots >= 0
     assert torch.equal(k_cache.view(-1, 2, 32)[slots[ok]], k[ok])
@@ -104,7 +120,7 @@ def test_packed_prefill_triton_writes_cache():
 
 def test_write_kv_cache_triton_strided_input_and_cast():
     gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(5, 3, 2, 16, generator=gen)           # k, v are strided views of it
+    qkv = torch.randn(5, 3, 2, 16, generator=gen)  # k, v are strided views of it
     k, v = qkv[:, 1], qkv[:, 2]
     k_cache, v_cache = torch.zeros(2, 3, 4, 2, 16, dtype=torch.float16)
     slots = torch.tensor([11, -1, 0, 4, 5])
@@ -116,33 +132,39 @@ def test_write_kv_cache_triton_strided_input_and_cast():
 
 
 def test_launchers_reject_bad_arguments():
-    c = make_prefix_case([(4, [(1, 2)])], [], num_heads=2, num_kv_heads=1, head_dim=32,
-                         block_size=4, dtype=torch.float16, seed=0)
+    c = make_prefix_case(
+        [(4, [(1, 2)])], [], num_heads=2, num_kv_heads=1, head_dim=32, block_size=4, dtype=torch.float16, seed=0
+    )
     with pytest.raises(ValueError, match="head_dim"):
-        prefix_shared_attention_triton(c.q[..., :24], c.k_cache[..., :24], c.v_cache[..., :24],
-                                       *c.args()[3:])
+        prefix_shared_attention_triton(c.q[..., :24], c.k_cache[..., :24], c.v_cache[..., :24], *c.args()[3:])
     with pytest.raises(ValueError, match="q has dtype"):
         prefix_shared_attention_triton(c.q.double(), *c.args()[1:])
     with pytest.raises(ValueError, match="block_tables"):
-        paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens,
-                                      c.block_tables.repeat(2, 1), c.scale)
+        paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables.repeat(2, 1), c.scale)
     strided = c.block_tables.repeat(1, 2)[:, ::2]
     with pytest.raises(ValueError, match="block_tables must have stride 1"):
         paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, strided, c.scale)
     with pytest.raises(ValueError, match="num_splits"):
-        paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables,
-                                      c.scale, num_splits=0)
+        paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale, num_splits=0)
     with pytest.raises(ValueError, match="q must have stride 1"):
-        paged_decode_attention_triton(c.q.transpose(1, 2).contiguous().transpose(1, 2),
-                                      c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale)
+        paged_decode_attention_triton(
+            c.q.transpose(1, 2).contiguous().transpose(1, 2), c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale
+        )
 
 
 def test_decode_and_prefill_triton_bf16():
-    c = make_prefix_case([], [(1, n) for n in (3, 33)], num_heads=4, num_kv_heads=1,
-                         head_dim=32, block_size=16, dtype=torch.bfloat16, seed=11)
+    c = make_prefix_case(
+        [],
+        [(1, n) for n in (3, 33)],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=11,
+    )
     out = _poisoned(c.q)
-    paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables,
-                                  c.scale, out=out, num_splits=2)
+    paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale, out=out, num_splits=2)
     assert rel_error(out, naive_prefix_attention(c)) < TOL[torch.bfloat16]
     q, k, v, cu, _ = _prefill_inputs(1, torch.bfloat16, seed=12)
     out = _poisoned(q)
@@ -156,18 +178,19 @@ def test_public_functions_keep_triton_off_the_cpu():
 
     # float32 takes the C kernel where it is built, float64 the torch reference.
     for dtype in (torch.float32, torch.float64):
-        c = make_prefix_case([(5, [(2, 3)])], [(1, 2)], num_heads=2, num_kv_heads=1,
-                             head_dim=32, block_size=4, dtype=dtype, seed=13)
-        cpu_path = (prefix_shared_attention_cpu if cpu_kernels.supports(c.q, c.k_cache)
-                    else prefix_shared_attention_ref)
+        c = make_prefix_case(
+            [(5, [(2, 3)])], [(1, 2)], num_heads=2, num_kv_heads=1, head_dim=32, block_size=4, dtype=dtype, seed=13
+        )
+        cpu_path = prefix_shared_attention_cpu if cpu_kernels.supports(c.q, c.k_cache) else prefix_shared_attention_ref
         assert torch.equal(prefix_shared_attention(*c.args()), cpu_path(*c.args()))
 
 
 def test_prefix_shared_triton_group_of_seven_heads():
     # Qwen2.5-7B packs 7 query heads per kv head: rows that are not a power of two.
     groups, solo = PREFIX_CASES["mixed_prefill_decode"]
-    c = make_prefix_case(groups, solo, num_heads=14, num_kv_heads=2, head_dim=32,
-                         block_size=4, dtype=torch.float16, seed=21)
+    c = make_prefix_case(
+        groups, solo, num_heads=14, num_kv_heads=2, head_dim=32, block_size=4, dtype=torch.float16, seed=21
+    )
     out = _poisoned(c.q)
     prefix_shared_attention_triton(*c.args(), out=out)
     assert rel_error(out, naive_prefix_attention(c)) < TOL[torch.float16]
@@ -176,11 +199,15 @@ def test_prefix_shared_triton_group_of_seven_heads():
 def _random_step(rng: random.Random) -> tuple[list, list]:
     groups = []
     for _ in range(rng.randint(0, 3)):
-        members = [(q, q + rng.randint(0, 6)) for q in
-                   (rng.choice([1, 1, 1, rng.randint(2, 6)]) for _ in range(rng.randint(1, 3)))]
+        members = [
+            (q, q + rng.randint(0, 6))
+            for q in (rng.choice([1, 1, 1, rng.randint(2, 6)]) for _ in range(rng.randint(1, 3)))
+        ]
         groups.append((rng.choice([0, rng.randint(1, 40), rng.randint(1, 700)]), members))
-    solo = [(q, q + rng.randint(0, 30)) for q in
-            (rng.choice([1, rng.randint(1, 5)]) for _ in range(rng.randint(0 if groups else 1, 3)))]
+    solo = [
+        (q, q + rng.randint(0, 30))
+        for q in (rng.choice([1, rng.randint(1, 5)]) for _ in range(rng.randint(0 if groups else 1, 3)))
+    ]
     return groups, solo
 
 
@@ -189,8 +216,16 @@ def test_prefix_shared_triton_random_steps(seed):
     rng = random.Random(seed)
     groups, solo = _random_step(rng)
     ratio = rng.choice([1, 2, 3, 4])
-    c = make_prefix_case(groups, solo, num_heads=ratio * 2, num_kv_heads=2, head_dim=32,
-                         block_size=rng.choice([1, 2, 16]), dtype=torch.float32, seed=seed)
+    c = make_prefix_case(
+        groups,
+        solo,
+        num_heads=ratio * 2,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=rng.choice([1, 2, 16]),
+        dtype=torch.float32,
+        seed=seed,
+    )
     out = _poisoned(c.q)
     prefix_shared_attention_triton(*c.args(), out=out)
     assert rel_error(out, naive_prefix_attention(c)) < TOL[torch.float32], (groups, solo)
@@ -198,11 +233,11 @@ def test_prefix_shared_triton_random_steps(seed):
 
 def test_prefix_shared_triton_config_override_splits():
     groups, solo = PREFIX_CASES["mixed_prefill_decode"]
-    c = make_prefix_case(groups, solo, num_heads=4, num_kv_heads=2, head_dim=32, block_size=4,
-                         dtype=torch.float32, seed=31)
+    c = make_prefix_case(
+        groups, solo, num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32, seed=31
+    )
     out = _poisoned(c.q)
-    prefix_shared_attention_triton(*c.args(), out=out,
-                                   config=dict(NSP=3, NSO=2, BN_P=32, BM_O=32))
+    prefix_shared_attention_triton(*c.args(), out=out, config=dict(NSP=3, NSO=2, BN_P=32, BM_O=32))
     assert rel_error(out, naive_prefix_attention(c)) < TOL[torch.float32]
     with pytest.raises(ValueError, match="NSP"):
         prefix_shared_attention_triton(*c.args(), config=dict(NSP=0))

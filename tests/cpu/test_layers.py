@@ -45,16 +45,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = {"prefixflow": "prefixflow", "pipeline": "prefixflow.pipeline", "kernels": "prefixflow.kernels",
-           "engine": "prefixflow.engine", "operators": "prefixflow.operators", "jobs": "prefixflow.jobs",
-           "bench": "prefixflow.bench"}
+FOLDERS = {
+    "prefixflow": "prefixflow",
+    "pipeline": "prefixflow.pipeline",
+    "kernels": "prefixflow.kernels",
+    "engine": "prefixflow.engine",
+    "operators": "prefixflow.operators",
+    "jobs": "prefixflow.jobs",
+    "bench": "prefixflow.bench",
+}
 RANKS = {"base": 0, "pipeline": 1, "kernels": 1, "engine": 2, "operators": 3, "jobs": 4, "face": 5, "bench": 6}
 FACES = ("prefixflow", "prefixflow.api", "prefixflow.cli")
 # engine/'s and operators/' rooms, and the rooms each may import besides its own (the module docstring)
-ENGINE_ROOMS = {"shared": set(), "models": {"shared"}, "native": {"shared", "models"},
-                "scoring": {"shared", "models"}, "vllm_backend": {"shared", "models", "scoring"}}
-OPERATOR_ROOMS = {"shared": set(), "results": {"shared"}, "stages": {"shared", "results"},
-                  "faces": {"shared", "results", "stages"}}
+ENGINE_ROOMS = {
+    "shared": set(),
+    "models": {"shared"},
+    "native": {"shared", "models"},
+    "scoring": {"shared", "models"},
+    "vllm_backend": {"shared", "models", "scoring"},
+}
+OPERATOR_ROOMS = {
+    "shared": set(),
+    "results": {"shared"},
+    "stages": {"shared", "results"},
+    "faces": {"shared", "results", "stages"},
+}
 ROOMS = {"engine": ENGINE_ROOMS, "operators": OPERATOR_ROOMS}
 _IMPORT_LINE = re.compile(r"\s*(from|import)\s")
 
@@ -97,14 +112,13 @@ def find_modules(root: Path, folders: dict[str, str] = FOLDERS) -> dict[str, Pat
     return modules
 
 
-def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
-             modules: dict[str, Path]) -> list[str]:
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
     base = node.module or ""
     if node.level:
         anchor = module.split(".") if is_package else module.split(".")[:-1]
-        anchor = anchor[:len(anchor) - (node.level - 1)]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
         base = ".".join(anchor + ([node.module] if node.module else []))
     subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
     names = [a.name for a in node.names if f"{base}.{a.name}" not in modules]
@@ -113,7 +127,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
 
 def _commented(lines: list[str], node: ast.stmt) -> bool:
     """A comment on the import's lines, or on the line above its run of import lines."""
-    if any("#" in line for line in lines[node.lineno - 1:node.end_lineno]):
+    if any("#" in line for line in lines[node.lineno - 1 : node.end_lineno]):
         return True
     i = node.lineno - 2
     while i >= 0 and _IMPORT_LINE.match(lines[i]):
@@ -127,8 +141,9 @@ def import_edges(modules: dict[str, Path]) -> list[Edge]:
     for name, path in modules.items():
         text = path.read_text(encoding="utf-8")
         tree, lines = ast.parse(text), text.splitlines()
-        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       for n in ast.walk(f)}
+        in_function = {
+            id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)
+        }
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
@@ -136,8 +151,7 @@ def import_edges(modules: dict[str, Path]) -> list[Edge]:
                 while target not in modules and "." in target:
                     target = target.rsplit(".", 1)[0]
                 if target in modules and target != name and target.startswith("prefixflow"):
-                    edges.append(Edge(name, target, node.lineno, id(node) in in_function,
-                                      _commented(lines, node)))
+                    edges.append(Edge(name, target, node.lineno, id(node) in in_function, _commented(lines, node)))
     return edges
 
 
@@ -208,17 +222,25 @@ def cycles(edges: list[Edge]) -> list[list[str]]:
 
 def unexplained_lazy_imports(edges: list[Edge]) -> list[str]:
     """Function-level imports of prefixflow modules in the product without a comment."""
-    return [f"{e.src}:{e.line} imports {e.dst} inside a function without saying why"
-            for e in edges if e.in_function and not e.commented and layer(e.src) != "bench"]
+    return [
+        f"{e.src}:{e.line} imports {e.dst} inside a function without saying why"
+        for e in edges
+        if e.in_function and not e.commented and layer(e.src) != "bench"
+    ]
 
 
 def problems(root: Path, folders: dict[str, str] = FOLDERS) -> list[str]:
     edges = import_edges(find_modules(root, folders))
-    return (upward_imports(edges) + room_imports(edges) + [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
-            + unexplained_lazy_imports(edges))
+    return (
+        upward_imports(edges)
+        + room_imports(edges)
+        + [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
+        + unexplained_lazy_imports(edges)
+    )
 
 
 # ---- the repository ---------------------------------------------------------------------------
+
 
 def test_every_layer_imports_only_downward_and_no_cycle():
     assert problems(REPO) == []
@@ -249,6 +271,7 @@ def test_layers_cover_every_module():
 
 # ---- the checker, on planted trees ------------------------------------------------------------
 
+
 def _tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = root / rel
@@ -261,45 +284,60 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_planted_upward_import_fails(tmp_path):
-    root = _tree(tmp_path, {
-        "kernels/norm.py": "import torch\n",
-        "engine/runner.py": "from prefixflow.kernels.norm import torch\n",          # down: fine
-        "pipeline/plan.py": "def f():\n    # lazy: never\n    from prefixflow.engine import runner\n",
-        "operators/stages/read.py": "from prefixflow.pipeline.plan import f\n",           # down: fine
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "kernels/norm.py": "import torch\n",
+            "engine/runner.py": "from prefixflow.kernels.norm import torch\n",  # down: fine
+            "pipeline/plan.py": "def f():\n    # lazy: never\n    from prefixflow.engine import runner\n",
+            "operators/stages/read.py": "from prefixflow.pipeline.plan import f\n",  # down: fine
+        },
+    )
     assert problems(root) == ["prefixflow.pipeline.plan:3 (pipeline) imports prefixflow.engine.runner (engine)"]
 
 
 def test_siblings_and_the_faces_count_as_upward(tmp_path):
-    root = _tree(tmp_path, {
-        "kernels/norm.py": "from prefixflow.pipeline import plan\n",
-        "pipeline/plan.py": "X = 1\n",
-        "jobs/run.py": "if __name__ == '__main__':\n    from prefixflow.cli import main\n",
-        "prefixflow/cli.py": "from prefixflow.jobs.run import X\n",
-        "prefixflow/storage.py": "from prefixflow import api\n",
-        "prefixflow/api.py": "",
-    })
-    assert sorted(problems(root)) == sorted([
-        "prefixflow.kernels.norm:1 (kernels) imports prefixflow.pipeline.plan (pipeline)",
-        "prefixflow.jobs.run:2 (jobs) imports prefixflow.cli (face)",
-        "prefixflow.storage:1 (base) imports prefixflow.api (face)",
-        "import cycle: prefixflow.cli <-> prefixflow.jobs.run",
-    ])
+    root = _tree(
+        tmp_path,
+        {
+            "kernels/norm.py": "from prefixflow.pipeline import plan\n",
+            "pipeline/plan.py": "X = 1\n",
+            "jobs/run.py": "if __name__ == '__main__':\n    from prefixflow.cli import main\n",
+            "prefixflow/cli.py": "from prefixflow.jobs.run import X\n",
+            "prefixflow/storage.py": "from prefixflow import api\n",
+            "prefixflow/api.py": "",
+        },
+    )
+    assert sorted(problems(root)) == sorted(
+        [
+            "prefixflow.kernels.norm:1 (kernels) imports prefixflow.pipeline.plan (pipeline)",
+            "prefixflow.jobs.run:2 (jobs) imports prefixflow.cli (face)",
+            "prefixflow.storage:1 (base) imports prefixflow.api (face)",
+            "import cycle: prefixflow.cli <-> prefixflow.jobs.run",
+        ]
+    )
 
 
 def test_a_cycle_inside_one_layer_fails_even_through_functions(tmp_path):
-    root = _tree(tmp_path, {
-        "operators/stages/read.py": "from prefixflow.operators.stages.openai_batch import parse\nERROR = 'e'\n",
-        "operators/stages/openai_batch.py": "def parse():\n    # lazy: dodges a cycle\n    from prefixflow.operators.stages.read import ERROR\n",
-        "operators/results/write.py": "from prefixflow.operators import read\n",            # no cycle: fine
-    })
-    assert problems(root) == ["import cycle: prefixflow.operators.stages.openai_batch <-> prefixflow.operators.stages.read"]
+    root = _tree(
+        tmp_path,
+        {
+            "operators/stages/read.py": "from prefixflow.operators.stages.openai_batch import parse\nERROR = 'e'\n",
+            "operators/stages/openai_batch.py": "def parse():\n    # lazy: dodges a cycle\n    from prefixflow.operators.stages.read import ERROR\n",
+            "operators/results/write.py": "from prefixflow.operators import read\n",  # no cycle: fine
+        },
+    )
+    assert problems(root) == [
+        "import cycle: prefixflow.operators.stages.openai_batch <-> prefixflow.operators.stages.read"
+    ]
 
 
 def test_a_lazy_import_must_say_why(tmp_path):
-    root = _tree(tmp_path, {
-        "engine/runner.py": "import torch\n",
-        "operators/stages/generate.py": textwrap.dedent("""\
+    root = _tree(
+        tmp_path,
+        {
+            "engine/runner.py": "import torch\n",
+            "operators/stages/generate.py": textwrap.dedent("""\
             def make():
                 from prefixflow.engine.runner import torch
                 return torch
@@ -311,48 +349,60 @@ def test_a_lazy_import_must_say_why(tmp_path):
                 from prefixflow.engine import runner
                 return runner
             """),
-        "bench/b.py": "def main():\n    from prefixflow.engine import runner\n",      # bench: free
-    })
-    assert problems(root) == ["prefixflow.operators.stages.generate:2 imports prefixflow.engine.runner inside a "
-                              "function without saying why"]
+            "bench/b.py": "def main():\n    from prefixflow.engine import runner\n",  # bench: free
+        },
+    )
+    assert problems(root) == [
+        "prefixflow.operators.stages.generate:2 imports prefixflow.engine.runner inside a function without saying why"
+    ]
 
 
 def test_engine_rooms_import_only_shared_models_and_what_they_may(tmp_path):
-    root = _tree(tmp_path, {
-        "engine/config.py": "X = 1\n",
-        "engine/outputs.py": "from prefixflow.engine.native.sequence import X\n",     # shared -> room
-        "engine/models/loader.py": "from prefixflow.engine.config import X\n",        # fine
-        "engine/native/sequence.py": "from prefixflow.engine.models.loader import X\n",  # fine
-        "engine/scoring/scorer.py": "from prefixflow.engine.native.sequence import X\n",  # sibling
-        "engine/scoring/options.py": "X = 1\n",
-        "engine/vllm_backend/engine.py": "from prefixflow.engine.scoring.options import X\n",  # allowed
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "engine/config.py": "X = 1\n",
+            "engine/outputs.py": "from prefixflow.engine.native.sequence import X\n",  # shared -> room
+            "engine/models/loader.py": "from prefixflow.engine.config import X\n",  # fine
+            "engine/native/sequence.py": "from prefixflow.engine.models.loader import X\n",  # fine
+            "engine/scoring/scorer.py": "from prefixflow.engine.native.sequence import X\n",  # sibling
+            "engine/scoring/options.py": "X = 1\n",
+            "engine/vllm_backend/engine.py": "from prefixflow.engine.scoring.options import X\n",  # allowed
+        },
+    )
     for folder in ("engine/models", "engine/native", "engine/scoring", "engine/vllm_backend"):
         (root / folder / "__init__.py").touch()
-    assert sorted(problems(root)) == sorted([
-        "prefixflow.engine.outputs:1 (engine/shared) imports prefixflow.engine.native.sequence (engine/native)",
-        "prefixflow.engine.scoring.scorer:1 (engine/scoring) imports prefixflow.engine.native.sequence "
-        "(engine/native)",
-    ])
+    assert sorted(problems(root)) == sorted(
+        [
+            "prefixflow.engine.outputs:1 (engine/shared) imports prefixflow.engine.native.sequence (engine/native)",
+            "prefixflow.engine.scoring.scorer:1 (engine/scoring) imports prefixflow.engine.native.sequence "
+            "(engine/native)",
+        ]
+    )
 
 
 def test_operator_rooms_import_only_shared_and_the_rooms_below(tmp_path):
-    root = _tree(tmp_path, {
-        "operators/config.py": "from prefixflow.operators.results.outputs import X\n",     # shared -> room
-        "operators/template.py": "X = 1\n",
-        "operators/results/outputs.py": "from prefixflow.operators.template import X\n",    # fine
-        "operators/results/write.py": "from prefixflow.operators.stages.plan import X\n",   # up
-        "operators/stages/plan.py": "from prefixflow.operators.results.outputs import X\n",  # down: fine
-        "operators/stages/read.py": "from prefixflow.operators.faces.processor import X\n",  # up
-        "operators/faces/processor.py": "from prefixflow.operators.stages.plan import X\n",  # down: fine
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "operators/config.py": "from prefixflow.operators.results.outputs import X\n",  # shared -> room
+            "operators/template.py": "X = 1\n",
+            "operators/results/outputs.py": "from prefixflow.operators.template import X\n",  # fine
+            "operators/results/write.py": "from prefixflow.operators.stages.plan import X\n",  # up
+            "operators/stages/plan.py": "from prefixflow.operators.results.outputs import X\n",  # down: fine
+            "operators/stages/read.py": "from prefixflow.operators.faces.processor import X\n",  # up
+            "operators/faces/processor.py": "from prefixflow.operators.stages.plan import X\n",  # down: fine
+        },
+    )
     for folder in ("operators/results", "operators/stages", "operators/faces"):
         (root / folder / "__init__.py").touch()
-    assert sorted(problems(root)) == sorted([
-        "prefixflow.operators.config:1 (operators/shared) imports prefixflow.operators.results.outputs "
-        "(operators/results)",
-        "prefixflow.operators.results.write:1 (operators/results) imports prefixflow.operators.stages.plan "
-        "(operators/stages)",
-        "prefixflow.operators.stages.read:1 (operators/stages) imports prefixflow.operators.faces.processor "
-        "(operators/faces)",
-    ])
+    assert sorted(problems(root)) == sorted(
+        [
+            "prefixflow.operators.config:1 (operators/shared) imports prefixflow.operators.results.outputs "
+            "(operators/results)",
+            "prefixflow.operators.results.write:1 (operators/results) imports prefixflow.operators.stages.plan "
+            "(operators/stages)",
+            "prefixflow.operators.stages.read:1 (operators/stages) imports prefixflow.operators.faces.processor "
+            "(operators/faces)",
+        ]
+    )

@@ -26,10 +26,8 @@ def ckpt(tmp_path_factory):
 
 
 def last_logits(path, dtype: str = "float32") -> torch.Tensor:
-    runner = ModelRunner(EngineConfig(model=str(path), dtype=dtype, device="cpu",
-                                      kv_cache_bytes=1 << 20))
-    step = StepInput((SeqChunk(0, PROMPT, 0, 0, (0,), sample=True,
-                               sampling_params=SamplingParams(temperature=0.0)),))
+    runner = ModelRunner(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_bytes=1 << 20))
+    step = StepInput((SeqChunk(0, PROMPT, 0, 0, (0,), sample=True, sampling_params=SamplingParams(temperature=0.0)),))
     return runner.execute_logits(step)[0]
 
 
@@ -67,14 +65,20 @@ def test_missing_or_unexpected_weight(ckpt, tmp_path):
     weights = load_file(ckpt / "model.safetensors")
     missing = tmp_path / "missing"
     shutil.copytree(ckpt, missing)
-    save_file({k: v for k, v in weights.items() if "layers.1.self_attn.k_proj" not in k},
-              missing / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if "layers.1.self_attn.k_proj" not in k},
+        missing / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with pytest.raises(ValueError, match="qkv_proj"):
         load_model(missing)
     extra = tmp_path / "extra"
     shutil.copytree(ckpt, extra)
-    save_file(dict(weights, **{"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
-              extra / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        dict(weights, **{"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+        extra / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with pytest.raises(ValueError, match="extra"):
         load_model(extra)
 
@@ -104,12 +108,12 @@ def test_config_parsing_old_and_new_rope_fields(ckpt, tmp_path):
     args = read_model_args(ckpt)
     assert (args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim) == (2, 4, 2, 32)
     assert args.rope.rope_type == "default"
-    old = edit_config(ckpt, tmp_path / "v4", rope_parameters=None, rope_theta=500000.0,
-                      rope_scaling={"type": "linear", "factor": 2.0})
+    old = edit_config(
+        ckpt, tmp_path / "v4", rope_parameters=None, rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0}
+    )
     rope = read_model_args(old).rope
     assert (rope.theta, rope.rope_type, rope.factor) == (500000.0, "linear", 2.0)
-    yarn = edit_config(ckpt, tmp_path / "yarn",
-                       rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    yarn = edit_config(ckpt, tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rope_type"):
         read_model_args(yarn)
 

@@ -34,10 +34,10 @@ def pair(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(VARIANTS[request.param])
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), kwargs.pop("arch"),
-                                seed=3, **kwargs)
-    runner = ModelRunner(EngineConfig(model=str(path), device="cpu", block_size=BLOCK,
-                                      kv_cache_bytes=256 * BLOCK * 2048))
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), kwargs.pop("arch"), seed=3, **kwargs)
+    runner = ModelRunner(
+        EngineConfig(model=str(path), device="cpu", block_size=BLOCK, kv_cache_bytes=256 * BLOCK * 2048)
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return runner, hf
 
@@ -56,13 +56,20 @@ class Blocks:
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()                  # [L, V]
+        return hf(torch.tensor([ids])).logits[0].float()  # [L, V]
 
 
 def chunk(seq_id, tokens, start, cached, table, prefix_index=-1, sample=True):
-    return SeqChunk(seq_id=seq_id, token_ids=tuple(tokens), start_pos=start,
-                    num_cached_tokens=cached, block_table=table, prefix_index=prefix_index,
-                    sample=sample, sampling_params=GREEDY if sample else None)
+    return SeqChunk(
+        seq_id=seq_id,
+        token_ids=tuple(tokens),
+        start_pos=start,
+        num_cached_tokens=cached,
+        block_table=table,
+        prefix_index=prefix_index,
+        sample=sample,
+        sampling_params=GREEDY if sample else None,
+    )
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -89,11 +96,11 @@ def test_chunked_prompt_then_decode(pair):
     table = Blocks().take(len(ids))
     done = 0
     for size in (6, 5, 7):  # chunk boundaries inside blocks; KV of earlier chunks from the cache
-        step = StepInput((chunk(0, ids[done:done + size], done, done, table),))
+        step = StepInput((chunk(0, ids[done : done + size], done, done, table),))
         assert_close(runner.execute_logits(step)[0], ref[done + size - 1])
         done += size
     for pos in range(done, len(ids)):  # decode steps, one token each
-        step = StepInput((chunk(0, ids[pos:pos + 1], pos, pos, table),))
+        step = StepInput((chunk(0, ids[pos : pos + 1], pos, pos, table),))
         assert_close(runner.execute_logits(step)[0], ref[pos])
 
 
@@ -113,17 +120,28 @@ def test_shared_prefixes_mixed_with_unrelated_sequences(pair):
     full = {s: prefixes[g] + d for s, (g, d) in members.items()}
 
     # Step 1: both prefixes (no sampling) and the first part of the unrelated prompt.
-    step1 = StepInput((chunk(100, prefixes[1], 0, 0, p_tables[1], sample=False),
-                       chunk(9, lone[:4], 0, 0, lone_table),
-                       chunk(101, prefixes[0], 0, 0, p_tables[0], sample=False)), shared)
+    step1 = StepInput(
+        (
+            chunk(100, prefixes[1], 0, 0, p_tables[1], sample=False),
+            chunk(9, lone[:4], 0, 0, lone_table),
+            chunk(101, prefixes[0], 0, 0, p_tables[0], sample=False),
+        ),
+        shared,
+    )
     assert_close(runner.execute_logits(step1)[0], hf_logits(hf, lone)[3])
 
     # Step 2: members' first chunks (member 1 chunked in two), the rest of the lone prompt.
     first = {1: 3, 2: 3, 3: 6}
-    step2 = StepInput(tuple(
-        [chunk(9, lone[4:], 4, 4, lone_table)]
-        + [chunk(s, members[s][1][:first[s]], len(prefixes[members[s][0]]), 0, own[s],
-                 prefix_index=members[s][0]) for s in (3, 2, 1)]), shared)
+    step2 = StepInput(
+        tuple(
+            [chunk(9, lone[4:], 4, 4, lone_table)]
+            + [
+                chunk(s, members[s][1][: first[s]], len(prefixes[members[s][0]]), 0, own[s], prefix_index=members[s][0])
+                for s in (3, 2, 1)
+            ]
+        ),
+        shared,
+    )
     logits = runner.execute_logits(step2)
     assert_close(logits[0], hf_logits(hf, lone)[-1])
     for row, s in enumerate((3, 2, 1), start=1):
@@ -150,18 +168,29 @@ def test_greedy_loop_matches_hf_generate(pair):
     prompt = tokens(11, seed=40)
     new = 10
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                                                                            dtype=torch.long),
-                          max_new_tokens=new, do_sample=False, pad_token_id=0,
-                          eos_token_id=None)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
     table = Blocks().take(len(prompt) + new)
     params = SamplingParams(temperature=0.0, logprobs=3)
     out_ids, out_lp = [], []
     step_tokens, pos = prompt, 0
     for _ in range(new):
-        c = SeqChunk(seq_id=0, token_ids=tuple(step_tokens), start_pos=pos, num_cached_tokens=pos,
-                     block_table=table, sample=True, sampling_params=params,
-                     num_generated=len(out_ids))
+        c = SeqChunk(
+            seq_id=0,
+            token_ids=tuple(step_tokens),
+            start_pos=pos,
+            num_cached_tokens=pos,
+            block_table=table,
+            sample=True,
+            sampling_params=params,
+            num_generated=len(out_ids),
+        )
         (tok,) = runner.execute(StepInput((c,))).sampled
         assert len(tok.top_logprobs) == 3 and tok.top_logprobs[0][0] == tok.token_id
         out_ids.append(tok.token_id)

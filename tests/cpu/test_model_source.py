@@ -104,19 +104,24 @@ def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
 
     from prefixflow.storage import StorageOptions
 
-    storage = StorageOptions(endpoint_url=s3_server, region="us-east-1",
-                             aws_access_key_id="testing", aws_secret_access_key="testing")
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="models")
+    storage = StorageOptions(
+        endpoint_url=s3_server, region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket="models")
     fs = storage.filesystem("s3://models")
     fs.put(str(tiny_model) + "/", "models/tiny/", recursive=True)
     with caplog.at_level("INFO", logger="prefixflow.model_source"):
         local = resolve_model("s3://models/tiny", storage)
         assert (local / "config.json").is_file() and model_kind(str(local)) == "folder"
-        assert resolve_model("s3://models/tiny/", storage) == local   # the node's copy, one listing
+        assert resolve_model("s3://models/tiny/", storage) == local  # the node's copy, one listing
     # the copy is reported through the module's logger (not print), once
-    assert [r.getMessage() for r in caplog.records] == [
-        f"copying s3://models/tiny to {local} (once per node)"]
+    assert [r.getMessage() for r in caplog.records] == [f"copying s3://models/tiny to {local} (once per node)"]
     # Weights replaced on S3 under the same path: copied again, not served from the old copy
     # (issue 27: a resume must not mix two models behind one path).
     config = json.loads((tiny_model / "config.json").read_text())
@@ -162,7 +167,8 @@ def test_model_fingerprint_follows_content_not_path(tiny_model, tmp_path):
     changed = model_fingerprint(folder)
     assert changed["model.safetensors"] != first["model.safetensors"]
     assert {k: v for k, v in changed.items() if k != "model.safetensors"} == {
-        k: v for k, v in first.items() if k != "model.safetensors"}
+        k: v for k, v in first.items() if k != "model.safetensors"
+    }
 
 
 def _rewrite_in_place(path: Path) -> None:
@@ -178,8 +184,9 @@ def _rewrite_in_place(path: Path) -> None:
 
 
 @pytest.mark.parametrize("racy_seconds", [None, 0.0])
-def test_weights_rewritten_in_place_with_their_mtime_restored_get_a_new_digest(tiny_model, tmp_path,
-                                                                               monkeypatch, racy_seconds):
+def test_weights_rewritten_in_place_with_their_mtime_restored_get_a_new_digest(
+    tiny_model, tmp_path, monkeypatch, racy_seconds
+):
     """Issue 43: same path, inode, size and mtime, other bytes: the fingerprint follows the bytes
     (the cache's key has the ctime, which only the kernel sets). racy_seconds 0 remembers even a
     file changed a moment ago, as every entry is once its file is a few seconds old."""
@@ -208,8 +215,9 @@ def test_an_edited_cache_entry_is_not_trusted(tiny_model, tmp_path, monkeypatch)
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)
     true = model_fingerprint(folder)["model.safetensors"]
-    entries = [p for p in (tmp_path / "pf-cache" / "sha256").iterdir()
-               if not p.name.startswith(".") and true in p.read_text()]
+    entries = [
+        p for p in (tmp_path / "pf-cache" / "sha256").iterdir() if not p.name.startswith(".") and true in p.read_text()
+    ]
     assert len(entries) == 1  # the weights' digest was remembered
     forged = hashlib.sha256(b"another model").hexdigest()
     entries[0].write_text(entries[0].read_text().replace(true, forged))
@@ -224,7 +232,7 @@ def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_gpu(tiny_model
     cfg = json.loads((bf16 / "config.json").read_text())
     (bf16 / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
     assert torch_dtype("auto", bf16, "cpu") == torch.float32
-    assert torch_dtype("auto", bf16, "cuda") == torch.bfloat16   # decided without a GPU
+    assert torch_dtype("auto", bf16, "cuda") == torch.bfloat16  # decided without a GPU
     assert torch_dtype("float16", bf16, "cpu") == torch.float16
     assert load_model(bf16, device="cpu").model.embed_tokens.weight.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype='int8'.*auto"):
@@ -241,8 +249,9 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
 
     model = tmp_path / "with_defaults"
     shutil.copytree(tiny_model, model)
-    (model / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 33, "eos_token_id": 2}))
+    (model / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 33, "eos_token_id": 2})
+    )
     api = ProcessorConfig(model=str(model), sampling={"temperature": 0.0})
     assert api.sampling == {"temperature": 0.0}  # kept as given
     params = api.sampling_params
@@ -251,8 +260,15 @@ def test_generation_config_supplies_the_sampling_fields_not_set(tiny_model, tmp_
     assert ProcessorConfig(model=str(model)).sampling_params.temperature == 0.7
     assert ProcessorConfig(model=str(model), sampling=SamplingParams()).sampling_params.top_p == 1.0
 
-    spec = parse_spec({"model": str(model), "input": {"path": "in.jsonl"}, "output": {"path": "o"},
-                       "prompt": {"template": "{{ q }}"}, "sampling": {"max_tokens": 8}})
+    spec = parse_spec(
+        {
+            "model": str(model),
+            "input": {"path": "in.jsonl"},
+            "output": {"path": "o"},
+            "prompt": {"template": "{{ q }}"},
+            "sampling": {"max_tokens": 8},
+        }
+    )
     assert spec.to_config().sampling_params == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
     used = report.sampling_used(spec.to_config())  # what metrics.json records
     assert used["from_generation_config"] == {"temperature": 0.7, "top_p": 0.9}
@@ -268,8 +284,9 @@ def test_a_config_builds_without_its_model_and_reads_it_once(tiny_model, tmp_pat
 
     from prefixflow.operators.config import ProcessorConfig
 
-    missing = ProcessorConfig(model=str(tmp_path / "not-there"), sampling={"max_tokens": 4},
-                              engine={"backend": "vllm"}, replicas=2)
+    missing = ProcessorConfig(
+        model=str(tmp_path / "not-there"), sampling={"max_tokens": 4}, engine={"backend": "vllm"}, replicas=2
+    )
     assert missing.sampling == {"max_tokens": 4} and missing.backend == "vllm"
     with pytest.raises(ModelError, match="does not exist"):
         missing.sampling_params

@@ -27,16 +27,24 @@ from prefixflow.requests import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    reason="needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
+)
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def chunk(seq_id, toks, start, cached, table, prefix_index=-1, sample=True):
-    return SeqChunk(seq_id=seq_id, token_ids=tuple(toks), start_pos=start,
-                    num_cached_tokens=cached, block_table=table, prefix_index=prefix_index,
-                    sample=sample, sampling_params=GREEDY if sample else None)
+    return SeqChunk(
+        seq_id=seq_id,
+        token_ids=tuple(toks),
+        start_pos=start,
+        num_cached_tokens=cached,
+        block_table=table,
+        prefix_index=prefix_index,
+        sample=sample,
+        sampling_params=GREEDY if sample else None,
+    )
 
 
 @pytest.mark.slow
@@ -48,8 +56,9 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
     monkeypatch.setattr(attention, "paged_decode_attention", paged_decode_attention_triton)
     monkeypatch.setattr(attention, "prefix_shared_attention", prefix_shared_attention_triton)
     path = make_tiny_checkpoint(tmp_path, "qwen2", seed=5)
-    runner = ModelRunner(EngineConfig(model=str(path), device="cpu", block_size=BLOCK,
-                                      kv_cache_bytes=64 * BLOCK * runner_bytes(path)))
+    runner = ModelRunner(
+        EngineConfig(model=str(path), device="cpu", block_size=BLOCK, kv_cache_bytes=64 * BLOCK * runner_bytes(path))
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
     def ref(ids: list[int]) -> torch.Tensor:
@@ -61,14 +70,23 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
     shared = (SharedPrefix(block_table=(0, 1, 2), length=len(prefix)),)
     lone_t, a_t, b_t = (3, 4, 5), (6, 7), (8, 9)
     # Pure prefill: the prefix (written once) and the first part of the lone prompt.
-    logits = runner.execute_logits(StepInput(
-        (chunk(1, prefix, 0, 0, shared[0].block_table, sample=False),
-         chunk(2, lone[:4], 0, 0, lone_t)), shared))
+    logits = runner.execute_logits(
+        StepInput(
+            (chunk(1, prefix, 0, 0, shared[0].block_table, sample=False), chunk(2, lone[:4], 0, 0, lone_t)), shared
+        )
+    )
     assert (logits[0] - ref(lone[:4])).abs().max() < 1e-4
     # Mixed: members after the prefix (own KV in fresh blocks) and the lone prompt's rest.
-    logits = runner.execute_logits(StepInput(
-        (chunk(2, lone[4:], 4, 4, lone_t), chunk(4, b, 9, 0, b_t, prefix_index=0),
-         chunk(3, a, 9, 0, a_t, prefix_index=0)), shared))
+    logits = runner.execute_logits(
+        StepInput(
+            (
+                chunk(2, lone[4:], 4, 4, lone_t),
+                chunk(4, b, 9, 0, b_t, prefix_index=0),
+                chunk(3, a, 9, 0, a_t, prefix_index=0),
+            ),
+            shared,
+        )
+    )
     for row, ids in enumerate((lone, prefix + b, prefix + a)):
         assert (logits[row] - ref(ids)).abs().max() < 1e-4
     # Pure decode of the lone sequence.

@@ -49,15 +49,22 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the nodes' processes (and the job drivers they start) inherit it
     dashboard = free_port()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": True,
-        "dashboard_host": "127.0.0.1", "dashboard_port": dashboard,
-        # Each node's agent on a port the OS gives it when it binds (0): the session's Ray holds
-        # the default one, and a port picked beforehand can be taken by then, which leaves the
-        # agent without its HTTP server, unregistered, and `ray job submit` (which talks to the
-        # head's agent) answering "No available agent" for good.
-        "dashboard_agent_listen_port": 0,
-        "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")}})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard,
+            # Each node's agent on a port the OS gives it when it binds (0): the session's Ray holds
+            # the default one, and a port picked beforehand can be taken by then, which leaves the
+            # agent without its HTTP server, unregistered, and `ray job submit` (which talks to the
+            # head's agent) answering "No available agent" for good.
+            "dashboard_agent_listen_port": 0,
+            "env_vars": {"PREFIXFLOW_CACHE": str(root / "head-cache")},
+        },
+    )
     workers = [_add_worker(c, root / f"node{k}-cache") for k in range(3)]
     c.wait_for_nodes()
     import boto3
@@ -68,8 +75,7 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
     s3 = _s3(s3_server)
     s3.put(str(tiny_model) + "/", "pf-models/tiny/", recursive=True)
     try:
-        yield SimpleNamespace(cluster=c, workers=workers, root=root, s3=s3, endpoint=s3_server,
-                              dashboard=dashboard)
+        yield SimpleNamespace(cluster=c, workers=workers, root=root, s3=s3, endpoint=s3_server, dashboard=dashboard)
     finally:
         c.shutdown()
         for k, v in saved.items():
@@ -80,8 +86,12 @@ def cluster(tmp_path_factory, s3_server, tiny_model):
 
 
 def _add_worker(c, cache: Path):
-    return c.add_node(num_cpus=1, node_ip_address="127.0.0.1", dashboard_agent_listen_port=0,
-                      env_vars={"PREFIXFLOW_CACHE": str(cache)})
+    return c.add_node(
+        num_cpus=1,
+        node_ip_address="127.0.0.1",
+        dashboard_agent_listen_port=0,
+        env_vars={"PREFIXFLOW_CACHE": str(cache)},
+    )
 
 
 def _s3(endpoint: str):
@@ -93,11 +103,14 @@ def _s3(endpoint: str):
 def _job(cl, name: str, rows: list[dict], **extra) -> dict:
     cl.s3.pipe_file(f"pf-data/{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
     spec = {
-        "name": name, "model": "s3://pf-models/tiny", "input": {"path": f"s3://pf-data/{name}.jsonl"},
+        "name": name,
+        "model": "s3://pf-models/tiny",
+        "input": {"path": f"s3://pf-data/{name}.jsonl"},
         "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
         "sampling": {"temperature": 0, "max_tokens": 8},
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "replicas": 3, "storage": {"endpoint_url": cl.endpoint},
+        "replicas": 3,
+        "storage": {"endpoint_url": cl.endpoint},
         "output": {"path": f"s3://pf-out/{name}", "format": "jsonl", "rows_per_part": 4},
     }
     for key, value in extra.items():
@@ -109,10 +122,13 @@ def _driver(cl, spec: dict, log: Path) -> subprocess.Popen:
     """`prefixflow run` as a driver process of the cluster (it runs on the head's machine)."""
     path = cl.root / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "RAY_ADDRESS": cl.cluster.address,
-           "PREFIXFLOW_CACHE": str(cl.root / "head-cache")}
-    return subprocess.Popen([sys.executable, "-m", "prefixflow.cli", "run", str(path)], env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "RAY_ADDRESS": cl.cluster.address, "PREFIXFLOW_CACHE": str(cl.root / "head-cache")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefixflow.cli", "run", str(path)],
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _finish(proc: subprocess.Popen, log: Path) -> int:
@@ -136,8 +152,10 @@ def _metrics(cl, name: str) -> dict:
 
 def _model_copies(cl) -> dict[str, int]:
     caches = {"head": cl.root / "head-cache"} | {f"node{k}": cl.root / f"node{k}-cache" for k in range(3)}
-    return {name: len(list((cache / "models").glob("s3-*"))) if (cache / "models").is_dir() else 0
-            for name, cache in caches.items()}
+    return {
+        name: len(list((cache / "models").glob("s3-*"))) if (cache / "models").is_dir() else 0
+        for name, cache in caches.items()
+    }
 
 
 def test_three_replicas_on_three_nodes_by_ray_job_submit(cluster, tmp_path):
@@ -169,9 +187,21 @@ def _submit(cl, spec: dict, work: Path) -> subprocess.CompletedProcess:
     """`ray job submit` of `spec` to the head's job agent (the working dir holds job.yaml)."""
     work.mkdir()
     (work / "job.yaml").write_text(yaml.safe_dump(spec))
-    submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
-              f"http://127.0.0.1:{cl.dashboard}", "--working-dir", str(work), "--",
-              sys.executable, "-m", "prefixflow.cli", "run", "job.yaml"]
+    submit = [
+        str(Path(sys.executable).parent / "ray"),
+        "job",
+        "submit",
+        "--address",
+        f"http://127.0.0.1:{cl.dashboard}",
+        "--working-dir",
+        str(work),
+        "--",
+        sys.executable,
+        "-m",
+        "prefixflow.cli",
+        "run",
+        "job.yaml",
+    ]
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     deadline = time.time() + 180
@@ -191,8 +221,15 @@ def test_a_node_lost_and_a_node_added_mid_job(cluster, tmp_path):
     rows = demo_rows(num_docs=20, questions_per_doc=4, seed=11)
     slots = 1 + len(cluster.workers)  # the head's CPU and each worker's hold one engine
     # One sequence at a time and small parts: commits come one after another for a while.
-    spec = _job(cluster, "replaced", rows, replicas=slots + 1, sampling={"max_tokens": 64},
-                engine={"max_num_seqs": 1}, output={"rows_per_part": 2})
+    spec = _job(
+        cluster,
+        "replaced",
+        rows,
+        replicas=slots + 1,
+        sampling={"max_tokens": 64},
+        engine={"max_num_seqs": 1},
+        output={"rows_per_part": 2},
+    )
     log = tmp_path / "driver.log"
     proc = _driver(cluster, spec, log)
     victim = _first_committing_worker(cluster, "replaced", proc, log)

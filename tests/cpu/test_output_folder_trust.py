@@ -24,13 +24,22 @@ import pytest
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.results.commit import (COMMITS, JOB_FILE, LOCK_FILE, JobFenced, OutputLock, check_fence,
-                                                 check_job_file, load_committed)
+from prefixflow.operators.results.commit import (
+    COMMITS,
+    JOB_FILE,
+    LOCK_FILE,
+    JobFenced,
+    OutputLock,
+    check_fence,
+    check_job_file,
+    load_committed,
+)
 from prefixflow.operators.results.write import WriteOptions, prepare_output, read_output
 from prefixflow.storage import StorageOptions
 from support.output_folders import FORMATS, committed_job, record, snapshot
 
 # -- item 2: a record's row ids are proved from its part -----------------------------------
+
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_record_that_claims_rows_its_part_does_not_hold_is_dropped(tmp_path, fmt):
@@ -50,8 +59,11 @@ def test_a_record_that_claims_rows_its_part_does_not_hold_is_dropped(tmp_path, f
     assert sorted(p.name for p in out.glob("part-*")) == [c]  # a's part went with its record
     # The rows the parts hold are exactly the rows counted, once each.
     got = read_output(str(out))
-    held = got.column("row_id").to_pylist() if isinstance(got, pa.Table) else \
-        [r.get("row_id", r.get("custom_id")) for r in got]
+    held = (
+        got.column("row_id").to_pylist()
+        if isinstance(got, pa.Table)
+        else [r.get("row_id", r.get("custom_id")) for r in got]
+    )
     assert held in ([6, 7, 8], ["req-6", "req-7", "req-8"])
 
 
@@ -59,10 +71,10 @@ def test_a_record_whose_rows_were_swapped_or_recounted_is_dropped(tmp_path):
     out = tmp_path / "out"
     a, b = committed_job(out, "jsonl", [[0, 1], [2, 3]])
     swapped = json.loads(record(out, a).read_text())
-    swapped["row_ids"] = [1, 0]                      # the same rows, claimed in another order
+    swapped["row_ids"] = [1, 0]  # the same rows, claimed in another order
     record(out, a).write_text(json.dumps(swapped))
     recounted = json.loads(record(out, b).read_text())
-    recounted["num_rows"] = 5                         # a count the row ids do not have
+    recounted["num_rows"] = 5  # a count the row ids do not have
     record(out, b).write_text(json.dumps(recounted))
     assert load_committed(str(out), StorageOptions(), verify=True).num_rows == 0
 
@@ -73,11 +85,14 @@ def test_a_resume_after_ids_moved_between_records_writes_every_row_once(ray_loca
     exactly the rows the parts hold (it said 40 while the parts held 32)."""
     rows = [{"id": i, "document": f"doc {i % 3}", "question": f"why {i}?"} for i in range(12)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {"model": str(tiny_model), "input": {"path": str(tmp_path / "in.jsonl")},
-            "prompt": {"template": "{{ document }}: {{ question }}"},
-            "sampling": {"temperature": 0, "max_tokens": 2},
-            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-            "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 4}}
+    spec = {
+        "model": str(tiny_model),
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "prompt": {"template": "{{ document }}: {{ question }}"},
+        "sampling": {"temperature": 0, "max_tokens": 2},
+        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+        "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 4},
+    }
     run_job(parse_spec(spec), quiet=True)
     out = tmp_path / "out"
     first, second = sorted(p.name for p in out.glob("part-r*"))[:2]
@@ -98,8 +113,10 @@ def test_a_resume_after_ids_moved_between_records_writes_every_row_once(ray_loca
 
 # -- item 6: links in the output folder are refused by name --------------------------------
 
-@pytest.mark.parametrize("name", [COMMITS, "part-r000-000000000.jsonl", JOB_FILE, "_SUCCESS",
-                                  f"{COMMITS}/part-r000-000000000.jsonl.json"])
+
+@pytest.mark.parametrize(
+    "name", [COMMITS, "part-r000-000000000.jsonl", JOB_FILE, "_SUCCESS", f"{COMMITS}/part-r000-000000000.jsonl.json"]
+)
 def test_a_link_in_the_output_folder_is_refused_by_name(tmp_path, name):
     """A resume or overwrite through `_commits` -> another job's records deleted and rewrote
     them; any of the job's names as a link is now refused, and nothing it points to changes."""
@@ -117,10 +134,11 @@ def test_a_link_in_the_output_folder_is_refused_by_name(tmp_path, name):
     target.symlink_to(other / name)
     before = snapshot(tmp_path, out)
     shown = name.split("/")[-1] if "/" in name else name
-    for step in (lambda: load_committed(str(out), StorageOptions(), verify=True),
-                 lambda: prepare_output(WriteOptions(path=str(out), format="jsonl"), overwrite=True),
-                 lambda: prepare_output(WriteOptions(path=str(out), format="jsonl"), overwrite=False,
-                                        resume=True)):
+    for step in (
+        lambda: load_committed(str(out), StorageOptions(), verify=True),
+        lambda: prepare_output(WriteOptions(path=str(out), format="jsonl"), overwrite=True),
+        lambda: prepare_output(WriteOptions(path=str(out), format="jsonl"), overwrite=False, resume=True),
+    ):
         with pytest.raises(ValueError, match=rf"{shown} is a symbolic link .*remove the link"):
             step()
     assert snapshot(tmp_path, out) == before and target.is_symlink()
@@ -140,17 +158,20 @@ def test_a_lock_that_is_a_link_is_refused_by_name(tmp_path):
 
 # -- item 7: overwrite deletes only the job's own files -------------------------------------
 
+
 def test_overwrite_refuses_a_job_file_that_prefixflow_did_not_write(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / JOB_FILE).write_text(json.dumps({"tool": "another", "run": 3}))
     (out / "part-r000-000000000.parquet").write_bytes(b"a user's own file")
     (out / "part-00000.parquet").write_bytes(b"another user's file")
-    with pytest.raises(ValueError, match=r"its _job.json has no 'fingerprint' field.*not one "
-                                         r"prefixflow wrote.*choose a new path"):
+    with pytest.raises(
+        ValueError,
+        match=r"its _job.json has no 'fingerprint' field.*not one "
+        r"prefixflow wrote.*choose a new path",
+    ):
         prepare_output(WriteOptions(path=str(out), format="parquet"), overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == [JOB_FILE, "part-00000.parquet",
-                                                     "part-r000-000000000.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [JOB_FILE, "part-00000.parquet", "part-r000-000000000.parquet"]
 
 
 def test_overwrite_deletes_the_job_files_and_nothing_else(tmp_path):
@@ -158,8 +179,12 @@ def test_overwrite_deletes_the_job_files_and_nothing_else(tmp_path):
     committed_job(out, "parquet", [[0, 1], [2, 3]])
     for name in ("_SUCCESS", "metrics.json", "_manifest.json"):
         (out / name).write_text("{}")
-    mine = {"part-00000.parquet": b"spark's part", "part-r0-1.parquet": b"not our name",
-            "notes.txt": b"mine", f"{COMMITS}/README": b"my notes on the records"}
+    mine = {
+        "part-00000.parquet": b"spark's part",
+        "part-r0-1.parquet": b"not our name",
+        "notes.txt": b"mine",
+        f"{COMMITS}/README": b"my notes on the records",
+    }
     for name, data in mine.items():
         (out / name).write_bytes(data)
     prepare_output(WriteOptions(path=str(out), format="parquet"), overwrite=True)
@@ -169,12 +194,19 @@ def test_overwrite_deletes_the_job_files_and_nothing_else(tmp_path):
 
 # -- item 13: one strict reader for bookkeeping files ---------------------------------------
 
-@pytest.mark.parametrize("text, why", [
-    ("[]", "holds a JSON list"), ("null", "holds null"), ('"x"', "holds a JSON str"),
-    ('{"pid": "abc"}', "has no 'host' field"),
-    ('{"host": "h", "pid": "abc", "started": 0, "heartbeat": 0, "token": "t"}', "has pid='abc'"),
-    ('{"host": "h", "pid": 1, "started": 0, "heartbeat": "now", "token": "t"}', "has heartbeat='now'"),
-    ("{not json", "is not valid JSON")])
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("[]", "holds a JSON list"),
+        ("null", "holds null"),
+        ('"x"', "holds a JSON str"),
+        ('{"pid": "abc"}', "has no 'host' field"),
+        ('{"host": "h", "pid": "abc", "started": 0, "heartbeat": 0, "token": "t"}', "has pid='abc'"),
+        ('{"host": "h", "pid": 1, "started": 0, "heartbeat": "now", "token": "t"}', "has heartbeat='now'"),
+        ("{not json", "is not valid JSON"),
+    ],
+)
 def test_a_damaged_lock_is_named_with_what_to_do(tmp_path, text, why):
     out = tmp_path / "out"
     out.mkdir()
@@ -196,8 +228,9 @@ def test_a_lock_that_is_a_folder_is_named(tmp_path):
         OutputLock(str(tmp_path), StorageOptions()).acquire()
 
 
-@pytest.mark.parametrize("text, why", [('{"fingerprint": 5}', "has fingerprint=5"),
-                                       ("[]", "holds a JSON list"), ("null", "holds null")])
+@pytest.mark.parametrize(
+    "text, why", [('{"fingerprint": 5}', "has fingerprint=5"), ("[]", "holds a JSON list"), ("null", "holds null")]
+)
 def test_a_damaged_job_file_is_named_on_resume(tmp_path, text, why):
     (tmp_path / JOB_FILE).write_text(text)
     with pytest.raises(ValueError, match=rf"its _job.json {why}.*cannot be checked to be the same job"):
@@ -207,13 +240,13 @@ def test_a_damaged_job_file_is_named_on_resume(tmp_path, text, why):
 def test_records_with_fields_of_the_wrong_type_count_as_missing(tmp_path):
     out = tmp_path / "out"
     a, b, c = committed_job(out, "jsonl", [[0], [1], [2]])
-    for part, change in ((a, {"row_ids": "0"}), (b, {"bytes": "12"}), (c, {"row_ids": [2 ** 70]})):
+    for part, change in ((a, {"row_ids": "0"}), (b, {"bytes": "12"}), (c, {"row_ids": [2**70]})):
         record(out, part).write_text(json.dumps({**json.loads(record(out, part).read_text()), **change}))
     done = load_committed(str(out), StorageOptions(), verify=True)  # never a numpy or type error
     assert done.num_rows == 0 and not list(out.glob("part-*"))
 
 
 def test_the_lock_never_follows_a_pid_no_system_has(tmp_path):
-    held = {"host": os.uname().nodename, "pid": 2 ** 70, "started": 0, "heartbeat": 0, "token": "t"}
+    held = {"host": os.uname().nodename, "pid": 2**70, "started": 0, "heartbeat": 0, "token": "t"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(held))
     OutputLock(str(tmp_path), StorageOptions()).acquire().release()  # its holder is gone: taken over

@@ -27,15 +27,18 @@ def run_sets(draw):
 def test_every_row_exactly_once_in_policy_order(runs, replicas):
     starts, comp, mem, prefix = runs
     part = partition_runs(starts, comp, mem, prefix * 0.01, prefix, replicas)
-    rows = np.concatenate([np.arange(lo, hi) for lo, hi in zip(part.part_lo, part.part_hi)]) \
-        if len(part.part_lo) else np.zeros(0, np.int64)
+    rows = (
+        np.concatenate([np.arange(lo, hi) for lo, hi in zip(part.part_lo, part.part_hi)])
+        if len(part.part_lo)
+        else np.zeros(0, np.int64)
+    )
     assert sorted(rows.tolist()) == list(range(int(starts[-1])))
     assert np.all(part.part_hi > part.part_lo)
     assert len(part.replica_parts) == replicas + 1
     for r in range(replicas):  # each replica keeps the policy's order of its parts
-        lo = part.part_lo[part.replica_parts[r]:part.replica_parts[r + 1]]
+        lo = part.part_lo[part.replica_parts[r] : part.replica_parts[r + 1]]
         assert np.all(np.diff(lo) > 0)
-        assert np.all(part.part_replica[part.replica_parts[r]:part.replica_parts[r + 1]] == r)
+        assert np.all(part.part_replica[part.replica_parts[r] : part.replica_parts[r + 1]] == r)
     # Each part inside its run; lost tokens are (parts of the run - 1) * prefix.
     assert np.all(starts[part.part_run] <= part.part_lo) and np.all(part.part_hi <= starts[part.part_run + 1])
     pieces = np.bincount(part.part_run, minlength=len(starts) - 1)
@@ -83,7 +86,7 @@ def test_a_group_larger_than_a_share_is_one_group_per_replica_with_the_full_pref
     prefix = list(range(1, 101))
     prompts = [prefix + [1000 + i, 7] for i in range(40)]
     plan = build_plan(prompts, output_lens=[50] * 40, num_replicas=4)
-    assert plan.summary["lost_saving_tokens"] == 3 * 100           # cut three times
+    assert plan.summary["lost_saving_tokens"] == 3 * 100  # cut three times
     members = []
     for r in range(4):
         groups = plan.groups(r)
@@ -97,8 +100,13 @@ def test_a_group_larger_than_a_share_is_one_group_per_replica_with_the_full_pref
 
 def test_model_config_and_hardware_change_the_prediction(tmp_path):
     prompts = [[1, 2, 3, i] for i in range(8)]
-    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-             "num_hidden_layers": 2, "vocab_size": 100}
+    small = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+    }
     a = build_plan(prompts, num_replicas=2, model=small)
     b = build_plan(prompts, num_replicas=2, hardware="a100")
     assert a.summary["replicas"][0]["predicted_seconds"] < b.summary["replicas"][0]["predicted_seconds"]
@@ -135,8 +143,11 @@ def test_joining_small_pieces_keeps_every_row_once_and_never_computes_more(runs,
     starts, comp, mem, prefix = runs
     plain = partition_runs(starts, comp, mem, prefix * 0.01, prefix, replicas)
     part = partition_runs(starts, comp, mem, prefix * 0.01, prefix, replicas, join_s=join_s)
-    rows = np.concatenate([np.arange(lo, hi) for lo, hi in zip(part.part_lo, part.part_hi)]) \
-        if len(part.part_lo) else np.zeros(0, np.int64)
+    rows = (
+        np.concatenate([np.arange(lo, hi) for lo, hi in zip(part.part_lo, part.part_hi)])
+        if len(part.part_lo)
+        else np.zeros(0, np.int64)
+    )
     assert sorted(rows.tolist()) == list(range(int(starts[-1])))
     assert part.lost_saving_tokens.sum() <= plain.lost_saving_tokens.sum()
 
@@ -150,5 +161,8 @@ def test_a_plan_for_work_stealing_keeps_small_pieces_with_their_group():
     stealing = build_plan(prompts, output_lens=outs, num_replicas=4, stealing=True)
     assert sorted(stealing.table.column("row_id").to_pylist()) == list(range(len(prompts)))
     assert stealing.summary["computed_prompt_tokens"] < static.summary["computed_prompt_tokens"]
-    assert static.summary["predicted_seconds_max_over_mean"] <= stealing.summary["predicted_seconds_max_over_mean"] \
-        <= static.summary["predicted_seconds_max_over_mean"] + 1 / 32  # one unit of a replica's share
+    assert (
+        static.summary["predicted_seconds_max_over_mean"]
+        <= stealing.summary["predicted_seconds_max_over_mean"]
+        <= static.summary["predicted_seconds_max_over_mean"] + 1 / 32
+    )  # one unit of a replica's share

@@ -40,12 +40,14 @@ ROWS = [{"id": i, "document": f"doc {i % 3}", "question": f"why {i}?"} for i in 
 def _job(root: Path, model: Path, inp: str | None = None, out: str | None = None, **engine) -> dict:
     (root / "data" / "in").mkdir(parents=True, exist_ok=True)
     (root / "data" / "in" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return {"model": str(model), "input": {"path": inp or str(root / "data" / "in" / "a.jsonl"),
-                                           "format": "jsonl"},
-            "prompt": {"template": "{{ document }}: {{ question }}"},
-            "sampling": {"temperature": 0, "max_tokens": 2},
-            "engine": {"device": "cpu", **engine},
-            "output": {"path": out or str(root / "out"), "format": "jsonl", "rows_per_part": 2}}
+    return {
+        "model": str(model),
+        "input": {"path": inp or str(root / "data" / "in" / "a.jsonl"), "format": "jsonl"},
+        "prompt": {"template": "{{ document }}: {{ question }}"},
+        "sampling": {"temperature": 0, "max_tokens": 2},
+        "engine": {"device": "cpu", **engine},
+        "output": {"path": out or str(root / "out"), "format": "jsonl", "rows_per_part": 2},
+    }
 
 
 def _problems(data: dict, **kwargs) -> dict[str, str]:
@@ -56,14 +58,17 @@ def _problems(data: dict, **kwargs) -> dict[str, str]:
 
 # -- items 3-5: one path normaliser -----------------------------------------------------------
 
+
 def test_an_output_inside_the_input_is_refused_however_it_is_spelled(tiny_model, tmp_path):
     (tmp_path / "data" / "x").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "data" / "in", target_is_directory=True)
     folder = str(tmp_path / "data" / "in")
-    for out in (f"file://{tmp_path}/data/x/../in/out",      # '..' in a file:// URL
-                f"FILE://{tmp_path}/data/x/../in/out",      # ... with the scheme in capitals
-                f"file://{tmp_path}/link/out",              # a symbolic link to the input folder
-                f"{tmp_path}/data/x/../in"):                # the input folder itself
+    for out in (
+        f"file://{tmp_path}/data/x/../in/out",  # '..' in a file:// URL
+        f"FILE://{tmp_path}/data/x/../in/out",  # ... with the scheme in capitals
+        f"file://{tmp_path}/link/out",  # a symbolic link to the input folder
+        f"{tmp_path}/data/x/../in",
+    ):  # the input folder itself
         problems = _problems(_job(tmp_path, tiny_model, inp=folder, out=out))
         assert "is inside the input" in problems["output.path"], (out, problems)
     # An input glob that would read what the job writes: refused (the first run was accepted,
@@ -92,15 +97,21 @@ def test_an_empty_output_path_is_refused(tiny_model, tmp_path, out):
         parse_spec(_job(tmp_path, tiny_model, out="x") | {"output": {"path": out}})
 
 
-@pytest.mark.parametrize("out, why", [("memory://bucket/out", "inside one process"),
-                                      ("http://127.0.0.1:9/out", "only reads"),
-                                      ("s3:/bucket/out", "a URL needs '//' after its scheme")])
+@pytest.mark.parametrize(
+    "out, why",
+    [
+        ("memory://bucket/out", "inside one process"),
+        ("http://127.0.0.1:9/out", "only reads"),
+        ("s3:/bucket/out", "a URL needs '//' after its scheme"),
+    ],
+)
 def test_output_schemes_the_workers_cannot_share_or_write_are_refused(tiny_model, tmp_path, out, why):
     problem = _problems(_job(tmp_path, tiny_model, out=out))["output.path"]
     assert why in problem, problem
 
 
 # -- item 12: http(s) input ----------------------------------------------------------------
+
 
 class _NoLength(http.server.SimpleHTTPRequestHandler):
     """A server that sends no Content-Length (a stream), only an ETag."""
@@ -169,15 +180,16 @@ def test_a_whole_job_reads_http_input_and_resumes(ray_local, tiny_model, tmp_pat
 
 # -- items 14-17: validate-time checks and messages -----------------------------------------
 
+
 def test_kv_cache_bytes_is_checked_against_the_model_and_the_machine(tiny_model, tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the job would start its cluster here
-    huge = _problems(_job(tmp_path, tiny_model, kv_cache_bytes=10 ** 13))["engine.kv_cache_bytes"]
+    huge = _problems(_job(tmp_path, tiny_model, kv_cache_bytes=10**13))["engine.kv_cache_bytes"]
     assert "10,000,000,000,000 bytes is more than the memory of any node" in huge
     tiny = _problems(_job(tmp_path, tiny_model, kv_cache_bytes=1))["engine.kv_cache_bytes"]
     assert "1 bytes cannot hold one KV block of this model" in tiny and "use at least" in tiny
     preflight(parse_spec(_job(tmp_path, tiny_model, kv_cache_bytes=16 << 20)))
     # A cluster elsewhere: its nodes are checked after ray.init (check_resources), not this machine.
-    preflight(parse_spec(_job(tmp_path, tiny_model, kv_cache_bytes=10 ** 13)), address="ray://far:10001")
+    preflight(parse_spec(_job(tmp_path, tiny_model, kv_cache_bytes=10**13)), address="ray://far:10001")
 
 
 def test_a_file_as_model_is_called_a_file(tmp_path):
@@ -196,6 +208,7 @@ def test_passwords_in_urls_are_never_echoed(tiny_model, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "input.path" in err and "hunter2" not in err and "s3cr3t" not in err, err
 
+
 def test_rows_read_over_a_url_with_a_password_are_named_without_it(tiny_model, tmp_path, http_root, capsys):
     (tmp_path / "www" / "in.jsonl").write_text('{"document": "d", "question": "q"}\n{broken\n')
     url = http_root[0].replace("http://", "http://alice:hunter2@") + "/in.jsonl"
@@ -209,9 +222,17 @@ def test_rows_read_over_a_url_with_a_password_are_named_without_it(tiny_model, t
 
 # -- item 18: strict spec types, merge keys, map columns -------------------------------------
 
-@pytest.mark.parametrize("field, value", [("output.error_file", "yes"), ("output.resume", "true"),
-                                          ("output.include_prompt", 1), ("engine.enable_prefix_cache", "off"),
-                                          ("storage.anonymous", "false")])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("output.error_file", "yes"),
+        ("output.resume", "true"),
+        ("output.include_prompt", 1),
+        ("engine.enable_prefix_cache", "off"),
+        ("storage.anonymous", "false"),
+    ],
+)
 def test_booleans_are_never_read_from_text_or_numbers(tiny_model, tmp_path, field, value):
     data = _job(tmp_path, tiny_model)
     section, key = field.split(".")
@@ -228,8 +249,7 @@ def test_two_merge_keys_in_one_mapping_are_refused():
 
 
 def test_a_parquet_map_column_reaches_the_template_as_a_mapping():
-    table = pa.table({"m": pa.array([[("k", "v2")]], pa.map_(pa.string(), pa.string())),
-                      "s": pa.array([{"k": "v2"}])})
+    table = pa.table({"m": pa.array([[("k", "v2")]], pa.map_(pa.string(), pa.string())), "s": pa.array([{"k": "v2"}])})
     row = table.to_pylist()[0]
     assert PromptTemplate(template="{{ m.k }} {{ m['k'] }}").render(row) == "v2 v2"
     both = PromptTemplate(template="{{ m }}|{{ s }}").render(row).split("|")

@@ -29,7 +29,7 @@ def _bad_lines(doc: str) -> dict[str, bytes]:
     return {
         "not valid JSON": b'{"id": 1000, "document": "x", "question": \n',
         "not valid UTF-8": b'{"id": 1001, "document": "caf\xe9", "question": "q"}\n',
-        "not an object": b'[1001, 2]\n',
+        "not an object": b"[1001, 2]\n",
         "undefined": json.dumps({"id": 1003, "document": doc}).encode() + b"\n",  # no question
         "empty prompt": json.dumps({"id": 1004, "document": " ", "question": ""}).encode() + b"\n",
         "context": json.dumps({"id": 1005, "document": doc * 4, "question": "Why?"}).encode() + b"\n",
@@ -46,13 +46,17 @@ def job(ray_local, tiny_model, tmp_path_factory):
             f.write(json.dumps(row).encode() + b"\n")
             if i % 2 == 0 and bad:  # interleave the bad lines with the good ones
                 f.write(bad.pop(next(iter(bad))))
-    spec = parse_spec({
-        "model": str(tiny_model), "input": {"path": str(root / "in.jsonl")},
-        "prompt": {"system": SYSTEM, "user": USER},
-        "sampling": {"temperature": 0, "max_tokens": 8},
-        "engine": {"device": "cpu", "max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": 16 << 20},
-        "replicas": 2, "output": {"path": str(root / "out"), "rows_per_part": 5},
-    })
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": {"path": str(root / "in.jsonl")},
+            "prompt": {"system": SYSTEM, "user": USER},
+            "sampling": {"temperature": 0, "max_tokens": 8},
+            "engine": {"device": "cpu", "max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": 16 << 20},
+            "replicas": 2,
+            "output": {"path": str(root / "out"), "rows_per_part": 5},
+        }
+    )
     metrics = run_job(spec, quiet=True)
     table = read_output(str(root / "out"))
     return {"good": good, "metrics": metrics, "rows": table.to_pylist(), "root": root, "model": tiny_model}
@@ -64,8 +68,16 @@ def test_every_row_exactly_once(job):
     good_ids = sorted(r["id"] for r in rows if r["error"] is None)
     assert good_ids == sorted(g["id"] for g in job["good"])  # no good row lost or duplicated
     assert len(rows) == len(job["good"]) + len(_bad_lines("d"))
-    for col in ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
-                "finish_reason", "error", "document", "question"):
+    for col in (
+        "generated_text",
+        "generated_tokens",
+        "num_input_tokens",
+        "num_generated_tokens",
+        "finish_reason",
+        "error",
+        "document",
+        "question",
+    ):
         assert col in rows[0]
     m = job["metrics"]
     assert m["rows"] == len(rows) and m["rows_error"] == len(_bad_lines("d"))
@@ -94,12 +106,20 @@ def test_outputs_equal_the_engine_run_directly(job):
     good = sorted((r for r in job["rows"] if r["error"] is None), key=lambda r: r["id"])
     prompts = []
     for r in good:
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"{r['document']}\n\n{r['question']}"}]
-        prompts.append(list(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)["input_ids"]))
-    engine = LLMEngine(EngineConfig(model=str(job["model"]), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                    kv_cache_bytes=16 << 20))
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{r['document']}\n\n{r['question']}"},
+        ]
+        prompts.append(
+            list(
+                tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                    "input_ids"
+                ]
+            )
+        )
+    engine = LLMEngine(
+        EngineConfig(model=str(job["model"]), device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=16 << 20)
+    )
     direct = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     for r, p, d in zip(good, prompts, direct):
         assert r["num_input_tokens"] == len(p)

@@ -38,8 +38,14 @@ def test_plan_stage_moves_no_full_rows(ray_local, tiny_model, tmp_path):
     rows = demo_rows(num_docs=3, questions_per_doc=4, seed=3)
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    processor = Processor(ProcessorConfig(model=str(tiny_model), prompt={"template": "{{ document }} Q: {{ question }}"},
-                                          replicas=2, engine={"device": "cpu"}))
+    processor = Processor(
+        ProcessorConfig(
+            model=str(tiny_model),
+            prompt={"template": "{{ document }} Q: {{ question }}"},
+            replicas=2,
+            engine={"device": "cpu"},
+        )
+    )
     tokenized = processor.tokenize(read_dataset(ReadOptions(path=str(path), format="jsonl")))
     planned = plan_dataset(tokenized, order="batchllm", num_replicas=2)  # executes `tokenized`
     _assert_no_all_to_all(tokenized)
@@ -101,8 +107,15 @@ def test_each_rows_own_max_tokens_is_the_plans_output_length(ray_local, tiny_mod
     rows.append({"q": "no override"})
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    processor = Processor(ProcessorConfig(model=str(tiny_model), prompt={"template": "Q: {{ q }}"},
-                                          sampling={"max_tokens": 50}, replicas=2, engine={"device": "cpu"}))
+    processor = Processor(
+        ProcessorConfig(
+            model=str(tiny_model),
+            prompt={"template": "Q: {{ q }}"},
+            sampling={"max_tokens": 50},
+            replicas=2,
+            engine={"device": "cpu"},
+        )
+    )
     planned = processor.plan(read_dataset(ReadOptions(path=str(path), format="jsonl")))
     table = planned.plan.table
     lens = dict(zip(table.column("row_id").to_pylist(), table.column("output_len").to_pylist()))

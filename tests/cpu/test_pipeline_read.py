@@ -28,14 +28,19 @@ def test_jsonl_bad_lines_are_kept_as_errors():
 def test_rows_to_table_mixed_types_become_text_leaving_strings_as_they_are():
     """A column Arrow cannot type is text by one rule: strings unchanged (not JSON-quoted, no
     escaped newlines or accents), other values as their JSON (issue 27, class 1)."""
-    table = rows_to_table([{"x": 1, "y": "a"}, {"x": "two", "z": [1, 2]},
-                           {"x": "Qu'est-ce qu'une \"rivière\"?\nDis-moi."}, {"x": {"k": "é"}}])
-    assert table.column("x").to_pylist() == ["1", "two", "Qu'est-ce qu'une \"rivière\"?\nDis-moi.",
-                                             '{"k": "é"}']
+    table = rows_to_table(
+        [
+            {"x": 1, "y": "a"},
+            {"x": "two", "z": [1, 2]},
+            {"x": "Qu'est-ce qu'une \"rivière\"?\nDis-moi."},
+            {"x": {"k": "é"}},
+        ]
+    )
+    assert table.column("x").to_pylist() == ["1", "two", "Qu'est-ce qu'une \"rivière\"?\nDis-moi.", '{"k": "é"}']
     assert table.column("y").to_pylist() == ["a", None, None, None]
     assert table.column("z").to_pylist() == [None, [1, 2], None, None]
-    big = rows_to_table([{"n": 2 ** 70}, {"n": 3}])  # beyond int64: kept exactly, not as text
-    assert [int(v) for v in big.column("n").to_pylist()] == [2 ** 70, 3]
+    big = rows_to_table([{"n": 2**70}, {"n": 3}])  # beyond int64: kept exactly, not as text
+    assert [int(v) for v in big.column("n").to_pylist()] == [2**70, 3]
 
 
 def test_csv_malformed_rows_become_errors():
@@ -61,9 +66,11 @@ def test_template_missing_or_null_column_is_a_row_error():
 
 
 def test_template_sandbox_blocks_code():
-    for source in ("{{ ''.__class__.__mro__[1].__subclasses__() }}",
-                   "{{ question.__init__.__globals__ }}",
-                   "{% set x = [] %}{{ x.append(1) }}"):
+    for source in (
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ question.__init__.__globals__ }}",
+        "{% set x = [] %}{{ x.append(1) }}",
+    ):
         with pytest.raises(RowError):
             PromptTemplate(template=source).render({"question": "q"})
 
@@ -80,13 +87,24 @@ def test_chat_templates_and_messages():
 
 
 def test_openai_request_parsing():
-    recs = parse_jsonl(b"\n".join([
-        json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "seed": 3}}).encode(),
-        json.dumps({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}).encode(),
-        json.dumps({"url": "/v1/completions", "body": {"prompt": "x"}}).encode(),
-        b'{"custom_id": "c\\"q", "body": ',
-    ]), "b.jsonl")
+    recs = parse_jsonl(
+        b"\n".join(
+            [
+                json.dumps(
+                    {
+                        "custom_id": "a",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "seed": 3},
+                    }
+                ).encode(),
+                json.dumps({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}).encode(),
+                json.dumps({"url": "/v1/completions", "body": {"prompt": "x"}}).encode(),
+                b'{"custom_id": "c\\"q", "body": ',
+            ]
+        ),
+        "b.jsonl",
+    )
     rows = parse_requests(recs)
     assert rows[0]["_pf_error"] is None and json.loads(rows[0]["_pf_sampling"]) == {"max_tokens": 5, "seed": 3}
     assert rows[1]["_pf_error"] is None and json.loads(rows[1]["_pf_sampling"]) == {"n": 2}  # n honoured
@@ -95,8 +113,16 @@ def test_openai_request_parsing():
 
 
 def test_openai_output_lines():
-    ok = {"custom_id": "a", "row_id": 0, "error": None, "generated_text": "hi", "num_input_tokens": 3,
-          "num_generated_tokens": 1, "finish_reason": "stop", "_pf_url": "/v1/chat/completions"}
+    ok = {
+        "custom_id": "a",
+        "row_id": 0,
+        "error": None,
+        "generated_text": "hi",
+        "num_input_tokens": 3,
+        "num_generated_tokens": 1,
+        "finish_reason": "stop",
+        "_pf_url": "/v1/chat/completions",
+    }
     line = output_line(ok, created=1, default_model="m")
     assert line["error"] is None and line["response"]["body"]["choices"][0]["message"]["content"] == "hi"
     bad = output_line({**ok, "error": "boom"}, created=1, default_model="m")
@@ -116,11 +142,14 @@ def test_byte_ranges_cover_every_line_once(tmp_path):
     lines[17] = '{"i": 17, broken'
     path = tmp_path / "big.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    for chunk in (1, 7, 64, 1000, 10 ** 6):
+    for chunk in (1, 7, 64, 1000, 10**6):
         opts = ReadOptions(path=str(path), format="jsonl", chunk_bytes=chunk)
         items = file_ranges([str(path)], opts)
-        rows = [r for it in items for r in parse_file(str(path), "jsonl", StorageOptions(),
-                                                      it["start"], it["end"]).to_pylist()]
+        rows = [
+            r
+            for it in items
+            for r in parse_file(str(path), "jsonl", StorageOptions(), it["start"], it["end"]).to_pylist()
+        ]
         assert sorted(r["i"] for r in rows if r["_pf_error"] is None) == [i for i in range(300) if i != 17]
         assert sum(r["_pf_error"] is not None for r in rows) == 1
 

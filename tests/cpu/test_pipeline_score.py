@@ -13,8 +13,14 @@ SHARED = "Profile: likes hiking, cooking and old films. Post: "
 
 
 def _rows():
-    return [{"k": i, "post": f"{SHARED}item {i} of the feed. Would the user click it? Answer:",
-             "labels": ["Yes", "No"] if i != 3 else ["Yes", "Yes"]} for i in range(8)]
+    return [
+        {
+            "k": i,
+            "post": f"{SHARED}item {i} of the feed. Would the user click it? Answer:",
+            "labels": ["Yes", "No"] if i != 3 else ["Yes", "Yes"],
+        }
+        for i in range(8)
+    ]
 
 
 @pytest.mark.slow
@@ -25,15 +31,20 @@ def test_score_task_matches_the_scorer(ray_local, tiny_model):
 
     engine = {"device": "cpu", "kv_cache_bytes": 16 << 20}
     config = prefixflow.ProcessorConfig(
-        model=str(tiny_model), task="score", score={"choices_column": "labels", "chunk_size": 7},
-        prompt={"template": "{{ post }}"}, engine=engine, replicas=2)
-    out = sorted(prefixflow.build_processor(config)(ray.data.from_items(_rows())).take_all(),
-                 key=lambda r: r["k"])
+        model=str(tiny_model),
+        task="score",
+        score={"choices_column": "labels", "chunk_size": 7},
+        prompt={"template": "{{ post }}"},
+        engine=engine,
+        replicas=2,
+    )
+    out = sorted(prefixflow.build_processor(config)(ray.data.from_items(_rows())).take_all(), key=lambda r: r["k"])
     assert [r["k"] for r in out] == list(range(8))
     # Row 3's two labels are the same token: an error record naming them; the others are scored.
     assert out[3]["error"] and "Yes" in out[3]["error"] and out[3]["probs"] is None
     direct = Scorer(EngineConfig(model=str(tiny_model), **engine)).score(
-        [r["post"] for r in _rows()], [r["labels"] for r in _rows()])
+        [r["post"] for r in _rows()], [r["labels"] for r in _rows()]
+    )
     for row, ref in zip(out, direct):
         if row["k"] == 3:
             continue
@@ -46,8 +57,7 @@ def test_score_task_matches_the_scorer(ray_local, tiny_model):
 
 
 def test_score_spec_is_checked_before_anything_starts():
-    base = {"model": "m", "input": {"path": "x.jsonl"}, "prompt": {"template": "{{ q }}"},
-            "output": {"path": "o"}}
+    base = {"model": "m", "input": {"path": "x.jsonl"}, "prompt": {"template": "{{ q }}"}, "output": {"path": "o"}}
     spec = parse_spec({**base, "task": "score", "score": {"choices": ["Yes", "No"]}})
     assert spec.score is not None and list(spec.score.choices) == ["Yes", "No"]
     with pytest.raises(SpecError, match="needs a score section"):

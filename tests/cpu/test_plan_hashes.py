@@ -13,8 +13,11 @@ from prefixflow.pipeline.prefix_tree import ragged_gather
 
 
 def _groups(plan, replicas: int = 1) -> list:
-    return [(g.replica, g.row_ids.tolist(), g.prefix.tolist(), [d.tolist() for d in g.distinct])
-            for r in range(replicas) for g in plan.groups(r)]
+    return [
+        (g.replica, g.row_ids.tolist(), g.prefix.tolist(), [d.tolist() for d in g.distinct])
+        for r in range(replicas)
+        for g in plan.groups(r)
+    ]
 
 
 def _token_lcp(a, b) -> int:
@@ -27,7 +30,7 @@ def _token_lcp(a, b) -> int:
 def test_hash_lcp_counts_whole_blocks(block_size):
     rng = np.random.default_rng(block_size)
     stem = rng.integers(0, 5, 60).tolist()
-    prompts = [stem[:rng.integers(0, 60)] + rng.integers(0, 2, rng.integers(0, 8)).tolist() for _ in range(80)]
+    prompts = [stem[: rng.integers(0, 60)] + rng.integers(0, 2, rng.integers(0, 8)).tolist() for _ in range(80)]
     prompts = [p or [1] for p in prompts] + [prompts[3], prompts[3]]  # and duplicates
     tokens = RaggedTokens.from_sequences(prompts)
     hashes = block_hashes(tokens, block_size)
@@ -130,13 +133,21 @@ def test_plan_dataset_plans_from_hashes_in_the_blocks(ray_local):
     prompts = [stems[i % 3] + rng.integers(0, 50, rng.integers(1, 6)).tolist() for i in range(12)]
     errors = [None] * 12
     errors[7], prompts[7] = "bad row", []
-    tables = [pa.table({"_pf_tokens": pa.array(prompts[lo:hi], pa.list_(pa.int32())),
-                        "_pf_error": pa.array(errors[lo:hi], pa.string())}) for lo, hi in ((0, 5), (5, 9), (9, 12))]
+    tables = [
+        pa.table(
+            {
+                "_pf_tokens": pa.array(prompts[lo:hi], pa.list_(pa.int32())),
+                "_pf_error": pa.array(errors[lo:hi], pa.string()),
+            }
+        )
+        for lo, hi in ((0, 5), (5, 9), (9, 12))
+    ]
     planned = plan_dataset(ray_local.data.from_arrow(tables), order="batchllm", num_replicas=2, block_size=4)
     assert len(planned.rows.block_refs) == 3 and planned.error_row_ids.tolist() == [7]
     good = [i for i in range(12) if i != 7]
-    expected = build_plan(HashedPrompts.from_tokens([prompts[i] for i in good], 4), row_ids=good,
-                          order="batchllm", num_replicas=2)
+    expected = build_plan(
+        HashedPrompts.from_tokens([prompts[i] for i in good], 4), row_ids=good, order="batchllm", num_replicas=2
+    )
     assert planned.plan.tokens is None  # the driver never gathered the token ids
     assert planned.plan.table.to_pydict() == expected.table.to_pydict()
     assert _groups(planned.plan, 2) == _groups(expected, 2)

@@ -15,8 +15,9 @@ def zipf_docs(num_rows: int, seed: int = 0) -> list[list[int]]:
     """Documents asked Zipf-many questions: one document holds a large share of the rows."""
     rng = np.random.default_rng(seed)
     docs = [list(rng.integers(0, 500, size=int(rng.integers(50, 300)))) for _ in range(30)]
-    return [[1, 2, 3] + docs[min(int(rng.zipf(1.5)) - 1, 29)] + list(rng.integers(0, 500, size=10))
-            for _ in range(num_rows)]
+    return [
+        [1, 2, 3] + docs[min(int(rng.zipf(1.5)) - 1, 29)] + list(rng.integers(0, 500, size=10)) for _ in range(num_rows)
+    ]
 
 
 @pytest.mark.parametrize("order", ["batchllm", "fcfs", "dfs", "blendserve"])
@@ -59,8 +60,7 @@ def test_a_large_group_is_cut_into_units_of_a_replicas_share():
     assert plan.table.equals(plain.table)
 
 
-@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=40),
-       st.integers(1, 4))
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=40), st.integers(1, 4))
 @settings(max_examples=60, deadline=None)
 def test_units_partition_the_plan(prompts, replicas):
     plan = build_plan(prompts, order="batchllm", num_replicas=replicas)

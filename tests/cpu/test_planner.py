@@ -76,11 +76,12 @@ def test_plan_covers_every_row_once_and_prefixes_are_shared(prompts, order, repl
 def _plan_view(plan, replicas: int) -> list:
     return [plan.table.to_pydict()] + [
         (g.group_id, g.replica, g.row_ids.tolist(), g.prefix.tolist(), [d.tolist() for d in g.distinct])
-        for r in range(replicas) for g in plan.groups(r)]
+        for r in range(replicas)
+        for g in plan.groups(r)
+    ]
 
 
-@given(prompt_sets(), st.sampled_from(["fcfs", "dfs", "batchllm", "blendserve"]), st.integers(1, 3),
-       st.booleans())
+@given(prompt_sets(), st.sampled_from(["fcfs", "dfs", "batchllm", "blendserve"]), st.integers(1, 3), st.booleans())
 @settings(max_examples=50, deadline=None)
 def test_plan_from_block_hashes_equals_plan_from_tokens(prompts, order, replicas, with_outputs):
     # Blocks of one token: the hashes hold everything the tokens do, so the plans are equal
@@ -101,8 +102,11 @@ def test_enlarged_first_level_is_bounded_by_plain_first_level_and_multilevel_opt
     optimum = sum(map(len, prompts)) - tree.tree_tokens()
     assert first_level_saved_tokens(tree) <= grouping.saved_tokens <= optimum
     s = build_plan(prompts, order="fcfs").summary
-    assert s["first_level_token_saving_ratio"] <= s["single_level_token_saving_ratio"] \
+    assert (
+        s["first_level_token_saving_ratio"]
+        <= s["single_level_token_saving_ratio"]
         <= s["optimal_token_saving_ratio"] + 1e-12
+    )
 
 
 @given(prompt_sets(), st.integers(1, 3))
@@ -112,8 +116,7 @@ def test_batchllm_plan_computes_every_edge_of_the_tree_once(prompts, replicas):
     # optimum), plus the last token of a prompt that another prompt extends or repeats (the
     # engine computes it to sample from), plus each extra replica's recomputed path.
     tree = PrefixTree.build(RaggedTokens.from_sequences(prompts))
-    covered = sum(1 for i, p in enumerate(prompts)
-                  if any(j != i and q[:len(p)] == p for j, q in enumerate(prompts)))
+    covered = sum(1 for i, p in enumerate(prompts) if any(j != i and q[: len(p)] == p for j, q in enumerate(prompts)))
     plan = build_plan(prompts, order="batchllm", num_replicas=replicas)
     computed = plan.summary["computed_prompt_tokens"]
     assert tree.tree_tokens() <= computed
@@ -149,7 +152,7 @@ def _partitions(items: list[int]):
     first, rest = items[0], items[1:]
     for part in _partitions(rest):
         for i in range(len(part)):
-            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+            yield part[:i] + [[first] + part[i]] + part[i + 1 :]
         yield [[first]] + part
 
 
@@ -184,7 +187,7 @@ def test_orders_differ_as_documented():
     batch = build_plan(prompts, order="batchllm")
     dfs = build_plan(prompts, order="dfs")
     assert fcfs.table.column("row_id").to_pylist() == list(range(12))
-    assert fcfs.summary["token_saving_ratio"] == 0.0     # interleaving breaks every run
+    assert fcfs.summary["token_saving_ratio"] == 0.0  # interleaving breaks every run
     assert batch.summary["num_groups"] == 2
     # Eq. 3: the family with fewer prefill tokens runs first.
     assert batch.groups(0)[0].prefix_len == 20
@@ -211,13 +214,16 @@ def test_arrow_input_is_a_zero_copy_view():
     assert sliced[0].tolist() == [4, 5, 6, 7] and len(sliced) == 2
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"row_ids": [1, 1]}, "unique"),
-    ({"row_ids": [1]}, "one id per prompt"),
-    ({"order": "lifo"}, "order='lifo'"),
-    ({"num_replicas": 0}, "num_replicas=0"),
-    ({"output_lens": [1, -2]}, "non-negative, or -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"row_ids": [1, 1]}, "unique"),
+        ({"row_ids": [1]}, "one id per prompt"),
+        ({"order": "lifo"}, "order='lifo'"),
+        ({"num_replicas": 0}, "num_replicas=0"),
+        ({"output_lens": [1, -2]}, "non-negative, or -1"),
+    ],
+)
 def test_bad_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_plan([[1, 2], [1, 3]], **kwargs)
@@ -274,4 +280,4 @@ def test_a_small_job_keeps_each_chat_together_across_replicas():
     assert s["batchllm_plan"] == "nested"
     assert s["token_saving_ratio"] > s["single_level_token_saving_ratio"]
     one = build_plan(prompts, num_replicas=1, min_prefix_len=16).summary["computed_prompt_tokens"]
-    assert s["computed_prompt_tokens"] <= one + 2 * (32 + 6 * 40)   # at most two histories again
+    assert s["computed_prompt_tokens"] <= one + 2 * (32 + 6 * 40)  # at most two histories again

@@ -25,9 +25,13 @@ ROWS = [{"id": i, "question": f"why {i}?"} for i in range(6)]
 def _job(root: Path, model: Path, **sections) -> dict:
     """A good job over ROWS (root/in.jsonl) into root/out; `sections` replace whole sections."""
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    data = {"model": str(model), "input": {"path": str(root / "in.jsonl")},
-            "prompt": {"template": "Q: {{ question }}"}, "output": {"path": str(root / "out")},
-            "engine": {"device": "cpu"}}
+    data = {
+        "model": str(model),
+        "input": {"path": str(root / "in.jsonl")},
+        "prompt": {"template": "Q: {{ question }}"},
+        "output": {"path": str(root / "out")},
+        "engine": {"device": "cpu"},
+    }
     return {**data, **sections}
 
 
@@ -62,6 +66,7 @@ def _config(model: Path, **changes) -> None:
 
 # --- class 10: the model folder ------------------------------------------------------------
 
+
 def test_model_folder_without_tokenizer_files(tmp_path, tiny_model, capsys, monkeypatch):
     model = _copy_model(tiny_model, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -92,9 +97,14 @@ def test_vocab_size_is_read_from_the_shard_the_index_names(tmp_path, tiny_model,
     model = _copy_model(tiny_model, tmp_path)
     (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
     header = _header(model / "model-00001-of-00001.safetensors")
-    (model / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in header
-                                        if k != "__metadata__"}}))
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {k: "model-00001-of-00001.safetensors" for k in header if k != "__metadata__"},
+            }
+        )
+    )
     preflight(parse_spec(_job(tmp_path, model)))
     _config(model, vocab_size=10**12)
     line = _refused(capsys, monkeypatch, tmp_path, _job(tmp_path, model))
@@ -116,11 +126,18 @@ def _header(path: Path) -> dict:
 
 # --- class 10: S3 paths that cannot be reached -----------------------------------------------
 
+
 @pytest.fixture
 def no_aws_credentials(monkeypatch, tmp_path):
     """No credentials anywhere botocore looks (environment, files, instance metadata)."""
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+    for key in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
@@ -131,8 +148,13 @@ def no_aws_credentials(monkeypatch, tmp_path):
 def bucket(s3_server) -> str:
     import boto3
 
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="pf-preflight")
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket="pf-preflight")
     return "pf-preflight"
 
 
@@ -145,10 +167,15 @@ def _closed_port() -> int:
 KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
-def test_s3_output_without_credentials(tmp_path, tiny_model, s3_server, bucket, no_aws_credentials,
-                                       capsys, monkeypatch):
-    data = _job(tmp_path, tiny_model, output={"path": f"s3://{bucket}/out/"},
-                storage={"endpoint_url": s3_server, "region": "us-east-1"})
+def test_s3_output_without_credentials(
+    tmp_path, tiny_model, s3_server, bucket, no_aws_credentials, capsys, monkeypatch
+):
+    data = _job(
+        tmp_path,
+        tiny_model,
+        output={"path": f"s3://{bucket}/out/"},
+        storage={"endpoint_url": s3_server, "region": "us-east-1"},
+    )
     line = _refused(capsys, monkeypatch, tmp_path, data)
     assert ": output.path: " in line and "no AWS credentials" in line, line
     assert "storage.aws_access_key_id" in line and "AWS_ACCESS_KEY_ID" in line, line
@@ -156,26 +183,39 @@ def test_s3_output_without_credentials(tmp_path, tiny_model, s3_server, bucket, 
 
 
 def test_s3_output_bucket_that_does_not_exist(tmp_path, tiny_model, s3_server, bucket, capsys, monkeypatch):
-    data = _job(tmp_path, tiny_model, output={"path": "s3://pf-no-such-bucket/out/"},
-                storage={"endpoint_url": s3_server, "region": "us-east-1", **KEYS})
+    data = _job(
+        tmp_path,
+        tiny_model,
+        output={"path": "s3://pf-no-such-bucket/out/"},
+        storage={"endpoint_url": s3_server, "region": "us-east-1", **KEYS},
+    )
     line = _refused(capsys, monkeypatch, tmp_path, data)
     assert ": output.path: " in line and "bucket 'pf-no-such-bucket' does not exist" in line, line
 
 
 def test_s3_output_endpoint_that_cannot_be_reached(tmp_path, tiny_model, capsys, monkeypatch):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
-    data = _job(tmp_path, tiny_model, output={"path": "s3://pf-preflight/out/"},
-                storage={"endpoint_url": endpoint, "region": "us-east-1", "max_attempts": 1, **KEYS})
+    data = _job(
+        tmp_path,
+        tiny_model,
+        output={"path": "s3://pf-preflight/out/"},
+        storage={"endpoint_url": endpoint, "region": "us-east-1", "max_attempts": 1, **KEYS},
+    )
     line = _refused(capsys, monkeypatch, tmp_path, data)
     assert ": output.path: " in line and f"cannot reach the S3 endpoint {endpoint}" in line, line
     assert "storage.endpoint_url" in line, line
 
 
-def test_s3_input_without_credentials_or_endpoint(tmp_path, tiny_model, s3_server, bucket,
-                                                  no_aws_credentials, capsys, monkeypatch):
+def test_s3_input_without_credentials_or_endpoint(
+    tmp_path, tiny_model, s3_server, bucket, no_aws_credentials, capsys, monkeypatch
+):
     """The input listing raised botocore's own errors: a traceback from `validate`."""
-    data = _job(tmp_path, tiny_model, input={"path": f"s3://{bucket}/in/", "format": "jsonl"},
-                storage={"endpoint_url": s3_server, "region": "us-east-1"})
+    data = _job(
+        tmp_path,
+        tiny_model,
+        input={"path": f"s3://{bucket}/in/", "format": "jsonl"},
+        storage={"endpoint_url": s3_server, "region": "us-east-1"},
+    )
     line = _refused(capsys, monkeypatch, tmp_path, data)
     assert ": input.path: " in line and "no AWS credentials" in line, line
     endpoint = f"http://127.0.0.1:{_closed_port()}"
@@ -185,6 +225,7 @@ def test_s3_input_without_credentials_or_endpoint(tmp_path, tiny_model, s3_serve
 
 
 # --- class 11: a chat prompt for a model without a chat template ------------------------------
+
 
 def _without_chat_template(tiny_model: Path, root: Path) -> Path:
     model = _copy_model(tiny_model, root)
@@ -196,10 +237,10 @@ def test_chat_prompt_for_a_model_without_chat_template(tmp_path, tiny_model, cap
     model = _without_chat_template(tiny_model, tmp_path)
     line = _refused(capsys, monkeypatch, tmp_path, _job(tmp_path, model, prompt={"user": "{{ question }}"}))
     assert ": prompt.user: " in line and "has no chat template" in line and "prompt.template" in line, line
-    (tmp_path / "msgs.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": r["question"]}]}) + "\n" for r in ROWS))
-    data = _job(tmp_path, model, prompt={"messages_column": "messages"},
-                input={"path": str(tmp_path / "msgs.jsonl")})
+    (tmp_path / "msgs.jsonl").write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": r["question"]}]}) + "\n" for r in ROWS)
+    )
+    data = _job(tmp_path, model, prompt={"messages_column": "messages"}, input={"path": str(tmp_path / "msgs.jsonl")})
     line = _refused(capsys, monkeypatch, tmp_path, data)
     assert ": prompt.messages_column: " in line and "has no chat template" in line, line
     # A plain template needs none; a template in tokenizer_config.json counts.
@@ -212,9 +253,15 @@ def test_chat_prompt_for_a_model_without_chat_template(tmp_path, tiny_model, cap
 
 def test_openai_chat_requests_for_a_model_without_chat_template(tmp_path, tiny_model, capsys, monkeypatch):
     model = _without_chat_template(tiny_model, tmp_path)
-    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2}}
-             for i in range(3)]
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
+        }
+        for i in range(3)
+    ]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     data = {**_job(tmp_path, model), "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai"}}
     del data["prompt"]
@@ -228,12 +275,14 @@ def test_openai_chat_requests_for_a_model_without_chat_template(tmp_path, tiny_m
 
 # --- class 11: output paths that cannot be written --------------------------------------------
 
+
 def test_output_path_that_is_a_file(tmp_path, tiny_model, capsys, monkeypatch):
     (tmp_path / "taken").write_text("not a folder")
     line = _refused(capsys, monkeypatch, tmp_path, _job(tmp_path, tiny_model, output={"path": str(tmp_path / "taken")}))
     assert ": output.path: " in line and "is a file" in line, line
-    line = _refused(capsys, monkeypatch, tmp_path,
-                    _job(tmp_path, tiny_model, output={"path": str(tmp_path / "taken" / "out")}))
+    line = _refused(
+        capsys, monkeypatch, tmp_path, _job(tmp_path, tiny_model, output={"path": str(tmp_path / "taken" / "out")})
+    )
     assert ": output.path: " in line and "is a file" in line, line
     assert (tmp_path / "taken").read_text() == "not a folder"
 
@@ -246,8 +295,9 @@ def test_read_only_output_folder(tmp_path, tiny_model, capsys, monkeypatch):
         # root writes into a 0o555 folder; what stops it is a read-only mount, which access(2)
         # reports as well (EROFS): stand in for one.
         real = os.access
-        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == folder and
-                            mode & os.W_OK else real(p, mode, **kw))
+        monkeypatch.setattr(
+            os, "access", lambda p, mode, **kw: False if Path(p) == folder and mode & os.W_OK else real(p, mode, **kw)
+        )
     try:
         for out in (folder, folder / "sub" / "out"):  # the folder, or its nearest existing parent
             line = _refused(capsys, monkeypatch, tmp_path, _job(tmp_path, tiny_model, output={"path": str(out)}))
@@ -259,6 +309,7 @@ def test_read_only_output_folder(tmp_path, tiny_model, capsys, monkeypatch):
 
 # --- the CLI: "committed rows are kept" only once the job generates ---------------------------
 
+
 def test_storage_error_before_generation_is_one_line(tmp_path, tiny_model, capsys, monkeypatch):
     """An OSError before generation (here the output became a file after preflight) is exit 2,
     without the resume advice: nothing was committed."""
@@ -267,7 +318,9 @@ def test_storage_error_before_generation_is_one_line(tmp_path, tiny_model, capsy
     for name in ("preflight", "ensure_ray", "check_resources"):
         monkeypatch.setattr(run, name, lambda *a, **k: None)
     (tmp_path / "taken").write_text("not a folder")
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(_job(tmp_path, tiny_model, output={"path": str(tmp_path / "taken")})))
+    (tmp_path / "job.yaml").write_text(
+        yaml.safe_dump(_job(tmp_path, tiny_model, output={"path": str(tmp_path / "taken")}))
+    )
     code = cli(["run", str(tmp_path / "job.yaml")])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err

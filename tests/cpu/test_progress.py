@@ -27,13 +27,24 @@ from prefixflow.operators.results.progress import LiveBar, RunProgress
 
 def _live(replica: int, rows: int, tokens: int, seconds: float = 2.0) -> dict:
     now = time.time()
-    return {"replica": replica, "rows": rows, "generated_tokens": tokens, "steps": tokens,
-            "run_started": now - seconds, "time": now}
+    return {
+        "replica": replica,
+        "rows": rows,
+        "generated_tokens": tokens,
+        "steps": tokens,
+        "run_started": now - seconds,
+        "time": now,
+    }
 
 
 def _part(replica: int, rows: int) -> dict:
-    return {"num_rows": rows, "generated_tokens": 4 * rows, "prompt_tokens": 100 * rows,
-            "computed_prompt_tokens": 40.0 * rows, "replica": replica}
+    return {
+        "num_rows": rows,
+        "generated_tokens": 4 * rows,
+        "prompt_tokens": 100 * rows,
+        "computed_prompt_tokens": 40.0 * rows,
+        "replica": replica,
+    }
 
 
 def test_progress_line_moves_with_the_engines_between_commits(capsys):
@@ -170,8 +181,7 @@ def _ray_metrics(job: str, timeout_s: float = 60) -> dict[str, float]:
 def test_live_progress_in_a_terminal_and_ray_metrics(ray_local, tiny_model, tmp_path):
     job = f"progress-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    text = _run_in_terminal([sys.executable, "-m", "prefixflow.cli", "run",
-                             _job_spec(tmp_path, tiny_model, job)], env)
+    text = _run_in_terminal([sys.executable, "-m", "prefixflow.cli", "run", _job_spec(tmp_path, tiny_model, job)], env)
     assert "\r[prefixflow] rows" in text  # redrawn in place (tqdm)
     lines = [s for s in re.split(r"[\r\n]", text) if s.startswith("[prefixflow] rows")]
     # Before the first commit ("saving n/a"), the engines' counters moved the line.
@@ -179,8 +189,7 @@ def test_live_progress_in_a_terminal_and_ray_metrics(ray_local, tiny_model, tmp_
     assert len(live) >= 2, lines
     partial = [s for s in live if re.search(r"rows ([1-9]|[1-3]\d|4[0-7])/48", s)]
     assert partial and any(re.search(r"ETA \d\d:\d\d", s) for s in partial), lines
-    assert any(re.search(r"r0 \d+ rows [\d.]+ tok/s, r1 \d+ rows [\d.]+ tok/s", s)
-               for s in live), lines
+    assert any(re.search(r"r0 \d+ rows [\d.]+ tok/s, r1 \d+ rows [\d.]+ tok/s", s) for s in live), lines
     assert "rows 48/48 (100%)" in lines[-1] and "done: 48 rows" in text
 
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
@@ -247,27 +256,36 @@ def test_python_api_shows_a_live_bar_of_generated_rows(ray_local, tiny_model, tm
     script = tmp_path / "api.py"
     script.write_text(API_SCRIPT)
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    done = subprocess.run([sys.executable, str(script), str(tiny_model)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_model)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # tqdm's line: "<desc>: 100%|<bar>| 8.00/8.00 [elapsed<ETA, rate]" (rate scaled: 9.96krow/s;
     # below 1 row/s: s/row)
     rest = r": 100%\|[^\r\n]*\| 8(\.00)?/8(\.00)? \[\d\d:\d\d<00:00, [\d.]+ ?[kMG]?(row/s|s/row)\]"
     for name in ("prefixflow", "prefixflow Generator"):
-        assert re.search(re.escape(name) + r" \(\d+\.\d generated tok/s, 1 error row\)" + rest,
-                         done.stderr), done.stderr[-3000:]
+        assert re.search(re.escape(name) + r" \(\d+\.\d generated tok/s, 1 error row\)" + rest, done.stderr), (
+            done.stderr[-3000:]
+        )
 
 
 def _metrics(steps: list[dict]) -> dict:
-    return {"job": "j", "rows": 8, "wall_seconds": 1.0, "token_saving_ratio": 0.5, "order": "batchllm",
-            "per_replica": [{"replica": 0, "num_rows": 8, "seconds": 1.0, "steps": steps}]}
+    return {
+        "job": "j",
+        "rows": 8,
+        "wall_seconds": 1.0,
+        "token_saving_ratio": 0.5,
+        "order": "batchllm",
+        "per_replica": [{"replica": 0, "num_rows": 8, "seconds": 1.0, "steps": steps}],
+    }
 
 
 def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
     from prefixflow.storage import StorageOptions
 
-    steps = [{"num_prefill_tokens": 300, "num_prefix_tokens": 100, "num_decode_tokens": 0}] + \
-        [{"num_prefill_tokens": 0, "num_prefix_tokens": 0, "num_decode_tokens": 8}] * 6
+    steps = [{"num_prefill_tokens": 300, "num_prefix_tokens": 100, "num_decode_tokens": 0}] + [
+        {"num_prefill_tokens": 0, "num_prefix_tokens": 0, "num_decode_tokens": 8}
+    ] * 6
     plan = pa.table({"group_id": np.array([0, 0, 0, 1, 1, 2, 3, 3])})
     assert plot.group_sizes(plan).tolist() == [3, 2, 1, 2]
     path = tmp_path / "plot.png"
@@ -288,8 +306,13 @@ def test_ray_metrics_of_deaths_and_error_rows(ray_local):
 
     job = f"deaths-{uuid.uuid4().hex[:8]}"
     sink = ray.remote(MetricsSink).options(num_cpus=0).remote(job)
-    ray.get([sink.engine_died.remote(1), sink.engine_died.remote(1),
-             sink.committed.remote({**_part(-1, 3), "num_errors": 3, "generated_tokens": 0})])
+    ray.get(
+        [
+            sink.engine_died.remote(1),
+            sink.engine_died.remote(1),
+            sink.committed.remote({**_part(-1, 3), "num_errors": 3, "generated_tokens": 0}),
+        ]
+    )
     ray.kill(sink)  # a finished job's sink: what it recorded is still exported
     found = _ray_metrics(job)
     assert found["prefixflow_engine_deaths_total"] == 2 and found["prefixflow_rows_errored_total"] == 3

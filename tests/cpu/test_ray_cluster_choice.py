@@ -17,16 +17,21 @@ pytestmark = pytest.mark.slow
 
 def _spec(tmp_path, model) -> str:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(3)))
-    spec = {"model": str(model), "input": {"path": str(tmp_path / "in.jsonl")},
-            "prompt": {"template": "Q: {{ q }}"}, "engine": {"device": "cpu"},
-            "output": {"path": str(tmp_path / "out")}}
+    spec = {
+        "model": str(model),
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "prompt": {"template": "Q: {{ q }}"},
+        "engine": {"device": "cpu"},
+        "output": {"path": str(tmp_path / "out")},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     return str(tmp_path / "job.yaml")
 
 
 def _plan(spec: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prefixflow.cli", "plan", spec], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "prefixflow.cli", "plan", spec], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_a_run_without_an_address_starts_its_own_cluster(ray_local, tiny_model, tmp_path):

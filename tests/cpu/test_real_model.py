@@ -14,8 +14,12 @@ from prefixflow.requests import SamplingParams
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
-             "What colour is the sky on a clear day?", "Name a fruit that is yellow."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What colour is the sky on a clear day?",
+    "Name a fruit that is yellow.",
+]
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +36,11 @@ def smollm2():
 
 def chat_ids(tokenizer, user: str, system: str = SYSTEM) -> list[int]:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def test_engine_equals_transformers_greedy(smollm2):
@@ -46,20 +53,27 @@ def test_engine_equals_transformers_greedy(smollm2):
     assert engine.totals is not None and engine.totals.token_saving_ratio > 0  # the system prompt
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        assert list(out.token_ids) == ref[0, len(ids):].tolist(), tokenizer.decode(ref[0, len(ids):])
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=10,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        assert list(out.token_ids) == ref[0, len(ids) :].tolist(), tokenizer.decode(ref[0, len(ids) :])
     assert "Paris" in outs[0].text  # a trained model: the answer makes sense
 
 
 # SmolLM2-135M (4-bit) answers plain yes/no questions at chance (it leans to "No" whatever the
 # question), so the score test asks either-or questions, the right answer first or second.
-EITHER_OR = [("What is the capital of France?", "Paris", "Berlin"),
-             ("What colour is the sky on a clear day?", "Blue", "Green"),
-             ("Is the sun hot or cold?", "Hot", "Cold"),
-             ("Is ice hot or cold?", "Cold", "Hot"),
-             ("Do fish live in water or in trees?", "Water", "Trees"),
-             ("Is snow white or black?", "White", "Black")]
+EITHER_OR = [
+    ("What is the capital of France?", "Paris", "Berlin"),
+    ("What colour is the sky on a clear day?", "Blue", "Green"),
+    ("Is the sun hot or cold?", "Hot", "Cold"),
+    ("Is ice hot or cold?", "Cold", "Hot"),
+    ("Do fish live in water or in trees?", "Water", "Trees"),
+    ("Is snow white or black?", "White", "Black"),
+]
 
 
 def test_score_prefers_the_right_answer(smollm2):
@@ -67,8 +81,7 @@ def test_score_prefers_the_right_answer(smollm2):
 
     _, _, tokenizer = smollm2
     prompts = [chat_ids(tokenizer, q, system="Answer with one word.") for q, _, _ in EITHER_OR]
-    choices = [[right, wrong] if i % 2 else [wrong, right]
-               for i, (_, right, wrong) in enumerate(EITHER_OR)]
+    choices = [[right, wrong] if i % 2 else [wrong, right] for i, (_, right, wrong) in enumerate(EITHER_OR)]
     scorer = Scorer(EngineConfig(model=MODEL, device="cpu"), ScoreOptions())
     outs = scorer.score(prompts, choices)
     assert [o.label for o in outs] == [right for _, right, _ in EITHER_OR], [o.probs for o in outs]

@@ -11,8 +11,15 @@ from prefixflow.operators.config import ProcessorConfig
 
 
 def _spec(tiny_model, **extra):
-    return parse_spec({"model": str(tiny_model), "input": {"path": "in.jsonl"}, "output": {"path": "out"},
-                       "prompt": {"template": "{{ q }}"}, **extra})
+    return parse_spec(
+        {
+            "model": str(tiny_model),
+            "input": {"path": "in.jsonl"},
+            "output": {"path": "out"},
+            "prompt": {"template": "{{ q }}"},
+            **extra,
+        }
+    )
 
 
 def test_a_range_plans_for_max_and_asks_the_cluster_for_min(tiny_model):
@@ -22,14 +29,17 @@ def test_a_range_plans_for_max_and_asks_the_cluster_for_min(tiny_model):
     assert (plain.replicas, plain.min_replicas, plain.work_stealing) == (3, None, False)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"min": 5, "max": 4}, "replicas: min=5 is more than max=4: give min <= max"),
-    ({"min": 0, "max": 4}, "replicas.min: 0 is invalid: use a positive integer"),
-    ({"max": 4}, "replicas.min: required field is missing"),
-    ({"min": 1, "max": 2, "most": 3}, "replicas.most: unknown key (allowed: min, max)"),
-    (True, "replicas: True is invalid: give a number, not true or false"),
-    (0, "replicas: 0 is invalid: use a positive integer"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"min": 5, "max": 4}, "replicas: min=5 is more than max=4: give min <= max"),
+        ({"min": 0, "max": 4}, "replicas.min: 0 is invalid: use a positive integer"),
+        ({"max": 4}, "replicas.min: required field is missing"),
+        ({"min": 1, "max": 2, "most": 3}, "replicas.most: unknown key (allowed: min, max)"),
+        (True, "replicas: True is invalid: give a number, not true or false"),
+        (0, "replicas: 0 is invalid: use a positive integer"),
+    ],
+)
 def test_a_bad_replicas_value_names_the_field(tiny_model, bad, message):
     with pytest.raises(SpecError, match=None) as e:
         _spec(tiny_model, replicas=bad)
@@ -46,6 +56,11 @@ def test_the_cluster_must_hold_min_engines_when_the_job_starts(tiny_model):
     assert engine_slots([{"CPU": 4}, {"CPU": 1}], 1, 0) == 5
     assert engine_slots([{"CPU": 8, "GPU": 2}, {"CPU": 8}], 1, 1) == 2
     problems = resource_problems(spec, [{"CPU": 1}, {"CPU": 1}])
-    assert problems == [("replicas.min", "3 but the Ray cluster holds 2 engine(s) of 1 CPU(s) and 0 GPU(s) "
-                         "at once: lower replicas.min, or start the job on more nodes")]
+    assert problems == [
+        (
+            "replicas.min",
+            "3 but the Ray cluster holds 2 engine(s) of 1 CPU(s) and 0 GPU(s) "
+            "at once: lower replicas.min, or start the job on more nodes",
+        )
+    ]
     assert resource_problems(spec, [{"CPU": 2}, {"CPU": 1}]) == []

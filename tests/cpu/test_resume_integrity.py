@@ -26,7 +26,7 @@ import yaml
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.results.commit import (COMMITS, JobFenced, OutputLock, drop_fenced, load_committed)
+from prefixflow.operators.results.commit import COMMITS, JobFenced, OutputLock, drop_fenced, load_committed
 from prefixflow.operators.results.write import WriteOptions, prepare_output, read_output, write_part
 from prefixflow.storage import StorageOptions
 
@@ -34,16 +34,19 @@ TEMPLATE = "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"
 
 
 def _rows(n: int = 12) -> list[dict]:
-    return [{"id": i, "document": f"doc {i % 3} tells a story", "question": f"why {i}?"}
-            for i in range(n)]
+    return [{"id": i, "document": f"doc {i % 3} tells a story", "question": f"why {i}?"} for i in range(n)]
 
 
 def _spec(root: Path, model: Path, rows: list[dict], **output) -> dict:
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"model": str(model), "input": {"path": str(root / "in.jsonl")},
-            "prompt": {"template": TEMPLATE}, "sampling": {"temperature": 0, "max_tokens": 4},
-            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-            "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 4, **output}}
+    return {
+        "model": str(model),
+        "input": {"path": str(root / "in.jsonl")},
+        "prompt": {"template": TEMPLATE},
+        "sampling": {"temperature": 0, "max_tokens": 4},
+        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+        "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 4, **output},
+    }
 
 
 def _resume(spec: dict) -> object:
@@ -77,8 +80,11 @@ def test_resume_refuses_a_model_whose_weights_changed(ray_local, tiny_model, tmp
     out = tmp_path / "out"
     kept = _as_if_killed(out, keep=1)
     _flip_last_byte(model / "model.safetensors")  # retrained weights at the same path
-    with pytest.raises(ValueError, match=r"model's files changed since the first run "
-                                         r"\(model.safetensors\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model's files changed since the first run "
+        r"\(model.safetensors\)",
+    ):
         run_job(_resume(spec), quiet=True)
     assert sorted(p.name for p in out.glob("part-*")) == kept  # nothing deleted
     _flip_last_byte(model / "model.safetensors")  # the first run's weights again: it resumes
@@ -162,10 +168,18 @@ def test_damaged_json_in_the_output_folder_is_named(tmp_path):
 
 def _table(row_ids: list[int], replica: int = 0) -> pa.Table:
     n = len(row_ids)
-    return pa.table({"row_id": row_ids, "replica": [replica] * n, "_pf_rank": row_ids,
-                     "error": pa.nulls(n, pa.string()), "num_input_tokens": [3] * n,
-                     "_pf_computed": [3.0] * n, "num_generated_tokens": [1] * n,
-                     "generated_text": ["x"] * n})
+    return pa.table(
+        {
+            "row_id": row_ids,
+            "replica": [replica] * n,
+            "_pf_rank": row_ids,
+            "error": pa.nulls(n, pa.string()),
+            "num_input_tokens": [3] * n,
+            "_pf_computed": [3.0] * n,
+            "num_generated_tokens": [1] * n,
+            "generated_text": ["x"] * n,
+        }
+    )
 
 
 def test_a_job_whose_lock_was_taken_over_commits_nothing_more(ray_local, tmp_path):
@@ -176,11 +190,11 @@ def test_a_job_whose_lock_was_taken_over_commits_nothing_more(ray_local, tmp_pat
     storage = StorageOptions()
     old = OutputLock(out, storage).acquire()
     old_opts = WriteOptions(path=out, format="jsonl", fence=old.holder["token"])
-    write_part(_table([0, 1]), old_opts)                      # committed before the driver died
-    old._stop.set()                                          # the driver dies: no more heartbeats
-    old.holder["pid"] = 2 ** 22 + 7                          # ... and its pid is gone
+    write_part(_table([0, 1]), old_opts)  # committed before the driver died
+    old._stop.set()  # the driver dies: no more heartbeats
+    old.holder["pid"] = 2**22 + 7  # ... and its pid is gone
     (tmp_path / "out" / "_lock.json").write_text(json.dumps(old.holder))
-    new = OutputLock(out, storage).acquire()                 # the resume takes the lock at once
+    new = OutputLock(out, storage).acquire()  # the resume takes the lock at once
     before = load_committed(out, storage)
     # An actor of the dead job that checked the lock just before the takeover commits rows 2-3.
     late = WriteOptions(path=out, format="jsonl", fence=None)
@@ -217,9 +231,11 @@ def test_plan_out_never_replaces_the_input_or_a_stranger_file(ray_local, tiny_mo
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     original = (tmp_path / "in.jsonl").read_bytes()
     (tmp_path / "notes.parquet").write_bytes(b"my own notes")
-    for target, why in [(tmp_path / "in.jsonl", "is inside the input"),
-                        (tmp_path / "out" / "plan.parquet", "inside the job's output.path"),
-                        (tmp_path / "notes.parquet", "is not a plan table")]:
+    for target, why in [
+        (tmp_path / "in.jsonl", "is inside the input"),
+        (tmp_path / "out" / "plan.parquet", "inside the job's output.path"),
+        (tmp_path / "notes.parquet", "is not a plan table"),
+    ]:
         assert cli(["plan", str(tmp_path / "job.yaml"), "--out", str(target)]) == 2
         err = capsys.readouterr().err
         assert f"--out: '{target}' " in err and why in err, err

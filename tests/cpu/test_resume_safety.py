@@ -21,8 +21,15 @@ import yaml
 
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.results.commit import (LOCK_FILE, STALE_S, OutputLock, commit_bytes, commit_record_path,
-                                                 load_committed, record_bytes)
+from prefixflow.operators.results.commit import (
+    LOCK_FILE,
+    STALE_S,
+    OutputLock,
+    commit_bytes,
+    commit_record_path,
+    load_committed,
+    record_bytes,
+)
 from prefixflow.operators.results.write import WriteOptions, prepare_output, read_output
 from prefixflow.storage import StorageOptions
 
@@ -31,16 +38,19 @@ JOB_TIMEOUT_S = 300
 
 
 def _rows(n: int = 12, tag: str = "a") -> list[dict]:
-    return [{"id": i, "tag": tag, "document": f"doc {i % 3} tells a story", "question": f"why {i}?"}
-            for i in range(n)]
+    return [{"id": i, "tag": tag, "document": f"doc {i % 3} tells a story", "question": f"why {i}?"} for i in range(n)]
 
 
 def _spec_dict(root: Path, model: Path, rows: list[dict], **output) -> dict:
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"model": str(model), "input": {"path": str(root / "in.jsonl")},
-            "prompt": {"template": TEMPLATE}, "sampling": {"temperature": 0, "max_tokens": 4},
-            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-            "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 4, **output}}
+    return {
+        "model": str(model),
+        "input": {"path": str(root / "in.jsonl")},
+        "prompt": {"template": TEMPLATE},
+        "sampling": {"temperature": 0, "max_tokens": 4},
+        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+        "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 4, **output},
+    }
 
 
 def _resume(spec: dict) -> object:
@@ -48,6 +58,7 @@ def _resume(spec: dict) -> object:
 
 
 # -- commit records and their parts (no Ray) ------------------------------------------------
+
 
 def _commit(out: Path, part: str, data: bytes, rows: list[int]) -> None:
     commit_bytes(str(out / part), data, StorageOptions())
@@ -59,18 +70,22 @@ def test_a_record_counts_only_with_its_part_at_the_recorded_size(tmp_path):
     _commit(tmp_path, "part-r000-000000000.jsonl", b"0\n1\n", [0, 1])
     _commit(tmp_path, "part-r000-000000002.jsonl", b"2\n3\n", [2, 3])
     _commit(tmp_path, "part-r000-000000004.jsonl", b"4\n5\n", [4, 5])
-    (tmp_path / "part-r000-000000002.jsonl").unlink()                 # deleted by hand
-    (tmp_path / "part-r000-000000004.jsonl").write_bytes(b"4\n")      # damaged by hand
+    (tmp_path / "part-r000-000000002.jsonl").unlink()  # deleted by hand
+    (tmp_path / "part-r000-000000004.jsonl").write_bytes(b"4\n")  # damaged by hand
     seen = load_committed(str(tmp_path), StorageOptions(), clean=False)
     assert seen.row_ids.tolist() == [0, 1] and not seen.removed
     done = load_committed(str(tmp_path), StorageOptions())
     assert done.row_ids.tolist() == [0, 1]
-    assert sorted(done.removed) == ["_commits/part-r000-000000002.jsonl.json",
-                                    "_commits/part-r000-000000004.jsonl.json", "part-r000-000000004.jsonl"]
+    assert sorted(done.removed) == [
+        "_commits/part-r000-000000002.jsonl.json",
+        "_commits/part-r000-000000004.jsonl.json",
+        "part-r000-000000004.jsonl",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_commits", "part-r000-000000000.jsonl"]
 
 
 # -- what resume and overwrite may delete (no Ray) ------------------------------------------
+
 
 def test_resume_refuses_a_folder_without_a_prefixflow_job(tmp_path):
     out = tmp_path / "theirs"
@@ -97,6 +112,7 @@ def test_overwrite_and_resume_together_are_refused(tmp_path):
 
 # -- the output lock (no Ray) ---------------------------------------------------------------
 
+
 def _lock_path(out: str) -> str:
     return out.rstrip("/") + "/" + LOCK_FILE
 
@@ -120,20 +136,25 @@ def test_one_job_at_a_time_holds_an_output_path(where, tmp_path, request):
     # Gone holders are taken over: a dead pid on this host, or a heartbeat too old.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    for held in ({"host": os.uname().nodename, "pid": dead.pid, "heartbeat": time.time()},
-                 {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - STALE_S - 1}):
+    for held in (
+        {"host": os.uname().nodename, "pid": dead.pid, "heartbeat": time.time()},
+        {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - STALE_S - 1},
+    ):
         fs.pipe_file(_lock_path(out), json.dumps({**held, "started": 0, "token": "old"}).encode())
         lock = OutputLock(out, storage).acquire()
         assert json.loads(fs.cat_file(_lock_path(out)))["token"] == lock.holder["token"]
         lock.release()
     # A live holder elsewhere, with a fresh heartbeat, is not.
-    fs.pipe_file(_lock_path(out), json.dumps({"host": "elsewhere", "pid": 1, "started": 0,
-                                              "heartbeat": time.time(), "token": "live"}).encode())
+    fs.pipe_file(
+        _lock_path(out),
+        json.dumps({"host": "elsewhere", "pid": 1, "started": 0, "heartbeat": time.time(), "token": "live"}).encode(),
+    )
     with pytest.raises(ValueError, match="host elsewhere pid 1"):
         OutputLock(out, storage).acquire()
 
 
 # -- whole jobs -----------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_resume_regenerates_a_part_deleted_by_hand(ray_local, tiny_model, tmp_path):

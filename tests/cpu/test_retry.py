@@ -16,6 +16,7 @@ def _failing(errors: list[BaseException], result: str = "ok"):
         if len(calls) <= len(errors):
             raise errors[len(calls) - 1]
         return result
+
     return fn, calls
 
 
@@ -28,8 +29,9 @@ def test_transient_errors_are_retried_with_full_jitter_backoff():
     assert len(sleeps) == 3 and all(0 <= d <= cap for d, cap in zip(sleeps, [0.2, 0.4, 0.5]))
 
 
-@pytest.mark.parametrize("error", [FileNotFoundError("no key"), PermissionError("denied"),
-                                   IsADirectoryError("dir"), ValueError("a bug")])
+@pytest.mark.parametrize(
+    "error", [FileNotFoundError("no key"), PermissionError("denied"), IsADirectoryError("dir"), ValueError("a bug")]
+)
 def test_permanent_errors_fail_at_once_as_they_are(error):
     sleeps: list[float] = []
     fn, calls = _failing([error])
@@ -47,5 +49,6 @@ def test_a_persistent_failure_says_what_and_how_to_finish():
     assert str(raised.value) == (
         "storage: write s3://b/out/part-1.jsonl failed 3 times, last error: ConnectionError: "
         "connection dropped. Parts committed so far are kept: fix storage and rerun with "
-        "output.resume: true")
+        "output.resume: true"
+    )
     assert raised.value.__cause__ is last and len(calls) == 3 and len(sleeps) == 2

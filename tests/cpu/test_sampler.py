@@ -17,8 +17,12 @@ def random_logits(n: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
 def test_seeded_request_same_tokens_alone_or_in_a_batch_of_five():
     logits = random_logits(5)
     mine = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1234)
-    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
-              SamplingParams(temperature=1.3, seed=99), SamplingParams(temperature=1.0, top_k=5)]
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, seed=99),
+        SamplingParams(temperature=1.0, top_k=5),
+    ]
     alone, batched = [], []
     for step in range(30):
         alone.append(Sampler(seed=0).sample(logits[2:3], [mine], [step]).token_ids[0])
@@ -41,8 +45,11 @@ def test_greedy_top_k_one_and_tiny_top_p_all_pick_the_argmax():
     logits = random_logits(8, seed=2)
     argmax = logits.argmax(-1).tolist()
     sampler = Sampler(seed=0)
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
-                   SamplingParams(temperature=2.0, top_p=1e-6)):
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=2.0, top_p=1e-6),
+    ):
         assert sampler.sample(logits, [params] * 8, list(range(8))).token_ids == argmax
 
 
@@ -58,7 +65,7 @@ def test_samples_stay_inside_top_k_and_nucleus():
     logits = random_logits(1, seed=4).expand(300, V).contiguous()
     order = logits[0].argsort(descending=True).tolist()
     probs = torch.softmax(logits[0], -1)[order]
-    nucleus = order[:int((probs.cumsum(0) < 0.5).sum()) + 1]
+    nucleus = order[: int((probs.cumsum(0) < 0.5).sum()) + 1]
     sampler = Sampler(seed=0)
     top3 = sampler.sample(logits, [SamplingParams(top_k=3)] * 300, [0] * 300).token_ids
     top_p = sampler.sample(logits, [SamplingParams(top_p=0.5)] * 300, [0] * 300).token_ids
@@ -76,9 +83,11 @@ def test_top_k_top_p_mask_per_row():
 
 def test_logprobs_are_raw_and_counted_as_asked():
     logits = random_logits(3, seed=6)
-    params = [SamplingParams(temperature=0.5, logprobs=5),
-              SamplingParams(temperature=0.0, logprobs=0),
-              SamplingParams(temperature=2.0, top_k=4)]
+    params = [
+        SamplingParams(temperature=0.5, logprobs=5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=2.0, top_k=4),
+    ]
     out = Sampler(seed=0).sample(logits, params, [0, 0, 0])
     raw = torch.log_softmax(logits, -1)
     assert [len(t) for t in out.top_logprobs] == [5, 0, 0]
@@ -95,8 +104,10 @@ def test_top_k_beyond_the_vocabulary_is_clamped_and_unbounded_top_k_is_rejected(
     logits = random_logits(2, seed=7)
     big = SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3)
     full = SamplingParams(temperature=1.0, top_k=V, seed=3)
-    assert Sampler(0).sample(logits, [big, full], [0, 0]).token_ids[0] == \
-        Sampler(0).sample(logits, [full, big], [0, 0]).token_ids[0]
+    assert (
+        Sampler(0).sample(logits, [big, full], [0, 0]).token_ids[0]
+        == Sampler(0).sample(logits, [full, big], [0, 0]).token_ids[0]
+    )
     assert torch.isfinite(apply_top_k_top_p(logits, [2**31 - 1, V], [1.0, 1.0])).all()
     for top_k in (1e30, 2**31, 2.5, True):  # would reach torch.tensor as overflowing or float k
         with pytest.raises(ValueError, match="top_k"):
@@ -111,9 +122,15 @@ def test_penalties_of_a_batch_equal_each_row_penalised_alone():
     gen = torch.Generator().manual_seed(0)
     vocab, n = 50, 7
     logits = torch.randn(n, vocab, generator=gen)
-    params = [SamplingParams(), SamplingParams(frequency_penalty=0.5), SamplingParams(presence_penalty=1.0),
-              SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.2, repetition_penalty=0.8),
-              SamplingParams(presence_penalty=0.3, frequency_penalty=-0.4), SamplingParams(frequency_penalty=1.0)]
+    params = [
+        SamplingParams(),
+        SamplingParams(frequency_penalty=0.5),
+        SamplingParams(presence_penalty=1.0),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.2, repetition_penalty=0.8),
+        SamplingParams(presence_penalty=0.3, frequency_penalty=-0.4),
+        SamplingParams(frequency_penalty=1.0),
+    ]
     histories, generated = [], []
     for p in params:
         prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
@@ -127,8 +144,10 @@ def test_penalties_of_a_batch_equal_each_row_penalised_alone():
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool)
                 seen[torch.tensor(histories[i], dtype=torch.long)] = True
-                row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
-            output = torch.tensor(histories[i][len(histories[i]) - generated[i]:], dtype=torch.long)
+                row = torch.where(
+                    seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row
+                )
+            output = torch.tensor(histories[i][len(histories[i]) - generated[i] :], dtype=torch.long)
             counts = torch.bincount(output, minlength=vocab).float()
             row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         assert torch.allclose(got[i], row), i

@@ -13,23 +13,26 @@ from prefixflow.operators.results.outputs import output_chunk, output_names
 from prefixflow.requests import SamplingParams
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("n", 0, "SamplingParams.n=0 is invalid: an integer in [1, 1024]"),
-    ("presence_penalty", 2.5, "SamplingParams.presence_penalty=2.5 is invalid: use a value in [-2, 2]"),
-    ("frequency_penalty", "x", "SamplingParams.frequency_penalty='x' is invalid: a finite number"),
-    ("repetition_penalty", 0, "SamplingParams.repetition_penalty=0 is invalid: a finite number|above 0"),
-    ("min_p", -0.1, "SamplingParams.min_p=-0.1 is invalid: use a value in [0, 1]"),
-    ("include_stop_str_in_output", 1, "SamplingParams.include_stop_str_in_output=1 is invalid: use true"),
-    ("skip_special_tokens", "no", "SamplingParams.skip_special_tokens='no' is invalid: use true"),
-    ("detokenize", None, None),  # null keeps the default (as every override)
-    ("structured_outputs", "json", "give a mapping with one key among json, json_object"),
-    ("structured_outputs", {"json": {}, "regex": "a+"}, "give exactly one key among"),
-    ("structured_outputs", {"xml": "x"}, "give exactly one key among"),
-    ("structured_outputs", {"json": "[1]"}, "structured_outputs.json needs a JSON schema object"),
-    ("structured_outputs", {"json_object": False}, "structured_outputs.json_object needs true"),
-    ("structured_outputs", {"choice": ["a", ""]}, "structured_outputs.choice needs a non-empty list"),
-    ("structured_outputs", {"regex": " "}, "structured_outputs.regex needs a non-empty regular"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n", 0, "SamplingParams.n=0 is invalid: an integer in [1, 1024]"),
+        ("presence_penalty", 2.5, "SamplingParams.presence_penalty=2.5 is invalid: use a value in [-2, 2]"),
+        ("frequency_penalty", "x", "SamplingParams.frequency_penalty='x' is invalid: a finite number"),
+        ("repetition_penalty", 0, "SamplingParams.repetition_penalty=0 is invalid: a finite number|above 0"),
+        ("min_p", -0.1, "SamplingParams.min_p=-0.1 is invalid: use a value in [0, 1]"),
+        ("include_stop_str_in_output", 1, "SamplingParams.include_stop_str_in_output=1 is invalid: use true"),
+        ("skip_special_tokens", "no", "SamplingParams.skip_special_tokens='no' is invalid: use true"),
+        ("detokenize", None, None),  # null keeps the default (as every override)
+        ("structured_outputs", "json", "give a mapping with one key among json, json_object"),
+        ("structured_outputs", {"json": {}, "regex": "a+"}, "give exactly one key among"),
+        ("structured_outputs", {"xml": "x"}, "give exactly one key among"),
+        ("structured_outputs", {"json": "[1]"}, "structured_outputs.json needs a JSON schema object"),
+        ("structured_outputs", {"json_object": False}, "structured_outputs.json_object needs true"),
+        ("structured_outputs", {"choice": ["a", ""]}, "structured_outputs.choice needs a non-empty list"),
+        ("structured_outputs", {"regex": " "}, "structured_outputs.regex needs a non-empty regular"),
+    ],
+)
 def test_each_new_field_names_field_value_and_fix(field, value, message):
     if message is None:
         assert getattr(SamplingParams().with_overrides({field: value}), field) is True
@@ -45,10 +48,12 @@ def test_detokenize_false_refuses_stop_strings_and_the_fields_keep_vllm_defaults
     assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (1, 0, 0, 1, 0)
     assert (p.include_stop_str_in_output, p.skip_special_tokens, p.detokenize) == (False, True, True)
     # Ray's own example (detokenize=False) and structured outputs are fine values, and hashable.
-    q = SamplingParams().with_overrides({"detokenize": False, "structured_outputs": {"json": '{"type": "object"}'},
-                                         "n": 2.0, "min_p": 0})
-    assert q.n == 2 and hash(q) == hash(SamplingParams(detokenize=False, n=2,
-                                                       structured_outputs={"json": '{"type": "object"}'}))
+    q = SamplingParams().with_overrides(
+        {"detokenize": False, "structured_outputs": {"json": '{"type": "object"}'}, "n": 2.0, "min_p": 0}
+    )
+    assert q.n == 2 and hash(q) == hash(
+        SamplingParams(detokenize=False, n=2, structured_outputs={"json": '{"type": "object"}'})
+    )
 
 
 def test_sample_i_of_a_seeded_request_uses_seed_plus_i():
@@ -63,18 +68,28 @@ def test_samples_column_lists_each_rows_samples_and_keeps_an_input_samples_colum
     single = RequestOutput(1, (1,), (7,), "x", "length")
     failed = RequestOutput(2, (1,), (), "", "abort", error="bad row")
     rows = pa.table({"samples": ["mine", "also mine", "too"]})
-    table = output_chunk([with_samples([first, second]), single, failed], rows, np.array([2, 1, 1]),
-                         np.array([2.0, 1.0, 1.0]), np.arange(3), replica=0, plan_replica=0)
+    table = output_chunk(
+        [with_samples([first, second]), single, failed],
+        rows,
+        np.array([2, 1, 1]),
+        np.array([2.0, 1.0, 1.0]),
+        np.arange(3),
+        replica=0,
+        plan_replica=0,
+    )
     assert "samples" in output_names(False, False)
     assert table.column("input_samples").to_pylist() == ["mine", "also mine", "too"]
     assert table.column("generated_text").to_pylist() == ["ab", "x", None]  # sample 0
     samples = table.column("samples").to_pylist()
-    assert [(s["index"], s["text"], s["token_ids"], s["finish_reason"]) for s in samples[0]] == \
-        [(0, "ab", [3, 4], "stop"), (1, "c", [5], "length")]
+    assert [(s["index"], s["text"], s["token_ids"], s["finish_reason"]) for s in samples[0]] == [
+        (0, "ab", [3, 4], "stop"),
+        (1, "c", [5], "length"),
+    ]
     assert samples[1] == [{"index": 0, "text": "x", "token_ids": [7], "finish_reason": "length", "logprobs": None}]
     assert samples[2] is None
-    plain = output_chunk([single], rows.slice(1, 1), np.array([1]), np.array([1.0]), np.array([0]), replica=0,
-                         plan_replica=0)
+    plain = output_chunk(
+        [single], rows.slice(1, 1), np.array([1]), np.array([1.0]), np.array([0]), replica=0, plan_replica=0
+    )
     assert "samples" not in plain.column_names  # no row asked n > 1
 
 
@@ -105,10 +120,11 @@ def test_penalty_and_min_p_masks_match_transformers_processors():
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 3
     history = [[1, 7, 7, 30], [4, 4, 9]]
-    ours = apply_penalties(logits, [SamplingParams(repetition_penalty=1.7), SamplingParams(repetition_penalty=0.6)],
-                           history, [2, 1])
+    ours = apply_penalties(
+        logits, [SamplingParams(repetition_penalty=1.7), SamplingParams(repetition_penalty=0.6)], history, [2, 1]
+    )
     for i, rp in enumerate((1.7, 0.6)):
-        theirs = RepetitionPenaltyLogitsProcessor(rp)(torch.tensor([history[i]]), logits[i:i + 1].clone())
+        theirs = RepetitionPenaltyLogitsProcessor(rp)(torch.tensor([history[i]]), logits[i : i + 1].clone())
         torch.testing.assert_close(ours[i], theirs[0])
     theirs = MinPLogitsWarper(0.2)(None, logits.clone())
     assert torch.equal(apply_min_p(logits, [0.2, 0.2]).isinf(), theirs.isinf())
@@ -123,10 +139,17 @@ def test_greedy_repetition_penalty_matches_transformers_generate(native, penalty
     import torch
 
     engine, hf = native
-    ours = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                    repetition_penalty=penalty))[0]
-    theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                         repetition_penalty=penalty, pad_token_id=0)[0, len(PROMPT):].tolist()
+    ours = engine.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=penalty)
+    )[0]
+    theirs = hf.generate(
+        torch.tensor([PROMPT]),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        repetition_penalty=penalty,
+        pad_token_id=0,
+    )[0, len(PROMPT) :].tolist()
     plain = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert list(ours.token_ids) == theirs and ours.token_ids != plain.token_ids
 
@@ -160,13 +183,13 @@ def test_text_switches_and_structured_outputs_on_the_native_engine(native):
     engine, _ = native
     base = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert base.text
-    raw = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                   detokenize=False))[0]
+    raw = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False))[0]
     assert raw.error is None and raw.text == "" and raw.token_ids == base.token_ids
-    stop = base.text[len(base.text) // 2:][:2]
+    stop = base.text[len(base.text) // 2 :][:2]
     cut = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop=(stop,)))[0]
-    kept = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop=(stop,),
-                                                    include_stop_str_in_output=True))[0]
+    kept = engine.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=8, stop=(stop,), include_stop_str_in_output=True)
+    )[0]
     assert kept.text == cut.text + stop and base.text.startswith(kept.text)
     bad = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "a+"}))[0]
     assert bad.finish_reason == "abort" and "structured_outputs (regex) needs engine.backend: vllm" in bad.error

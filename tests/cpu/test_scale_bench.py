@@ -14,7 +14,7 @@ from prefixflow.bench.scale_workload import choose_eos, length_summary, make_row
 def test_question_counts_follow_a_zipf_law():
     counts = zipf_counts(2048, 614, 1.3)
     assert sum(counts) == 2048 and counts == sorted(counts, reverse=True)
-    assert counts[0] >= 300 and counts[2] >= 100            # a few documents asked hundreds of times
+    assert counts[0] >= 300 and counts[2] >= 100  # a few documents asked hundreds of times
     assert sum(1 <= c <= 5 for c in counts) > len(counts) / 2  # most asked one to five
 
 
@@ -39,7 +39,10 @@ def test_prompt_token_floors_count_distinct_tokens_and_whole_blocks():
     # Sorted: abcd, abcd (shares 3 of its 4: one whole block of 2), abce (the same), z.
     prompts = [[1, 2, 3, 5], [9], [1, 2, 3, 4], [1, 2, 3, 4]]
     assert prompt_token_floors(prompts, block=2) == {
-        "prompt_tokens": 13, "distinct_prompt_tokens": 6, "whole_block_floor": 4 + 2 + 2 + 1}
+        "prompt_tokens": 13,
+        "distinct_prompt_tokens": 6,
+        "whole_block_floor": 4 + 2 + 2 + 1,
+    }
     # One token per block: every shared token is reused, but a prompt met whole recomputes its last.
     assert prompt_token_floors(prompts, block=1)["whole_block_floor"] == 4 + 1 + 1 + 1
 
@@ -71,21 +74,34 @@ def test_ray_blocks_are_equal_stretches_of_the_sorted_rows():
 
 
 def _run(wall, first, computed, busy, ends, outputs):
-    return figures({"wall_s": wall, "wall_from_first_request_s": wall - first,
-                    "wall_from_last_engine_start_s": wall - first, "computed_prompt_tokens": computed,
-                    "engine_busy_s": busy, "engine_end_s": ends, "load_average": (1.0, 1.0, 1.0),
-                    "outputs": outputs})
+    return figures(
+        {
+            "wall_s": wall,
+            "wall_from_first_request_s": wall - first,
+            "wall_from_last_engine_start_s": wall - first,
+            "computed_prompt_tokens": computed,
+            "engine_busy_s": busy,
+            "engine_end_s": ends,
+            "load_average": (1.0, 1.0, 1.0),
+            "outputs": outputs,
+        }
+    )
 
 
 def test_cells_give_medians_spreads_and_goals_as_met_or_not():
     out = {1: [3, 4], 2: [5]}
     ours = [_run(w, 10, 1000, [40, 42], [50, 50], out) for w in (60, 62, 70)]
     ray = [_run(w, 5, 1100, [30, 60], [45, 70], {1: [3, 4], 2: [6]}) for w in (80, 85, 90)]
-    runs = {"prefixflow_vllm/model_decided/4": cell_summary(ours, out),
-            "ray_llm_sorted_default/model_decided/4": cell_summary(ray, out)}
+    runs = {
+        "prefixflow_vllm/model_decided/4": cell_summary(ours, out),
+        "ray_llm_sorted_default/model_decided/4": cell_summary(ray, out),
+    }
     cell = runs["prefixflow_vllm/model_decided/4"]
     assert cell["median"]["wall_s"] == 62 and cell["spread"]["wall_s"] == [60, 70]
-    assert cell["outputs_equal"] == [2, 2, 2] and runs["ray_llm_sorted_default/model_decided/4"]["outputs_equal"] == [1] * 3
+    assert (
+        cell["outputs_equal"] == [2, 2, 2]
+        and runs["ray_llm_sorted_default/model_decided/4"]["outputs_equal"] == [1] * 3
+    )
     floors = {w: {"whole_block_floor": 990} for w in ("fixed", "model_decided")}
     row = acceptance(runs, 4, floors)["prefixflow_vllm/model_decided/4"]
     assert row["ray_best"] == "ray_llm_sorted_default"
@@ -105,8 +121,10 @@ def test_the_tokenizers_own_eos_ends_rows_too():
 
 def test_ray_keeps_the_faster_configuration_and_both_when_one_run_cannot_tell_them_apart():
     def found(default_s: float, ours_s: float) -> dict:
-        return {"ray_llm_sorted_default/model_decided/4": [{"wall_from_first_request_s": default_s}],
-                "ray_llm_sorted_ours/model_decided/4": [{"wall_from_first_request_s": ours_s}]}
+        return {
+            "ray_llm_sorted_default/model_decided/4": [{"wall_from_first_request_s": default_s}],
+            "ray_llm_sorted_ours/model_decided/4": [{"wall_from_first_request_s": ours_s}],
+        }
 
     assert _ray_kept(found(256.1, 253.3), "model_decided", 4) == ["ray_llm_sorted_default", "ray_llm_sorted_ours"]
     assert _ray_kept(found(300.0, 253.3), "model_decided", 4) == ["ray_llm_sorted_ours"]

@@ -74,8 +74,9 @@ class FakeRunner:
                 assert 0 <= block < self.num_kv_blocks
                 assert written.setdefault(block, c.seq_id) == c.seq_id, "two chunks wrote one block"
                 # Only a prefix's own computation writes its blocks (members never do).
-                assert c.prefix_index < 0 or all(block not in p.block_table for p in step.prefixes), \
+                assert c.prefix_index < 0 or all(block not in p.block_table for p in step.prefixes), (
                     "a member wrote a shared block"
+                )
                 self.kv.setdefault(block, [None] * bs)[j % bs] = (c.start_pos + i, t)
         # Shared prefixes are complete once the step's K/V are written (engine/native/step.py).
         prefix_ctx = [self._read(p.block_table, p.length, 0) for p in step.prefixes]
@@ -106,19 +107,25 @@ def reference(prompt: list[int], p: SamplingParams, max_model_len: int = 4096) -
 
 
 def make_group(gid: int, prefix: list[int], distinct: list[list[int]], row0: int) -> PrefixGroup:
-    return PrefixGroup(group_id=gid, prefix=np.array(prefix, dtype=np.int64),
-                       row_ids=np.arange(row0, row0 + len(distinct), dtype=np.int64),
-                       distinct=tuple(np.array(d, dtype=np.int64) for d in distinct))
+    return PrefixGroup(
+        group_id=gid,
+        prefix=np.array(prefix, dtype=np.int64),
+        row_ids=np.arange(row0, row0 + len(distinct), dtype=np.int64),
+        distinct=tuple(np.array(d, dtype=np.int64) for d in distinct),
+    )
 
 
-def random_workload(rng: random.Random, num_groups: int, max_prefix: int = 40, max_distinct: int = 20,
-                    max_members: int = 5) -> list[PrefixGroup]:
+def random_workload(
+    rng: random.Random, num_groups: int, max_prefix: int = 40, max_distinct: int = 20, max_members: int = 5
+) -> list[PrefixGroup]:
     groups, row = [], 0
     for g in range(num_groups):
         members = rng.randint(1, max_members)
         prefix = [rng.randrange(2, VOCAB) for _ in range(rng.randint(0, max_prefix))] if members > 1 else []
-        distinct = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(0 if prefix else 1, max_distinct))]
-                    for _ in range(members)]
+        distinct = [
+            [rng.randrange(2, VOCAB) for _ in range(rng.randint(0 if prefix else 1, max_distinct))]
+            for _ in range(members)
+        ]
         groups.append(make_group(g, prefix, distinct, row))
         row += members
     return groups
@@ -192,10 +199,12 @@ def assert_matches_reference(outs, groups, params: SamplingParams) -> None:
 
 
 def test_scheduler_and_block_manager_import_without_torch():
-    code = ("import sys; import prefixflow.engine.native.scheduler, prefixflow.engine.native.block_manager, "
-            "prefixflow.engine.outputs; import prefixflow.engine; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'transformers')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import prefixflow.engine.native.scheduler, prefixflow.engine.native.block_manager, "
+        "prefixflow.engine.outputs; import prefixflow.engine; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'transformers')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -235,15 +244,21 @@ def test_a_new_group_waits_for_room_to_run_and_its_prefix_is_computed_once():
     # (the prefix alone fitted at first), older members' growth preempts them and then the
     # prefix with them, which is computed again.
     rng = random.Random(3)
-    groups = [make_group(g, [rng.randrange(2, VOCAB) for _ in range(24)],
-                         [[rng.randrange(2, VOCAB) for _ in range(4)] for _ in range(4)], 4 * g)
-              for g in range(4)]
+    groups = [
+        make_group(
+            g,
+            [rng.randrange(2, VOCAB) for _ in range(24)],
+            [[rng.randrange(2, VOCAB) for _ in range(4)] for _ in range(4)],
+            4 * g,
+        )
+        for g in range(4)
+    ]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine = make_engine(num_blocks=40, max_num_batched_tokens=64)
     log: list = []
     outs = instrumented_run(engine, groups, params, log)
     assert_matches_reference(outs, groups, params)
-    assert sum(s.num_prefix_tokens for s in engine.stats) == 4 * 24   # each prefix once
+    assert sum(s.num_prefix_tokens for s in engine.stats) == 4 * 24  # each prefix once
     # Not one group at a time: a group's prefix was computed while another group decoded.
     assert any("prefix" in kinds and "decode" in kinds for kinds in log)
     assert max(s.num_used_blocks for s in engine.stats) <= 40
@@ -252,24 +267,26 @@ def test_a_new_group_waits_for_room_to_run_and_its_prefix_is_computed_once():
 def test_members_start_in_the_step_that_completes_their_prefix():
     # The prefix (12 tokens) and all three members fit one 64-token step: the members attend
     # the prefix K/V written earlier in the same step, as vLLM's same-step prefix-cache hits do.
-    groups = [make_group(0, list(range(10, 22)), [[40, 41], [42], [43, 44, 45]], 0),
-              make_group(1, list(range(2, 52)), [[3], [4]], 3)]    # 18 + 50: past the budget
+    groups = [
+        make_group(0, list(range(10, 22)), [[40, 41], [42], [43, 44, 45]], 0),
+        make_group(1, list(range(2, 52)), [[3], [4]], 3),
+    ]  # 18 + 50: past the budget
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = make_engine(num_blocks=100, max_num_batched_tokens=64)
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
     first = engine.runner.steps[0]
-    assert [c.prefix_index for c in first.chunks] == [-1, 0, 0, 0, -1]   # group 1's prefix: a chunk
+    assert [c.prefix_index for c in first.chunks] == [-1, 0, 0, 0, -1]  # group 1's prefix: a chunk
     assert first.prefixes[0].length == 12 and sum(len(c.token_ids) for c in first.chunks) == 64
-    second = engine.runner.steps[1]   # group 1's prefix ends: its members start next to the decodes
+    second = engine.runner.steps[1]  # group 1's prefix ends: its members start next to the decodes
     assert sorted(c.prefix_index for c in second.chunks) == [-1, 0, 0, 0, 1, 1]
 
 
 def test_the_expected_output_share_comes_from_finished_requests():
     share = OutputFraction()
-    assert (share.numerator, share.denominator) == (1, 1)   # nothing finished: all of max_tokens
+    assert (share.numerator, share.denominator) == (1, 1)  # nothing finished: all of max_tokens
     share.add(4, 16)
-    share.add(20, 16)                                       # capped at max_tokens
+    share.add(20, 16)  # capped at max_tokens
     assert (share.numerator, share.denominator) == (20, 32)
 
 
@@ -279,7 +296,7 @@ def test_group_prefix_blocks_freed_exactly_when_last_member_finishes():
     lens = {0: 3, 1: 9, 2: 5}
     params = {r: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for r, n in lens.items()}
     engine = make_engine(num_blocks=100)
-    (state, errors), = list(engine._make_groups([group], params))
+    ((state, errors),) = list(engine._make_groups([group], params))
     assert not errors and state.prefix is not None
     engine.scheduler.add_group(state)
     prefix_owner, prefix_blocks, finished = state.prefix, None, []
@@ -323,8 +340,12 @@ def test_vllm_policy_caps_running_requests_and_uses_arrival_order():
     rows = list(range(300))
     rng.shuffle(rows)
     prompts = {r: [2 + r % 90, 2 + r // 90, 3] for r in rows}
-    groups = [PrefixGroup(group_id=i, prefix=np.zeros(0, dtype=np.int64), row_ids=np.array([r]),
-                          distinct=(np.array(prompts[r]),)) for i, r in enumerate(rows)]
+    groups = [
+        PrefixGroup(
+            group_id=i, prefix=np.zeros(0, dtype=np.int64), row_ids=np.array([r]), distinct=(np.array(prompts[r]),)
+        )
+        for i, r in enumerate(rows)
+    ]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine = make_engine(num_blocks=4000, policy="vllm", max_num_batched_tokens=2048)
     outs = instrumented_run(engine, groups, params)
@@ -372,8 +393,11 @@ def test_prefix_cache_reuses_blocks_across_runs_and_groups():
 
 def test_member_equal_to_prefix_and_errors_do_not_stop_the_run():
     prefix = [5, 6, 7, 8, 9]
-    groups = [make_group(0, prefix, [[], [11, 12]], 0), make_group(1, [], [list(range(2, 80))], 2),
-              make_group(2, [], [[3, 4]], 3)]
+    groups = [
+        make_group(0, prefix, [[], [11, 12]], 0),
+        make_group(1, [], [list(range(2, 80))], 2),
+        make_group(2, [], [[3, 4]], 3),
+    ]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = LLMEngine(EngineConfig(model="fake", block_size=4), model_runner=FakeRunner(200, 4, max_model_len=64))
     outs = {o.row_id: o for o in engine.run(groups, params)}
@@ -389,17 +413,20 @@ def test_finish_rules_eos_stop_ids_min_tokens_max_model_len():
     stop_id = free[5]
     first = free.index(stop_id)
     groups = [make_group(i, [], [prompt], i) for i in range(4)]
-    params = {0: SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,)),
-              1: SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,),
-                                min_tokens=first + 2),
-              2: SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
-              3: SamplingParams(temperature=0, max_tokens=2)}
+    params = {
+        0: SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,)),
+        1: SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,), min_tokens=first + 2
+        ),
+        2: SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+        3: SamplingParams(temperature=0, max_tokens=2),
+    }
     engine = LLMEngine(EngineConfig(model="fake", block_size=4), model_runner=FakeRunner(200, 4, max_model_len=20))
     outs = {o.row_id: o for o in engine.run(groups, params)}
-    assert list(outs[0].token_ids) == free[:first + 1] and outs[0].finish_reason == "stop"
-    later = free.index(stop_id, first + 1) if stop_id in free[first + 1:17] else None
+    assert list(outs[0].token_ids) == free[: first + 1] and outs[0].finish_reason == "stop"
+    later = free.index(stop_id, first + 1) if stop_id in free[first + 1 : 17] else None
     if later is not None:
-        assert list(outs[1].token_ids) == free[:later + 1]
+        assert list(outs[1].token_ids) == free[: later + 1]
     else:
         assert len(outs[1].token_ids) == 17 and outs[1].finish_reason == "length"
     assert len(outs[2].token_ids) == 17 and outs[2].finish_reason == "length"  # 3 + 17 = max_model_len
@@ -427,17 +454,33 @@ def test_params_mapping_must_cover_every_row():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), num_blocks=st.integers(24, 120), block_size=st.sampled_from([1, 2, 4, 8]),
-       max_tokens=st.integers(1, 12), token_limit=st.integers(4, 48), policy=st.sampled_from(["batchllm", "vllm"]),
-       cache=st.booleans(), aligned=st.sampled_from([None, None, 1, 3]))
-def test_random_workloads_finish_with_reference_tokens(seed, num_blocks, block_size, max_tokens, token_limit,
-                                                       policy, cache, aligned):
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(24, 120),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    max_tokens=st.integers(1, 12),
+    token_limit=st.integers(4, 48),
+    policy=st.sampled_from(["batchllm", "vllm"]),
+    cache=st.booleans(),
+    aligned=st.sampled_from([None, None, 1, 3]),
+)
+def test_random_workloads_finish_with_reference_tokens(
+    seed, num_blocks, block_size, max_tokens, token_limit, policy, cache, aligned
+):
     rng = random.Random(seed)
     groups = random_workload(rng, rng.randint(1, 6), max_prefix=24, max_distinct=12, max_members=4)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5)
-    engine = LLMEngine(EngineConfig(model="fake", block_size=block_size, max_num_batched_tokens=token_limit,
-                                    policy=policy, enable_prefix_cache=cache, aligned_decode_batch=aligned),
-                       model_runner=FakeRunner(num_blocks * 4 // block_size, block_size))
+    engine = LLMEngine(
+        EngineConfig(
+            model="fake",
+            block_size=block_size,
+            max_num_batched_tokens=token_limit,
+            policy=policy,
+            enable_prefix_cache=cache,
+            aligned_decode_batch=aligned,
+        ),
+        model_runner=FakeRunner(num_blocks * 4 // block_size, block_size),
+    )
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
 
@@ -462,10 +505,10 @@ def test_a_run_freezes_the_collector_only_while_it_runs_and_only_if_nothing_else
     assert gc.get_freeze_count() == 0
     stream = engine.run(groups, params)
     next(stream)
-    assert gc.get_freeze_count() > 0            # the objects alive before the run
+    assert gc.get_freeze_count() > 0  # the objects alive before the run
     list(stream)
     assert gc.get_freeze_count() == 0
-    gc.freeze()                                  # the application's own freeze is left alone
+    gc.freeze()  # the application's own freeze is left alone
     try:
         list(engine.run(groups, params))
         assert gc.get_freeze_count() > 0
@@ -530,9 +573,17 @@ def test_aligned_decode_step_is_never_empty_when_its_pick_preempts_itself():
     groups = random_workload(rng, rng.randint(1, 8), max_prefix=24, max_distinct=12, max_members=5)
     params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
     assert (block_size, num_blocks) == (4, 30)
-    engine = LLMEngine(EngineConfig(model="fake", block_size=4, max_num_batched_tokens=8, policy="vllm",
-                                    enable_prefix_cache=False, aligned_decode_batch=1),
-                       model_runner=FakeRunner(30, 4))
+    engine = LLMEngine(
+        EngineConfig(
+            model="fake",
+            block_size=4,
+            max_num_batched_tokens=8,
+            policy="vllm",
+            enable_prefix_cache=False,
+            aligned_decode_batch=1,
+        ),
+        model_runner=FakeRunner(30, 4),
+    )
     outs = instrumented_run(engine, groups, params)
     assert_matches_reference(outs, groups, params)
     assert engine.totals.num_preemptions > 0
@@ -568,10 +619,10 @@ def test_not_ready_means_ask_again_later():
     engine = make_engine(num_blocks=400)
 
     def source():
-        yield NOT_READY                        # nothing at first: the engine waits
+        yield NOT_READY  # nothing at first: the engine waits
         yield from groups[:3]
         for _ in range(30):
-            yield NOT_READY                    # the first groups run meanwhile
+            yield NOT_READY  # the first groups run meanwhile
         yield from groups[3:]
 
     outs = list(engine.run(source(), params))

@@ -32,10 +32,9 @@ def scorer(path, **options) -> Scorer:
 
 def hf_scores(hf, ids: list[int], choice_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0, -1].float()                  # [V]
+        logits = hf(torch.tensor([ids])).logits[0, -1].float()  # [V]
     idx = torch.tensor(choice_ids)
-    return (torch.softmax(logits[idx], -1).numpy(),
-            torch.log_softmax(logits, -1)[idx].numpy())
+    return (torch.softmax(logits[idx], -1).numpy(), torch.log_softmax(logits, -1)[idx].numpy())
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:
@@ -46,9 +45,9 @@ def rand_tokens(n: int, seed: int) -> list[int]:
 def test_scores_match_transformers_with_and_without_shared_prefixes(ckpt, chunk_size):
     path, hf = ckpt
     s = scorer(path, chunk_size=chunk_size)
-    profile = rand_tokens(29, seed=1)                   # shared by rows 0..3 (one group)
+    profile = rand_tokens(29, seed=1)  # shared by rows 0..3 (one group)
     prompts = [profile + rand_tokens(n, seed=10 + n) for n in (3, 8, 1, 12)]
-    prompts += [rand_tokens(33, seed=2), rand_tokens(16, seed=3)]   # unrelated rows
+    prompts += [rand_tokens(33, seed=2), rand_tokens(16, seed=3)]  # unrelated rows
     choices = [5, 17, 300]
     outs = s.score(prompts, choices)
     assert s.score_stats.num_prefix_misses == 1 and s.score_stats.num_prefix_hits == 3
@@ -70,8 +69,7 @@ def test_string_prompts_and_choices_tokenized_like_the_docs(ckpt):
     text = "Classify the sentiment of the sentence: the screen is bright. Answer:"
     out = s.score([text], ["positive", "negative", "neutral"])[0]
     tok = s.tokenizer
-    expected = tuple(tok.encode(" " + c, add_special_tokens=False)[0]
-                     for c in ("positive", "negative", "neutral"))
+    expected = tuple(tok.encode(" " + c, add_special_tokens=False)[0] for c in ("positive", "negative", "neutral"))
     assert out.choice_token_ids == expected
     probs, _ = hf_scores(hf, tok(text)["input_ids"], expected)
     np.testing.assert_allclose(out.probs, probs, atol=ATOL, rtol=0)
@@ -127,8 +125,12 @@ def test_maximum_input_length_for_a_memory_budget():
 
 
 def _group(gid: int, prefix: list[int], suffixes: dict[int, list[int]]) -> PrefixGroup:
-    return PrefixGroup(group_id=gid, prefix=np.array(prefix), row_ids=np.array(list(suffixes)),
-                       distinct=tuple(np.array(d) for d in suffixes.values()))
+    return PrefixGroup(
+        group_id=gid,
+        prefix=np.array(prefix),
+        row_ids=np.array(list(suffixes)),
+        distinct=tuple(np.array(d) for d in suffixes.values()),
+    )
 
 
 @pytest.mark.parametrize("calibrate,hits", [(True, 2), (False, 1)])
@@ -141,8 +143,10 @@ def test_continuous_jct_calibration_gets_the_extra_hit_of_fig5(calibrate, hits):
     one_prefix = 2 * probe.args.num_layers * probe.args.num_kv_heads * probe.args.head_dim * 4 * 12
     s = scorer(path, prefix_cache_bytes=one_prefix + one_prefix // 2, calibrate=calibrate, lam=0)
     p1, p2 = rand_tokens(12, 20), rand_tokens(12, 21)
-    groups = [_group(0, p1, {0: rand_tokens(2, 22), 3: rand_tokens(8, 23)}),     # A, D
-              _group(1, p2, {2: rand_tokens(4, 24), 1: rand_tokens(6, 25)})]     # C, B
+    groups = [
+        _group(0, p1, {0: rand_tokens(2, 22), 3: rand_tokens(8, 23)}),  # A, D
+        _group(1, p2, {2: rand_tokens(4, 24), 1: rand_tokens(6, 25)}),
+    ]  # C, B
     order = [o.row_id for o in s.score_groups(groups, [1, 2])]
     assert order == ([0, 3, 2, 1] if calibrate else [0, 2, 1, 3])
     assert s.score_stats.num_prefix_hits == hits
@@ -152,8 +156,10 @@ def test_continuous_jct_calibration_gets_the_extra_hit_of_fig5(calibrate, hits):
 def test_fcfs_policy_keeps_plan_order_and_zero_cache_recomputes():
     path = tiny_checkpoint_cached("llama", seed=5)
     s = scorer(path, policy="fcfs", prefix_cache_bytes=0)
-    groups = [_group(0, rand_tokens(10, 30), {5: [1, 2], 6: [3]}),
-              _group(1, rand_tokens(10, 31), {7: [4, 5, 6], 8: [7]})]
+    groups = [
+        _group(0, rand_tokens(10, 30), {5: [1, 2], 6: [3]}),
+        _group(1, rand_tokens(10, 31), {7: [4, 5, 6], 8: [7]}),
+    ]
     assert [o.row_id for o in s.score_groups(groups, [1, 2])] == [5, 6, 7, 8]
     assert s.score_stats.num_prefix_hits == 0 and s.score_stats.num_prefix_misses == 4
 
@@ -163,10 +169,11 @@ def test_virtual_clock_latencies_are_computed_tokens_over_rate():
     the clock jumps over idle time to the next arrival."""
     path = tiny_checkpoint_cached("llama", seed=5)
     s = scorer(path)
-    groups = [_group(0, rand_tokens(10, 40), {0: [1, 2], 1: [3, 4, 5, 6]}),   # 12 + 2 + 4
-              _group(1, [], {2: rand_tokens(7, 41)})]
-    outs = list(s.score_groups(groups, [1, 2], arrivals={0: 0.0, 1: 0.0, 2: 100.0},
-                               tokens_per_s=2.0))
+    groups = [
+        _group(0, rand_tokens(10, 40), {0: [1, 2], 1: [3, 4, 5, 6]}),  # 12 + 2 + 4
+        _group(1, [], {2: rand_tokens(7, 41)}),
+    ]
+    outs = list(s.score_groups(groups, [1, 2], arrivals={0: 0.0, 1: 0.0, 2: 100.0}, tokens_per_s=2.0))
     assert [o.row_id for o in outs] == [0, 1, 2]
     assert s.score_stats.latency_s == {0: 6.0, 1: 8.0, 2: 3.5}
     with pytest.raises(ValueError, match="tokens_per_s=0"):

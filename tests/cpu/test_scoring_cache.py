@@ -30,12 +30,12 @@ def test_lru_eviction_and_prefixes_larger_than_the_budget():
     for g in ("a", "b"):
         cache.expect(g, 2)
         cache.put(g, kv(10))
-    assert cache.get("a") is not None          # "a" becomes the most recently used
+    assert cache.get("a") is not None  # "a" becomes the most recently used
     cache.expect("c", 2)
-    cache.put("c", kv(10))                     # 3 x 640 > 1500: evicts "b", the LRU
+    cache.put("c", kv(10))  # 3 x 640 > 1500: evicts "b", the LRU
     assert "a" in cache and "c" in cache and "b" not in cache
     assert cache.num_evictions == 1 and cache.used_bytes == 1280
-    assert not cache.put("d", kv(100))         # 6400 bytes alone exceed the budget
+    assert not cache.put("d", kv(100))  # 6400 bytes alone exceed the budget
     assert "d" not in cache and len(cache) == 2
 
 

@@ -33,9 +33,13 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 def _job(root: Path, model: Path, rows: list[dict] = ROWS, **changes) -> dict:
     """A good job over `rows` (in.jsonl) into root/out; `changes` as section__key=value."""
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data: dict = {"model": str(model), "input": {"path": str(root / "in.jsonl")},
-                  "prompt": {"template": TEMPLATE}, "output": {"path": str(root / "out")},
-                  "engine": {"device": "cpu"}}
+    data: dict = {
+        "model": str(model),
+        "input": {"path": str(root / "in.jsonl")},
+        "prompt": {"template": TEMPLATE},
+        "output": {"path": str(root / "out")},
+        "engine": {"device": "cpu"},
+    }
     for dotted, value in changes.items():
         section, _, key = dotted.rpartition("__")
         (data.setdefault(section, {}) if section else data)[key] = value
@@ -50,28 +54,37 @@ def _problems(data: dict) -> dict[str, str]:
 
 # --- the spec file and --set: cases 1-6 --------------------------------------------------------
 
-@pytest.mark.parametrize("text, words", [
-    (BASE.replace("{path: in.jsonl}", "{path: []}"), "input.path: [] is empty: give at least one file"),
-    (BASE + "replicas: 1\nreplicas: 2\n", "replicas: duplicate key (lines 5 and 6)"),
-    (BASE + "sampling: {temperature: 0}\nsampling:\n  max_tokens: 3\n", "sampling: duplicate key (lines 5 and 6)"),
-    ("a: " + "[" * 10000, "nested more than 32 levels deep"),
-    (BASE.replace("{path: out}", "{path: out, overwrite: true, resume: true}"),
-     "output: output.overwrite and output.resume are both true: choose one: resume keeps committed parts"),
-    (BASE + "engine: {device: cuda}\n", "set resources.num_gpus_per_replica"),
-])
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (BASE.replace("{path: in.jsonl}", "{path: []}"), "input.path: [] is empty: give at least one file"),
+        (BASE + "replicas: 1\nreplicas: 2\n", "replicas: duplicate key (lines 5 and 6)"),
+        (BASE + "sampling: {temperature: 0}\nsampling:\n  max_tokens: 3\n", "sampling: duplicate key (lines 5 and 6)"),
+        ("a: " + "[" * 10000, "nested more than 32 levels deep"),
+        (
+            BASE.replace("{path: out}", "{path: out, overwrite: true, resume: true}"),
+            "output: output.overwrite and output.resume are both true: choose one: resume keeps committed parts",
+        ),
+        (BASE + "engine: {device: cuda}\n", "set resources.num_gpus_per_replica"),
+    ],
+)
 def test_bad_spec_file_is_one_line(tmp_path, capsys, text, words):
     (tmp_path / "job.yaml").write_text(text)
     assert words in _one_line_error(capsys, ["validate", str(tmp_path / "job.yaml")])
 
 
-@pytest.mark.parametrize("pair, words", [
-    ("model.x=1", "model: is 'm', not a mapping: --set model.x cannot set a key under it"),
-    ("input.path.0=b.jsonl", "input.path: is a list: --set input.path.0 cannot set a key"),
-    ("model", "--set: 'model' is not KEY=VALUE"),
-    ("sampling..top_k=1", "is not KEY=VALUE"),
-    ("sampling.stop=" + "[" * 10000 + "]" * 10000, "sampling.stop.0.0...: nested more than 32 levels"),
-    ("sampling={temperature: 0, temperature: 1}", "sampling.temperature: duplicate key"),
-])
+@pytest.mark.parametrize(
+    "pair, words",
+    [
+        ("model.x=1", "model: is 'm', not a mapping: --set model.x cannot set a key under it"),
+        ("input.path.0=b.jsonl", "input.path: is a list: --set input.path.0 cannot set a key"),
+        ("model", "--set: 'model' is not KEY=VALUE"),
+        ("sampling..top_k=1", "is not KEY=VALUE"),
+        ("sampling.stop=" + "[" * 10000 + "]" * 10000, "sampling.stop.0.0...: nested more than 32 levels"),
+        ("sampling={temperature: 0, temperature: 1}", "sampling.temperature: duplicate key"),
+    ],
+)
 def test_bad_set_is_one_line(tmp_path, capsys, pair, words):
     (tmp_path / "job.yaml").write_text(BASE.replace("{path: in.jsonl}", "{path: [in.jsonl]}"))
     assert words in _one_line_error(capsys, ["run", str(tmp_path / "job.yaml"), "--set", pair])
@@ -93,8 +106,9 @@ def test_alias_bomb_is_answered_short(tmp_path, capsys):
     # The loader refuses it while reading, at the first anchor past 100,000 values (issue 27).
     lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
-    (tmp_path / "job.yaml").write_text("\n".join(lines) + "\nmodel: *a8\ninput: {path: x.jsonl}\n"
-                                       "output: {path: o}\nprompt: {template: '{{ q }}'}\n")
+    (tmp_path / "job.yaml").write_text(
+        "\n".join(lines) + "\nmodel: *a8\ninput: {path: x.jsonl}\noutput: {path: o}\nprompt: {template: '{{ q }}'}\n"
+    )
     line = _one_line_error(capsys, ["validate", str(tmp_path / "job.yaml")])
     assert "job.yaml: a5: expands to more than 100,000 values (line 6;" in line and len(line) < 300
 
@@ -108,6 +122,7 @@ def test_set_still_builds_missing_sections(tmp_path, capsys):
 
 
 # --- preflight: output path, context length, columns (cases 7, 9, 10) -----------------------
+
 
 def test_output_must_not_be_or_hold_the_input(tmp_path, tiny_model):
     data = _job(tmp_path, tiny_model)
@@ -136,8 +151,12 @@ def test_output_and_input_on_s3_compare_keys():
 
 
 def _job_dict(inp: str, out: str) -> dict:
-    return {"model": "m", "input": {"path": inp, "format": "jsonl"}, "prompt": {"template": "{{ q }}"},
-            "output": {"path": out}}
+    return {
+        "model": "m",
+        "input": {"path": inp, "format": "jsonl"},
+        "prompt": {"template": "{{ q }}"},
+        "output": {"path": out},
+    }
 
 
 def test_max_model_len_above_the_model_fails_in_preflight(tmp_path, tiny_model):
@@ -149,15 +168,26 @@ def test_max_model_len_above_the_model_fails_in_preflight(tmp_path, tiny_model):
 
 def test_template_column_no_row_has_is_a_spec_error(tmp_path, tiny_model, capsys):
     got = _problems(_job(tmp_path, tiny_model, prompt={"template": "{{ documnet }}: {{ question }}"}))
-    assert got == {"prompt.template": "names column 'documnet', which the input does not have "
-                   "(columns: document, id, question); did you mean 'document'?"}
+    assert got == {
+        "prompt.template": "names column 'documnet', which the input does not have "
+        "(columns: document, id, question); did you mean 'document'?"
+    }
     got = _problems(_job(tmp_path, tiny_model, prompt={"system": "{{ sys }}", "user": "{{ question }}"}))
     assert "names column 'sys'" in got["prompt.system"] and "prompt.user" not in got
     got = _problems(_job(tmp_path, tiny_model, prompt={"messages_column": "messages"}))
     assert "names column 'messages'" in got["prompt.messages_column"]
     # An optional column (`is defined`) and Jinja's own names are not columns a row must have.
-    preflight(parse_spec(_job(tmp_path, tiny_model, prompt={
-        "template": "{% if extra is defined %}{{ extra }}{% endif %}{% for i in range(2) %}{{ question }}{% endfor %}"})))
+    preflight(
+        parse_spec(
+            _job(
+                tmp_path,
+                tiny_model,
+                prompt={
+                    "template": "{% if extra is defined %}{{ extra }}{% endif %}{% for i in range(2) %}{{ question }}{% endfor %}"
+                },
+            )
+        )
+    )
     data = _job(tmp_path, tiny_model, prompt={"template": "{{ documnet }}"})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
     line = _one_line_error(capsys, ["validate", str(tmp_path / "job.yaml")])
@@ -174,8 +204,12 @@ def test_unknown_sampling_keys_in_every_row_are_a_spec_error(tmp_path, tiny_mode
 
 
 def test_validate_reports_rows_that_would_partly_fail(tmp_path, tiny_model, capsys):
-    rows = [*ROWS[:9], {"id": 9, "question": "no document"}, {**ROWS[10], "sampling_params": {"top_p": 5}},
-            {**ROWS[11], "sampling_params": {"temprature": 0}}]
+    rows = [
+        *ROWS[:9],
+        {"id": 9, "question": "no document"},
+        {**ROWS[10], "sampling_params": {"top_p": 5}},
+        {**ROWS[11], "sampling_params": {"temprature": 0}},
+    ]
     data = _job(tmp_path, tiny_model, rows)
     with open(tmp_path / "in.jsonl", "a") as f:
         f.write('{"id": 12, "document": broken\n')
@@ -190,8 +224,9 @@ def test_validate_reports_rows_that_would_partly_fail(tmp_path, tiny_model, caps
 
 def test_sample_rows_reads_each_format_without_ray(tmp_path, tiny_model):
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "in.parquet")
-    (tmp_path / "in.csv").write_text("id,document,question\n" + "".join(
-        f"{r['id']},{r['document']},{r['question']}\n" for r in ROWS))
+    (tmp_path / "in.csv").write_text(
+        "id,document,question\n" + "".join(f"{r['id']},{r['document']},{r['question']}\n" for r in ROWS)
+    )
     for name in ("in.jsonl", "in.parquet", "in.csv"):
         data = _job(tmp_path, tiny_model, input={"path": str(tmp_path / name), "limit": 5})
         rows = sample_rows(parse_spec(data), 32)
@@ -200,25 +235,32 @@ def test_sample_rows_reads_each_format_without_ray(tmp_path, tiny_model):
 
 # --- resources (case 8): checked on the real cluster right after ray.init ------------------
 
+
 def test_resources_the_cluster_cannot_place_fail_before_any_work(ray_local, tmp_path, tiny_model, capsys):
-    for changes, field in ((dict(resources__num_gpus_per_replica=1), "resources.num_gpus_per_replica"),
-                           (dict(resources__num_cpus_per_replica=64), "resources.num_cpus_per_replica"),
-                           (dict(engine__device="cuda", resources__num_gpus_per_replica=1), "engine.device")):
+    for changes, field in (
+        (dict(resources__num_gpus_per_replica=1), "resources.num_gpus_per_replica"),
+        (dict(resources__num_cpus_per_replica=64), "resources.num_cpus_per_replica"),
+        (dict(engine__device="cuda", resources__num_gpus_per_replica=1), "engine.device"),
+    ):
         with pytest.raises(SpecError) as e:
             check_resources(parse_spec(_job(tmp_path, tiny_model, **changes)))
         assert field in dict(e.value.problems), e.value.problems
     check_resources(parse_spec(_job(tmp_path, tiny_model, resources__num_cpus_per_replica=2)))
     # Through `prefixflow run`: refused before the output is touched (it used to wait forever).
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(_job(tmp_path, tiny_model)))
-    line = _one_line_error(capsys, ["run", str(tmp_path / "job.yaml"), "--set",
-                                    "resources.num_gpus_per_replica=1"])
+    line = _one_line_error(capsys, ["run", str(tmp_path / "job.yaml"), "--set", "resources.num_gpus_per_replica=1"])
     assert "resources.num_gpus_per_replica: 1 but no node of the Ray cluster has more than 0 GPU" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_resource_problems_per_node():
-    spec = parse_spec({**_job_dict("in.jsonl", "out"), "engine": {"device": "cuda"},
-                       "resources": {"num_gpus_per_replica": 1, "num_cpus_per_replica": 8}})
+    spec = parse_spec(
+        {
+            **_job_dict("in.jsonl", "out"),
+            "engine": {"device": "cuda"},
+            "resources": {"num_gpus_per_replica": 1, "num_cpus_per_replica": 8},
+        }
+    )
     # Enough CPUs and GPUs in the cluster, but never on one node.
     got = dict(resource_problems(spec, [{"CPU": 8.0}, {"CPU": 2.0, "GPU": 4.0}]))
     assert "no node of the Ray cluster has both 8 CPU(s) and 1 GPU(s)" in got["resources"]
@@ -248,11 +290,16 @@ def test_validate_reads_the_columns_of_an_s3_input(tmp_path, tiny_model, s3_serv
 
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket="validate-in")
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
-        Bucket="validate-in", Key="in/a.jsonl", Body="".join(json.dumps(r) + "\n" for r in ROWS).encode())
-    data = {**_job(tmp_path, tiny_model, prompt={"template": "{{ questoin }}"}),
-            "input": {"path": "s3://validate-in/in/", "format": "jsonl"},
-            "storage": {"endpoint_url": s3_server, "region": "us-east-1"}}
+        Bucket="validate-in", Key="in/a.jsonl", Body="".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    )
+    data = {
+        **_job(tmp_path, tiny_model, prompt={"template": "{{ questoin }}"}),
+        "input": {"path": "s3://validate-in/in/", "format": "jsonl"},
+        "storage": {"endpoint_url": s3_server, "region": "us-east-1"},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
     line = _one_line_error(capsys, ["validate", str(tmp_path / "job.yaml")])
-    assert line.endswith("prompt.template: names column 'questoin', which the input does not have "
-                         "(columns: document, id, question); did you mean 'question'?"), line
+    assert line.endswith(
+        "prompt.template: names column 'questoin', which the input does not have "
+        "(columns: document, id, question); did you mean 'question'?"
+    ), line

@@ -28,8 +28,12 @@ class OneRequestCache:
 def abcd() -> dict[str, np.ndarray]:
     """A < C < B < D in length; A and D share a prefix, and so do B and C (Sec. 6.2)."""
     p1, p2 = np.arange(30), np.arange(1000, 1005)
-    return {"A": np.r_[p1, 500], "B": np.r_[p2, np.arange(2000, 2040)],
-            "C": np.r_[p2, np.arange(3000, 3030)], "D": np.r_[p1, np.arange(4000, 4030)]}
+    return {
+        "A": np.r_[p1, 500],
+        "B": np.r_[p2, np.arange(2000, 2040)],
+        "C": np.r_[p2, np.arange(3000, 3030)],
+        "D": np.r_[p1, np.arange(4000, 4030)],
+    }
 
 
 def run_all(picker) -> tuple[list[str], int]:
@@ -49,6 +53,7 @@ def srjf(calibrate: bool):
         for name in "ABCD":
             sched.add(name, reqs[name], now=0.0, cached_len=cache.cached_len)
         return lambda c: sched.pick(c.cached_len, now=1.0) if len(sched) else None
+
     return picker
 
 

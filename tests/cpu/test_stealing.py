@@ -27,14 +27,17 @@ def planned():
         at = 0
         for unit in plan.units(r):
             ids = unit.row_ids
-            payloads[unit.unit_id] = UnitPayload(unit, rows.take(pa.array(ids)), ranks[at:at + len(ids)])
+            payloads[unit.unit_id] = UnitPayload(unit, rows.take(pa.array(ids)), ranks[at : at + len(ids)])
             at += len(ids)
     return plan, payloads
 
 
 def _run(model, units: list[UnitPayload], replica: int) -> tuple[ReplicaRunner, pa.Table]:
-    config = ProcessorConfig(model=str(model), sampling={"temperature": 0, "max_tokens": 4},
-                             engine={"device": "cpu", "kv_cache_bytes": 16 << 20, "block_size": 16})
+    config = ProcessorConfig(
+        model=str(model),
+        sampling={"temperature": 0, "max_tokens": 4},
+        engine={"device": "cpu", "kv_cache_bytes": 16 << 20, "block_size": 16},
+    )
     runner = ReplicaRunner(config)
     chunks = list(runner.run_units(replica, units))
     return runner, pa.concat_tables(chunks, promote_options="permissive")

@@ -23,9 +23,14 @@ from prefixflow.operators.results.write import read_output
 from prefixflow.storage import StorageOptions
 
 # A scheme whose driver package is not installed here (gcsfs, adlfs and ocifs are not in .venv).
-MISSING = next(((scheme, package) for scheme, package in
-                (("gs", "gcsfs"), ("abfss", "adlfs"), ("oci", "ocifs"))
-                if importlib.util.find_spec(package) is None), None)
+MISSING = next(
+    (
+        (scheme, package)
+        for scheme, package in (("gs", "gcsfs"), ("abfss", "adlfs"), ("oci", "ocifs"))
+        if importlib.util.find_spec(package) is None
+    ),
+    None,
+)
 
 
 def _spec(root, model, resume: bool = False) -> dict:
@@ -35,8 +40,7 @@ def _spec(root, model, resume: bool = False) -> dict:
         "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
         "sampling": {"temperature": 0, "max_tokens": 4},
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": f"file://{root}/out/", "format": "jsonl", "rows_per_part": 2,
-                   "resume": resume},
+        "output": {"path": f"file://{root}/out/", "format": "jsonl", "rows_per_part": 2, "resume": resume},
     }
 
 
@@ -83,8 +87,7 @@ def test_object_store_commit_protocol_on_another_scheme(tiny_model, tmp_path, mo
             OutputLock(out, storage).acquire()
         commit_bytes(f"{out}/part-r000-000000000.jsonl", b'{"id": 1}\n', storage)
         record = {"part": "part-r000-000000000.jsonl", "bytes": 10, "row_ids": [0]}
-        commit_bytes(f"{out}/{COMMITS}/part-r000-000000000.jsonl.json", json.dumps(record).encode(),
-                     storage)
+        commit_bytes(f"{out}/{COMMITS}/part-r000-000000000.jsonl.json", json.dumps(record).encode(), storage)
         commit_bytes(f"{out}/part-r001-000000000.jsonl", b'{"id": 2}\n', storage)  # no record
         committed = load_committed(out, storage)
         assert committed.row_ids.tolist() == [0] and committed.removed == ["part-r001-000000000.jsonl"]
@@ -108,16 +111,20 @@ def test_unknown_scheme_or_missing_driver_is_named_by_validate(tiny_model, tmp_p
     with pytest.raises(ValueError, match=f"pip install {package}"):
         StorageOptions().filesystem(f"{scheme}://bucket/in.jsonl")
     (tmp_path / "in.jsonl").write_text('{"q": "hi"}\n')
-    spec = {"model": f"{scheme}://bucket/models/tiny",
-            "input": {"path": "nosuchscheme://bucket/in.jsonl", "format": "jsonl"},
-            "prompt": {"template": "{{ q }}"}, "engine": {"device": "cpu"},
-            "output": {"path": f"{scheme}://bucket/out/"}}
+    spec = {
+        "model": f"{scheme}://bucket/models/tiny",
+        "input": {"path": "nosuchscheme://bucket/in.jsonl", "format": "jsonl"},
+        "prompt": {"template": "{{ q }}"},
+        "engine": {"device": "cpu"},
+        "output": {"path": f"{scheme}://bucket/out/"},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
-    assert "input.path: 'nosuchscheme://bucket/in.jsonl': nosuchscheme:// is not a storage " \
-           "scheme fsspec knows" in err, err
+    assert (
+        "input.path: 'nosuchscheme://bucket/in.jsonl': nosuchscheme:// is not a storage scheme fsspec knows" in err
+    ), err
     for field in ("model", "output.path"):
         assert f"{field}: '{scheme}://bucket/" in err and f"`pip install {package}`" in err, err
 
@@ -132,7 +139,11 @@ def test_an_s3_filesystem_is_made_once_per_arguments_and_aws_environment(monkeyp
     first = storage.filesystem("s3://pf-cache/a")
     assert storage.filesystem("s3://pf-cache/b") is first
     assert first.dircache.use_listings_cache is False  # listings are read fresh: other workers write parts
-    assert StorageOptions(endpoint_url="http://127.0.0.1:9", region="us-east-1", max_attempts=2) \
-        .filesystem("s3://pf-cache/a") is not first
+    assert (
+        StorageOptions(endpoint_url="http://127.0.0.1:9", region="us-east-1", max_attempts=2).filesystem(
+            "s3://pf-cache/a"
+        )
+        is not first
+    )
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     assert storage.filesystem("s3://pf-cache/a") is not first

@@ -42,8 +42,10 @@ from prefixflow.operators.template import PromptTemplate, RowError
 from prefixflow.tokenizer import load_tokenizer
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def _model_with_chat_template(tiny_model: Path, root: Path, template: str, transformers: bool = False) -> Path:
@@ -64,6 +66,7 @@ def _chat_rows(tok: Tokenize, contents: list[str]) -> list[str | None]:
 
 # --- item 9: the model's chat template is bounded like any other ------------------------------
 
+
 @pytest.mark.timeout(120)  # before: the loops ran for hours
 @pytest.mark.parametrize("transformers", [False, True], ids=["tokenizer.json", "transformers"])
 def test_a_chat_template_that_loops_for_ever_is_a_row_error(tiny_model, tmp_path, transformers):
@@ -73,18 +76,29 @@ def test_a_chat_template_that_loops_for_ever_is_a_row_error(tiny_model, tmp_path
     assert (type(tok.tokenizer).__module__.startswith("transformers")) == transformers
     errors = _chat_rows(tok, ["hello", "loop", "bye"])
     assert errors[0] is None and errors[2] is None, errors
-    assert errors[1].startswith("the chat template exceeded a template limit for this row: more than "
-                                "250,000 loop iterations"), errors
+    assert errors[1].startswith(
+        "the chat template exceeded a template limit for this row: more than 250,000 loop iterations"
+    ), errors
 
 
 @pytest.mark.timeout(120)
 def test_a_configs_own_chat_template_is_bounded_too(tiny_model):
     """ProcessorConfig.chat_template (Python API, map_batches, ray.data.llm's stages)."""
-    tok = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=None, max_model_len=256,
-                                   chat_template=LOOPS + CHAT, chat_template_kwargs={"x": 1}))
+    tok = Tokenize(
+        TokenizeOptions(
+            model=str(tiny_model),
+            prompt=None,
+            max_model_len=256,
+            chat_template=LOOPS + CHAT,
+            chat_template_kwargs={"x": 1},
+        )
+    )
     assert "exceeded a template limit" in _chat_rows(tok, ["hi"])[0]
-    tok = Tokenize(TokenizeOptions(model=str(tiny_model), prompt=None, max_model_len=256,
-                                   chat_template="{{ raise_exception('x' * 5000) }}"))
+    tok = Tokenize(
+        TokenizeOptions(
+            model=str(tiny_model), prompt=None, max_model_len=256, chat_template="{{ raise_exception('x' * 5000) }}"
+        )
+    )
     error = _chat_rows(tok, ["hi"])[0]
     assert error.startswith("the chat template failed for this row: xxx") and len(error) < 600
 
@@ -97,18 +111,29 @@ def test_chat_templates_render_as_transformers_renders_them(tiny_model, tmp_path
 
     from prefixflow.tokenizer import chat_text
 
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'skip' %}{% continue %}{% endif %}\n"
-                "  {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
-                "{% else %}{{ m | tojson }}{% endif %}|\n{% endfor %}{{ greeting | default('none') }}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'skip' %}{% continue %}{% endif %}\n"
+        "  {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+        "{% else %}{{ m | tojson }}{% endif %}|\n{% endfor %}{{ greeting | default('none') }}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     folder = _model_with_chat_template(tiny_model, tmp_path, template)
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
-    chats = [[{"role": "user", "content": "<b>é & \"x\"</b>"}],
-             [{"role": "system", "content": "s"}, {"role": "skip", "content": "no"},
-              {"role": "user", "content": "u"}, {"role": "assistant", "content": "The answer is"}]]
+    chats = [
+        [{"role": "user", "content": '<b>é & "x"</b>'}],
+        [
+            {"role": "system", "content": "s"},
+            {"role": "skip", "content": "no"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "The answer is"},
+        ],
+    ]
     for messages in chats:
-        for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "greeting": "hi"},
-                       {"continue_final_message": True}):
+        for kwargs in (
+            {"add_generation_prompt": True},
+            {"add_generation_prompt": False, "greeting": "hi"},
+            {"continue_final_message": True},
+        ):
             try:
                 expected = theirs.apply_chat_template(messages, tokenize=False, **kwargs)
             except ValueError:  # the final message cannot be left open (tojson quoted it)
@@ -121,6 +146,7 @@ def test_chat_templates_render_as_transformers_renders_them(tiny_model, tmp_path
 
 
 # --- item 10: the time limit holds inside a filter -----------------------------------------------
+
 
 def test_wordwrap_of_a_long_word_is_refused_before_it_runs():
     started = time.perf_counter()
@@ -180,7 +206,7 @@ BUILDERS = {  # each would build 10-30 times MAX_TEXT (10M characters) from a sm
     "join_filter_string": "{{ ('a' * 10000) | join('b' * 20000) }}",
     "join_filter_generator": "{{ range(10000) | map('string') | join('x' * 20000) }}",
     "tojson_indent": "{% set ns = namespace(v=[1] * 100) %}{% for i in range(5) %}{% set ns.v = [ns.v] %}"
-                     "{% endfor %}{{ ns.v | tojson(indent=200000) }}",
+    "{% endfor %}{{ ns.v | tojson(indent=200000) }}",
     "pprint_indent": "{{ {'a' * 100000: {'b' * 100000: {'c' * 100000: range(1000) | list}}} | pprint }}",
     "urlize_target": "{{ ('a.com ' * 2000) | urlize(target='x' * 100000) }}",
     "urlize_dots": "{{ ('.' * 10000 ~ 'x.') | urlize }}",  # before: 10 s in one regex call
@@ -216,12 +242,14 @@ def test_tokenize_actors_cap_their_memory(tiny_model):
         "try:\n"
         "    bytearray(2 << 30)\n"
         "except MemoryError:\n"
-        "    print('capped', soft)\n")
+        "    print('capped', soft)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("capped"), out.stderr[-2000:]
 
 
 # --- the fuzz: templates built from the filter list and the str methods ----------------------------
+
 
 def _parameters(func: Any) -> list[tuple[str, bool]]:
     """(name, may be given by keyword) of the parameters a template passes to a filter or an
@@ -233,31 +261,93 @@ def _parameters(func: Any) -> list[tuple[str, bool]]:
     except (TypeError, ValueError):  # a builtin without a signature
         return [("a", False), ("b", False)]
     skip = 2 if getattr(func, "jinja_pass_arg", None) else 1
-    return [(p.name, p.kind == p.POSITIONAL_OR_KEYWORD) for p in params[skip:]
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [
+        (p.name, p.kind == p.POSITIONAL_OR_KEYWORD)
+        for p in params[skip:]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 def _filters() -> dict[str, list[str]]:
     from prefixflow.sandbox import environment
 
-    return {name: _parameters(f) for chat in (False, True) for name, f in environment(chat).filters.items()
-            if not name.startswith("_pf_")}
+    return {
+        name: _parameters(f)
+        for chat in (False, True)
+        for name, f in environment(chat).filters.items()
+        if not name.startswith("_pf_")
+    }
 
 
 FILTERS = _filters()
 METHODS = {name: _parameters(getattr(str, name)) for name in dir(str) if not name.startswith("_")}
-TEXTS = ["q", "big", "('a' * 100000)", "('\\t' * 1000)", "('. ' * 5000)", "('\u4e2d' * 1000)",
-         "('a.com ' * 300)", "(xs | join(' '))", "('x-y ' * 2000)"]
-OTHERS = ["xs", "n", "d", "range(1000)", "(range(300) | map('string'))", "[q, xs, d]", "(10 ** 3000)", "(2.5)",
-          "({'k' * 1000: [xs, xs]})"]
-ARGS = ["0", "1", "2", "7", "80", "1000", "100000", "10000001", "10 ** 9", "10 ** 12", "-1", "''", "'x'",
-        "','", "'\\t'", "'x' * 1000", "'x' * 100000", "true", "false", "none", "[1, 2]", "['a'] * 1000",
-        "{97: 'xx' * 500}", "q", "xs", "('a', 'b')", "'upper'", "'length'", "'%s%s'", "'{0}{0}'"]
-WRAPPERS = ["{{{{ {} }}}}", "{{% set v = {} %}}{{{{ v | string | length }}}}",
-            "{{% for i in [1, 2] %}}{{{{ {} }}}}{{% endfor %}}",
-            "{{% macro m() %}}{{{{ {} }}}}{{% endmacro %}}{{{{ m() ~ m() }}}}"]
-ROW = {"q": "what is a banana", "xs": ["  alpha ", "beta", "gamma"], "n": 42, "d": {"a": 1, "b": "two"},
-       "big": "ab c\t" * 20000}
+TEXTS = [
+    "q",
+    "big",
+    "('a' * 100000)",
+    "('\\t' * 1000)",
+    "('. ' * 5000)",
+    "('\u4e2d' * 1000)",
+    "('a.com ' * 300)",
+    "(xs | join(' '))",
+    "('x-y ' * 2000)",
+]
+OTHERS = [
+    "xs",
+    "n",
+    "d",
+    "range(1000)",
+    "(range(300) | map('string'))",
+    "[q, xs, d]",
+    "(10 ** 3000)",
+    "(2.5)",
+    "({'k' * 1000: [xs, xs]})",
+]
+ARGS = [
+    "0",
+    "1",
+    "2",
+    "7",
+    "80",
+    "1000",
+    "100000",
+    "10000001",
+    "10 ** 9",
+    "10 ** 12",
+    "-1",
+    "''",
+    "'x'",
+    "','",
+    "'\\t'",
+    "'x' * 1000",
+    "'x' * 100000",
+    "true",
+    "false",
+    "none",
+    "[1, 2]",
+    "['a'] * 1000",
+    "{97: 'xx' * 500}",
+    "q",
+    "xs",
+    "('a', 'b')",
+    "'upper'",
+    "'length'",
+    "'%s%s'",
+    "'{0}{0}'",
+]
+WRAPPERS = [
+    "{{{{ {} }}}}",
+    "{{% set v = {} %}}{{{{ v | string | length }}}}",
+    "{{% for i in [1, 2] %}}{{{{ {} }}}}{{% endfor %}}",
+    "{{% macro m() %}}{{{{ {} }}}}{{% endmacro %}}{{{{ m() ~ m() }}}}",
+]
+ROW = {
+    "q": "what is a banana",
+    "xs": ["  alpha ", "beta", "gamma"],
+    "n": 42,
+    "d": {"a": 1, "b": "two"},
+    "big": "ab c\t" * 20000,
+}
 
 
 @st.composite
@@ -286,8 +376,13 @@ def generated_templates(draw: st.DrawFn) -> str:
     return draw(st.sampled_from(WRAPPERS)).format(expr)
 
 
-FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="module")
@@ -342,10 +437,15 @@ def test_generated_prompt_templates_render_within_limits_or_are_row_errors(monke
 def test_generated_chat_templates_render_within_limits_or_are_row_errors(chat_tokenize, monkeypatch_module, source):
     import dataclasses
 
-    chat_tokenize.opts = dataclasses.replace(chat_tokenize.opts, chat_template="{% set q = messages[0]['content'] %}"
-                                             "{% set xs = ['  alpha ', 'beta', 'gamma'] %}{% set n = 42 %}"
-                                             "{% set d = {'a': 1, 'b': 'two'} %}{% set big = 'ab c\t' * 20000 %}" + source)
-    table = pa.table({"messages": [json.dumps([{"role": "user", "content": ROW["q"]}])], ERROR: pa.nulls(1, pa.string())})
+    chat_tokenize.opts = dataclasses.replace(
+        chat_tokenize.opts,
+        chat_template="{% set q = messages[0]['content'] %}"
+        "{% set xs = ['  alpha ', 'beta', 'gamma'] %}{% set n = 42 %}"
+        "{% set d = {'a': 1, 'b': 'two'} %}{% set big = 'ab c\t' * 20000 %}" + source,
+    )
+    table = pa.table(
+        {"messages": [json.dumps([{"role": "user", "content": ROW["q"]}])], ERROR: pa.nulls(1, pa.string())}
+    )
 
     def run() -> tuple[str | None, str | None]:
         out = chat_tokenize(table)  # raises nothing: a failing chat is the row's error

@@ -43,9 +43,19 @@ def test_loads_in_transformers_with_peaked_logits(tmp_path, arch):
 
 
 def test_overrides_and_options(tmp_path):
-    cfg = json.loads((make_tiny_checkpoint(tmp_path / "l", "llama", llama3_rope=True,
-                                           num_hidden_layers=4, hidden_size=256,
-                                           tie_word_embeddings=True) / "config.json").read_text())
+    cfg = json.loads(
+        (
+            make_tiny_checkpoint(
+                tmp_path / "l",
+                "llama",
+                llama3_rope=True,
+                num_hidden_layers=4,
+                hidden_size=256,
+                tie_word_embeddings=True,
+            )
+            / "config.json"
+        ).read_text()
+    )
     shape = (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"])
     assert shape == (4, 256, True)
     assert (cfg.get("rope_parameters") or cfg["rope_scaling"])["rope_type"] == "llama3"  # transformers 5 or 4

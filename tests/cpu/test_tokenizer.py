@@ -12,13 +12,28 @@ import pytest
 from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 from prefixflow.tokenizer import FastTokenizer, load_tokenizer
 
-TEXTS = ["Hello world", "", "  leading and trailing  ", "tabs\tand\nnew lines\n\n", "Ünïcödé — ✓ 日本語 🚀",
-         "a" * 300, "<s> looks special </s> <pad>", "Document: the ship sailed.\nQuestion: where?\nAnswer:"]
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "Answer in one sentence."},
-          {"role": "user", "content": "Document: {\"a\": 1} <b>bold</b>\n\nQuestion: why?"}],
-         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-          {"role": "user", "content": "Again ✓"}]]
+TEXTS = [
+    "Hello world",
+    "",
+    "  leading and trailing  ",
+    "tabs\tand\nnew lines\n\n",
+    "Ünïcödé — ✓ 日本語 🚀",
+    "a" * 300,
+    "<s> looks special </s> <pad>",
+    "Document: the ship sailed.\nQuestion: where?\nAnswer:",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": 'Document: {"a": 1} <b>bold</b>\n\nQuestion: why?'},
+    ],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Again ✓"},
+    ],
+]
 
 
 def _models():
@@ -48,8 +63,10 @@ def test_fast_tokenizer_equals_transformers(models, name):
     assert isinstance(ours, FastTokenizer), f"{name}: expected the tokenizer.json path"
     theirs = AutoTokenizer.from_pretrained(str(folder))
     for special in (True, False):
-        assert ours(TEXTS, add_special_tokens=special)["input_ids"] == \
-            theirs(TEXTS, add_special_tokens=special)["input_ids"]
+        assert (
+            ours(TEXTS, add_special_tokens=special)["input_ids"]
+            == theirs(TEXTS, add_special_tokens=special)["input_ids"]
+        )
     ids = theirs("Ünïcödé ✓ text, with <s> specials </s>")["input_ids"] + [theirs.eos_token_id]
     for skip in (True, False):
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
@@ -60,8 +77,9 @@ def test_fast_tokenizer_equals_transformers(models, name):
     if getattr(theirs, "chat_template", None):
         for messages in CHATS:
             for add in (True, False):
-                assert ours.apply_chat_template(messages, add_generation_prompt=add, tokenize=False) == \
-                    theirs.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
+                assert ours.apply_chat_template(
+                    messages, add_generation_prompt=add, tokenize=False
+                ) == theirs.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
 
 
 def test_a_tokenizer_transformers_rebuilds_goes_through_transformers(models, tmp_path):
@@ -82,7 +100,8 @@ def test_template_errors_are_template_errors(models, tmp_path):
     shutil.copytree(models["llama"], folder)
     (folder / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
-        "{{ m.content | tojson }}{% endfor %}")
+        "{{ m.content | tojson }}{% endfor %}"
+    )
     tok = load_tokenizer(folder)
     assert tok.apply_chat_template([{"role": "user", "content": "<é>"}]) == '"<é>"'
     with pytest.raises(jinja2.exceptions.TemplateError, match="no tools"):

@@ -28,15 +28,24 @@ from prefixflow.storage import StorageOptions
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path: Path, model: Path, path: str, prompt: dict, fmt: str = "jsonl",
-         include_prompt: bool = True, **input_extra) -> list[dict]:
-    spec = parse_spec({
-        "model": str(model), "input": {"path": path, **input_extra}, "prompt": prompt,
-        "sampling": {"temperature": 0, "max_tokens": 2},
-        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "output": {"path": str(tmp_path / "out"), "format": fmt, "rows_per_part": 3,
-                   "include_prompt": include_prompt},
-    })
+def _run(
+    tmp_path: Path, model: Path, path: str, prompt: dict, fmt: str = "jsonl", include_prompt: bool = True, **input_extra
+) -> list[dict]:
+    spec = parse_spec(
+        {
+            "model": str(model),
+            "input": {"path": path, **input_extra},
+            "prompt": prompt,
+            "sampling": {"temperature": 0, "max_tokens": 2},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "output": {
+                "path": str(tmp_path / "out"),
+                "format": fmt,
+                "rows_per_part": 3,
+                "include_prompt": include_prompt,
+            },
+        }
+    )
     run_job(spec, quiet=True)
     out = read_output(str(tmp_path / "out"))
     return out.to_pylist() if isinstance(out, pa.Table) else out
@@ -51,8 +60,7 @@ def test_a_mixed_column_keeps_its_strings_and_reserved_names_are_refused(ray_loc
     # A reserved column name: the row is an error record that says why; its other columns stay.
     lines.append(json.dumps({"id": 6, "q": "hi", "_pf_note": "mine"}))
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    rows = {r["id"]: r for r in _run(tmp_path, tiny_model, str(tmp_path / "in.jsonl"),
-                                     {"template": "Q: {{ q }}"})}
+    rows = {r["id"]: r for r in _run(tmp_path, tiny_model, str(tmp_path / "in.jsonl"), {"template": "Q: {{ q }}"})}
     for i, q in enumerate(questions):
         want = q if isinstance(q, str) else "42"
         assert rows[i]["q"] == want and rows[i]["prompt"] == f"Q: {want}", rows[i]
@@ -65,10 +73,8 @@ def test_a_mixed_column_keeps_its_strings_and_reserved_names_are_refused(ray_loc
 def test_files_whose_column_types_differ_are_read(ray_local, tiny_model, tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()
-    (folder / "a.jsonl").write_text("".join(json.dumps({"id": i, "q": f"question {i}"}) + "\n"
-                                            for i in range(4)))
-    (folder / "b.jsonl").write_text("".join(json.dumps({"id": f"x{i}", "q": f"other {i}"}) + "\n"
-                                            for i in range(3)))
+    (folder / "a.jsonl").write_text("".join(json.dumps({"id": i, "q": f"question {i}"}) + "\n" for i in range(4)))
+    (folder / "b.jsonl").write_text("".join(json.dumps({"id": f"x{i}", "q": f"other {i}"}) + "\n" for i in range(3)))
     rows = _run(tmp_path, tiny_model, str(folder), {"template": "Q: {{ q }}"}, format="jsonl")
     assert sorted(r["id"] for r in rows) == ["0", "1", "2", "3", "x0", "x1", "x2"]
     assert all(r["error"] is None and r["num_generated_tokens"] >= 1 for r in rows)
@@ -76,8 +82,7 @@ def test_files_whose_column_types_differ_are_read(ray_local, tiny_model, tmp_pat
     csv_folder.mkdir()
     (csv_folder / "a.csv").write_text("id,q\n1,one\n2,two\n")
     (csv_folder / "b.csv").write_text("id,q\nx,three\n")
-    rows = _run(tmp_path / "b", tiny_model, str(csv_folder), {"template": "Q: {{ q }}"},
-                format="csv")
+    rows = _run(tmp_path / "b", tiny_model, str(csv_folder), {"template": "Q: {{ q }}"}, format="csv")
     assert sorted(r["id"] for r in rows) == ["1", "2", "x"]
 
 
@@ -87,15 +92,13 @@ def test_byte_ranges_of_one_file_whose_types_differ_are_read(ray_local, tmp_path
     from prefixflow.operators.stages.read import clashing_columns
 
     path = tmp_path / "big.jsonl"
-    path.write_text("".join(json.dumps({"id": i if i < 50 else f"r{i}", "q": "x" * 40}) + "\n"
-                            for i in range(100)))
+    path.write_text("".join(json.dumps({"id": i if i < 50 else f"r{i}", "q": "x" * 40}) + "\n" for i in range(100)))
     opts = ReadOptions(path=str(path), format="jsonl", chunk_bytes=1000)
     items = file_ranges([str(path)], opts)
     assert len(items) > 2
     clash = clashing_columns([str(path)], StorageOptions(), "jsonl", items)
     assert clash == ["id"]
-    tables = [parse_file(str(path), "jsonl", StorageOptions(), it["start"], it["end"], clash)
-              for it in items]
+    tables = [parse_file(str(path), "jsonl", StorageOptions(), it["start"], it["end"], clash) for it in items]
     table = pa.concat_tables(tables)
     assert table.column("id").to_pylist() == [str(i) if i < 50 else f"r{i}" for i in range(100)]
 
@@ -117,10 +120,14 @@ def test_parquet_values_reach_prompts_as_text_and_jsonl_as_strict_json(ray_local
     JSON: NaN and infinities as null, integers beyond int64 exactly, bytes as base64."""
     import base64
 
-    table = pa.table({"q": pa.array(["héllo".encode(), b"\xff\xfe", b"plain"], pa.binary()),
-                      "blob": pa.array([b"\x00\x01", b"\xff", b""], pa.binary()),
-                      "score": [float("nan"), float("inf"), 1.5],
-                      "big": pa.array([2 ** 70, 1, 2], pa.decimal128(38, 0))})
+    table = pa.table(
+        {
+            "q": pa.array(["héllo".encode(), b"\xff\xfe", b"plain"], pa.binary()),
+            "blob": pa.array([b"\x00\x01", b"\xff", b""], pa.binary()),
+            "score": [float("nan"), float("inf"), 1.5],
+            "big": pa.array([2**70, 1, 2], pa.decimal128(38, 0)),
+        }
+    )
     pq.write_table(table, tmp_path / "in.parquet")
     _run(tmp_path, tiny_model, str(tmp_path / "in.parquet"), {"template": "Q: {{ q }}"})
 
@@ -129,7 +136,7 @@ def test_parquet_values_reach_prompts_as_text_and_jsonl_as_strict_json(ray_local
 
     lines = [line for p in sorted((tmp_path / "out").glob("part-*")) for line in p.read_text().splitlines()]
     rows = {r["big"]: r for r in (json.loads(line, parse_constant=strict) for line in lines)}
-    hello, bad, plain = rows[2 ** 70], rows[1], rows[2]
+    hello, bad, plain = rows[2**70], rows[1], rows[2]
     assert hello["prompt"] == "Q: héllo" and plain["prompt"] == "Q: plain" and hello["error"] is None
     assert "column 'q' holds bytes that are not UTF-8 text" in bad["error"]
     assert hello["score"] is None and bad["score"] is None and plain["score"] == 1.5

@@ -25,8 +25,9 @@ import yaml
 from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.config import ProcessorConfig
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="the allow-list checks names against the installed vLLM")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the allow-list checks names against the installed vLLM"
+)
 
 TRACE = "pf_trace_allowlist"
 # Each setting vLLM resolves as a module/class/function name, naming the trace module.
@@ -35,13 +36,23 @@ CODE_SETTINGS = {
     "distributed_executor_backend": f"{TRACE}.Executor",
     "kv_transfer_config": {"kv_connector": "X", "kv_connector_module_path": TRACE},
 }
-CODE_PATHS = ["engine.vllm.compilation_config.inductor_passes", "engine.vllm.compilation_config.backend",
-              "engine.vllm.distributed_executor_backend", "engine.vllm.kv_transfer_config"]
+CODE_PATHS = [
+    "engine.vllm.compilation_config.inductor_passes",
+    "engine.vllm.compilation_config.backend",
+    "engine.vllm.distributed_executor_backend",
+    "engine.vllm.kv_transfer_config",
+]
 
 
 def _spec(vllm: dict, **more) -> dict:
-    return {"model": "m", "input": {"path": "in.jsonl"}, "output": {"path": "out"},
-            "prompt": {"template": "Q: {{ q }}"}, "engine": {"backend": "vllm", "vllm": vllm}, **more}
+    return {
+        "model": "m",
+        "input": {"path": "in.jsonl"},
+        "output": {"path": "out"},
+        "prompt": {"template": "Q: {{ q }}"},
+        "engine": {"backend": "vllm", "vllm": vllm},
+        **more,
+    }
 
 
 def _problems(vllm: dict) -> dict[str, str]:
@@ -61,11 +72,13 @@ def trace_module(tmp_path) -> tuple[Path, Path]:
     """(folder holding the module, the file it writes when imported)."""
     folder, marker = tmp_path / "trace", tmp_path / "imported.txt"
     folder.mkdir()
-    (folder / f"{TRACE}.py").write_text(textwrap.dedent(f"""
+    (folder / f"{TRACE}.py").write_text(
+        textwrap.dedent(f"""
         open({str(marker)!r}, "w").write("imported")
         def f(graph): return graph
         class Executor: pass
-    """))
+    """)
+    )
     return folder, marker
 
 
@@ -73,12 +86,18 @@ def test_validate_refuses_settings_that_name_code_and_imports_nothing(tiny_model
     folder, marker = trace_module
     (tmp_path / "in.jsonl").write_text('{"q": "What is a river?"}\n')
     spec = _spec(CODE_SETTINGS)
-    spec.update(model=str(tiny_model), input={"path": str(tmp_path / "in.jsonl")},
-                output={"path": str(tmp_path / "out")})
+    spec.update(
+        model=str(tiny_model), input={"path": str(tmp_path / "in.jsonl")}, output={"path": str(tmp_path / "out")}
+    )
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "prefixflow.cli", "validate", str(tmp_path / "job.yaml")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixflow.cli", "validate", str(tmp_path / "job.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stdout + done.stderr[-2000:]
     lines = [line.strip() for line in done.stderr.splitlines()]
     for path in CODE_PATHS:
@@ -113,9 +132,16 @@ def test_the_engine_refuses_them_before_vllm_is_imported(tiny_model, trace_modul
 
 
 def test_arguments_off_the_list_are_refused_by_name():
-    p = _problems({"hf_overrides": {"architectures": ["X"]}, "worker_cls": "evil.Worker",
-                   "tokenizer": "/elsewhere", "compilation_config": {"levl": 3, "pass_config": {}},
-                   "enforce_eagr": True, "max_num_seqs": 8})
+    p = _problems(
+        {
+            "hf_overrides": {"architectures": ["X"]},
+            "worker_cls": "evil.Worker",
+            "tokenizer": "/elsewhere",
+            "compilation_config": {"levl": 3, "pass_config": {}},
+            "enforce_eagr": True,
+            "max_num_seqs": 8,
+        }
+    )
     assert "not among the vLLM arguments a job may set" in p["engine.vllm.hf_overrides"]
     assert "enforce_eager" in p["engine.vllm.hf_overrides"]  # the fix lists what is allowed
     assert "not among the vLLM arguments a job may set" in p["engine.vllm.tokenizer"]
@@ -127,12 +153,16 @@ def test_arguments_off_the_list_are_refused_by_name():
 
 
 def test_wrong_types_are_refused_one_line_each_naming_path_value_and_type():
-    bad = {"max_logprobs": "many", "enforce_eager": 1, "tensor_parallel_size": True,
-           "cpu_offload_gb": "4", "kv_cache_dtype": "int3", "compilation_config": {
-               "mode": True, "cudagraph_capture_sizes": [1, "2"], "cudagraph_mode": "sometimes"}}
+    bad = {
+        "max_logprobs": "many",
+        "enforce_eager": 1,
+        "tensor_parallel_size": True,
+        "cpu_offload_gb": "4",
+        "kv_cache_dtype": "int3",
+        "compilation_config": {"mode": True, "cudagraph_capture_sizes": [1, "2"], "cudagraph_mode": "sometimes"},
+    }
     p = _problems(bad)
-    assert p["engine.vllm.max_logprobs"] == \
-        "'many' is invalid: use an integer from -1 to 2147483647, not a string"
+    assert p["engine.vllm.max_logprobs"] == "'many' is invalid: use an integer from -1 to 2147483647, not a string"
     assert p["engine.vllm.enforce_eager"] == "1 is invalid: use true or false, not an integer"
     assert "not a boolean" in p["engine.vllm.tensor_parallel_size"]  # a bool is no int
     assert "use a number >= 0, not a string" in p["engine.vllm.cpu_offload_gb"]
@@ -143,20 +173,35 @@ def test_wrong_types_are_refused_one_line_each_naming_path_value_and_type():
     assert len(p) == 8
     # The Python API: the same check, a line each, named from ProcessorConfig.
     lines = _api_lines({"max_logprobs": "many", "compilation_config": {"mode": "fast"}})
-    assert lines[0] == ("ProcessorConfig.engine.vllm.max_logprobs='many' is invalid: use an integer "
-                        "from -1 to 2147483647, not a string")
+    assert lines[0] == (
+        "ProcessorConfig.engine.vllm.max_logprobs='many' is invalid: use an integer from -1 to 2147483647, not a string"
+    )
     assert lines[1].startswith("ProcessorConfig.engine.vllm.compilation_config.mode='fast' is invalid")
 
 
 def test_allowed_settings_pass_unchanged():
     from prefixflow.engine.vllm_backend.args import ALLOWED, check_vllm_args
 
-    good = {"enforce_eager": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
-            "distributed_executor_backend": "mp", "max_logprobs": -1, "enable_chunked_prefill": False,
-            "cpu_offload_gb": 4, "kv_cache_dtype": "fp8", "quantization": "awq", "tokenizer_mode": "hf",
-            "disable_log_stats": False, "cudagraph_capture_sizes": [1, 2, 4],
-            "compilation_config": {"mode": "vllm_compile", "cudagraph_mode": "FULL_AND_PIECEWISE",
-                                   "cudagraph_capture_sizes": [1, 2], "max_cudagraph_capture_size": 2}}
+    good = {
+        "enforce_eager": True,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+        "distributed_executor_backend": "mp",
+        "max_logprobs": -1,
+        "enable_chunked_prefill": False,
+        "cpu_offload_gb": 4,
+        "kv_cache_dtype": "fp8",
+        "quantization": "awq",
+        "tokenizer_mode": "hf",
+        "disable_log_stats": False,
+        "cudagraph_capture_sizes": [1, 2, 4],
+        "compilation_config": {
+            "mode": "vllm_compile",
+            "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "cudagraph_capture_sizes": [1, 2],
+            "max_cudagraph_capture_size": 2,
+        },
+    }
     assert set(good) <= set(ALLOWED)
     assert parse_spec(_spec(good)).engine.vllm == good
     checked = check_vllm_args(good)
@@ -166,15 +211,28 @@ def test_allowed_settings_pass_unchanged():
 def test_ray_data_llm_engine_kwargs_still_map(tiny_model):
     from prefixflow import vLLMEngineProcessorConfig
 
-    config = vLLMEngineProcessorConfig(model_source=str(tiny_model), engine_kwargs=dict(
-        enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=4096,
-        max_model_len=256, tensor_parallel_size=1, enforce_eager=True))
+    config = vLLMEngineProcessorConfig(
+        model_source=str(tiny_model),
+        engine_kwargs=dict(
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=4096,
+            max_model_len=256,
+            tensor_parallel_size=1,
+            enforce_eager=True,
+        ),
+    )
     ours = config.processor_config()
-    assert ours.vllm_args == {"enable_chunked_prefill": True, "tensor_parallel_size": 1, "enforce_eager": True,
-                              "disable_log_stats": False}  # log_engine_metrics (Ray's default True)
+    assert ours.vllm_args == {
+        "enable_chunked_prefill": True,
+        "tensor_parallel_size": 1,
+        "enforce_eager": True,
+        "disable_log_stats": False,
+    }  # log_engine_metrics (Ray's default True)
     with pytest.raises(ValueError, match="engine.vllm.compilation_config.inductor_passes"):
-        vLLMEngineProcessorConfig(model_source=str(tiny_model),
-                                  engine_kwargs={"compilation_config": {"inductor_passes": {"p": "os.system"}}})
+        vLLMEngineProcessorConfig(
+            model_source=str(tiny_model), engine_kwargs={"compilation_config": {"inductor_passes": {"p": "os.system"}}}
+        )
 
 
 def test_an_allowed_name_the_installed_vllm_lacks_is_named(monkeypatch):
@@ -193,6 +251,7 @@ def test_an_allowed_name_the_installed_vllm_lacks_is_named(monkeypatch):
 
 
 # ---- generation_config.json (class 11) -------------------------------------------------------
+
 
 def _model_with(tiny_model: Path, tmp_path: Path, text: str) -> Path:
     model = tmp_path / "model"
@@ -215,8 +274,9 @@ def test_a_bad_value_in_generation_config_is_blamed_on_the_file(tiny_model, tmp_
     path = model / "generation_config.json"
     with pytest.raises(ValueError) as e:
         ProcessorConfig(model=str(model)).sampling_params
-    assert str(e.value) == (f"{path}: top_p=2 is invalid: use a value in (0, 1]; fix the file "
-                            "or set sampling.top_p in the spec")
+    assert str(e.value) == (
+        f"{path}: top_p=2 is invalid: use a value in (0, 1]; fix the file or set sampling.top_p in the spec"
+    )
     spec = parse_spec({**_spec({}), "model": str(model), "engine": {}})
     with pytest.raises(ValueError, match=f"^{path}: top_p=2 is invalid"):
         spec.to_config().sampling_params
@@ -239,8 +299,12 @@ def test_validate_names_a_bad_generation_config(tiny_model, tmp_path, capsys):
 
     model = _model_with(tiny_model, tmp_path, json.dumps({"top_p": 2}))
     (tmp_path / "in.jsonl").write_text('{"q": "hi"}\n')
-    spec = {"model": str(model), "input": {"path": str(tmp_path / "in.jsonl")},
-            "prompt": {"template": "{{ q }}"}, "output": {"path": str(tmp_path / "out")}}
+    spec = {
+        "model": str(model),
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "prompt": {"template": "{{ q }}"},
+        "output": {"path": str(tmp_path / "out")},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
@@ -257,17 +321,23 @@ def test_a_cpu_context_past_the_kv_cache_is_refused_at_validate_time(tiny_model,
     data.write_text(json.dumps({"q": "hi"}) + "\n")
 
     def spec(**engine):
-        return parse_spec({"model": str(tiny_model), "input": {"path": str(data)},
-                           "output": {"path": str(tmp_path / "out")}, "prompt": {"template": "{{ q }}"},
-                           "engine": {"backend": "vllm", "kv_cache_bytes": 1 << 20, **engine}})
+        return parse_spec(
+            {
+                "model": str(tiny_model),
+                "input": {"path": str(data)},
+                "output": {"path": str(tmp_path / "out")},
+                "prompt": {"template": "{{ q }}"},
+                "engine": {"backend": "vllm", "kv_cache_bytes": 1 << 20, **engine},
+            }
+        )
 
     with pytest.raises(SpecError) as e:
         preflight(spec(max_model_len=1024))
     message = dict(e.value.problems)["engine.max_model_len"]
     assert message.startswith("1024 is invalid: it does not fit the CPU KV cache (")
     assert "raise engine.kv_cache_bytes" in message
-    preflight(spec())                   # unset: what fits
-    preflight(spec(max_model_len=64))   # fits: kept
+    preflight(spec())  # unset: what fits
+    preflight(spec(max_model_len=64))  # fits: kept
 
 
 def test_validate_and_the_job_agree_on_row_overrides_over_generation_config(tiny_model, tmp_path, capsys):
@@ -283,20 +353,30 @@ def test_validate_and_the_job_agree_on_row_overrides_over_generation_config(tiny
     from prefixflow.operators.stages.tokenize import Tokenize
 
     model = _model_with(tiny_model, tmp_path, json.dumps({"max_new_tokens": 8}))
-    rows = [{"q": "fine"}, {"q": "long", "sampling_params": {"min_tokens": 16}},
-            {"q": "short", "sampling_params": {"min_tokens": 4}}]
+    rows = [
+        {"q": "fine"},
+        {"q": "long", "sampling_params": {"min_tokens": 16}},
+        {"q": "short", "sampling_params": {"min_tokens": 4}},
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    raw = {"model": str(model), "input": {"path": str(tmp_path / "in.jsonl")},
-           "prompt": {"template": "{{ q }}"}, "output": {"path": str(tmp_path / "out")}}
+    raw = {
+        "model": str(model),
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "prompt": {"template": "{{ q }}"},
+        "output": {"path": str(tmp_path / "out")},
+    }
     spec = parse_spec(raw)
 
     report = row_report(spec, preflight(spec))
     assert report.num_bad == 1 and "min_tokens" in report.reasons[0], report
     # the job's own tokenize stage, with the options the job builds
-    table = pa.table({"q": [r["q"] for r in rows],
-                      "sampling_params": [json.dumps(r["sampling_params"]) if "sampling_params" in r
-                                          else None for r in rows],
-                      ERROR: pa.nulls(len(rows), pa.string())})
+    table = pa.table(
+        {
+            "q": [r["q"] for r in rows],
+            "sampling_params": [json.dumps(r["sampling_params"]) if "sampling_params" in r else None for r in rows],
+            ERROR: pa.nulls(len(rows), pa.string()),
+        }
+    )
     errors = Tokenize(spec.to_config().tokenize_options())(table).column(ERROR).to_pylist()
     assert [e is not None for e in errors] == [False, True, False], errors
     assert "min_tokens" in errors[1]

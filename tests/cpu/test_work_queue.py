@@ -20,12 +20,13 @@ def test_own_units_first_in_plan_order():
 def test_a_replica_that_runs_dry_takes_the_last_unit_of_the_busiest_whole():
     # replica 0: units 0-1 (2 s); replica 1: units 2-4 (1 + 1 + 5 s: the most left); replica 2: 5
     q = queue([0, 0, 1, 1, 1, 2], [1, 1, 1, 1, 5, 1])
-    assert q.take(2, "c").unit == 5            # its own first
-    stolen = q.take(2, "c")                    # then the back of the busiest queue
+    assert q.take(2, "c").unit == 5  # its own first
+    stolen = q.take(2, "c")  # then the back of the busiest queue
     assert (stolen.kind, stolen.unit, stolen.stolen_from, stolen.rows) == (UNIT, 4, 1, None)
-    assert q.take(1, "b").unit == 2            # the victim keeps its order from the front
-    assert q.steals == [{"unit": 4, "from": 1, "to": 2, "seconds": 5.0, "victim_expected_s": 7.0,
-                         "at_s": q.steals[0]["at_s"]}]
+    assert q.take(1, "b").unit == 2  # the victim keeps its order from the front
+    assert q.steals == [
+        {"unit": 4, "from": 1, "to": 2, "seconds": 5.0, "victim_expected_s": 7.0, "at_s": q.steals[0]["at_s"]}
+    ]
 
 
 class Clock:
@@ -90,7 +91,7 @@ def test_every_unit_is_handed_out_once():
 def test_done_when_nothing_is_queued_and_held_units_finish():
     q = queue([0, 1])
     a, b = q.take(0, "a"), q.take(1, "b")
-    assert q.take(0, "a").kind == DONE          # nothing unstarted: a ends once it ran its own
+    assert q.take(0, "a").kind == DONE  # nothing unstarted: a ends once it ran its own
     assert not q.status()["all_done"]
     q.finished(a.unit, "a")
     q.finished(b.unit, "b")
@@ -104,9 +105,9 @@ def test_a_dead_engines_units_come_back_with_their_uncommitted_rows():
     back = q.release("dead", {first.unit: [], second.unit: [7, 9]}, replica=0)
     assert back == [second.unit]
     assert q.status()["done"] == 1
-    again = q.take(1, "b")                      # b's own unit first ...
+    again = q.take(1, "b")  # b's own unit first ...
     assert again.unit == 2
-    stolen = q.take(1, "b")                     # ... then the handed-back unit, with its rows left
+    stolen = q.take(1, "b")  # ... then the handed-back unit, with its rows left
     assert (stolen.unit, stolen.rows, stolen.stolen_from) == (second.unit, (7, 9), 0)
 
 
@@ -114,7 +115,7 @@ def test_a_resume_queues_only_what_is_left():
     q = queue([0, 0, 1], rows_left={1: [4]}, done_units=[0])
     t = q.take(0, "a")
     assert (t.unit, t.rows) == (1, (4,))
-    assert q.take(0, "a").unit == 2             # stolen from replica 1, which never started
+    assert q.take(0, "a").unit == 2  # stolen from replica 1, which never started
     assert q.status()["queued"] == [0, 0]
 
 
@@ -122,15 +123,15 @@ def test_a_late_replica_takes_its_own_remains_then_steals():
     q = queue([0, 0, 0, 0, 1, 1])
     for _ in range(4):
         q.take(0, "a")
-    assert q.take(0, "a").unit == 5             # replica 1 has not started: its last unit
+    assert q.take(0, "a").unit == 5  # replica 1 has not started: its last unit
     late = [q.take(1, "b").unit, q.take(1, "b").kind]
-    assert late == [4, DONE]                    # its own first unit; nothing else is unstarted
+    assert late == [4, DONE]  # its own first unit; nothing else is unstarted
 
 
 def test_without_stealing_each_replica_takes_only_its_own_and_drop_gives_the_rest_up():
     q = queue([0, 0, 1, 1], steal=False)
     assert [q.take(0, "a").unit, q.take(0, "a").unit, q.take(0, "a").kind] == [0, 1, DONE]
-    assert q.drop(1) == [2, 3]                  # replica 1 given up: nobody takes its units
+    assert q.drop(1) == [2, 3]  # replica 1 given up: nobody takes its units
     assert q.take(1, "b").kind == DONE and q.status()["num_queued"] == 0
 
 
@@ -157,9 +158,9 @@ def test_a_unit_counts_in_the_pace_when_its_rows_ran_long_before_their_commit():
     q = queue([0, 0, 1], [4, 4, 4], clock=clock)
     q.take(0, "a"), q.take(1, "b")
     clock.now = 2.0
-    q.ran(0, "a")             # every output is out; the part holding them is not committed yet
+    q.ran(0, "a")  # every output is out; the part holding them is not committed yet
     assert q.paces() == [2.0, None] and q.held_seconds[0] == 0.0
-    q.finished(0, "a")        # the commit counts nothing twice
+    q.finished(0, "a")  # the commit counts nothing twice
     assert q.paces() == [2.0, None] and q.counts()["done"] == 1
     q.ran(2, "someone else")  # only the holder's word counts
     assert q.paces()[1] is None

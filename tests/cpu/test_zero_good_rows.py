@@ -28,8 +28,12 @@ INPUTS = {
     # (A column that no row has, or sampling keys unknown in every row, are refused up front by
     # preflight: tests/cpu/test_spec_preflight.py. Here every row fails on its own.)
     "template_column_null_in_every_row": (_lines([{**r, "document": None} for r in ROWS]), TEMPLATE, 4, 0),
-    "unknown_sampling_key": (_lines([{**r, "sampling_params": {"beam_width": 2} if r["id"] < 2
-                                      else {"top_p": 5}} for r in ROWS]), TEMPLATE, 4, 0),
+    "unknown_sampling_key": (
+        _lines([{**r, "sampling_params": {"beam_width": 2} if r["id"] < 2 else {"top_p": 5}} for r in ROWS]),
+        TEMPLATE,
+        4,
+        0,
+    ),
     "no_line_parses": (b'{"id": 1, "document": \n' * 3 + b"[1, 2]\n", TEMPLATE, 4, 0),
     "empty_file": (b"", TEMPLATE, 0, 0),
     "one_good_row": (_lines(ROWS[:1]), TEMPLATE, 1, 1),
@@ -38,26 +42,41 @@ INPUTS = {
 
 def test_planner_accepts_zero_prompts():
     for order in ("fcfs", "dfs", "batchllm", "blendserve"):
-        plan = build_plan(RaggedTokens(np.zeros(0, np.int32), np.zeros(1, np.int64)),
-                          row_ids=np.zeros(0, np.int64), order=order, num_replicas=2)
+        plan = build_plan(
+            RaggedTokens(np.zeros(0, np.int32), np.zeros(1, np.int64)),
+            row_ids=np.zeros(0, np.int64),
+            order=order,
+            num_replicas=2,
+        )
         assert plan.table.num_rows == 0 and plan.groups(0) == [] and plan.groups(1) == []
         assert plan.summary["num_rows"] == 0 and plan.summary["token_saving_ratio"] == 0.0
 
 
 def _spec(root: Path, data: bytes, template: str, fmt: str, **extra) -> object:
     (root / "in.jsonl").write_bytes(data)
-    return parse_spec({
-        "model": str(extra.pop("model")), "input": {"path": str(root / "in.jsonl"), **extra.pop("input", {})},
-        **({"prompt": {"template": template}} if template else {}),
-        "sampling": {"temperature": 0, "max_tokens": 4},
-        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-        "replicas": 2, "output": {"path": str(root / "out"), "format": fmt}, **extra})
+    return parse_spec(
+        {
+            "model": str(extra.pop("model")),
+            "input": {"path": str(root / "in.jsonl"), **extra.pop("input", {})},
+            **({"prompt": {"template": template}} if template else {}),
+            "sampling": {"temperature": 0, "max_tokens": 4},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "replicas": 2,
+            "output": {"path": str(root / "out"), "format": fmt},
+            **extra,
+        }
+    )
 
 
 # Each case in one output format, both formats covered: a whole job costs seconds, and the
 # whole-job fuzz (test_fuzz_jobs.py) mixes cases and formats further.
-CASES = [("template_column_null_in_every_row", "parquet"), ("unknown_sampling_key", "jsonl"),
-         ("no_line_parses", "parquet"), ("empty_file", "jsonl"), ("one_good_row", "parquet")]
+CASES = [
+    ("template_column_null_in_every_row", "parquet"),
+    ("unknown_sampling_key", "jsonl"),
+    ("no_line_parses", "parquet"),
+    ("empty_file", "jsonl"),
+    ("one_good_row", "parquet"),
+]
 
 
 @pytest.mark.slow
@@ -79,13 +98,16 @@ def test_job_with_few_or_no_good_rows_finishes(ray_local, tiny_model, tmp_path, 
 @pytest.mark.slow
 def test_openai_bodies_without_max_tokens(ray_local, tiny_model, tmp_path):
     def request(i: int, **body) -> dict:
-        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"messages": [{"role": "user", "content": f"Say {i} things"}], **body}}
+        return {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": f"Say {i} things"}], **body},
+        }
 
     # Rows without max_tokens use the job's default (4) as the planner's output-length hint.
     requests = [request(0, max_tokens=2), request(1), request(2, max_tokens=3), request(3)]
-    spec = _spec(tmp_path, _lines(requests), "", "openai", model=tiny_model,
-                 input={"format": "openai"})
+    spec = _spec(tmp_path, _lines(requests), "", "openai", model=tiny_model, input={"format": "openai"})
     run_job(spec, quiet=True)
     out = read_output(str(tmp_path / "out"))
     assert sorted(r["custom_id"] for r in out) == [f"req-{i}" for i in range(4)]
@@ -103,6 +125,11 @@ def test_a_block_whose_max_tokens_are_all_null():
     from prefixflow.operators.stages.plan import MAX_TOKENS, _block_meta
     from prefixflow.operators.stages.tokenize import TOKENS
 
-    block = pa.table({TOKENS: pa.array([[1, 2], [3]], pa.list_(pa.int32())),
-                      ERROR: pa.nulls(2, pa.string()), MAX_TOKENS: pa.nulls(2)})
+    block = pa.table(
+        {
+            TOKENS: pa.array([[1, 2], [3]], pa.list_(pa.int32())),
+            ERROR: pa.nulls(2, pa.string()),
+            MAX_TOKENS: pa.nulls(2),
+        }
+    )
     assert _block_meta(block, custom_ids=False)["max_tokens"].tolist() == [-1, -1]

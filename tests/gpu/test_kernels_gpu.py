@@ -8,10 +8,15 @@ import random
 import pytest
 import torch
 
-from prefixflow.kernels import (packed_prefill_attention, packed_prefill_attention_ref,
-                                paged_decode_attention, paged_decode_attention_ref,
-                                prefix_shared_attention, prefix_shared_attention_ref,
-                                write_kv_cache)
+from prefixflow.kernels import (
+    packed_prefill_attention,
+    packed_prefill_attention_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    prefix_shared_attention,
+    prefix_shared_attention_ref,
+    write_kv_cache,
+)
 from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
 from support.kernel_oracles import rel_error
 from prefixflow.kernels.kv_write import write_kv_cache_triton
@@ -19,13 +24,12 @@ from prefixflow.kernels.packed_prefill import packed_prefill_attention_triton
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEVICE = "cuda"
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 DTYPE_ID = str  # readable test ids: "torch.float16"
-HEADS = {1: (16, 16, 64), 4: (32, 8, 128), 8: (32, 4, 128)}   # ratio: (Hq, Hkv, D)
+HEADS = {1: (16, 16, 64), 4: (32, 8, 128), 8: (32, 4, 128)}  # ratio: (Hq, Hkv, D)
 
 
 def _decodes(rng: random.Random, n: int, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -34,14 +38,23 @@ def _decodes(rng: random.Random, n: int, lo: int, hi: int) -> list[tuple[int, in
 
 def _prefix_cases(rng: random.Random) -> dict:
     return {
-        "decode_groups": ([(2000, _decodes(rng, 16, 1, 300)), (1037, _decodes(rng, 8, 1, 300)),
-                           (515, _decodes(rng, 3, 1, 40)), (16, _decodes(rng, 1, 1, 5))],
-                          _decodes(rng, 20, 1, 1500)),
-        "mixed_prefill_decode": ([(1500, [(256, 256), (128, 700)] + _decodes(rng, 30, 1, 400)),
-                                  (333, [(77, 77)] + _decodes(rng, 5, 1, 100))],
-                                 [(512, 512), (300, 1000)] + _decodes(rng, 40, 1, 2000)),
-        "empty_prefix_and_group_of_one": ([(0, _decodes(rng, 4, 1, 50)), (999, [(5, 9)])],
-                                          _decodes(rng, 3, 1, 10)),
+        "decode_groups": (
+            [
+                (2000, _decodes(rng, 16, 1, 300)),
+                (1037, _decodes(rng, 8, 1, 300)),
+                (515, _decodes(rng, 3, 1, 40)),
+                (16, _decodes(rng, 1, 1, 5)),
+            ],
+            _decodes(rng, 20, 1, 1500),
+        ),
+        "mixed_prefill_decode": (
+            [
+                (1500, [(256, 256), (128, 700)] + _decodes(rng, 30, 1, 400)),
+                (333, [(77, 77)] + _decodes(rng, 5, 1, 100)),
+            ],
+            [(512, 512), (300, 1000)] + _decodes(rng, 40, 1, 2000),
+        ),
+        "empty_prefix_and_group_of_one": ([(0, _decodes(rng, 4, 1, 50)), (999, [(5, 9)])], _decodes(rng, 3, 1, 10)),
         "few_long_seqs_no_groups": ([], _decodes(rng, 3, 3000, 9000) + [(200, 5000)]),
     }
 
@@ -52,24 +65,35 @@ def _f64(c: PrefixCase) -> PrefixCase:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_ID)
 @pytest.mark.parametrize("ratio", [1, 4, 8])
-@pytest.mark.parametrize("name", ["decode_groups", "mixed_prefill_decode",
-                                  "empty_prefix_and_group_of_one", "few_long_seqs_no_groups"])
+@pytest.mark.parametrize(
+    "name", ["decode_groups", "mixed_prefill_decode", "empty_prefix_and_group_of_one", "few_long_seqs_no_groups"]
+)
 def test_prefix_shared_gpu(name, ratio, dtype):
     groups, solo = _prefix_cases(random.Random(f"{name}{ratio}"))[name]
     hq, hkv, d = HEADS[ratio]
-    c = make_prefix_case(groups, solo, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                         block_size=16, dtype=dtype, seed=ratio, device=DEVICE)
+    c = make_prefix_case(
+        groups, solo, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, seed=ratio, device=DEVICE
+    )
     out = torch.full_like(c.q, float("nan"))
     prefix_shared_attention_triton(*c.args(), out=out)
     ref = prefix_shared_attention_ref(*_f64(c).args())
     assert rel_error(out, ref) < TOL[dtype]
-    assert torch.equal(prefix_shared_attention(*c.args()), out)   # dispatch takes Triton
+    assert torch.equal(prefix_shared_attention(*c.args()), out)  # dispatch takes Triton
 
 
 def test_prefix_shared_gpu_fp32():
     groups, solo = _prefix_cases(random.Random(0))["mixed_prefill_decode"]
-    c = make_prefix_case(groups, solo, num_heads=32, num_kv_heads=8, head_dim=128,
-                         block_size=16, dtype=torch.float32, seed=0, device=DEVICE)
+    c = make_prefix_case(
+        groups,
+        solo,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.float32,
+        seed=0,
+        device=DEVICE,
+    )
     out = torch.full_like(c.q, float("nan"))
     prefix_shared_attention_triton(*c.args(), out=out)
     assert rel_error(out, prefix_shared_attention_ref(*_f64(c).args())) < TOL[torch.float32]
@@ -81,14 +105,21 @@ def test_prefix_shared_gpu_fp32():
 def test_paged_decode_gpu(ratio, dtype, num_splits):
     rng = random.Random(ratio * 10 + (num_splits or 0))
     hq, hkv, d = HEADS[ratio]
-    c = make_prefix_case([], _decodes(rng, 64, 1, 4000) + [(1, 16000)], num_heads=hq,
-                         num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, seed=ratio,
-                         device=DEVICE)
+    c = make_prefix_case(
+        [],
+        _decodes(rng, 64, 1, 4000) + [(1, 16000)],
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=16,
+        dtype=dtype,
+        seed=ratio,
+        device=DEVICE,
+    )
     out = torch.full_like(c.q, float("nan"))
     args = (c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale)
     paged_decode_attention_triton(*args, out=out, num_splits=num_splits)
-    ref = paged_decode_attention_ref(c.q.double(), c.k_cache.double(), c.v_cache.double(),
-                                     *args[3:])
+    ref = paged_decode_attention_ref(c.q.double(), c.k_cache.double(), c.v_cache.double(), *args[3:])
     assert rel_error(out, ref) < TOL[dtype]
     assert rel_error(paged_decode_attention(*args), ref) < TOL[dtype]
 
@@ -98,8 +129,7 @@ def test_paged_decode_gpu(ratio, dtype, num_splits):
 def test_packed_prefill_gpu(ratio, dtype):
     hq, hkv, d = HEADS[ratio]
     lens = [1, 17, 300, 1024, 0, 513]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
-                      device=DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(ratio)
     t = sum(lens)
     q = torch.randn(t, hq, d, generator=gen, device=DEVICE).to(dtype)
@@ -109,20 +139,19 @@ def test_packed_prefill_gpu(ratio, dtype):
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(200 * 16, generator=gen, device=DEVICE)[:t]
     out = torch.full_like(q, float("nan"))
-    packed_prefill_attention_triton(q, k, v, cu, d ** -0.5, out=out, k_cache=k_cache,
-                                    v_cache=v_cache, slot_mapping=slots)
-    ref = packed_prefill_attention_ref(q.double(), k.double(), v.double(), cu, d ** -0.5)
+    packed_prefill_attention_triton(q, k, v, cu, d**-0.5, out=out, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    ref = packed_prefill_attention_ref(q.double(), k.double(), v.double(), cu, d**-0.5)
     assert rel_error(out, ref) < TOL[dtype]
     assert torch.equal(k_cache.view(-1, hkv, d)[slots], k)
     assert torch.equal(v_cache.view(-1, hkv, d)[slots], v)
-    assert torch.equal(packed_prefill_attention(q, k, v, cu, d ** -0.5), out)
+    assert torch.equal(packed_prefill_attention(q, k, v, cu, d**-0.5), out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_ID)
 def test_write_kv_cache_gpu(dtype):
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     qkv = torch.randn(1000, 3, 8, 128, generator=gen, device=DEVICE).to(dtype)
-    k, v = qkv[:, 1], qkv[:, 2]                                  # strided views
+    k, v = qkv[:, 1], qkv[:, 2]  # strided views
     k_cache = torch.zeros(100, 16, 8, 128, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(1600, generator=gen, device=DEVICE)[:1000]
@@ -146,7 +175,7 @@ def test_rms_norm_and_rotary_gpu(dtype):
     x = torch.randn(333, 4096, generator=gen, device=DEVICE).to(dtype)
     res = torch.randn(333, 4096, generator=gen, device=DEVICE).to(dtype)
     w = torch.randn(4096, generator=gen, device=DEVICE).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2   # one ulp of the model dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # one ulp of the model dtype
     for got, want in zip(rms_norm(x, w, 1e-5, res), rms_norm_ref(x, w, 1e-5, res)):
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
     qkv = torch.randn(333, 48, 128, generator=gen, device=DEVICE).to(dtype)
@@ -155,6 +184,5 @@ def test_rms_norm_and_rotary_gpu(dtype):
     inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=DEVICE).float() / 128))
     emb = torch.outer(torch.arange(4096, device=DEVICE).float(), inv).repeat(1, 2)
     cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1)
-    for got, want in zip(rotary_embedding(q, k, pos, cos_sin),
-                         rotary_embedding_ref(q, k, pos, cos_sin)):
+    for got, want in zip(rotary_embedding(q, k, pos, cos_sin), rotary_embedding_ref(q, k, pos, cos_sin)):
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)

@@ -31,8 +31,9 @@ def naive_prefix_attention(c: PrefixCase) -> torch.Tensor:
     return out
 
 
-def naive_packed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+def naive_packed_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Per-token float64 loop over the semantics of `packed_prefill_attention`."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
     ratio = q.shape[1] // k.shape[1]
@@ -41,7 +42,7 @@ def naive_packed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for lo, hi in zip(cu, cu[1:]):
         for t in range(lo, hi):
             for h in range(q.shape[1]):
-                keys, vals = k[lo:t + 1, h // ratio], v[lo:t + 1, h // ratio]
+                keys, vals = k[lo : t + 1, h // ratio], v[lo : t + 1, h // ratio]
                 out[t, h] = torch.softmax(keys @ q[t, h] * scale, dim=0) @ vals
     return out
 

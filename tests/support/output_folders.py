@@ -19,11 +19,21 @@ SUFFIX = {"jsonl": "jsonl", "parquet": "parquet", "openai": "jsonl"}
 def part_table(row_ids: list[int], replica: int = 0) -> pa.Table:
     """Output rows as the engines hand them to write_part (every format's columns)."""
     n = len(row_ids)
-    return pa.table({"row_id": row_ids, "replica": [replica] * n, "_pf_rank": row_ids,
-                     "error": pa.nulls(n, pa.string()), "num_input_tokens": [3] * n,
-                     "_pf_computed": [3.0] * n, "num_generated_tokens": [1] * n,
-                     "generated_text": ["x"] * n, "generated_tokens": [[7]] * n,
-                     "finish_reason": ["stop"] * n, "custom_id": [f"req-{r}" for r in row_ids]})
+    return pa.table(
+        {
+            "row_id": row_ids,
+            "replica": [replica] * n,
+            "_pf_rank": row_ids,
+            "error": pa.nulls(n, pa.string()),
+            "num_input_tokens": [3] * n,
+            "_pf_computed": [3.0] * n,
+            "num_generated_tokens": [1] * n,
+            "generated_text": ["x"] * n,
+            "generated_tokens": [[7]] * n,
+            "finish_reason": ["stop"] * n,
+            "custom_id": [f"req-{r}" for r in row_ids],
+        }
+    )
 
 
 def committed_job(out: Path, fmt: str, groups: list[list[int]]) -> list[str]:
@@ -42,5 +52,8 @@ def record(out: Path, part: str) -> Path:
 
 def snapshot(root: Path, out: Path) -> dict[str, bytes]:
     """Every file under `root` outside `out` (links not followed), with its bytes."""
-    return {str(p): p.read_bytes() for p in root.rglob("*")
-            if p.is_file() and not p.is_symlink() and not p.is_relative_to(out)}
+    return {
+        str(p): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink() and not p.is_relative_to(out)
+    }

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prefixflow.kernels import (cpu_kernels, packed_prefill_attention, paged_decode_attention,
-                                prefix_shared_attention, write_kv_cache)
+from prefixflow.kernels import (
+    cpu_kernels,
+    packed_prefill_attention,
+    paged_decode_attention,
+    prefix_shared_attention,
+    write_kv_cache,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +72,7 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -75,22 +80,29 @@ class PagedAttention(nn.Module):
         """k_cache, v_cache: [num_blocks, block_size, Hkv, D] views owned by the runner."""
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, queries: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        queries: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. With `queries` (the step's
         `last_layer` view), q holds only the rows queries.rows, [N, Hq, D]: every row's K/V is
         written, those N attend -> [N, Hq, D]."""
         if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("the KV cache is not bound: ModelRunner allocates it; call "
-                               "bind_cache before running the model")
+            raise RuntimeError(
+                "the KV cache is not bound: ModelRunner allocates it; call bind_cache before running the model"
+            )
         kc, vc = self.k_cache, self.v_cache
         if queries is not None:
             write_kv_cache(k, v, kc, vc, meta.slot_mapping)
             return self._attend(q, queries, kc, vc)
         if meta.is_prefill_only and not cpu_kernels.supports(q, kc):
-            return packed_prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale,
-                                            k_cache=kc, v_cache=vc,
-                                            slot_mapping=meta.slot_mapping)
+            return packed_prefill_attention(
+                q, k, v, meta.cu_seqlens_q, self.scale, k_cache=kc, v_cache=vc, slot_mapping=meta.slot_mapping
+            )
         write_kv_cache(k, v, kc, vc, meta.slot_mapping)
         return self._attend(q, meta, kc, vc)
 
@@ -98,7 +110,15 @@ class PagedAttention(nn.Module):
         """q over the cache (kc, vc: the bound caches), which holds this step's K/V already."""
         if meta.is_decode_only:
             return paged_decode_attention(q, kc, vc, meta.kv_lens, meta.block_tables, self.scale)
-        return prefix_shared_attention(q, kc, vc, meta.cu_seqlens_q, meta.kv_lens,
-                                       meta.block_tables, meta.prefix_lens,
-                                       meta.prefix_block_tables, meta.prefix_seq_ranges,
-                                       self.scale)
+        return prefix_shared_attention(
+            q,
+            kc,
+            vc,
+            meta.cu_seqlens_q,
+            meta.kv_lens,
+            meta.block_tables,
+            meta.prefix_lens,
+            meta.prefix_block_tables,
+            meta.prefix_seq_ranges,
+            self.scale,
+        )

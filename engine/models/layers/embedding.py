@@ -15,8 +15,7 @@ class LMHead(nn.Module):
     never the whole step: for a 2k-token prefill chunk that is 1 row instead of 2048.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int,
-                 tied_embedding: nn.Embedding | None = None) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, tied_embedding: nn.Embedding | None = None) -> None:
         super().__init__()
         if tied_embedding is not None:
             self.weight = tied_embedding.weight

@@ -48,10 +48,13 @@ class Linear(nn.Linear):
 def packed_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] reordered for oneDNN's GEMM, for a float32 CPU weight where this
     torch build has the path; else None."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32
-            or not torch.backends.mkldnn.is_available()
-            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
         return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
@@ -60,8 +63,9 @@ def packed_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T + bias, on the packed weight when there is one."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

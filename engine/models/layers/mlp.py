@@ -21,8 +21,8 @@ class SiluMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, H]
         gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
-        act = F.silu(gate, inplace=True)                 # in place in the gate_up buffer
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        act = F.silu(gate, inplace=True)  # in place in the gate_up buffer
         # On a CPU the product goes into a new contiguous [T, I]: oneDNN's matmul copies a
         # strided input first (9 MB a layer in a 1456-token prefill). cuBLAS reads the strided
         # view as it is, so on a GPU it stays in place (no [T, I] temporary at the peak).

@@ -20,7 +20,7 @@ from prefixflow.engine.models.model_args import RopeConfig
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """[head_dim / 2] fp32 inverse frequencies, as HF computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -63,16 +63,15 @@ class RotaryEmbedding(nn.Module):
     def reset_cache(self) -> None:
         if self.cos_sin.is_meta:
             return
-        inv_freq = inverse_frequencies(self.head_dim, self.rope)          # [D/2]
+        inv_freq = inverse_frequencies(self.head_dim, self.rope)  # [D/2]
         t = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)                                   # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)                            # [P, D]
-        table = torch.stack([emb.cos(), emb.sin()], dim=1)                 # [P, 2, D]
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        table = torch.stack([emb.cos(), emb.sin()], dim=1)  # [P, 2, D]
         # Re-assigned, not copied: the table stays fp32 whatever dtype the model was cast to.
         self.cos_sin = table.to(self.cos_sin.device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> (cos, sin), each [T, 1, D] in `dtype` (broadcast over heads)."""
-        cs = self.cos_sin[positions].to(dtype)                             # [T, 2, D]
+        cs = self.cos_sin[positions].to(dtype)  # [T, 2, D]
         return cs[:, 0:1], cs[:, 1:2]
