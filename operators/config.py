@@ -279,6 +279,14 @@ class ProcessorConfig:
             f"use None or an integer from 1 to replicas ({self.replicas})",
         )
         _require(isinstance(self.work_stealing, bool), "work_stealing", self.work_stealing, "use True or False")
+        _require(
+            self.work_stealing is True or self.min_replicas in (None, self.replicas),
+            "min_replicas",
+            self.min_replicas,
+            "a replicas range needs work_stealing=True: without it the partition of a replica the "
+            "cluster cannot hold waits for that replica's engine (use min_replicas=None, or turn "
+            "work_stealing on)",
+        )
         for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("runtime_env", dict)):
             value = getattr(self, name)
             _require(value is None or isinstance(value, kind), name, value, f"give a {kind.__name__} or None")

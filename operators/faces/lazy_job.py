@@ -8,9 +8,10 @@ The read task asks for no CPU of its own (it waits on the stages it starts) and 
 driver while it runs: its inner Ray Data pipelines tokenize and plan `ds` (the one global
 barrier, operators/stages/plan.py), then it runs the replicas' engine actors under the job's one
 driver (operators/stages/supervise.py, which restarts a dead actor alone and runs its
-uncommitted rows again), and it yields their output blocks as they are committed. Everything the run makes (the tokenized blocks in the
-object store, the engine actors) belongs to that task, so it ends with the execution, also
-one abandoned after `take(5)`. A second execution (`count()`, then `take_all()`) runs the job
+uncommitted rows again), and it yields their output blocks as they are committed. Everything
+the run makes (the tokenized blocks in the object store, the engine actors, the committed
+blocks the processor's sink holds under the run's key) ends with the execution, also one
+abandoned after `take(5)`. A second execution (`count()`, then `take_all()`) runs the job
 again, as any Ray Dataset and ray.data.llm's processor do; `materialize()` once to reuse rows.
 Resources are decided in the task, on the cluster the job runs on (engine_actor_options), not
 when the processor was built. Ray Data retries the task only where its own worker died (a

@@ -105,12 +105,16 @@ class Processor:
         supervisor = Supervisor(
             cfg, planned, self.sink, None, cfg.max_retries_per_row, engine_options=self.engine_options()
         )
-        for _ in supervisor.steps():
-            for ref in ray.get(self.sink.take_blocks.remote()):
+        run = supervisor.commit_run
+        try:
+            for _ in supervisor.steps():
+                for ref in ray.get(self.sink.take_blocks.remote(run)):
+                    yield self.finish(ray.get(ref), planned)
+            for ref in ray.get(self.sink.take_blocks.remote(run)):
                 yield self.finish(ray.get(ref), planned)
-        for ref in ray.get(self.sink.take_blocks.remote()):
-            yield self.finish(ray.get(ref), planned)
-        ray.get(self.sink.put.remote({"replica": -1, "kind": FAULTS_RECORD, **supervisor.report()}))
+        finally:  # also when the run fails or its Dataset is abandoned (take(5))
+            faults = {"replica": -1, "kind": FAULTS_RECORD, **supervisor.report()}
+            ray.get([self.sink.end_run.remote(run), self.sink.put.remote(faults)])  # its blocks go
 
     def finish(self, block: pa.Table, planned: PlannedJob) -> pa.Table:
         """An output block as it leaves the job, bookkeeping dropped (ray_llm.RayLLMProcessor

@@ -1,6 +1,6 @@
 """Output rows: the typed columns every engine's outputs become, beside the input columns.
 
-One definition for every path (Processor.generate, the job driver, batch_generator.Generator)
+One definition for every path (the job driver of every face, batch_generator.Generator)
 and both backends: the output columns (`OUTPUT_FIELDS`, `output_chunk`, `with_outputs`) and the
 names input columns keep when an output column takes theirs (`input_name`). A row's sampling
 overrides are operators/row_sampling.py's.

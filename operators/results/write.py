@@ -18,7 +18,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -262,11 +262,11 @@ class MetricsSink:
     def __init__(self, job: str = "prefixflow") -> None:
         self.records: list[dict[str, Any]] = []
         self.new_parts: list[dict[str, Any]] = []
-        # The Python API's committed blocks (commit_block): refs the driver has not taken yet,
-        # and every committed part's manifest and row ids.
-        self.blocks: list[Any] = []
-        self.parts: list[dict[str, Any]] = []
-        self.part_rows: list[np.ndarray] = []
+        # The Python API's committed blocks (commit_block), per run of its job: a Dataset that
+        # executes twice (or two Datasets of one processor) runs the job again, from nothing.
+        self.runs: dict[str, _RunBlocks] = {}
+        self.retired: dict[str, set[str]] = {}  # run -> engines whose commits are refused now
+        self.ended: set[str] = set()
         self.engines: dict[str, dict[str, int]] = {}  # run token -> {"pid", "item"}
         self.live: dict[int, dict[str, Any]] = {}  # replica -> its last live report
         self.metrics = JobMetrics(job)
@@ -288,26 +288,48 @@ class MetricsSink:
         self.new_parts.append(manifest)
         self.metrics.committed(manifest)
 
-    def commit_block(self, block: pa.Table, manifest: dict[str, Any]) -> None:
-        """The Python API's commit of an output block (no output path): once this returns, the
-        block's rows are committed. The sink puts its own copy in the object store, owned by
-        the sink, so that it outlives the engine actor that sent it."""
+    def commit_block(self, run: str, token: str, block: pa.Table, manifest: dict[str, Any]) -> None:
+        """The Python API's commit of an output block of `run` by the engine `token` (no output
+        path): once this returns, the block's rows are committed. The sink puts its own copy in
+        the object store, owned by the sink, so that it outlives the engine actor that sent it.
+        A commit of an engine the driver retired (it died: its rows may run again elsewhere) or
+        of a run that ended is dropped."""
         import ray
 
-        self.blocks.append(ray.put(block))
-        self.parts.append(manifest)
-        self.part_rows.append(block.column("row_id").to_numpy().astype(np.int64))
+        if run in self.ended or token in self.retired.get(run, ()):
+            return
+        held = self.runs.setdefault(run, _RunBlocks())
+        held.refs.append(ray.put(block))
+        held.parts.append(manifest)
+        held.rows.append(block.column("row_id").to_numpy().astype(np.int64))
         self.committed(manifest)
 
-    def take_blocks(self) -> list[Any]:
-        """Refs of the blocks committed since the last call, in commit order."""
-        blocks, self.blocks = self.blocks, []
-        return blocks
+    def take_blocks(self, run: str) -> list[Any]:
+        """Refs of `run`'s blocks committed since the last call, in commit order."""
+        held = self.runs.get(run)
+        if held is None:
+            return []
+        refs, held.refs = held.refs, []
+        return refs
 
-    def committed_rows(self) -> Committed:
-        """Every block committed so far (commit_block), as a resume reads an output path."""
-        ids = np.unique(np.concatenate(self.part_rows)) if self.part_rows else np.zeros(0, np.int64)
-        return Committed(row_ids=ids, manifests=list(self.parts), removed=[])
+    def committed_rows(self, run: str) -> Committed:
+        """Every block `run` committed so far, as a resume reads an output path."""
+        held = self.runs.get(run) or _RunBlocks()
+        ids = np.unique(np.concatenate(held.rows)) if held.rows else np.zeros(0, np.int64)
+        return Committed(row_ids=ids, manifests=list(held.parts), removed=[])
+
+    def retire(self, run: str, tokens: list[str]) -> None:
+        """No more commits from these engines of `run` (Supervisor._retire)."""
+        self.retired.setdefault(run, set()).update(tokens)
+
+    def end_run(self, run: str) -> None:
+        """`run` has ended (or its Dataset was abandoned): its blocks not taken are dropped."""
+        self.runs.pop(run, None)
+        self.retired.pop(run, None)
+        self.ended.add(run)
+
+    def active_runs(self) -> list[str]:
+        return list(self.runs)
 
     def progress(self, counts: dict[str, Any]) -> None:
         """A replica's live counters (operators/generate.Heartbeat): the latest one is kept."""
@@ -336,6 +358,16 @@ class MetricsSink:
 
     def status(self) -> dict[str, Any]:
         return {"engines_ready": dict(self.engines), "replicas_done": len(self.records), "live": dict(self.live)}
+
+
+@dataclass
+class _RunBlocks:
+    """One run's committed blocks in the sink: refs not taken yet, and every committed part's
+    manifest and row ids."""
+
+    refs: list[Any] = field(default_factory=list)
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[np.ndarray] = field(default_factory=list)
 
 
 class JobMetrics:
@@ -378,9 +410,9 @@ class JobMetrics:
 
     def committed(self, manifest: dict[str, Any]) -> None:
         tags = self._tags(int(manifest["replica"]))
-        for name, field in self.FROM_MANIFEST.items():
-            if manifest[field]:  # a Counter takes only positive increments
-                self.counters[name].inc(float(manifest[field]), tags=tags)
+        for name, key in self.FROM_MANIFEST.items():
+            if manifest[key]:  # a Counter takes only positive increments
+                self.counters[name].inc(float(manifest[key]), tags=tags)
 
     def engine_died(self, item: int) -> None:
         self.counters["engine_deaths"].inc(1.0, tags=self._tags(item))

@@ -72,8 +72,8 @@ ReplicaEngine = GeneratingEngine | ScoringEngine
 class UnitFeed:
     """The units one engine runs, in the order it gets them, minus the rows not to run.
 
-    queue: the job's WorkQueue actor (None: run `payloads[replica]` in plan order, the Python
-    API's static partitions). payloads: per replica, object refs of its units' payloads
+    queue: the job's WorkQueue actor (None: run `payloads[replica]` in plan order, the
+    replica's own partition). payloads: per replica, object refs of its units' payloads
     (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
     Iterating yields UnitPayloads; `ran` tells the queue when every row of a unit has its
     output (the pace of work stealing), `committed` when every row of it is committed.
@@ -420,6 +420,7 @@ class ReplicaGenerator:
         done: np.ndarray | None = None,
         skip: np.ndarray | None = None,
         write: WriteOptions | None = None,
+        commit_run: str = "",
     ):
         self.config = config
         # Row ids already committed by an earlier attempt (operators/results/commit.py): not run again.
@@ -432,8 +433,9 @@ class ReplicaGenerator:
         self.extra_errors = extra_errors
         self.sink = sink
         # WriteOptions: commit each output chunk to the output path as soon as it is done;
-        # None: to the sink, which holds it for the Python API's driver (MetricsSink.commit_block).
-        self.write = write
+        # None: to the sink, under the run's key, which holds it for the Python API's driver
+        # (MetricsSink.commit_block).
+        self.write, self.commit_run = write, commit_run
         self.runner = ReplicaRunner(config, report=self._report if sink is not None else None)
 
     def _report(self, counts: dict[str, Any]) -> None:
@@ -462,7 +464,7 @@ class ReplicaGenerator:
         rows = 0
         for chunk in chunks:
             if self.write is None:  # the Python API: the sink holds the committed blocks
-                ray.get(self.sink.commit_block.remote(chunk, part_manifest(chunk)))
+                ray.get(self.sink.commit_block.remote(self.commit_run, token, chunk, part_manifest(chunk)))
             else:
                 self.sink.committed.remote(write_part(chunk, self.write).to_pylist()[0])
             if feed is not None:

@@ -92,6 +92,10 @@ class Supervisor:
         self.failures: list[dict[str, Any]] = []
         self.manifests: list[dict] = []
         self.running: dict[Any, _Running] = {}  # task ref -> its run
+        # Without an output path, the sink keeps this run's committed blocks under this key.
+        self.commit_run = uuid.uuid4().hex if wopts is None else ""
+        self.queue_status: dict[str, Any] | None = None  # the work queue's, when the run ended
+        self.actor_starts: dict[int, int] = {}  # work item -> engine actors started for it
         self.last = self._committed()
         self.queue = self._start_queue(self.last)
 
@@ -100,7 +104,7 @@ class Supervisor:
         import ray
 
         if self.wopts is None:
-            return ray.get(self.sink.committed_rows.remote())
+            return ray.get(self.sink.committed_rows.remote(self.commit_run))
         return load_committed(self.wopts.path, self.wopts.storage, clean=False)
 
     def _start_queue(self, committed: Committed) -> Any:
@@ -138,16 +142,17 @@ class Supervisor:
         caller can take what was committed. Closing it early stops every actor."""
         import ray
 
-        self._start_missing(self.last)
-        # Every unit's payload is built on this node before anything else happens (while the
-        # engines load): from here on, a lost worker node loses no unit another must take.
-        refs = [ref for refs in self.payloads for ref in refs]
-        ray.wait(refs, num_returns=len(refs), fetch_local=False)
         try:
+            self._start_missing(self.last)
+            # Every unit's payload is built on this node before anything else happens (while the
+            # engines load): from here on, a lost worker node loses no unit another must take.
+            refs = [ref for refs in self.payloads for ref in refs]
+            ray.wait(refs, num_returns=len(refs), fetch_local=False)
             while self.running:
                 ready, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
                 self._drain()
                 if ready:
+                    self._retire([self.running[ref].token for ref in ready])
                     # One read of the commits serves every item that just ended: an ended
                     # item's actor commits nothing more, so its rows are all in this read.
                     now = self._committed()
@@ -161,8 +166,18 @@ class Supervisor:
         finally:
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
-            self.queue_status = ray.get(self.queue.status.remote())
-            ray.kill(self.queue)
+            try:
+                self.queue_status = ray.get(self.queue.status.remote())
+            finally:
+                ray.kill(self.queue)
+
+    def _retire(self, tokens: list[str]) -> None:
+        """The sink takes no more commits from these engines' runs (they ended, or died with a
+        commit perhaps still on its way): what the next read of the commits holds is final."""
+        import ray
+
+        if self.wopts is None:  # a part on an output path is fenced by its commit record
+            ray.get(self.sink.retire.remote(self.commit_run, tokens))
 
     def _start_missing(self, committed: Committed) -> None:
         """Start an actor for every replica that has none running, is not given up and may take
@@ -190,6 +205,7 @@ class Supervisor:
         return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64), np.asarray(self.poisoned, np.int64)])
 
     def _start(self, item: int, committed: Committed) -> None:
+        self.actor_starts[item] = self.actor_starts.get(item, 0) + 1
         why = self.failures[-1]["error"] if self.failures else ""
         job = _with_error_rows(self.planned, self.poisoned, why)
         # The error records need no engine: that actor takes no GPU and no CPU slot.
@@ -204,6 +220,7 @@ class Supervisor:
             done=committed.row_ids,
             skip=np.asarray(self.poisoned, np.int64),
             write=self.wopts,
+            commit_run=self.commit_run,
         )
         token = uuid.uuid4().hex
         queue = None if item == ERRORS_ITEM else self.queue
@@ -288,12 +305,13 @@ class Supervisor:
 
     def report(self) -> dict[str, Any]:
         """The fault report of the run (metrics.json's fault_tolerance, with the counts of rows)."""
-        status = self.queue_status
+        status = self.queue_status or {"units": 0, "steals": [], "paces": []}
         return {
             "engine_failures": len(self.failures),
             "failures": self.failures,
             "rows_committed_at_failures": [f["rows_committed"] for f in self.failures],
             "replicas_given_up": sorted(self.given_up),
+            "actor_starts": dict(self.actor_starts),
             "rows_given_up": len(self.poisoned),
             "work_queue": {"units": status["units"], "steals": status["steals"], "paces": status["paces"]},
         }

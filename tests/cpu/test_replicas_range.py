@@ -49,6 +49,11 @@ def test_a_bad_replicas_value_names_the_field(tiny_model, bad, message):
 def test_min_replicas_is_checked_where_configs_are_built(tiny_model):
     with pytest.raises(ValueError, match="min_replicas=5 is invalid: use None or an integer from 1 to replicas"):
         ProcessorConfig(model=str(tiny_model), replicas=4, min_replicas=5)
+    # Without stealing, a replica the cluster cannot hold would leave its partition waiting.
+    with pytest.raises(ValueError, match="min_replicas=2 is invalid: a replicas range needs work_stealing=True"):
+        ProcessorConfig(model=str(tiny_model), replicas=4, min_replicas=2, work_stealing=False)
+    with pytest.raises(ValueError, match="a replicas range needs work_stealing=True"):
+        _spec(tiny_model, replicas={"min": 2, "max": 4}, work_stealing=False).to_config()
 
 
 def test_the_cluster_must_hold_min_engines_when_the_job_starts(tiny_model):
