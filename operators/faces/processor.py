@@ -15,6 +15,7 @@ from the ProcessorConfig's typed pieces (tokenize_options(), engine_config, back
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Callable, Iterator
 
@@ -107,11 +108,9 @@ class Processor:
         )
         run = supervisor.commit_run
         try:
-            for _ in supervisor.steps():
+            for _ in itertools.chain(supervisor.steps(), [None]):  # and once more after the last step
                 for ref in ray.get(self.sink.take_blocks.remote(run)):
                     yield self.finish(ray.get(ref), planned)
-            for ref in ray.get(self.sink.take_blocks.remote(run)):
-                yield self.finish(ray.get(ref), planned)
         finally:  # also when the run fails or its Dataset is abandoned (take(5))
             faults = {"replica": -1, "kind": FAULTS_RECORD, **supervisor.report()}
             ray.get([self.sink.end_run.remote(run), self.sink.put.remote(faults)])  # its blocks go

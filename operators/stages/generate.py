@@ -72,15 +72,14 @@ ReplicaEngine = GeneratingEngine | ScoringEngine
 class UnitFeed:
     """The units one engine runs, in the order it gets them, minus the rows not to run.
 
-    queue: the job's WorkQueue actor (None: run `payloads[replica]` in plan order, the
-    replica's own partition). payloads: per replica, object refs of its units' payloads
-    (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
+    queue: the job's WorkQueue actor, which hands out the units. payloads: per replica, object
+    refs of its units' payloads (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
     Iterating yields UnitPayloads; `ran` tells the queue when every row of a unit has its
     output (the pace of work stealing), `committed` when every row of it is committed.
     """
 
-    def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray, queue: Any = None, token: str = ""):
-        self.replica, self.payloads, self.skip, self.queue, self.token = replica, payloads, skip, queue, token
+    def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray, queue: Any, token: str):
+        self.replica, self.skip, self.queue, self.token = replica, skip, queue, token
         self.left: dict[int, int] = {}  # unit -> its rows not committed yet
         self.to_run: dict[int, int] = {}  # unit -> its rows without an output yet
         self.unit_of: dict[int, int] = {}  # row -> its unit
@@ -92,10 +91,6 @@ class UnitFeed:
     def __iter__(self) -> Iterator[UnitPayload]:
         import ray
 
-        if self.queue is None:
-            for ref in self.payloads[self.replica]:
-                yield from self._runnable(ray.get(ref), None)
-            return
         while True:
             take: Take = ray.get(self.queue.take.remote(self.replica, self.token))
             if take.kind == DONE:
@@ -134,8 +129,7 @@ class UnitFeed:
         self.to_run[unit] -= 1
         if self.to_run[unit] == 0:
             del self.to_run[unit]
-            if self.queue is not None:
-                self.queue.ran.remote(unit, self.token)
+            self.queue.ran.remote(unit, self.token)
 
     def committed(self, row_ids: Iterable[int]) -> None:
         """Rows just committed: a unit whose rows are all committed is finished."""
@@ -149,8 +143,7 @@ class UnitFeed:
                 self._finished(unit)
 
     def _finished(self, unit: int) -> None:
-        if self.queue is not None:
-            self.queue.finished.remote(unit, self.token)
+        self.queue.finished.remote(unit, self.token)
 
 
 class ReplicaRunner:
@@ -416,7 +409,7 @@ class ReplicaGenerator:
         payloads: list[list[Any]],
         error_row_ids: np.ndarray,
         extra_errors: dict[int, str],
-        sink: Any = None,
+        sink: Any,
         done: np.ndarray | None = None,
         skip: np.ndarray | None = None,
         write: WriteOptions | None = None,
@@ -436,7 +429,7 @@ class ReplicaGenerator:
         # None: to the sink, under the run's key, which holds it for the Python API's driver
         # (MetricsSink.commit_block).
         self.write, self.commit_run = write, commit_run
-        self.runner = ReplicaRunner(config, report=self._report if sink is not None else None)
+        self.runner = ReplicaRunner(config, report=self._report)
 
     def _report(self, counts: dict[str, Any]) -> None:
         """Live counters to the sink, fire and forget: the engine never waits on the driver."""
@@ -446,7 +439,7 @@ class ReplicaGenerator:
         """Run one work item for the job driver (operators/stages/supervise.py), committing each
         part as soon as it is done; returns the rows committed.
         token: names this engine to the sink and the queue; queue: the job's WorkQueue, which
-        hands out the units (None: the replica's own, in plan order).
+        hands out the units (None for the error records, which need none).
 
         The sink hears when the engine is loaded (a death before that is no row's fault) and
         gets each committed part's manifest row, for the driver's progress line.
@@ -472,14 +465,14 @@ class ReplicaGenerator:
             rows += chunk.num_rows
         return rows
 
-    def _feed(self, replica: int, queue: Any = None, token: str = "") -> UnitFeed:
+    def _feed(self, replica: int, queue: Any, token: str) -> UnitFeed:
         return UnitFeed(replica, self.payloads, np.union1d(self.done, self.skip), queue, token)
 
     def _chunks(self, replica: int, feed: UnitFeed) -> Iterator[pa.Table]:
         import ray
 
         yield from self.runner.run_units(replica, feed, feed.ran)
-        if self.runner.record is not None and self.sink is not None:
+        if self.runner.record is not None:
             record = {
                 **self.runner.record,
                 "node_id": ray_node_id(),
