@@ -48,7 +48,7 @@ from prefixflow.operators.results.write import (
 )
 from prefixflow.operators.stages.plan import PlannedJob
 from prefixflow.operators.stages.read import input_files, read_dataset
-from prefixflow.operators.stages.supervise import Supervisor
+from prefixflow.operators.stages.supervise import Supervisor, start_engines, stop_engines
 from prefixflow.storage import join
 
 
@@ -97,21 +97,29 @@ def run_job(
         if not dry_run:
             prepare_output(wopts, job.overwrite, job.resume)
         processor = Processor(job.config)
-        planned = processor.plan(read_dataset(job.read), stealing=job.config.work_stealing)
-        if not quiet:
-            print(report.plan_text(planned), flush=True)
-        if dry_run:
-            return report.dry_run_result(planned, time.perf_counter() - started)
-        return _generate(job, processor, planned, wopts, started, quiet)
+        # The engines load their models while the job is read and planned (none for a dry run);
+        # a context the engine would refuse is refused first.
+        processor.check_context()
+        engines = {} if dry_run else start_engines(job.config, processor.engine_options())
+        try:
+            planned = processor.plan(read_dataset(job.read), stealing=job.config.work_stealing)
+            if not quiet:
+                print(report.plan_text(planned), flush=True)
+            if dry_run:
+                return report.dry_run_result(planned, time.perf_counter() - started)
+            return _generate(job, planned, wopts, started, quiet, engines)
+        finally:
+            stop_engines(engines)  # those no Supervisor took (the plan failed; nothing to run)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _generate(
-    job: Job, processor: Processor, planned: PlannedJob, wopts: WriteOptions, started: float, quiet: bool
+    job: Job, planned: PlannedJob, wopts: WriteOptions, started: float, quiet: bool, engines: dict[int, Any]
 ) -> dict[str, Any]:
-    """Run every row not committed yet, check that every row is, and write the end files."""
+    """Run every row not committed yet (on the started `engines`, and new ones where a replica
+    has none), check that every row is, and write the end files."""
     import ray
 
     # The files the reader read (not every file beside them in a folder): their sizes are part
@@ -134,7 +142,8 @@ def _generate(
         quiet=quiet,
         error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)),
     )
-    manifests, faults = Supervisor(job.config, planned, sink, wopts, job.config.max_retries_per_row, progress).run()
+    supervisor = Supervisor(job.config, planned, sink, wopts, job.config.max_retries_per_row, progress, engines=engines)
+    manifests, faults = supervisor.run()
     progress.close()
     final = load_committed(wopts.path, wopts.storage)
     # Without the parts a dead job's actors still committed after this job took the path over:

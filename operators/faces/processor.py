@@ -27,7 +27,7 @@ from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.results.write import start_sink
 from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
-from prefixflow.operators.stages.supervise import Supervisor, engine_actor_options
+from prefixflow.operators.stages.supervise import Supervisor, engine_actor_options, start_engines, stop_engines
 from prefixflow.operators.stages.tokenize import TokenizeActor
 
 Row = dict[str, Any]
@@ -88,10 +88,19 @@ class Processor:
         an engine actor that dies is restarted alone and its uncommitted rows run again, so
         every row is yielded once. A block is committed when the sink holds it; this task takes
         the committed blocks between the driver's steps."""
+        cfg = self.config
+        self.check_context()
+        # The engines load their models while `ds` is tokenized and planned.
+        engines = start_engines(cfg, self.engine_options())
+        try:
+            yield from self._run_planned(self.plan(ds, stealing=cfg.work_stealing), engines)
+        finally:
+            stop_engines(engines)  # those no Supervisor took (the plan failed)
+
+    def _run_planned(self, planned: PlannedJob, engines: dict[int, Any]) -> Iterator[pa.Table]:
         import ray
 
         cfg = self.config
-        planned = self.plan(ds, stealing=cfg.work_stealing)
         summary = {
             "replica": -1,
             "kind": PLAN_RECORD,
@@ -104,7 +113,13 @@ class Processor:
         # a live bar of the replicas' rows on the driver (operators/results/progress.py)
         self.sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
         supervisor = Supervisor(
-            cfg, planned, self.sink, None, cfg.max_retries_per_row, engine_options=self.engine_options()
+            cfg,
+            planned,
+            self.sink,
+            None,
+            cfg.max_retries_per_row,
+            engine_options=self.engine_options(),
+            engines=engines,
         )
         run = supervisor.commit_run
         try:

@@ -400,11 +400,23 @@ def make_engine(config: ProcessorConfig) -> ReplicaEngine:
 
 class ReplicaGenerator:
     """An engine actor of the job driver (operators/stages/supervise.py): `run_item` runs a
-    replica's units (from the job's WorkQueue) on a ReplicaRunner, or writes the error records."""
+    replica's units (from the job's WorkQueue) on a ReplicaRunner, or writes the error records.
 
-    def __init__(
+    Built from the config alone, so that it can load its engine (`load`) while the job is still
+    read and planned (operators/stages/supervise.start_engines); `take_job` then hands it the
+    planned job, before its first `run_item`."""
+
+    def __init__(self, config: ProcessorConfig):
+        self.config = config
+        self.runner = ReplicaRunner(config, report=self._report)
+        self.take_job(RowIndex((), np.zeros(1, np.int64)), [], np.zeros(0, np.int64), {}, None)  # until given one
+
+    def load(self) -> None:
+        """Load the engine now (a started engine actor, while the plan is made)."""
+        self.runner.load()
+
+    def take_job(
         self,
-        config: ProcessorConfig,
         rows: RowIndex,
         payloads: list[list[Any]],
         error_row_ids: np.ndarray,
@@ -414,8 +426,8 @@ class ReplicaGenerator:
         skip: np.ndarray | None = None,
         write: WriteOptions | None = None,
         commit_run: str = "",
-    ):
-        self.config = config
+    ) -> None:
+        """The planned job this actor's next `run_item` works on."""
         # Row ids already committed by an earlier attempt (operators/results/commit.py): not run again.
         self.done = np.zeros(0, np.int64) if done is None else np.asarray(done, np.int64)
         # Rows the engine must not run (given up after repeated failures; error records now).
@@ -429,7 +441,6 @@ class ReplicaGenerator:
         # None: to the sink, under the run's key, which holds it for the Python API's driver
         # (MetricsSink.commit_block).
         self.write, self.commit_run = write, commit_run
-        self.runner = ReplicaRunner(config, report=self._report)
 
     def _report(self, counts: dict[str, Any]) -> None:
         """Live counters to the sink, fire and forget: the engine never waits on the driver."""

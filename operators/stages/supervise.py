@@ -65,6 +65,8 @@ class Supervisor:
     wopts: where the actors commit their parts; None: to the sink (the Python API).
     progress: the driver's display of committed parts and live counters (None: none).
     engine_options: Ray options of the engine actors (default engine_actor_options(config)).
+    engines: replica -> its engine actor, started (and loading) while the job was planned
+        (start_engines); the replicas without one start theirs when the run starts.
     """
 
     def __init__(
@@ -76,12 +78,16 @@ class Supervisor:
         max_retries_per_row: int,
         progress: Progress | None = None,
         engine_options: dict[str, Any] | None = None,
+        engines: dict[int, Any] | None = None,
     ):
         import ray
 
         self.config, self.planned, self.sink, self.wopts, self.progress = (config, planned, sink, wopts, progress)
         self.engine_options = engine_actor_options(config) if engine_options is None else engine_options
         self.actor_cls = ray.remote(ReplicaGenerator)
+        # Engine actors started before the plan (start_engines), each taken (popped) by its
+        # replica's first start. The caller's dict itself: whoever ends first stops the rest.
+        self.engines = engines if engines is not None else {}
         self.payloads = unit_payload_refs(planned, config.replicas)
         plan = planned.plan
         row_ids = plan.table.column("row_id").to_numpy().astype(np.int64)
@@ -144,6 +150,7 @@ class Supervisor:
 
         try:
             self._start_missing(self.last)
+            self._drop_engines()  # a started engine whose replica has nothing to run: its resources back
             # Every unit's payload is built on this node before anything else happens (while the
             # engines load): from here on, a lost worker node loses no unit another must take.
             refs = [ref for refs in self.payloads for ref in refs]
@@ -164,6 +171,7 @@ class Supervisor:
                 yield
             self._drain()
         finally:
+            self._drop_engines()
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
             try:
@@ -210,8 +218,8 @@ class Supervisor:
         job = _with_error_rows(self.planned, self.poisoned, why)
         # The error records need no engine: that actor takes no GPU and no CPU slot.
         opts = self.engine_options if item != ERRORS_ITEM else engine_actor_options(self.config, needs_engine=False)
-        actor = self.actor_cls.options(**opts).remote(
-            config=self.config,
+        actor = self.engines.pop(item, None) or self.actor_cls.options(**opts).remote(self.config)
+        actor.take_job.remote(
             rows=self.planned.rows,
             payloads=self.payloads,
             error_row_ids=job.error_row_ids,
@@ -227,6 +235,14 @@ class Supervisor:
         self.running[actor.run_item.remote(item, token, queue)] = _Running(
             item, actor, token, time.time(), self._error_rows() if item == ERRORS_ITEM else np.zeros(0, np.int64)
         )
+
+    def _drop_engines(self) -> None:
+        """Stop the started engines no replica took."""
+        import ray
+
+        for actor in self.engines.values():
+            ray.kill(actor)
+        self.engines.clear()
 
     def _stop_idle(self) -> None:
         """Once every unit is done, stop the replica actors that never loaded their engine
@@ -315,6 +331,34 @@ class Supervisor:
             "rows_given_up": len(self.poisoned),
             "work_queue": {"units": status["units"], "steals": status["steals"], "paces": status["paces"]},
         }
+
+
+def start_engines(cfg: ProcessorConfig, options: dict[str, Any]) -> dict[int, Any]:
+    """One engine actor per replica, loading its model now, while the job is read and planned
+    (the Supervisor hands each its work once the plan is made): replica -> actor. None are
+    started where they would take the CPU slots the planning stages need: engines that use GPUs
+    start at once; CPU engines only where the cluster's free CPUs hold them and the tokenize
+    pool with one slot to spare (else the plan could wait for a slot that an engine, waiting for
+    the plan, holds)."""
+    import ray
+
+    if not options.get("num_gpus"):
+        free = ray.available_resources().get("CPU", 0.0)
+        if free < cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + 1:
+            return {}
+    actor_cls = ray.remote(ReplicaGenerator)
+    engines = {r: actor_cls.options(**options).remote(cfg) for r in range(cfg.replicas)}
+    for actor in engines.values():
+        actor.load.remote()  # a failed load surfaces at the replica's run_item, as a death before loading
+    return engines
+
+
+def stop_engines(engines: dict[int, Any]) -> None:
+    """Stop started engines that no Supervisor took (the plan failed)."""
+    import ray
+
+    for actor in engines.values():
+        ray.kill(actor)
 
 
 def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
