@@ -2,7 +2,8 @@
 vLLMEngineProcessorConfig and stage configs run Ray's own published examples on prefixflow's
 planned, lazy processor (vLLM backend), on the session's real local Ray, with Ray's columns and
 outputs equal to prefixflow's own API; a processor built before ray.init() sizes its engines on
-the cluster it runs on."""
+the cluster it runs on. The columns of Ray's own processor on the basic example come from
+tests/support/rays_own.py: recorded for the installed ray and vllm, run live where they differ."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from support.rays_own import rays_own_basic_example
 
 import prefixflow
 
@@ -299,8 +301,9 @@ def test_ray_basic_example_runs_once_with_rays_columns(ray_local, tiny_model):
     # one execution: one plan, one engine run (the replica's record)
     assert processor.plan_summary()["num_rows"] == 300 and len(processor.metrics()) == 1
 
-    # Ray's own processor on the same example (4 rows): every column Ray's rows have, of the same
-    # type, and one more of ours (finish_reason, which Ray's rows lack)
+    # Ray's own processor on the same example (4 rows; recorded for the installed ray and vllm,
+    # live where they differ: tests/support/rays_own.py): every column Ray's rows have, of the
+    # same type, and one more of ours (finish_reason, which Ray's rows lack)
     rays = rays_own_basic_example(str(tiny_model))
     mine = {k: type(v).__name__ for k, v in rows[0].items()}
     assert {k: mine.get(k) for k in rays["types"]} == rays["types"]
@@ -367,50 +370,6 @@ def _watch_env(needle: str, seen: dict[int, bool], stop: threading.Event) -> Non
                     seen[int(pid)] = seen.get(int(pid), False) or "/vllm/" in Path(f"/proc/{pid}/maps").read_text()
             except (OSError, ValueError):
                 continue
-
-
-RAYS_OWN = r"""
-import json, sys
-import ray
-from ray.data.llm import build_processor, vLLMEngineProcessorConfig
-
-# 6 CPU slots: Ray's chat template, tokenize, engine and detokenize actors each hold one.
-ray.init(address="local", num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1",
-         log_to_driver=False, configure_logging=False)
-ray.data.DataContext.get_current().enable_progress_bars = False
-config = vLLMEngineProcessorConfig(
-    model_source=sys.argv[1],
-    engine_kwargs=dict(enable_prefix_caching=True, enable_chunked_prefill=True,
-                       max_num_batched_tokens=4096, enforce_eager=True, kv_cache_memory_bytes=64 << 20),
-    concurrency=1, batch_size=64,
-    # on the CPU: no GPU bundle, and no Ray metrics (vLLM's Ray wrapper fails to import here)
-    placement_group_config={"bundles": [{"CPU": 1}]}, log_engine_metrics=False)
-processor = build_processor(
-    config,
-    preprocess=lambda row: dict(
-        messages=[{"role": "system", "content": "You are a calculator"},
-                  {"role": "user", "content": f"{row['id']} ** 3 = ?"}],
-        sampling_params=dict(temperature=0.3, max_tokens=20, detokenize=False)),
-    postprocess=lambda row: dict(resp=row["generated_text"], **row))
-row = processor(ray.data.range(4)).take_all()[0]
-print(json.dumps({"types": {k: type(v).__name__ for k, v in row.items()},
-                  "metrics_keys": sorted(row["metrics"])}), flush=True)
-"""
-
-
-def rays_own_basic_example(model_source: str) -> dict:
-    """The basic example through Ray's own ray.data.llm (vLLM's CPU build) in a process of its
-    own: {types: column -> type name of the first row, metrics_keys}."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run(
-        [sys.executable, "-c", RAYS_OWN, model_source],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 GPU_PROBE = r"""
