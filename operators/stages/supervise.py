@@ -24,6 +24,7 @@ which stops every replica (and reloads every model) for one death.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ from prefixflow.operators.stages.attempts import AttemptLedger
 from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
 from prefixflow.operators.stages.work_queue import WorkQueue
+
+logger = logging.getLogger(__name__)
 
 
 class Progress(Protocol):
@@ -344,7 +347,9 @@ def start_engines(cfg: ProcessorConfig, options: dict[str, Any]) -> dict[int, An
 
     if not options.get("num_gpus"):
         free = ray.available_resources().get("CPU", 0.0)
-        if free < cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + 1:
+        needed = cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + 1
+        if free < needed:
+            logger.info("the engines start after the plan: %g free CPUs, %g needed to start them now", free, needed)
             return {}
     actor_cls = ray.remote(ReplicaGenerator)
     engines = {r: actor_cls.options(**options).remote(cfg) for r in range(cfg.replicas)}

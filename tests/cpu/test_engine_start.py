@@ -33,6 +33,15 @@ def _engine_loading(mark: str) -> bool:
     return False
 
 
+def _wait_for_free_cpus(ray, cpus: int) -> None:
+    """Until the session's Ray has `cpus` CPU slots free (an earlier test's actors may still be
+    giving theirs back)."""
+    deadline = time.time() + 120
+    while ray.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= cpus, ray.available_resources()
+
+
 class WaitForLoadingEngine:
     """A preprocess that holds the plan back until an engine of the job is seen loading."""
 
@@ -58,6 +67,9 @@ def test_engines_load_while_the_job_is_planned(ray_local, tiny_model):
         engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
         runtime_env={"env_vars": dict([mark.split("=")])},
     )
+    # Engines on CPUs start early where the free CPUs hold them, the tokenize pool and a spare
+    # slot: 3 here.
+    _wait_for_free_cpus(ray_local, 3)
     processor = prefixflow.build_processor(config, preprocess=WaitForLoadingEngine(mark))
     rows = processor(ray_local.data.range(6)).take_all()
     assert sorted(r["id"] for r in rows) == list(range(6)) and all(r["error"] is None for r in rows)
@@ -68,6 +80,7 @@ def test_engines_load_while_the_job_is_planned(ray_local, tiny_model):
 def test_cpu_engines_start_early_only_where_the_planning_stages_keep_a_slot(ray_local, tiny_model):
     """On a cluster without GPUs, engines that would leave the tokenize pool no CPU slot start
     after the plan, as before (the session's Ray has 4 CPUs)."""
+    _wait_for_free_cpus(ray_local, 4)
     config = prefixflow.ProcessorConfig(model=str(tiny_model), replicas=4)
     assert start_engines(config, engine_actor_options(config)) == {}
     config = prefixflow.ProcessorConfig(model=str(tiny_model), replicas=2)
