@@ -153,7 +153,7 @@ class Supervisor:
 
         try:
             self._start_missing(self.last)
-            self._drop_engines()  # a started engine whose replica has nothing to run: its resources back
+            stop_engines(self.engines)  # a started engine whose replica has nothing to run: its resources back
             # Every unit's payload is built on this node before anything else happens (while the
             # engines load): from here on, a lost worker node loses no unit another must take.
             refs = [ref for refs in self.payloads for ref in refs]
@@ -174,7 +174,7 @@ class Supervisor:
                 yield
             self._drain()
         finally:
-            self._drop_engines()
+            stop_engines(self.engines)
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
             try:
@@ -238,14 +238,6 @@ class Supervisor:
         self.running[actor.run_item.remote(item, token, queue)] = _Running(
             item, actor, token, time.time(), self._error_rows() if item == ERRORS_ITEM else np.zeros(0, np.int64)
         )
-
-    def _drop_engines(self) -> None:
-        """Stop the started engines no replica took."""
-        import ray
-
-        for actor in self.engines.values():
-            ray.kill(actor)
-        self.engines.clear()
 
     def _stop_idle(self) -> None:
         """Once every unit is done, stop the replica actors that never loaded their engine
@@ -359,11 +351,12 @@ def start_engines(cfg: ProcessorConfig, options: dict[str, Any]) -> dict[int, An
 
 
 def stop_engines(engines: dict[int, Any]) -> None:
-    """Stop started engines that no Supervisor took (the plan failed)."""
+    """Stop the started engines no replica took (left in `engines`, which this empties)."""
     import ray
 
     for actor in engines.values():
         ray.kill(actor)
+    engines.clear()
 
 
 def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dict[str, Any]:
