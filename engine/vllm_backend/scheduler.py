@@ -14,7 +14,8 @@ cache (bench/results/peer_bench.json): its parts were dropped, as the issue aske
 without an effect.
 
 Reads scheduler internals vLLM calls "not public" (`self.running`, `self.requests`,
-`kv_cache_manager.block_pool`): pinned to vllm 0.32 (`check_internals` fails loudly otherwise).
+`kv_cache_manager.block_pool`): every release in versions.SUPPORTED has them (versions.USED,
+checked against each release's source), and `check_internals` fails loudly on one that does not.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from prefixflow.engine.vllm_backend.versions import SUPPORTED
 
 
 class _StepCounts:
@@ -66,5 +69,6 @@ def check_internals(scheduler: Any) -> None:
     missing += [f"block_pool.{n}" for n in ("get_num_free_blocks", "num_gpu_blocks") if not hasattr(pool, n)]
     if missing:
         raise RuntimeError(
-            f"this vLLM's scheduler lacks {', '.join(missing)}: prefixflow's step counts support vllm 0.32"
+            f"this vLLM's scheduler lacks {', '.join(missing)}: prefixflow's step counts support vllm "
+            f"{SUPPORTED[0]} to {SUPPORTED[-1]}"
         )
