@@ -47,7 +47,7 @@ def names_the_code_uses() -> dict[str, set[str]]:
 def _uses(node: ast.AST, imported: dict[str, str]) -> list[tuple[str, str]]:
     if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
         return [(str(node.module), a.name) for a in node.names]
-    if isinstance(node, ast.Attribute) and _is(node.value, "self.engine"):
+    if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self.engine":
         return [("LLMEngine", node.attr)]
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
         name = imported[node.value.id]  # a class's attribute (from_engine_args, FINAL_ONLY), an instance's
@@ -56,8 +56,11 @@ def _uses(node: ast.AST, imported: dict[str, str]) -> list[tuple[str, str]]:
         called = ast.unparse(node.func)
         keywords = [k.arg for k in node.keywords if k.arg]
         strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-        where = {"VllmParams": "SamplingParams", "self.engine.add_request": "LLMEngine.add_request"}.get(called)
-        where = where or ("StructuredOutputsParams" if called == "StructuredOutputsParams" else None)
+        where = {
+            "VllmParams": "SamplingParams",
+            "StructuredOutputsParams": "StructuredOutputsParams",
+            "self.engine.add_request": "LLMEngine.add_request",
+        }.get(called)
         if where:
             return [(where, k) for k in keywords]
         if called == "dict" and keywords and "block_size" in keywords:  # _engine_kwargs' arguments
@@ -70,10 +73,6 @@ def _uses(node: ast.AST, imported: dict[str, str]) -> list[tuple[str, str]]:
         if where and isinstance(key, str) and (where != "vllm.envs" or key.startswith("VLLM_")):
             return [(where, key)]
     return []
-
-
-def _is(node: ast.AST, dotted: str) -> bool:
-    return ast.unparse(node) == dotted
 
 
 def unlisted(used: dict[str, set[str]]) -> list[str]:

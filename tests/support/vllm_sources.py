@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from prefixflow.engine.vllm_backend.args import ALLOWED, COMPILATION_CONFIG, OWN_ARGS
+from prefixflow.engine.vllm_backend.args import ALLOWED, COMPILATION_CONFIG, OWN_ARGS, vllm_package_root
 from prefixflow.engine.vllm_backend.versions import SOURCES, SUPPORTED, USED
 
 RECORDING = Path(__file__).with_name("vllm_api_names.json")
@@ -54,11 +54,11 @@ def names_in(read: Reader) -> dict[str, list[str]]:
     for where, (path, qualname) in SOURCES.items():
         if path not in trees:
             trees[path] = ast.parse(read(path))
-        out[where] = sorted(_names(trees[path], qualname, trees, read))
+        out[where] = sorted(_names(trees[path], qualname))
     return out
 
 
-def _names(tree: ast.Module, qualname: str, trees: dict[str, ast.Module], read: Reader) -> set[str]:
+def _names(tree: ast.Module, qualname: str) -> set[str]:
     if not qualname:
         return _module_names(tree)
     cls_name, _, method = qualname.partition(".")
@@ -129,11 +129,7 @@ def _class_names(cls: ast.ClassDef) -> set[str]:
 
 def installed_reader() -> Reader:
     """The installed vLLM's files (found without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    assert spec is not None and spec.submodule_search_locations, "vLLM is not installed"
-    root = Path(next(iter(spec.submodule_search_locations)))
+    root = vllm_package_root()
     return lambda path: (root / path).read_text(encoding="utf-8")
 
 
