@@ -34,12 +34,14 @@ from prefixflow.operators.results.write import WriteOptions, part_manifest, ray_
 from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.stages.isolate import run_isolated, without_rows
 from prefixflow.operators.stages.plan import RowIndex, UnitPayload, fetch_rows
-from prefixflow.operators.stages.work_queue import DONE, Take
+from prefixflow.operators.stages.work_queue import DONE, WAIT, Take
 from prefixflow.pipeline.plan import PlanUnit
 
 logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
 PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
+REPORT_EVERY_S = 0.5  # how often an engine tells the work queue of its outputs (its pace)
+WAIT_RETRY_S = 0.25  # how long an engine told to WAIT goes on with what it holds before asking again
 
 
 class GeneratingEngine(Protocol):
@@ -74,27 +76,39 @@ class UnitFeed:
 
     queue: the job's WorkQueue actor, which hands out the units. payloads: per replica, object
     refs of its units' payloads (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
-    Iterating yields UnitPayloads; `ran` tells the queue when every row of a unit has its
-    output (the pace of work stealing), `committed` when every row of it is committed.
+    Iterating yields UnitPayloads, or NOT_READY while the queue says WAIT (asking it again at
+    most every WAIT_RETRY_S); `ran` tells the queue what share of each unit's rows has its
+    output (the pace of work stealing), `committed` when every row of a unit is committed.
     """
 
     def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray, queue: Any, token: str):
         self.replica, self.skip, self.queue, self.token = replica, skip, queue, token
         self.left: dict[int, int] = {}  # unit -> its rows not committed yet
+        self.size: dict[int, int] = {}  # unit -> its rows to run, as taken
         self.to_run: dict[int, int] = {}  # unit -> its rows without an output yet
+        self.unreported: set[int] = set()  # units with outputs the queue has not heard of
+        self.next_report = 0.0  # time.monotonic() after which outputs are reported
         self.unit_of: dict[int, int] = {}  # row -> its unit
         self.stolen: list[int] = []  # units taken from another replica's queue
         self.units: list[int] = []  # every unit run, in the order taken
         # Unit ids number the plan's units replica by replica, as `payloads` lists them.
         self.unit_refs = [ref for refs in payloads for ref in refs]
 
-    def __iter__(self) -> Iterator[UnitPayload]:
+    def __iter__(self) -> Iterator[UnitPayload | None]:
         import ray
 
+        asked = -WAIT_RETRY_S
         while True:
+            if time.monotonic() - asked < WAIT_RETRY_S:
+                yield NOT_READY
+                continue
             take: Take = ray.get(self.queue.take.remote(self.replica, self.token))
             if take.kind == DONE:
                 return
+            if take.kind == WAIT:
+                asked = time.monotonic()
+                yield NOT_READY
+                continue
             if take.stolen_from >= 0:
                 self.stolen.append(take.unit)
             yield from self._runnable(ray.get(self.unit_refs[take.unit]), take.rows)
@@ -116,20 +130,28 @@ class UnitFeed:
             unit = PlanUnit(unit.unit_id, unit.replica, groups, unit.predicted_seconds)
             payload = UnitPayload(unit, payload.rows.filter(pa.array(keep)), payload.ranks[keep])
         self.units.append(unit.unit_id)
-        self.left[unit.unit_id] = self.to_run[unit.unit_id] = len(unit.row_ids)
+        self.left[unit.unit_id] = self.to_run[unit.unit_id] = self.size[unit.unit_id] = len(unit.row_ids)
         self.unit_of.update((int(r), unit.unit_id) for r in unit.row_ids)
         yield payload
 
     def ran(self, row_id: int) -> None:
-        """A row has its output: a unit whose rows all have theirs has run (its commit may come
-        much later, a part holding many units)."""
+        """A row has its output. The queue hears the share of each unit's rows with outputs at
+        most every REPORT_EVERY_S, and at once when a unit has all of them (it has run; its
+        commit may come much later, a part holding many units)."""
         unit = self.unit_of.get(int(row_id))
         if unit is None or unit not in self.to_run:
             return
         self.to_run[unit] -= 1
-        if self.to_run[unit] == 0:
-            del self.to_run[unit]
-            self.queue.ran.remote(unit, self.token)
+        self.unreported.add(unit)
+        if self.to_run[unit] and time.monotonic() < self.next_report:
+            return
+        shares = {u: 1.0 - self.to_run[u] / self.size[u] for u in self.unreported}
+        self.queue.ran.remote(self.token, shares)
+        self.unreported.clear()
+        self.next_report = time.monotonic() + REPORT_EVERY_S
+        for u, share in shares.items():
+            if share >= 1.0:
+                del self.to_run[u]
 
     def committed(self, row_ids: Iterable[int]) -> None:
         """Rows just committed: a unit whose rows are all committed is finished."""

@@ -8,15 +8,21 @@ An engine takes its next unit when its scheduler has room (engine/intake.py):
   - else, having run dry, the LAST unstarted unit of the replica expected to finish last,
     whole: the unit's shared prefix is computed once, on the thief. Taking from the back leaves
     the victim its plan order, and the units it will reach last are the ones its cache is
-    least likely to help;
+    least likely to help. Only if that brings the job's end closer: while the victim's engine
+    runs, the thief takes the unit only if it expects to have run it (after what it holds)
+    before the victim expects to be done; else WAIT and ask again (the victim may reach the
+    unit first). A victim with no engine at work (not started yet, or dead) is always robbed;
   - else DONE: the engine finishes what it holds and ends.
 
 A replica is expected to finish when the predicted seconds of its queued and held units are
-done at its pace: the predicted seconds of the units it ran per second since it first took one
-(the job's mean pace until it ran one). A unit has run when every row of it has its output
-(`ran`), which comes long before its part is committed (`finished`). So the rows' real cost decides, not the cost
-model's guess: a replica whose outputs run longer than predicted, or whose cache thrashes, is
-relieved first, and one holding much unfinished work is not left to finish it alone.
+done at its pace: the predicted seconds its engine ran per second since it first took a unit
+(the job's mean pace until it ran any). A unit counts as run in the share of its rows that have
+their outputs (`ran`, reported as they come), long before its part is committed (`finished`):
+counting whole units only, an engine that runs hundreds of rows at once (vLLM) looks idle for
+its first minute and is robbed of work it would have done sooner. So the rows' real cost
+decides, not the cost model's guess: a replica whose outputs run longer than predicted, or
+whose cache thrashes, is relieved first, and one holding much unfinished work is not left to
+finish it alone.
 
 A unit is taken by one engine at a time, so a row never runs twice. When an engine dies, the
 driver hands back its units with the rows still uncommitted (`release`); they go to the front of
@@ -36,14 +42,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-UNIT, DONE = "unit", "done"
+UNIT, WAIT, DONE = "unit", "wait", "done"
 
 
 @dataclass(frozen=True, slots=True)
 class Take:
     """What `WorkQueue.take` hands an engine: a unit (kind UNIT) with the rows of it to run
     (None: all of them; a unit handed back after a death keeps only its uncommitted rows) and
-    the replica it was stolen from (-1: its own), or DONE."""
+    the replica it was stolen from (-1: its own); WAIT (nothing to take now, ask again); or
+    DONE."""
 
     kind: str
     unit: int = -1
@@ -58,7 +65,8 @@ class _Unit:
     rows: tuple[int, ...] | None = None  # rows left to run; None: all
     holder: str | None = None  # the engine (run token) that took it
     taker: int = -1  # the replica of that engine
-    ran: bool = False  # every row of it has its output (counted in the taker's pace)
+    credited: float = 0.0  # predicted seconds of it counted in the taker's pace (rows run)
+    ran: bool = False  # every row of it has its output
     done: bool = False
 
 
@@ -92,6 +100,7 @@ class WorkQueue:
         self.seconds_left = [sum(self.units[u].seconds for u in q) for q in self.queues]
         self.held_seconds = [0.0] * self.num_replicas  # predicted seconds of units held, by taker
         self.done_seconds = [0.0] * self.num_replicas  # ... of units run (`ran`), by taker
+        self.engine_of: list[str | None] = [None] * self.num_replicas  # the engine at work, by replica
         self.first_take: list[float | None] = [None] * self.num_replicas
         self.started = self.clock()
 
@@ -99,16 +108,21 @@ class WorkQueue:
         """The next unit for the engine `token` of `replica` (module docstring)."""
         if self.first_take[replica] is None:
             self.first_take[replica] = self.clock()
+        self.engine_of[replica] = token
         if self.queues[replica]:
             return self._hand(self.queues[replica].popleft(), replica, token, -1)
         if not self.steal:
-            return Take(DONE)
-        left = self.expected_seconds_left()
+            return self._done(replica)
+        left, paces = self.expected_seconds_left(), self.paces_or_mean()
         victims = [r for r in range(self.num_replicas) if self.queues[r]]
         if not victims:
-            return Take(DONE)
+            return self._done(replica)
         victim = max(victims, key=lambda r: (left[r], -r))
-        unit = self.queues[victim].pop()
+        unit = self.queues[victim][-1]
+        thief_expected = left[replica] + self.units[unit].seconds / paces[replica]
+        if self.engine_of[victim] is not None and thief_expected >= left[victim]:
+            return Take(WAIT)
+        self.queues[victim].pop()
         self.steals.append(
             {
                 "unit": unit,
@@ -116,10 +130,15 @@ class WorkQueue:
                 "to": replica,
                 "seconds": self.units[unit].seconds,
                 "victim_expected_s": round(left[victim], 3),
+                "thief_expected_s": round(thief_expected, 3),
                 "at_s": self.clock() - self.started,
             }
         )
         return self._hand(unit, replica, token, victim)
+
+    def _done(self, replica: int) -> Take:
+        self.engine_of[replica] = None
+        return Take(DONE)
 
     def paces(self) -> list[float | None]:
         """Each replica's predicted seconds run per second since its first take (None before
@@ -132,11 +151,17 @@ class WorkQueue:
 
     def expected_seconds_left(self) -> list[float]:
         """Seconds until each replica has run its queued and held units, at its pace (module
-        docstring); the job's mean pace for a replica that ran nothing yet."""
+        docstring)."""
+        paces = self.paces_or_mean()
+        return [(self.seconds_left[r] + self.held_seconds[r]) / paces[r] for r in range(self.num_replicas)]
+
+    def paces_or_mean(self) -> list[float]:
+        """paces(), with the job's mean pace for a replica that ran nothing yet (1.0 before
+        any did)."""
         paces = self.paces()
         known = [p for p in paces if p]
         mean = sum(known) / len(known) if known else 1.0
-        return [(self.seconds_left[r] + self.held_seconds[r]) / (paces[r] or mean) for r in range(self.num_replicas)]
+        return [p or mean for p in paces]
 
     def _hand(self, unit: int, replica: int, token: str, stolen_from: int) -> Take:
         u = self.units[unit]
@@ -145,33 +170,43 @@ class WorkQueue:
         u.holder, u.taker = token, replica
         return Take(UNIT, unit, u.rows, stolen_from)
 
-    def ran(self, unit: int, token: str) -> None:
-        """Every row of `unit` that `token` was given has its output: the unit counts in the
-        taker's pace (module docstring) and no longer as work it holds."""
+    def ran(self, token: str, shares: Mapping[int, float]) -> None:
+        """Outputs came: shares[u] of the rows unit u had when `token` took it have theirs (1.0:
+        all, the unit has run). That share of its predicted seconds counts in the taker's pace
+        and no longer as work it holds (module docstring). Only the holder's word counts."""
+        for unit, share in shares.items():
+            self._credit(int(unit), token, min(float(share), 1.0))
+
+    def _credit(self, unit: int, token: str, share: float) -> None:
         u = self.units[unit]
-        if u.holder == token and not u.ran:
-            self.held_seconds[u.taker] -= u.seconds
-            self.done_seconds[u.taker] += u.seconds
-            u.ran = True
+        if u.holder != token or u.ran:
+            return
+        more = u.seconds * share - u.credited
+        if more > 0:
+            self.held_seconds[u.taker] -= more
+            self.done_seconds[u.taker] += more
+            u.credited += more
+        u.ran = share >= 1.0
 
     def finished(self, unit: int, token: str) -> None:
         """Every row of `unit` that `token` was given is committed."""
         u = self.units[unit]
         if u.holder == token:
-            self.ran(unit, token)
+            self._credit(unit, token, 1.0)
             u.done, u.holder = True, None
 
     def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
         """The engine `token` died: each unit it held goes back to the front of `replica`'s
         queue with its rows still uncommitted (rows_left: unit -> rows; a unit with none left
         is done). Returns the units put back."""
+        self.engine_of = [None if t == token else t for t in self.engine_of]
         back = []
         for u, unit in enumerate(self.units):
             if unit.holder != token:
                 continue
             if not unit.ran:
-                self.held_seconds[unit.taker] -= unit.seconds
-            unit.holder, unit.ran = None, False
+                self.held_seconds[unit.taker] -= unit.seconds - unit.credited
+            unit.holder, unit.ran, unit.credited = None, False, 0.0
             left = tuple(int(r) for r in rows_left.get(u, ()))
             if not left:
                 unit.done = True

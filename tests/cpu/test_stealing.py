@@ -1,7 +1,10 @@
-"""A replica running another replica's units (work stealing), without Ray: the ReplicaRunner
-fed a thief's sequence of units (its own, then the last of another replica's)."""
+"""A replica running another replica's units (work stealing): the ReplicaRunner fed a thief's
+sequence of units (its own, then the last of another replica's), without Ray; and the UnitFeed
+an engine takes units through, against a WorkQueue actor."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -9,8 +12,9 @@ import pytest
 
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.outputs import PLAN_REPLICA
-from prefixflow.operators.stages.generate import ReplicaRunner
+from prefixflow.operators.stages.generate import WAIT_RETRY_S, ReplicaRunner, UnitFeed
 from prefixflow.operators.stages.plan import UnitPayload
+from prefixflow.operators.stages.work_queue import WorkQueue
 from prefixflow.pipeline import build_plan
 
 
@@ -69,3 +73,31 @@ def test_a_stolen_unit_runs_whole_on_the_thief_with_its_prefix_computed_once(tin
     _, theirs = _run(tiny_model, victim, replica=1)
     want = {r["row_id"]: r["generated_tokens"] for r in theirs.to_pylist()}
     assert all(want[r["row_id"]] == r["generated_tokens"] for r in out.to_pylist() if r["row_id"] in stolen)
+
+
+def test_the_feed_waits_while_the_busy_victim_would_finish_first_then_ends(ray_local, planned):
+    """Replica 0's engine takes its own units through the feed, then, its queue dry, the queue
+    says WAIT: its own units (predicted 10 s each, nothing run yet) outweigh all of replica 1's,
+    whose engine is at work. The feed yields NOT_READY (the engine goes on with what it holds)
+    until replica 1 took its last unit; then it ends. Its outputs reach the queue's pace."""
+    import ray
+
+    plan, payloads = planned
+    units = [[u.unit_id for u in plan.units(r)] for r in range(2)]
+    assert units[0] == list(range(len(units[0]))) and len(units[1]) >= 2  # numbered replica by replica
+    seconds = [10.0] * len(units[0]) + [0.1] * len(units[1])
+    queue = ray.remote(WorkQueue).options(num_cpus=0).remote([0] * len(units[0]) + [1] * len(units[1]), seconds, 2)
+    refs = [[ray.put(payloads[u]) for u in us] for us in units]
+    assert ray.get(queue.take.remote(1, "victim")).unit == units[1][0]
+    unit_feed = UnitFeed(0, refs, np.array([], np.int64), queue, "thief")
+    feed = iter(unit_feed)
+    own = [next(feed) for _ in units[0]]
+    assert [p.unit.unit_id for p in own] == units[0]
+    assert next(feed) is None and next(feed) is None  # WAIT, then not asked again at once
+    unit_feed.ran(int(own[0].unit.row_ids[0]))  # the first output is reported at once
+    for _ in units[1][1:]:
+        assert ray.get(queue.take.remote(1, "victim")).kind == "unit"
+    time.sleep(WAIT_RETRY_S)
+    assert list(feed) == []  # asked again: nothing is queued, DONE
+    status = ray.get(queue.status.remote())
+    assert status["steals"] == [] and status["paces"][0] > 0

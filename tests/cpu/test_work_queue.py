@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from prefixflow.operators.stages.work_queue import DONE, UNIT, WorkQueue
+from prefixflow.operators.stages.work_queue import DONE, UNIT, WAIT, WorkQueue
 
 
 def queue(replicas: list[int], seconds: list[float] | None = None, **kw) -> WorkQueue:
@@ -25,7 +25,15 @@ def test_a_replica_that_runs_dry_takes_the_last_unit_of_the_busiest_whole():
     assert (stolen.kind, stolen.unit, stolen.stolen_from, stolen.rows) == (UNIT, 4, 1, None)
     assert q.take(1, "b").unit == 2  # the victim keeps its order from the front
     assert q.steals == [
-        {"unit": 4, "from": 1, "to": 2, "seconds": 5.0, "victim_expected_s": 7.0, "at_s": q.steals[0]["at_s"]}
+        {
+            "unit": 4,
+            "from": 1,
+            "to": 2,
+            "seconds": 5.0,
+            "victim_expected_s": 7.0,
+            "thief_expected_s": 6.0,
+            "at_s": q.steals[0]["at_s"],
+        }
     ]
 
 
@@ -158,9 +166,59 @@ def test_a_unit_counts_in_the_pace_when_its_rows_ran_long_before_their_commit():
     q = queue([0, 0, 1], [4, 4, 4], clock=clock)
     q.take(0, "a"), q.take(1, "b")
     clock.now = 2.0
-    q.ran(0, "a")  # every output is out; the part holding them is not committed yet
+    q.ran("a", {0: 1.0})  # every output is out; the part holding them is not committed yet
     assert q.paces() == [2.0, None] and q.held_seconds[0] == 0.0
     q.finished(0, "a")  # the commit counts nothing twice
     assert q.paces() == [2.0, None] and q.counts()["done"] == 1
-    q.ran(2, "someone else")  # only the holder's word counts
+    q.ran("someone else", {2: 1.0})  # only the holder's word counts
     assert q.paces()[1] is None
+
+
+def test_outputs_count_in_the_pace_row_by_row_before_the_unit_has_run():
+    """An engine running many rows at once reports the share of each unit with outputs: half a
+    unit's rows out is half its predicted seconds run, and no longer held."""
+    clock = Clock()
+    q = queue([0, 0, 1], [4, 4, 4], clock=clock)
+    q.take(0, "a"), q.take(0, "a"), q.take(1, "b")
+    clock.now = 2.0
+    q.ran("a", {0: 0.5, 1: 0.25})
+    assert q.paces()[0] == 1.5 and q.held_seconds[0] == 5.0  # 2 + 1 of 8 held seconds ran
+    q.ran("a", {0: 0.5})  # the same share again counts nothing twice
+    assert q.paces()[0] == 1.5
+    q.ran("a", {0: 1.0})
+    assert q.paces()[0] == 2.5 and q.held_seconds[0] == 3.0
+
+
+def test_a_thief_still_busy_waits_rather_than_take_what_the_victim_reaches_first():
+    """Replica 1 ran its queue dry but holds most of its work: it would have run replica 0's
+    last unit in 18 s, replica 0 is expected to have run all of its own in 4: WAIT. Once
+    replica 1 holds nothing and replica 0 turned out slow, it takes the unit."""
+    clock = Clock()
+    q = queue([0, 0, 0, 1], [2, 2, 2, 8], clock=clock)
+    q.take(0, "a"), q.take(1, "b")
+    clock.now = 2.0
+    q.ran("a", {0: 1.0})
+    q.ran("b", {3: 0.125})  # paces 1.0 and 0.5
+    assert q.expected_seconds_left() == [4.0, 14.0]
+    assert q.take(1, "b").kind == WAIT and not q.steals  # 14 + 2 / 0.5 = 18 s > 4 s
+    assert q.take(0, "a").unit == 1  # the victim goes on in plan order
+    clock.now = 14.0
+    q.finished(3, "b")  # replica 1 holds nothing now: pace 8 / 14; replica 0's 4 s are late
+    assert q.expected_seconds_left()[1] == 0.0
+    stolen = q.take(1, "b")
+    assert (stolen.kind, stolen.unit, stolen.stolen_from) == (UNIT, 2, 0)
+
+
+def test_a_victim_with_no_engine_at_work_is_robbed_whatever_the_thiefs_pace():
+    """Replica 1's engine never started (or died and its units came back): its units go to
+    the slowest thief rather than wait for an engine that may never come."""
+    clock = Clock()
+    q = queue([0, 1, 1], [1, 5, 5], clock=clock)
+    q.take(0, "a")
+    clock.now = 10.0
+    q.finished(0, "a")  # pace 0.1: the 5 s unit takes replica 0 50 s, replica 1 is expected in 100
+    assert q.take(0, "a").unit == 2
+    dead = q.take(1, "b")  # replica 1 starts, takes unit 1, dies: unit 1 comes back
+    q.release("b", {dead.unit: [7]}, replica=1)
+    assert q.engine_of[1] is None
+    assert q.take(0, "a").unit == 1
