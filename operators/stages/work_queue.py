@@ -101,6 +101,7 @@ class WorkQueue:
         self.held_seconds = [0.0] * self.num_replicas  # predicted seconds of units held, by taker
         self.done_seconds = [0.0] * self.num_replicas  # ... of units run (`ran`), by taker
         self.engine_of: list[str | None] = [None] * self.num_replicas  # the engine at work, by replica
+        self.waits = [0] * self.num_replicas  # WAITs answered, by asking replica
         self.first_take: list[float | None] = [None] * self.num_replicas
         self.started = self.clock()
 
@@ -121,6 +122,7 @@ class WorkQueue:
         unit = self.queues[victim][-1]
         thief_expected = left[replica] + self.units[unit].seconds / paces[replica]
         if self.engine_of[victim] is not None and thief_expected >= left[victim]:
+            self.waits[replica] += 1
             return Take(WAIT)
         self.queues[victim].pop()
         self.steals.append(
@@ -244,5 +246,6 @@ class WorkQueue:
         }
 
     def status(self) -> dict:
-        """counts() and every steal (unit, from, to, predicted seconds, when): metrics.json."""
-        return {**self.counts(), "steals": list(self.steals), "paces": self.paces()}
+        """counts(), every steal (unit, from, to, predicted seconds, expected ends, when), the
+        WAITs answered per replica and the paces: metrics.json."""
+        return {**self.counts(), "steals": list(self.steals), "waits": list(self.waits), "paces": self.paces()}

@@ -201,6 +201,7 @@ def test_a_thief_still_busy_waits_rather_than_take_what_the_victim_reaches_first
     q.ran("b", {3: 0.125})  # paces 1.0 and 0.5
     assert q.expected_seconds_left() == [4.0, 14.0]
     assert q.take(1, "b").kind == WAIT and not q.steals  # 14 + 2 / 0.5 = 18 s > 4 s
+    assert q.status()["waits"] == [0, 1]
     assert q.take(0, "a").unit == 1  # the victim goes on in plan order
     clock.now = 14.0
     q.finished(3, "b")  # replica 1 holds nothing now: pace 8 / 14; replica 0's 4 s are late
