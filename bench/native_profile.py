@@ -65,14 +65,8 @@ def profile(model: str, quick: bool, cache: str, workload: str, repeats: int) ->
     from torch.profiler import ProfilerActivity
 
     from prefixflow.bench import peer_bench as pb
-    from prefixflow.model_source import resolve_model
-    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
-    path = str(
-        tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **pb.MODEL)
-        if model == "tiny"
-        else resolve_model(model)
-    )
+    path = pb.model_path(model)
     load = next(w for w in pb.workloads(quick) if w.name == workload)
     engine = pb.build_engine("native", pb.CACHES[cache], path)
     _instrument()

@@ -104,6 +104,17 @@ def workloads(quick: bool, seed: int = 0) -> list[Workload]:
 CACHES = {"roomy": 1024, "small": 32}  # blocks of 32 tokens: 32k tokens / 1k tokens (~2.5 documents)
 
 
+def model_path(model: str) -> str:
+    """The checkpoint folder of `model`: "tiny" is MODEL's random Llama (written once, cached),
+    anything else a model name or path (prefixflow.model_source.resolve_model)."""
+    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
+    from prefixflow.model_source import resolve_model
+
+    if model == "tiny":
+        return str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL))
+    return str(resolve_model(model))
+
+
 # ---- the per-engine runner (in the engine's process) -----------------------------------------
 
 
@@ -452,14 +463,7 @@ def main() -> None:
         return worker(args.worker, args.cache_blocks, args.model_path)
     # A terminated driver still resumes and ends its stopped engine processes (Proc.close).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from prefixflow.model_source import resolve_model
-    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
-
-    path = str(
-        tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **MODEL)
-        if args.model == "tiny"
-        else resolve_model(args.model)
-    )
+    path = model_path(args.model)
     engines = args.engines.split(",")
     repeats = args.repeats or (1 if args.quick else 2)
     loads = [w for w in workloads(args.quick) if args.workloads is None or w.name in args.workloads.split(",")]

@@ -201,8 +201,6 @@ def main() -> None:
     import torch
 
     from prefixflow.bench import native_profile, peer_bench as pb
-    from prefixflow.engine.models.tiny import tiny_checkpoint_cached
-    from prefixflow.model_source import resolve_model
 
     torch.set_num_threads(pb.THREADS)
     native_profile._instrument()
@@ -220,11 +218,7 @@ def main() -> None:
         "decode_steps": args.decode_steps,
     }
     for model in args.models.split(","):
-        path = str(
-            tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **pb.MODEL)
-            if model == "tiny"
-            else resolve_model(model)
-        )
+        path = pb.model_path(model)
         for batch in (int(b) for b in args.batches.split(",")):
             got = profile_batch(path, batch, args.decode_steps, rate, bandwidth)
             entry[f"{model}/{batch}"] = got
