@@ -114,7 +114,8 @@ class WorkQueue:
             return self._hand(self.queues[replica].popleft(), replica, token, -1)
         if not self.steal:
             return self._done(replica)
-        left, paces = self.expected_seconds_left(), self.paces_or_mean()
+        paces = self.paces_or_mean()
+        left = self.expected_seconds_left(paces)
         victims = [r for r in range(self.num_replicas) if self.queues[r]]
         if not victims:
             return self._done(replica)
@@ -151,10 +152,10 @@ class WorkQueue:
             for done, first in zip(self.done_seconds, self.first_take)
         ]
 
-    def expected_seconds_left(self) -> list[float]:
+    def expected_seconds_left(self, paces: list[float] | None = None) -> list[float]:
         """Seconds until each replica has run its queued and held units, at its pace (module
-        docstring)."""
-        paces = self.paces_or_mean()
+        docstring; paces: paces_or_mean(), when the caller has it already)."""
+        paces = paces or self.paces_or_mean()
         return [(self.seconds_left[r] + self.held_seconds[r]) / paces[r] for r in range(self.num_replicas)]
 
     def paces_or_mean(self) -> list[float]:
