@@ -35,6 +35,24 @@ NATIVE_FLAGS = [
 ]
 
 
+def vector_floats() -> int:
+    """Floats in one of this CPU's vector registers, the width the C kernels are written in:
+    16 with AVX-512, 8 with AVX, else 4 (SSE, NEON). A wider vector type than the CPU has is
+    legal C, but GCC lowers it through the stack: 16-float vectors on an AVX2 CPU (this
+    project's CI machines) made the attention kernel 3-6x slower than 8-float ones (SmolLM2
+    shapes, batch 1 to 256). PREFIXFLOW_CPU_VECTOR_FLOATS=4|8|16 overrides (the tests build
+    every width)."""
+    forced = os.environ.get("PREFIXFLOW_CPU_VECTOR_FLOATS")
+    if forced:
+        if forced not in ("4", "8", "16"):
+            raise ValueError(f"PREFIXFLOW_CPU_VECTOR_FLOATS={forced!r}: expected 4, 8 or 16")
+        return int(forced)
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return 16
+    return 8 if "avx" in flags else 4
+
+
 def enabled() -> bool:
     return os.environ.get("PREFIXFLOW_CPU_KERNELS", "1") != "0"
 

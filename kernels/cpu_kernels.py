@@ -53,8 +53,6 @@ from prefixflow.kernels import cpu_build
 MAX_HEAD_DIM = 256
 MAX_GQA_GROUP = 16
 MAX_BLOCK_SIZE = 256
-# Floats per vector in the C code (one 512-bit register; split where registers are narrower).
-VECTOR_FLOATS = 16
 
 _SOURCE = r"""
 #include <float.h>
@@ -66,8 +64,8 @@ _SOURCE = r"""
 #define MAX_D %(max_d)d
 #define MAX_G %(max_g)d
 #define MAX_BS %(max_bs)d
-/* One vector of floats (16: a 512-bit register; GCC and Clang split it where the CPU has
-   narrower ones). vfu: the same, loaded from any float address. */
+/* One vector of floats, as wide as the CPU's registers (cpu_build.vector_floats: 16 with
+   AVX-512, 8 with AVX, 4 otherwise). vfu: the same, loaded from any float address. */
 #define JB %(jb)d
 typedef float vf __attribute__((vector_size(JB * sizeof(float))));
 typedef float vfu __attribute__((vector_size(JB * sizeof(float)), aligned(sizeof(float))));
@@ -478,7 +476,7 @@ void pf_write_kv_f32(const float *k, long k_st, long k_sh, const float *v, long 
         }
     }
 }
-""" % dict(max_d=MAX_HEAD_DIM, max_g=MAX_GQA_GROUP, max_bs=MAX_BLOCK_SIZE, jb=VECTOR_FLOATS)
+"""
 
 # Not -ffast-math: linking a shared library with it runs crtfastmath's constructor, which sets
 # flush-to-zero for the whole process (every later float op loses subnormals; hypothesis caught
@@ -489,11 +487,13 @@ _FLAGS = [*cpu_build.NATIVE_FLAGS, "-fno-trapping-math", "-fno-signed-zeros", "-
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None where no C compiler can build it."""
+    """The compiled kernel, built on first use in this CPU's vector width; None where no C
+    compiler can build it."""
     ptr, long_, int_, float_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    sizes = dict(max_d=MAX_HEAD_DIM, max_g=MAX_GQA_GROUP, max_bs=MAX_BLOCK_SIZE, jb=cpu_build.vector_floats())
     return cpu_build.load(
         "cpu_kernels",
-        _SOURCE,
+        _SOURCE % sizes,
         _FLAGS,
         {
             "pf_attention_f32": [

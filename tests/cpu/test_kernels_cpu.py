@@ -38,7 +38,7 @@ def test_decode_with_shared_prefixes_matches_the_oracle(shape, threads):
     # Groups (prefixes of 70, 5 and 40 keys, one with an empty prefix), members of various
     # own lengths (1 key: only its own), and sequences with no prefix. The 40-key group has
     # enough members to be read as one tile of several members' queries (the kernel's group
-    # path, up to 16 rows of query heads at a time; the rest go one by one).
+    # path, up to one vector of rows of query heads at a time; the rest go one by one).
     many = [(1, n) for n in (1, 3, 7, 20, 33, 2, 5, 9, 11, 64, 4)]
     case = make_prefix_case(
         [(70, [(1, 1), (1, 9), (1, 33)]), (5, [(1, 2)]), (0, [(1, 4)]), (40, many)],
@@ -106,6 +106,46 @@ def _check_the_c_path(case, threads: int) -> None:
     assert rel_error(out, naive_prefix_attention(case)) < 1e-5
     assert rel_error(out, prefix_shared_attention_ref(*case.args())) < 1e-5
     assert torch.equal(prefix_shared_attention(*case.args()), out)
+
+
+@pytest.fixture
+def vector_floats(request, monkeypatch):
+    """The kernels rebuilt in another vector width for one test (every CPU builds its own:
+    cpu_build.vector_floats), then the machine's own again."""
+    monkeypatch.setenv("PREFIXFLOW_CPU_VECTOR_FLOATS", str(request.param))
+    cpu_kernels._library.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    cpu_kernels._library.cache_clear()
+
+
+@pytest.mark.parametrize("vector_floats", [4, 8, 16], indirect=True)
+def test_every_vector_width_matches_the_oracle(vector_floats):
+    # Widths other CPUs build (4: SSE and NEON, 8: AVX2, 16: AVX-512; a wider one than the CPU
+    # has still runs, slowly): decode with groups read as one tile (GQA 3 and 2) and alone,
+    # and chunked steps.
+    for hq, hkv, d, bs in [(9, 3, 64, 16), (8, 4, 40, 5), (4, 2, 32, 8)]:
+        many = [(1, n) for n in (1, 3, 7, 20, 33, 2, 5, 9)]
+        shape = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=torch.float32)
+        decode = make_prefix_case([(70, [(1, 1), (1, 9)]), (40, many)], [(1, 50)], **shape, seed=d)
+        chunked = make_prefix_case([(37, [(2, 5), (17, 30)]), (0, [(3, 3)])], [(9, 12)], **shape, seed=bs)
+        for case in (decode, chunked):
+            for threads in (1, 2):
+                _check_the_c_path(case, threads)
+
+
+def test_the_vector_width_follows_the_cpu_and_a_bad_override_is_named(monkeypatch):
+    from prefixflow.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma avx512f")
+    assert cpu_build.vector_floats() == 16
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")
+    assert cpu_build.vector_floats() == 8
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "Features : fp asimd")
+    assert cpu_build.vector_floats() == 4
+    monkeypatch.setenv("PREFIXFLOW_CPU_VECTOR_FLOATS", "32")
+    with pytest.raises(ValueError, match="PREFIXFLOW_CPU_VECTOR_FLOATS"):
+        cpu_build.vector_floats()
 
 
 def test_block_ids_outside_the_cache_are_an_error_not_a_crash():
