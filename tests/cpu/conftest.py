@@ -84,3 +84,20 @@ def start_driver(ray_local, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+@pytest.fixture
+def vector_floats(request, monkeypatch):
+    """The C kernels rebuilt in another vector width (request.param: 4, 8 or 16) for one test,
+    since every CPU builds its own (kernels/cpu_build.vector_floats); then the machine's own."""
+    from prefixflow.kernels import cpu_kernels, cpu_linear
+
+    def clear() -> None:
+        cpu_kernels._library.cache_clear()
+        cpu_linear._library.cache_clear()
+
+    monkeypatch.setenv("PREFIXFLOW_CPU_VECTOR_FLOATS", str(request.param))
+    clear()
+    yield request.param
+    monkeypatch.undo()
+    clear()

@@ -108,17 +108,6 @@ def _check_the_c_path(case, threads: int) -> None:
     assert torch.equal(prefix_shared_attention(*case.args()), out)
 
 
-@pytest.fixture
-def vector_floats(request, monkeypatch):
-    """The kernels rebuilt in another vector width for one test (every CPU builds its own:
-    cpu_build.vector_floats), then the machine's own again."""
-    monkeypatch.setenv("PREFIXFLOW_CPU_VECTOR_FLOATS", str(request.param))
-    cpu_kernels._library.cache_clear()
-    yield request.param
-    monkeypatch.undo()
-    cpu_kernels._library.cache_clear()
-
-
 @pytest.mark.parametrize("vector_floats", [4, 8, 16], indirect=True)
 def test_every_vector_width_matches_the_oracle(vector_floats):
     # Widths other CPUs build (4: SSE and NEON, 8: AVX2, 16: AVX-512; a wider one than the CPU

@@ -6,6 +6,12 @@ what vLLM's CPU build does for every linear layer (`create_onednn_mm`). Measured
 tiny llama, fp32, 2 threads, A/B in one process: 12-request decode steps 10-25% faster, prefill
 steps about the same, outputs identical (issue 17's session note; the side-by-side result is
 bench/results/peer_bench_native_issue17.json).
+
+At decode sizes (a few rows) oneDNN streams the weights at about half the memory's speed, so
+each layer also keeps the weight in the layout of kernels/cpu_linear.py, which runs products of
+up to `cpu_linear.MAX_ROWS` rows near the weights-read floor (SmolLM2-135M's projections at
+8 rows: 66 -> 39 ms a step). That is a second copy of every weight, the price of a decode step
+that reads its weights once at full speed; PREFIXFLOW_CPU_KERNELS=0 turns both copies off.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from prefixflow.kernels import cpu_linear
 
 # The batch (tokens) the blocked layout is tuned for; vLLM's CPU build uses 32 too. Any batch
 # size runs; 1, 32, 128 and 512 measured within noise of each other on decode and prefill steps.
@@ -29,19 +37,25 @@ class CpuPrepackable(Protocol):
 
 
 class Linear(nn.Linear):
-    """nn.Linear with `prepack_for_cpu()`: after it, forward runs oneDNN on the packed weight
-    and `weight` is an empty placeholder (the dense copy is freed: weights are not held twice)."""
+    """nn.Linear with `prepack_for_cpu()`: after it, forward runs oneDNN on the packed weight,
+    or the skinny kernel on its blocked copy for a few rows, and `weight` is an empty
+    placeholder (the dense copy is freed)."""
 
     packed: torch.Tensor | None = None
+    blocked: torch.Tensor | None = None
 
     def prepack_for_cpu(self) -> bool:
         self.packed = packed_for_cpu(self.weight)
         if self.packed is None:
             return False
+        self.blocked = cpu_linear.blocked_weight(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_linear.supports(x, self.blocked):
+            assert self.blocked is not None
+            return cpu_linear.skinny_linear(x, self.blocked, self.out_features, self.bias)
         return linear(x, self.weight, self.packed, self.bias)
 
 
