@@ -7,8 +7,9 @@
 The engine runs in this process as peer_bench builds it (2 threads, the same KV cache, the
 same prompts and greedy outputs); the best wall time of `repeats` runs, then one run under
 torch's profiler, which times each torch op and, through record_function around them, the
-parts torch cannot see: the C attention (inside "attention", with its K/V write), the
-scheduler, the step's host arrays and the sampler. Results go into `out` under
+parts torch cannot see: the C attention (inside "attention", with its K/V write), the C
+matmul of decode-sized products ("matmul"), the scheduler, the step's host arrays and the
+sampler. Results go into `out` under
 [label][model/cache/workload], so runs of two versions of the code (another checkout on
 PYTHONPATH) land side by side.
 """
@@ -26,6 +27,8 @@ from typing import Any, Callable
 # The parts torch's profiler cannot see into (ctypes calls, Python), by what calls them.
 PARTS = {
     "attention": ("prefixflow.engine.models.layers.attention", "PagedAttention", "forward"),
+    # the C matmul of decode-sized products (oneDNN's show up as torch ops)
+    "matmul": ("prefixflow.kernels.cpu_linear", None, "skinny_linear"),
     "schedule": ("prefixflow.engine.native.scheduler", "Scheduler", "schedule"),
     "update": ("prefixflow.engine.native.scheduler", "Scheduler", "update"),
     "sample": ("prefixflow.engine.native.sampler", "Sampler", "sample"),

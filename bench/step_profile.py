@@ -12,8 +12,8 @@ second spends more is `decode-steps` decode steps. Each run is timed 3 times (me
 then profiled once with torch's profiler, the parts torch cannot see wrapped in
 record_function (native_profile.PARTS). A step's time is split into:
 
-  matmul      oneDNN's linear (aten mm/addmm/... elsewhere) outside those parts: projections,
-              MLP, lm_head
+  matmul      the C skinny matmul (kernels/cpu_linear.py, a part) and oneDNN's linear (aten
+              mm/addmm/... elsewhere) outside the other parts: projections, MLP, lm_head
   attention   the attention part (C or torch attention, with its K/V write)
   elementwise every other torch op outside the parts (norm, rotary, activation, adds, copies)
   sample      the sampler
