@@ -73,26 +73,29 @@ _FLAGS = [*cpu_build.NATIVE_FLAGS, "-fno-trapping-math", "-fno-signed-zeros"]
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """Built on first use in this CPU's vector width; None where no C compiler can build it."""
+def _library(width: int) -> ctypes.CDLL | None:
+    """The kernel for out-blocks of `width` floats, built on first use; None where no C compiler
+    can build it. Callers pass the width of the blocked weight they hold, so the kernel always
+    reads the layout the weight was made in."""
     ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     return cpu_build.load(
         "cpu_linear",
-        _SOURCE % dict(jb=cpu_build.vector_floats()),
+        _SOURCE % dict(jb=width),
         _FLAGS,
         {"pf_linear_f32": [ptr, long_, ptr, ptr, long_, int_, int_, int_]},
     )
 
 
 def blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] as the kernel reads it, [out / JB, in, JB] (zero-padded); None where the
-    kernel does not run (not a float32 CPU weight, no compiler, PREFIXFLOW_CPU_KERNELS=0)."""
+    """`weight` [out, in] as the kernel reads it, [out / JB, in, JB] (zero-padded; JB this
+    CPU's vector width); None where the kernel does not run (not a float32 CPU weight, no
+    compiler, PREFIXFLOW_CPU_KERNELS=0)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    if not cpu_build.enabled() or _library() is None:
+    jb = cpu_build.vector_floats()
+    if not cpu_build.enabled() or _library(jb) is None:
         return None
     out, inp = weight.shape
-    jb = cpu_build.vector_floats()
     nb = -(-out // jb)
     padded = weight.detach().new_zeros(nb * jb, inp)
     padded[:out] = weight.detach()
@@ -101,7 +104,7 @@ def blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def supports(x: torch.Tensor, blocked: torch.Tensor | None) -> bool:
     """Whether `skinny_linear` takes x: a float32 CPU matrix of at most MAX_ROWS rows, unit
-    stride in its last dim, and a blocked weight made for its width."""
+    stride in its last dim, and a blocked weight of its width."""
     return (
         blocked is not None
         and x.dim() == 2
@@ -118,7 +121,7 @@ def skinny_linear(
 ) -> torch.Tensor:
     """x [M, in] @ W.T (+ bias) -> [M, out_features], W given as `blocked_weight(W)`. Callers
     check `supports` first."""
-    lib = _library()
+    lib = _library(blocked.shape[2])
     if lib is None:
         raise RuntimeError("skinny_linear: the CPU kernels are not built here; check `supports()` first")
     m, inp = x.shape

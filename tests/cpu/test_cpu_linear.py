@@ -63,3 +63,15 @@ def test_a_prepacked_layer_takes_the_kernel_for_few_rows_and_onednn_for_many():
     for rows in (1, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 300):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(layer(x), F.linear(x, *dense), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_reads_the_width_its_weight_was_blocked_in(monkeypatch):
+    # A weight blocked before the width changes (PREFIXFLOW_CPU_VECTOR_FLOATS set later) is
+    # still read in its own layout: the kernel is chosen by the weight, not by the setting now.
+    weight, x = torch.randn(37, 24), torch.randn(5, 24)
+    for first, then in [("4", "16"), ("16", "4")]:
+        monkeypatch.setenv("PREFIXFLOW_CPU_VECTOR_FLOATS", first)
+        blocked = cpu_linear.blocked_weight(weight)
+        monkeypatch.setenv("PREFIXFLOW_CPU_VECTOR_FLOATS", then)
+        assert blocked is not None and blocked.shape[2] == int(first)
+        torch.testing.assert_close(cpu_linear.skinny_linear(x, blocked, 37), F.linear(x, weight), rtol=1e-5, atol=1e-5)

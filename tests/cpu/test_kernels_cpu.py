@@ -126,6 +126,7 @@ def test_every_vector_width_matches_the_oracle(vector_floats):
 def test_the_vector_width_follows_the_cpu_and_a_bad_override_is_named(monkeypatch):
     from prefixflow.kernels import cpu_build
 
+    monkeypatch.delenv("PREFIXFLOW_CPU_VECTOR_FLOATS", raising=False)  # set by a user: not the CPU's
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma avx512f")
     assert cpu_build.vector_floats() == 16
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")
