@@ -220,13 +220,16 @@ def test_a_node_lost_and_a_node_added_mid_job(cluster, tmp_path):
     resume) with every row exactly once."""
     rows = demo_rows(num_docs=20, questions_per_doc=4, seed=11)
     slots = 1 + len(cluster.workers)  # the head's CPU and each worker's hold one engine
-    # One sequence at a time and small parts: commits come one after another for a while.
+    # One sequence at a time and small parts: commits come one after another for a while. Long
+    # answers (EOS ignored): the rows left when the node joins must outlast a replica's start on
+    # it (about 25 s here when the machine is otherwise idle: the node's worker, imports, the
+    # model from S3), or the others, stealing, rightly run every unit before it is up.
     spec = _job(
         cluster,
         "replaced",
         rows,
         replicas=slots + 1,
-        sampling={"max_tokens": 64},
+        sampling={"max_tokens": 384, "ignore_eos": True},
         engine={"max_num_seqs": 1},
         output={"rows_per_part": 2},
     )
@@ -234,9 +237,11 @@ def test_a_node_lost_and_a_node_added_mid_job(cluster, tmp_path):
     proc = _driver(cluster, spec, log)
     victim = _first_committing_worker(cluster, "replaced", proc, log)
     victim_replicas = _replicas_on(cluster, "replaced", victim)
+    removed_at = time.time()
     cluster.cluster.remove_node(victim)
     cluster.workers.remove(victim)
     added = _add_worker(cluster.cluster, cluster.root / "node-new-cache")
+    added_at = time.time()
     cluster.workers.append(added)  # three workers again for the next test
     assert _finish(proc, log) == 0, log.read_text()[-4000:]  # no resume needed
     out = _output(cluster, "replaced")
@@ -252,7 +257,17 @@ def test_a_node_lost_and_a_node_added_mid_job(cluster, tmp_path):
     # A replica started on the node that joined mid-job and ran rows: its own queue's remains
     # or units taken from the others.
     late = [r for r in metrics["per_replica"] if r["node_id"] == added.node_id]
-    assert late and late[0]["num_rows"] > 0, metrics["per_replica"]
+    assert late and late[0]["num_rows"] > 0, _since(added_at, removed_at, metrics["per_replica"])
+
+
+def _since(added_at: float, removed_at: float, per_replica: list[dict]) -> str:
+    """When each replica's engine was ready and ended, in seconds since the node joined."""
+    times = [
+        f"replica {r['replica']} ({r['num_rows']} rows): ready {r['engine_ready_s'] - added_at:.1f} s, "
+        f"ended {r['end_s'] - added_at:.1f} s"
+        for r in per_replica
+    ]
+    return f"node removed {removed_at - added_at:.1f} s; " + "; ".join(times)
 
 
 def _replicas_on(cl, name: str, node) -> set[int]:
