@@ -1,16 +1,24 @@
-"""Everything a session with a GPU owes, in one command: the GPU tests, then the kernel benchmark.
+"""Everything a session with a GPU owes, in one command: the GPU tests, the kernel benchmark and
+the engine's section.
 
-    .venv/bin/python -m prefixflow.bench.gpu_suite [--quick]
+    .venv/bin/python -m prefixflow.bench.gpu_suite [--quick] [--dry-run] [--out FILE]
 
 Runs `pytest tests/gpu` in a subprocess (JUnit XML parsed for the counts and failures), then
-`kernel_bench`, and writes bench/results/gpu_suite_<gpu>.json (kernel_bench also writes its own
-file). Exits non-zero when a GPU test fails. Without CUDA it prints why and writes nothing.
+`kernel_bench`, then `gpu_engine` (parity with transformers, the 1B-shape decode step beside its
+weights floor, device busy share, kernels per step, warm-up), and writes
+bench/results/gpu_suite_<gpu>.json (kernel_bench also writes its own file). Exits non-zero when a
+GPU test fails. Without CUDA it prints why and writes nothing.
+
+--dry-run runs every section on the CPU at tiny shapes (Triton's kernels under its interpreter;
+the GPU tests skip themselves): a check, before a GPU session spends its minutes, that the suite
+runs to its end. It writes only to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -63,22 +71,33 @@ def run_gpu_tests() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes")
+    parser.add_argument("--dry-run", action="store_true", help="every section on the CPU at tiny shapes")
+    parser.add_argument("--out", default=None, help="write the JSON here (a dry run writes nowhere else)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_suite needs a CUDA GPU; none found, nothing run or written.")
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (the kernels below)
+    elif not torch.cuda.is_available():
+        print("gpu_suite needs a CUDA GPU; none found, nothing run or written (--dry-run runs it on the CPU).")
         sys.exit(1)
-    from prefixflow.bench import kernel_bench
+    from prefixflow.bench import gpu_engine, kernel_bench
 
     tests = run_gpu_tests()
-    print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }")
-    bench = kernel_bench.run(args.quick)
-    results = kernel_bench.RESULTS_DIR
-    results.mkdir(parents=True, exist_ok=True)
-    slug = kernel_bench.gpu_slug()
-    (results / f"kernel_bench_{slug}.json").write_text(json.dumps(bench, indent=2))
-    path = results / f"gpu_suite_{slug}.json"
-    path.write_text(json.dumps(dict(gpu_tests=tests, kernel_bench=bench), indent=2))
-    print(f"goals: {bench['goals']}\nwrote {path}")
+    print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }", flush=True)
+    bench = kernel_bench.run(args.quick, dry_run=args.dry_run)
+    print(f"kernel_bench goals: {bench['goals']}", flush=True)
+    engine = gpu_engine.run(args.dry_run)
+    print(f"gpu_engine goals: {engine['goals']}", flush=True)
+    report = json.dumps(dict(gpu_tests=tests, kernel_bench=bench, engine=engine), indent=2)
+    paths = [Path(args.out)] if args.out else []
+    if not args.dry_run:
+        results = kernel_bench.RESULTS_DIR
+        slug = kernel_bench.gpu_slug()
+        (results / f"kernel_bench_{slug}.json").write_text(json.dumps(bench, indent=2))
+        paths.append(results / f"gpu_suite_{slug}.json")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report)
+        print(f"wrote {path}")
     sys.exit(0 if tests.get("returncode") == 0 else 1)
 
 

@@ -21,8 +21,9 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +43,26 @@ from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"
 DTYPE = torch.bfloat16
 HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B-like attention
+DRY = False  # set by run(dry_run=True): the CPU, float32, small heads, one timed run per call
+
+
+def _dry_setup() -> None:
+    """Every benchmark shaped on the CPU (Triton's kernels under TRITON_INTERPRET=1, set before
+    triton is imported): the code a GPU session will run, checked to run, numbers meaningless."""
+    global DEVICE, DTYPE, HQ, HKV, D, DRY
+    DEVICE, DTYPE, HQ, HKV, D, DRY = "cpu", torch.float32, 4, 2, 32, True
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 5, min_runs: int = 20, budget_ms: float = 400.0) -> float:
-    """Median of per-run CUDA-event times after warm-up (at least min_runs runs)."""
+    """Median of per-run CUDA-event times after warm-up (at least min_runs runs); one clocked
+    run on the CPU under a dry run."""
+    if DRY:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -64,15 +79,16 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, min_runs: int = 20, budge
 
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy rate, (bytes read + bytes written) / time."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     return 2 * src.numel() / ms / 1e6
 
 
-def matmul_tflops(dtype: torch.dtype = DTYPE, n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
+def matmul_tflops() -> float:
+    n = 256 if DRY else 8192
+    a = torch.randn(n, n, device=DEVICE, dtype=DTYPE)
+    b = torch.randn(n, n, device=DEVICE, dtype=DTYPE)
     ms = time_ms(lambda: a @ b)
     return 2 * n**3 / ms / 1e9
 
@@ -91,7 +107,7 @@ def _case(groups, solo, seed: int = 0) -> PrefixCase:
         block_size=BLOCK,
         dtype=DTYPE,
         seed=seed,
-        device="cuda",
+        device=DEVICE,
         spare_blocks=0,
     )
 
@@ -109,7 +125,7 @@ def _full_tables(c: PrefixCase) -> tuple[torch.Tensor, torch.Tensor]:
         lens[s] = own + (plens[g] if g >= 0 else 0)
     width = max(len(r) for r in rows)
     tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-    return tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return tables.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
 
 def _paged_decode_loop(c: PrefixCase, kv_len: int) -> Callable[[], None]:
@@ -185,15 +201,17 @@ def _attention_flops(q_lens: list[int], keys_last: list[int]) -> float:
     return 4.0 * HQ * D * total
 
 
-def bench_mixed(num_prefill: int, chunk: int, num_decode: int, tflops: float) -> dict:
-    """BatchLLM Fig. 11c: prefill chunks and decodes of prefix groups in one step."""
-    decode_groups = [(2000, [(1, 200)] * 16) for _ in range(num_decode // 16)]
-    prefill_group = [(2000, [(chunk, chunk)] * num_prefill)]
+def bench_mixed(
+    num_prefill: int, chunk: int, num_decode: int, tflops: float, prefix: int = 2000, distinct: int = 200
+) -> dict:
+    """BatchLLM Fig. 11c: prefill chunks and decodes of prefix groups (16 each) in one step."""
+    decode_groups = [(prefix, [(1, distinct)] * 16) for _ in range(num_decode // 16)]
+    prefill_group = [(prefix, [(chunk, chunk)] * num_prefill)]
     c = _case(prefill_group + decode_groups, [])
     out = prefix_shared_attention(*c.args())
     ours = time_ms(lambda: prefix_shared_attention(*c.args(), out=out))
     q_lens = [chunk] * num_prefill + [1] * num_decode
-    keys = [2000 + chunk] * num_prefill + [2200] * num_decode
+    keys = [prefix + chunk] * num_prefill + [prefix + distinct] * num_decode
     flops = _attention_flops(q_lens, keys)
     return dict(
         kernel="prefix_shared_mixed",
@@ -208,10 +226,10 @@ def bench_mixed(num_prefill: int, chunk: int, num_decode: int, tflops: float) ->
 
 def bench_prefill(num_prompts: int, length: int, tflops: float) -> dict:
     t = num_prompts * length
-    q = torch.randn(t, HQ, D, device="cuda", dtype=DTYPE)
-    k = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE)
-    v = torch.randn(t, HKV, D, device="cuda", dtype=DTYPE)
-    cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
+    q = torch.randn(t, HQ, D, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(t, HKV, D, device=DEVICE, dtype=DTYPE)
+    v = torch.randn(t, HKV, D, device=DEVICE, dtype=DTYPE)
+    cu = torch.arange(0, t + 1, length, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
     ours = time_ms(lambda: packed_prefill_attention(q, k, v, cu, D**-0.5, out=out))
 
@@ -241,11 +259,11 @@ def bench_prefill(num_prompts: int, length: int, tflops: float) -> dict:
 
 
 def bench_kv_write(num_tokens: int, copy_gbs: float) -> dict:
-    k = torch.randn(num_tokens, HKV, D, device="cuda", dtype=DTYPE)
+    k = torch.randn(num_tokens, HKV, D, device=DEVICE, dtype=DTYPE)
     v = torch.randn_like(k)
-    k_cache = torch.zeros(num_tokens // BLOCK + 1, BLOCK, HKV, D, device="cuda", dtype=DTYPE)
+    k_cache = torch.zeros(num_tokens // BLOCK + 1, BLOCK, HKV, D, device=DEVICE, dtype=DTYPE)
     v_cache = torch.zeros_like(k_cache)
-    slots = torch.randperm(num_tokens, device="cuda")
+    slots = torch.randperm(num_tokens, device=DEVICE)
     ours = time_ms(lambda: write_kv_cache(k, v, k_cache, v_cache, slots))
     gbs = 2 * kv_bytes(num_tokens) / ours / 1e6  # read + write
     return dict(kernel="write_kv_cache", num_tokens=num_tokens, ours_ms=ours, gbs=gbs, frac_of_copy_bw=gbs / copy_gbs)
@@ -254,16 +272,16 @@ def bench_kv_write(num_tokens: int, copy_gbs: float) -> dict:
 def bench_norm_rope(num_tokens: int, copy_gbs: float) -> list[dict]:
     """Fused residual-add + RMSNorm and q/k rotary vs the eager torch code (the references)."""
     hidden = HQ * D
-    x, res = torch.randn(2, num_tokens, hidden, device="cuda", dtype=DTYPE)
-    w = torch.randn(hidden, device="cuda", dtype=DTYPE)
+    x, res = torch.randn(2, num_tokens, hidden, device=DEVICE, dtype=DTYPE)
+    w = torch.randn(hidden, device=DEVICE, dtype=DTYPE)
     ours = time_ms(lambda: rms_norm(x, w, 1e-5, res))
     eager = time_ms(lambda: rms_norm_ref(x, w, 1e-5, res))
     norm_bytes = 4 * x.numel() * x.element_size()  # x, res in; y, res out
-    qkv = torch.randn(num_tokens, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)
+    qkv = torch.randn(num_tokens, HQ + 2 * HKV, D, device=DEVICE, dtype=DTYPE)
     q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
-    pos = torch.randint(0, 8192, (num_tokens,), device="cuda")
-    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
-    emb = torch.outer(torch.arange(8192, device="cuda").float(), inv).repeat(1, 2)
+    pos = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+    emb = torch.outer(torch.arange(8192, device=DEVICE).float(), inv).repeat(1, 2)
     cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1)
     ours_rope = time_ms(lambda: rotary_embedding(q, k, pos, cos_sin))
     eager_rope = time_ms(lambda: rotary_embedding_ref(q, k, pos, cos_sin))
@@ -296,7 +314,9 @@ def _sweep(run_with: Callable[[dict], object], configs: list[dict]) -> list[dict
     for cfg in configs:
         try:
             rows.append(dict(config=cfg, ms=time_ms(lambda: run_with(cfg))))
-        except Exception as exc:  # noqa: BLE001 - a config may not fit the GPU (shared memory, registers)
+        except Exception as exc:  # a config may not fit the GPU (shared memory, registers)
+            if DRY:  # on the CPU every config runs: a failure is a bug a GPU session would hit
+                raise
             rows.append(dict(config=cfg, error=f"{type(exc).__name__}: {exc}"[:300]))
     return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
@@ -306,6 +326,7 @@ def sweep_decode(num_seqs: int, kv_len: int) -> list[dict]:
     out = torch.empty_like(c.q)
     args = (c.q, c.k_cache, c.v_cache, c.kv_lens, c.block_tables, c.scale)
     configs = [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    configs = configs[:2] if DRY else configs
     return _sweep(lambda cfg: paged_decode_attention_triton(*args, out=out, config=cfg), configs)
 
 
@@ -313,36 +334,36 @@ def sweep_prefix_decode(prefix: int, distinct: int, degree: int, num_requests: i
     c = _case([(prefix, [(1, distinct)] * degree) for _ in range(num_requests // degree)], [])
     out = torch.empty_like(c.q)
     configs = [dict(NSP=nsp, BM_P=bm, BN_P=64, num_warps=w) for nsp in (1, 2, 4, 8) for bm in (64, 128) for w in (4, 8)]
+    configs = configs[:2] if DRY else configs
     return _sweep(lambda cfg: prefix_shared_attention_triton(*c.args(), out=out, config=cfg), configs)
 
 
 def gpu_slug() -> str:
+    if DRY:
+        return "cpu_dry_run"
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dry_run: bool = False) -> dict:
+    if dry_run:
+        _dry_setup()
     copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
-    decode = [(256, 2200), (32, 2200)] if quick else [(256, 2200), (32, 2200), (256, 1024), (64, 8192), (8, 32768)]
-    prefix = (
-        [(2000, 200, 16, 256)]
-        if quick
-        else [(2000, 200, 16, 256), (2000, 200, 256, 256), (2048, 256, 32, 32), (256, 2048, 256, 256)]
-    )
-    prefill = [(8, 1024)] if quick else [(8, 1024), (2, 4096), (32, 256)]
-    results = [bench_decode(s, n, copy_gbs) for s, n in decode]
-    results += [bench_prefix_decode(*p, copy_gbs) for p in prefix]
-    results += [bench_mixed(7, 512, 256, tflops)]
-    results += [bench_prefill(n, length, tflops) for n, length in prefill]
-    results += [bench_kv_write(8192, copy_gbs)]
-    results += bench_norm_rope(8192, copy_gbs)
+    shapes = _shapes(quick, dry_run)
+    results = [bench_decode(s, n, copy_gbs) for s, n in shapes["decode"]]
+    results += [bench_prefix_decode(p, n, d, r, copy_gbs) for p, n, d, r in shapes["prefix"]]
+    num_prefill, chunk, num_decode, prefix, distinct = shapes["mixed"]
+    results += [bench_mixed(num_prefill, chunk, num_decode, tflops, prefix, distinct)]
+    results += [bench_prefill(n, length, tflops) for n, length in shapes["prefill"]]
+    results += [bench_kv_write(shapes["tokens"], copy_gbs)]
+    results += bench_norm_rope(shapes["tokens"], copy_gbs)
     headline = [r for r in results if r["kernel"] == "prefix_shared_decode"][0]
     decode_main = results[0]
     sweeps = dict(
-        paged_decode_256x2200=sweep_decode(256, 2200),
-        prefix_shared_decode_2000_200_16_256=sweep_prefix_decode(2000, 200, 16, 256),
+        paged_decode_256x2200=sweep_decode(*shapes["decode"][0]),
+        prefix_shared_decode_2000_200_16_256=sweep_prefix_decode(*shapes["prefix"][0]),
     )
     return dict(
-        gpu=torch.cuda.get_device_name(),
+        gpu=torch.cuda.get_device_name() if not DRY else "cpu (dry run)",
         torch=torch.__version__,
         triton=__import__("triton").__version__,
         dtype=str(DTYPE),
@@ -356,6 +377,23 @@ def run(quick: bool = False) -> dict:
         },
         results=results,
         sweeps=sweeps,
+    )
+
+
+def _shapes(quick: bool, dry_run: bool) -> dict[str, Any]:
+    """The benchmarks' shapes: (sequences, KV length) of decode; (prefix, distinct, degree,
+    requests) of prefix-shared decode; (prefill chunks, chunk, decodes, prefix, distinct) of the
+    mixed step; (prompts, length) of prefill; tokens of the KV write and norm/rotary."""
+    if dry_run:  # the first of each list is what the sweeps time
+        return dict(decode=[(2, 40)], prefix=[(32, 8, 2, 4)], mixed=(1, 8, 16, 32, 8), prefill=[(2, 16)], tokens=64)
+    return dict(
+        decode=[(256, 2200), (32, 2200)] if quick else [(256, 2200), (32, 2200), (256, 1024), (64, 8192), (8, 32768)],
+        prefix=[(2000, 200, 16, 256)]
+        if quick
+        else [(2000, 200, 16, 256), (2000, 200, 256, 256), (2048, 256, 32, 32), (256, 2048, 256, 256)],
+        mixed=(7, 512, 256, 2000, 200),
+        prefill=[(8, 1024)] if quick else [(8, 1024), (2, 4096), (32, 256)],
+        tokens=8192,
     )
 
 
