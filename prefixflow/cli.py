@@ -15,8 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
+
+from prefixflow.paths import cache_root
+
+VERBOSE_HELP = "show Ray's own log lines on the console (by default they go to a log file, named at the end)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,11 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
     run.add_argument("--json", action="store_true", help="print the result as JSON at the end")
+    run.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     plan = sub.add_parser("plan", help="print a job's plan (no model is loaded)")
     plan.add_argument("spec")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--out", default=None, help="write the plan table (one row per prompt) as parquet")
     plan.add_argument("--address", default=None)
+    plan.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     val = sub.add_parser("validate", help="check a spec and its paths without starting anything")
     val.add_argument("spec")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -52,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("dir", nargs="?", default="demo_output")
     demo.add_argument("--plan-only", action="store_true", help="stop after printing the plan")
+    demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 
@@ -146,6 +156,34 @@ def _message(e: BaseException) -> str:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    """The command, its console quiet (console.py) unless --verbose: Ray's log lines go to a file
+    under the prefixflow cache, named on stderr at the end."""
+    if args.command == "validate" or args.verbose:
+        return _command(args)
+    from prefixflow.console import quiet_console  # lazy: `prefixflow --help` needs no threads or pipes
+
+    log = _log_path(args.command)
+    try:
+        with quiet_console(log):
+            _no_progress_bars()
+            return _command(args)
+    finally:
+        if log.exists() and log.stat().st_size:
+            print(f"prefixflow: Ray's log lines are in {log} (--verbose shows them)", file=sys.stderr)
+
+
+def _log_path(command: str) -> Path:
+    return cache_root() / "logs" / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def _no_progress_bars() -> None:
+    """Ray Data's progress bars (redrawn lines on a terminal) off: ours shows the job's."""
+    from ray.data import DataContext  # lazy: `prefixflow --help` needs no Ray
+
+    DataContext.get_current().enable_progress_bars = False
+
+
+def _command(args: argparse.Namespace) -> int:
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import load_spec, parse_overrides
