@@ -93,7 +93,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Built on the meta device (loader.py): an uninitialised weight, since the random init
+        # there goes through torch's Python refs, whose first use imports torch._dynamo (2.6 s
+        # of a 5 s SmolLM2 load on a CPU); the checkpoint's weights replace it anyway.
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope)

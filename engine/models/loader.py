@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.models.layers.linear import prepack_linears
@@ -49,8 +50,8 @@ def load_model(
     args = read_model_args(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(args, max_positions or args.max_position_embeddings)
-    model = model.to(dtype=torch_type).to_empty(device=device)
-    model.model.rotary.reset_cache()  # fp32 table; to_empty left it uninitialised
+    _materialize(model.to(dtype=torch_type), torch.device(device))
+    model.model.rotary.reset_cache()  # fp32 table; _materialize left it uninitialised
     model.tie_weights()
     _load_weights(model, weight_files(folder))
     if torch.device(device).type == "cpu":
@@ -100,6 +101,21 @@ def torch_dtype(dtype: str, path: str | Path, device: str | torch.device) -> tor
 
 
 @torch.no_grad()
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Each meta tensor of `model` replaced by an uninitialised one of its dtype on `device`:
+    Module.to_empty's result, without its path for meta tensors through torch's Python refs,
+    whose first use imports sympy (1.1 s of a SmolLM2 engine's 4 s start on a CPU)."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False
+                )
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
 def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     from safetensors import safe_open
 
