@@ -321,13 +321,23 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="every part on the CPU at a tiny shape")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--warmup-model", default=None, help="only the warm-up of this model (a name or path) on the CPU")
+    ap.add_argument("--repeats", type=int, default=1, help="warm-up pairs (cold, cached) to run with --warmup-model")
     args = ap.parse_args()
     import torch
 
     if args.warmup_model:
         from prefixflow.bench.peer_bench import model_path
 
-        print(json.dumps(warmup("cpu", "float32", model_path(args.warmup_model)), indent=1))
+        runs = [warmup("cpu", "float32", model_path(args.warmup_model)) for _ in range(args.repeats)]
+        result = {
+            "model": args.warmup_model,
+            "load_average": list(os.getloadavg()),
+            "runs": runs,
+            "median_total_s": {k: statistics.median(r[k]["total_s"] for r in runs) for k in ("cold", "cached")},
+        }
+        print(json.dumps(result["median_total_s"]))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
         return
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("gpu_engine needs a CUDA GPU (or --dry-run); none found, nothing run or written.")
