@@ -100,14 +100,16 @@ def run_job(
         # The engines load their models while the job is read and planned (none for a dry run);
         # a context the engine would refuse is refused first.
         processor.check_context()
-        engines = {} if dry_run else start_engines(job.config, processor.engine_options())
+        # Decided once: the engines started now and those a replica starts later run alike.
+        options = processor.engine_options()
+        engines = {} if dry_run else start_engines(job.config, options)
         try:
             planned = processor.plan(read_dataset(job.read), stealing=job.config.work_stealing)
             if not quiet:
                 print(report.plan_text(planned), flush=True)
             if dry_run:
                 return report.dry_run_result(planned, time.perf_counter() - started)
-            return _generate(job, planned, wopts, started, quiet, engines)
+            return _generate(job, planned, wopts, started, quiet, engines, options)
         finally:
             stop_engines(engines)  # those no Supervisor took (the plan failed; nothing to run)
     finally:
@@ -116,7 +118,13 @@ def run_job(
 
 
 def _generate(
-    job: Job, planned: PlannedJob, wopts: WriteOptions, started: float, quiet: bool, engines: dict[int, Any]
+    job: Job,
+    planned: PlannedJob,
+    wopts: WriteOptions,
+    started: float,
+    quiet: bool,
+    engines: dict[int, Any],
+    engine_options: dict[str, Any],
 ) -> dict[str, Any]:
     """Run every row not committed yet (on the started `engines`, and new ones where a replica
     has none), check that every row is, and write the end files."""
@@ -142,7 +150,9 @@ def _generate(
         quiet=quiet,
         error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)),
     )
-    supervisor = Supervisor(job.config, planned, sink, wopts, job.config.max_retries_per_row, progress, engines=engines)
+    supervisor = Supervisor(
+        job.config, planned, sink, wopts, job.config.max_retries_per_row, progress, engine_options, engines
+    )
     manifests, faults = supervisor.run()
     progress.close()
     final = load_committed(wopts.path, wopts.storage)

@@ -90,14 +90,18 @@ class Processor:
         the committed blocks between the driver's steps."""
         cfg = self.config
         self.check_context()
-        # The engines load their models while `ds` is tokenized and planned.
-        engines = start_engines(cfg, self.engine_options())
+        # The engines load their models while `ds` is tokenized and planned; their options are
+        # decided once, so that those started now and those a replica starts later run alike.
+        options = self.engine_options()
+        engines = start_engines(cfg, options)
         try:
-            yield from self._run_planned(self.plan(ds, stealing=cfg.work_stealing), engines)
+            yield from self._run_planned(self.plan(ds, stealing=cfg.work_stealing), engines, options)
         finally:
             stop_engines(engines)  # those no Supervisor took (the plan failed)
 
-    def _run_planned(self, planned: PlannedJob, engines: dict[int, Any]) -> Iterator[pa.Table]:
+    def _run_planned(
+        self, planned: PlannedJob, engines: dict[int, Any], engine_options: dict[str, Any]
+    ) -> Iterator[pa.Table]:
         import ray
 
         cfg = self.config
@@ -118,7 +122,7 @@ class Processor:
             self.sink,
             None,
             cfg.max_retries_per_row,
-            engine_options=self.engine_options(),
+            engine_options=engine_options,
             engines=engines,
         )
         run = supervisor.commit_run

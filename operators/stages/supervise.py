@@ -24,6 +24,7 @@ which stops every replica (and reloads every model) for one death.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -83,11 +84,8 @@ class Supervisor:
         engine_options: dict[str, Any] | None = None,
         engines: dict[int, Any] | None = None,
     ):
-        import ray
-
         self.config, self.planned, self.sink, self.wopts, self.progress = (config, planned, sink, wopts, progress)
         self.engine_options = engine_actor_options(config) if engine_options is None else engine_options
-        self.actor_cls = ray.remote(ReplicaGenerator)
         # Engine actors started before the plan (start_engines), each taken (popped) by its
         # replica's first start. The caller's dict itself: whoever ends first stops the rest.
         self.engines = engines if engines is not None else {}
@@ -221,7 +219,7 @@ class Supervisor:
         job = _with_error_rows(self.planned, self.poisoned, why)
         # The error records need no engine: that actor takes no GPU and no CPU slot.
         opts = self.engine_options if item != ERRORS_ITEM else engine_actor_options(self.config, needs_engine=False)
-        actor = self.engines.pop(item, None) or self.actor_cls.options(**opts).remote(self.config)
+        actor = self.engines.pop(item, None) or new_engine_actor(self.config, opts)
         actor.take_job.remote(
             rows=self.planned.rows,
             payloads=self.payloads,
@@ -343,11 +341,25 @@ def start_engines(cfg: ProcessorConfig, options: dict[str, Any]) -> dict[int, An
         if free < needed:
             logger.info("the engines start after the plan: %g free CPUs, %g needed to start them now", free, needed)
             return {}
-    actor_cls = ray.remote(ReplicaGenerator)
-    engines = {r: actor_cls.options(**options).remote(cfg) for r in range(cfg.replicas)}
+    engines = {r: new_engine_actor(cfg, options) for r in range(cfg.replicas)}
     for actor in engines.values():
         actor.load.remote()  # a failed load surfaces at the replica's run_item, as a death before loading
     return engines
+
+
+@functools.cache
+def _engine_actor_class() -> Any:
+    """ReplicaGenerator as a Ray actor class, made once (Ray exports it again to each new
+    cluster a process joins)."""
+    import ray
+
+    return ray.remote(ReplicaGenerator)
+
+
+def new_engine_actor(cfg: ProcessorConfig, options: dict[str, Any]) -> Any:
+    """A replica's engine actor with these Ray options (engine_actor_options); it loads its
+    model when asked (load) or at its first run_item."""
+    return _engine_actor_class().options(**options).remote(cfg)
 
 
 def stop_engines(engines: dict[int, Any]) -> None:
