@@ -58,7 +58,18 @@ def _wait_for_free_cpus(ray, cpus: int) -> None:
     deadline = time.time() + 120
     while ray.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
         time.sleep(0.5)
-    assert ray.available_resources().get("CPU", 0) >= cpus, ray.available_resources()
+    assert ray.available_resources().get("CPU", 0) >= cpus, (ray.available_resources(), _alive_actors())
+
+
+def _alive_actors() -> list[tuple[str, str, str]]:
+    """(class, name, job) of each live actor of the session's Ray: who holds the CPUs."""
+    import ray._private.state
+
+    return [
+        (a.get("ActorClassName", ""), a.get("Name", ""), a.get("JobID", ""))
+        for a in ray._private.state.actors().values()
+        if a.get("State") == "ALIVE"
+    ]
 
 
 def test_cpu_engines_start_early_only_where_the_planning_stages_keep_a_slot(ray_local, tiny_model):
