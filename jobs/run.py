@@ -145,11 +145,8 @@ def _generate(
     # Named, so that another process can read the running job's state (operators/results/write.py).
     sink = start_sink(job.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
-    progress = report.Progress(
-        total_rows=planned.rows.num_rows - before.num_rows,
-        quiet=quiet,
-        error_rows=len(np.setdiff1d(planned.error_row_ids, before.row_ids)),
-    )
+    errors = len(np.setdiff1d(planned.error_row_ids, before.row_ids))
+    progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet, error_rows=errors)
     supervisor = Supervisor(
         job.config, planned, sink, wopts, job.config.max_retries_per_row, progress, engine_options, engines
     )

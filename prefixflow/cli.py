@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -99,15 +100,27 @@ def main(argv: list[str] | None = None) -> int:
 def _show_our_logs() -> None:
     """prefixflow's module loggers (one-time model copies and conversions) print on stderr at
     INFO; other libraries' loggers keep their own settings."""
-    import logging
-
     log = logging.getLogger("prefixflow")
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("prefixflow: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when a record is written, not the one it was
+    made with: a process that calls main() again after replacing sys.stderr (a notebook's
+    capture, a test's) would otherwise write into a closed stream."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def _job_failures() -> tuple[type[BaseException], ...]:

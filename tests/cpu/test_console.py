@@ -161,3 +161,22 @@ def test_a_good_job_prints_no_ray_log_line(tiny_model, tmp_path):
     assert named, console[-2000:]
     log = Path(named.group(1)).read_text()
     assert "Started a local Ray instance" in log and "core_worker.cc" in log, log[-2000:]
+
+
+def test_our_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):
+    """The `prefixflow` logger's handler (cli._show_our_logs, made once per process) writes to
+    sys.stderr as it is when a record comes, not to the stream it was made with: a notebook or a
+    test that replaced sys.stderr, and closed it, between two runs gets no logging error."""
+    import io
+    import logging
+
+    from prefixflow import cli
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    cli._show_our_logs()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("prefixflow.test").info("hello")
+    assert second.getvalue() == "prefixflow: hello\n"
