@@ -33,8 +33,16 @@ def job_dataset(processor: Any, ds: Any) -> Any:
     """The lazy Dataset of `processor`'s output rows for the input Dataset `ds`."""
     import ray
 
+    # max_calls=1: the task's worker process exits when the job ends, and with it whatever the
+    # job made there and still holds: a failed plan's tokenize actor pool (1 CPU each) outlived
+    # the job in the idle, reused worker that owned it (test_engine_start found the session's
+    # Ray a CPU short for minutes after test_ray_llm_compat's failing lazy job).
     return ray.data.read_datasource(
-        JobSource(processor, ds), override_num_blocks=1, num_cpus=0, runtime_env=processor.config.runtime_env
+        JobSource(processor, ds),
+        override_num_blocks=1,
+        num_cpus=0,
+        max_calls=1,
+        runtime_env=processor.config.runtime_env,
     )
 
 
