@@ -45,27 +45,25 @@ _CORE_LINE = re.compile(_WORKER + r"\[" + _STAMP + r" ([DIWEF]) \d+ \d+\] \S+:\d
 _QUIET_LEVELS = {"DEBUG", "INFO", "D", "I"}
 
 
-def shows_on_console(line: str) -> bool:
-    """Whether a line of output belongs on the console: anything that is not a Ray log line,
-    and Ray's warnings and errors that KNOWN_HARMLESS does not name."""
+def route(line: str) -> tuple[bool, bool]:
+    """(to the log file, to the console) for a line of output: a Ray log line goes to the file,
+    and to the console too when it is a warning or error that KNOWN_HARMLESS does not name;
+    any other line goes to the console only."""
     plain = _ANSI.sub("", line)
     match = _PYTHON_LINE.match(plain) or _CORE_LINE.match(plain)
     if match is None:
-        return True
-    if match.group(1) in _QUIET_LEVELS:
-        return False
-    return not any(text in plain for text in KNOWN_HARMLESS)
+        return False, True
+    return True, match.group(1) not in _QUIET_LEVELS and not any(text in plain for text in KNOWN_HARMLESS)
 
 
-def is_ray_log_line(line: str) -> bool:
-    plain = _ANSI.sub("", line)
-    return bool(_PYTHON_LINE.match(plain) or _CORE_LINE.match(plain))
+def shows_on_console(line: str) -> bool:
+    return route(line)[1]
 
 
 @contextlib.contextmanager
 def quiet_console(log_path: Path) -> Iterator[Path]:
     """Inside the block, stdout and stderr (the file descriptors, so child libraries too) go
-    through shows_on_console; Ray's log lines are appended to `log_path`."""
+    through route: Ray's log lines are appended to `log_path`, the rest to the console."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log:
         sys.stdout.flush()
@@ -119,10 +117,10 @@ class _Filter:
     def _emit(self, fd: int, line: bytes) -> bytes:
         if not line:
             return b""
-        text = line.decode("utf-8", "replace")
-        if is_ray_log_line(text):
+        to_log, to_console = route(line.decode("utf-8", "replace"))
+        if to_log:
             self.log.write(line if line.endswith((b"\n", b"\r")) else line + b"\n")
-        if shows_on_console(text):
+        if to_console:
             os.write(self.consoles[fd], line)
         return b""
 
