@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from prefixflow.console import shows_on_console
+from support.terminal import run_in_terminal
 
 RAY_INFO = "2026-11-30 03:23:30,355\tINFO worker.py:2038 -- Started a local Ray instance."
 RAY_DATA_INFO = "2026-11-30 03:23:33,323\tINFO logging_progress.py:225 -- Total Progress: 0/?"
@@ -103,29 +104,7 @@ TERMINAL_CHILD = textwrap.dedent(
 def test_a_terminal_stays_a_terminal_of_its_size(tmp_path):
     """In a terminal, the filtered descriptors are still terminals (progress redrawn in place)
     of the terminal's width."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 123, 0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", TERMINAL_CHILD, str(tmp_path / "job.log")], stdout=slave, stderr=slave, close_fds=True
-    )
-    os.close(slave)
-    out = bytearray()
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(master)
-    assert proc.wait(timeout=30) == 0, out
-    text = out.decode()
+    text = run_in_terminal([sys.executable, "-c", TERMINAL_CHILD, str(tmp_path / "job.log")], timeout_s=30, columns=123)
     assert "tty True True 123" in text and "\r[prefixflow] rows 1/2\r[prefixflow] rows 2/2" in text, text
     assert "Started a local Ray instance" not in text
     assert (tmp_path / "job.log").read_text() == RAY_INFO + "\n"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from prefixflow.jobs import plot
 from prefixflow.jobs.demo import example_path, write_demo_data
 from prefixflow.jobs.report import Progress
 from prefixflow.operators.results.progress import LiveBar, RunProgress
+from support.terminal import run_in_terminal
 
 
 def _live(replica: int, rows: int, tokens: int, seconds: float = 2.0) -> dict:
@@ -134,30 +134,6 @@ def _job_spec(tmp_path, model, name: str) -> str:
     return str(path)
 
 
-def _run_in_terminal(argv: list[str], env: dict[str, str], timeout_s: float = 240) -> str:
-    """Run a command with a pseudo-terminal as its stdin/stdout/stderr; what it printed."""
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-    os.close(slave)
-    out = bytearray()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            out += chunk
-        assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-    return out.decode(errors="replace")
-
-
 def _ray_metrics(job: str, timeout_s: float = 60) -> dict[str, float]:
     """prefixflow_* samples tagged job=`job`, read from the node's metrics agent (Prometheus
     text on 127.0.0.1): metric name -> the sum over replicas."""
@@ -181,7 +157,7 @@ def _ray_metrics(job: str, timeout_s: float = 60) -> dict[str, float]:
 def test_live_progress_in_a_terminal_and_ray_metrics(ray_local, tiny_model, tmp_path):
     job = f"progress-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    text = _run_in_terminal([sys.executable, "-m", "prefixflow.cli", "run", _job_spec(tmp_path, tiny_model, job)], env)
+    text = run_in_terminal([sys.executable, "-m", "prefixflow.cli", "run", _job_spec(tmp_path, tiny_model, job)], env)
     assert "\r[prefixflow] rows" in text  # redrawn in place (tqdm)
     lines = [s for s in re.split(r"[\r\n]", text) if s.startswith("[prefixflow] rows")]
     # Before the first commit ("saving n/a"), the engines' counters moved the line.
