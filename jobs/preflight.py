@@ -18,6 +18,7 @@ import json
 import os
 import posixpath
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
 from prefixflow.operators.columns import ERROR, SOURCE
-from prefixflow.operators.config import model_max_len
+from prefixflow.operators.config import model_max_len, table_package_problem
 from prefixflow.operators.results.bookkeeping import (
     COMMITS,
     ERRORS_FILE,
@@ -38,8 +39,10 @@ from prefixflow.operators.results.bookkeeping import (
     TMP_PREFIX,
 )
 from prefixflow.operators.results.commit import input_listing
+from prefixflow.operators.results.table_commit import output_table_problem
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
-from prefixflow.operators.stages.read import SUFFIXES, parse_file
+from prefixflow.operators.stages.read import SUFFIXES, Format, parse_file
+from prefixflow.operators.stages.read_table import PATH_TABLES, TableInput, pinned, sample_table
 from prefixflow.operators.stages.tokenize import OPENAI_MESSAGES, check_row_sampling
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
 from prefixflow.requests import SamplingParams
@@ -78,6 +81,10 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     here = [] if address or os.environ.get("RAY_ADDRESS") else _this_machine()
     problems = _model_problems(spec) + kv_cache_problems(spec, here)
     storage_failed = False
+    table = spec.input.table_input()
+    if table is not None:
+        return _table_preflight(spec, table, source, problems)
+    assert spec.input.path is not None  # file input (InputSpec)
     try:
         files = list_input_files(spec.input.path, storage)
         input_listing([f for f in files if protocol(f) in HTTP], storage)  # a size or an ETag
@@ -105,6 +112,33 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
             rows = sample_rows(spec, SAMPLE_ROWS)
         except (ValueError, OSError) as e:  # pyarrow's errors are ValueErrors too
             problems.append(("input.path", f"cannot read the first input file: {e}"))
+        problems += row_problems(spec, rows)
+    problems += _chat_template_problems(spec, rows)
+    if problems:
+        raise SpecError(source, problems)
+    return rows
+
+
+def _table_preflight(spec: JobSpec, table: TableInput, source: str, problems: Problems) -> list[dict[str, Any]]:
+    """preflight for a table input: the table is reached at its version (the newest now unless
+    the spec names one), a sample of its rows is checked as files' are, the output is checked
+    as for any job, and the output table (if any) must not be the input table."""
+    storage = spec.storage_options()
+    field = "input.path" if table.format in PATH_TABLES else "input.table"
+    rows: list[dict[str, Any]] = []
+    missing = table_package_problem(table.format)
+    if missing:
+        problems.append(("input.format", missing))
+        raise SpecError(source, problems)
+    try:
+        rows = sample_rows(spec, SAMPLE_ROWS)
+    except Exception as e:  # noqa: BLE001 - each table library raises its own kinds; one line each
+        problems.append((field, f"cannot read the {table.format} table {table.location!r}: {str(e)[:300]}"))
+    problems += _output_problems(spec, []) or _output_access_problems(spec, storage, False)
+    out = spec.output.table_output()
+    if out is not None and out.format == table.format and out.location == table.location:
+        problems.append(("output.table", "is the input table: the job would append its answers to its own input"))
+    if rows:
         problems += row_problems(spec, rows)
     problems += _chat_template_problems(spec, rows)
     if problems:
@@ -380,8 +414,16 @@ def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
         check_shared(normal_path(spec.output.path), writes=True)
     except ValueError as e:
         return [("output.path", str(e))]
+    problems: Problems = []
     problem = _clashes_with_input(spec, files, spec.output.path)
-    return [] if problem is None else [("output.path", problem)]
+    if problem is not None:
+        problems.append(("output.path", problem))
+    table = spec.output.table_output()
+    problem = None if table is None else table_package_problem(table.format)
+    problem = problem or (output_table_problem(table, spec.storage_options()) if table is not None else None)
+    if problem is not None:
+        problems.append(("output.table", problem))
+    return problems
 
 
 # One file of each kind a job writes in its output folder (operators/results/write.py, commit.py): an
@@ -410,7 +452,7 @@ def _clashes_with_input(spec: JobSpec, files: list[str], path: str) -> str | Non
     from fsspec.utils import glob_translate  # fsspec's own glob rule: what its listing matches
 
     out = _location(path)
-    given = [spec.input.path] if isinstance(spec.input.path, str) else list(spec.input.path)
+    given = [spec.input.path] if isinstance(spec.input.path, str) else list(spec.input.path or [])
     for pattern in given:
         try:
             where = _location(pattern)
@@ -442,7 +484,7 @@ def plan_out_problems(spec: JobSpec, out: str) -> Problems:
     except ValueError as e:
         return [("--out", str(e))]
     try:
-        files = list_input_files(spec.input.path, storage)
+        files = list_input_files(spec.input.path, storage) if spec.input.path is not None else []
     except (ValueError, OSError):
         files = []
     problem = _clashes_with_input(spec, files, out)
@@ -580,11 +622,16 @@ def _inside(path: str, folder: str) -> bool:
 def sample_rows(spec: JobSpec, n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
     """The first n rows (at most input.limit) of the first input file, as dicts with the
     readers' bookkeeping columns (_pf_source, _pf_error). Read here, without Ray, by the
-    job's own parsers, so a row is what the job would see. Raises ValueError or OSError."""
-    fmt = spec.input_format()
+    job's own parsers, so a row is what the job would see (a table's: its first rows at the
+    version the job reads). Raises ValueError or OSError."""
     storage = spec.storage_options()
-    first = list_input_files(spec.input.path, storage, SUFFIXES[fmt])[0]
     n = min(n, spec.input.limit or n)
+    table = spec.input.table_input()
+    if table is not None:
+        return sample_table(pinned(table, storage), storage, n)
+    fmt = typing.cast(Format, spec.input_format())
+    assert spec.input.path is not None  # file input (InputSpec)
+    first = list_input_files(spec.input.path, storage, SUFFIXES[fmt])[0]
     if fmt == "parquet":
         import pyarrow.parquet as pq
 

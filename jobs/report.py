@@ -276,6 +276,14 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
             f"  replica {r['replica']}: {r['num_rows']} rows in {r['seconds']:.2f} s, "
             f"{r['num_steps']} engine steps" + (f", {stolen} unit(s) taken from others" if stolen else "")
         )
+    table = m.get("table")
+    if table:
+        done = (
+            f"already held this job's rows (version {table['version']}): nothing appended"
+            if table["already_committed"]
+            else f"{table['rows_appended']} rows appended in one commit (version {table['version']})"
+        )
+        lines.append(f"  table {table['table']}: {done}")
     if "plot" in m:
         lines.append(f"  {m['plot']}")
     return "\n".join(lines)

@@ -47,7 +47,9 @@ from prefixflow.operators.results.write import (
     write_json,
 )
 from prefixflow.operators.stages.plan import PlannedJob
+from prefixflow.operators.results.table_commit import commit_to_table, job_id
 from prefixflow.operators.stages.read import input_files, read_dataset
+from prefixflow.operators.stages.read_table import pinned
 from prefixflow.operators.stages.supervise import Supervisor, start_engines, stop_engines
 from prefixflow.storage import join
 
@@ -83,7 +85,7 @@ def run_job(
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
     started = time.perf_counter()
     preflight(spec, source, address)
-    job = spec.to_job()
+    job = pin_table(spec.to_job(), quiet)
     wopts = job.write
     ensure_ray(address)
     lock = None
@@ -117,6 +119,17 @@ def run_job(
             lock.release()
 
 
+def pin_table(job: Job, quiet: bool = True) -> Job:
+    """The job with its input table's version fixed (the newest now, unless the spec names
+    one): every read of this run, and the identity a resume checks, use that version."""
+    if job.read.table is None:
+        return job
+    table = pinned(job.read.table, job.storage)
+    if not quiet:
+        print(f"input: {table.name} at version {table.version}", file=sys.stderr, flush=True)
+    return dataclasses.replace(job, read=dataclasses.replace(job.read, table=table))
+
+
 def _generate(
     job: Job,
     planned: PlannedJob,
@@ -132,7 +145,8 @@ def _generate(
 
     # The files the reader read (not every file beside them in a folder): their sizes are part
     # of what a resume must find unchanged.
-    inputs = input_listing(input_files(job.read), wopts.storage)
+    table = job.read.table
+    inputs = table.identity() if table is not None else input_listing(input_files(job.read), wopts.storage)
     model = model_fingerprint(resolve_model(job.config.model))
     identity = job_identity(planned, job.config.replicas, job.identity_key, inputs, model)
     if wopts.format == "openai":
@@ -190,8 +204,9 @@ def _generate(
 def _write_end_files(
     job: Job, wopts: WriteOptions, planned: PlannedJob, final: Committed, fingerprint: str, metrics: dict[str, Any]
 ) -> None:
-    """_manifest.json, plot.png, metrics.json (and results.jsonl for OpenAI's format), then
-    _SUCCESS last: a folder with _SUCCESS holds every row once."""
+    """_manifest.json, the rows into the table (table output), plot.png, metrics.json (and
+    results.jsonl for OpenAI's format), then _SUCCESS last: a folder with _SUCCESS holds every
+    row once (and its table has them)."""
     write_json(
         join(wopts.path, MANIFEST),
         {
@@ -202,6 +217,9 @@ def _write_end_files(
         },
         wopts.storage,
     )
+    if job.table_out is not None:  # every row is in a committed part: now into the table, once
+        parts = [m["part"] for m in final.manifests]
+        metrics["table"] = commit_to_table(job.table_out, wopts.path, parts, job_id(fingerprint), wopts.storage)
     metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch

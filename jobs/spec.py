@@ -4,7 +4,7 @@ Unknown keys and bad values fail before anything starts, with the field path and
 
     prefixflow validate job.yaml
     job.yaml: 2 problems
-      input.pathh: unknown key; did you mean 'path'? (allowed: path, format, limit)
+      input.pathh: unknown key; did you mean 'path'? (allowed: path, format, limit, table, version, ...)
       sampling.temperature: -1.0 is invalid: use 0 for greedy or a positive value
 
 The engine, sampling, storage, prompt and score sections mirror `EngineConfig`,
@@ -53,14 +53,18 @@ from prefixflow.jobs.job import Job
 from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.operators.config import (
     DEFAULT_BACKEND,
+    INPUT_TABLE_FORMATS,
+    OUTPUT_TABLE_FORMATS,
     ProcessorConfig,
     ScoreConfig,
     choice_problems,
     limit_problems,
     setting_problems,
 )
+from prefixflow.operators.results.table_commit import OutputTableFormat, TableOutput
 from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.read import Format, ReadOptions, infer_format
+from prefixflow.operators.stages.read_table import PATH_TABLES, TableFormat, TableInput, filter_problems
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.requests import SamplingParams
 from prefixflow.storage import StorageOptions, masked, normal_path
@@ -388,20 +392,113 @@ else:
 
 
 class InputSpec(_Strict):
-    path: str | list[str] = Field(
-        description="file, directory, glob or list; a local path or a URL (s3://, gs://, abfss://, file://, ...)"
+    path: str | list[str] | None = Field(
+        default=None,
+        description="file, directory, glob or list; a local path or a URL (s3://, gs://, abfss://, file://, ...); "
+        "formats delta and lance: the table's path or URL",
     )
-    format: Literal["auto", "jsonl", "csv", "parquet", "openai"] = "auto"
+    format: Literal["auto", "jsonl", "csv", "parquet", "openai", "delta", "iceberg", "lance", "unity_catalog"] = "auto"
     limit: int | None = Field(default=None, ge=1, description="read only the first N rows")
+    # Tables (operators/stages/read_table.py):
+    table: str | None = Field(
+        default=None, description="formats iceberg (namespace.table) and unity_catalog (catalog.schema.table)"
+    )
+    version: int | None = Field(
+        default=None,
+        ge=0,
+        description="the table version to read (Delta, Lance; Iceberg: a snapshot id); default: the newest at start",
+    )
+    columns: list[str] | None = Field(default=None, description="tables: read only these columns")
+    filter: list[Any] | None = Field(
+        default=None,
+        description='tables: [[column, operator, value], ...], all must hold, e.g. [["split", "=", "test"]]',
+    )
+    catalog: dict[str, str | int | float | bool] | None = Field(
+        default=None, description="format iceberg: pyiceberg's catalog properties, e.g. {type: sql, uri: ...}"
+    )
+    url: str | None = Field(default=None, description="format unity_catalog: the workspace URL")
+    token_env: str = Field(
+        default="DATABRICKS_TOKEN", description="format unity_catalog: the environment variable holding the token"
+    )
+    region: str | None = Field(default=None, description="format unity_catalog: the storage's region, if it needs one")
 
     @field_validator("path")
     @classmethod
-    def _not_empty(cls, path: str | list[str]) -> str | list[str]:
+    def _not_empty(cls, path: str | list[str] | None) -> str | list[str] | None:
         if path == [] or (isinstance(path, str) and not path.strip()):
             raise ValueError(f"{path!r} is empty: give at least one file, directory or glob")
-        if not isinstance(path, str) and any(not p.strip() for p in path):
+        if isinstance(path, list) and any(not p.strip() for p in path):
             raise ValueError(f"{short(path)} has an empty entry: give a file, directory or glob in each")
         return path
+
+    @field_validator("filter")
+    @classmethod
+    def _a_filter(cls, triples: list[Any] | None) -> list[Any] | None:
+        problem = None if triples is None else filter_problems(triples)
+        if problem:
+            raise ValueError(problem)
+        return triples
+
+    @model_validator(mode="after")
+    def _fields_of_format(self) -> "InputSpec":
+        """Each format's own fields: a file format needs path; a table format the path or name
+        of its table; fields another format takes are refused, by name."""
+        problems = input_field_problems(self)
+        if problems:
+            raise _SpecProblems([(f"input.{name}", why) for name, why in problems])
+        return self
+
+    def table_input(self) -> TableInput | None:
+        """The table this input reads (None: files)."""
+        if self.format not in INPUT_TABLE_FORMATS:
+            return None
+        location = self.path if self.format in PATH_TABLES else self.table
+        assert isinstance(location, str)  # input_field_problems
+        return TableInput(
+            format=typing.cast(TableFormat, self.format),
+            location=location,
+            version=self.version,
+            columns=tuple(self.columns) if self.columns else None,
+            filter=tuple((str(n), str(op), v) for n, op, v in self.filter or []),
+            catalog={k: str(v) for k, v in (self.catalog or {}).items()},
+            url=self.url,
+            token_env=self.token_env,
+            region=self.region,
+        )
+
+
+# Which input fields each format takes (the others are refused by name).
+_FILE_FIELDS = {"path", "format", "limit"}
+_INPUT_FIELDS = {
+    "delta": {"path", "format", "limit", "version", "columns", "filter"},
+    "lance": {"path", "format", "limit", "version", "columns", "filter"},
+    "iceberg": {"table", "format", "limit", "version", "columns", "filter", "catalog"},
+    "unity_catalog": {"table", "format", "limit", "columns", "filter", "url", "token_env", "region"},
+}
+
+
+def input_field_problems(spec: InputSpec) -> list[tuple[str, str]]:
+    fmt = spec.format
+    allowed = _INPUT_FIELDS.get(fmt, _FILE_FIELDS)
+    # (a field at its default is not given: a spec dumped and read again stays valid)
+    given = [
+        k for k in spec.model_fields_set if k not in allowed and getattr(spec, k) != InputSpec.model_fields[k].default
+    ]
+    what = f"format {fmt}" if fmt in INPUT_TABLE_FORMATS else "file input"
+    problems = [(k, f"is not used by {what}: remove it (fields: {', '.join(sorted(allowed))})") for k in sorted(given)]
+    needs = "table" if fmt in ("iceberg", "unity_catalog") else "path"
+    if getattr(spec, needs) is None:
+        example = {"iceberg": "my_namespace.my_table", "unity_catalog": "main.default.my_table"}.get(
+            fmt, "data/questions/"
+        )
+        problems.append((needs, f"required field is missing for {what}: add it, e.g. {needs}: {example}"))
+    elif fmt in PATH_TABLES and not isinstance(spec.path, str):
+        problems.append(("path", f"format {fmt} reads one table: give its path or URL, not a list"))
+    if fmt == "iceberg" and not spec.catalog:
+        problems.append(
+            ("catalog", "format iceberg needs the catalog's properties, e.g. {type: sql, uri: sqlite:///catalog.db}")
+        )
+    return problems
 
 
 class TokenizeSpec(_Strict):
@@ -435,7 +532,7 @@ class OutputSpec(_Strict):
     path: str = Field(
         description="directory for parts and metrics.json; a local path or a URL (s3://, gs://, abfss://, file://, ...)"
     )
-    format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
+    format: Literal["auto", "parquet", "jsonl", "openai", "delta", "iceberg", "lance"] = "auto"
     rows_per_part: Annotated[int, _limited("rows_per_chunk")] = _default("rows_per_chunk")
     overwrite: StrictBool = False
     resume: StrictBool = Field(
@@ -448,6 +545,53 @@ class OutputSpec(_Strict):
         "requests' lines go to errors.jsonl, results.jsonl keeps the "
         "others (as OpenAI's output and error files)",
     )
+
+    # Table output (operators/results/table_commit.py): the parts go to `path` as for any job,
+    # then every row into the table in one commit.
+    table: str | None = Field(
+        default=None,
+        description="formats delta and lance: the table's path or URL; iceberg: its name (namespace.table)",
+    )
+    catalog: dict[str, str | int | float | bool] | None = Field(
+        default=None, description="format iceberg: pyiceberg's catalog properties"
+    )
+    errors: Literal["table", "folder"] = Field(
+        default="table",
+        description="table formats: error records into the table (with their error column) or only in the parts",
+    )
+
+    @model_validator(mode="after")
+    def _table_fields(self) -> "OutputSpec":
+        tables = OUTPUT_TABLE_FORMATS
+        if self.format in tables and not self.table:
+            example = "my_namespace.answers" if self.format == "iceberg" else "out/answers_table"
+            raise _SpecProblems([("output.table", f"required for format {self.format}: add it, e.g. table: {example}")])
+        if self.format not in tables:
+            given = [
+                k for k in ("table", "catalog", "errors") if getattr(self, k) != OutputSpec.model_fields[k].default
+            ]
+            if given:
+                raise _SpecProblems(
+                    [(f"output.{k}", "is for table output (format delta, iceberg or lance): remove it") for k in given]
+                )
+        if self.format == "iceberg" and not self.catalog:
+            raise _SpecProblems(
+                [("output.catalog", "format iceberg needs the catalog's properties, e.g. {type: sql, uri: ...}")]
+            )
+        if self.format in ("delta", "lance") and self.catalog is not None:
+            raise _SpecProblems([("output.catalog", f"is not used by format {self.format}: remove it")])
+        return self
+
+    def table_output(self) -> TableOutput | None:
+        """Where the rows land at the end (None: the parts are the output)."""
+        if self.format not in OUTPUT_TABLE_FORMATS or self.table is None:
+            return None
+        return TableOutput(
+            format=typing.cast(OutputTableFormat, self.format),
+            location=self.table,
+            catalog={k: str(v) for k, v in (self.catalog or {}).items()},
+            errors=self.errors,
+        )
 
     @field_validator("path")
     @classmethod
@@ -555,9 +699,12 @@ class JobSpec(_Strict):
                 "engine.device: cuda"
             )
 
-    def input_format(self) -> Format:
+    def input_format(self) -> Format | TableFormat:
         fmt = self.input.format
-        return infer_format(self.input.path) if fmt == "auto" else fmt
+        if fmt != "auto":
+            return fmt
+        assert self.input.path is not None  # input_field_problems: file input needs a path
+        return infer_format(self.input.path)
 
     def output_format(self) -> str:
         fmt = self.output.format
@@ -586,21 +733,28 @@ class JobSpec(_Strict):
     def to_job(self) -> Job:
         """The job this spec describes, read once: the record a run, its report and the CLI take
         (jobs/job.py)."""
-        path = self.input.path
+        table = self.input.table_input()
+        path = table.location if table is not None else self.input.path
+        assert path is not None  # input_field_problems
+        fmt = self.input_format()
         storage = self.storage_options()
+        table_out = self.output.table_output()
         return Job(
             name=self.name,
             config=self.to_config(),
             read=ReadOptions(
                 path=path if isinstance(path, str) else tuple(path),
-                format=self.input_format(),
+                # a table's rows come typed, as parquet's do
+                format="parquet" if table is not None or fmt in INPUT_TABLE_FORMATS else typing.cast(Format, fmt),
                 storage=storage,
                 limit=self.input.limit,
                 min_tasks=2 * self.tokenize.concurrency,
+                table=table,
             ),
             write=WriteOptions(
                 path=normal_path(self.output.path),
-                format=self.output_format(),
+                # a table output's parts are parquet; the table gets their rows at the end
+                format="parquet" if table_out is not None else self.output_format(),
                 storage=storage,
                 model_name=Path(self.model).name,
                 created=int(time.time()),
@@ -612,6 +766,7 @@ class JobSpec(_Strict):
             error_file=self.output.error_file,
             identity_key=self._identity_key(),
             engine_fields=self.engine.model_dump(),
+            table_out=table_out,
         )
 
     def _identity_key(self) -> str:
@@ -620,6 +775,9 @@ class JobSpec(_Strict):
         for key in ("overwrite", "resume"):
             data["output"].pop(key, None)
         data.pop("storage", None)  # credentials and retry settings may change between attempts
+        # A table's version is in the input's identity as read (the pinned one): a resume may
+        # name the version the first run read by default (operators/stages/read_table.py).
+        data["input"].pop("version", None)
         return json.dumps(data, sort_keys=True)
 
     def to_config(self) -> ProcessorConfig:

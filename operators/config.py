@@ -33,6 +33,27 @@ from prefixflow.requests import SamplingParams
 TASKS = ("generate", "score")
 BACKENDS = ("native", "vllm")
 DEFAULT_BACKEND = "native"
+# Tables a job reads (operators/stages/read_table.py) and writes (operators/results/table_commit.py).
+INPUT_TABLE_FORMATS = ("delta", "iceberg", "lance", "unity_catalog")
+OUTPUT_TABLE_FORMATS = ("delta", "iceberg", "lance")
+# The module each table format needs, and the distribution that installs it (the `tables` extra).
+TABLE_PACKAGES = {
+    "delta": ("deltalake", "deltalake"),
+    "iceberg": ("pyiceberg", "pyiceberg"),
+    "lance": ("lance", "pylance"),
+}
+
+
+def table_package_problem(table_format: str) -> str | None:
+    """Why a job cannot read or write `table_format` here (None: it can)."""
+    import importlib.util
+
+    module, distribution = TABLE_PACKAGES.get(table_format, (None, None))
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    return f"format {table_format} needs the {distribution} package: pip install 'prefixflow[tables]'"
+
+
 CHOICES = {"task": TASKS, "order": ORDER_POLICIES, "engine.backend": BACKENDS}
 # The engine dict's keys that choose the backend; the others are EngineConfig fields.
 BACKEND_KEYS = ("backend", "vllm")

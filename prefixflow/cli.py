@@ -227,7 +227,7 @@ def _validate(spec: Any, source: str) -> int:
     report = row_report(spec, preflight(spec, source))
     job = spec.to_job()
     print(
-        f"{source}: ok ({job.read.format} input -> {job.write.format} output, "
+        f"{source}: ok ({spec.input_format()} input -> {spec.output_format()} output, "
         f"order {job.config.order}, {job.config.replicas} replica(s))"
     )
     if report.num_bad:
@@ -249,7 +249,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs import report
     from prefixflow.jobs.preflight import plan_out_problems, preflight
-    from prefixflow.jobs.run import ensure_ray
+    from prefixflow.jobs.run import ensure_ray, pin_table
     from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.faces.processor import Processor
     from prefixflow.operators.stages.read import read_dataset
@@ -259,7 +259,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise SpecError(args.spec, problems)
     ensure_ray(args.address)
-    job = spec.to_job()
+    job = pin_table(spec.to_job())
     planned = Processor(job.config).plan(read_dataset(job.read), stealing=job.config.work_stealing)
     print(report.plan_text(planned))
     import io

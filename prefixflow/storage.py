@@ -341,6 +341,52 @@ class StorageOptions:
         fs = self.filesystem(paths[0])
         return [strip_scheme(p) for p in paths], pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
+    def object_store_options(self, path: str) -> dict[str, str]:
+        """The same settings for the table libraries built on Rust's object_store (deltalake,
+        lance): their option names for S3. Other schemes: their own environment variables
+        (object_store reads them) or `options` under the table format's name, e.g.
+        {delta: {azure_storage_account_name: a}} (`table_options`)."""
+        if protocol(path) not in S3:
+            return {}
+        given = {
+            "aws_endpoint": self.endpoint(),
+            "aws_region": self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+            "aws_access_key_id": self.aws_access_key_id,
+            "aws_secret_access_key": self.aws_secret_access_key,
+            "aws_session_token": self.aws_session_token,
+            "aws_skip_signature": "true" if self.anonymous else None,
+        }
+        endpoint = given["aws_endpoint"] or ""
+        if endpoint.startswith("http://"):  # object_store refuses plain HTTP unless told
+            given["allow_http"] = "true"
+        return {k: v for k, v in given.items() if v}
+
+    def iceberg_catalog_properties(self, catalog: dict[str, Any]) -> dict[str, str]:
+        """pyiceberg's catalog properties: a spec's `catalog` over these S3 settings as its
+        FileIO properties."""
+        given = {
+            "s3.endpoint": self.endpoint(),
+            "s3.region": self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+            "s3.access-key-id": self.aws_access_key_id,
+            "s3.secret-access-key": self.aws_secret_access_key,
+            "s3.session-token": self.aws_session_token,
+            "s3.anonymous": "true" if self.anonymous else None,
+        }
+        return {**{k: v for k, v in given.items() if v}, **{k: str(v) for k, v in catalog.items()}}
+
+    def table_options(self, table_format: str, path: str) -> dict[str, str]:
+        """object_store_options for `path`, and what `options` gives under the table format."""
+        return {**self.object_store_options(path), **{k: str(v) for k, v in self.options.get(table_format, {}).items()}}
+
+
+def iceberg_catalog(catalog: dict[str, Any], storage: StorageOptions) -> Any:
+    """The pyiceberg catalog that `catalog`'s properties describe (e.g. {type: sql, uri:
+    "sqlite:///catalog.db", warehouse: "s3://bucket/warehouse"}, or {type: rest, uri: ...})."""
+    from pyiceberg.catalog import load_catalog
+
+    properties = storage.iceberg_catalog_properties(catalog)
+    return load_catalog(properties.get("name", "default"), **properties)
+
 
 def same_filesystem(paths: list[str]) -> bool:
     """Whether one filesystem serves all `paths` (one scheme; and one account, for URLs that

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from prefixflow.errors import short
+from prefixflow.operators.config import INPUT_TABLE_FORMATS
 from prefixflow.operators.results.bookkeeping import (
     COMMITS,
     JOB_FIELDS,
@@ -76,6 +77,8 @@ from prefixflow.retry import with_retries
 from prefixflow.storage import HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol, strip_scheme
 
 _log = logging.getLogger(__name__)
+# How a table input names itself in _job.json's inputs (read_table.TableInput.name).
+TABLE_PREFIXES = tuple(f"{fmt}:" for fmt in INPUT_TABLE_FORMATS)
 HEARTBEAT_S = 60.0  # how often a running job refreshes its lock
 STALE_S = 300.0  # a lock not refreshed for this long belongs to a job that is gone
 
@@ -368,6 +371,9 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     if old.get("model") != new["model"]:
         return _model_changed(old.get("model") or {}, new["model"])
     if old.get("inputs") != new["inputs"]:
+        table = _table_changed(old.get("inputs") or [], new["inputs"])
+        if table:
+            return table
         before = {f[0]: f for f in old.get("inputs") or []}
         changed = [f[0] for f in new["inputs"] if before.pop(f[0], None) != f] + sorted(before)
         return (
@@ -377,6 +383,19 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     if old.get("input_content") != new["input_content"]:
         return "the input's content changed since the first run"
     return "the plan differs from the first run's"
+
+
+def _table_changed(old: list[list[Any]], new: list[list[Any]]) -> str | None:
+    """The message for a table input read at another version than the first run's (inputs of
+    one [table name, version] entry: operators/stages/read_table.TableInput.identity)."""
+    if len(old) != 1 or len(new) != 1 or old[0][0] != new[0][0] or not str(new[0][0]).startswith(TABLE_PREFIXES):
+        return None
+    name, was, now = new[0][0], old[0][1], new[0][1]
+    return (
+        f"the table {name} is at version {now}, and the first run read version {was}: set input.version: {was} "
+        f"to finish the first run's rows on the table as it read it (rows added since are not in it), or run the "
+        f"new version into a new output path"
+    )
 
 
 def _model_changed(old: dict[str, str], new: dict[str, str]) -> str:

@@ -39,6 +39,7 @@ import pyarrow as pa
 
 from prefixflow.operators.columns import ERROR, RESERVED, SOURCE
 from prefixflow.operators.stages.openai_batch import parse_requests
+from prefixflow.operators.stages.read_table import TableInput, read_table
 from prefixflow.retry import with_retries
 from prefixflow.storage import StorageOptions, list_input_files, masked, same_filesystem
 
@@ -64,6 +65,8 @@ class ReadOptions:
     limit: int | None = None
     chunk_bytes: int = 64 << 20  # JSONL files larger than this are read by several tasks
     min_tasks: int = 1  # split JSONL input into at least this many reads (> 1 MiB each)
+    # A table instead of files (path: its location; format: parquet, as its rows come typed)
+    table: TableInput | None = None
 
 
 def infer_format(path: str | list[str] | tuple[str, ...]) -> Format:
@@ -85,6 +88,9 @@ def read_dataset(opts: ReadOptions) -> Any:
     """A lazy ray.data.Dataset of the input rows, with _pf_source and _pf_error columns."""
     import ray.data
 
+    if opts.table is not None:
+        ds = read_table(opts.table, opts.storage).map_batches(_add_bookkeeping, batch_format="pyarrow", batch_size=None)
+        return ds.limit(opts.limit) if opts.limit is not None else ds
     files = input_files(opts)
     items = file_ranges(files, opts) if opts.format != "parquet" else []
     clash = clashing_columns(files, opts.storage, opts.format, items)
