@@ -503,7 +503,7 @@ def input_field_problems(spec: InputSpec) -> list[tuple[str, str]]:
 
 class TokenizeSpec(_Strict):
     concurrency: Annotated[int, _limited("tokenize_concurrency")] = Field(
-        default=_default("tokenize_concurrency"), description="tokenizer actors"
+        default=_default("tokenize_concurrency"), description="tokenize tasks at once"
     )
     batch_size: Annotated[int, _limited("tokenize_batch_size")] = _default("tokenize_batch_size")
 

@@ -177,7 +177,7 @@ class ProcessorConfig:
         num_gpus_per_replica None: decided when the job runs, on the cluster it runs on (the
         engine's tensor_parallel_size x pipeline_parallel_size GPUs where the cluster has GPUs,
         none where it has none), as ray.data.llm sizes its engines.
-    tokenize_concurrency / tokenize_batch_size: tokenizer actors and their batch size.
+    tokenize_concurrency / tokenize_batch_size: tokenize tasks at once and their batch size.
     rows_per_chunk: outputs per streamed output block (and per written part).
     include_prompt: add the rendered prompt text as a `prompt` column.
     openai_batch: rows are OpenAI batch requests (custom_id + body), see operators/openai_batch.

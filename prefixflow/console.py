@@ -26,11 +26,6 @@ from typing import BinaryIO
 
 # Ray lines that warn on a good run, each with why it is harmless here.
 KNOWN_HARMLESS = (
-    # Ray Data puts every actor pool's map function in the object store (ray.put, map_operator.py)
-    # and makes the pool's actors restartable; the core warns that a restart needs that object.
-    # It lives on the driver's node, which the job cannot outlive anyway, and the restarts are
-    # what lets tokenizing survive a lost worker node, so they stay.
-    "has constructor arguments in the object store and max_restarts > 0",
     # A local cluster of Ray 2.60 has token authentication on by default (../shared/NOTES.md).
     "Token authentication is enabled for this Ray cluster",
     # Ray Data's progress bars, which the quiet console turns off (our progress line has the job's).
@@ -38,7 +33,7 @@ KNOWN_HARMLESS = (
 )
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_WORKER = r"(?:\([^()]*\)\s+)?"  # "(TokenizeActor pid=123) " on a forwarded worker line
+_WORKER = r"(?:\([^()]*\)\s+)?"  # "(ReplicaGenerator pid=123) " on a forwarded worker line
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
 _PYTHON_LINE = re.compile(_WORKER + _STAMP + r"\s+(DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+:\d+ -- ")
 _CORE_LINE = re.compile(_WORKER + r"\[" + _STAMP + r" ([DIWEF]) \d+ \d+\] \S+:\d+: ")

@@ -28,7 +28,7 @@ from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.results.write import start_sink
 from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
 from prefixflow.operators.stages.supervise import Supervisor, engine_actor_options, start_engines, stop_engines
-from prefixflow.operators.stages.tokenize import TokenizeActor
+from prefixflow.operators.stages.tokenize import tokenize_batch
 
 Row = dict[str, Any]
 PLAN_RECORD = "plan"  # the sink record of a run's plan summary (Processor.plan_summary)
@@ -140,23 +140,23 @@ class Processor:
         return block.drop_columns([c for c in INTERNAL if c in block.column_names])
 
     def tokenize_options(self) -> TokenizeOptions:
-        """The tokenize actors' options: the config's (RayLLMProcessor adds its stages' flags)."""
+        """The tokenize tasks' options: the config's (RayLLMProcessor adds its stages' flags)."""
         return self.config.tokenize_options()
 
     def tokenize_args(self) -> dict[str, Any]:
-        """map_batches arguments of the tokenize actors (their pool, resources, environment)."""
-        from ray.data import ActorPoolStrategy
+        """map_batches arguments of the tokenize tasks (how many at once, resources, environment)."""
+        from ray.data import TaskPoolStrategy
 
         cfg = self.config
-        args: dict[str, Any] = {"compute": ActorPoolStrategy(size=cfg.tokenize_concurrency)}
+        args: dict[str, Any] = {"compute": TaskPoolStrategy(size=cfg.tokenize_concurrency)}
         if cfg.runtime_env is not None:
             args["runtime_env"] = cfg.runtime_env
         return args
 
     def tokenize(self, ds: Any) -> Any:
         out = ds.map_batches(
-            TokenizeActor,
-            fn_constructor_kwargs={"opts": self.tokenize_options()},
+            tokenize_batch,
+            fn_kwargs={"opts": self.tokenize_options()},
             batch_size=self.config.tokenize_batch_size,
             batch_format="pyarrow",
             **self.tokenize_args(),

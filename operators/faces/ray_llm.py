@@ -119,16 +119,14 @@ class RayLLMProcessor(Processor):
         return replace(super().tokenize_options(), messages=self.stages["chat_template"].enabled, continue_last=True)
 
     def tokenize_args(self) -> dict[str, Any]:
-        from ray.data import ActorPoolStrategy
+        from ray.data import TaskPoolStrategy
 
         chat, tok = self.stages["chat_template"], self.stages["tokenize"]
         stage = tok if tok.enabled or not chat.enabled else chat
         c = stage.concurrency
-        args: dict[str, Any] = {
-            "compute": ActorPoolStrategy(min_size=1, max_size=c)
-            if isinstance(c, int)
-            else ActorPoolStrategy(min_size=c[0], max_size=c[1])
-        }
+        # The stage runs as tasks (operators/stages/tokenize.py): an actor pool's (min, max)
+        # is a cap on tasks at once, its max.
+        args: dict[str, Any] = {"compute": TaskPoolStrategy(size=c if isinstance(c, int) else c[1])}
         for key in ("runtime_env", "num_cpus", "memory"):
             if getattr(stage, key) is not None:
                 args[key] = getattr(stage, key)

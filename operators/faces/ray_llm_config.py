@@ -21,7 +21,7 @@ vLLMEngineProcessorConfig -> ProcessorConfig (`processor_config()`):
 Stage configs (bool, dict or the classes below): chat_template_stage (enabled: rows' `messages`
 get the chat template, its chat_template / chat_template_kwargs included; off: rows give
 `prompt`), tokenize_stage (batch_size, concurrency, num_cpus, memory, runtime_env size the
-tokenize actors; prefixflow always tokenizes, for the plan), detokenize_stage (on: text comes
+tokenize tasks (an actor pool's (min, max) caps the tasks at once at max); prefixflow always tokenizes, for the plan), detokenize_stage (on: text comes
 back even where sampling_params said detokenize=False). Accepted without effect, because
 prefixflow's replicas take their rows in plan order themselves: max_pending_requests,
 max_concurrent_batches, max_tasks_in_flight_per_actor. Refused with a ValueError naming the
@@ -253,7 +253,7 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
         builder_kwargs' (the chat template stage's own win, as in ray.data.llm)."""
         stages = self.stages()
         chat, tok = stages["chat_template"], stages["tokenize"]
-        sized = tok if tok.enabled or not chat.enabled else chat  # who sizes the tokenize actors
+        sized = tok if tok.enabled or not chat.enabled else chat  # who sizes the tokenize tasks
         replicas = self.concurrency if isinstance(self.concurrency, int) else self.concurrency[1]
         least = self.concurrency if isinstance(self.concurrency, int) else self.concurrency[0]
         stage_concurrency = sized.concurrency if isinstance(sized.concurrency, int) else sized.concurrency[1]

@@ -1,4 +1,4 @@
-"""Tokenize stage: rows -> prompt token ids, in parallel CPU actors (one tokenizer each).
+"""Tokenize stage: rows -> prompt token ids, in parallel Ray tasks (one tokenizer per worker process).
 
 Adds `_pf_tokens` (list<int32>; empty for a bad row) and `_pf_max_tokens` (the row's own
 max_tokens, null where its overrides set none) and updates `_pf_error`: a row whose
@@ -8,9 +8,14 @@ config's chat_template), and plain prompts through the spec's template: both ren
 bounded sandbox (prefixflow/sandbox.py; the chat template through prefixflow/tokenizer.chat_text),
 so a template that builds too much or runs too long is that row's error record.
 
-Each tokenize actor (TokenizeActor, the map_batches class) also caps its own process's memory
-(MEMORY_HEADROOM_BYTES past what it holds once loaded): whatever no limit foresaw fails that
-actor's batch with MemoryError instead of exhausting the node.
+The stage is `tokenize_batch`, a map_batches function run as tasks (fused with the read), not
+an actor pool: Ray Data makes a pool's actors restartable with their constructor arguments in
+the object store, which Ray's core reports as an error line (`E ... core_worker.cc: ... has
+constructor arguments in the object store and max_restarts > 0`) on every good job. A task
+needs neither, and Ray retries it like any task when its worker dies. Each worker process loads
+the tokenizer once and keeps it for the job's next batches; it also caps its memory
+(CappedTokenize: MEMORY_HEADROOM_BYTES past what it holds once loaded), so whatever no limit
+foresaw fails that batch with MemoryError instead of exhausting the node.
 """
 
 from __future__ import annotations
@@ -137,18 +142,30 @@ class Tokenize:
 MEMORY_HEADROOM_BYTES = 8 << 30  # far past a batch of rows and a render's limits (prefixflow/sandbox.py)
 
 
-class TokenizeActor(Tokenize):
-    """The tokenize stage's actor (operators/faces/processor.py): a Tokenize whose process may hold at
-    most MEMORY_HEADROOM_BYTES more than it holds once loaded. The cap is the kernel's
-    RLIMIT_DATA (heap and private mappings; Ray's shared object store is not counted): past it an
-    allocation fails with MemoryError, which a render turns into its row's error record, instead
-    of the node running out of memory. Ray's own `memory=` option only reserves memory when
-    actors are placed; nothing enforces it. Only this dedicated actor is capped: a Tokenize
-    inside the user's process or an engine actor (operators/faces/batch_generator.py) is not."""
+class CappedTokenize(Tokenize):
+    """The tokenize stage's Tokenize (`tokenize_batch`), whose process may hold at most
+    MEMORY_HEADROOM_BYTES more than it holds once loaded. The cap is the kernel's RLIMIT_DATA
+    (heap and private mappings; Ray's shared object store is not counted): past it an allocation
+    fails with MemoryError, which a render turns into its row's error record, instead of the node
+    running out of memory. Ray's own `memory=` option only reserves memory when tasks are placed;
+    nothing enforces it. Only the stage's Ray workers are capped: a Tokenize inside the user's
+    process or an engine actor (operators/faces/batch_generator.py) is not."""
 
     def __init__(self, opts: TokenizeOptions):
         super().__init__(opts)
         cap_data_memory(MEMORY_HEADROOM_BYTES)
+
+
+# This worker process's tokenizer: the last job's (a worker serves one Ray job at a time).
+_LOADED: list[CappedTokenize] = []
+
+
+def tokenize_batch(table: pa.Table, opts: TokenizeOptions) -> pa.Table:
+    """map_batches function of the tokenize stage (operators/faces/processor.py): `table`'s rows
+    tokenized by this process's CappedTokenize for `opts`, loaded by its first batch."""
+    if not _LOADED or _LOADED[0].opts != opts:
+        _LOADED[:] = [CappedTokenize(opts)]
+    return _LOADED[0](table)
 
 
 def cap_data_memory(headroom: int) -> int | None:

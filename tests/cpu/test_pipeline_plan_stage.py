@@ -50,7 +50,7 @@ def test_plan_stage_moves_no_full_rows(ray_local, tiny_model, tmp_path):
     planned = plan_dataset(tokenized, order="batchllm", num_replicas=2)  # executes `tokenized`
     _assert_no_all_to_all(tokenized)
     executed = tokenized.stats()
-    assert "Tokenize" in executed and not [w for w in ALL_TO_ALL_WORDS if w in executed]
+    assert "tokenize_batch" in executed and not [w for w in ALL_TO_ALL_WORDS if w in executed]
 
     # What the planner received per block: ints only (ids, lengths), no row text, no token ids
     # (those stay in the blocks, with their KV-block hashes beside them).

@@ -344,7 +344,7 @@ def test_ray_stage_config_and_runtime_env_examples(ray_local, tiny_model, tmp_pa
     assert thinking["prompt"].endswith("<|assistant|>\n<think>\n") and RAY_COLUMNS | {"messages"} <= set(thinking)
     assert haiku["answer"] == haiku["generated_text"] and haiku["item"].startswith("Start of the haiku")
     # runtime_env's env_vars reached the engine actor (the process running vLLM), and more
-    # processes (the tokenize actor, the job's task)
+    # processes (a tokenize task's worker, the job's task)
     assert any(seen.values()) and len(seen) >= 3, seen
 
     ours = own_api(

@@ -228,14 +228,17 @@ def test_a_value_past_the_limit_is_refused_before_it_is_built(name):
     assert peak < 60 << 20, f"{name}: {peak / 2**20:.0f} MiB built before the refusal"
 
 
-def test_tokenize_actors_cap_their_memory(tiny_model):
-    """In a process of its own (the cap is for good): a TokenizeActor's process refuses an
-    allocation past its headroom with MemoryError; 1 GiB stands in for the 8 GiB headroom."""
+def test_tokenize_workers_cap_their_memory(tiny_model):
+    """In a process of its own (the cap is for good): the process of the tokenize stage's first
+    batch refuses an allocation past its headroom with MemoryError; 1 GiB stands in for the
+    8 GiB headroom."""
     code = (
         "import resource, sys\n"
         "import prefixflow.operators.stages.tokenize as t\n"
         "t.MEMORY_HEADROOM_BYTES = 1 << 30\n"
-        f"actor = t.TokenizeActor(t.TokenizeOptions(model={str(tiny_model)!r}, prompt=None, max_model_len=64))\n"
+        "import pyarrow as pa\n"
+        f"opts = t.TokenizeOptions(model={str(tiny_model)!r}, prompt=None, max_model_len=64)\n"
+        "t.tokenize_batch(pa.table({'_pf_error': pa.array([], pa.string())}), opts)\n"
         "soft = resource.getrlimit(resource.RLIMIT_DATA)[0]\n"
         "assert soft != resource.RLIM_INFINITY, soft\n"
         "ok = bytearray(100 << 20)\n"
