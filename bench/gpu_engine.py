@@ -204,11 +204,13 @@ def _union_s(intervals_us: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes read and written per second by a 256 MiB copy on `device` (best of 5)."""
+def copy_bandwidth(device: str, num_bytes: int = 256 << 20) -> float:
+    """Bytes read and written per second by a copy of `num_bytes` on `device` (best of 5, after
+    one warm-up): the weights-read floor of a decode step, for every bench (kernel_bench and
+    step_profile use it too)."""
     import torch
 
-    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(6):

@@ -38,6 +38,7 @@ from prefixflow.kernels import (
     rotary_embedding_ref,
     write_kv_cache,
 )
+from prefixflow.bench.gpu_engine import copy_bandwidth
 from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton
@@ -78,11 +79,8 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, min_runs: int = 20, budge
 
 
 def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy rate, (bytes read + bytes written) / time."""
-    src = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
+    """Device-to-device copy rate, (bytes read + bytes written) / time, in GB/s."""
+    return copy_bandwidth(str(DEVICE), 1 << (20 if DRY else 30)) / 1e9
 
 
 def matmul_tflops() -> float:

@@ -58,15 +58,14 @@ def matmul_rate(threads: int) -> float:
 
 
 def memory_bandwidth(threads: int) -> float:
-    """Bytes per second read and written by a 256 MiB fp32 copy (best of 5)."""
+    """Bytes per second read and written by a 256 MiB copy on `threads` CPU threads
+    (gpu_engine.copy_bandwidth)."""
     import torch
 
+    from prefixflow.bench.gpu_engine import copy_bandwidth
+
     torch.set_num_threads(threads)
-    src = torch.randn(64 << 20)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * src.numel() * 4 / best
+    return copy_bandwidth("cpu")
 
 
 def _timed(fn: Any) -> float:
