@@ -71,25 +71,33 @@ def parity(device: str, max_new: int = 16) -> dict[str, Any]:
         params = SamplingParams(temperature=0, max_tokens=max_new, logprobs=0)
         same, gap = 0, 0.0
         for prompt, got in zip(prompts, engine.generate(prompts, params)):
-            with torch.no_grad():
-                ref = hf.generate(
-                    torch.tensor([prompt], device=device),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                    max_new_tokens=max_new,
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                )
-            tokens = ref.sequences[0, len(prompt) :].tolist()
+            tokens, ref_lp = hf_greedy(hf, prompt, max_new, device)
             same += list(got.token_ids) == tokens
-            ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.logits, tokens)]
             gap = max([gap] + [abs(a.logprob - b) for a, b in zip(got.logprobs, ref_lp)])
         out[arch] = {"rows": len(prompts), "rows_identical": same, "max_logprob_gap": gap}
         del hf, engine
         _free(device)
     out["exact"] = all(v["rows_identical"] == v["rows"] for v in out.values())
     return out
+
+
+def hf_greedy(hf: Any, prompt: list[int], max_new: int, device: str = "cpu") -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens (EOS ends them, as in our engine) and their log-probabilities:
+    the oracle of the engine's parity here and in tests/cpu/test_engine_e2e.py."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
 def _parity_prompts(vocab: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from prefixflow.bench.gpu_engine import hf_greedy
 from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
 from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
@@ -42,23 +43,6 @@ def workload(vocab: int, seed: int = 0) -> list[list[int]]:
     prompts += [[tok() for _ in range(n)] for n in (1, 7, 30)]
     rng.shuffle(prompts)
     return prompts
-
-
-def hf_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens (EOS ends them, as in our engine) and their log-probabilities."""
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
 
 
 def make_engine(path: str, **kwargs) -> LLMEngine:
