@@ -277,12 +277,14 @@ def metrics_text(m: dict[str, Any], path: str) -> str:
             f"{r['num_steps']} engine steps" + (f", {stolen} unit(s) taken from others" if stolen else "")
         )
     table = m.get("table")
-    if table:
-        done = (
-            f"already held this job's rows (version {table['version']}): nothing appended"
-            if table["already_committed"]
-            else f"{table['rows_appended']} rows appended in one commit (version {table['version']})"
+    if table and table["already_committed"]:
+        lines.append(
+            f"  table {table['table']}: already held this job's rows (version {table['version']}): nothing appended"
         )
+    elif table and table["version"] is None:
+        lines.append(f"  table {table['table']}: no rows, no commit")
+    elif table:
+        done = f"{table['rows_appended']} rows appended in one commit (version {table['version']})"
         lines.append(f"  table {table['table']}: {done}")
     if "plot" in m:
         lines.append(f"  {m['plot']}")

@@ -67,6 +67,8 @@ def commit_to_table(
     """Append the rows of `parts` (committed parquet part names in `parts_folder`) to the table,
     once per job id `job`. Returns what happened: the table's version (Iceberg: snapshot id) that
     holds the rows, how many rows this call appended (0 when the table already had them)."""
+    if not parts:  # a job without rows (an empty input): nothing to append, no commit
+        return {"table": out.name, "job_id": job, "version": None, "rows_appended": 0, "already_committed": False}
     paths = [join(parts_folder, p) for p in sorted(parts)]
     schema = _unified_schema(paths, storage)
     already = _committed_version(out, job, storage)

@@ -82,7 +82,11 @@ def read_table(table: TableInput, storage: StorageOptions) -> Any:
     applied), before the bookkeeping columns are added."""
     import ray.data
 
-    columns = list(table.columns) if table.columns else None
+    wanted = list(table.columns) if table.columns else None
+    # The filter's columns are read too (then dropped): a reader that cannot push the filter
+    # down filters after the read, which needs them.
+    extra = [name for name, _, _ in table.filter if wanted is not None and name not in wanted]
+    columns = None if wanted is None else wanted + list(dict.fromkeys(extra))
     if table.format == "delta":
         uri = normal_path(table.location)
         ds = ray.data.read_delta(
@@ -106,6 +110,8 @@ def read_table(table: TableInput, storage: StorageOptions) -> Any:
             ds = ds.select_columns(columns)
     if table.filter:
         ds = ds.filter(expr=filter_expression(table.filter))
+    if extra and wanted is not None:
+        ds = ds.select_columns(wanted)
     return ds
 
 

@@ -169,6 +169,12 @@ def test_table_commit_is_once_per_job(tmp_path, fmt):
     assert sorted(r["row_id"] for r in rows) == [0, 0, 1, 2, 2] and sum(r["error"] == "bad" for r in rows) == 1
 
 
+def test_a_job_without_rows_makes_no_commit(tmp_path):
+    out = TableOutput("delta", str(tmp_path / "answers"))
+    done = commit_to_table(out, str(tmp_path / "out"), [], "ab" * 16, LOCAL)
+    assert done["version"] is None and done["rows_appended"] == 0 and not (tmp_path / "answers").exists()
+
+
 def _read_back(out: TableOutput, storage: StorageOptions = LOCAL) -> list[dict]:
     if out.format == "delta":
         from deltalake import DeltaTable
@@ -317,7 +323,7 @@ def test_delta_in_delta_out_exactly_once_through_kills_resumes_and_a_changed_tab
 
 
 @pytest.mark.slow
-def test_iceberg_in_iceberg_out_exactly_once_through_a_kill_and_resumes(start_driver, tiny_model, tmp_path):
+def test_iceberg_in_iceberg_out_exactly_once_through_kills_and_resumes(start_driver, tiny_model, tmp_path):
     from prefixflow.storage import iceberg_catalog
 
     rows = _rows(seed=22)
@@ -338,25 +344,34 @@ def test_iceberg_in_iceberg_out_exactly_once_through_a_kill_and_resumes(start_dr
     _wait_for(lambda: len(_records(out)) >= 2, proc, "two committed parts")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    before = len(_records(out))
+    # The resume loses its catalog once it is past reading the input (the sqlite file moved
+    # away, a folder in its place): its table commit fails after the last part.
+    proc = start_driver(job)
+    _wait_for(lambda: len(_records(out)) > before, proc, "a part of the resume")
+    db = tmp_path / "catalog.db"
+    db.rename(tmp_path / "catalog.db.away")
+    db.mkdir()
+    assert proc.wait(timeout=300) != 0
+    assert sorted(r for rec in _records(out) for r in rec["row_ids"]) == list(range(len(rows)))
+    db.rmdir()
+    (tmp_path / "catalog.db.away").rename(db)
+    assert not catalog.table_exists("jobs.answers")
     _run(start_driver, job)
-    assert 0 < _metrics(out)["fault_tolerance"]["rows_committed_before"] < len(rows)
+    assert _metrics(out)["fault_tolerance"]["rows_written"] == 0
     _exactly_once(rows, _read_back(out_table))
     # A resume of the finished job finds the job's snapshot: nothing is appended again.
     _run(start_driver, job)
     table = _metrics(out)["table"]
-    assert (
-        table["already_committed"]
-        and table["version"] == catalog.load_table("jobs.answers").current_snapshot().snapshot_id
-    )
+    snapshot = iceberg_catalog(props, LOCAL).load_table("jobs.answers").current_snapshot().snapshot_id
+    assert table["already_committed"] and table["version"] == snapshot
     _exactly_once(rows, _read_back(out_table))
 
 
 @pytest.mark.slow
-def test_lance_in_parquet_out_with_a_column_and_row_filter(ray_local, tiny_model, tmp_path):
+def test_lance_in_parquet_out_with_columns_a_filter_and_a_kill(start_driver, tiny_model, tmp_path):
     import lance
 
-    from prefixflow.jobs.run import run_job
-    from prefixflow.jobs.spec import load_spec
     from prefixflow.operators.results.write import read_output
 
     rows = [{**r, "split": "test" if r["id"] % 3 else "train", "extra": "x" * 10} for r in _rows(seed=23)]
@@ -372,10 +387,16 @@ def test_lance_in_parquet_out_with_a_column_and_row_filter(ray_local, tiny_model
         },
         {"format": "parquet"},
     )
-    run_job(load_spec(job), quiet=True)
-    got = read_output(str(tmp_path / "out")).to_pylist()
+    out = tmp_path / "out"
+    proc = start_driver(job)
+    _wait_for(lambda: len(_records(out)) >= 2, proc, "two committed parts")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    _run(start_driver, job)
+    assert 0 < _metrics(out)["fault_tolerance"]["rows_committed_before"]
+    got = read_output(str(out)).to_pylist()
     wanted = [r for r in rows if r["split"] == "test"]
-    assert sorted(r["id"] for r in got) == sorted(r["id"] for r in wanted)
+    assert sorted(r["id"] for r in got) == sorted(r["id"] for r in wanted)  # each once
     assert "extra" not in got[0] and "split" not in got[0]
     assert sorted(r["id"] for r in got if r["error"]) == sorted(r["id"] for r in wanted if not r["question"].strip())
 
