@@ -55,6 +55,7 @@ from prefixflow.storage import (
     is_s3,
     list_input_files,
     local_path,
+    masked,
     normal_path,
     protocol,
     strip_scheme,
@@ -96,14 +97,6 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
             raise
         files, storage_failed = [], True
         problems.append(("input.path", _storage_failure(_first_path(spec.input.path), e, storage)))
-    if spec.output_format() == "openai" and spec.input_format() != "openai":
-        problems.append(
-            (
-                "output.format",
-                "openai output needs input.format: openai (the lines "
-                "are keyed by the requests' custom_id): use parquet or jsonl",
-            )
-        )
     # The same storage settings failed for the input: one line says so, not a second wait.
     problems += _output_problems(spec, files) or _output_access_problems(spec, storage, storage_failed)
     rows: list[dict[str, Any]] = []
@@ -133,10 +126,10 @@ def _table_preflight(spec: JobSpec, table: TableInput, source: str, problems: Pr
     try:
         rows = sample_rows(spec, SAMPLE_ROWS)
     except Exception as e:  # noqa: BLE001 - each table library raises its own kinds; one line each
-        problems.append((field, f"cannot read the {table.format} table {table.location!r}: {str(e)[:300]}"))
+        problems.append((field, f"cannot read the {table.name} table: {masked(str(e))[:300]}"))
     problems += _output_problems(spec, []) or _output_access_problems(spec, storage, False)
     out = spec.output.table_output()
-    if out is not None and out.format == table.format and out.location == table.location:
+    if out is not None and out.format == table.format and _same_table(out.location, table.location):
         problems.append(("output.table", "is the input table: the job would append its answers to its own input"))
     if rows:
         problems += row_problems(spec, rows)
@@ -144,6 +137,14 @@ def _table_preflight(spec: JobSpec, table: TableInput, source: str, problems: Pr
     if problems:
         raise SpecError(source, problems)
     return rows
+
+
+def _same_table(a: str, b: str) -> bool:
+    """Whether two table locations name one table: paths in normal_path's form, names as given."""
+    try:
+        return normal_path(a) == normal_path(b)
+    except ValueError:  # not a path (an Iceberg or Unity Catalog name)
+        return a == b
 
 
 def _model_problems(spec: JobSpec) -> Problems:

@@ -64,7 +64,13 @@ from prefixflow.operators.config import (
 from prefixflow.operators.results.table_commit import OutputTableFormat, TableOutput
 from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.read import Format, ReadOptions, infer_format
-from prefixflow.operators.stages.read_table import PATH_TABLES, TableFormat, TableInput, filter_problems
+from prefixflow.operators.stages.read_table import (
+    PATH_TABLES,
+    TableFormat,
+    TableInput,
+    filter_problems,
+    token_env_problem,
+)
 from prefixflow.operators.template import PromptTemplate
 from prefixflow.requests import SamplingParams
 from prefixflow.storage import StorageOptions, masked, normal_path
@@ -494,9 +500,30 @@ def input_field_problems(spec: InputSpec) -> list[tuple[str, str]]:
         problems.append((needs, f"required field is missing for {what}: add it, e.g. {needs}: {example}"))
     elif fmt in PATH_TABLES and not isinstance(spec.path, str):
         problems.append(("path", f"format {fmt} reads one table: give its path or URL, not a list"))
-    if fmt == "iceberg" and not spec.catalog:
+    if fmt == "iceberg":
+        problems += [(k, why) for k, why in iceberg_problems(spec.table, spec.catalog)]
+    if fmt == "unity_catalog" and token_env_problem(spec.token_env):
+        problems.append(("token_env", str(token_env_problem(spec.token_env))))
+    return problems
+
+
+def iceberg_problems(table: str | None, catalog: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """An Iceberg table's name and catalog, for input and output alike: the name has its
+    namespace; the catalog's properties are given, and none of them names Python code to import
+    (pyiceberg's py-catalog-impl, py-io-impl, ...: a spec holds data only)."""
+    problems = []
+    if table is not None and "." not in table.strip("."):
+        problems.append(("table", f"{short(table)} has no namespace: give namespace.table, e.g. analytics.{table}"))
+    if not catalog:
+        problems.append(("catalog", "format iceberg needs the catalog's properties, e.g. {type: sql, uri: ...}"))
+    code = sorted(k for k in catalog or {} if k.startswith("py-"))
+    if code:
         problems.append(
-            ("catalog", "format iceberg needs the catalog's properties, e.g. {type: sql, uri: sqlite:///catalog.db}")
+            (
+                "catalog",
+                f"{', '.join(code)} would make pyiceberg import Python code that the spec names: a spec "
+                "holds data only; use a catalog type (sql, rest, glue, hive, ...)",
+            )
         )
     return problems
 
@@ -562,24 +589,21 @@ class OutputSpec(_Strict):
 
     @model_validator(mode="after")
     def _table_fields(self) -> "OutputSpec":
-        tables = OUTPUT_TABLE_FORMATS
-        if self.format in tables and not self.table:
-            example = "my_namespace.answers" if self.format == "iceberg" else "out/answers_table"
-            raise _SpecProblems([("output.table", f"required for format {self.format}: add it, e.g. table: {example}")])
-        if self.format not in tables:
+        problems: list[tuple[str, str]] = []
+        if self.format not in OUTPUT_TABLE_FORMATS:
             given = [
                 k for k in ("table", "catalog", "errors") if getattr(self, k) != OutputSpec.model_fields[k].default
             ]
-            if given:
-                raise _SpecProblems(
-                    [(f"output.{k}", "is for table output (format delta, iceberg or lance): remove it") for k in given]
-                )
-        if self.format == "iceberg" and not self.catalog:
-            raise _SpecProblems(
-                [("output.catalog", "format iceberg needs the catalog's properties, e.g. {type: sql, uri: ...}")]
-            )
-        if self.format in ("delta", "lance") and self.catalog is not None:
-            raise _SpecProblems([("output.catalog", f"is not used by format {self.format}: remove it")])
+            problems += [(k, "is for table output (format delta, iceberg or lance): remove it") for k in given]
+        elif not self.table:
+            example = "my_namespace.answers" if self.format == "iceberg" else "out/answers_table"
+            problems.append(("table", f"required for format {self.format}: add it, e.g. table: {example}"))
+        if self.format == "iceberg":
+            problems += iceberg_problems(self.table, self.catalog)
+        elif self.format in ("delta", "lance") and self.catalog is not None:
+            problems.append(("catalog", f"is not used by format {self.format}: remove it"))
+        if problems:
+            raise _SpecProblems([(f"output.{k}", why) for k, why in problems])
         return self
 
     def table_output(self) -> TableOutput | None:
@@ -673,6 +697,9 @@ class JobSpec(_Strict):
                 "prompt is required unless input.format is openai: add prompt.template "
                 '(e.g. "Q: {{ question }}") or prompt.user, or prompt.messages_column'
             )
+        if self.output_format() == "openai" and fmt != "openai":
+            why = "openai output needs input.format: openai (the lines are keyed by the requests' custom_id)"
+            raise _SpecProblems([("output.format", f"{why}: use parquet or jsonl")])
         if self.output.error_file and self.output_format() != "openai":
             raise ValueError(
                 f"output.error_file is true but the output format is {self.output_format()}: "
@@ -778,6 +805,10 @@ class JobSpec(_Strict):
         # A table's version is in the input's identity as read (the pinned one): a resume may
         # name the version the first run read by default (operators/stages/read_table.py).
         data["input"].pop("version", None)
+        # A catalog's properties may hold its credentials (a REST token, S3 keys), which may change
+        # between attempts; the tables are named by input.table and output.table.
+        data["input"].pop("catalog", None)
+        data["output"].pop("catalog", None)
         return json.dumps(data, sort_keys=True)
 
     def to_config(self) -> ProcessorConfig:

@@ -42,6 +42,9 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 _BARE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
 LOCAL = ("file", "local")  # fsspec's names for the local filesystem
 S3 = ("s3", "s3a")
+# pyiceberg reads the catalog of a name from ~/.pyiceberg.yaml and PYICEBERG_CATALOG__<NAME>__*
+# too: a name of our own, so that a spec never gets the machine's credentials for its catalog.
+ICEBERG_CATALOG_NAME = "prefixflow"
 DBFS_MOUNT = "/dbfs"
 # The package that serves a scheme, where it is not fsspec itself: named in the error when it
 # is missing (adlfs registers abfss only once installed, so fsspec alone does not know it).
@@ -372,11 +375,16 @@ class StorageOptions:
             "s3.session-token": self.aws_session_token,
             "s3.anonymous": "true" if self.anonymous else None,
         }
-        return {**{k: v for k, v in given.items() if v}, **{k: str(v) for k, v in catalog.items()}}
+        own = {k: str(v) for k, v in catalog.items()}
+        return {**{k: v for k, v in given.items() if v}, **own, "name": ICEBERG_CATALOG_NAME}
 
-    def table_options(self, table_format: str, path: str) -> dict[str, str]:
-        """object_store_options for `path`, and what `options` gives under the table format."""
-        return {**self.object_store_options(path), **{k: str(v) for k, v in self.options.get(table_format, {}).items()}}
+    def table_location(self, table_format: str, location: str) -> tuple[str, dict[str, str] | None]:
+        """(URI, storage options) of a Delta or Lance table at `location`: normal_path's form, and
+        object_store_options with what `options` gives under the table format's name (None:
+        none, the library's own defaults)."""
+        uri = normal_path(location)
+        given = {k: str(v) for k, v in self.options.get(table_format, {}).items()}
+        return uri, {**self.object_store_options(uri), **given} or None
 
 
 def iceberg_catalog(catalog: dict[str, Any], storage: StorageOptions) -> Any:
@@ -385,7 +393,7 @@ def iceberg_catalog(catalog: dict[str, Any], storage: StorageOptions) -> Any:
     from pyiceberg.catalog import load_catalog
 
     properties = storage.iceberg_catalog_properties(catalog)
-    return load_catalog(properties.get("name", "default"), **properties)
+    return load_catalog(properties.pop("name"), **properties)
 
 
 def same_filesystem(paths: list[str]) -> bool:

@@ -392,9 +392,9 @@ def _table_changed(old: list[list[Any]], new: list[list[Any]]) -> str | None:
         return None
     name, was, now = new[0][0], old[0][1], new[0][1]
     return (
-        f"the table {name} is at version {now}, and the first run read version {was}: set input.version: {was} "
-        f"to finish the first run's rows on the table as it read it (rows added since are not in it), or run the "
-        f"new version into a new output path"
+        f"this run reads the table {name} at version {now}, and the first run read version {was}: set "
+        f"input.version: {was} to finish the first run's rows on the table as it read it (rows added since are "
+        f"not in it), or run version {now} into a new output path"
     )
 
 

@@ -9,37 +9,41 @@ the same job over the same input has the same id):
   - Delta: an application transaction (`txn` action: appId `prefixflow-<job id>`, version 1) in
     the same commit as the rows; the table's `transaction_version(appId)` says it happened;
   - Iceberg: a snapshot summary property `prefixflow.job-id`, looked up among the current
-    snapshot's ancestors (a rolled-back commit does not count); every part is appended in one
-    pyiceberg transaction, one catalog commit;
+    snapshot's ancestors (a rolled-back commit does not count); the parts are one append (one
+    snapshot, one catalog commit);
   - Lance: a transaction property `prefixflow.job-id` on the append, looked up in the
-    dataset's transactions.
+    dataset's transactions, newest first.
 
 Before it appends, the driver looks for its id in the table: found, it appends nothing and says
 which version holds the rows. So a crash before the table commit (a resume commits), in it (the
 format's commit is atomic: nothing or everything), or after it (a resume or an overwrite rerun
-finds the id) never writes a row twice or drops one. The driver holds the output path's lock
-meanwhile, so no other run of this job commits at the same time.
+finds the id) never writes a row twice or drops one, as long as the table keeps that commit's
+record: Iceberg's expired snapshots and Lance's cleaned-up versions take the id with them
+(Delta's `txn` outlives a log cleanup). The driver holds the output path's lock meanwhile, so no
+other run of this job commits at the same time.
 
 Parts are streamed one at a time (memory: one part), their schemas unified first (a column that
 is null in every row of one part has Arrow's null type there: it becomes the type other parts
-give it, or text). `errors: folder` leaves error records out of the table (they stay in the
-job's parts, readable with read_output); `errors: table` (the default) appends them with their
-`error` column set, so that the table has one row per input row.
+give it, else the existing table's, else text). `errors: folder` leaves error records out of the
+table (they stay in the job's parts, readable with read_output); `errors: table` (the default)
+appends them with their `error` column set, so that the table has one row per input row.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.storage import StorageOptions, iceberg_catalog, join, masked, normal_path
+from prefixflow.storage import StorageOptions, iceberg_catalog, join, masked
 
 JOB_ID_PROPERTY = "prefixflow.job-id"
-OutputTableFormat = Literal["delta", "iceberg", "lance"]
+OutputTableFormat = Literal["delta", "iceberg", "lance"]  # config.OUTPUT_TABLE_FORMATS
+Parts = Callable[[], Iterator[pa.Table]]
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class TableOutput:
 
     format: OutputTableFormat
     location: str
-    catalog: dict[str, str] = field(default_factory=dict)
+    catalog: dict[str, str] = field(default_factory=dict, repr=False)  # may hold credentials
     errors: Literal["table", "folder"] = "table"
 
     @property
@@ -67,13 +71,14 @@ def commit_to_table(
     """Append the rows of `parts` (committed parquet part names in `parts_folder`) to the table,
     once per job id `job`. Returns what happened: the table's version (Iceberg: snapshot id) that
     holds the rows, how many rows this call appended (0 when the table already had them)."""
+    done = {"table": out.name, "job_id": job, "version": None, "rows_appended": 0, "already_committed": False}
     if not parts:  # a job without rows (an empty input): nothing to append, no commit
-        return {"table": out.name, "job_id": job, "version": None, "rows_appended": 0, "already_committed": False}
+        return done
+    committed, version = committed_version(out, job, storage)
+    if committed:
+        return {**done, "version": version, "already_committed": True}
     paths = [join(parts_folder, p) for p in sorted(parts)]
-    schema = _unified_schema(paths, storage)
-    already = _committed_version(out, job, storage)
-    if already is not None:
-        return {"table": out.name, "job_id": job, "version": already, "rows_appended": 0, "already_committed": True}
+    schema = _unified_schema(paths, storage, _table_schema(out, storage))
     appended = [0]
 
     def tables() -> Iterator[pa.Table]:  # the parts, read as the table's writer takes them
@@ -81,14 +86,10 @@ def commit_to_table(
             appended[0] += table.num_rows
             yield table
 
-    version = _APPEND[out.format](out, tables, schema, job, storage)
-    return {
-        "table": out.name,
-        "job_id": job,
-        "version": version,
-        "rows_appended": appended[0],
-        "already_committed": False,
-    }
+    _APPEND[out.format](out, tables, schema, job, storage)
+    # The version that holds this job's commit (not the newest: another writer may follow).
+    _, version = committed_version(out, job, storage)
+    return {**done, "version": version, "rows_appended": appended[0]}
 
 
 def output_table_problem(out: TableOutput, storage: StorageOptions) -> str | None:
@@ -99,7 +100,7 @@ def output_table_problem(out: TableOutput, storage: StorageOptions) -> str | Non
         if out.format == "iceberg":
             iceberg_catalog(out.catalog, storage)  # reaches the catalog (sqlite, REST, ...)
             return None
-        uri, options = _uri_options(out, storage)
+        uri, options = storage.table_location(out.format, out.location)
         fs = storage.filesystem(uri)
         if not fs.exists(uri) or (fs.isdir(uri) and not fs.ls(uri)):
             return None  # created by the commit
@@ -112,7 +113,39 @@ def output_table_problem(out: TableOutput, storage: StorageOptions) -> str | Non
             return None
         return f"{masked(uri)!r} exists and is not a {out.format} table: give a new path or an existing table"
     except Exception as e:  # noqa: BLE001 - each table library raises its own kinds; one line each
-        return f"cannot reach the {out.format} table {out.location!r}: {str(e)[:300]}"
+        return f"cannot reach the {out.format} table {masked(out.location)!r}: {masked(str(e))[:300]}"
+
+
+def committed_version(out: TableOutput, job: str, storage: StorageOptions) -> tuple[bool, int | None]:
+    """(whether the table holds a commit that carries `job`'s id, that commit's version (Iceberg:
+    snapshot id); None where the table's history no longer shows it)."""
+    if out.format == "delta":
+        from deltalake import DeltaTable
+
+        uri, options = storage.table_location(out.format, out.location)
+        if not DeltaTable.is_deltatable(uri, storage_options=options):
+            return False, None
+        table = DeltaTable(uri, storage_options=options)
+        if table.transaction_version(_delta_app_id(job)) is None:
+            return False, None
+        # newest first; the txn outlives a log cleanup that drops the commit's history entry
+        return True, next((int(c["version"]) for c in table.history() if c.get(JOB_ID_PROPERTY) == job), None)
+    if out.format == "lance":
+        dataset = _lance_dataset(out, storage)
+        for version in reversed(dataset.versions() if dataset is not None else []):  # newest first
+            transaction = dataset.read_transaction(version["version"])
+            if transaction is not None and (transaction.transaction_properties or {}).get(JOB_ID_PROPERTY) == job:
+                return True, int(version["version"])
+        return False, None
+    table = _existing_iceberg_table(out, storage)
+    if table is None or table.current_snapshot() is None:
+        return False, None
+    from pyiceberg.table.snapshots import ancestors_of
+
+    for snapshot in ancestors_of(table.current_snapshot(), table.metadata):
+        if (snapshot.summary.additional_properties if snapshot.summary else {}).get(JOB_ID_PROPERTY) == job:
+            return True, int(snapshot.snapshot_id)
+    return False, None
 
 
 def _read_part(path: str, storage: StorageOptions) -> pa.Table:
@@ -121,9 +154,10 @@ def _read_part(path: str, storage: StorageOptions) -> pa.Table:
     return pq.read_table(io.BytesIO(storage.filesystem(path).cat_file(path)))
 
 
-def _unified_schema(paths: list[str], storage: StorageOptions) -> pa.Schema:
-    """One schema for every part: Arrow's permissive promotion; null-typed columns (every row
-    null in every part) as text, which the table formats can store."""
+def _unified_schema(paths: list[str], storage: StorageOptions, table: pa.Schema | None) -> pa.Schema:
+    """One schema for every part: Arrow's permissive promotion. A column null in every row of
+    every part (Arrow's null type, which the table formats cannot store) takes the existing
+    table's type, else text."""
     import pyarrow.parquet as pq
 
     schemas = []
@@ -131,8 +165,26 @@ def _unified_schema(paths: list[str], storage: StorageOptions) -> pa.Schema:
         with storage.filesystem(path).open(path, "rb") as f:
             schemas.append(pq.read_schema(f))
     schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
-    fields = [pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in schema]
-    return pa.schema(fields)
+    existing = {f.name: f.type for f in table} if table is not None else {}
+    return pa.schema(
+        [pa.field(f.name, existing.get(f.name, pa.string())) if pa.types.is_null(f.type) else f for f in schema]
+    )
+
+
+def _table_schema(out: TableOutput, storage: StorageOptions) -> pa.Schema | None:
+    """The output table's Arrow schema (None: no table yet)."""
+    if out.format == "delta":
+        from deltalake import DeltaTable
+
+        uri, options = storage.table_location(out.format, out.location)
+        if not DeltaTable.is_deltatable(uri, storage_options=options):
+            return None
+        return pa.schema(DeltaTable(uri, storage_options=options).schema().to_arrow())
+    if out.format == "lance":
+        dataset = _lance_dataset(out, storage)
+        return None if dataset is None else dataset.schema
+    table = _existing_iceberg_table(out, storage)
+    return None if table is None else table.schema().as_arrow()
 
 
 def _tables(paths: list[str], schema: pa.Schema, storage: StorageOptions, keep_errors: bool) -> Iterator[pa.Table]:
@@ -151,91 +203,49 @@ def _reader(tables: Iterator[pa.Table], schema: pa.Schema) -> pa.RecordBatchRead
     return pa.RecordBatchReader.from_batches(schema, (b for t in tables for b in t.to_batches()))
 
 
-def _committed_version(out: TableOutput, job: str, storage: StorageOptions) -> int | None:
-    """The table version (Iceberg: snapshot id) whose commit carries `job`'s id; None when the
-    table has none (or does not exist yet)."""
-    if out.format == "delta":
-        from deltalake import DeltaTable
-
-        uri, options = _uri_options(out, storage)
-        if not DeltaTable.is_deltatable(uri, storage_options=options):
-            return None
-        table = DeltaTable(uri, storage_options=options)
-        if table.transaction_version(_delta_app_id(job)) is None:
-            return None
-        for commit in table.history():  # newest first: the commit that carried the id
-            if commit.get(JOB_ID_PROPERTY) == job:
-                return int(commit["version"])
-        return int(table.version())
-    if out.format == "lance":
-        dataset = _lance_dataset(out, storage)
-        if dataset is None:
-            return None
-        for version in dataset.versions():
-            transaction = dataset.read_transaction(version["version"])
-            if transaction is not None and (transaction.transaction_properties or {}).get(JOB_ID_PROPERTY) == job:
-                return int(version["version"])
-        return None
-    table = _iceberg_table(out, storage)
-    if table is None or table.current_snapshot() is None:
-        return None
-    from pyiceberg.table.snapshots import ancestors_of
-
-    for snapshot in ancestors_of(table.current_snapshot(), table.metadata):
-        if (snapshot.summary.additional_properties if snapshot.summary else {}).get(JOB_ID_PROPERTY) == job:
-            return int(snapshot.snapshot_id)
-    return None
-
-
 def _delta_app_id(job: str) -> str:
     return f"prefixflow-{job}"
 
 
-def _uri_options(out: TableOutput, storage: StorageOptions) -> tuple[str, dict[str, str] | None]:
-    uri = normal_path(out.location)
-    return uri, storage.table_options(out.format, uri) or None
+def _append_delta(out: TableOutput, tables: Parts, schema: pa.Schema, job: str, storage: StorageOptions) -> None:
+    from deltalake import CommitProperties, Transaction, write_deltalake
 
-
-def _append_delta(out: TableOutput, tables: Any, schema: pa.Schema, job: str, storage: StorageOptions) -> int:
-    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-
-    uri, options = _uri_options(out, storage)
+    uri, options = storage.table_location(out.format, out.location)
     properties = CommitProperties(
         app_transactions=[Transaction(_delta_app_id(job), 1)], custom_metadata={JOB_ID_PROPERTY: job}
     )
     write_deltalake(
         uri, _reader(tables(), schema), mode="append", storage_options=options, commit_properties=properties
     )
-    return int(DeltaTable(uri, storage_options=options).version())
 
 
 def _lance_dataset(out: TableOutput, storage: StorageOptions) -> Any:
+    """The output Lance dataset, None where there is none yet."""
     import lance
 
-    uri, options = _uri_options(out, storage)
+    uri, options = storage.table_location(out.format, out.location)
     try:
         return lance.dataset(uri, storage_options=options)
     except (ValueError, FileNotFoundError):  # no dataset there yet
         return None
 
 
-def _append_lance(out: TableOutput, tables: Any, schema: pa.Schema, job: str, storage: StorageOptions) -> int:
+def _append_lance(out: TableOutput, tables: Parts, schema: pa.Schema, job: str, storage: StorageOptions) -> None:
     import lance
 
-    uri, options = _uri_options(out, storage)
-    mode = "create" if _lance_dataset(out, storage) is None else "append"
-    dataset = lance.write_dataset(
+    uri, options = storage.table_location(out.format, out.location)
+    lance.write_dataset(
         _reader(tables(), schema),
         uri,
         schema=schema,
-        mode=mode,
+        mode="create" if _lance_dataset(out, storage) is None else "append",
         storage_options=options,
         transaction_properties={JOB_ID_PROPERTY: job},
     )
-    return int(dataset.version)
 
 
-def _iceberg_table(out: TableOutput, storage: StorageOptions) -> Any:
+def _existing_iceberg_table(out: TableOutput, storage: StorageOptions) -> Any:
+    """The output Iceberg table, None where it does not exist yet."""
     from pyiceberg.exceptions import NoSuchTableError
 
     try:
@@ -244,17 +254,12 @@ def _iceberg_table(out: TableOutput, storage: StorageOptions) -> Any:
         return None
 
 
-def _append_iceberg(out: TableOutput, tables: Any, schema: pa.Schema, job: str, storage: StorageOptions) -> int | None:
+def _append_iceberg(out: TableOutput, tables: Parts, schema: pa.Schema, job: str, storage: StorageOptions) -> None:
     catalog = iceberg_catalog(out.catalog, storage)
-    namespace = out.location.rsplit(".", 1)[0]
-    catalog.create_namespace_if_not_exists(namespace)
+    catalog.create_namespace_if_not_exists(out.location.rsplit(".", 1)[0])
     table = catalog.create_table_if_not_exists(out.location, schema=schema)
-    # One transaction: every part's append becomes one catalog commit (all rows or none).
-    with table.transaction() as transaction:
-        for part in tables():
-            transaction.append(part, snapshot_properties={JOB_ID_PROPERTY: job})
-    snapshot = catalog.load_table(out.location).current_snapshot()
-    return int(snapshot.snapshot_id) if snapshot is not None else None
+    # One append of the parts' stream: one snapshot, one catalog commit (all rows or none).
+    table.append(_reader(tables(), schema), snapshot_properties={JOB_ID_PROPERTY: job})
 
 
 _APPEND = {"delta": _append_delta, "lance": _append_lance, "iceberg": _append_iceberg}

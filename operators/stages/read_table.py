@@ -19,10 +19,13 @@ arguments are tested (`unity_catalog_arguments`).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from prefixflow.storage import StorageOptions, iceberg_catalog, masked, normal_path
+import pyarrow as pa
+
+from prefixflow.storage import StorageOptions, iceberg_catalog, masked
 
 TableFormat = Literal["delta", "iceberg", "lance", "unity_catalog"]  # config.INPUT_TABLE_FORMATS
 # Formats whose table is a path or URL; the others name a table in a catalog.
@@ -40,7 +43,7 @@ class TableInput:
     version: int | None = None  # Delta/Lance version, Iceberg snapshot id; None: the newest
     columns: tuple[str, ...] | None = None
     filter: tuple[tuple[str, str, Any], ...] = ()
-    catalog: dict[str, str] = field(default_factory=dict)  # iceberg: pyiceberg's catalog properties
+    catalog: dict[str, str] = field(default_factory=dict, repr=False)  # iceberg: pyiceberg's properties
     url: str | None = None  # unity_catalog: the workspace URL
     token_env: str = "DATABRICKS_TOKEN"  # unity_catalog: where the token is
     region: str | None = None  # unity_catalog: the storage's region, where it needs one
@@ -88,15 +91,11 @@ def read_table(table: TableInput, storage: StorageOptions) -> Any:
     extra = [name for name, _, _ in table.filter if wanted is not None and name not in wanted]
     columns = None if wanted is None else wanted + list(dict.fromkeys(extra))
     if table.format == "delta":
-        uri = normal_path(table.location)
-        ds = ray.data.read_delta(
-            uri, version=table.version, storage_options=storage.table_options("delta", uri) or None, columns=columns
-        )
+        uri, options = storage.table_location(table.format, table.location)
+        ds = ray.data.read_delta(uri, version=table.version, storage_options=options, columns=columns)
     elif table.format == "lance":
-        uri = normal_path(table.location)
-        ds = ray.data.read_lance(
-            uri, version=table.version, columns=columns, storage_options=storage.table_options("lance", uri) or None
-        )
+        uri, options = storage.table_location(table.format, table.location)
+        ds = ray.data.read_lance(uri, version=table.version, columns=columns, storage_options=options)
     elif table.format == "iceberg":
         ds = ray.data.read_iceberg(
             table_identifier=table.location,
@@ -128,11 +127,21 @@ def sample_table(table: TableInput, storage: StorageOptions, n: int) -> list[dic
     elif table.format == "lance":
         dataset = _lance(table, storage)
     else:
-        scan = _iceberg_table(table, storage).scan(snapshot_id=table.version, limit=n if expr is None else None)
-        dataset = scan.to_arrow()
-        dataset = dataset.filter(expr) if expr is not None else dataset
-        return dataset.select(columns or dataset.column_names).slice(0, n).to_pylist()
+        return _iceberg_sample(table, storage, n, columns, expr)
     return dataset.head(n, columns=columns, filter=expr).to_pylist()
+
+
+def _iceberg_sample(table: TableInput, storage: StorageOptions, n: int, columns: list[str] | None, expr: Any) -> list:
+    """The first n rows that pass the filter, read batch by batch (never the whole table)."""
+    scan = _iceberg_table(table, storage).scan(snapshot_id=table.version, limit=n if expr is None else None)
+    rows: list[dict[str, Any]] = []
+    for batch in scan.to_arrow_batch_reader():
+        got = pa.Table.from_batches([batch])
+        got = got.filter(expr) if expr is not None else got
+        rows += got.select(columns or got.column_names).slice(0, n - len(rows)).to_pylist()
+        if len(rows) >= n:
+            break
+    return rows
 
 
 def filter_expression(triples: tuple[tuple[str, str, Any], ...]) -> Any:
@@ -184,8 +193,23 @@ def filter_problems(triples: Any) -> str | None:
     return None
 
 
+# The environment variables a spec may name as its Databricks token: a spec must not send the
+# machine's other secrets (AWS_SECRET_ACCESS_KEY, ...) to the URL it names.
+TOKEN_ENV = re.compile(r"^(DATABRICKS_[A-Z0-9_]+|[A-Z0-9_]*DATABRICKS[A-Z0-9_]*TOKEN[A-Z0-9_]*)$")
+
+
+def token_env_problem(name: str) -> str | None:
+    """Why `name` may not be a spec's token_env (None: it may)."""
+    if TOKEN_ENV.match(name):
+        return None
+    return f"{name!r} is not a Databricks variable: name one that starts with DATABRICKS_ (e.g. DATABRICKS_TOKEN)"
+
+
 def unity_catalog_arguments(table: TableInput) -> dict[str, Any]:
     """Ray's read_unity_catalog arguments: the token from the environment variable named."""
+    problem = token_env_problem(table.token_env)
+    if problem:
+        raise ValueError(f"input.token_env: {problem}")
     token = os.environ.get(table.token_env)
     if not token:
         raise ValueError(
@@ -206,15 +230,15 @@ def unity_catalog_arguments(table: TableInput) -> dict[str, Any]:
 def _delta(table: TableInput, storage: StorageOptions) -> Any:
     from deltalake import DeltaTable
 
-    uri = normal_path(table.location)
-    return DeltaTable(uri, version=table.version, storage_options=storage.table_options("delta", uri) or None)
+    uri, options = storage.table_location(table.format, table.location)
+    return DeltaTable(uri, version=table.version, storage_options=options)
 
 
 def _lance(table: TableInput, storage: StorageOptions) -> Any:
     import lance
 
-    uri = normal_path(table.location)
-    return lance.dataset(uri, version=table.version, storage_options=storage.table_options("lance", uri) or None)
+    uri, options = storage.table_location(table.format, table.location)
+    return lance.dataset(uri, version=table.version, storage_options=options)
 
 
 def _iceberg_table(table: TableInput, storage: StorageOptions) -> Any:

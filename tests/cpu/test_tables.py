@@ -67,6 +67,12 @@ def test_spec_names_each_format_fields():
     assert "required for format delta" in got["output.table"]
     got = _problems(_spec(output={"path": "out", "table": "t"}))
     assert "is for table output" in got["output.table"]
+    got = _problems(_spec(input={"format": "iceberg", "table": "q", "catalog": {"py-catalog-impl": "os.system"}}))
+    assert "has no namespace" in got["input.table"] and "import Python code" in got["input.catalog"]
+    got = _problems(_spec(input={"format": "unity_catalog", "table": "a.b.c", "token_env": "AWS_SECRET_ACCESS_KEY"}))
+    assert "not a Databricks variable" in got["input.token_env"]
+    got = _problems(_spec(input={"format": "delta", "path": "t"}, output={"path": "out", "format": "openai"}))
+    assert "openai output needs input.format: openai" in got["output.format"]
     spec = parse_spec(
         _spec(
             input={"format": "delta", "path": "t", "version": 2, "columns": ["q"], "filter": [["s", "in", ["a"]]]},
@@ -80,6 +86,9 @@ def test_spec_names_each_format_fields():
     # The version is in the input's identity as read, not in the spec's: a resume may name it.
     other = parse_spec({**spec.model_dump(), "input": {**spec.input.model_dump(exclude_none=True), "version": 5}})
     assert other.to_job().identity_key == job.identity_key
+    # A catalog's properties (its credentials) may change between attempts too.
+    rotated = {**spec.output.model_dump(exclude_none=True), "catalog": {"type": "sql", "token": "new"}}
+    assert parse_spec({**spec.model_dump(), "output": rotated}).to_job().identity_key == job.identity_key
 
 
 def _delta(path: Path, rows: list[dict]) -> None:
@@ -123,11 +132,13 @@ def test_reader_pins_the_newest_version_and_samples_with_columns_and_filter(tmp_
 
 
 def test_unity_catalog_reader_arguments(monkeypatch):
-    table = TableInput("unity_catalog", "main.default.q", url="https://x.cloud.databricks.com", token_env="MY_TOKEN")
-    monkeypatch.delenv("MY_TOKEN", raising=False)
-    with pytest.raises(ValueError, match="'MY_TOKEN' is not set"):
+    table = TableInput(
+        "unity_catalog", "main.default.q", url="https://x.cloud.databricks.com", token_env="DATABRICKS_MY_TOKEN"
+    )
+    monkeypatch.delenv("DATABRICKS_MY_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="'DATABRICKS_MY_TOKEN' is not set"):
         unity_catalog_arguments(table)
-    monkeypatch.setenv("MY_TOKEN", "dapi-secret")
+    monkeypatch.setenv("DATABRICKS_MY_TOKEN", "dapi-secret")
     assert unity_catalog_arguments(table) == {
         "table": "main.default.q",
         "url": "https://x.cloud.databricks.com",
@@ -167,6 +178,22 @@ def test_table_commit_is_once_per_job(tmp_path, fmt):
     assert other["rows_appended"] == 2 and other["version"] != done["version"]  # a new job; its errors left out
     rows = _read_back(out)
     assert sorted(r["row_id"] for r in rows) == [0, 0, 1, 2, 2] and sum(r["error"] == "bad" for r in rows) == 1
+    if fmt == "iceberg":  # one snapshot per job, whatever its number of parts
+        from prefixflow.storage import iceberg_catalog
+
+        assert len(iceberg_catalog(out.catalog, LOCAL).load_table(location).snapshots()) == 2
+
+
+def test_a_column_null_in_every_row_takes_the_tables_type(tmp_path):
+    from deltalake import DeltaTable
+
+    out = TableOutput("delta", str(tmp_path / "answers"))
+    first = _parts(tmp_path / "a", [pa.table({"row_id": [0], "score": [0.5], "error": pa.nulls(1, pa.string())})])
+    commit_to_table(out, str(tmp_path / "a"), first, "aa" * 16, LOCAL)
+    second = _parts(tmp_path / "b", [pa.table({"row_id": [1], "score": pa.nulls(1), "error": pa.nulls(1)})])
+    assert commit_to_table(out, str(tmp_path / "b"), second, "bb" * 16, LOCAL)["rows_appended"] == 1
+    table = DeltaTable(out.location).to_pyarrow_table()
+    assert table.schema.field("score").type == pa.float64() and sorted(table.column("row_id").to_pylist()) == [0, 1]
 
 
 def test_a_job_without_rows_makes_no_commit(tmp_path):
@@ -210,7 +237,7 @@ def test_a_table_read_at_another_version_is_named_on_resume():
     old = {"spec": "s", "model": {}, "inputs": [["delta:/data/q", 3]], "input_content": "c"}
     new = {**old, "inputs": [["delta:/data/q", 5]]}
     why = _what_changed(old, new)
-    assert "the table delta:/data/q is at version 5, and the first run read version 3" in why
+    assert "this run reads the table delta:/data/q at version 5, and the first run read version 3" in why
     assert "input.version: 3" in why
 
 
@@ -318,7 +345,7 @@ def test_delta_in_delta_out_exactly_once_through_kills_resumes_and_a_changed_tab
     job.write_text(job.read_text().replace("overwrite: true", "resume: true"))
     (out / "_SUCCESS").unlink()
     log = _run(start_driver, job, ok=False)
-    assert "is at version 1, and the first run read version 0" in log and "input.version: 0" in log
+    assert "at version 1, and the first run read version 0" in log and "input.version: 0" in log
     assert DeltaTable(str(table)).version() == 0
 
 
