@@ -148,7 +148,10 @@ class LiveBar:
 
     def report(self, counts: dict[str, Any]) -> None:
         self.source.live({int(counts["replica"]): counts})
-        self.draw()
+        rows, total, _ = self.fields()
+        # The last counts are always drawn: reports come faster than every_s, and a throttled
+        # last one left the bar short of 100% for good (nothing draws it after).
+        self.draw(force=rows >= total)
 
     def run_done(self, replica: int = 0) -> None:
         self.source.run_done(replica)

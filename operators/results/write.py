@@ -323,7 +323,10 @@ class MetricsSink:
         self.retired.setdefault(run, set()).update(tokens)
 
     def end_run(self, run: str) -> None:
-        """`run` has ended (or its Dataset was abandoned): its blocks not taken are dropped."""
+        """`run` has ended (or its Dataset was abandoned): its blocks not taken are dropped, and
+        the live bar shows its last counts."""
+        if self.bar is not None:
+            self.bar.draw(force=True)
         self.runs.pop(run, None)
         self.retired.pop(run, None)
         self.ended.add(run)

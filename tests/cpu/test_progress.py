@@ -104,6 +104,16 @@ def test_error_rows_are_not_progress():
     assert bar.fields(now=started + 2.0) == (4, 32, "prefixflow (20.0 generated tok/s, 16 error rows)")
 
 
+def test_the_bars_last_counts_are_drawn_however_soon_they_come():
+    """Reports come faster than the bar draws (every_s); the one that completes the rows is
+    drawn anyway (a throttled last report left the Python API's bar short of 100% for good)."""
+    bar = LiveBar("prefixflow", total_rows=8, every_s=60.0)
+    bar.report({"replica": 0, "rows": 0, "generated_tokens": 0, "run_started": 10.0, "time": 10.5})
+    assert bar.bar is not None and not bar.closed
+    bar.report({"replica": 0, "rows": 8, "generated_tokens": 32, "run_started": 10.0, "time": 11.0})
+    assert bar.closed and bar.bar.n == 8
+
+
 def test_generator_bar_adds_each_batch():
     """A map_batches Generator runs one engine run per batch: the bar adds the batches' rows and
     each finished run's counts (its next run's counters start at 0)."""
