@@ -34,9 +34,9 @@ def job_dataset(processor: Any, ds: Any) -> Any:
     import ray
 
     # max_calls=1: the task's worker process exits when the job ends, and with it whatever the
-    # job made there and still holds: a failed plan's tokenize actor pool (1 CPU each; now tasks) outlived
-    # the job in the idle, reused worker that owned it (test_engine_start found the session's
-    # Ray a CPU short for minutes after test_ray_llm_compat's failing lazy job).
+    # job made there and still holds (a failed plan's tokenize actor pool, before the stage ran
+    # as tasks, outlived the job in the idle, reused worker that owned it: test_engine_start
+    # found the session's Ray a CPU short for minutes after test_ray_llm_compat's failing job).
     return ray.data.read_datasource(
         JobSource(processor, ds),
         override_num_blocks=1,
