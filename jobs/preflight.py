@@ -42,7 +42,14 @@ from prefixflow.operators.results.commit import input_listing
 from prefixflow.operators.results.table_commit import output_table_problem
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS
 from prefixflow.operators.stages.read import SUFFIXES, Format, parse_file
-from prefixflow.operators.stages.read_table import PATH_TABLES, TableInput, pinned, sample_table
+from prefixflow.operators.stages.read_table import (
+    PATH_TABLES,
+    TableInput,
+    column_problems,
+    pinned,
+    sample_table,
+    table_columns,
+)
 from prefixflow.operators.stages.tokenize import OPENAI_MESSAGES, check_row_sampling
 from prefixflow.operators.template import PromptTemplate, RowError, template_columns
 from prefixflow.requests import SamplingParams
@@ -124,7 +131,10 @@ def _table_preflight(spec: JobSpec, table: TableInput, source: str, problems: Pr
         problems.append(("input.format", missing))
         raise SpecError(source, problems)
     try:
-        rows = sample_rows(spec, SAMPLE_ROWS)
+        names = table_columns(pinned(table, storage), storage)
+        missing_columns = column_problems(table, names) if names is not None else []
+        problems += [(f"input.{name}", why) for name, why in missing_columns]
+        rows = [] if missing_columns else sample_rows(spec, SAMPLE_ROWS)
     except Exception as e:  # noqa: BLE001 - each table library raises its own kinds; one line each
         problems.append((field, f"cannot read the {table.name} table: {masked(str(e))[:300]}"))
     problems += _output_problems(spec, []) or _output_access_problems(spec, storage, False)

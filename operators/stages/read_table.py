@@ -144,6 +144,30 @@ def _iceberg_sample(table: TableInput, storage: StorageOptions, n: int, columns:
     return rows
 
 
+def table_columns(table: TableInput, storage: StorageOptions) -> list[str] | None:
+    """The table's column names at its version (None: a Unity Catalog table, whose schema only
+    its server knows)."""
+    if table.format == "unity_catalog":
+        return None
+    if table.format == "delta":
+        return list(pa.schema(_delta(table, storage).schema().to_arrow()).names)
+    if table.format == "lance":
+        return list(_lance(table, storage).schema.names)
+    return [f.name for f in _iceberg_table(table, storage).schema().fields]
+
+
+def column_problems(table: TableInput, names: list[str]) -> list[tuple[str, str]]:
+    """(field, why) for each column that `columns` or `filter` names and the table lacks."""
+    from prefixflow.errors import did_you_mean
+
+    def why(name: str) -> str:
+        hint = did_you_mean(name, names)
+        return f"{name!r} is not a column of the table{'; ' + hint if hint else ''} (columns: {', '.join(names)})"
+
+    asked = [("columns", c) for c in table.columns or ()] + [("filter", n) for n, _, _ in table.filter]
+    return [(field, why(name)) for field, name in asked if name not in names]
+
+
 def filter_expression(triples: tuple[tuple[str, str, Any], ...]) -> Any:
     """The Ray Data expression that holds where every [column, operator, value] holds."""
     from ray.data.expressions import col

@@ -131,6 +131,24 @@ def test_reader_pins_the_newest_version_and_samples_with_columns_and_filter(tmp_
     assert sorted(r["n"] for r in first) == [0, 1, 2]
 
 
+def test_validate_names_columns_the_table_lacks(tiny_model, tmp_path):
+    from prefixflow.jobs.preflight import preflight
+
+    _delta(tmp_path / "d", [{"q": "a", "n": 1}])
+    spec = _spec(
+        model=str(tiny_model),
+        input={"format": "delta", "path": str(tmp_path / "d"), "columns": ["qq"], "filter": [["nn", ">", 0]]},
+        output={"path": str(tmp_path / "out")},
+    )
+    with pytest.raises(SpecError) as e:
+        preflight(parse_spec(spec))
+    got = dict(e.value.problems)
+    assert got["input.columns"] == "'qq' is not a column of the table; did you mean 'q'? (columns: q, n)"
+    assert got["input.filter"].startswith("'nn' is not a column of the table; did you mean 'n'?")
+    ok = {**spec, "input": {**spec["input"], "columns": ["q"], "filter": [["n", ">", 0]]}}
+    assert preflight(parse_spec(ok)) == [{"q": "a"}]  # the sample, as the job reads it
+
+
 def test_unity_catalog_reader_arguments(monkeypatch):
     table = TableInput(
         "unity_catalog", "main.default.q", url="https://x.cloud.databricks.com", token_env="DATABRICKS_MY_TOKEN"
