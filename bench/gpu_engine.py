@@ -114,6 +114,7 @@ def _parity_prompts(vocab: int) -> list[list[int]]:
 
 def decode(device: str, dtype: DType, shape: dict[str, int], batches: list[int], decode_steps: int) -> dict:
     """The decode step of `shape` at each batch, beside the weights floor and the profile."""
+    from prefixflow.bench.step_profile import copy_bandwidth
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
 
     path = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **shape))
@@ -210,24 +211,6 @@ def _union_s(intervals_us: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total / 1e6
-
-
-def copy_bandwidth(device: str, num_bytes: int = 256 << 20) -> float:
-    """Bytes read and written per second by a copy of `num_bytes` on `device` (best of 5, after
-    one warm-up): the weights-read floor of a decode step, for every bench (kernel_bench and
-    step_profile use it too)."""
-    import torch
-
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() / best
 
 
 def _free(device: str) -> None:

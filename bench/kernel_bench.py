@@ -38,7 +38,7 @@ from prefixflow.kernels import (
     rotary_embedding_ref,
     write_kv_cache,
 )
-from prefixflow.bench.gpu_engine import copy_bandwidth
+from prefixflow.bench.step_profile import copy_bandwidth
 from prefixflow.bench.kernel_cases import PrefixCase, make_prefix_case
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton

@@ -58,14 +58,33 @@ def matmul_rate(threads: int) -> float:
 
 
 def memory_bandwidth(threads: int) -> float:
-    """Bytes per second read and written by a 256 MiB copy on `threads` CPU threads
-    (gpu_engine.copy_bandwidth)."""
+    """Bytes per second read and written by a 256 MiB copy on `threads` CPU threads."""
     import torch
-
-    from prefixflow.bench.gpu_engine import copy_bandwidth
 
     torch.set_num_threads(threads)
     return copy_bandwidth("cpu")
+
+
+def copy_bandwidth(device: str, num_bytes: int = 256 << 20) -> float:
+    """Bytes read and written per second by a copy of `num_bytes` on `device` (best of 5, after
+    one warm-up): the weights-read floor of a decode step, for every bench (kernel_bench and
+    gpu_engine use it too)."""
+    import torch
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync()
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() / best
 
 
 def _timed(fn: Any) -> float:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
+from prefixflow.errors import did_you_mean
 from prefixflow.storage import StorageOptions, iceberg_catalog, masked
 
 TableFormat = Literal["delta", "iceberg", "lance", "unity_catalog"]  # config.INPUT_TABLE_FORMATS
@@ -158,7 +159,6 @@ def table_columns(table: TableInput, storage: StorageOptions) -> list[str] | Non
 
 def column_problems(table: TableInput, names: list[str]) -> list[tuple[str, str]]:
     """(field, why) for each column that `columns` or `filter` names and the table lacks."""
-    from prefixflow.errors import did_you_mean
 
     def why(name: str) -> str:
         hint = did_you_mean(name, names)
