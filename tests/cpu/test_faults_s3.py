@@ -17,6 +17,7 @@ from prefixflow.bench.fault_proxy import FaultProxy
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.operators.results.write import read_output
 from prefixflow.storage import StorageOptions
+from support.s3 import s3_bucket
 
 pytestmark = pytest.mark.slow
 JOB_TIMEOUT_S = 300
@@ -24,18 +25,7 @@ JOB_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def bucket(s3_server):
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="pf-faults")
-    return StorageOptions(
-        endpoint_url=s3_server, region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
-    )
+    return s3_bucket(s3_server, "pf-faults")
 
 
 def _spec(root, model, endpoint: str, prefix: str, fmt: str, max_attempts: int, resume: bool = False):

@@ -13,25 +13,14 @@ from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
 from prefixflow.operators.results.write import read_output
 from prefixflow.operators.stages.read import ReadOptions, read_dataset
-from prefixflow.storage import StorageOptions
+from support.s3 import s3_bucket
 
 pytestmark = pytest.mark.slow  # end to end on a real local Ray
 
 
 @pytest.fixture(scope="module")
 def bucket(s3_server):
-    storage = StorageOptions(
-        endpoint_url=s3_server, region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
-    )
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="pf-test")
+    storage = s3_bucket(s3_server, "pf-test")
     return storage, storage.filesystem("s3://pf-test")
 
 

@@ -100,20 +100,9 @@ def test_forms_and_normalized_names(tiny_model, tmp_path, monkeypatch):
 
 
 def test_s3_folder_is_copied_once(tiny_model, s3_server, caplog):
-    import boto3
+    from support.s3 import s3_bucket
 
-    from prefixflow.storage import StorageOptions
-
-    storage = StorageOptions(
-        endpoint_url=s3_server, region="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
-    )
-    boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="models")
+    storage = s3_bucket(s3_server, "models")
     fs = storage.filesystem("s3://models")
     fs.put(str(tiny_model) + "/", "models/tiny/", recursive=True)
     with caplog.at_level("INFO", logger="prefixflow.model_source"):

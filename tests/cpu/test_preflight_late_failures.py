@@ -18,6 +18,7 @@ import yaml
 from prefixflow.cli import main as cli
 from prefixflow.jobs.preflight import preflight
 from prefixflow.jobs.spec import parse_spec
+from support.s3 import s3_bucket
 
 ROWS = [{"id": i, "question": f"why {i}?"} for i in range(6)]
 
@@ -146,15 +147,7 @@ def no_aws_credentials(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def bucket(s3_server) -> str:
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="pf-preflight")
+    s3_bucket(s3_server, "pf-preflight")
     return "pf-preflight"
 
 

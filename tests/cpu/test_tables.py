@@ -35,6 +35,7 @@ from prefixflow.operators.stages.read_table import (
     unity_catalog_arguments,
 )
 from prefixflow.storage import StorageOptions
+from support.s3 import CREDENTIALS, s3_bucket
 
 LOCAL = StorageOptions()
 TEMPLATE = "{% if question.strip() %}Document: {{ document }}\nQuestion: {{ question }}\nAnswer:{% endif %}"
@@ -296,6 +297,26 @@ def _wait_for(cond, proc, what: str, timeout_s: float = 300) -> None:
         time.sleep(0.02)
 
 
+def _kill_after_two_parts(start_driver, job: Path, out: Path) -> None:
+    """Run `job` and SIGKILL its driver once two parts are committed."""
+    proc = start_driver(job)
+    _wait_for(lambda: len(_records(out)) >= 2, proc, "two committed parts")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _resume_whose_commit_fails(start_driver, job: Path, out: Path, block_commit) -> None:
+    """Resume `job`; once it has committed a part of its own (it is past its checks and its
+    reading), `block_commit()` makes its table commit fail: the resume ends in an error after
+    its last part, with every row committed and no _SUCCESS."""
+    before = len(_records(out))
+    proc = start_driver(job)
+    _wait_for(lambda: len(_records(out)) > before, proc, "a part of the resume")
+    block_commit()
+    assert proc.wait(timeout=300) != 0
+    assert not (out / "_SUCCESS").exists()
+
+
 def _run(start_driver, job: Path, ok: bool = True) -> str:
     proc = start_driver(job)
     rc = proc.wait(timeout=300)
@@ -330,20 +351,11 @@ def test_delta_in_delta_out_exactly_once_through_kills_resumes_and_a_changed_tab
     )
     out = tmp_path / "out"
     # 1. A kill between parts.
-    proc = start_driver(job)
-    _wait_for(lambda: len(_records(out)) >= 2, proc, "two committed parts")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    before = len(_records(out))
+    _kill_after_two_parts(start_driver, job, out)
     # 2. The resume dies between its last part and the table commit: the table's path is taken
-    # by a plain file once the resume is past its checks (a real failure of the commit, at
-    # that point; nothing in the job is stubbed).
-    proc = start_driver(job)
-    _wait_for(lambda: len(_records(out)) > before, proc, "a part of the resume")
-    table.write_text("in the way")
-    assert proc.wait(timeout=300) != 0
-    committed = sorted(r for rec in _records(out) for r in rec["row_ids"])
-    assert committed == list(range(len(rows))) and not (out / "_SUCCESS").exists()
+    # by a plain file (a real failure of the commit, at that point; nothing in the job is stubbed).
+    _resume_whose_commit_fails(start_driver, job, out, lambda: table.write_text("in the way"))
+    assert sorted(r for rec in _records(out) for r in rec["row_ids"]) == list(range(len(rows)))
     # 3. The next resume runs no row and commits every row to the table, once.
     table.unlink()
     log = _run(start_driver, job)
@@ -385,19 +397,16 @@ def test_iceberg_in_iceberg_out_exactly_once_through_kills_and_resumes(start_dri
         {"format": "iceberg", "table": "jobs.answers", "catalog": props},
     )
     out = tmp_path / "out"
-    proc = start_driver(job)
-    _wait_for(lambda: len(_records(out)) >= 2, proc, "two committed parts")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    before = len(_records(out))
+    _kill_after_two_parts(start_driver, job, out)
     # The resume loses its catalog once it is past reading the input (the sqlite file moved
     # away, a folder in its place): its table commit fails after the last part.
-    proc = start_driver(job)
-    _wait_for(lambda: len(_records(out)) > before, proc, "a part of the resume")
     db = tmp_path / "catalog.db"
-    db.rename(tmp_path / "catalog.db.away")
-    db.mkdir()
-    assert proc.wait(timeout=300) != 0
+
+    def move_the_catalog_away() -> None:
+        db.rename(tmp_path / "catalog.db.away")
+        db.mkdir()
+
+    _resume_whose_commit_fails(start_driver, job, out, move_the_catalog_away)
     assert sorted(r for rec in _records(out) for r in rec["row_ids"]) == list(range(len(rows)))
     db.rmdir()
     (tmp_path / "catalog.db.away").rename(db)
@@ -433,10 +442,7 @@ def test_lance_in_parquet_out_with_columns_a_filter_and_a_kill(start_driver, tin
         {"format": "parquet"},
     )
     out = tmp_path / "out"
-    proc = start_driver(job)
-    _wait_for(lambda: len(_records(out)) >= 2, proc, "two committed parts")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    _kill_after_two_parts(start_driver, job, out)
     _run(start_driver, job)
     assert 0 < _metrics(out)["fault_tolerance"]["rows_committed_before"]
     got = read_output(str(out)).to_pylist()
@@ -448,20 +454,11 @@ def test_lance_in_parquet_out_with_columns_a_filter_and_a_kill(start_driver, tin
 
 @pytest.mark.slow
 def test_delta_on_s3_in_and_out_once(ray_local, tiny_model, s3_server):
-    import boto3
     from deltalake import DeltaTable, write_deltalake
 
     from prefixflow.jobs.run import run_job
 
-    creds = {"region": "us-east-1", "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-    storage = StorageOptions(endpoint_url=s3_server, **creds)
-    boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="pf-tables")
+    storage = s3_bucket(s3_server, "pf-tables")
     rows = _rows(seed=24)
     options = storage.object_store_options("s3://pf-tables/questions")
     write_deltalake("s3://pf-tables/questions", pa.Table.from_pylist(rows), storage_options=options)
@@ -472,7 +469,7 @@ def test_delta_on_s3_in_and_out_once(ray_local, tiny_model, s3_server):
         "sampling": {"temperature": 0, "max_tokens": 4},
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
         "output": {"path": "s3://pf-tables/out/", "format": "delta", "table": "s3://pf-tables/answers"},
-        "storage": {"endpoint_url": s3_server, **creds},
+        "storage": {"endpoint_url": s3_server, **CREDENTIALS},
     }
     first = run_job(parse_spec(spec), quiet=True)["table"]
     assert first["rows_appended"] == len(rows) and first["version"] == 0
