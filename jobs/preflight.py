@@ -442,6 +442,7 @@ def _output_problems(spec: JobSpec, files: list[str]) -> Problems:
 WRITTEN = (
     "part-r000-000000000.jsonl",
     "part-r000-000000000.parquet",
+    "part-error-000000000.jsonl",
     "part-errors-000000000.jsonl",
     f"{COMMITS}/part-r000-000000000.jsonl.json",
     RESULTS_FILE,

@@ -20,8 +20,12 @@ if TYPE_CHECKING:  # annotations only: this module stays importable without the 
 
 def plan_text(planned: PlannedJob) -> str:
     s = planned.plan.summary
+    if planned.window is not None:  # the first window of a job planned in windows
+        what = f"plan of window {planned.window} (the next windows are planned as they are read)"
+    else:
+        what = "plan" if "num_windows" not in s else f"plan in {s['num_windows']} windows"
     lines = [
-        f"plan: {s['num_rows']} rows -> {s['num_groups']} groups ({s['num_shared_groups']} sharing a "
+        f"{what}: {s['num_rows']} rows -> {s['num_groups']} groups ({s['num_shared_groups']} sharing a "
         f"prefix), order {s['order']}, {s['num_replicas']} replica(s)",
         f"  prompt tokens {s['prompt_tokens']}, computed {s['computed_prompt_tokens']}: token saving "
         f"ratio {s['token_saving_ratio']:.1%} (single-level {s['single_level_token_saving_ratio']:.1%}, "
@@ -71,6 +75,11 @@ class Progress:
         self.started = time.time()
         self.last = 0.0
         self.bar = _Line(self) if self.tty and not quiet else None
+
+    def add_rows(self, rows: int, error_rows: int = 0) -> None:
+        """More rows to run (a window of the job queued): `rows` in all, `error_rows` of them
+        error records."""
+        self.source.add_rows(rows, error_rows)
 
     def update(self, manifest: dict[str, Any]) -> None:
         self.source.committed(manifest)

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from prefixflow.operators.results.commit import (
     input_listing,
     job_identity,
     load_committed,
+    record_window,
 )
 from prefixflow.operators.results.openai_output import system_fingerprint, write_results
 from prefixflow.operators.results.write import (
@@ -46,11 +48,11 @@ from prefixflow.operators.results.write import (
     start_sink,
     write_json,
 )
-from prefixflow.operators.stages.plan import PlannedJob
+from prefixflow.operators.stages.plan import PlannedJob, joined_windows, window_record
 from prefixflow.operators.results.table_commit import commit_to_table, job_id
 from prefixflow.operators.stages.read import input_files, read_dataset
 from prefixflow.operators.stages.read_table import pinned
-from prefixflow.operators.stages.supervise import Supervisor, start_engines, stop_engines
+from prefixflow.operators.stages.supervise import Supervisor, check_window_resources, start_engines, stop_engines
 from prefixflow.storage import join
 
 
@@ -104,19 +106,72 @@ def run_job(
         processor.check_context()
         # Decided once: the engines started now and those a replica starts later run alike.
         options = processor.engine_options()
+        if not dry_run:
+            check_window_resources(job.config, options)
         engines = {} if dry_run else start_engines(job.config, options)
         try:
-            planned = processor.plan(read_dataset(job.read), stealing=job.config.work_stealing)
+            planned, windows = plan_job(processor, job, whole=dry_run)
             if not quiet:
                 print(report.plan_text(planned), flush=True)
             if dry_run:
                 return report.dry_run_result(planned, time.perf_counter() - started)
-            return _generate(job, planned, wopts, started, quiet, engines, options)
+            return _generate(job, planned, wopts, started, quiet, engines, options, windows)
         finally:
             stop_engines(engines)  # those no Supervisor took (the plan failed; nothing to run)
     finally:
         if lock is not None:
             lock.release()
+
+
+def plan_job(processor: Processor, job: Job, whole: bool = False) -> tuple[PlannedJob, Iterator[PlannedJob] | None]:
+    """The job's plan, and None; for a job planned in windows (config.window_rows), its first
+    window and the later ones, each read and planned when asked for; whole: every window
+    planned now, and the whole job returned (a dry run, `prefixflow plan`)."""
+    ds, stealing = read_dataset(job.read), job.config.work_stealing
+    if job.config.window_rows is None:
+        return processor.plan(ds, stealing=stealing), None
+    windows = processor.plan_windows(ds, stealing=stealing)
+    if whole:
+        return joined_windows([window_record(w) for w in windows]), None
+    return next(windows), windows
+
+
+class _WindowLog:
+    """A job planned in windows, window by window as each is queued (operators/stages/
+    supervise.Supervisor's on_window): checked against the window the first run planned and
+    recorded in _job.json (record_window), its rows to run added to the progress line
+    (`before`: the rows committed before this run), and kept (its plan table and summary) for
+    the report; `whole` is the job they make."""
+
+    def __init__(
+        self,
+        job: Job,
+        wopts: WriteOptions,
+        identity: dict[str, Any],
+        old: dict[str, Any] | None,
+        progress: report.Progress,
+        before: Committed,
+    ):
+        self.wopts, self.identity, self.replicas = wopts, identity, job.config.replicas
+        self.progress, self.before = progress, np.asarray(before.row_ids)
+        self.recorded: list[dict[str, Any]] = list((old or {}).get("windows") or [])
+        self.kept: list[PlannedJob] = []
+
+    def __call__(self, window: PlannedJob) -> None:
+        record_window(self.wopts.path, self.identity, self.recorded, window, self.replicas, self.wopts.storage)
+        self.kept.append(window_record(window))
+        add_rows_to_run(window, self.progress, self.before)
+
+    def whole(self) -> PlannedJob:
+        return joined_windows(self.kept)
+
+
+def add_rows_to_run(planned: PlannedJob, progress: report.Progress, before: np.ndarray) -> None:
+    """The rows of `planned` (a window, or the whole job) not committed `before` (row ids), to
+    the progress line."""
+    first, end = planned.rows.first_row, planned.rows.first_row + planned.rows.num_rows
+    done = int(np.count_nonzero((before >= first) & (before < end)))
+    progress.add_rows(planned.rows.num_rows - done, len(np.setdiff1d(planned.error_row_ids, before)))
 
 
 def pin_table(job: Job, quiet: bool = True) -> Job:
@@ -138,44 +193,45 @@ def _generate(
     quiet: bool,
     engines: dict[int, Any],
     engine_options: dict[str, Any],
+    windows: Iterator[PlannedJob] | None = None,
 ) -> dict[str, Any]:
     """Run every row not committed yet (on the started `engines`, and new ones where a replica
-    has none), check that every row is, and write the end files."""
+    has none), check that every row is, and write the end files. windows: the windows after
+    `planned` of a job planned in windows (plan_job)."""
     import ray
 
-    # The files the reader read (not every file beside them in a folder): their sizes are part
-    # of what a resume must find unchanged.
-    table = job.read.table
-    inputs = table.identity() if table is not None else input_listing(input_files(job.read), wopts.storage)
-    model = model_fingerprint(resolve_model(job.config.model))
-    identity = job_identity(planned, job.config.replicas, job.identity_key, inputs, model)
-    if wopts.format == "openai":
-        wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, job.engine_fields))
+    # A windowed job's windows are checked one by one, as they are planned (_WindowLog).
+    identity, wopts = _identity(job, planned if windows is None else None, wopts)
     fingerprint = identity["fingerprint"]
-    check_job_file(wopts.path, identity, wopts.storage, job.resume)
+    old = check_job_file(wopts.path, identity, wopts.storage, job.resume)
     clear_end_markers(wopts)
     # Every committed part is read once: one damaged since its commit runs its rows again.
     before = load_committed(wopts.path, wopts.storage, verify=True)
     # Named, so that another process can read the running job's state (operators/results/write.py).
     sink = start_sink(job.name, name=sink_name(fingerprint, os.getpid()))
     gen_started = time.perf_counter()
-    errors = len(np.setdiff1d(planned.error_row_ids, before.row_ids))
-    progress = report.Progress(total_rows=planned.rows.num_rows - before.num_rows, quiet=quiet, error_rows=errors)
+    progress = report.Progress(total_rows=0, quiet=quiet)
+    log = None if windows is None else _WindowLog(job, wopts, identity, old, progress, before)
+    if log is not None:
+        log(planned)  # a windowed job's rows are added window by window, as each is queued
+    else:
+        add_rows_to_run(planned, progress, before.row_ids)
     supervisor = Supervisor(
-        job.config, planned, sink, wopts, job.config.max_retries_per_row, progress, engine_options, engines
+        job.config,
+        planned,
+        sink,
+        wopts,
+        job.config.max_retries_per_row,
+        progress,
+        engine_options,
+        engines,
+        windows,
+        on_window=log,
     )
     manifests, faults = supervisor.run()
     progress.close()
-    final = load_committed(wopts.path, wopts.storage)
-    # Without the parts a dead job's actors still committed after this job took the path over:
-    # this job ran their rows itself (operators/results/commit.py: fencing).
-    final, fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence, before, final) if wopts.fence else (final, [])
-    missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
-    if len(missing) or len(final.row_ids) != planned.rows.num_rows:  # never report success short
-        raise RuntimeError(
-            f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
-            f"{wopts.path!r} were not committed: rerun with output.resume: true"
-        )
+    planned = planned if log is None else log.whole()
+    final, fenced = _every_row_committed(planned, wopts, before)
     # The commit records are the truth (a killed actor's last report may never arrive).
     metrics = report.metrics(
         job,
@@ -199,6 +255,36 @@ def _generate(
     if not quiet:
         print(report.metrics_text(metrics, wopts.path), flush=True)
     return metrics
+
+
+def _identity(job: Job, planned: PlannedJob | None, wopts: WriteOptions) -> tuple[dict[str, Any], WriteOptions]:
+    """What a resume must find unchanged (operators/results/commit.job_identity; planned None:
+    a job planned in windows), and the write options with OpenAI's system fingerprint."""
+    # The files the reader read (not every file beside them in a folder): their sizes are part
+    # of what a resume must find unchanged.
+    table = job.read.table
+    inputs = table.identity() if table is not None else input_listing(input_files(job.read), wopts.storage)
+    model = model_fingerprint(resolve_model(job.config.model))
+    identity = job_identity(planned, job.config.replicas, job.identity_key, inputs, model)
+    if wopts.format == "openai":
+        wopts = dataclasses.replace(wopts, system_fingerprint=system_fingerprint(model, job.engine_fields))
+    return identity, wopts
+
+
+def _every_row_committed(planned: PlannedJob, wopts: WriteOptions, before: Committed) -> tuple[Committed, list[str]]:
+    """The committed rows at the end, and the fenced parts dropped; raises unless every row of
+    the job is committed, once (never report success short)."""
+    final = load_committed(wopts.path, wopts.storage)
+    # Without the parts a dead job's actors still committed after this job took the path over:
+    # this job ran their rows itself (operators/results/commit.py: fencing).
+    final, fenced = drop_fenced(wopts.path, wopts.storage, wopts.fence, before, final) if wopts.fence else (final, [])
+    missing = np.setdiff1d(np.arange(planned.rows.num_rows), final.row_ids)
+    if len(missing) or len(final.row_ids) != planned.rows.num_rows:
+        raise RuntimeError(
+            f"rows {missing[:10].tolist()} ({len(missing)} in all) of "
+            f"{wopts.path!r} were not committed: rerun with output.resume: true"
+        )
+    return final, fenced
 
 
 def _write_end_files(

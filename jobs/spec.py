@@ -658,6 +658,11 @@ class JobSpec(_Strict):
         default=_default("work_stealing"),
         description="a replica that runs dry takes the last unstarted plan units of the one expected to finish last",
     )
+    window_rows: Annotated[int, _limited("window_rows")] | None = Field(
+        default=_default("window_rows"),
+        description="plan the job in windows of this many rows, each run while the next is read and "
+        "planned; unset: the whole job is planned before any row runs",
+    )
     max_retries_per_row: int = Field(
         default=_default("max_retries_per_row"),
         ge=0,
@@ -823,6 +828,7 @@ class JobSpec(_Strict):
             replicas=self.num_replicas,
             min_replicas=self.replicas.min if isinstance(self.replicas, ReplicasSpec) else None,
             work_stealing=self.work_stealing,
+            window_rows=self.window_rows,
             max_retries_per_row=self.max_retries_per_row,
             num_gpus_per_replica=self.resources.num_gpus_per_replica,
             num_cpus_per_replica=self.resources.num_cpus_per_replica,

@@ -82,6 +82,7 @@ LIMITS: dict[str, tuple[float, bool, bool, str]] = {
     "num_gpus_per_replica": (0, False, True, "use a number >= 0, or None to decide when the job runs"),
     "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
     "max_retries_per_row": (0, True, False, "use an integer >= 0"),
+    "window_rows": (1, True, True, "use a positive integer, or None to plan the whole job at once"),
 }
 
 
@@ -170,6 +171,10 @@ class ProcessorConfig:
         as ray.data.llm's `concurrency=(min, max)`.
     work_stealing: a replica that runs dry takes the last unstarted plan units of the one expected to finish last
         (operators/stages/work_queue.py); False: each runs only its own partition (the static plan).
+    window_rows: plan the job in windows of this many rows (the first ones smaller), each
+        dispatched to the engines while the next is read and planned (pipeline/windows.py);
+        None: the whole job is read and planned before any row runs (one global plan, which
+        shares every prefix, at the cost of the engines waiting for it).
     max_retries_per_row: after an engine actor dies, its uncommitted rows run again on a new
         one; a replica whose actor dies this many more times in a row without committing a row
         has its rows left become error records (operators/stages/attempts.py).
@@ -205,6 +210,7 @@ class ProcessorConfig:
     replicas: int = 1
     min_replicas: int | None = None
     work_stealing: bool = True
+    window_rows: int | None = None
     max_retries_per_row: int = 2
     num_gpus_per_replica: float | None = 0.0
     num_cpus_per_replica: float = 1.0

@@ -249,10 +249,9 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs import report
     from prefixflow.jobs.preflight import plan_out_problems, preflight
-    from prefixflow.jobs.run import ensure_ray, pin_table
+    from prefixflow.jobs.run import ensure_ray, pin_table, plan_job
     from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.faces.processor import Processor
-    from prefixflow.operators.stages.read import read_dataset
 
     preflight(spec, args.spec, args.address)
     problems = plan_out_problems(spec, args.out)  # never over the input, the output or a stranger's file
@@ -260,7 +259,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
         raise SpecError(args.spec, problems)
     ensure_ray(args.address)
     job = pin_table(spec.to_job())
-    planned = Processor(job.config).plan(read_dataset(job.read), stealing=job.config.work_stealing)
+    planned, _ = plan_job(Processor(job.config), job, whole=True)
     print(report.plan_text(planned))
     import io
 

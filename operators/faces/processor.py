@@ -26,8 +26,14 @@ from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.results.write import start_sink
-from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
-from prefixflow.operators.stages.supervise import Supervisor, engine_actor_options, start_engines, stop_engines
+from prefixflow.operators.stages.plan import PlannedJob, joined_windows, plan_dataset, plan_windows, window_record
+from prefixflow.operators.stages.supervise import (
+    Supervisor,
+    check_window_resources,
+    engine_actor_options,
+    start_engines,
+    stop_engines,
+)
 from prefixflow.operators.stages.tokenize import tokenize_batch
 
 Row = dict[str, Any]
@@ -93,29 +99,37 @@ class Processor:
         # The engines load their models while `ds` is tokenized and planned; their options are
         # decided once, so that those started now and those a replica starts later run alike.
         options = self.engine_options()
+        check_window_resources(cfg, options)
         engines = start_engines(cfg, options)
         try:
-            yield from self._run_planned(self.plan(ds, stealing=cfg.work_stealing), engines, options)
+            if cfg.window_rows is None:
+                yield from self._run_planned(self.plan(ds, stealing=cfg.work_stealing), engines, options)
+            else:  # the first window runs while the next ones are read and planned
+                windows = self.plan_windows(ds, stealing=cfg.work_stealing)
+                yield from self._run_planned(next(windows), engines, options, windows)
         finally:
             stop_engines(engines)  # those no Supervisor took (the plan failed)
 
     def _run_planned(
-        self, planned: PlannedJob, engines: dict[int, Any], engine_options: dict[str, Any]
+        self,
+        planned: PlannedJob,
+        engines: dict[int, Any],
+        engine_options: dict[str, Any],
+        windows: Iterator[PlannedJob] | None = None,
     ) -> Iterator[pa.Table]:
         import ray
 
         cfg = self.config
-        summary = {
-            "replica": -1,
-            "kind": PLAN_RECORD,
-            "summary": dict(planned.plan.summary),
-            "timings": dict(planned.timings),
-            "error_rows": len(planned.error_row_ids),
-        }
-        ray.get(self.sink.put.remote(summary))
+        ray.get(self.sink.put.remote(_plan_record(planned)))
         self.generate_started = time.time()
         # a live bar of the replicas' rows on the driver (operators/results/progress.py)
-        self.sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids))
+        self.sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids), windows is not None)
+        kept = [window_record(planned)]
+
+        def queued(window: PlannedJob) -> None:  # a later window, before its rows run
+            kept.append(window_record(window))
+            self.sink.add_rows.remote(window.rows.num_rows, len(window.error_row_ids))
+
         supervisor = Supervisor(
             cfg,
             planned,
@@ -124,12 +138,16 @@ class Processor:
             cfg.max_retries_per_row,
             engine_options=engine_options,
             engines=engines,
+            windows=windows,
+            on_window=queued,
         )
         run = supervisor.commit_run
         try:
             for _ in itertools.chain(supervisor.steps(), [None]):  # and once more after the last step
                 for ref in ray.get(self.sink.take_blocks.remote(run)):
                     yield self.finish(ray.get(ref), planned)
+            if windows is not None:  # the whole job's plan, now that every window is planned
+                ray.get(self.sink.put.remote(_plan_record(joined_windows(kept))))
         finally:  # also when the run fails or its Dataset is abandoned (take(5))
             faults = {"replica": -1, "kind": FAULTS_RECORD, **supervisor.report()}
             ray.get([self.sink.end_run.remote(run), self.sink.put.remote(faults)])  # its blocks go
@@ -169,15 +187,26 @@ class Processor:
         """Tokenize `ds` and plan it (materializes; the rows stay in the object store).
         stealing: the engines will steal units (a job run with work_stealing)."""
         self.check_context()
-        return plan_dataset(
-            self.tokenize(ds),
-            order=self.config.order,
-            num_replicas=self.config.replicas,
-            custom_ids=self.config.openai_batch,
-            default_max_tokens=self.config.sampling_params.max_tokens,
-            block_size=self.config.engine_config.block_size,
-            stealing=stealing,
-        )
+        return plan_dataset(self.tokenize(ds), **self._plan_options(stealing))
+
+    def plan_windows(self, ds: Any, stealing: bool = False) -> Iterator[PlannedJob]:
+        """Tokenize `ds` and plan it in windows of config.window_rows rows, each as it is read
+        (operators/stages/plan.plan_windows); lazy: nothing is read before the first is asked for."""
+        self.check_context()
+        if self.config.window_rows is None:
+            raise ValueError("plan_windows needs config.window_rows")
+        return plan_windows(self.tokenize(ds), self.config.window_rows, **self._plan_options(stealing))
+
+    def _plan_options(self, stealing: bool) -> dict[str, Any]:
+        """operators/stages/plan.PlanOptions' fields for this config."""
+        return {
+            "order": self.config.order,
+            "num_replicas": self.config.replicas,
+            "custom_ids": self.config.openai_batch,
+            "default_max_tokens": self.config.sampling_params.max_tokens,
+            "block_size": self.config.engine_config.block_size,
+            "stealing": stealing,
+        }
 
     def check_context(self) -> None:
         """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache
@@ -215,6 +244,17 @@ class Processor:
         import ray
 
         return [] if self.sink is None else ray.get(self.sink.get.remote())
+
+
+def _plan_record(planned: PlannedJob) -> dict[str, Any]:
+    """The sink's record of a run's plan (Processor.plan_summary reads the last)."""
+    return {
+        "replica": -1,
+        "kind": PLAN_RECORD,
+        "summary": dict(planned.plan.summary),
+        "timings": dict(planned.timings),
+        "error_rows": len(planned.error_row_ids),
+    }
 
 
 class Merged:

@@ -35,10 +35,12 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-# What a part may be called: exactly the writer's names (operators/results/write.py: replica or
-# "errors", then the plan rank of its first row), nothing with a path in it. A file whose name
-# only starts with "part-" (another tool's part-00000.parquet) is never taken for one.
-PART_NAME = re.compile(r"^part-(r[0-9]{3,}|errors)-[0-9]{9,}\.(parquet|jsonl)$")
+# What a part may be called: exactly the writer's names (operators/results/write.py: the plan
+# replica and the plan rank of its first row; or "error" and its first row id, error records),
+# nothing with a path in it. "errors" and a rank in the error list: error parts of an older
+# prefixflow, still read. A file whose name only starts with "part-" (another tool's
+# part-00000.parquet) is never taken for one.
+PART_NAME = re.compile(r"^part-(r[0-9]{3,}|errors?)-[0-9]{9,}\.(parquet|jsonl)$")
 
 
 # -- the one strict reader of the output folder's bookkeeping files ---------------------------

@@ -109,23 +109,67 @@ def job_identity(
 ) -> dict[str, Any]:
     """What a resume must find unchanged, part by part (named in the refusal), and their hash.
 
+    planned: the job's one plan (a PlannedJob); None for a job planned in windows, whose
+    windows are checked one by one as they are planned (record_window).
     inputs: input_listing() of the job's input files; model: model_fingerprint() of the model."""
+    parts: dict[str, Any] = {
+        "spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(),
+        "model": model or {},
+        "inputs": inputs,
+    }
+    if planned is not None:
+        parts["input_content"] = planned.content_digest
+        parts["plan"] = plan_digest(planned, num_replicas)
+    fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
+    return {"fingerprint": fingerprint, **parts}
+
+
+def plan_digest(planned: Any, num_replicas: int) -> str:
+    """sha256 of a plan's rows, error rows and each replica's order, groups and prefixes (the
+    plan table: no token ids fetched)."""
     plan = hashlib.sha256(np.int64(planned.rows.num_rows).tobytes())
     plan.update(np.asarray(planned.error_row_ids, np.int64).tobytes())
-    for r in range(num_replicas):  # the plan table: no token ids fetched
+    for r in range(num_replicas):
         table = planned.plan.replica_table(r)
         plan.update(np.asarray(table.column("row_id").to_numpy(), np.int64).tobytes())
         plan.update(np.asarray(table.column("group_id").to_numpy(), np.int64).tobytes())
         plan.update(np.asarray(table.column("prefix_len").to_numpy(), np.int64).tobytes())
-    parts = {
-        "spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(),
-        "model": model or {},
-        "inputs": inputs,
-        "input_content": planned.content_digest,
-        "plan": plan.hexdigest(),
+    return plan.hexdigest()
+
+
+def record_window(
+    out: str,
+    identity: dict[str, Any],
+    recorded: list[dict[str, Any]],
+    window: Any,
+    num_replicas: int,
+    storage: StorageOptions,
+) -> None:
+    """A window of a job planned in windows, before any of its rows run: on a resume, refused
+    unless it is the window the first run planned (its rows, content and plan; `recorded`: the
+    windows in the first run's _job.json, which this extends); then written into _job.json."""
+    mine = {
+        "first_row": window.rows.first_row,
+        "num_rows": window.rows.num_rows,
+        "input_content": window.content_digest,
+        "plan": plan_digest(window, num_replicas),
     }
-    fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
-    return {"fingerprint": fingerprint, **parts}
+    k = int(window.window)
+    if k < len(recorded) and recorded[k] != mine:
+        was = recorded[k]
+        what = (
+            "its content changed"
+            if (was.get("first_row"), was.get("num_rows")) == (mine["first_row"], mine["num_rows"])
+            else f"it held rows {was.get('first_row')}.. ({was.get('num_rows')} rows), now {mine['first_row']}.. "
+            f"({mine['num_rows']} rows)"
+        )
+        raise ValueError(
+            f"output.path={masked(out)!r} holds parts of a different input: window {k} of the input is not the one "
+            f"the first run planned ({what}); resume needs the same input: choose a new path or set "
+            "output.overwrite: true"
+        )
+    recorded[k : k + 1] = [mine]
+    commit_bytes(join(out, JOB_FILE), json.dumps({**identity, "windows": recorded}).encode("utf-8"), storage)
 
 
 def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
@@ -329,8 +373,9 @@ def _put(path: str, data: bytes, storage: StorageOptions) -> None:
     fs.mv(tmp, path)
 
 
-def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> None:
-    """Write `_job.json` (job_identity()), or on resume check that it is the same job and input."""
+def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> dict[str, Any] | None:
+    """Write `_job.json` (job_identity()), or on resume check that it is the same job and input
+    and return the first run's (whose windows record_window checks)."""
     fs = storage.filesystem(out)
     path = join(out, JOB_FILE)
     old = (
@@ -350,8 +395,9 @@ def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, 
                 f"input: {_what_changed(old, identity)}; resume needs the same spec "
                 "and input: choose a new path or set output.overwrite: true"
             )
-        return
+        return old
     commit_bytes(path, json.dumps(identity).encode("utf-8"), storage)
+    return None
 
 
 def read_job_file(out: str, fs: Any, fix: str) -> dict[str, Any] | None:

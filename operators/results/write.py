@@ -74,7 +74,9 @@ def part_manifest(table: pa.Table, suffix: str = "") -> dict[str, Any]:
     # replica ran it (work stealing): each row is in one part, so no two parts share a name.
     planned = table.column(PLAN_REPLICA)[0].as_py() if PLAN_REPLICA in table.column_names else None
     first_rank = int(pc.min(table.column(RANK)).as_py())
-    tag = "errors" if replica < 0 else f"r{replica if planned is None else planned:03d}"
+    # Error records' RANK is their row id (operators/stages/generate.py): "error", not the
+    # older "errors" whose number was a place in the error list, so no name can be both.
+    tag = "error" if replica < 0 else f"r{replica if planned is None else planned:03d}"
     errors = table.column("error").is_valid()
     return {
         "part": f"part-{tag}-{first_rank:09d}{suffix}",
@@ -327,6 +329,8 @@ class MetricsSink:
         the live bar shows its last counts."""
         if self.bar is not None:
             self.bar.draw(force=True)
+            if not self.bar.close_when_done:
+                self.bar.close()
         self.runs.pop(run, None)
         self.retired.pop(run, None)
         self.ended.add(run)
@@ -341,14 +345,20 @@ class MetricsSink:
         if self.bar is not None:
             self.bar.report(counts)
 
-    def show_progress(self, total_rows: int, error_rows: int) -> None:
+    def show_progress(self, total_rows: int, error_rows: int, more: bool = False) -> None:
         """Draw a live bar of the replicas' counters on the driver (the Python API; a job's
-        driver draws its own line): operators/progress.LiveBar."""
+        driver draws its own line): operators/progress.LiveBar. more: rows will be added
+        (add_rows: a job planned in windows), the bar closes when the run ends."""
         if self.bar is not None:
             self.bar.close()
         self.live = {}
-        self.bar = LiveBar("prefixflow", total_rows, error_rows)
+        self.bar = LiveBar("prefixflow", total_rows, error_rows, close_when_done=not more)
         self.bar.draw(force=True)
+
+    def add_rows(self, rows: int, error_rows: int) -> None:
+        """More rows to run on the live bar (the next window of the job)."""
+        if self.bar is not None:
+            self.bar.add_rows(rows, error_rows)
 
     def take_committed(self) -> list[dict[str, Any]]:
         """Manifest rows of the parts committed since the last call."""

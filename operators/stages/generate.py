@@ -74,14 +74,15 @@ ReplicaEngine = GeneratingEngine | ScoringEngine
 class UnitFeed:
     """The units one engine runs, in the order it gets them, minus the rows not to run.
 
-    queue: the job's WorkQueue actor, which hands out the units. payloads: per replica, object
-    refs of its units' payloads (operators/plan.unit_payload_refs). skip: rows committed by an earlier run or given up.
+    queue: the job's WorkQueue actor, which hands out the units, each with an object ref of its
+    payload (operators/stages/plan.unit_payload_refs). skip: rows committed by an earlier run or
+    given up.
     Iterating yields UnitPayloads, or NOT_READY while the queue says WAIT (asking it again at
     most every WAIT_RETRY_S); `ran` tells the queue what share of each unit's rows has its
     output (the pace of work stealing), `committed` when every row of a unit is committed.
     """
 
-    def __init__(self, replica: int, payloads: list[list[Any]], skip: np.ndarray, queue: Any, token: str):
+    def __init__(self, replica: int, skip: np.ndarray, queue: Any, token: str):
         self.replica, self.skip, self.queue, self.token = replica, skip, queue, token
         self.left: dict[int, int] = {}  # unit -> its rows not committed yet
         self.size: dict[int, int] = {}  # unit -> its rows to run, as taken
@@ -91,8 +92,6 @@ class UnitFeed:
         self.unit_of: dict[int, int] = {}  # row -> its unit
         self.stolen: list[int] = []  # units taken from another replica's queue
         self.units: list[int] = []  # every unit run, in the order taken
-        # Unit ids number the plan's units replica by replica, as `payloads` lists them.
-        self.unit_refs = [ref for refs in payloads for ref in refs]
 
     def __iter__(self) -> Iterator[UnitPayload | None]:
         import ray
@@ -111,7 +110,7 @@ class UnitFeed:
                 continue
             if take.stolen_from >= 0:
                 self.stolen.append(take.unit)
-            yield from self._runnable(ray.get(self.unit_refs[take.unit]), take.rows)
+            yield from self._runnable(ray.get(take.payload), take.rows)
 
     def _runnable(self, payload: UnitPayload, rows: tuple[int, ...] | None) -> Iterator[UnitPayload]:
         """The payload less the rows not to run; a unit with none left is finished at once."""
@@ -431,7 +430,7 @@ class ReplicaGenerator:
     def __init__(self, config: ProcessorConfig):
         self.config = config
         self.runner = ReplicaRunner(config, report=self._report)
-        self.take_job(RowIndex((), np.zeros(1, np.int64)), [], np.zeros(0, np.int64), {}, None)  # until given one
+        self.take_job(RowIndex((), np.zeros(1, np.int64)), np.zeros(0, np.int64), {}, None)  # until given one
 
     def load(self) -> None:
         """Load the engine now (a started engine actor, while the plan is made)."""
@@ -440,7 +439,6 @@ class ReplicaGenerator:
     def take_job(
         self,
         rows: RowIndex,
-        payloads: list[list[Any]],
         error_row_ids: np.ndarray,
         extra_errors: dict[int, str],
         sink: Any,
@@ -455,7 +453,6 @@ class ReplicaGenerator:
         # Rows the engine must not run (given up after repeated failures; error records now).
         self.skip = np.zeros(0, np.int64) if skip is None else np.asarray(skip, np.int64)
         self.rows = rows
-        self.payloads = payloads
         self.error_row_ids = error_row_ids
         self.extra_errors = extra_errors
         self.sink = sink
@@ -499,7 +496,7 @@ class ReplicaGenerator:
         return rows
 
     def _feed(self, replica: int, queue: Any, token: str) -> UnitFeed:
-        return UnitFeed(replica, self.payloads, np.union1d(self.done, self.skip), queue, token)
+        return UnitFeed(replica, np.union1d(self.done, self.skip), queue, token)
 
     def _chunks(self, replica: int, feed: UnitFeed) -> Iterator[pa.Table]:
         import ray
@@ -518,7 +515,6 @@ class ReplicaGenerator:
         ids = self.error_row_ids
         for lo in range(0, len(ids), self.config.rows_per_chunk):
             chunk = ids[lo : lo + self.config.rows_per_chunk]
-            ranks = np.arange(lo, lo + len(chunk))[~np.isin(chunk, self.done)]
             chunk = chunk[~np.isin(chunk, self.done)]
             if not len(chunk):
                 continue
@@ -539,7 +535,9 @@ class ReplicaGenerator:
                 "finish_reason": [None] * n,
                 "error": messages,
                 "replica": [-1] * n,
-                RANK: ranks.tolist(),
+                # An error part is named after its first row id: unique across a job's runs
+                # and windows, whatever rows earlier runs gave up or later windows add.
+                RANK: chunk.tolist(),
                 COMPUTED: [0.0] * n,
             }
             score = self.config.task == "score"

@@ -1,4 +1,6 @@
-"""Plan stage: the job's one global barrier, shuffle-free.
+"""Plan stage: the job's one global barrier, shuffle-free; or, with window_rows, one window of
+the job at a time (plan_windows: each window's blocks planned as Ray Data streams them in, the
+rows numbered on from the window before; the driver queues each while the engines run).
 
 1. The tokenized dataset is materialized; its blocks stay in the object store (one ref each).
 2. One small task per block returns only per-row metadata: lengths, the error flag (and
@@ -19,8 +21,10 @@ per dataset block (the model and its measurements: pipeline/block_hash.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -35,6 +39,7 @@ from prefixflow.pipeline import RaggedTokens, build_plan
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts, block_hashes
 from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.prefix_tree import ragged_gather
+from prefixflow.pipeline.windows import WindowedPlan, continued_table, window_sizes
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,19 @@ class RowIndex:
     block_offsets: np.ndarray  # [num_blocks + 1] int64; block b holds rows offsets[b]..offsets[b+1]
 
     @property
+    def first_row(self) -> int:
+        """The id of its first row (0, or where a window of the job starts)."""
+        return int(self.block_offsets[0])
+
+    @property
     def num_rows(self) -> int:
-        return int(self.block_offsets[-1])
+        return int(self.block_offsets[-1]) - self.first_row
+
+    def joined(self, more: "RowIndex") -> "RowIndex":
+        """This index and the next window's (whose rows start where these end)."""
+        if more.first_row != int(self.block_offsets[-1]):
+            raise ValueError(f"rows from {more.first_row} do not follow rows that end at {int(self.block_offsets[-1])}")
+        return RowIndex(self.block_refs + more.block_refs, np.r_[self.block_offsets, more.block_offsets[1:]])
 
     def locate(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block index, index within block) of each row id."""
@@ -65,6 +81,28 @@ class PlannedJob:
     timings: dict[str, float] = field(default_factory=dict)
     content_digest: str = ""  # sha256 over every row's columns but the tokens, in row order
     driver_bytes: int = 0  # what planning brought to the driver: metadata and hash windows
+    # A window of a job planned in windows (plan_windows; None: the whole job): its number, and
+    # where its units, groups and ranks start in the job's numbering (every window's continue
+    # the windows' before it: unit ids in the work queue, group ids in the engines, part names).
+    window: int | None = None
+    first_unit: int = 0
+    first_group: int = 0
+    first_ranks: tuple[int, ...] = ()  # per replica; () = zeros
+
+    @property
+    def num_units(self) -> int:
+        return int(self.plan.num_units)
+
+    def next_offsets(self) -> dict[str, Any]:
+        """first_unit, first_group and first_ranks of the window after this one."""
+        ranks = self.first_ranks or (0,) * self.plan.num_replicas
+        return {
+            "first_unit": self.first_unit + self.plan.num_units,
+            "first_group": self.first_group + len(self.plan.run_starts) - 1,
+            "first_ranks": tuple(
+                r + int(s["num_rows"]) for r, s in zip(ranks, self.plan.summary["replicas"], strict=True)
+            ),
+        }
 
 
 def _block_meta(block: pa.Table, custom_ids: bool) -> dict[str, Any]:
@@ -208,6 +246,7 @@ def unit_payload_refs(planned: PlannedJob, num_replicas: int) -> list[list[Any]]
     plan_ref = ray.put(planned.plan)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     unit_replica = planned.plan.table.column("replica").to_numpy()[planned.plan.unit_starts[:-1]]
+    ranks = planned.first_ranks or (0,) * num_replicas
     refs: list[list[Any]] = []
     for r in range(num_replicas):
         count = int(np.count_nonzero(unit_replica == r))
@@ -216,19 +255,25 @@ def unit_payload_refs(planned: PlannedJob, num_replicas: int) -> list[list[Any]]
             continue
         # No CPU: the engine actors may hold every CPU slot while they wait for these.
         task = ray.remote(_unit_payloads).options(num_cpus=0, num_returns=count, scheduling_strategy=here)
-        out = task.remote(plan_ref, planned.rows, r)
+        out = task.remote(plan_ref, planned.rows, r, (planned.first_unit, planned.first_group, ranks[r]))
         refs.append([out] if count == 1 else list(out))
     return refs
 
 
-def _unit_payloads(plan: Any, rows: RowIndex, replica: int) -> Any:
+def _unit_payloads(plan: Any, rows: RowIndex, replica: int, first: tuple[int, int, int] = (0, 0, 0)) -> Any:
+    """Replica `replica`'s unit payloads; first: the window's first unit id, group id and rank
+    (of this replica) in the job's numbering (PlannedJob)."""
+    first_unit, first_group, first_rank = first
     units = plan.units(replica)
     table = plan.replica_table(replica)
-    ranks = table.column("rank").to_numpy()
+    ranks = table.column("rank").to_numpy().astype(np.int64) + first_rank
     payloads, at = [], 0
     for unit in units:
+        if first_unit or first_group:
+            groups = [dataclasses.replace(g, group_id=g.group_id + first_group) for g in unit.groups]
+            unit = PlanUnit(unit.unit_id + first_unit, unit.replica, groups, unit.predicted_seconds)
         ids = unit.row_ids
-        payloads.append(UnitPayload(unit, fetch_rows(rows, ids), ranks[at : at + len(ids)].astype(np.int64)))
+        payloads.append(UnitPayload(unit, fetch_rows(rows, ids), ranks[at : at + len(ids)]))
         at += len(ids)
     return payloads[0] if len(payloads) == 1 else tuple(payloads)
 
@@ -238,28 +283,76 @@ def replica_row_ids(planned: PlannedJob, replica: int) -> np.ndarray:
     return planned.plan.replica_table(replica).column("row_id").to_numpy().astype(np.int64)
 
 
-def plan_dataset(
-    ds: Any,
-    *,
-    order: str,
-    num_replicas: int,
-    custom_ids: bool = False,
-    default_max_tokens: int | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    stealing: bool = False,
-) -> PlannedJob:
-    """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc).
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a job's rows are planned (plan_dataset, plan_windows).
 
     default_max_tokens: the output-length hint of rows whose own max_tokens is null (the job's
     sampling default, which they run with); None leaves them unknown (estimated per subtree).
     block_size: the engine's KV block size; shared prefixes are planned in whole blocks.
     stealing: the engines will steal units (a job with work_stealing): see build_plan.
-    """
+    custom_ids: the rows carry OpenAI batch custom_ids, which must be unique."""
+
+    order: str
+    num_replicas: int
+    custom_ids: bool = False
+    default_max_tokens: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    stealing: bool = False
+
+
+def plan_dataset(ds: Any, **options: Any) -> PlannedJob:
+    """Materialize the tokenized dataset `ds` and plan its good rows (see the module doc);
+    options: PlanOptions' fields."""
     t0 = time.perf_counter()
     refs = ds.to_arrow_refs()  # executes read + tokenize; blocks stay in the object store
+    return plan_blocks(refs, PlanOptions(**options), read_s=time.perf_counter() - t0)
+
+
+def plan_windows(ds: Any, window_rows: int, **options: Any) -> Iterator[PlannedJob]:
+    """Plan the tokenized dataset `ds` in windows of about `window_rows` rows, each planned as
+    soon as its blocks are read and tokenized (while Ray Data goes on reading the next), in row
+    order: window k holds the rows after window k-1's. The first windows are small (window_sizes)
+    so that the engines get work within seconds. A window ends at the first block boundary past
+    its size, so the windows (and the plan) are the same in every run that reads the same blocks.
+    options: PlanOptions' fields."""
+    opts = PlanOptions(**options)
+    sizes = window_sizes(window_rows)
+    seen: dict[Any, int] = {}  # custom_id -> the first row that used it, across windows
+    refs: list[Any] = []
+    rows, target, window = 0, next(sizes), None
+    waited = time.perf_counter()
+    for bundle in ds.iter_internal_ref_bundles():
+        refs += bundle.block_refs
+        rows += bundle.num_rows() or 0
+        if rows < target:
+            continue
+        window = _next_window(window, refs, opts, time.perf_counter() - waited, seen)
+        yield window
+        refs, rows, target, waited = [], 0, next(sizes), time.perf_counter()
+    if refs or window is None:  # the rest; an empty dataset is one empty window
+        yield _next_window(window, refs, opts, time.perf_counter() - waited, seen)
+
+
+def _next_window(
+    before: PlannedJob | None, refs: list[Any], opts: PlanOptions, read_s: float, seen: dict[Any, int]
+) -> PlannedJob:
+    """The window of `refs`, numbered after `before` (None: the first)."""
+    if before is None:
+        return dataclasses.replace(plan_blocks(refs, opts, read_s=read_s, seen=seen), window=0)
+    first_row = before.rows.first_row + before.rows.num_rows
+    planned = plan_blocks(refs, opts, first_row=first_row, read_s=read_s, seen=seen)
+    return dataclasses.replace(planned, window=int(before.window or 0) + 1, **before.next_offsets())
+
+
+def plan_blocks(
+    refs: list[Any], opts: PlanOptions, first_row: int = 0, read_s: float = 0.0, seen: dict[Any, int] | None = None
+) -> PlannedJob:
+    """Plan the good rows of the tokenized blocks `refs`, whose rows are numbered from
+    `first_row` (see the module doc). seen: custom_id -> first row id of the windows before."""
     t1 = time.perf_counter()
-    metas, hash_refs = _gather_meta(refs, custom_ids, block_size)
-    offsets = np.r_[0, np.cumsum([m["num_rows"] for m in metas])].astype(np.int64)
+    metas, hash_refs = _gather_meta(refs, opts.custom_ids, opts.block_size)
+    offsets = first_row + np.r_[0, np.cumsum([m["num_rows"] for m in metas])].astype(np.int64)
     rows = RowIndex(tuple(refs), offsets)
     good_ids = np.concatenate([offsets[b] + m["good"] for b, m in enumerate(metas)] or [np.zeros(0, np.int64)]).astype(
         np.int64
@@ -267,11 +360,10 @@ def plan_dataset(
     lengths = np.concatenate([m["lengths"] for m in metas] or [np.zeros(0, np.int64)])
     extra: dict[int, str] = {}
     keep = np.ones(len(good_ids), bool)
-    if custom_ids:
-        keep, extra = _duplicate_custom_ids(
-            good_ids, [c for m in metas for c in m.get("custom_id", [None] * m["num_rows"])]
-        )
-    out_lens = _output_lens(metas, default_max_tokens)
+    if opts.custom_ids:
+        cids = [c for m in metas for c in m.get("custom_id", [None] * m["num_rows"])]
+        keep, extra = _duplicate_custom_ids(good_ids, cids, first_row, {} if seen is None else seen)
+    out_lens = _output_lens(metas, opts.default_max_tokens)
     if not keep.all():
         sel = np.flatnonzero(keep)
         good_ids, lengths = good_ids[sel], lengths[sel]
@@ -280,20 +372,56 @@ def plan_dataset(
     prompts = HashedPrompts(
         lengths,
         partial(gather_hashes, rows, hash_refs, good_ids, received),
-        block_size,
+        opts.block_size,
         partial(fetch_tokens, rows, good_ids),
         max_cells=DEFAULT_MAX_CELLS,
     )
     t2 = time.perf_counter()
     plan = build_plan(
-        prompts, row_ids=good_ids, output_lens=out_lens, order=order, num_replicas=num_replicas, stealing=stealing
+        prompts,
+        row_ids=good_ids,
+        output_lens=out_lens,
+        order=opts.order,
+        num_replicas=opts.num_replicas,
+        stealing=opts.stealing,
     )
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
-    error_ids = np.setdiff1d(np.arange(offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
-    timings = {"read_tokenize_s": t1 - t0, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
+    error_ids = np.setdiff1d(np.arange(offsets[0], offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
+    timings = {"read_tokenize_s": read_s, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
     digest = hashlib.sha256(b"".join(m["digest"].tobytes() for m in metas)).hexdigest()  # block order
     return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total)
+
+
+def window_record(window: PlannedJob) -> PlannedJob:
+    """What the job keeps of a window once it is queued: its plan's table and summary only
+    (pipeline/windows.WindowedPlan; the units' tokens and hashes may go)."""
+    return dataclasses.replace(window, plan=WindowedPlan(window.plan.table, window.plan.summary))
+
+
+def joined_windows(windows: list[PlannedJob]) -> PlannedJob:
+    """The whole job planned in `windows` (in window order), as the report and a dry run read
+    a PlannedJob: its plan a WindowedPlan (the windows' tables in the job's numbering, their
+    summaries merged), rows and error rows joined, timings and bytes summed, and a content
+    digest over the windows' digests."""
+    rows = windows[0].rows
+    for w in windows[1:]:
+        rows = rows.joined(w.rows)
+    zeros = (0,) * windows[0].plan.num_replicas
+    tables = [continued_table(w.plan.table, w.first_group, w.first_ranks or zeros) for w in windows]
+    timings: dict[str, float] = {}
+    for w in windows:
+        for key, value in w.timings.items():
+            timings[key] = timings.get(key, 0.0) + value
+    return PlannedJob(
+        WindowedPlan.join(tables, [w.plan.summary for w in windows]),
+        rows,
+        np.concatenate([w.error_row_ids for w in windows]),
+        {k: v for w in windows for k, v in w.extra_errors.items()},
+        timings,
+        hashlib.sha256("".join(w.content_digest for w in windows).encode("ascii")).hexdigest(),
+        sum(w.driver_bytes for w in windows),
+    )
 
 
 def _output_lens(metas: list[dict[str, Any]], default_max_tokens: int | None) -> np.ndarray | None:
@@ -307,25 +435,27 @@ def _output_lens(metas: list[dict[str, Any]], default_max_tokens: int | None) ->
     return out_lens
 
 
-def _duplicate_custom_ids(good_ids: np.ndarray, custom_ids: list[Any]) -> tuple[np.ndarray, dict[int, str]]:
+def _duplicate_custom_ids(
+    good_ids: np.ndarray, custom_ids: list[Any], first_row: int, seen: dict[Any, int]
+) -> tuple[np.ndarray, dict[int, str]]:
     """OpenAI batch custom_ids must be unique: a good row whose custom_id an earlier row used
     becomes an error record, also where that earlier row is itself one (an invalid request or a
     broken line whose custom_id could be read: its error record answers that custom_id too).
-    custom_ids: every row's, by row id (None: none could be read). Returns which good rows
-    stay and {row id: error} for the others."""
-    first: dict[Any, int] = {}
-    for row, cid in enumerate(custom_ids):
+    custom_ids: every row's from `first_row` on, in row order (None: none could be read); seen:
+    custom_id -> the first row that used it, in the rows before (updated). Returns which good
+    rows stay and {row id: error} for the others."""
+    for row, cid in enumerate(custom_ids, start=first_row):
         if cid is not None:
-            first.setdefault(cid, row)
+            seen.setdefault(cid, row)
     keep = np.ones(len(good_ids), bool)
     extra: dict[int, str] = {}
     for i, row in enumerate(good_ids.tolist()):
-        earlier = first.get(custom_ids[row], row)
+        cid = custom_ids[row - first_row]
+        earlier = seen.get(cid, row)
         if earlier != row:
             keep[i] = False
             extra[row] = (
-                f"duplicate custom_id {custom_ids[row]!r} (first used by row {earlier}): "
-                "give every request a unique custom_id"
+                f"duplicate custom_id {cid!r} (first used by row {earlier}): give every request a unique custom_id"
             )
     return keep, extra
 

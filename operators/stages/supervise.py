@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,6 +39,7 @@ from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.attempts import AttemptLedger
 from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
+from prefixflow.operators.stages.windows import END, WindowFeed
 from prefixflow.operators.stages.work_queue import WorkQueue
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,11 @@ class Supervisor:
     engine_options: Ray options of the engine actors (default engine_actor_options(config)).
     engines: replica -> its engine actor, started (and loading) while the job was planned
         (start_engines); the replicas without one start theirs when the run starts.
+    windows: the job's later windows (operators/stages/plan.plan_windows; `planned` is the
+        first), planned on a thread while the engines run the windows before; each is queued
+        once fewer units than half the last window's are left unstarted (so that the driver
+        holds about two windows, whatever the job's size). on_window(window) hears each
+        before its units are queued (a resume checks it is the window the first run planned).
     """
 
     def __init__(
@@ -83,18 +89,23 @@ class Supervisor:
         progress: Progress | None = None,
         engine_options: dict[str, Any] | None = None,
         engines: dict[int, Any] | None = None,
+        windows: Iterator[PlannedJob] | None = None,
+        on_window: Callable[[PlannedJob], None] | None = None,
     ):
-        self.config, self.planned, self.sink, self.wopts, self.progress = (config, planned, sink, wopts, progress)
+        self.config, self.sink, self.wopts, self.progress = (config, sink, wopts, progress)
         self.engine_options = engine_actor_options(config) if engine_options is None else engine_options
         # Engine actors started before the plan (start_engines), each taken (popped) by its
         # replica's first start. The caller's dict itself: whoever ends first stops the rest.
         self.engines = engines if engines is not None else {}
+        # The job so far (every window queued): where its rows are, and its error records.
+        self.rows, self.error_row_ids, self.extra_errors = planned.rows, planned.error_row_ids, planned.extra_errors
         self.payloads = unit_payload_refs(planned, config.replicas)
-        plan = planned.plan
-        row_ids = plan.table.column("row_id").to_numpy().astype(np.int64)
-        self.unit_rows = np.split(row_ids, plan.unit_starts[1:-1])
+        self.unit_rows: list[np.ndarray] = window_unit_rows(planned)
+        self.on_window = on_window
+        self.windows = WindowFeed(windows, self.config.replicas) if windows is not None else None
+        self.last_window_units = planned.num_units
         self.ledger = AttemptLedger(max_retries=max_retries_per_row)
-        self.poisoned: list[int] = []  # in the order given up, so that error ranks never move
+        self.poisoned: list[int] = []  # rows given up, in the order given up
         self.given_up: set[int] = set()
         self.failures: list[dict[str, Any]] = []
         self.manifests: list[dict] = []
@@ -104,6 +115,7 @@ class Supervisor:
         self.queue_status: dict[str, Any] | None = None  # the work queue's, when the run ended
         self.actor_starts: dict[int, int] = {}  # work item -> engine actors started for it
         self.last = self._committed()
+        self.first_plan = planned.plan
         self.queue = self._start_queue(self.last)
 
     def _committed(self) -> Committed:
@@ -120,23 +132,51 @@ class Supervisor:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        plan = self.planned.plan
-        rows_left, done = {}, []
-        for u, rows in enumerate(self.unit_rows):
-            left = np.setdiff1d(rows, committed.row_ids)
-            if not len(left):
-                done.append(u)
-            elif len(left) < len(rows):
-                rows_left[u] = left.tolist()
-        replica = plan.table.column("replica").to_numpy()[plan.unit_starts[:-1]].tolist()
+        replica, seconds, rows_left, done = _queued_units(self.first_plan, self.unit_rows, 0, committed)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         return (
             ray.remote(WorkQueue)
             .options(num_cpus=0, scheduling_strategy=here)
             .remote(
-                replica, plan.unit_seconds.tolist(), self.config.replicas, rows_left, done, self.config.work_stealing
+                replica,
+                seconds,
+                self.config.replicas,
+                rows_left,
+                done,
+                self.config.work_stealing,
+                [ref for refs in self.payloads for ref in refs],  # by unit id: replica by replica
+                closed=self.windows is None,
             )
         )
+
+    def _next_window(self) -> None:
+        """Queue the next planned window when the queue runs low (class docstring); close the
+        queue after the last. A failed read or plan of a window fails the job here."""
+        import ray
+
+        if self.windows is None or self.windows.ended:
+            return
+        if ray.get(self.queue.counts.remote())["num_queued"] > self.last_window_units // 2:
+            return
+        got = self.windows.poll()
+        if got is None:
+            return
+        if got is END:
+            self.queue.close.remote()
+            return
+        window, payloads = got
+        if self.on_window is not None:
+            self.on_window(window)  # before any of its rows can run
+        rows = window_unit_rows(window)
+        replica, seconds, rows_left, done = _queued_units(window.plan, rows, window.first_unit, self.last)
+        self.unit_rows += rows
+        self.rows = self.rows.joined(window.rows)
+        self.error_row_ids = np.concatenate([self.error_row_ids, window.error_row_ids])
+        self.extra_errors = {**self.extra_errors, **window.extra_errors}
+        self.last_window_units = window.num_units
+        flat = [ref for refs in payloads for ref in refs]
+        ray.get(self.queue.add.remote(replica, seconds, flat, rows_left, done))
+        self._start_missing(self.last)
 
     def run(self) -> tuple[list[dict], dict[str, Any]]:
         """Run every uncommitted row; returns this run's manifest rows and the fault report."""
@@ -156,7 +196,13 @@ class Supervisor:
             # engines load): from here on, a lost worker node loses no unit another must take.
             refs = [ref for refs in self.payloads for ref in refs]
             ray.wait(refs, num_returns=len(refs), fetch_local=False)
-            while self.running:
+            if self.windows is not None:
+                self.windows.start()
+            while self.running or (self.windows is not None and not self.windows.ended):
+                self._next_window()
+                if not self.running:  # nothing runs until the next window is queued
+                    time.sleep(0.2)
+                    continue
                 ready, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
                 self._drain()
                 if ready:
@@ -173,6 +219,8 @@ class Supervisor:
             self._drain()
         finally:
             stop_engines(self.engines)
+            if self.windows is not None:
+                self.windows.stop()
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
             try:
@@ -211,20 +259,19 @@ class Supervisor:
         self.poisoned += [int(r) for r in left if int(r) not in known]
 
     def _error_rows(self) -> np.ndarray:
-        return np.concatenate([np.asarray(self.planned.error_row_ids, np.int64), np.asarray(self.poisoned, np.int64)])
+        return np.concatenate([np.asarray(self.error_row_ids, np.int64), np.asarray(self.poisoned, np.int64)])
 
     def _start(self, item: int, committed: Committed) -> None:
         self.actor_starts[item] = self.actor_starts.get(item, 0) + 1
         why = self.failures[-1]["error"] if self.failures else ""
-        job = _with_error_rows(self.planned, self.poisoned, why)
+        error_row_ids, extra_errors = self._error_records(why)
         # The error records need no engine: that actor takes no GPU and no CPU slot.
         opts = self.engine_options if item != ERRORS_ITEM else engine_actor_options(self.config, needs_engine=False)
         actor = self.engines.pop(item, None) or new_engine_actor(self.config, opts)
         actor.take_job.remote(
-            rows=self.planned.rows,
-            payloads=self.payloads,
-            error_row_ids=job.error_row_ids,
-            extra_errors=job.extra_errors,
+            rows=self.rows,
+            error_row_ids=error_row_ids,
+            extra_errors=extra_errors,
             sink=self.sink,
             done=committed.row_ids,
             skip=np.asarray(self.poisoned, np.int64),
@@ -235,6 +282,17 @@ class Supervisor:
         queue = None if item == ERRORS_ITEM else self.queue
         self.running[actor.run_item.remote(item, token, queue)] = _Running(
             item, actor, token, time.time(), self._error_rows() if item == ERRORS_ITEM else np.zeros(0, np.int64)
+        )
+
+    def _error_records(self, why: str) -> tuple[np.ndarray, dict[int, str]]:
+        """The rows that become error records, and why where the row does not say: the plan's,
+        and those given up (they failed every attempt)."""
+        if not self.poisoned:
+            return self.error_row_ids, self.extra_errors
+        msg = f"the engine failed on this row in every attempt ({why}): the row was given up"
+        return (
+            np.concatenate([self.error_row_ids, np.asarray(self.poisoned, np.int64)]),
+            {**self.extra_errors, **dict.fromkeys(self.poisoned, msg)},
         )
 
     def _stop_idle(self) -> None:
@@ -333,18 +391,42 @@ def start_engines(cfg: ProcessorConfig, options: dict[str, Any]) -> dict[int, An
     start at once; CPU engines only where the cluster's free CPUs hold them and the tokenize
     pool with one slot to spare (else the plan could wait for a slot that an engine, waiting for
     the plan, holds)."""
-    import ray
-
-    if not options.get("num_gpus"):
-        free = ray.available_resources().get("CPU", 0.0)
-        needed = cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + 1
-        if free < needed:
-            logger.info("the engines start after the plan: %g free CPUs, %g needed to start them now", free, needed)
-            return {}
+    short = cpus_short(cfg, options)
+    if short is not None:
+        logger.info("the engines start after the plan: %g free CPUs, %g needed to start them now", *short)
+        return {}
     engines = {r: new_engine_actor(cfg, options) for r in range(cfg.replicas)}
     for actor in engines.values():
         actor.load.remote()  # a failed load surfaces at the replica's run_item, as a death before loading
     return engines
+
+
+def cpus_short(cfg: ProcessorConfig, options: dict[str, Any]) -> tuple[float, float] | None:
+    """(free CPUs, CPUs needed) where the cluster's free CPU slots cannot hold the job's engine
+    actors (with `options`) and its tokenize tasks at once, with one slot to spare for the small
+    planning tasks; None where they can (or the engines take GPUs: they are started at once)."""
+    import ray
+
+    if options.get("num_gpus"):
+        return None
+    free = ray.available_resources().get("CPU", 0.0)
+    needed = cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + 1
+    return (free, needed) if free < needed else None
+
+
+def check_window_resources(cfg: ProcessorConfig, options: dict[str, Any]) -> None:
+    """A job planned in windows runs its engines while it tokenizes the next window: refused
+    where the cluster cannot hold both (the engines would wait forever for a window that no
+    CPU slot is left to tokenize)."""
+    short = cpus_short(cfg, options)
+    if cfg.window_rows is not None and short is not None:
+        raise ValueError(
+            f"window_rows={cfg.window_rows}: a job planned in windows runs its engines while it reads and "
+            f"tokenizes the next window, and the cluster has {short[0]:g} free CPUs where {short[1]:g} are "
+            f"needed ({cfg.replicas} replicas x {options.get('num_cpus', 1):g} CPUs, {cfg.tokenize_concurrency} "
+            "tokenize tasks and one more): lower replicas, resources.num_cpus_per_replica or "
+            "tokenize.concurrency, use a larger cluster, or unset window_rows"
+        )
 
 
 @functools.cache
@@ -425,13 +507,25 @@ def _gained(before: Committed, after: Committed) -> dict[int, int]:
     return gained
 
 
-def _with_error_rows(planned: PlannedJob, rows: list[int], why: str) -> PlannedJob:
-    """The planned job with `rows` turned into error records (they failed every attempt)."""
-    if not rows:
-        return planned
-    msg = f"the engine failed on this row in every attempt ({why}): the row was given up"
-    return dataclasses.replace(
-        planned,
-        error_row_ids=np.concatenate([planned.error_row_ids, np.asarray(rows, np.int64)]),
-        extra_errors={**planned.extra_errors, **{r: msg for r in rows}},
-    )
+def window_unit_rows(planned: PlannedJob) -> list[np.ndarray]:
+    """Each unit's row ids, in the order of the window's unit ids."""
+    plan = planned.plan
+    row_ids = plan.table.column("row_id").to_numpy().astype(np.int64)
+    return np.split(row_ids, plan.unit_starts[1:-1]) if plan.num_units else []
+
+
+def _queued_units(
+    plan: Any, unit_rows: list[np.ndarray], first_unit: int, committed: Committed
+) -> tuple[list[int], list[float], dict[int, list[int]], list[int]]:
+    """What the work queue takes of a plan's units (numbered from first_unit): each one's
+    replica and predicted seconds, the uncommitted rows of those partly committed (a resume),
+    the units committed whole."""
+    rows_left, done = {}, []
+    for k, rows in enumerate(unit_rows):
+        left = np.setdiff1d(rows, committed.row_ids)
+        if not len(left):
+            done.append(first_unit + k)
+        elif len(left) < len(rows):
+            rows_left[first_unit + k] = left.tolist()
+    replica = plan.table.column("replica").to_numpy()[plan.unit_starts[:-1]].tolist()
+    return replica, plan.unit_seconds.tolist(), rows_left, done

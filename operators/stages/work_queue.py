@@ -24,6 +24,10 @@ decides, not the cost model's guess: a replica whose outputs run longer than pre
 whose cache thrashes, is relieved first, and one holding much unfinished work is not left to
 finish it alone.
 
+A job planned in windows (operators/stages/plan.plan_windows) adds each window's units as it is
+planned (`add`) and `close`s the queue after the last: until then a replica with nothing to
+take is told to WAIT, not DONE (the next window may bring it work).
+
 A unit is taken by one engine at a time, so a row never runs twice. When an engine dies, the
 driver hands back its units with the rows still uncommitted (`release`); they go to the front of
 the dead replica's queue, for its restarted engine or, if that never comes (a node lost), for
@@ -41,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 UNIT, WAIT, DONE = "unit", "wait", "done"
 
@@ -48,14 +53,15 @@ UNIT, WAIT, DONE = "unit", "wait", "done"
 @dataclass(frozen=True, slots=True)
 class Take:
     """What `WorkQueue.take` hands an engine: a unit (kind UNIT) with the rows of it to run
-    (None: all of them; a unit handed back after a death keeps only its uncommitted rows) and
-    the replica it was stolen from (-1: its own); WAIT (nothing to take now, ask again); or
-    DONE."""
+    (None: all of them; a unit handed back after a death keeps only its uncommitted rows), the
+    replica it was stolen from (-1: its own) and its payload (an object ref of its
+    UnitPayload, as the driver gave it); WAIT (nothing to take now, ask again); or DONE."""
 
     kind: str
     unit: int = -1
     rows: tuple[int, ...] | None = None
     stolen_from: int = -1
+    payload: Any = None
 
 
 @dataclass(slots=True)
@@ -72,9 +78,10 @@ class _Unit:
 
 @dataclass
 class WorkQueue:
-    """The job's units, queued per replica. unit_replica[u], unit_seconds[u]: the plan's
-    replica and predicted seconds of unit u. rows_left: units an earlier run committed part
-    of (unit -> its uncommitted rows); done_units: units it committed whole (a resume)."""
+    """The job's units, queued per replica. unit_replica[u], unit_seconds[u], payloads[u]: the
+    plan's replica, predicted seconds and payload ref of unit u (no payloads: Take.payload is
+    None). rows_left: units an earlier run committed part of (unit -> its uncommitted rows);
+    done_units: units it committed whole (a resume). closed: no more units will be added."""
 
     unit_replica: Sequence[int]
     unit_seconds: Sequence[float]
@@ -82,28 +89,50 @@ class WorkQueue:
     rows_left: Mapping[int, Sequence[int]] = field(default_factory=dict)
     done_units: Iterable[int] = ()
     steal: bool = True  # False: each replica takes only its own queue (the static plan)
+    payloads: Sequence[Any] = ()
+    closed: bool = True
     steals: list[dict] = field(default_factory=list)
     clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
-        done = set(self.done_units)
-        self.units = [
-            _Unit(int(r), float(s), done=u in done)
-            for u, (r, s) in enumerate(zip(self.unit_replica, self.unit_seconds))
-        ]
-        for u, rows in self.rows_left.items():
-            self.units[u].rows = tuple(int(r) for r in rows)
+        self.units: list[_Unit] = []
+        self.unit_payloads: list[Any] = []
         self.queues: list[deque[int]] = [deque() for _ in range(self.num_replicas)]
-        for u, unit in enumerate(self.units):
-            if not unit.done:
-                self.queues[unit.replica].append(u)
-        self.seconds_left = [sum(self.units[u].seconds for u in q) for q in self.queues]
+        self.seconds_left = [0.0] * self.num_replicas
+        self.add(self.unit_replica, self.unit_seconds, self.payloads, self.rows_left, self.done_units)
         self.held_seconds = [0.0] * self.num_replicas  # predicted seconds of units held, by taker
         self.done_seconds = [0.0] * self.num_replicas  # ... of units run (`ran`), by taker
         self.engine_of: list[str | None] = [None] * self.num_replicas  # the engine at work, by replica
         self.waits = [0] * self.num_replicas  # WAITs answered, by asking replica
         self.first_take: list[float | None] = [None] * self.num_replicas
         self.started = self.clock()
+
+    def add(
+        self,
+        unit_replica: Sequence[int],
+        unit_seconds: Sequence[float],
+        payloads: Sequence[Any] = (),
+        rows_left: Mapping[int, Sequence[int]] | None = None,
+        done_units: Iterable[int] = (),
+    ) -> int:
+        """Queue more units (the next window of the plan), numbered on from the last; rows_left
+        and done_units as in the constructor, by the units' new numbers. Returns the first."""
+        first = len(self.units)
+        done = set(done_units)
+        for k, (r, s) in enumerate(zip(unit_replica, unit_seconds)):
+            u = first + k
+            self.units.append(_Unit(int(r), float(s), done=u in done))
+            self.unit_payloads.append(payloads[k] if len(payloads) else None)
+            if not self.units[u].done:
+                self.queues[int(r)].append(u)
+                self.seconds_left[int(r)] += float(s)
+        for u, rows in (rows_left or {}).items():
+            self.units[int(u)].rows = tuple(int(r) for r in rows)
+        return first
+
+    def close(self) -> None:
+        """No more units will be added: a replica with nothing left to take is DONE."""
+        self.closed = True
 
     def take(self, replica: int, token: str) -> Take:
         """The next unit for the engine `token` of `replica` (module docstring)."""
@@ -113,12 +142,12 @@ class WorkQueue:
         if self.queues[replica]:
             return self._hand(self.queues[replica].popleft(), replica, token, -1)
         if not self.steal:
-            return self._done(replica)
+            return self._done(replica) if self.closed else Take(WAIT)
         paces = self.paces_or_mean()
         left = self.expected_seconds_left(paces)
         victims = [r for r in range(self.num_replicas) if self.queues[r]]
         if not victims:
-            return self._done(replica)
+            return self._done(replica) if self.closed else Take(WAIT)  # the next window may bring work
         victim = max(victims, key=lambda r: (left[r], -r))
         unit = self.queues[victim][-1]
         thief_expected = left[replica] + self.units[unit].seconds / paces[replica]
@@ -171,7 +200,7 @@ class WorkQueue:
         self.seconds_left[u.replica] -= u.seconds
         self.held_seconds[replica] += u.seconds
         u.holder, u.taker = token, replica
-        return Take(UNIT, unit, u.rows, stolen_from)
+        return Take(UNIT, unit, u.rows, stolen_from, self.unit_payloads[unit])
 
     def ran(self, token: str, shares: Mapping[int, float]) -> None:
         """Outputs came: shares[u] of the rows unit u had when `token` took it have theirs (1.0:
@@ -243,7 +272,7 @@ class WorkQueue:
             "held": sum(u.holder is not None for u in self.units),
             "done": sum(u.done for u in self.units),
             "units": len(self.units),
-            "all_done": all(u.done for u in self.units),
+            "all_done": self.closed and all(u.done for u in self.units),
         }
 
     def status(self) -> dict:

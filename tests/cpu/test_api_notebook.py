@@ -20,7 +20,9 @@ def test_quickstart_notebook_runs(ray_local, tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXFLOW_SHARED_DIR", str(tmp_path / "shared"))
     monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # startup_timeout: a kernel on a busy 2-core machine took over nbclient's default 60 s to start.
+    resources = {"metadata": {"path": str(tmp_path)}}
+    NotebookClient(nb, timeout=300, startup_timeout=180, kernel_name="python3", resources=resources).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the plots were drawn

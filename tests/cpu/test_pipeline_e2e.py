@@ -131,5 +131,5 @@ def test_parts_are_committed_and_named_by_plan_position(job):
     parts = sorted(p.name for p in (job["root"] / "out").iterdir() if p.name.startswith("part-"))
     assert parts == job["metrics"]["parts"]
     assert not [p for p in (job["root"] / "out").iterdir() if ".tmp-" in p.name]
-    assert any(p.startswith("part-errors-") for p in parts)
+    assert any(p.startswith("part-error-") for p in parts)
     assert np.mean([r["num_generated_tokens"] for r in job["rows"] if r["error"] is None]) > 0

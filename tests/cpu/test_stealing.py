@@ -86,10 +86,14 @@ def test_the_feed_waits_while_the_busy_victim_would_finish_first_then_ends(ray_l
     units = [[u.unit_id for u in plan.units(r)] for r in range(2)]
     assert units[0] == list(range(len(units[0]))) and len(units[1]) >= 2  # numbered replica by replica
     seconds = [10.0] * len(units[0]) + [0.1] * len(units[1])
-    queue = ray.remote(WorkQueue).options(num_cpus=0).remote([0] * len(units[0]) + [1] * len(units[1]), seconds, 2)
-    refs = [[ray.put(payloads[u]) for u in us] for us in units]
+    refs = [ray.put(payloads[u]) for us in units for u in us]  # by unit id
+    queue = (
+        ray.remote(WorkQueue)
+        .options(num_cpus=0)
+        .remote([0] * len(units[0]) + [1] * len(units[1]), seconds, 2, payloads=refs)
+    )
     assert ray.get(queue.take.remote(1, "victim")).unit == units[1][0]
-    unit_feed = UnitFeed(0, refs, np.array([], np.int64), queue, "thief")
+    unit_feed = UnitFeed(0, np.array([], np.int64), queue, "thief")
     feed = iter(unit_feed)
     own = [next(feed) for _ in units[0]]
     assert [p.unit.unit_id for p in own] == units[0]
