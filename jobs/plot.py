@@ -15,22 +15,17 @@ PLOT_MISSING = "plot.png skipped: matplotlib is not installed (pip install 'pref
 MAX_PLOTTED_REPLICAS = 8  # one panel each; more would make every panel too thin to read
 
 
-def write_plot(m: dict[str, Any], plan_table: Any, path: str, storage: Any) -> str:
+def write_plot(m: dict[str, Any], group_sizes: np.ndarray, path: str, storage: Any) -> str:
     """plot.png beside metrics.json: tokens per engine step by kind for each replica, and the
-    plan's group sizes. Returns what happened, for metrics.json and the summary. matplotlib is
-    an optional extra: without it the job still completes and says the plot was skipped."""
+    plan's group sizes (rows of each group: Plan.group_sizes). Returns what happened, for
+    metrics.json and the summary. matplotlib is an optional extra: without it the job still
+    completes and says the plot was skipped."""
     try:
-        png = plot_png(m, group_sizes(plan_table))
+        png = plot_png(m, np.asarray(group_sizes))
     except ImportError:
         return PLOT_MISSING
     commit_bytes(path, png, storage)
     return "plot.png written"
-
-
-def group_sizes(plan_table: Any) -> np.ndarray:
-    """Rows per prefix group of the plan (plan table column group_id: one id per group)."""
-    ids = plan_table.column("group_id").to_numpy()
-    return np.bincount(ids)[np.unique(ids)] if len(ids) else np.zeros(0, np.int64)
 
 
 def plot_png(m: dict[str, Any], sizes: np.ndarray) -> bytes:

@@ -37,7 +37,7 @@ from prefixflow.operators.results.commit import (
     input_listing,
     job_identity,
     load_committed,
-    record_window,
+    check_window,
 )
 from prefixflow.operators.results.openai_output import system_fingerprint, write_results
 from prefixflow.operators.results.write import (
@@ -48,7 +48,7 @@ from prefixflow.operators.results.write import (
     start_sink,
     write_json,
 )
-from prefixflow.operators.stages.plan import PlannedJob, joined_windows, window_record
+from prefixflow.operators.stages.plan import PlannedJob, joined_windows, window_summary
 from prefixflow.operators.results.table_commit import commit_to_table, job_id
 from prefixflow.operators.stages.read import input_files, read_dataset
 from prefixflow.operators.stages.read_table import pinned
@@ -132,14 +132,14 @@ def plan_job(processor: Processor, job: Job, whole: bool = False) -> tuple[Plann
         return processor.plan(ds, stealing=stealing), None
     windows = processor.plan_windows(ds, stealing=stealing)
     if whole:
-        return joined_windows([window_record(w) for w in windows]), None
+        return joined_windows([window_summary(w, keep_table=True) for w in windows]), None
     return next(windows), windows
 
 
 class _WindowLog:
     """A job planned in windows, window by window as each is queued (operators/stages/
     supervise.Supervisor's on_window): checked against the window the first run planned and
-    recorded in _job.json (record_window), its rows to run added to the progress line
+    recorded in _job.json (check_window), its rows to run added to the progress line
     (`before`: the rows committed before this run), and kept (its plan table and summary) for
     the report; `whole` is the job they make."""
 
@@ -158,8 +158,8 @@ class _WindowLog:
         self.kept: list[PlannedJob] = []
 
     def __call__(self, window: PlannedJob) -> None:
-        record_window(self.wopts.path, self.identity, self.recorded, window, self.replicas, self.wopts.storage)
-        self.kept.append(window_record(window))
+        check_window(self.wopts.path, self.identity, self.recorded, window, self.replicas, self.wopts.storage)
+        self.kept.append(window_summary(window))
         add_rows_to_run(window, self.progress, self.before)
 
     def whole(self) -> PlannedJob:
@@ -306,7 +306,7 @@ def _write_end_files(
     if job.table_out is not None:  # every row is in a committed part: now into the table, once
         parts = [m["part"] for m in final.manifests]
         metrics["table"] = commit_to_table(job.table_out, wopts.path, parts, job_id(fingerprint), wopts.storage)
-    metrics["plot"] = write_plot(metrics, planned.plan.table, join(wopts.path, "plot.png"), wopts.storage)
+    metrics["plot"] = write_plot(metrics, planned.plan.group_sizes, join(wopts.path, "plot.png"), wopts.storage)
     write_json(join(wopts.path, "metrics.json"), metrics, wopts.storage)
     if wopts.format == "openai":  # one file in input order, as vLLM's run-batch
         write_results(wopts.path, wopts.storage, job.error_file)

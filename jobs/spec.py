@@ -814,6 +814,8 @@ class JobSpec(_Strict):
         # between attempts; the tables are named by input.table and output.table.
         data["input"].pop("catalog", None)
         data["output"].pop("catalog", None)
+        if data.get("window_rows") is None:  # unset: the key of a job started before the field existed
+            data.pop("window_rows", None)
         return json.dumps(data, sort_keys=True)
 
     def to_config(self) -> ProcessorConfig:

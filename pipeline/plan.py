@@ -92,6 +92,11 @@ class Plan:
     def num_units(self) -> int:
         return len(self.unit_starts) - 1
 
+    @property
+    def group_sizes(self) -> np.ndarray:
+        """Rows of each group (run), in plan order: the table's group_id counts."""
+        return np.diff(self.run_starts).astype(np.int64)
+
     def groups(self, replica: int = 0) -> list[PrefixGroup]:
         """The replica's prefix-sharing groups in run order.
 

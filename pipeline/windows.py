@@ -8,9 +8,11 @@ are grouped apart, so the prefix is computed once per window it appears in (and 
 one global plan computes it once, unless the replica that runs the later window's rows still holds
 it in its prefix cache (bench/stream_bench.py measures both bounds).
 
-`WindowedPlan` is what the report and the plot read of such a job: the windows' plan tables
-joined (group ids and ranks continued across windows, as the engines and part names saw them)
-and their summaries summed.
+`WindowedPlan` is what the report and the plot read of such a job: the windows' summaries
+summed, the rows of every group, and (where asked: `prefixflow plan`, a dry run) the windows'
+plan tables joined (group ids and ranks continued across windows, as the engines and part names
+saw them). A running job keeps no table: its driver holds a window's plan at a time, and 8
+bytes a group for the plot.
 """
 
 from __future__ import annotations
@@ -91,26 +93,32 @@ def merge_summaries(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class WindowedPlan:
-    """The plan of a job planned in windows, as the report reads a Plan: `table` (every
-    window's plan table, group ids and ranks continued across windows, window order) and
-    `summary` (merge_summaries). Its units ran from the windows' own plans."""
+    """The plan of a job planned in windows (or of one window), as the report reads a Plan:
+    `summary` (merge_summaries), `group_sizes` (rows of each group, window after window) and
+    `table` (every window's plan table, group ids and ranks continued across windows; None
+    where it was not kept). Its units ran from the windows' own plans."""
 
-    table: pa.Table
+    table: pa.Table | None
     summary: dict[str, Any]
+    group_sizes: np.ndarray
 
     @property
     def num_replicas(self) -> int:
         return int(self.summary["num_replicas"])
 
     def replica_table(self, replica: int) -> pa.Table:
+        if self.table is None:
+            raise ValueError("this windowed plan kept no table")
         return self.table.filter(pc.equal(self.table.column("replica"), replica))
 
     @staticmethod
-    def join(tables: Sequence[pa.Table], summaries: Sequence[dict[str, Any]]) -> "WindowedPlan":
-        """tables: each window's plan table, its group ids and ranks already in the job's
-        numbering (continued); summaries: each window's Plan.summary."""
-        table = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
-        return WindowedPlan(table, merge_summaries(summaries))
+    def join(windows: Sequence["WindowedPlan"]) -> "WindowedPlan":
+        """One plan of the windows' (each its own WindowedPlan; tables, where kept, already in
+        the job's numbering: continued_table)."""
+        tables = [w.table for w in windows if w.table is not None]
+        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) == len(windows) else None
+        sizes = np.concatenate([w.group_sizes for w in windows]) if windows else np.zeros(0, np.int64)
+        return WindowedPlan(table, merge_summaries([w.summary for w in windows]), sizes)
 
 
 def continued_table(table: pa.Table, first_group: int, first_ranks: Sequence[int]) -> pa.Table:

@@ -26,7 +26,7 @@ from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.results.write import start_sink
-from prefixflow.operators.stages.plan import PlannedJob, joined_windows, plan_dataset, plan_windows, window_record
+from prefixflow.operators.stages.plan import PlannedJob, joined_windows, plan_dataset, plan_windows, window_summary
 from prefixflow.operators.stages.supervise import (
     Supervisor,
     check_window_resources,
@@ -124,10 +124,10 @@ class Processor:
         self.generate_started = time.time()
         # a live bar of the replicas' rows on the driver (operators/results/progress.py)
         self.sink.show_progress.remote(planned.rows.num_rows, len(planned.error_row_ids), windows is not None)
-        kept = [window_record(planned)]
+        kept = [window_summary(planned)]
 
         def queued(window: PlannedJob) -> None:  # a later window, before its rows run
-            kept.append(window_record(window))
+            kept.append(window_summary(window))
             self.sink.add_rows.remote(window.rows.num_rows, len(window.error_row_ids))
 
         supervisor = Supervisor(

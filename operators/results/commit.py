@@ -110,7 +110,7 @@ def job_identity(
     """What a resume must find unchanged, part by part (named in the refusal), and their hash.
 
     planned: the job's one plan (a PlannedJob); None for a job planned in windows, whose
-    windows are checked one by one as they are planned (record_window).
+    windows are checked one by one as they are planned (check_window).
     inputs: input_listing() of the job's input files; model: model_fingerprint() of the model."""
     parts: dict[str, Any] = {
         "spec": hashlib.sha256(spec_key.encode("utf-8")).hexdigest(),
@@ -137,7 +137,7 @@ def plan_digest(planned: Any, num_replicas: int) -> str:
     return plan.hexdigest()
 
 
-def record_window(
+def check_window(
     out: str,
     identity: dict[str, Any],
     recorded: list[dict[str, Any]],
@@ -375,7 +375,7 @@ def _put(path: str, data: bytes, storage: StorageOptions) -> None:
 
 def check_job_file(out: str, identity: dict[str, Any], storage: StorageOptions, resume: bool) -> dict[str, Any] | None:
     """Write `_job.json` (job_identity()), or on resume check that it is the same job and input
-    and return the first run's (whose windows record_window checks)."""
+    and return the first run's (whose windows check_window checks)."""
     fs = storage.filesystem(out)
     path = join(out, JOB_FILE)
     old = (

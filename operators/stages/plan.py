@@ -393,28 +393,29 @@ def plan_blocks(
     return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total)
 
 
-def window_record(window: PlannedJob) -> PlannedJob:
-    """What the job keeps of a window once it is queued: its plan's table and summary only
-    (pipeline/windows.WindowedPlan; the units' tokens and hashes may go)."""
-    return dataclasses.replace(window, plan=WindowedPlan(window.plan.table, window.plan.summary))
+def window_summary(window: PlannedJob, keep_table: bool = False) -> PlannedJob:
+    """What the job keeps of a window once it is queued: its plan's summary and group sizes,
+    and its table in the job's numbering where asked (pipeline/windows.WindowedPlan; the units'
+    tokens and hashes may go)."""
+    plan = window.plan
+    zeros = (0,) * plan.num_replicas
+    table = continued_table(plan.table, window.first_group, window.first_ranks or zeros) if keep_table else None
+    return dataclasses.replace(window, plan=WindowedPlan(table, plan.summary, plan.group_sizes))
 
 
 def joined_windows(windows: list[PlannedJob]) -> PlannedJob:
-    """The whole job planned in `windows` (in window order), as the report and a dry run read
-    a PlannedJob: its plan a WindowedPlan (the windows' tables in the job's numbering, their
-    summaries merged), rows and error rows joined, timings and bytes summed, and a content
-    digest over the windows' digests."""
+    """The whole job planned in `windows` (window_summary()s, in window order), as the report
+    and a dry run read a PlannedJob: its plan the windows' joined (WindowedPlan.join), rows and
+    error rows joined, timings and bytes summed, and a content digest over the windows'."""
     rows = windows[0].rows
     for w in windows[1:]:
         rows = rows.joined(w.rows)
-    zeros = (0,) * windows[0].plan.num_replicas
-    tables = [continued_table(w.plan.table, w.first_group, w.first_ranks or zeros) for w in windows]
     timings: dict[str, float] = {}
     for w in windows:
         for key, value in w.timings.items():
             timings[key] = timings.get(key, 0.0) + value
     return PlannedJob(
-        WindowedPlan.join(tables, [w.plan.summary for w in windows]),
+        WindowedPlan.join([w.plan for w in windows]),
         rows,
         np.concatenate([w.error_row_ids for w in windows]),
         {k: v for w in windows for k, v in w.extra_errors.items()},

@@ -75,7 +75,7 @@ class Supervisor:
     windows: the job's later windows (operators/stages/plan.plan_windows; `planned` is the
         first), planned on a thread while the engines run the windows before; each is queued
         once fewer units than half the last window's are left unstarted (so that the driver
-        holds about two windows, whatever the job's size). on_window(window) hears each
+        plans one window ahead of those queued, whatever the job's size). on_window(window) hears each
         before its units are queued (a resume checks it is the window the first run planned).
     """
 
@@ -149,34 +149,66 @@ class Supervisor:
             )
         )
 
-    def _next_window(self) -> None:
-        """Queue the next planned window when the queue runs low (class docstring); close the
-        queue after the last. A failed read or plan of a window fails the job here."""
+    def _take_window(self) -> None:
+        """Queue the next window of a job planned in windows when the queue runs low (class
+        docstring), or close the queue after the last. A failed read or plan of a window fails
+        the job here, as soon as it is known."""
         import ray
 
         if self.windows is None or self.windows.ended:
             return
-        if ray.get(self.queue.counts.remote())["num_queued"] > self.last_window_units // 2:
+        self.windows.check()
+        counts = ray.get(self.queue.counts.remote())
+        nobody = self.given_up.issuperset(range(self.config.replicas))  # its rows become error records
+        if counts["num_queued"] > self.last_window_units // 2 and not nobody:
             return
         got = self.windows.poll()
-        if got is None:
-            return
         if got is END:
             self.queue.close.remote()
-            return
-        window, payloads = got
+            stop_engines(self.engines)  # started for replicas that never had work
+        elif got is not None:
+            self._queue_window(*got)
+
+    def _queue_window(self, window: PlannedJob, payloads: list[list[Any]]) -> None:
+        """The window's units into the work queue, after on_window; replicas that may take them
+        started. Without work stealing, a given-up replica's units become error records."""
+        import ray
+
+        now = self._committed()
         if self.on_window is not None:
             self.on_window(window)  # before any of its rows can run
         rows = window_unit_rows(window)
-        replica, seconds, rows_left, done = _queued_units(window.plan, rows, window.first_unit, self.last)
+        replica, seconds, rows_left, done = _queued_units(window.plan, rows, window.first_unit, now)
         self.unit_rows += rows
         self.rows = self.rows.joined(window.rows)
         self.error_row_ids = np.concatenate([self.error_row_ids, window.error_row_ids])
         self.extra_errors = {**self.extra_errors, **window.extra_errors}
         self.last_window_units = window.num_units
         flat = [ref for refs in payloads for ref in refs]
-        ray.get(self.queue.add.remote(replica, seconds, flat, rows_left, done))
-        self._start_missing(self.last)
+        first = ray.get(self.queue.add.remote(replica, seconds, flat, rows_left, done))
+        if first != window.first_unit:  # unit ids are the windows' numbering: a bug, not a fault
+            raise RuntimeError(f"window {window.window} starts at unit {window.first_unit}, the queue at {first}")
+        if not self.config.work_stealing:
+            for r in self.given_up:
+                self._poison(self._drop_queued(r, now))
+        self._start_missing(now)
+
+    def _drop_queued(self, replica: int, committed: Committed) -> dict[int, np.ndarray]:
+        """The units queued for a given-up replica out of the queue (the static plan: nobody else
+        takes them), and their uncommitted rows."""
+        import ray
+
+        queued = ray.get(self.queue.drop.remote(replica))
+        return {u: np.setdiff1d(self.unit_rows[u], committed.row_ids) for u in queued}
+
+    def _poison(self, rows: dict[int, np.ndarray]) -> None:
+        """These units' rows become error records (they failed every attempt, or nobody is left
+        to run them)."""
+        known = set(self.poisoned)
+        self.poisoned += [int(r) for left in rows.values() for r in left if int(r) not in known]
+
+    def _windows_left(self) -> bool:
+        return self.windows is not None and not self.windows.ended
 
     def run(self) -> tuple[list[dict], dict[str, Any]]:
         """Run every uncommitted row; returns this run's manifest rows and the fault report."""
@@ -191,17 +223,22 @@ class Supervisor:
 
         try:
             self._start_missing(self.last)
-            stop_engines(self.engines)  # a started engine whose replica has nothing to run: its resources back
+            if self.windows is None:  # a started engine whose replica has nothing to run: its resources back
+                stop_engines(self.engines)
             # Every unit's payload is built on this node before anything else happens (while the
             # engines load): from here on, a lost worker node loses no unit another must take.
             refs = [ref for refs in self.payloads for ref in refs]
             ray.wait(refs, num_returns=len(refs), fetch_local=False)
+            # From here the queue holds them, and lets each go when its unit is done.
+            refs, self.payloads = [], []
             if self.windows is not None:
                 self.windows.start()
-            while self.running or (self.windows is not None and not self.windows.ended):
-                self._next_window()
+            while self.running or self._windows_left():
+                self._take_window()
                 if not self.running:  # nothing runs until the next window is queued
                     time.sleep(0.2)
+                    self._drain()
+                    yield
                     continue
                 ready, _ = ray.wait(list(self.running), num_returns=1, timeout=0.5)
                 self._drain()
@@ -254,12 +291,10 @@ class Supervisor:
 
     def _give_up_the_rest(self, committed: Committed) -> None:
         """Every replica was given up: the rows still queued become error records too."""
-        known = set(self.poisoned)
-        left = np.setdiff1d(np.concatenate(self.unit_rows or [np.zeros(0, np.int64)]), committed.row_ids)
-        self.poisoned += [int(r) for r in left if int(r) not in known]
+        self._poison({-1: np.setdiff1d(np.concatenate(self.unit_rows or [np.zeros(0, np.int64)]), committed.row_ids)})
 
     def _error_rows(self) -> np.ndarray:
-        return np.concatenate([np.asarray(self.error_row_ids, np.int64), np.asarray(self.poisoned, np.int64)])
+        return self._error_records("")[0]
 
     def _start(self, item: int, committed: Committed) -> None:
         self.actor_starts[item] = self.actor_starts.get(item, 0) + 1
@@ -288,7 +323,7 @@ class Supervisor:
         """The rows that become error records, and why where the row does not say: the plan's,
         and those given up (they failed every attempt)."""
         if not self.poisoned:
-            return self.error_row_ids, self.extra_errors
+            return np.asarray(self.error_row_ids, np.int64), self.extra_errors
         msg = f"the engine failed on this row in every attempt ({why}): the row was given up"
         return (
             np.concatenate([self.error_row_ids, np.asarray(self.poisoned, np.int64)]),
@@ -361,10 +396,8 @@ class Supervisor:
         give_up = self.ledger.record_failure([run.item] if loaded else [], _gained(self.last, now), now.num_rows, why)
         if run.item in give_up:  # its rows failed every attempt: error records now
             if not self.config.work_stealing:  # nobody else will take its queued units either
-                queued = ray.get(self.queue.drop.remote(run.item))
-                left.update({u: np.setdiff1d(self.unit_rows[u], now.row_ids) for u in queued})
-            known = set(self.poisoned)
-            self.poisoned += [int(r) for rows in left.values() for r in rows if int(r) not in known]
+                left.update(self._drop_queued(run.item, now))
+            self._poison(left)
             left = {}
         if run.item != ERRORS_ITEM:
             ray.get(self.queue.release.remote(run.token, {u: v.tolist() for u, v in left.items()}, run.item))

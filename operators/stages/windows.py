@@ -1,10 +1,10 @@
 """The later windows of a job planned in windows, planned on a thread while the engines run.
 
 The job driver (operators/stages/supervise.py) queues a window's units once the engines have
-nearly run out of the last one's; until then this thread reads, tokenizes and plans the next
+nearly run out of the last one's; meanwhile this thread reads, tokenizes and plans the next
 window (operators/stages/plan.plan_windows: Ray Data streams the blocks) and builds its units'
-payloads, and then waits with it: it plans at most one window ahead, so the driver holds about
-two windows of the job whatever its size, and Ray Data reads no further than that (its
+payloads, hands it over, and waits until the driver has taken it before it reads on: one window
+is planned ahead of those queued, whatever the job's size, and Ray Data reads no further (its
 streaming executor stops when nobody takes its output).
 """
 
@@ -13,29 +13,24 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
 
 END = "end"  # poll(): the last window was handed out
-POLL_S = 0.2  # how often a thread waiting to hand its window over checks whether to stop
-
-
-@dataclass(frozen=True)
-class _Failed:
-    error: BaseException
+POLL_S = 0.05  # how often a waiting thread checks whether its window was taken, or to stop
 
 
 class WindowFeed:
     """windows: the job's windows after the first (plan_windows). poll() returns (window, its
-    payload refs per replica) when one is ready, END after the last, or None; it raises what
-    reading or planning a window raised. stop() ends the thread at its next hand-over."""
+    payload refs per replica) when one is ready, END after the last, or None; check() raises at
+    once what reading or planning a window raised. stop() ends the thread at its next wait."""
 
     def __init__(self, windows: Iterator[PlannedJob], num_replicas: int):
         self.windows, self.num_replicas = windows, num_replicas
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.stopping = threading.Event()
+        self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._plan, name="prefixflow-windows", daemon=True)
         self.ended = False
 
@@ -55,26 +50,28 @@ class WindowFeed:
                 if not self._hand_over((window, payloads)):
                     return
             self._hand_over(END)
-        except BaseException as e:  # noqa: BLE001 - handed to the driver, which fails the job with it
-            self._hand_over(_Failed(e))
+        except BaseException as e:  # noqa: BLE001 - the driver fails the job with it (check)
+            self.failure = e
 
     def _hand_over(self, item: Any) -> bool:
-        while not self.stopping.is_set():
-            try:
-                self.ready.put(item, timeout=POLL_S)
+        """Put `item` for the driver and wait until it took it (False: stopped first)."""
+        self.ready.put(item)  # never blocks: the window before was taken
+        while not self.stopping.wait(POLL_S):
+            if self.ready.empty():
                 return True
-            except queue.Full:
-                continue
         return False
 
+    def check(self) -> None:
+        if self.failure is not None:
+            self.ended = True
+            raise self.failure
+
     def poll(self) -> Any:
+        self.check()
         try:
             item = self.ready.get_nowait()
         except queue.Empty:
             return None
-        if isinstance(item, _Failed):
-            self.ended = True
-            raise item.error
         if item is END:
             self.ended = True
         return item

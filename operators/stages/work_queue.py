@@ -122,7 +122,7 @@ class WorkQueue:
         for k, (r, s) in enumerate(zip(unit_replica, unit_seconds)):
             u = first + k
             self.units.append(_Unit(int(r), float(s), done=u in done))
-            self.unit_payloads.append(payloads[k] if len(payloads) else None)
+            self.unit_payloads.append(payloads[k] if len(payloads) and u not in done else None)
             if not self.units[u].done:
                 self.queues[int(r)].append(u)
                 self.seconds_left[int(r)] += float(s)
@@ -226,6 +226,7 @@ class WorkQueue:
         if u.holder == token:
             self._credit(unit, token, 1.0)
             u.done, u.holder = True, None
+            self.unit_payloads[unit] = None  # never handed out again: its rows may leave the object store
 
     def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
         """The engine `token` died: each unit it held goes back to the front of `replica`'s
@@ -242,6 +243,7 @@ class WorkQueue:
             left = tuple(int(r) for r in rows_left.get(u, ()))
             if not left:
                 unit.done = True
+                self.unit_payloads[u] = None
                 continue
             unit.rows, unit.replica = left, replica
             back.append(u)
@@ -258,6 +260,7 @@ class WorkQueue:
         self.seconds_left[replica] = 0.0
         for u in units:
             self.units[u].done = True
+            self.unit_payloads[u] = None
         return units
 
     def held(self, token: str) -> list[int]:

@@ -81,6 +81,21 @@ def test_the_windows_summaries_add_up_and_their_tables_continue_the_numbering():
     assert min(table.column("group_id").to_pylist()) == groups
 
 
+def test_a_window_that_fails_to_plan_fails_the_job_at_once():
+    from prefixflow.operators.stages.windows import WindowFeed
+
+    def windows():
+        raise OSError("input part-07.jsonl vanished")
+        yield  # a generator, as plan_windows
+
+    feed = WindowFeed(windows(), 2)
+    feed.start()
+    feed.thread.join(timeout=10)
+    with pytest.raises(OSError, match="vanished"):
+        feed.poll()
+    assert feed.ended
+
+
 def _tokenized_blocks(prompts: list[list[int]], errors: dict[int, str], per_block: int) -> list[pa.Table]:
     err = [errors.get(i) for i in range(len(prompts))]
     return [
@@ -97,7 +112,7 @@ def _tokenized_blocks(prompts: list[list[int]], errors: dict[int, str], per_bloc
 def test_plan_windows_plans_every_row_once_in_windows_numbered_on(ray_local):
     import ray
 
-    from prefixflow.operators.stages.plan import joined_windows, plan_windows, unit_payload_refs, window_record
+    from prefixflow.operators.stages.plan import joined_windows, plan_windows, unit_payload_refs, window_summary
 
     prompts = _prompts(3, 40)
     prompts[13] = []
@@ -129,9 +144,18 @@ def test_plan_windows_plans_every_row_once_in_windows_numbered_on(ray_local):
     assert sorted(seen_units) == list(range(units)) and max(seen_groups) < groups
     for r in (0, 1):
         assert sorted(ranks[r]) == list(range(len(ranks[r])))
-    whole = joined_windows([window_record(w) for w in windows])
-    assert whole.rows.num_rows == 40 and whole.plan.summary["num_rows"] == 39
-    assert whole.plan.summary["num_windows"] == 4
+    whole = joined_windows([window_summary(w) for w in windows])  # as a running job keeps them: no tables
+    assert whole.rows.num_rows == 40 and whole.plan.summary["num_rows"] == 39 and whole.plan.table is None
+    assert whole.plan.summary["num_windows"] == 4 and whole.plan.group_sizes.sum() == 39
+    assert len(whole.plan.group_sizes) == groups
+    table = joined_windows([window_summary(w, keep_table=True) for w in windows]).plan.table  # `prefixflow plan`
+    assert sorted(table.column("row_id").to_pylist()) == [i for i in range(40) if i != 13]
+    assert sorted(table.column("group_id").to_pylist()) == sorted(
+        g for g, n in enumerate(whole.plan.group_sizes) for _ in range(n)
+    )
+    for r in (0, 1):  # each replica's ranks continue across windows: part names never repeat
+        ranks_r = table.filter(pa.compute.equal(table.column("replica"), r)).column("rank").to_pylist()
+        assert sorted(ranks_r) == list(range(len(ranks_r)))
 
 
 @pytest.mark.slow
@@ -139,7 +163,9 @@ def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_l
     import prefixflow
 
     rows = demo_rows(num_docs=6, questions_per_doc=4, sentences_per_doc=3, seed=2)  # 24 rows
-    rows[5]["document"] = None  # a bad row: an error record, in whichever window it falls
+    # Bad rows in two windows: error records, each once (the error records' actor runs again
+    # for the second window's, and must not write the first's again).
+    rows[5]["document"] = rows[20]["document"] = None
 
     def run(window_rows: int | None) -> tuple[list[dict], dict]:
         config = prefixflow.ProcessorConfig(
@@ -158,8 +184,9 @@ def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_l
     windowed, summary = run(16)
     whole, _ = run(None)
     assert [r["id"] for r in windowed] == sorted(r["id"] for r in rows)  # every row once
-    assert summary["num_windows"] >= 3 and sum(summary["window_rows"]) == 23
-    assert [r["error"] is not None for r in windowed] == [r["id"] == rows[5]["id"] for r in windowed]
+    assert summary["num_windows"] >= 3 and sum(summary["window_rows"]) == 22
+    bad = {rows[5]["id"], rows[20]["id"]}
+    assert [r["error"] is not None for r in windowed] == [r["id"] in bad for r in windowed]
     assert [list(r["generated_tokens"]) for r in windowed] == [list(r["generated_tokens"]) for r in whole]
 
 

@@ -223,3 +223,15 @@ def test_a_victim_with_no_engine_at_work_is_robbed_whatever_the_thiefs_pace():
     q.release("b", {dead.unit: [7]}, replica=1)
     assert q.engine_of[1] is None
     assert q.take(0, "a").unit == 1
+
+
+def test_a_done_units_payload_is_let_go_and_a_handed_back_one_kept():
+    q = queue([0, 0, 1], payloads=["p0", "p1", "p2"], done_units=[2])
+    assert q.unit_payloads == ["p0", "p1", None]  # committed by an earlier run: never handed out
+    a, b = q.take(0, "a"), q.take(0, "a")
+    assert (a.payload, b.payload) == ("p0", "p1")
+    q.finished(0, "a")
+    assert q.unit_payloads[0] is None  # its rows are committed: the queue no longer holds them
+    assert q.release("a", {1: [5]}, 0) == [1]  # the engine died with unit 1's row 5 uncommitted
+    again = q.take(0, "a2")
+    assert (again.unit, again.rows, again.payload) == (1, (5,), "p1")
