@@ -2,6 +2,7 @@
 
     python -m prefixflow.bench.plan_bench [--prompts 6400] [--out bench/results/plan_bench.json]
     python -m prefixflow.bench.plan_bench --scale [--sizes 1000000,3000000,10000000]
+    python -m prefixflow.bench.plan_bench --stream 100000000 [--window 1000000]
 
 --scale plans millions of synthetic prompts from their block hashes (issue 18), the way
 plan_dataset does, each size in its own process: planned prompt tokens/s, the planner's peak
@@ -11,6 +12,9 @@ job (cost model, 8 H100 replicas, Llama-3.1-8B), and a linear extrapolation to 1
 plan_s is wall time on a shared machine; plan_cpu_s, the planner's CPU time, is what a quiet
 driver would take (the planner is single-threaded).
 The results go under `scale` in the output file, the other entries are kept.
+--stream plans that many synthetic prompts in windows, as a job with window_rows (issue 39):
+peak RSS of the one process against the windows planned, with what the windowed driver keeps
+across windows; under `stream`.
 
 For each dataset: saving ratios (multi-level optimum, enlarged single level, plain first level,
 the plan's order), planning time, prompts/s, prompt tokens/s, and peak memory the planner
@@ -36,6 +40,7 @@ import numpy as np
 
 from prefixflow.pipeline import RaggedTokens, build_plan
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts
+from prefixflow.pipeline.windows import merge_summaries, window_sizes
 
 VOCAB = 32000
 
@@ -201,6 +206,49 @@ def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
     }
 
 
+def measure_stream(num_prompts: int, window_rows: int, replicas: int = 8) -> dict:
+    """num_prompts planned in windows of window_rows (pipeline/windows.window_sizes), in this
+    process, as a windowed job's driver plans them: each window a SyntheticHashes of its own
+    (its rows numbered on from the last window's), planned and dropped; kept across windows what
+    that driver keeps (operators/stages/supervise.py: each unit's row ids; jobs/run.py: each
+    window's summary and group sizes). Peak RSS, and RSS after each window."""
+    before = _rss_bytes()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    unit_rows: list[np.ndarray] = []
+    group_sizes: list[np.ndarray] = []
+    summaries: list[dict] = []
+    rss_after: list[int] = []
+    sizes, first = window_sizes(window_rows), 0
+    while first < num_prompts:
+        size = min(next(sizes), num_prompts - first)
+        synth = SyntheticHashes(size, seed=len(summaries))
+        plan = build_plan(synth.prompts(), row_ids=np.arange(first, first + size), num_replicas=replicas)
+        row_ids = plan.table.column("row_id").to_numpy().astype(np.int64)
+        unit_rows += np.split(row_ids, plan.unit_starts[1:-1])
+        group_sizes.append(plan.group_sizes)
+        summaries.append(plan.summary)
+        del plan, synth
+        first += size
+        rss_after.append(_rss_bytes())
+    merged = merge_summaries(summaries)
+    kept = sum(a.nbytes for a in unit_rows) + sum(a.nbytes for a in group_sizes)
+    return {
+        "num_prompts": num_prompts,
+        "window_rows": window_rows,
+        "num_windows": len(summaries),
+        "replicas": replicas,
+        "plan_s": round(time.perf_counter() - start, 1),
+        "plan_cpu_s": round(time.process_time() - cpu_start, 1),
+        "peak_process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_before_plan_bytes": int(before),
+        "rss_after_window_bytes": rss_after[:: max(1, len(rss_after) // 20)] + rss_after[-1:],
+        "kept_across_windows_bytes": int(kept),
+        "token_saving_ratio": round(merged["token_saving_ratio"], 4),
+        "num_groups": merged["num_groups"],
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def run_scale(sizes: list[int], out: Path) -> None:
     scale = []
     for n in sizes:
@@ -252,7 +300,17 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true", help="plan millions of synthetic prompts from block hashes")
     ap.add_argument("--sizes", default="1000000,3000000,10000000", help="prompt counts for --scale")
     ap.add_argument("--scale-one", type=int, help=argparse.SUPPRESS)  # one size, in this process
+    ap.add_argument("--stream", type=int, help="plan this many synthetic prompts in windows (--window)")
+    ap.add_argument("--window", type=int, default=1_000_000, help="window_rows of --stream")
     args = ap.parse_args()
+    if args.stream:
+        result = measure_stream(args.stream, args.window)
+        print(json.dumps(result), flush=True)
+        out = Path(args.out)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        report["stream"] = result
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        return
     if args.scale_one:
         print(json.dumps(measure_scale(args.scale_one)), flush=True)
         return
@@ -286,7 +344,7 @@ def main() -> None:
     out = Path(args.out)
     if out.exists():  # keep the --scale results, a separate run
         old = json.loads(out.read_text())
-        report.update({k: old[k] for k in ("scale", "scale_extrapolated_100M") if k in old})
+        report.update({k: old[k] for k in ("scale", "scale_extrapolated_100M", "stream") if k in old})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"min tokens/s {min(tps):,}  max peak/token bytes {max(peaks):.3f}  -> {out}")

@@ -74,12 +74,14 @@ class Progress:
         self.every_s = redraw_s if self.tty else every_s
         self.started = time.time()
         self.last = 0.0
-        self.bar = _Line(self) if self.tty and not quiet else None
+        self.windows = 0  # of a job planned in windows: those queued so far
+        self.bar = _Line(self) if self.tty and not quiet else None  # draws fields() at once
 
-    def add_rows(self, rows: int, error_rows: int = 0) -> None:
-        """More rows to run (a window of the job queued): `rows` in all, `error_rows` of them
-        error records."""
+    def add_rows(self, rows: int, error_rows: int = 0, window: bool = False) -> None:
+        """More rows to run: `rows` in all, `error_rows` of them error records; window: they are
+        a window of a job planned in windows, queued (the line counts the windows planned)."""
         self.source.add_rows(rows, error_rows)
+        self.windows += window
 
     def update(self, manifest: dict[str, Any]) -> None:
         self.source.committed(manifest)
@@ -104,6 +106,8 @@ class Progress:
         """tqdm.format_meter's arguments for the line (LINE names the extra ones)."""
         s = self.source.snapshot()
         more = [f"{s.error_rows} error rows"] if s.error_rows else []
+        if self.windows:  # the total grows as windows are read and planned
+            more.append(f"{self.windows} window{'s' if self.windows > 1 else ''} planned")
         if s.engine_s is None and s.rows < s.rows_to_generate:
             more.append("loading engines")
         more += _replica_rates(self.source.replicas)

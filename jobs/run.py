@@ -160,18 +160,18 @@ class _WindowLog:
     def __call__(self, window: PlannedJob) -> None:
         check_window(self.wopts.path, self.identity, self.recorded, window, self.replicas, self.wopts.storage)
         self.kept.append(window_summary(window))
-        add_rows_to_run(window, self.progress, self.before)
+        add_rows_to_run(window, self.progress, self.before, window=True)
 
     def whole(self) -> PlannedJob:
         return joined_windows(self.kept)
 
 
-def add_rows_to_run(planned: PlannedJob, progress: report.Progress, before: np.ndarray) -> None:
+def add_rows_to_run(planned: PlannedJob, progress: report.Progress, before: np.ndarray, window: bool = False) -> None:
     """The rows of `planned` (a window, or the whole job) not committed `before` (row ids), to
     the progress line."""
     first, end = planned.rows.first_row, planned.rows.first_row + planned.rows.num_rows
     done = int(np.count_nonzero((before >= first) & (before < end)))
-    progress.add_rows(planned.rows.num_rows - done, len(np.setdiff1d(planned.error_row_ids, before)))
+    progress.add_rows(planned.rows.num_rows - done, len(np.setdiff1d(planned.error_row_ids, before)), window)
 
 
 def pin_table(job: Job, quiet: bool = True) -> Job:

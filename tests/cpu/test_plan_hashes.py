@@ -152,3 +152,13 @@ def test_plan_dataset_plans_from_hashes_in_the_blocks(ray_local):
     assert planned.plan.table.to_pydict() == expected.table.to_pydict()
     assert _groups(planned.plan, 2) == _groups(expected, 2)
     assert planned.plan.summary["token_saving_ratio"] > 0
+
+
+def test_plan_bench_stream_plans_in_windows_and_keeps_what_the_driver_keeps():
+    from prefixflow.bench.plan_bench import measure_stream
+
+    r = measure_stream(20_000, 4_000, replicas=2)
+    # windows of 250, 500, 1,000, 2,000, 4,000, 4,000, 4,000, 4,000 and the last 250 rows
+    assert r["num_windows"] == 9 and r["num_prompts"] == 20_000
+    assert r["kept_across_windows_bytes"] >= 8 * 20_000  # each row's id, in its unit
+    assert 0 < r["token_saving_ratio"] < 1 and r["peak_process_rss_bytes"] > r["rss_before_plan_bytes"]

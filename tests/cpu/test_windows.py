@@ -81,6 +81,16 @@ def test_the_windows_summaries_add_up_and_their_tables_continue_the_numbering():
     assert min(table.column("group_id").to_pylist()) == groups
 
 
+def test_the_progress_line_grows_with_the_windows():
+    from prefixflow.jobs.report import Progress
+
+    progress = Progress(total_rows=0, quiet=True)
+    progress.add_rows(5, 1, window=True)
+    assert "rows 0/4" in progress.line() and "1 window planned" in progress.line()
+    progress.add_rows(10, 0, window=True)
+    assert "rows 0/14" in progress.line() and "2 windows planned" in progress.line()
+
+
 def test_a_window_that_fails_to_plan_fails_the_job_at_once():
     from prefixflow.operators.stages.windows import WindowFeed
 
@@ -272,7 +282,8 @@ def test_a_windowed_job_killed_between_windows_resumes_with_every_row_once(start
     assert "window 0 of the input is not the one the first run planned (its content changed)" in log
     assert not (out / "_SUCCESS").exists()
     first.write_text(text)
-    _finish(start_driver(job))
+    log = _finish(start_driver(job))
+    assert "4 windows planned" in log  # the live line counts the windows as they are queued
     got = read_output(str(out))
     assert sorted(r["id"] for r in got) == sorted(r["id"] for r in rows)  # every row once: 0 lost, 0 twice
     assert sorted(r["row_id"] for r in got) == list(range(len(rows)))
