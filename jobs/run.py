@@ -124,16 +124,8 @@ def run_job(
 
 
 def plan_job(processor: Processor, job: Job, whole: bool = False) -> tuple[PlannedJob, Iterator[PlannedJob] | None]:
-    """The job's plan, and None; for a job planned in windows (config.window_rows), its first
-    window and the later ones, each read and planned when asked for; whole: every window
-    planned now, and the whole job returned (a dry run, `prefixflow plan`)."""
-    ds, stealing = read_dataset(job.read), job.config.work_stealing
-    if job.config.window_rows is None:
-        return processor.plan(ds, stealing=stealing), None
-    windows = processor.plan_windows(ds, stealing=stealing)
-    if whole:
-        return joined_windows([window_summary(w, keep_table=True) for w in windows]), None
-    return next(windows), windows
+    """The job's plan, or its first window and the later ones (Processor.plans)."""
+    return processor.plans(read_dataset(job.read), stealing=job.config.work_stealing, whole=whole)
 
 
 class _WindowLog:

@@ -102,11 +102,9 @@ class Processor:
         check_window_resources(cfg, options)
         engines = start_engines(cfg, options)
         try:
-            if cfg.window_rows is None:
-                yield from self._run_planned(self.plan(ds, stealing=cfg.work_stealing), engines, options)
-            else:  # the first window runs while the next ones are read and planned
-                windows = self.plan_windows(ds, stealing=cfg.work_stealing)
-                yield from self._run_planned(next(windows), engines, options, windows)
+            # A job planned in windows: the first runs while the next ones are read and planned.
+            planned, windows = self.plans(ds, stealing=cfg.work_stealing)
+            yield from self._run_planned(planned, engines, options, windows)
         finally:
             stop_engines(engines)  # those no Supervisor took (the plan failed)
 
@@ -196,6 +194,19 @@ class Processor:
         if self.config.window_rows is None:
             raise ValueError("plan_windows needs config.window_rows")
         return plan_windows(self.tokenize(ds), self.config.window_rows, **self._plan_options(stealing))
+
+    def plans(
+        self, ds: Any, stealing: bool = False, whole: bool = False
+    ) -> tuple[PlannedJob, Iterator[PlannedJob] | None]:
+        """The plan of `ds`, and None; with config.window_rows, its first window and the later
+        ones, each read and planned when asked for; whole: every window planned now, and the
+        whole job returned (a dry run, `prefixflow plan`)."""
+        if self.config.window_rows is None:
+            return self.plan(ds, stealing=stealing), None
+        windows = self.plan_windows(ds, stealing=stealing)
+        if whole:
+            return joined_windows([window_summary(w, keep_table=True) for w in windows]), None
+        return next(windows), windows
 
     def _plan_options(self, stealing: bool) -> dict[str, Any]:
         """operators/stages/plan.PlanOptions' fields for this config."""

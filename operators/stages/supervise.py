@@ -115,8 +115,7 @@ class Supervisor:
         self.queue_status: dict[str, Any] | None = None  # the work queue's, when the run ended
         self.actor_starts: dict[int, int] = {}  # work item -> engine actors started for it
         self.last = self._committed()
-        self.first_plan = planned.plan
-        self.queue = self._start_queue(self.last)
+        self.queue = self._start_queue(planned, self.last)
 
     def _committed(self) -> Committed:
         """Every row committed so far: the output path's commit records, or the sink's."""
@@ -126,13 +125,13 @@ class Supervisor:
             return ray.get(self.sink.committed_rows.remote(self.commit_run))
         return load_committed(self.wopts.path, self.wopts.storage, clean=False)
 
-    def _start_queue(self, committed: Committed) -> Any:
+    def _start_queue(self, planned: PlannedJob, committed: Committed) -> Any:
         """The WorkQueue actor, on the driver's node (it lives as long as the driver), holding
         every unit with rows left (a resume: less the committed ones)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        replica, seconds, rows_left, done = _queued_units(self.first_plan, self.unit_rows, 0, committed)
+        replica, seconds, rows_left, done = _queued_units(planned.plan, self.unit_rows, 0, committed)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         return (
             ray.remote(WorkQueue)
