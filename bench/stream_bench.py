@@ -16,6 +16,13 @@ engines compute whose prefix caches keep every whole block they computed
 is not computed again; a real cache keeps some, so a real engine's count lies between the two),
 each as a ratio of the global plan's under the same model; the windows' sizes and the planning
 time. Token counts are deterministic; times are this machine's.
+
+Each window's plan knows which replica computed which blocks in the windows before
+(pipeline/homes.py, what a windowed job's plan does): a unit goes to the replica that holds its
+prefix, within that replica's share of the window, and `computed` counts what the rows find
+there as not computed (an engine whose prefix cache holds `cache_blocks` blocks, Llama-3.1-8B's
+KV on an H100 by the cost model). The cells marked "no affinity" plan each window alone (this
+bench's figures before homes) for the comparison.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from prefixflow.bench.sim_engines import trie_tokens
 from prefixflow.bench.sim_workloads import conversations, docs_questions
 from prefixflow.pipeline import build_plan
 from prefixflow.pipeline.block_hash import HashedPrompts, block_hashes
+from prefixflow.pipeline.homes import PrefixHomes, estimated_cache_blocks, homes_of
 from prefixflow.pipeline.ragged import RaggedTokens
 from prefixflow.pipeline.windows import window_sizes
 
@@ -66,9 +74,9 @@ class ReplicaCaches:
             self.computed += len(new) * BLOCK_SIZE + int(lengths[i]) - whole * BLOCK_SIZE
 
 
-def _plan(prompts: list[list[int]], replicas: int) -> tuple[Any, HashedPrompts]:
+def _plan(prompts: list[list[int]], replicas: int, homes: PrefixHomes | None = None) -> tuple[Any, HashedPrompts]:
     hashed = HashedPrompts.from_tokens(prompts, BLOCK_SIZE)
-    return build_plan(hashed, num_replicas=replicas, min_prefix_len=BLOCK_SIZE, stealing=True), hashed
+    return build_plan(hashed, num_replicas=replicas, min_prefix_len=BLOCK_SIZE, stealing=True, homes=homes), hashed
 
 
 def _rows_on(plan: Any, unit_replica: list[int], n: int) -> np.ndarray:
@@ -89,15 +97,19 @@ def global_plan(prompts: list[list[int]], replicas: int) -> dict[str, Any]:
     return {"computed": int(plan.summary["computed_prompt_tokens"]), "computed_if_cached": caches.computed}
 
 
-def plan_in_windows(prompts: list[list[int]], window_rows: int, replicas: int) -> dict[str, Any]:
-    """The windowed job's plans over `prompts` in arrival order (module docstring)."""
+def plan_in_windows(prompts: list[list[int]], window_rows: int, replicas: int, affinity: bool = True) -> dict[str, Any]:
+    """The windowed job's plans over `prompts` in arrival order (module docstring); affinity:
+    each window's plan knows the replicas' blocks from the windows before (homes.py)."""
     caches = ReplicaCaches(replicas)
     sizes = window_sizes(window_rows)
-    computed, windows, at = 0, [], 0
+    homes = PrefixHomes.empty(replicas, estimated_cache_blocks(BLOCK_SIZE)) if affinity else None
+    computed, windows, at, imbalance = 0, [], 0, []
     started = time.perf_counter()
     while at < len(prompts):
         rows = prompts[at : at + next(sizes)]
-        plan, _ = _plan(rows, replicas)
+        plan, hashed = _plan(rows, replicas, homes)
+        homes = homes_of(plan, homes) if homes is not None else None
+        imbalance.append(round(float(plan.summary["predicted_seconds_max_over_mean"]), 3))
         placed = plan.table.column("replica").to_numpy()[plan.unit_starts[:-1]].tolist()
         ragged = RaggedTokens.from_sequences(rows)
         caches.run(block_hashes(ragged, BLOCK_SIZE), ragged.lengths, _rows_on(plan, placed, len(rows)))
@@ -110,19 +122,24 @@ def plan_in_windows(prompts: list[list[int]], window_rows: int, replicas: int) -
         "windows": windows,
         "computed": computed,
         "computed_if_cached": caches.computed,
+        "predicted_max_over_mean": imbalance,  # per window: the plan's slowest replica / the mean
         "planning_s": round(time.perf_counter() - started, 2),
     }
 
 
 def run(rows: int, replicas: int) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "replicas": replicas, "block_size": BLOCK_SIZE, "workloads": {}}
+    out["cache_blocks"] = estimated_cache_blocks(BLOCK_SIZE)
     for name, prompts in workloads(rows).items():
         whole = global_plan(prompts, replicas)
-        cells = {f: plan_in_windows(prompts, max(len(prompts) // d, 1), replicas) for f, d in FRACTIONS.items()}
-        # The same rows sorted first (as a careful user's input, a document's rows together).
-        ordered = sorted(prompts)
-        for f, d in FRACTIONS.items():
-            cells[f"{f}, rows sorted"] = plan_in_windows(ordered, max(len(prompts) // d, 1), replicas)
+        cells = {}
+        # The rows as they come, and sorted first (a careful user's input, a document's rows together).
+        for ordered, label in ((prompts, ""), (sorted(prompts), ", rows sorted")):
+            for f, d in FRACTIONS.items():
+                cells[f + label] = plan_in_windows(ordered, max(len(prompts) // d, 1), replicas)
+                cells[f + label + ", no affinity"] = plan_in_windows(
+                    ordered, max(len(prompts) // d, 1), replicas, False
+                )
         for cell in cells.values():
             cell["ratio_to_global"] = round(cell["computed"] / whole["computed"], 4)
             cell["ratio_to_global_if_cached"] = round(cell["computed_if_cached"] / whole["computed_if_cached"], 4)

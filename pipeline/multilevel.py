@@ -33,7 +33,8 @@ import numpy as np
 
 from prefixflow.pipeline.cost_model import CostModel, density
 from prefixflow.pipeline.grouping import Grouping
-from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
+from prefixflow.pipeline.homes import HomeHits
+from prefixflow.pipeline.partition import Affinity, Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 
 UNITS_PER_REPLICA = 32  # merged units are at most this share of a replica's work
@@ -255,7 +256,12 @@ def boundary_lcp(tree: PrefixTree, ng: NestedGrouping, order: np.ndarray, at: np
 
 
 def merged_units(
-    tree: PrefixTree, ng: NestedGrouping, row_cost: np.ndarray, num_replicas: int, cut_cost: np.ndarray | None = None
+    tree: PrefixTree,
+    ng: NestedGrouping,
+    row_cost: np.ndarray,
+    num_replicas: int,
+    cut_cost: np.ndarray | None = None,
+    row_home: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(unit starts in row_order plus n, family of each unit), module docstring step 3. A unit
     root is a node whose subtree costs at most cap (a replica's share / UNITS_PER_REPLICA)
@@ -264,7 +270,9 @@ def merged_units(
     group (it costs more than cap) are chunks of one family: the partition sorts a family as
     one, so its chunks stay next to each other and a replica's chunks form one run.
     cut_cost: [n] seconds row i recomputes when the row before it runs elsewhere (what it
-    shares with it); units whose cut would cost that much stay in one family (_costly_cuts)."""
+    shares with it); units whose cut would cost that much stay in one family (_costly_cuts).
+    row_home: [n] the replica holding each row's prefix from earlier windows, -1 for none (rows
+    in row_order): units whose first rows have different homes are not merged."""
     n = len(row_cost)
     if n == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -282,6 +290,9 @@ def merged_units(
     leaf = tree.leaf_seq[roots]
     member = (leaf >= 0) & (ng.grouping.group_node[np.maximum(leaf, 0)] == key) & (key > 0)
     seg = np.r_[True, (key[1:] != key[:-1]) | (member[1:] != member[:-1])]
+    if row_home is not None:
+        home = row_home[unit_start]
+        seg[1:] |= home[1:] != home[:-1]
     seg_id = np.cumsum(seg) - 1
     seg_base = cum[unit_start][np.flatnonzero(seg)][seg_id]
     chunk = np.floor((cum[unit_start] - seg_base) / max(cap, 1e-30)).astype(np.int64)
@@ -316,6 +327,7 @@ def plan_multi_level(
     num_replicas: int,
     block_size: int,
     stealing: bool = False,
+    hits: HomeHits | None = None,
 ) -> ReplicaRuns:
     """Split the depth-first order's units across replicas (dual scan, BlendServe Sec. 5.5),
     each replica running its parts in depth-first order, then cut into runs. Depth-first, not
@@ -324,15 +336,17 @@ def plan_multi_level(
     prediction's cache hits are the engine's (taken in scan order, a part followed a part of
     the other end and found in the cache what two parts back had left, or had lost it).
     stealing: the replicas steal units at run time: small pieces may join their group's replica
-    (build_plan)."""
+    (build_plan). hits: what rows find in the replicas' caches from earlier windows (homes.py)."""
     n, order, g = len(lengths), ng.row_order, ng.grouping
     starts = group_runs(g, order, np.zeros(n, dtype=np.int64))
     comp, owner, mem = row_seconds(cm, g, lengths, outs, starts, order, ng.prev_lcp, block_size)
     comp[starts[:-1]] += owner
     cut_cost = cm.prefix_seconds((ng.prev_lcp // block_size) * block_size)
-    units, family = merged_units(tree, ng, comp + mem, num_replicas, cut_cost)
+    home_s, row_home = _home_costs(cm, hits, order, ng.prev_lcp, block_size, comp)
+    units, family = merged_units(tree, ng, comp + mem, num_replicas, cut_cost, row_home)
     unit_owner = _owners_to_units(comp, owner, starts, units)
-    part = _partition_units(units, family, comp, mem, unit_owner, cut_cost, num_replicas, stealing)
+    affinity = _affinity(units, family, home_s, hits, order, num_replicas) if hits is not None else None
+    part = _partition_units(units, family, comp, mem, unit_owner, cut_cost, num_replicas, stealing, affinity)
     pos, replica = _parts_in_replica_order(part, n)
     seq_index = order[pos]
     prev_lcp = _final_prev_lcp(tree, ng, pos, seq_index, replica)
@@ -349,6 +363,11 @@ def plan_multi_level(
     lost = np.bincount(run_replica, weights=run_computed, minlength=num_replicas) - per(
         _row_computed(g, lengths, starts, order, ng.prev_lcp, block_size)[pos]
     )
+    home_hit = np.zeros(n, dtype=np.int64)
+    if hits is not None:  # what the rows find on their replica, left by earlier windows
+        home_hit = _found_at_home(hits, seq_index, replica, prev_lcp, block_size)
+        run_computed = run_computed - (np.add.reduceat(home_hit, run_starts[:-1]) if n else 0)
+        final_c -= _home_seconds(cm, hits, seq_index, prev_lcp, block_size) * (home_hit > 0)
     preds = Partition(
         part.part_lo,
         part.part_hi,
@@ -368,6 +387,7 @@ def plan_multi_level(
         run_replica,
         replica_runs,
         preds,
+        int(home_hit.sum()),
     )
 
 
@@ -393,9 +413,11 @@ def _partition_units(
     cut_cost: np.ndarray,
     num_replicas: int,
     stealing: bool,
+    affinity: Affinity | None = None,
 ) -> Partition:
     """The dual scan over the units (partition.py), a family's units sorted as one by the
-    family's density; with stealing, pieces under a unit's share may join their group's replica."""
+    family's density; with stealing, pieces under a unit's share may join their group's replica;
+    affinity: each unit's home and what it saves there, placed first (partition.py)."""
     cum_c, cum_m = np.r_[0.0, np.cumsum(comp)], np.r_[0.0, np.cumsum(mem)]
     fam_c = np.bincount(family, weights=np.diff(cum_c[units]) + unit_owner)
     fam_m = np.bincount(family, weights=np.diff(cum_m[units]))
@@ -409,7 +431,70 @@ def _partition_units(
         run_density=density(fam_c, fam_m)[family],
         row_cut_compute=cut_cost,
         join_s=float(comp.sum() + unit_owner.sum()) / (num_replicas * UNITS_PER_REPLICA) if stealing else 0.0,
+        affinity=affinity,
     )
+
+
+def _home_tokens(hits: HomeHits, order: np.ndarray, prev_lcp: np.ndarray, block_size: int) -> np.ndarray:
+    """[n] tokens each row of `order` finds in the homes beyond what the row before it left in
+    the cache (in whole blocks; its hit is at most its length - 1)."""
+    base = (prev_lcp // block_size) * block_size
+    found: np.ndarray = np.maximum(hits.hit[order] - base, 0)
+    return found
+
+
+def _home_costs(
+    cm: CostModel, hits: HomeHits | None, order: np.ndarray, prev_lcp: np.ndarray, block_size: int, comp: np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(seconds each row of `order` saves where its hit is, each row's home or None), and
+    `comp` less what rows find on every replica (in place)."""
+    home_s = _home_seconds(cm, hits, order, prev_lcp, block_size)
+    if hits is None:
+        return home_s, None
+    comp -= np.where(hits.everywhere[order], home_s, 0.0)
+    return home_s, hits.first_home(len(order))[order]
+
+
+def _found_at_home(
+    hits: HomeHits, seq_index: np.ndarray, replica: np.ndarray, prev_lcp: np.ndarray, block_size: int
+) -> np.ndarray:
+    """[n] tokens each plan row finds in its own replica's cache from earlier windows."""
+    row_replica = np.empty(len(seq_index), dtype=np.int64)
+    row_replica[seq_index] = replica
+    found: np.ndarray = _home_tokens(hits, seq_index, prev_lcp, block_size) * hits.on_replica(row_replica)[seq_index]
+    return found
+
+
+def _home_seconds(
+    cm: CostModel, hits: HomeHits | None, order: np.ndarray, prev_lcp: np.ndarray, block_size: int
+) -> np.ndarray:
+    """[n] compute seconds each row of `order` saves where it finds its hit (_home_tokens)."""
+    if hits is None:
+        return np.zeros(len(order))
+    base = (prev_lcp // block_size) * block_size
+    found = _home_tokens(hits, order, prev_lcp, block_size)
+    saved: np.ndarray = cm.compute_seconds(base + found, np.zeros(len(order)), base) * (found > 0)
+    return saved
+
+
+def _affinity(
+    units: np.ndarray, family: np.ndarray, home_s: np.ndarray, hits: HomeHits, order: np.ndarray, num_replicas: int
+) -> Affinity:
+    """Each unit's home replica (-1 for none) and the seconds its rows save there. A family's
+    units share one home, the replica where the family's rows save the most, so that a chain
+    placed at home is not cut."""
+    num_units, num_families = len(units) - 1, int(family.max()) + 1 if len(family) else 0
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    pos = position[hits.pair_row]
+    unit = np.searchsorted(units, pos, "right") - 1
+    weight, rep = home_s[pos], hits.pair_replica
+    by_family = np.bincount(family[unit] * num_replicas + rep, weights=weight, minlength=num_families * num_replicas)
+    by_family = by_family.reshape(num_families, num_replicas)
+    home = np.where(by_family.max(axis=1) > 0, by_family.argmax(axis=1), -1)[family] if num_families else family
+    by_unit = np.bincount(unit * num_replicas + rep, weights=weight, minlength=num_units * num_replicas)
+    saving = by_unit.reshape(num_units, num_replicas)[np.arange(num_units), np.maximum(home, 0)]
+    return Affinity(home.astype(np.int64), np.where(home >= 0, saving, 0.0))
 
 
 def _parts_in_replica_order(part: Partition, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from prefixflow.pipeline.cost_model import density
 
-CUT_TOLERANCE = 0.002  # a unit that overfills a replica by less than this share is not cut
+CUT_TOLERANCE = 0.002
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -64,7 +64,8 @@ class ReplicaRuns:
     seq_index: [n] prompt of each plan row. run_starts: [num_runs + 1]. run_prefix,
     run_computed: [num_runs] shared prefix and prompt tokens computed. run_replica: [num_runs].
     replica_runs: [R + 1] run boundaries of each replica. partition: predicted seconds and the
-    saved tokens the split gave up, per replica.
+    saved tokens the split gave up, per replica. home_hit_tokens: prompt tokens the rows find in
+    their replica's cache from earlier windows (homes.py), not in run_computed.
     """
 
     seq_index: np.ndarray
@@ -74,6 +75,20 @@ class ReplicaRuns:
     run_replica: np.ndarray
     replica_runs: np.ndarray
     partition: Partition
+    home_hit_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Affinity:
+    """What a job's earlier windows left on the replicas (pipeline/homes.py), for partition_runs.
+
+    home: [num_runs] the replica whose cache holds a run's prefix, -1 for none; saving:
+    [num_runs] the compute seconds the run saves there. Each window is balanced on its own:
+    work stealing evens out at run time what a window's plan leaves.
+    """
+
+    home: np.ndarray
+    saving: np.ndarray
 
 
 def partition_runs(
@@ -86,6 +101,7 @@ def partition_runs(
     run_density: np.ndarray | None = None,
     row_cut_compute: np.ndarray | None = None,
     join_s: float = 0.0,
+    affinity: Affinity | None = None,
 ) -> Partition:
     """Split the order's runs across replicas, balanced on predicted time (dual-scan fill).
 
@@ -100,6 +116,9 @@ def partition_runs(
     join_s: a piece predicted to take at most this long joins the replica of the neighbour it was
     cut from when that saves compute (`_join_small_pieces`); 0 (the default) for a partition that
     runs as it is; a unit's time when work stealing evens out that grain at run time.
+    affinity: what earlier windows left on the replicas: a run whose prefix a replica holds goes
+    there first while the replica stays within its share (`_place_at_home`); the scan fills
+    around them.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
@@ -118,12 +137,20 @@ def partition_runs(
     if num_replicas == 1 or num_runs == 0:
         pieces = [(int(r), int(run_starts[r]), int(run_starts[r + 1]), 0) for r in range(num_runs)]
     else:
+        affinity = affinity or Affinity(np.full(num_runs, -1, dtype=np.int64), np.zeros(num_runs))
+        placed = _place_at_home(run_c, run_m, affinity, num_replicas)
+        at_home = [
+            (int(r), int(run_starts[r]), int(run_starts[r + 1]), int(placed[r])) for r in np.flatnonzero(placed >= 0)
+        ]
+        preload = _preload(at_home, filler, affinity, num_replicas)
+        rest = [int(r) for r in seq if placed[r] < 0]
         # Every cut makes one more part compute its prefix: a first pass measures that extra
         # compute, the second aims the targets at the total including it.
-        first = filler.fill(seq.tolist(), num_replicas, 0.0)
+        first = filler.fill(rest, num_replicas, 0.0, preload)
         extra = sum(float(run_prefix_compute[r]) for r, lo, _, _ in first if lo != run_starts[r])
-        pieces = filler.fill(seq.tolist(), num_replicas, extra) if extra > 0 else first
+        pieces = filler.fill(rest, num_replicas, extra, preload) if extra > 0 else first
         pieces = _join_small_pieces(pieces, filler, join_s) if join_s > 0 else pieces
+        pieces += at_home
     return _assemble(pieces, run_starts, cum_c, cum_m, run_prefix_compute, run_prefix_len, num_replicas)
 
 
@@ -146,8 +173,12 @@ class _Filler:
     def cost(self, run: int, lo: int, hi: int) -> tuple[float, float]:
         return (self.cum_c[hi] - self.cum_c[lo] + self.prefix_c[run], self.cum_m[hi] - self.cum_m[lo])
 
-    def fill(self, seq: list[int], num_replicas: int, extra_c: float) -> list[tuple[int, int, int, int]]:
-        """Pieces (run, row_lo, row_hi, replica); `extra_c`: prefix compute the cuts will add."""
+    def fill(
+        self, seq: list[int], num_replicas: int, extra_c: float, preload: tuple[np.ndarray, np.ndarray]
+    ) -> list[tuple[int, int, int, int]]:
+        """Pieces (run, row_lo, row_hi, replica); `extra_c`: prefix compute the cuts will add;
+        preload: ([R] compute, [R] memory seconds) each replica holds before the scan."""
+        pre_c, pre_m = preload
         # Each end holds its next unit as (run, row_lo, row_hi); a cut leaves the rest in place.
         self.units = [(r, int(self.starts[r]), int(self.starts[r + 1])) for r in seq]
         self.ends = [0, len(self.units) - 1]  # [left, right]
@@ -157,18 +188,19 @@ class _Filler:
         for replica in range(num_replicas - 1):
             share = num_replicas - replica
             to_come = extra_c * (share - 1) / (num_replicas - 1)
-            c_star = max((self.rest[0] + to_come) / share, 1e-30)
-            m_star = max(self.rest[1] / share, 1e-30)
-            pieces.extend((run, lo, hi, replica) for run, lo, hi in self._fill_one(c_star, m_star))
+            c_star = max((self.rest[0] + float(pre_c[replica:].sum()) + to_come) / share, 1e-30)
+            m_star = max((self.rest[1] + float(pre_m[replica:].sum())) / share, 1e-30)
+            taken = self._fill_one(c_star, m_star, float(pre_c[replica]), float(pre_m[replica]))
+            pieces.extend((run, lo, hi, replica) for run, lo, hi in taken)
         left, right = self.ends
         pieces.extend((run, lo, hi, num_replicas - 1) for run, lo, hi in self.units[left : right + 1])
         return pieces
 
-    def _fill_one(self, c_star: float, m_star: float) -> list[tuple[int, int, int]]:
-        """One replica's pieces. The compute-dense end may fill compute to C* and memory to the
-        time T*; the memory-dense end memory to M* and compute to T*."""
+    def _fill_one(self, c_star: float, m_star: float, c_k: float, m_k: float) -> list[tuple[int, int, int]]:
+        """One replica's pieces, on top of the (c_k, m_k) it holds. The compute-dense end may
+        fill compute to C* and memory to the time T*; the memory-dense end memory to M* and
+        compute to T*."""
         t_star = max(c_star, m_star)
-        c_k = m_k = 0.0
         taken: list[tuple[int, int, int]] = []
         open_ends = [True, True]
         while self.ends[0] <= self.ends[1] and any(open_ends):
@@ -210,6 +242,38 @@ class _Filler:
         gain = c[:fits] - self.cut_c[lo + 1 : lo + 1 + fits]
         best = int(np.argmax(gain[::-1]))  # the latest of equal gains
         return lo + fits - best if gain[fits - 1 - best] > 0 else lo
+
+
+def _place_at_home(run_c: np.ndarray, run_m: np.ndarray, affinity: Affinity, num_replicas: int) -> np.ndarray:
+    """[num_runs] the replica each run is placed on before the scan, -1 for the scan's. Runs
+    with a home go there, the most saving per second of work first, while the replica's
+    compute (less the savings) and memory stay within its share of each: the balance is the
+    scan's to keep, so affinity takes only the room a fair share leaves."""
+    home, saving = affinity.home, affinity.saving
+    placed = np.full(len(run_c), -1, dtype=np.int64)
+    homed = (home >= 0) & (saving > 0)
+    share_c = (float(run_c.sum()) - float(saving[homed].sum())) / num_replicas
+    share_m = float(run_m.sum()) / num_replicas
+    load_c, load_m = np.zeros(num_replicas), np.zeros(num_replicas)
+    for r in np.flatnonzero(homed)[np.argsort(-(saving / np.maximum(run_c, 1e-30))[homed], kind="stable")]:
+        h, c = int(home[r]), float(run_c[r] - saving[r])
+        if load_c[h] + c <= share_c * (1 + CUT_TOLERANCE) and load_m[h] + run_m[r] <= share_m * (1 + CUT_TOLERANCE):
+            placed[r] = h
+            load_c[h] += c
+            load_m[h] += run_m[r]
+    return placed
+
+
+def _preload(
+    at_home: list[tuple[int, int, int, int]], filler: _Filler, affinity: Affinity, num_replicas: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """([R] compute, [R] memory seconds) the runs placed at home hold, their savings taken off."""
+    pre_c, pre_m = np.zeros(num_replicas), np.zeros(num_replicas)
+    for run, lo, hi, replica in at_home:
+        c, m = filler.cost(run, lo, hi)
+        pre_c[replica] += c - float(affinity.saving[run])
+        pre_m[replica] += m
+    return pre_c, pre_m
 
 
 def _join_small_pieces(

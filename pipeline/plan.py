@@ -25,6 +25,7 @@ from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, Hardwa
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse, runs
 from prefixflow.pipeline.multilevel import UNITS_PER_REPLICA, nested_groups, plan_multi_level
 from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts
+from prefixflow.pipeline.homes import HomeHits, PrefixHomes
 from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens
@@ -184,6 +185,7 @@ def build_plan(
     model: ModelShape | dict | str | None = None,
     hardware: str | HardwareProfile = "h100",
     stealing: bool = False,
+    homes: PrefixHomes | None = None,
 ) -> Plan:
     """Plan a whole job: group prompts that share prefixes, order them, split across replicas.
 
@@ -201,6 +203,9 @@ def build_plan(
         balanced on the predicted time (cost_model.py; unknown output lengths use a default).
     stealing: the engines steal units (work_queue.py), evening out a unit's time: a small piece
         of a group may join the rest on its replica (partition.py `_join_small_pieces`).
+    homes: the blocks each replica computed in the job's earlier windows (homes.py; prompts given
+        as HashedPrompts, order batchllm): a unit goes where its prefix is, within the replica's
+        share, and what the rows find there is not counted as computed (`home_hit_tokens`).
     """
     started = time.perf_counter()
     source = prompts if isinstance(prompts, HashedPrompts) else RaggedTokens.from_sequences(prompts)
@@ -218,14 +223,17 @@ def build_plan(
     # Unknown output lengths (-1) are estimated from sampled ones in their subtree (BlendServe 5.1).
     est = None if outs is None else estimate_output_lens(tree, outs)
     cost_model = CostModel.create(model, hardware)
+    hits = None if homes is None or hashed is None else homes.find(hashed)
     planned, ref, plan_kind = _plan_runs(
-        tree, grouping, lengths, est, cost_model, order, num_replicas, min_prefix_len, hashed, stealing
+        tree, grouping, lengths, est, cost_model, order, num_replicas, min_prefix_len, hashed, stealing, hits
     )
     table = _plan_table(ids, planned, lengths, outs)
     summary = _summary(tree, grouping, lengths, planned, num_replicas, order)
     _add_predictions(summary, planned.partition, cost_model, ref, outs is None)
     if plan_kind is not None:
         summary["batchllm_plan"] = plan_kind
+    if homes is not None:
+        summary["home_hit_tokens"] = planned.home_hit_tokens
     unit_starts, unit_s = _units(cost_model, lengths, est, planned, num_replicas)
     summary["num_units"] = int(len(unit_starts) - 1)
     summary["planning_seconds"] = time.perf_counter() - started
@@ -252,12 +260,13 @@ def _plan_runs(
     min_prefix_len: int,
     hashed: HashedPrompts | None,
     stealing: bool,
+    hits: HomeHits | None = None,
 ) -> tuple[ReplicaRuns, Grouping, str | None]:
     """The order's plan: (its runs split across replicas, the grouping whose saving it keeps
     a share of, which batchllm plan it is: "nested" or "single_level", None for other orders)."""
     if order == "batchllm":
         block = hashed.block_size if hashed is not None else max(min_prefix_len, 1)
-        return _batchllm(tree, grouping, lengths, est, cost_model, num_replicas, min_prefix_len, block, stealing)
+        return _batchllm(tree, grouping, lengths, est, cost_model, num_replicas, min_prefix_len, block, stealing, hits)
     assert grouping is not None, "every order but batchllm makes the single-level grouping"
     planned = _single_level(tree, grouping, lengths, est, cost_model, order, num_replicas)
     return planned, grouping, None
@@ -327,6 +336,7 @@ def _batchllm(
     min_prefix_len: int,
     block: int,
     stealing: bool = False,
+    hits: HomeHits | None = None,
 ) -> tuple[ReplicaRuns, Grouping, str]:
     """The batchllm plan: nested groups (multilevel.py), unless the single-level plan (BatchLLM
     Alg. 1, groups in Eq. 3 order) is predicted to compute fewer prompt tokens. The nested
@@ -337,7 +347,7 @@ def _batchllm(
     building it)."""
     ng = nested_groups(tree, lengths, est, min_prefix_len, block)
     outs = np.full(len(lengths), DEFAULT_OUTPUT_LEN) if est is None else est
-    nested = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block, stealing)
+    nested = plan_multi_level(tree, ng, lengths, outs, cost_model, num_replicas, block, stealing, hits)
     computed = int(nested.run_computed.sum())
     if grouping is None or computed <= int(lengths.sum()) - grouping.saved_tokens:
         return nested, ng.grouping, "nested"

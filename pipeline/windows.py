@@ -34,6 +34,7 @@ _SUMMED = (
     "computed_prompt_tokens",
     "num_units",
     "lost_saving_tokens",
+    "home_hit_tokens",
     "tree_nodes",
     "planning_seconds",
 )

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
+from prefixflow.engine.config import CPU_KV_CACHE_BYTES
 from prefixflow.engine.vllm_backend.engine import cpu_context
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
@@ -35,6 +36,8 @@ from prefixflow.operators.stages.supervise import (
     stop_engines,
 )
 from prefixflow.operators.stages.tokenize import tokenize_batch
+from prefixflow.pipeline.cost_model import ModelShape
+from prefixflow.pipeline.homes import cache_blocks
 
 Row = dict[str, Any]
 PLAN_RECORD = "plan"  # the sink record of a run's plan summary (Processor.plan_summary)
@@ -217,7 +220,21 @@ class Processor:
             "default_max_tokens": self.config.sampling_params.max_tokens,
             "block_size": self.config.engine_config.block_size,
             "stealing": stealing,
+            "cache_blocks": self._cache_blocks() if self.config.window_rows is not None else None,
         }
+
+    def _cache_blocks(self) -> int | None:
+        """KV blocks one engine caches, for a windowed plan (pipeline/homes.py): its
+        engine.kv_cache_bytes (on a CPU, the 1 GiB default) over the model's KV bytes per block
+        in the checkpoint's dtype; None (the cost model's estimate) on a GPU without a budget,
+        which the engine measures only where it starts."""
+        engine = self.config.engine_config
+        on_gpu = bool(self.engine_options().get("num_gpus")) or engine.device.startswith("cuda")
+        budget = engine.kv_cache_bytes or (None if on_gpu else CPU_KV_CACHE_BYTES)
+        if budget is None:
+            return None
+        shape = ModelShape.from_hf_config(resolve_model(self.config.model) / "config.json")
+        return cache_blocks(budget, shape.kv_bytes_per_token, engine.block_size)
 
     def check_context(self) -> None:
         """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache

@@ -37,6 +37,7 @@ from prefixflow.operators.columns import ERROR
 from prefixflow.operators.stages.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline import RaggedTokens, build_plan
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts, block_hashes
+from prefixflow.pipeline.homes import PrefixHomes, estimated_cache_blocks, homes_of
 from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.prefix_tree import ragged_gather
 from prefixflow.pipeline.windows import WindowedPlan, continued_table, window_sizes
@@ -88,6 +89,9 @@ class PlannedJob:
     first_unit: int = 0
     first_group: int = 0
     first_ranks: tuple[int, ...] = ()  # per replica; () = zeros
+    # The blocks each replica holds once this window ran (pipeline/homes.py), for the next
+    # window's plan; None for a whole-job plan, and once the window is queued (window_summary).
+    homes: PrefixHomes | None = None
 
     @property
     def num_units(self) -> int:
@@ -291,7 +295,10 @@ class PlanOptions:
     sampling default, which they run with); None leaves them unknown (estimated per subtree).
     block_size: the engine's KV block size; shared prefixes are planned in whole blocks.
     stealing: the engines will steal units (a job with work_stealing): see build_plan.
-    custom_ids: the rows carry OpenAI batch custom_ids, which must be unique."""
+    custom_ids: the rows carry OpenAI batch custom_ids, which must be unique.
+    cache_blocks: KV blocks one replica's engine caches: in windows, what a later window's plan
+    expects an engine still to hold of the earlier ones (pipeline/homes.py); None: the cost
+    model's estimate (Llama-3.1-8B's KV on an H100)."""
 
     order: str
     num_replicas: int
@@ -299,6 +306,7 @@ class PlanOptions:
     default_max_tokens: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     stealing: bool = False
+    cache_blocks: int | None = None
 
 
 def plan_dataset(ds: Any, **options: Any) -> PlannedJob:
@@ -315,7 +323,8 @@ def plan_windows(ds: Any, window_rows: int, **options: Any) -> Iterator[PlannedJ
     order: window k holds the rows after window k-1's. The first windows are small (window_sizes)
     so that the engines get work within seconds. A window ends at the first block boundary past
     its size, so the windows (and the plan) are the same in every run that reads the same blocks.
-    options: PlanOptions' fields."""
+    A window's plan sends a unit to the replica that computed its prefix in an earlier window
+    (pipeline/homes.py), within the replica's share. options: PlanOptions' fields."""
     opts = PlanOptions(**options)
     sizes = window_sizes(window_rows)
     seen: dict[Any, int] = {}  # custom_id -> the first row that used it, across windows
@@ -339,17 +348,25 @@ def _next_window(
 ) -> PlannedJob:
     """The window of `refs`, numbered after `before` (None: the first)."""
     if before is None:
-        return dataclasses.replace(plan_blocks(refs, opts, read_s=read_s, seen=seen), window=0)
+        capacity = opts.cache_blocks if opts.cache_blocks is not None else estimated_cache_blocks(opts.block_size)
+        homes = PrefixHomes.empty(opts.num_replicas, capacity)
+        return dataclasses.replace(plan_blocks(refs, opts, read_s=read_s, seen=seen, homes=homes), window=0)
     first_row = before.rows.first_row + before.rows.num_rows
-    planned = plan_blocks(refs, opts, first_row=first_row, read_s=read_s, seen=seen)
+    planned = plan_blocks(refs, opts, first_row=first_row, read_s=read_s, seen=seen, homes=before.homes)
     return dataclasses.replace(planned, window=int(before.window or 0) + 1, **before.next_offsets())
 
 
 def plan_blocks(
-    refs: list[Any], opts: PlanOptions, first_row: int = 0, read_s: float = 0.0, seen: dict[Any, int] | None = None
+    refs: list[Any],
+    opts: PlanOptions,
+    first_row: int = 0,
+    read_s: float = 0.0,
+    seen: dict[Any, int] | None = None,
+    homes: PrefixHomes | None = None,
 ) -> PlannedJob:
     """Plan the good rows of the tokenized blocks `refs`, whose rows are numbered from
-    `first_row` (see the module doc). seen: custom_id -> first row id of the windows before."""
+    `first_row` (see the module doc). seen: custom_id -> first row id of the windows before.
+    homes: what the replicas hold of the windows before (a window of plan_windows)."""
     t1 = time.perf_counter()
     metas, hash_refs = _gather_meta(refs, opts.custom_ids, opts.block_size)
     offsets = first_row + np.r_[0, np.cumsum([m["num_rows"] for m in metas])].astype(np.int64)
@@ -384,13 +401,15 @@ def plan_blocks(
         order=opts.order,
         num_replicas=opts.num_replicas,
         stealing=opts.stealing,
+        homes=homes,
     )
+    homes = None if homes is None else homes_of(plan, homes)  # reads hashes: before they go
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
     error_ids = np.setdiff1d(np.arange(offsets[0], offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
     timings = {"read_tokenize_s": read_s, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
     digest = hashlib.sha256(b"".join(m["digest"].tobytes() for m in metas)).hexdigest()  # block order
-    return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total)
+    return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total, homes=homes)
 
 
 def window_summary(window: PlannedJob, keep_table: bool = False) -> PlannedJob:
@@ -400,7 +419,7 @@ def window_summary(window: PlannedJob, keep_table: bool = False) -> PlannedJob:
     plan = window.plan
     zeros = (0,) * plan.num_replicas
     table = continued_table(plan.table, window.first_group, window.first_ranks or zeros) if keep_table else None
-    return dataclasses.replace(window, plan=WindowedPlan(table, plan.summary, plan.group_sizes))
+    return dataclasses.replace(window, plan=WindowedPlan(table, plan.summary, plan.group_sizes), homes=None)
 
 
 def joined_windows(windows: list[PlannedJob]) -> PlannedJob:

@@ -303,7 +303,13 @@ def test_stream_bench_counts_what_windows_cost_against_one_plan():
         assert 0 < whole["computed_if_cached"] <= whole["computed"] <= w["prompt_tokens"], name
         for label, cell in w["windows"].items():
             assert sum(cell["windows"]) == 120 and cell["num_windows"] >= 2, label
-            # A cache that keeps every prefix computes no more than one that keeps none.
-            assert cell["computed_if_cached"] <= cell["computed"], label
+            if label.endswith("no affinity"):
+                # A cache that keeps every prefix computes no more than one that keeps none.
+                assert cell["computed_if_cached"] <= cell["computed"], label
+            else:
+                # Sent where their prefixes are, the windows compute less than planned alone
+                # (sorted rows have few prefixes in earlier windows: no more, there).
+                alone = w["windows"][label + ", no affinity"]["computed"]
+                assert cell["computed"] <= alone if "sorted" in label else cell["computed"] < alone, label
         # Planned whole in windows of 1/16, a shuffled job computes more than its one plan.
         assert w["windows"]["1/16"]["ratio_to_global"] > 1.0

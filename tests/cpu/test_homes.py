@@ -1,0 +1,134 @@
+"""Prefix homes (pipeline/homes.py): which replica holds which blocks from a job's earlier
+windows, and the plan that sends a later window's units there (issue 39)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixflow.bench.stream_bench import ReplicaCaches
+from prefixflow.pipeline import build_plan
+from prefixflow.pipeline.block_hash import HashedPrompts, block_hashes
+from prefixflow.pipeline.homes import PrefixHomes, homes_of
+from prefixflow.pipeline.partition import Affinity, partition_runs
+from prefixflow.pipeline.ragged import RaggedTokens
+
+BLOCK = 4
+
+
+def _hashed(prompts: list[list[int]]) -> HashedPrompts:
+    return HashedPrompts.from_tokens(prompts, BLOCK)
+
+
+def _ran(homes: PrefixHomes, prompts: list[list[int]], replicas: list[int]) -> PrefixHomes:
+    """The homes once `prompts` ran, prompt i on replicas[i], in that order."""
+    return homes.after(_hashed(prompts), np.asarray(replicas), np.arange(len(prompts)))
+
+
+def test_a_row_finds_the_whole_blocks_of_its_prefix_and_the_replicas_that_hold_them():
+    doc, other = list(range(100, 118)), list(range(200, 218))  # 18 tokens: 4 whole blocks
+    homes = _ran(PrefixHomes.empty(3, 1000), [doc + [1, 2], other + [3], doc + [5, 6, 7]], [1, 2, 0])
+    hits = homes.find(_hashed([doc + [9, 9, 9], other + [4, 4], [7] * 9, doc[:8]]))
+    # doc's 4 whole blocks (16 tokens) are on replicas 0 and 1; other's on replica 2; a prompt
+    # seen nowhere finds nothing; a prompt that is a whole prefix keeps its last token to compute.
+    assert hits.hit.tolist() == [16, 16, 0, 4]
+    pairs = sorted(zip(hits.pair_row.tolist(), hits.pair_replica.tolist()))
+    assert pairs == [(0, 0), (0, 1), (1, 2), (3, 0), (3, 1)]
+    assert not hits.everywhere.any()
+    assert hits.first_home(4).tolist() == [0, 2, -1, 0]
+    assert hits.on_replica(np.array([1, 0, 0, 2])).tolist() == [True, False, False, False]
+
+
+def test_a_prefix_on_every_replica_is_found_everywhere():
+    system = list(range(50, 66))
+    homes = _ran(PrefixHomes.empty(2, 1000), [system + [1], system + [2]], [0, 1])
+    hits = homes.find(_hashed([system + [3, 4]]))
+    assert hits.hit.tolist() == [16] and hits.everywhere.tolist() == [True]
+    assert len(hits.pair_row) == 0 and hits.on_replica(np.array([1])).tolist() == [True]
+
+
+def test_each_replica_keeps_its_latest_blocks_up_to_its_capacity():
+    old, new = list(range(300, 316)), list(range(400, 416))  # 4 blocks each
+    homes = _ran(PrefixHomes.empty(2, 5), [old, new], [0, 0])
+    assert homes.num_blocks == 5  # the later prompt's 4 blocks and one of the older's
+    hits = homes.find(_hashed([new + [1], old + [1]]))
+    assert hits.hit.tolist()[0] == 16  # the latest are kept whole
+    assert hits.hit.tolist()[1] < 16  # the oldest went first
+    again = _ran(homes, [old], [0])  # used again: now the latest
+    assert again.find(_hashed([old + [1]])).hit.tolist() == [16]
+    assert (again.replica == 0).sum() <= 5
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 4), st.integers(0, 30))
+@settings(max_examples=60, deadline=None)
+def test_the_homes_never_hold_more_than_their_capacity_per_replica(docs, replicas, capacity):
+    prompts = [[d] * 10 + [i] for i, d in enumerate(docs)]
+    homes = PrefixHomes.empty(replicas, capacity)
+    for lo in range(0, len(prompts), 7):
+        window = prompts[lo : lo + 7]
+        homes = _ran(homes, window, [i % replicas for i in range(len(window))])
+        assert np.bincount(homes.replica, minlength=replicas).max(initial=0) <= capacity
+        keys = list(zip(homes.hashes.tolist(), homes.replica.tolist()))
+        assert keys == sorted(set(keys))  # one entry per (hash, replica), sorted for the lookup
+
+
+def test_a_run_goes_to_its_home_within_the_replicas_share():
+    starts = np.arange(9, dtype=np.int64)  # 8 runs of one row, equal cost
+    comp, mem = np.ones(8), np.ones(8)
+    home = np.array([3, 3, 3, 3, 3, -1, -1, -1])  # five runs want replica 3: its share is 2
+    part = partition_runs(
+        starts, comp, mem, np.zeros(8), np.zeros(8, np.int64), 4, affinity=Affinity(home, np.full(8, 0.5) * (home >= 0))
+    )
+    replica_of = dict(zip(part.part_run.tolist(), part.part_replica.tolist()))
+    assert sorted(replica_of) == list(range(8))
+    assert sum(1 for r in range(5) if replica_of[r] == 3) >= 2  # the room a fair share leaves
+    assert np.bincount(part.part_replica, minlength=4).max() <= 3
+
+
+def _docs(seed: int, n: int) -> list[list[int]]:
+    """n rows of 6 documents (40 tokens each) asked short questions, in random order."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 1000, 40).tolist() for _ in range(6)]
+    return [docs[int(rng.integers(0, 6))] + rng.integers(0, 1000, 6).tolist() for _ in range(n)]
+
+
+def _windows(prompts: list[list[int]], size: int, homes: PrefixHomes | None) -> tuple[list, int, int]:
+    """(plans, tokens the plans compute, tokens engines with unbounded caches compute)."""
+    caches, plans, computed = ReplicaCaches(2), [], 0
+    for lo in range(0, len(prompts), size):
+        rows = prompts[lo : lo + size]
+        plan = build_plan(_hashed(rows), num_replicas=2, min_prefix_len=BLOCK, stealing=True, homes=homes)
+        homes = homes_of(plan, homes) if homes is not None else None
+        replica = np.zeros(len(rows), dtype=np.int64)
+        replica[plan.seq_index] = plan.table.column("replica").to_numpy()
+        ragged = RaggedTokens.from_sequences(rows)
+        _run_blocks(caches, block_hashes(ragged, BLOCK), ragged.lengths, replica)
+        plans.append(plan)
+        computed += int(plan.summary["computed_prompt_tokens"])
+    return plans, computed, caches.computed
+
+
+def _run_blocks(caches: ReplicaCaches, hashes: RaggedTokens, lengths: np.ndarray, replica: np.ndarray) -> None:
+    for i in range(len(lengths)):
+        seen = caches.seen[int(replica[i])]
+        whole = int(lengths[i]) // BLOCK
+        new = [h for h in hashes[i][:whole].tolist() if h not in seen]
+        seen.update(new)
+        caches.computed += len(new) * BLOCK + int(lengths[i]) - whole * BLOCK
+
+
+def test_later_windows_go_where_their_documents_are_and_count_what_they_find_there():
+    prompts = _docs(0, 120)
+    plans, computed, simulated = _windows(prompts, 30, PrefixHomes.empty(2, 10_000))
+    _, alone, alone_simulated = _windows(prompts, 30, None)
+    for plan in plans:  # every row once
+        assert sorted(plan.table.column("row_id").to_pylist()) == list(range(plan.summary["num_rows"]))
+    assert plans[0].summary["home_hit_tokens"] == 0  # nothing before the first window
+    assert sum(p.summary["home_hit_tokens"] for p in plans[1:]) > 0
+    # Each document is prefilled about once per replica that holds it, not once per window.
+    assert computed < alone and simulated < alone_simulated
+    # The plan's count is what engines that keep their blocks compute, give or take the
+    # members' partial last prefix block (a group shares it; a cache of whole blocks does not).
+    assert simulated == pytest.approx(computed, rel=0.1)
