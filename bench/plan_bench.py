@@ -40,6 +40,7 @@ import numpy as np
 
 from prefixflow.pipeline import RaggedTokens, build_plan
 from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts
+from prefixflow.pipeline.homes import PrefixHomes, estimated_cache_blocks, homes_of
 from prefixflow.pipeline.windows import merge_summaries, window_sizes
 
 VOCAB = 32000
@@ -211,7 +212,8 @@ def measure_stream(num_prompts: int, window_rows: int, replicas: int = 8) -> dic
     process, as a windowed job's driver plans them: each window a SyntheticHashes of its own
     (its rows numbered on from the last window's), planned and dropped; kept across windows what
     that driver keeps (operators/stages/supervise.py: each unit's row ids; jobs/run.py: each
-    window's summary and group sizes). Peak RSS, and RSS after each window."""
+    window's summary and group sizes; operators/stages/plan.py: the prefix homes, bounded by
+    replicas x cache blocks). Peak RSS, and RSS after each window."""
     before = _rss_bytes()
     start, cpu_start = time.perf_counter(), time.process_time()
     unit_rows: list[np.ndarray] = []
@@ -219,10 +221,16 @@ def measure_stream(num_prompts: int, window_rows: int, replicas: int = 8) -> dic
     summaries: list[dict] = []
     rss_after: list[int] = []
     sizes, first = window_sizes(window_rows), 0
+    homes = PrefixHomes.empty(replicas, estimated_cache_blocks(DEFAULT_BLOCK_SIZE))
+    home_s = 0.0
     while first < num_prompts:
         size = min(next(sizes), num_prompts - first)
         synth = SyntheticHashes(size, seed=len(summaries))
-        plan = build_plan(synth.prompts(), row_ids=np.arange(first, first + size), num_replicas=replicas)
+        prompts = synth.prompts()
+        plan = build_plan(prompts, row_ids=np.arange(first, first + size), num_replicas=replicas, homes=homes)
+        t = time.perf_counter()
+        homes = homes_of(plan, homes)
+        home_s += time.perf_counter() - t
         row_ids = plan.table.column("row_id").to_numpy().astype(np.int64)
         unit_rows += np.split(row_ids, plan.unit_starts[1:-1])
         group_sizes.append(plan.group_sizes)
@@ -232,6 +240,7 @@ def measure_stream(num_prompts: int, window_rows: int, replicas: int = 8) -> dic
         rss_after.append(_rss_bytes())
     merged = merge_summaries(summaries)
     kept = sum(a.nbytes for a in unit_rows) + sum(a.nbytes for a in group_sizes)
+    homes_bytes = homes.hashes.nbytes + homes.replica.nbytes + homes.stamp.nbytes
     return {
         "num_prompts": num_prompts,
         "window_rows": window_rows,
@@ -242,7 +251,10 @@ def measure_stream(num_prompts: int, window_rows: int, replicas: int = 8) -> dic
         "peak_process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rss_before_plan_bytes": int(before),
         "rss_after_window_bytes": rss_after[:: max(1, len(rss_after) // 20)] + rss_after[-1:],
-        "kept_across_windows_bytes": int(kept),
+        "kept_across_windows_bytes": int(kept + homes_bytes),
+        "prefix_homes_bytes": int(homes_bytes),
+        "prefix_homes_record_s": round(home_s, 1),  # homes_of after each window (find is in plan_s)
+        "home_hit_tokens": int(merged.get("home_hit_tokens", 0)),
         "token_saving_ratio": round(merged["token_saving_ratio"], 4),
         "num_groups": merged["num_groups"],
         "load_average": os.getloadavg()[0],
