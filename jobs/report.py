@@ -18,10 +18,14 @@ if TYPE_CHECKING:  # annotations only: this module stays importable without the 
     from prefixflow.operators.stages.plan import PlannedJob
 
 
-def plan_text(planned: PlannedJob) -> str:
+def plan_text(planned: PlannedJob, sample: dict[str, Any] | None = None) -> str:
+    """The plan's summary for the console; sample: a dry run's (dry_run_result), which planned
+    only the input's first windows."""
     s = planned.plan.summary
     if planned.window is not None:  # the first window of a job planned in windows
         what = f"plan of window {planned.window} (the next windows are planned as they are read)"
+    elif sample is not None:
+        what = f"plan of the first {s['num_windows']} windows (a dry run's sample)"
     else:
         what = "plan" if "num_windows" not in s else f"plan in {s['num_windows']} windows"
     lines = [
@@ -41,18 +45,42 @@ def plan_text(planned: PlannedJob) -> str:
         f"  error rows {len(planned.error_row_ids)}; read+tokenize {t['read_tokenize_s']:.2f} s, "
         f"gather {t['gather_s']:.3f} s, build_plan {t['build_plan_s']:.3f} s"
     )
+    if sample is not None:
+        lines.append(
+            f"  the whole input, scaled from that sample by rows ({sample['rows']} of {sample['input_rows']}): "
+            f"prompt tokens ~{sample['prompt_tokens']}, computed ~{sample['computed_prompt_tokens']}, "
+            f"slowest replica ~{sample['predicted_seconds_max']:.0f} s predicted"
+        )
     return "\n".join(lines)
 
 
-def dry_run_result(planned: PlannedJob, wall_s: float) -> dict[str, Any]:
-    return {
+def dry_run_result(planned: PlannedJob, wall_s: float, input_rows: int | None = None) -> dict[str, Any]:
+    """What a dry run prints as JSON. input_rows: the input's rows, where the plan holds fewer
+    (a windowed job's first windows): `sample` then scales its tokens and the slowest replica's
+    predicted seconds by input_rows / rows planned, and says so."""
+    s = planned.plan.summary
+    result = {
         "dry_run": True,
-        "plan": plain(planned.plan.summary),
+        "plan": plain(s),
         "timings": planned.timings,
         "num_rows": planned.rows.num_rows,
         "num_error_rows": int(len(planned.error_row_ids)),
         "wall_seconds": wall_s,
     }
+    rows = planned.rows.num_rows
+    if input_rows is not None and input_rows > rows > 0:
+        scale = input_rows / rows
+        predicted = max((r.get("predicted_seconds", 0.0) for r in s["replicas"]), default=0.0)
+        result["sample"] = {
+            "windows": s.get("num_windows", 1),
+            "rows": rows,
+            "input_rows": input_rows,
+            "prompt_tokens": round(s["prompt_tokens"] * scale),
+            "computed_prompt_tokens": round(s["computed_prompt_tokens"] * scale),
+            "predicted_seconds_max": predicted * scale,
+            "note": "planned from the input's first windows; the rest scaled by rows, not planned",
+        }
+    return result
 
 
 class Progress:

@@ -55,6 +55,10 @@ from prefixflow.operators.stages.read_table import pinned
 from prefixflow.operators.stages.supervise import Supervisor, check_window_resources, start_engines, stop_engines
 from prefixflow.storage import join
 
+# A windowed job's dry run plans its first windows only (window_rows / 16, / 8, / 4, / 2, and one
+# whole: about twice window_rows rows) and scales the rest by rows (report.dry_run_result).
+DRY_RUN_WINDOWS = 5
+
 
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at `address` or RAY_ADDRESS, else start a local one for this run;
@@ -110,11 +114,14 @@ def run_job(
             check_window_resources(job.config, options)
         engines = {} if dry_run else start_engines(job.config, options)
         try:
-            planned, windows = plan_job(processor, job, whole=dry_run)
+            planned, windows = plan_job(processor, job, whole=dry_run, sample=DRY_RUN_WINDOWS if dry_run else None)
+            if dry_run:
+                result = report.dry_run_result(planned, time.perf_counter() - started, _input_rows(job, planned))
+                if not quiet:
+                    print(report.plan_text(planned, result.get("sample")), flush=True)
+                return result
             if not quiet:
                 print(report.plan_text(planned), flush=True)
-            if dry_run:
-                return report.dry_run_result(planned, time.perf_counter() - started)
             return _generate(job, planned, wopts, started, quiet, engines, options, windows)
         finally:
             stop_engines(engines)  # those no Supervisor took (the plan failed; nothing to run)
@@ -123,9 +130,20 @@ def run_job(
             lock.release()
 
 
-def plan_job(processor: Processor, job: Job, whole: bool = False) -> tuple[PlannedJob, Iterator[PlannedJob] | None]:
+def plan_job(
+    processor: Processor, job: Job, whole: bool = False, sample: int | None = None
+) -> tuple[PlannedJob, Iterator[PlannedJob] | None]:
     """The job's plan, or its first window and the later ones (Processor.plans)."""
-    return processor.plans(read_dataset(job.read), stealing=job.config.work_stealing, whole=whole)
+    return processor.plans(read_dataset(job.read), stealing=job.config.work_stealing, whole=whole, sample=sample)
+
+
+def _input_rows(job: Job, planned: PlannedJob) -> int:
+    """The input's rows: those planned, unless a dry run planned only its first DRY_RUN_WINDOWS
+    windows; then counted by reading the input again, without tokenizing (parquet: from its
+    metadata)."""
+    if planned.plan.summary.get("num_windows", 0) < DRY_RUN_WINDOWS:
+        return planned.rows.num_rows
+    return int(read_dataset(job.read).count())
 
 
 class _WindowLog:

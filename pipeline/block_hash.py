@@ -103,6 +103,9 @@ class HashedPrompts:
     fetch_tokens: prompt indices -> their token ids (RaggedTokens, in the order asked); called
         per replica by Plan.groups, never for the whole job at once.
     max_cells: hashes the sort holds per level (None: no bound).
+    find_leading: (sorted hashes, [n] usable blocks) -> ([n] leading blocks of each prompt found
+        among them, [n] the deepest found hash or -1): computed where the hashes are, in one
+        pass (homes.leading_found); None: pipeline/homes.py walks them through `gather`.
     """
 
     lengths: np.ndarray
@@ -110,6 +113,7 @@ class HashedPrompts:
     block_size: int
     fetch_tokens: Callable[[np.ndarray], RaggedTokens]
     max_cells: int | None = None
+    find_leading: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -132,7 +136,10 @@ class HashedPrompts:
         def fetch(idx: np.ndarray) -> RaggedTokens:
             return RaggedTokens.from_sequences([tokens[int(i)] for i in idx])
 
-        return cls(tokens.lengths, ragged_gather(hashes), block_size, fetch)
+        def find_leading(keys: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return leading_found(hashes, keys, usable)
+
+        return cls(tokens.lengths, ragged_gather(hashes), block_size, fetch, find_leading=find_leading)
 
     def sort_with_lcp(self) -> tuple[np.ndarray, np.ndarray]:
         return sort_hashes_with_lcp(self.lengths, self.gather, self.block_size, self.max_cells)
@@ -156,6 +163,37 @@ def sort_hashes_with_lcp(
     # Equal last blocks have equal lengths (the hash holds the length), so the shorter prompt
     # ends where they stop agreeing: the min is its length then, k * block_size otherwise.
     return order, np.minimum(lcp_blocks * block_size, shorter)
+
+
+def leading_found(hashes: RaggedTokens, keys: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([n] how many of each prompt's first blocks are all in `keys` (sorted), at most usable[i];
+    [n] the deepest of them, -1 for none): a prompt's prefix that an index of block hashes
+    holds (pipeline/homes.py), the hashes being chained."""
+    n = len(hashes)
+    flat, offsets = hashes.flat.astype(np.int64, copy=False), hashes.offsets
+    if n == 0 or not len(keys) or not len(flat):
+        return np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(keys, flat), len(keys) - 1)
+    row = np.repeat(np.arange(n), np.diff(offsets))
+    pos = np.arange(len(flat)) - offsets[:-1][row]
+    stop = ~(keys[at] == flat) | (pos >= np.asarray(usable, dtype=np.int64)[row])
+    # Per prompt: the first block not found (or past its usable ones), else its length.
+    first_stop = np.where(stop, pos, np.iinfo(np.int64).max)
+    lens = np.diff(offsets)
+    lead = np.minimum(lens, np.minimum(usable, _row_min(first_stop, offsets)))
+    last = np.minimum(offsets[:-1] + np.maximum(lead - 1, 0), len(flat) - 1)
+    deepest = np.where(lead > 0, flat[last], -1)
+    return lead.astype(np.int64), deepest.astype(np.int64)
+
+
+def _row_min(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each row's minimum of a flat ragged array (its int64 max for an empty row)."""
+    lens = np.diff(offsets)
+    out = np.full(len(lens), np.iinfo(np.int64).max, dtype=np.int64)
+    has = lens > 0
+    if has.any():
+        out[has] = np.minimum.reduceat(values, offsets[:-1][has])
+    return out
 
 
 def shared_prefix(claimed: int, prompts: list[np.ndarray], block_size: int) -> int:

@@ -94,6 +94,10 @@ class PrefixHomes:
         if n == 0 or not len(self.hashes):
             return self._holders(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64))
         whole = (np.asarray(prompts.lengths, dtype=np.int64) - 1) // block  # blocks that may hit
+        if prompts.find_leading is not None:  # where the hashes are, in one pass
+            keys = np.unique(self.hashes)
+            found, deepest = prompts.find_leading(keys, np.maximum(whole, 0))
+            return self._holders(np.asarray(found, np.int64) * block, np.asarray(deepest, np.int64))
         found = np.zeros(n, dtype=np.int64)
         deepest = np.full(n, -1, dtype=np.int64)
         alive, depth = np.flatnonzero(whole > 0), 0
@@ -131,23 +135,32 @@ class PrefixHomes:
         at = np.repeat(lo - np.r_[0, np.cumsum(count)[:-1]], count) + np.arange(int(count.sum()))
         return HomeHits(hit, pair_row, self.replica[at].astype(np.int64), everywhere)
 
-    def after(self, prompts: HashedPrompts, row_replica: np.ndarray, row_rank: np.ndarray) -> "PrefixHomes":
+    def after(
+        self,
+        prompts: HashedPrompts,
+        row_replica: np.ndarray,
+        row_rank: np.ndarray,
+        row_blocks: np.ndarray | None = None,
+    ) -> "PrefixHomes":
         """The homes once a window's rows ran: `row_replica`, `row_rank` ([n] each row's replica
-        and position in its order) say where and when each row filled its whole blocks. Only a
-        replica's last `capacity` blocks can stay, so only its last rows are read."""
+        and position in its order) say where and when each row filled its whole blocks;
+        row_blocks: [n] how many of its first blocks its engine's cache can give a later prompt
+        (default: every whole block). Only a replica's last `capacity` blocks can stay, so only
+        its last rows are read."""
         if self.capacity == 0 or len(prompts) == 0:
             return self
         whole = np.asarray(prompts.lengths, dtype=np.int64) // prompts.block_size
-        new_h, new_r, new_s = [], [], []
+        if row_blocks is not None:
+            whole = np.minimum(whole, np.asarray(row_blocks, dtype=np.int64))
+        kept = []
         for r in range(self.num_replicas):
             mine = np.flatnonzero(row_replica == r)
             mine = mine[np.argsort(-row_rank[mine], kind="stable")]  # latest first
-            keep = mine[: int(np.searchsorted(np.cumsum(whole[mine]), self.capacity)) + 1]
-            h, s = self._blocks(prompts, keep, whole[keep], row_rank[keep])
-            new_h.append(h)
-            new_s.append(s)
-            new_r.append(np.full(len(h), r, dtype=np.int32))
-        return self._merged(np.concatenate(new_h), np.concatenate(new_r), np.concatenate(new_s))
+            kept.append(mine[: int(np.searchsorted(np.cumsum(whole[mine]), self.capacity)) + 1])
+        rows = np.concatenate(kept)  # every replica's at once: one gather (a task per block)
+        h, s = self._blocks(prompts, rows, whole[rows], row_rank[rows])
+        replica = np.repeat(np.asarray(row_replica, dtype=np.int32)[rows], whole[rows])
+        return self._merged(h, replica, s)
 
     def _blocks(
         self, prompts: HashedPrompts, rows: np.ndarray, whole: np.ndarray, rank: np.ndarray
@@ -198,8 +211,12 @@ def estimated_cache_blocks(block_size: int) -> int:
     return cache_blocks(cm.kv_budget_bytes, cm.model.kv_bytes_per_token, block_size)
 
 
-def homes_of(plan: Any, homes: PrefixHomes) -> PrefixHomes:
-    """The homes after `plan` (planned from HashedPrompts) ran: its table's replica and rank."""
+def homes_of(plan: Any, homes: PrefixHomes, members_cached: bool = True) -> PrefixHomes:
+    """The homes after `plan` (planned from HashedPrompts) ran: its table's replica and rank.
+    members_cached: a group member's own blocks can be found by a later prompt (vLLM's cache
+    hashes every block from the prompt's start); False for the native engine, whose members'
+    own blocks are chained from their group's prefix: only a group's prefix (its owner, hashed
+    from the start) and a prompt run whole are found there."""
     if plan.hashed is None:
         raise ValueError("prefix homes need a plan built from HashedPrompts (block hashes)")
     n = len(plan.seq_index)
@@ -207,4 +224,10 @@ def homes_of(plan: Any, homes: PrefixHomes) -> PrefixHomes:
     rank = np.zeros(n, dtype=np.int64)
     replica[plan.seq_index] = plan.table.column("replica").to_numpy()
     rank[plan.seq_index] = plan.table.column("rank").to_numpy()
-    return homes.after(plan.hashed, replica, rank)
+    blocks = None
+    if not members_cached:
+        prefix = np.zeros(n, dtype=np.int64)
+        prefix[plan.seq_index] = plan.table.column("prefix_len").to_numpy()
+        whole = np.asarray(plan.hashed.lengths, dtype=np.int64) // plan.hashed.block_size
+        blocks = np.where(prefix > 0, prefix // plan.hashed.block_size, whole)
+    return homes.after(plan.hashed, replica, rank, blocks)

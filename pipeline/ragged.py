@@ -44,6 +44,14 @@ class RaggedTokens:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def take(self, idx: np.ndarray) -> "RaggedTokens":
+        """Sequences idx[0], idx[1], ... (copied), in that order."""
+        idx = np.asarray(idx, dtype=np.int64)
+        lens = self.lengths[idx]
+        offsets = np.r_[0, np.cumsum(lens)].astype(np.int64)
+        at = np.repeat(self.offsets[:-1][idx] - offsets[:-1], lens) + np.arange(offsets[-1])
+        return RaggedTokens(self.flat[at], offsets)
+
     @property
     def num_tokens(self) -> int:
         return int(self.offsets[-1])

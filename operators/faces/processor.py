@@ -199,16 +199,18 @@ class Processor:
         return plan_windows(self.tokenize(ds), self.config.window_rows, **self._plan_options(stealing))
 
     def plans(
-        self, ds: Any, stealing: bool = False, whole: bool = False
+        self, ds: Any, stealing: bool = False, whole: bool = False, sample: int | None = None
     ) -> tuple[PlannedJob, Iterator[PlannedJob] | None]:
         """The plan of `ds`, and None; with config.window_rows, its first window and the later
         ones, each read and planned when asked for; whole: every window planned now, and the
-        whole job returned (a dry run, `prefixflow plan`)."""
+        whole job returned (`prefixflow plan`), or its first `sample` windows joined (a dry run:
+        the rest is not read)."""
         if self.config.window_rows is None:
             return self.plan(ds, stealing=stealing), None
         windows = self.plan_windows(ds, stealing=stealing)
         if whole:
-            return joined_windows([window_summary(w, keep_table=True) for w in windows]), None
+            taken = windows if sample is None else itertools.islice(windows, sample)
+            return joined_windows([window_summary(w, keep_table=True) for w in taken]), None
         return next(windows), windows
 
     def _plan_options(self, stealing: bool) -> dict[str, Any]:
@@ -221,6 +223,7 @@ class Processor:
             "block_size": self.config.engine_config.block_size,
             "stealing": stealing,
             "cache_blocks": self._cache_blocks() if self.config.window_rows is not None else None,
+            "members_cached": self.config.backend == "vllm",
         }
 
     def _cache_blocks(self) -> int | None:

@@ -157,9 +157,18 @@ def check_window(
     k = int(window.window)
     if k < len(recorded) and recorded[k] != mine:
         was = recorded[k]
+        same_rows = (was.get("first_row"), was.get("num_rows")) == (mine["first_row"], mine["num_rows"])
+        if same_rows and was.get("input_content") == mine["input_content"]:
+            # Same rows, another plan: the plan settings changed, or the planner did (another version).
+            raise ValueError(
+                f"output.path={masked(out)!r} holds parts of another plan of this input: window {k} is not planned "
+                "as the first run planned it (other plan settings, or another version of prefixflow); resume needs "
+                "the same plan: run it with the first run's settings and version, or choose a new path or set "
+                "output.overwrite: true"
+            )
         what = (
             "its content changed"
-            if (was.get("first_row"), was.get("num_rows")) == (mine["first_row"], mine["num_rows"])
+            if same_rows
             else f"it held rows {was.get('first_row')}.. ({was.get('num_rows')} rows), now {mine['first_row']}.. "
             f"({mine['num_rows']} rows)"
         )

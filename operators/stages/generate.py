@@ -205,6 +205,7 @@ class ReplicaRunner:
         beat = Heartbeat(engine, replica, loaded, self.report) if self.report is not None else None
         try:
             for out in engine_outputs(engine, self.config, book, feed):
+                book.first_output_s = book.first_output_s or time.time()
                 if beat is not None:
                     beat.finished(out)
                 if ran is not None:
@@ -233,6 +234,7 @@ class ReplicaRunner:
             "num_units": len(book.units),
             "start_s": started,
             "engine_ready_s": loaded,
+            "first_output_s": book.first_output_s,  # wall clock of its first finished row, or None
             "end_s": finished,
             "seconds": finished - started,
             "run_seconds": finished - loaded,
@@ -254,6 +256,7 @@ class _Book:
     params: dict[int, Any] = field(default_factory=dict)  # row -> SamplingParams, or score choices
     groups_seen: set[int] = field(default_factory=set)
     num_groups: int = 0
+    first_output_s: float | None = None  # wall clock of the first finished row (metrics.json)
 
     @property
     def num_rows(self) -> int:

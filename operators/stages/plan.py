@@ -36,7 +36,13 @@ import pyarrow.compute as pc
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.stages.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline import RaggedTokens, build_plan
-from prefixflow.pipeline.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_CELLS, HashedPrompts, block_hashes
+from prefixflow.pipeline.block_hash import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_CELLS,
+    HashedPrompts,
+    block_hashes,
+    leading_found,
+)
 from prefixflow.pipeline.homes import PrefixHomes, estimated_cache_blocks, homes_of
 from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.prefix_tree import ragged_gather
@@ -220,6 +226,37 @@ def gather_hashes(
     return out
 
 
+def _block_leading(hashes: tuple, keys: np.ndarray, local: np.ndarray, usable: np.ndarray) -> tuple:
+    """leading_found over the given rows of one block (a task beside the block's hashes)."""
+    return leading_found(RaggedTokens(*hashes).take(local), keys, usable)
+
+
+def leading_in_blocks(
+    rows: RowIndex,
+    hash_refs: list[Any],
+    row_ids: np.ndarray,
+    received: ReceivedBytes,
+    keys: np.ndarray,
+    usable: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """HashedPrompts.find_leading over the blocks: the index's keys sent once, one small task
+    per block looks its rows' prefixes up, two int64 a row come back (pipeline/homes.py)."""
+    import ray
+
+    n = len(row_ids)
+    lead, deepest = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+    blocks, local = rows.locate(row_ids)
+    by_block = np.argsort(blocks, kind="stable")
+    parts = np.split(by_block, np.flatnonzero(np.diff(blocks[by_block])) + 1) if n else []
+    keys_ref = ray.put(keys)
+    task = ray.remote(_block_leading).options(num_cpus=0.25)
+    found = [task.remote(hash_refs[int(blocks[i[0]])], keys_ref, local[i], usable[i]) for i in parts]
+    for idx, (got, last) in zip(parts, ray.get(found)):
+        lead[idx], deepest[idx] = got, last
+    received.total += lead.nbytes + deepest.nbytes
+    return lead, deepest
+
+
 def fetch_tokens(rows: RowIndex, row_ids: np.ndarray, seqs: np.ndarray) -> Any:
     """Token ids of the prompts `seqs` (positions in `row_ids`), in that order (Plan.groups)."""
     if len(seqs) == 0:
@@ -298,7 +335,8 @@ class PlanOptions:
     custom_ids: the rows carry OpenAI batch custom_ids, which must be unique.
     cache_blocks: KV blocks one replica's engine caches: in windows, what a later window's plan
     expects an engine still to hold of the earlier ones (pipeline/homes.py); None: the cost
-    model's estimate (Llama-3.1-8B's KV on an H100)."""
+    model's estimate (Llama-3.1-8B's KV on an H100). members_cached: the engines' caches let a
+    later prompt find a group member's own blocks (vLLM's; not the native engine's: homes_of)."""
 
     order: str
     num_replicas: int
@@ -307,6 +345,7 @@ class PlanOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     stealing: bool = False
     cache_blocks: int | None = None
+    members_cached: bool = True
 
 
 def plan_dataset(ds: Any, **options: Any) -> PlannedJob:
@@ -392,6 +431,7 @@ def plan_blocks(
         opts.block_size,
         partial(fetch_tokens, rows, good_ids),
         max_cells=DEFAULT_MAX_CELLS,
+        find_leading=partial(leading_in_blocks, rows, hash_refs, good_ids, received),
     )
     t2 = time.perf_counter()
     plan = build_plan(
@@ -403,7 +443,7 @@ def plan_blocks(
         stealing=opts.stealing,
         homes=homes,
     )
-    homes = None if homes is None else homes_of(plan, homes)  # reads hashes: before they go
+    homes = None if homes is None else homes_of(plan, homes, opts.members_cached)  # reads hashes: before they go
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
     error_ids = np.setdiff1d(np.arange(offsets[0], offsets[-1], dtype=np.int64), good_ids, assume_unique=True)

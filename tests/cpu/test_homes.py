@@ -132,3 +132,32 @@ def test_later_windows_go_where_their_documents_are_and_count_what_they_find_the
     # The plan's count is what engines that keep their blocks compute, give or take the
     # members' partial last prefix block (a group shares it; a cache of whole blocks does not).
     assert simulated == pytest.approx(computed, rel=0.1)
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=30), min_size=1, max_size=12), st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_the_lookup_where_the_hashes_are_finds_what_the_walk_through_gather_finds(prompts, replicas):
+    import dataclasses
+
+    homes = _ran(PrefixHomes.empty(replicas, 50), prompts[::2], [i % replicas for i in range(len(prompts[::2]))])
+    hashed = _hashed(prompts)
+    walked = homes.find(dataclasses.replace(hashed, find_leading=None))
+    looked = homes.find(hashed)
+    assert looked.hit.tolist() == walked.hit.tolist()
+    assert looked.everywhere.tolist() == walked.everywhere.tolist()
+    assert sorted(zip(looked.pair_row.tolist(), looked.pair_replica.tolist())) == sorted(
+        zip(walked.pair_row.tolist(), walked.pair_replica.tolist())
+    )
+
+
+def test_the_native_engines_homes_hold_group_prefixes_and_whole_prompts_not_members_own_blocks():
+    doc = list(range(500, 524))  # 6 blocks
+    window = [doc + [1] * 9, doc + [2] * 9, list(range(600, 625))]  # a group of two, and a prompt alone
+    plan = build_plan(_hashed(window), num_replicas=1, min_prefix_len=BLOCK)
+    later = _hashed([doc + [1] * 9 + [3], list(range(600, 625)) + [4]])
+    vllm_like = homes_of(plan, PrefixHomes.empty(1, 1000)).find(later)
+    native = homes_of(plan, PrefixHomes.empty(1, 1000), members_cached=False).find(later)
+    # vLLM's cache hashes a member's own blocks from the prompt's start: the whole first prompt
+    # is found (8 whole blocks); the native engine's only its group's prefix (the document's 6).
+    assert vllm_like.hit.tolist() == [32, 24]
+    assert native.hit.tolist() == [24, 24]  # the prompt run whole is found in both

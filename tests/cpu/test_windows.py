@@ -81,6 +81,24 @@ def test_the_windows_summaries_add_up_and_their_tables_continue_the_numbering():
     assert min(table.column("group_id").to_pylist()) == groups
 
 
+def test_a_resume_names_a_window_planned_otherwise_apart_from_a_changed_input(tmp_path):
+    from prefixflow.operators.results.commit import check_window
+    from prefixflow.operators.stages.plan import PlannedJob, RowIndex
+    from prefixflow.storage import StorageOptions
+
+    plan = build_plan(_prompts(1, 9), num_replicas=2, min_prefix_len=4)
+    window = PlannedJob(plan, RowIndex((None,), np.array([0, 9])), np.zeros(0, np.int64), content_digest="c", window=0)
+    recorded: list[dict] = []
+    check_window(str(tmp_path), {}, recorded, window, 2, StorageOptions())
+    first = dict(recorded[0])
+    recorded[0] = {**first, "plan": "another"}  # as another version's planner would have planned it
+    with pytest.raises(ValueError, match="another plan of this input: window 0 is not planned as the first run"):
+        check_window(str(tmp_path), {}, recorded, window, 2, StorageOptions())
+    recorded[0] = {**first, "input_content": "other"}
+    with pytest.raises(ValueError, match=r"different input: window 0 .* \(its content changed\)"):
+        check_window(str(tmp_path), {}, recorded, window, 2, StorageOptions())
+
+
 def test_the_progress_line_grows_with_the_windows():
     from prefixflow.jobs.report import Progress
 
@@ -200,7 +218,7 @@ def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_l
     assert [list(r["generated_tokens"]) for r in windowed] == [list(r["generated_tokens"]) for r in whole]
 
 
-def _job(root: Path, model: Path, rows: list[dict], files: int) -> Path:
+def _job(root: Path, model: Path, rows: list[dict], files: int, window_rows: int = 32) -> Path:
     """A folder of `files` JSONL files (a block each, tokenized in batches smaller than a file)."""
     data = root / "in"
     data.mkdir()
@@ -215,7 +233,7 @@ def _job(root: Path, model: Path, rows: list[dict], files: int) -> Path:
         "sampling": {"temperature": 0, "max_tokens": 24},
         "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20, "max_num_seqs": 2},
         "replicas": 2,
-        "window_rows": 32,
+        "window_rows": window_rows,
         "tokenize": {"batch_size": 4},
         "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 2, "resume": True},
     }
@@ -245,7 +263,7 @@ def _finish(proc, ok: bool = True) -> str:
     return log
 
 
-def test_a_dry_run_of_a_windowed_job_plans_every_window(ray_local, tiny_model, tmp_path):
+def test_a_dry_run_of_a_windowed_job_plans_its_first_windows(ray_local, tiny_model, tmp_path):
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import load_spec
 
@@ -254,7 +272,18 @@ def test_a_dry_run_of_a_windowed_job_plans_every_window(ray_local, tiny_model, t
     plan = result["plan"]
     assert result["num_rows"] == 40 and plan["num_rows"] == 40
     assert plan["num_windows"] == 4 and plan["window_rows"] == [5, 5, 10, 20]
+    assert "sample" not in result  # four windows: every one planned
     assert not (tmp_path / "out").exists()
+    # A longer input: the dry run plans its first DRY_RUN_WINDOWS windows (window_rows 16: 5, 5,
+    # 5, 10 and 20 rows, cut at the 5-row files), counts the input's rows and scales the rest.
+    rows = demo_rows(num_docs=16, questions_per_doc=5, sentences_per_doc=4, seed=9)  # 80 rows, 16 files
+    (tmp_path / "long").mkdir()
+    result = run_job(load_spec(_job(tmp_path / "long", tiny_model, rows, files=16, window_rows=16)), dry_run=True)
+    plan, sample = result["plan"], result["sample"]
+    assert plan["num_windows"] == 5 and plan["window_rows"] == [5, 5, 5, 10, 20] and result["num_rows"] == 45
+    assert sample["rows"] == 45 and sample["input_rows"] == 80 and sample["windows"] == 5
+    assert sample["computed_prompt_tokens"] == round(plan["computed_prompt_tokens"] * 80 / 45)
+    assert sample["prompt_tokens"] > plan["prompt_tokens"]
 
 
 @pytest.mark.slow
@@ -292,6 +321,9 @@ def test_a_windowed_job_killed_between_windows_resumes_with_every_row_once(start
     assert metrics["plan"]["num_windows"] == 4 and metrics["plan"]["window_rows"] == [5, 5, 10, 20]
     assert metrics["fault_tolerance"]["rows_committed_before"] >= len(committed)
     assert _windows_recorded(out) == 4
+    for rep in metrics["per_replica"]:  # when each engine finished its first row (stream_job_bench)
+        if rep["num_rows"]:
+            assert rep["engine_ready_s"] <= rep["first_output_s"] <= rep["end_s"], rep
 
 
 def test_stream_bench_counts_what_windows_cost_against_one_plan():
