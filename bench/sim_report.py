@@ -125,7 +125,10 @@ def run_mix(
     moved = plan_stage_bytes(w, plan, cluster.block_size, R, order_lcp)
     del order_lcp
     first_block = int(ray.block_rows(len(w), R)[0])
-    startup = {p: startup_seconds(p, w, R, first_block, moved["total"]) for p in ("arrival", "sorted", "plan")}
+    tokens = float(w.prompt_lens.sum())
+    startup = {
+        p: startup_seconds(p, len(w), tokens, R, first_block, moved["total"]) for p in ("arrival", "sorted", "plan")
+    }
     out: dict[str, Any] = {
         "num_prompts": len(w),
         "prompt_tokens": int(w.prompt_lens.sum()),

@@ -110,20 +110,6 @@ def plan_stage_bytes(
 
 def startup_seconds(
     policy: str,
-    w: Workload,
-    num_replicas: int,
-    first_block_rows: int = 0,
-    plan_bytes: int = 0,
-    rates: StartupRates = STARTUP_RATES,
-) -> dict[str, float]:
-    """The parts of a policy's start-up (module doc) and their total, "startup_s".
-    first_block_rows: rows in the first block an engine gets (arrival, sorted); plan_bytes:
-    plan_stage_bytes' total (plans)."""
-    return startup_parts(policy, len(w), float(w.prompt_lens.sum()), num_replicas, first_block_rows, plan_bytes, rates)
-
-
-def startup_parts(
-    policy: str,
     num_rows: int,
     tokens: float,
     num_replicas: int,
@@ -132,7 +118,9 @@ def startup_parts(
     rates: StartupRates = STARTUP_RATES,
     window_rows: int = STREAM_WINDOW_ROWS,
 ) -> dict[str, float]:
-    """startup_seconds from the workload's rows and prompt tokens (as a result file records them)."""
+    """The parts of a policy's start-up (module doc) and their total, "startup_s", for a
+    workload of `num_rows` rows and `tokens` prompt tokens. first_block_rows: rows in the first
+    block an engine gets (arrival, sorted); plan_bytes: plan_stage_bytes' total (plans)."""
     nodes = -(-num_replicas // REPLICAS_PER_NODE)
     text = tokens * TEXT_BYTES_PER_TOKEN
     read = text / (nodes * rates.read_bytes_per_node_s)
@@ -200,7 +188,7 @@ def gpu_wait(result: dict[str, Any], window_rows: int = STREAM_WINDOW_ROWS) -> d
     for name, mix in result["mixes"].items():
         fixed = mix["output_models"]["fixed"]["policies"]
         plan = fixed["plan_steal"]["startup"]
-        streamed = startup_parts(
+        streamed = startup_seconds(
             "streamed", mix["num_prompts"], mix["prompt_tokens"], replicas, 0, mix["plan_stage_bytes"]["total"]
         )
         run_s = fixed["plan_steal"]["makespan_hours_without_startup"] * 3600

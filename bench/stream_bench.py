@@ -60,18 +60,19 @@ class ReplicaCaches:
     unbounded vLLM prefix cache): a row computes the blocks its replica never computed, and its
     short last block. Order within a replica does not matter to it; which replica does."""
 
-    def __init__(self, replicas: int):
+    def __init__(self, replicas: int, block_size: int = BLOCK_SIZE):
         self.seen: list[set[int]] = [set() for _ in range(replicas)]
+        self.block_size = block_size
         self.computed = 0
 
     def run(self, hashes: RaggedTokens, lengths: np.ndarray, replica_of_row: np.ndarray) -> None:
         for i in range(len(lengths)):
             seen = self.seen[int(replica_of_row[i])]
-            whole = int(lengths[i]) // BLOCK_SIZE
+            whole = int(lengths[i]) // self.block_size
             row = hashes[i][:whole].tolist()
             new = [h for h in row if h not in seen]
             seen.update(new)
-            self.computed += len(new) * BLOCK_SIZE + int(lengths[i]) - whole * BLOCK_SIZE
+            self.computed += len(new) * self.block_size + int(lengths[i]) - whole * self.block_size
 
 
 def _plan(prompts: list[list[int]], replicas: int, homes: PrefixHomes | None = None) -> tuple[Any, HashedPrompts]:

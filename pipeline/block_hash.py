@@ -34,6 +34,7 @@ from prefixflow.pipeline.ragged import RaggedTokens
 
 DEFAULT_BLOCK_SIZE = 16  # engine.block_size's default (engine/config.py)
 DEFAULT_MAX_CELLS = 1 << 22  # hashes the sort holds per level (32 MiB a copy; it makes a few)
+LEADING_WIDTH = 16  # blocks gathered per prompt and step of HashedPrompts.leading's walk
 HASH_BITS = 63  # non-negative int64: the sort pads ended sequences with -1
 
 # (flat token ids, start of each block in flat, tokens in each block, block_size) -> one uint64
@@ -103,9 +104,8 @@ class HashedPrompts:
     fetch_tokens: prompt indices -> their token ids (RaggedTokens, in the order asked); called
         per replica by Plan.groups, never for the whole job at once.
     max_cells: hashes the sort holds per level (None: no bound).
-    find_leading: (sorted hashes, [n] usable blocks) -> ([n] leading blocks of each prompt found
-        among them, [n] the deepest found hash or -1): computed where the hashes are, in one
-        pass (homes.leading_found); None: pipeline/homes.py walks them through `gather`.
+    find_leading: `leading` computed where the hashes are, in one pass (leading_found); None:
+        `leading` walks them through `gather`.
     """
 
     lengths: np.ndarray
@@ -143,6 +143,31 @@ class HashedPrompts:
 
     def sort_with_lcp(self) -> tuple[np.ndarray, np.ndarray]:
         return sort_hashes_with_lcp(self.lengths, self.gather, self.block_size, self.max_cells)
+
+    def leading(self, keys: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """leading_found over these prompts (pipeline/homes.py): by find_leading where given,
+        else LEADING_WIDTH blocks at a time through `gather`, asking again only the prompts
+        whose every block so far was found."""
+        if self.find_leading is not None:
+            return self.find_leading(keys, usable)
+        n = len(self)
+        usable = np.asarray(usable, dtype=np.int64)
+        lead, deepest = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        alive, depth = np.flatnonzero(usable > 0), 0
+        step = max(1, (self.max_cells or DEFAULT_MAX_CELLS) // LEADING_WIDTH)
+        while len(alive):
+            still = []
+            for lo in range(0, len(alive), step):
+                rows = alive[lo : lo + step]
+                got = self.gather(rows, depth, LEADING_WIDTH)
+                valid = got >= 0
+                chunk = RaggedTokens(got[valid], np.r_[0, np.cumsum(valid.sum(axis=1))].astype(np.int64))
+                found, last = leading_found(chunk, keys, np.clip(usable[rows] - depth, 0, LEADING_WIDTH))
+                lead[rows] += found
+                deepest[rows[found > 0]] = last[found > 0]
+                still.append(rows[found == LEADING_WIDTH])
+            alive, depth = np.concatenate(still), depth + LEADING_WIDTH
+        return lead, deepest
 
 
 def sort_hashes_with_lcp(

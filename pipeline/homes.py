@@ -13,8 +13,8 @@ and evicts the least recently used first, so a bound any tighter would forget wh
 still has, and any looser would remember what it lost. Memory: 20 bytes per kept block, so the
 driver's index is bounded by replicas x capacity whatever the dataset's size.
 
-`find` walks a window's rows block by block (through HashedPrompts.gather, in chunks, never all
-hashes at once) while they stay in the index: each row's `hit` is the prefix, in whole blocks,
+`find` looks a window's rows up block by block while they stay in the index (HashedPrompts.
+leading: where the hashes are, or through `gather` in chunks): each row's `hit` is the prefix, in whole blocks,
 that some replica holds, and `holders` which ones (the rows a prefix computed on every replica
 has are marked `everywhere`: no replica is better for them). multilevel.py places a unit on the
 replica where its rows' hits save the most, unless that replica would take more than its share
@@ -32,8 +32,6 @@ import numpy as np
 
 from prefixflow.pipeline.block_hash import HashedPrompts
 from prefixflow.pipeline.cost_model import CostModel
-
-FIND_WIDTH = 16  # blocks gathered per row and step of `find` (a step asks only rows still found)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -93,34 +91,9 @@ class PrefixHomes:
         n, block = len(prompts), prompts.block_size
         if n == 0 or not len(self.hashes):
             return self._holders(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64))
-        whole = (np.asarray(prompts.lengths, dtype=np.int64) - 1) // block  # blocks that may hit
-        if prompts.find_leading is not None:  # where the hashes are, in one pass
-            keys = np.unique(self.hashes)
-            found, deepest = prompts.find_leading(keys, np.maximum(whole, 0))
-            return self._holders(np.asarray(found, np.int64) * block, np.asarray(deepest, np.int64))
-        found = np.zeros(n, dtype=np.int64)
-        deepest = np.full(n, -1, dtype=np.int64)
-        alive, depth = np.flatnonzero(whole > 0), 0
-        step = max(1, (prompts.max_cells or 1 << 22) // FIND_WIDTH)
-        while len(alive):
-            still = []
-            for lo in range(0, len(alive), step):
-                rows = alive[lo : lo + step]
-                got = prompts.gather(rows, depth, FIND_WIDTH)
-                cols = np.arange(FIND_WIDTH) + depth
-                known = self._known(got) & (cols[None, :] < whole[rows, None])
-                lead = np.cumprod(known, axis=1).sum(axis=1)  # leading blocks found
-                hit = lead > 0
-                found[rows] += lead
-                deepest[rows[hit]] = got[np.flatnonzero(hit), lead[hit] - 1]
-                still.append(rows[lead == FIND_WIDTH])
-            alive, depth = np.concatenate(still), depth + FIND_WIDTH
-        return self._holders(found * block, deepest)
-
-    def _known(self, got: np.ndarray) -> np.ndarray:
-        at = np.minimum(np.searchsorted(self.hashes, got), len(self.hashes) - 1)
-        known: np.ndarray = (self.hashes[at] == got) & (got >= 0)
-        return known
+        usable = np.maximum((np.asarray(prompts.lengths, dtype=np.int64) - 1) // block, 0)  # may hit
+        found, deepest = prompts.leading(np.unique(self.hashes), usable)
+        return self._holders(np.asarray(found, np.int64) * block, np.asarray(deepest, np.int64))
 
     def _holders(self, hit: np.ndarray, deepest: np.ndarray) -> HomeHits:
         """The replicas that hold each row's deepest block found."""

@@ -367,7 +367,7 @@ def plan_multi_level(
     if hits is not None:  # what the rows find on their replica, left by earlier windows
         home_hit = _found_at_home(hits, seq_index, replica, prev_lcp, block_size)
         run_computed = run_computed - (np.add.reduceat(home_hit, run_starts[:-1]) if n else 0)
-        final_c -= _home_seconds(cm, hits, seq_index, prev_lcp, block_size) * (home_hit > 0)
+        final_c -= _home_seconds(cm, home_hit, prev_lcp, block_size)
     preds = Partition(
         part.part_lo,
         part.part_hi,
@@ -448,9 +448,9 @@ def _home_costs(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(seconds each row of `order` saves where its hit is, each row's home or None), and
     `comp` less what rows find on every replica (in place)."""
-    home_s = _home_seconds(cm, hits, order, prev_lcp, block_size)
     if hits is None:
-        return home_s, None
+        return np.zeros(len(order)), None
+    home_s = _home_seconds(cm, _home_tokens(hits, order, prev_lcp, block_size), prev_lcp, block_size)
     comp -= np.where(hits.everywhere[order], home_s, 0.0)
     return home_s, hits.first_home(len(order))[order]
 
@@ -465,15 +465,11 @@ def _found_at_home(
     return found
 
 
-def _home_seconds(
-    cm: CostModel, hits: HomeHits | None, order: np.ndarray, prev_lcp: np.ndarray, block_size: int
-) -> np.ndarray:
-    """[n] compute seconds each row of `order` saves where it finds its hit (_home_tokens)."""
-    if hits is None:
-        return np.zeros(len(order))
+def _home_seconds(cm: CostModel, found: np.ndarray, prev_lcp: np.ndarray, block_size: int) -> np.ndarray:
+    """[n] compute seconds rows save by finding `found` tokens (_home_tokens) past what the row
+    before each left in the cache."""
     base = (prev_lcp // block_size) * block_size
-    found = _home_tokens(hits, order, prev_lcp, block_size)
-    saved: np.ndarray = cm.compute_seconds(base + found, np.zeros(len(order)), base) * (found > 0)
+    saved: np.ndarray = cm.compute_seconds(base + found, np.zeros(len(found)), base)
     return saved
 
 

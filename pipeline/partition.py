@@ -27,7 +27,7 @@ import numpy as np
 
 from prefixflow.pipeline.cost_model import density
 
-CUT_TOLERANCE = 0.002
+CUT_TOLERANCE = 0.002  # a unit that overfills a replica by less than this share is not cut
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -23,9 +23,9 @@ from prefixflow.pipeline.blendserve import estimate_output_lens
 from prefixflow.pipeline.block_hash import HashedPrompts, shared_prefix
 from prefixflow.pipeline.cost_model import DEFAULT_OUTPUT_LEN, CostModel, HardwareProfile, ModelShape
 from prefixflow.pipeline.grouping import Grouping, first_level_saved_tokens, maximize_reuse, runs
+from prefixflow.pipeline.homes import HomeHits, PrefixHomes
 from prefixflow.pipeline.multilevel import UNITS_PER_REPLICA, nested_groups, plan_multi_level
 from prefixflow.pipeline.ordering import ORDER_POLICIES, order_prompts
-from prefixflow.pipeline.homes import HomeHits, PrefixHomes
 from prefixflow.pipeline.partition import Partition, ReplicaRuns, partition_runs
 from prefixflow.pipeline.prefix_tree import PrefixTree
 from prefixflow.pipeline.ragged import RaggedTokens

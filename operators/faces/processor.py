@@ -232,8 +232,7 @@ class Processor:
         in the checkpoint's dtype; None (the cost model's estimate) on a GPU without a budget,
         which the engine measures only where it starts."""
         engine = self.config.engine_config
-        on_gpu = bool(self.engine_options().get("num_gpus")) or engine.device.startswith("cuda")
-        budget = engine.kv_cache_bytes or (None if on_gpu else CPU_KV_CACHE_BYTES)
+        budget = engine.kv_cache_bytes or (None if self._engines_on_gpu() else CPU_KV_CACHE_BYTES)
         if budget is None:
             return None
         shape = ModelShape.from_hf_config(resolve_model(self.config.model) / "config.json")
@@ -243,13 +242,13 @@ class Processor:
         """vLLM on CPUs runs engine.max_model_len as given or not at all: one its KV cache
         cannot hold is refused here, before tokenizing (engine/vllm_backend/engine.cpu_context, which
         the engine asks again where it starts)."""
-        if (
-            self.config.backend != "vllm"
-            or self.engine_options().get("num_gpus")
-            or self.config.engine_config.device.startswith("cuda")
-        ):
+        if self.config.backend != "vllm" or self._engines_on_gpu():
             return
         cpu_context(self.config.engine_config, str(resolve_model(self.config.model)))
+
+    def _engines_on_gpu(self) -> bool:
+        """The engines take GPUs (resources.num_gpus_per_replica, or engine.device cuda)."""
+        return bool(self.engine_options().get("num_gpus")) or self.config.engine_config.device.startswith("cuda")
 
     def engine_options(self) -> dict[str, Any]:
         """Ray options of the engine actors, decided now (when the job runs)."""

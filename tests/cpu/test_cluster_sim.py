@@ -750,15 +750,15 @@ def test_cluster_scale_plan_keeps_its_units_free(monkeypatch):
 
 
 def test_the_streamed_plan_waits_for_its_first_window_only():
-    from prefixflow.bench.sim_startup import gpu_wait, startup_parts
+    from prefixflow.bench.sim_startup import gpu_wait, startup_seconds
 
-    one = startup_parts("plan", 10_000_000, 1e10, 64, 0, 10**9)
-    streamed = startup_parts("streamed", 10_000_000, 1e10, 64, 0, 10**9, window_rows=1_000_000)
+    one = startup_seconds("plan", 10_000_000, 1e10, 64, 0, 10**9)
+    streamed = startup_seconds("streamed", 10_000_000, 1e10, 64, 0, 10**9, window_rows=1_000_000)
     assert streamed["first_window_rows"] == 62_500
     assert streamed["startup_s"] == max(streamed["engine_load_s"], streamed["first_window_s"])
     assert streamed["startup_s"] < one["startup_if_engines_load_meanwhile_s"] < one["startup_s"]
     # A small job is one window: its first window is 1/16 of the job.
-    small = startup_parts("streamed", 1000, 1e6, 8, 0, 10**5, window_rows=1_000_000)
+    small = startup_seconds("streamed", 1000, 1e6, 8, 0, 10**5, window_rows=1_000_000)
     assert small["first_window_rows"] == 62 and small["window_plan_s"] > small["first_window_s"]
     recorded = json.loads((Path(__file__).parents[2] / "bench" / "results" / "cluster_sim.json").read_text())
     for name, mix in gpu_wait(recorded)["mixes"].items():

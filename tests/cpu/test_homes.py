@@ -96,7 +96,7 @@ def _docs(seed: int, n: int) -> list[list[int]]:
 
 def _windows(prompts: list[list[int]], size: int, homes: PrefixHomes | None) -> tuple[list, int, int]:
     """(plans, tokens the plans compute, tokens engines with unbounded caches compute)."""
-    caches, plans, computed = ReplicaCaches(2), [], 0
+    caches, plans, computed = ReplicaCaches(2, BLOCK), [], 0
     for lo in range(0, len(prompts), size):
         rows = prompts[lo : lo + size]
         plan = build_plan(_hashed(rows), num_replicas=2, min_prefix_len=BLOCK, stealing=True, homes=homes)
@@ -104,19 +104,10 @@ def _windows(prompts: list[list[int]], size: int, homes: PrefixHomes | None) -> 
         replica = np.zeros(len(rows), dtype=np.int64)
         replica[plan.seq_index] = plan.table.column("replica").to_numpy()
         ragged = RaggedTokens.from_sequences(rows)
-        _run_blocks(caches, block_hashes(ragged, BLOCK), ragged.lengths, replica)
+        caches.run(block_hashes(ragged, BLOCK), ragged.lengths, replica)
         plans.append(plan)
         computed += int(plan.summary["computed_prompt_tokens"])
     return plans, computed, caches.computed
-
-
-def _run_blocks(caches: ReplicaCaches, hashes: RaggedTokens, lengths: np.ndarray, replica: np.ndarray) -> None:
-    for i in range(len(lengths)):
-        seen = caches.seen[int(replica[i])]
-        whole = int(lengths[i]) // BLOCK
-        new = [h for h in hashes[i][:whole].tolist() if h not in seen]
-        seen.update(new)
-        caches.computed += len(new) * BLOCK + int(lengths[i]) - whole * BLOCK
 
 
 def test_later_windows_go_where_their_documents_are_and_count_what_they_find_there():
