@@ -113,18 +113,13 @@ class PrefixHomes:
         prompts: HashedPrompts,
         row_replica: np.ndarray,
         row_rank: np.ndarray,
-        row_blocks: np.ndarray | None = None,
     ) -> "PrefixHomes":
         """The homes once a window's rows ran: `row_replica`, `row_rank` ([n] each row's replica
-        and position in its order) say where and when each row filled its whole blocks;
-        row_blocks: [n] how many of its first blocks its engine's cache can give a later prompt
-        (default: every whole block). Only a replica's last `capacity` blocks can stay, so only
-        its last rows are read."""
+        and position in its order) say where and when each row filled its whole blocks. Only a
+        replica's last `capacity` blocks can stay, so only its last rows are read."""
         if self.capacity == 0 or len(prompts) == 0:
             return self
         whole = np.asarray(prompts.lengths, dtype=np.int64) // prompts.block_size
-        if row_blocks is not None:
-            whole = np.minimum(whole, np.asarray(row_blocks, dtype=np.int64))
         kept = []
         for r in range(self.num_replicas):
             mine = np.flatnonzero(row_replica == r)
@@ -184,12 +179,10 @@ def estimated_cache_blocks(block_size: int) -> int:
     return cache_blocks(cm.kv_budget_bytes, cm.model.kv_bytes_per_token, block_size)
 
 
-def homes_of(plan: Any, homes: PrefixHomes, members_cached: bool = True) -> PrefixHomes:
+def homes_of(plan: Any, homes: PrefixHomes) -> PrefixHomes:
     """The homes after `plan` (planned from HashedPrompts) ran: its table's replica and rank.
-    members_cached: a group member's own blocks can be found by a later prompt (vLLM's cache
-    hashes every block from the prompt's start); False for the native engine, whose members'
-    own blocks are chained from their group's prefix: only a group's prefix (its owner, hashed
-    from the start) and a prompt run whole are found there."""
+    Every whole block of every prompt is recorded: both engines' caches hash each block from
+    the prompt's start, a group member's own blocks too."""
     if plan.hashed is None:
         raise ValueError("prefix homes need a plan built from HashedPrompts (block hashes)")
     n = len(plan.seq_index)
@@ -197,10 +190,4 @@ def homes_of(plan: Any, homes: PrefixHomes, members_cached: bool = True) -> Pref
     rank = np.zeros(n, dtype=np.int64)
     replica[plan.seq_index] = plan.table.column("replica").to_numpy()
     rank[plan.seq_index] = plan.table.column("rank").to_numpy()
-    blocks = None
-    if not members_cached:
-        prefix = np.zeros(n, dtype=np.int64)
-        prefix[plan.seq_index] = plan.table.column("prefix_len").to_numpy()
-        whole = np.asarray(plan.hashed.lengths, dtype=np.int64) // plan.hashed.block_size
-        blocks = np.where(prefix > 0, prefix // plan.hashed.block_size, whole)
-    return homes.after(plan.hashed, replica, rank, blocks)
+    return homes.after(plan.hashed, replica, rank)

@@ -6,7 +6,8 @@ A group's prefix blocks are one owner's table that members only reference throug
 
 Second-level reuse (BatchLLM Sec. 3.2, last paragraph; vLLM's automatic prefix caching): a
 full, computed block gets a hash of (parent block's hash, its tokens), the chain starting at
-the owner's `hash_seed`. A freed block keeps its hash and stays findable until the space is
+the owner's `hash_seed` (the chain's hash of the prompt before its own KV: every owner's blocks
+line up with its prompt's blocks, engine/native/sequence.py). A freed block keeps its hash and stays findable until the space is
 needed; free blocks are handed out least recently freed first, and blocks without a hash
 before any cached block, so the cache is evicted LRU only when free blocks run out.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from prefixflow.engine.native.sequence import KVOwner
+from prefixflow.engine.native.sequence import KVOwner, block_hash
 from prefixflow.errors import require
 
 
@@ -83,7 +84,7 @@ class BlockManager:
             tokens = tuple(owner.own_token_ids(i * bs, (i + 1) * bs))
             if len(tokens) < bs:
                 break
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -186,7 +187,7 @@ class BlockManager:
         for i in range(len(owner.block_hashes), num_tokens // bs):
             parent = owner.block_hashes[i - 1] if i > 0 else owner.hash_seed
             tokens = tuple(owner.own_token_ids(i * bs, (i + 1) * bs))
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             block = self.blocks[owner.block_table[i]]
             if block.hash is None:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens

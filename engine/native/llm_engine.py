@@ -20,7 +20,7 @@ from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, every_group, wants_
 from prefixflow.engine.native.block_manager import BlockManager
 from prefixflow.engine.native.finish import append_text, check_finish, finished_output
 from prefixflow.engine.native.scheduler import Scheduler
-from prefixflow.engine.native.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, member_hash_seed
+from prefixflow.engine.native.sequence import ROOT_HASH_SEED, GroupState, PrefixSeq, Sequence, chain_hash
 from prefixflow.engine.native.step import SampledToken
 from prefixflow.engine.outputs import (
     EngineTotals,
@@ -354,21 +354,27 @@ class LLMEngine:
         """Requests of one group; members that cannot run become error outputs."""
         group = GroupState(group_id=group_id, prefix=None, pending=[])
         errors = []
+        bs = self.block_manager.block_size
+        seeds: dict[int, int] = {}  # own start -> hash seed (one chain walk per group)
         for row_id, member_prefix, distinct, p, index in members:
             prompt = member_prefix + distinct
             # A member needs >= 1 own token to sample from: an empty distinct part attends to
             # the prefix minus its last token and computes that token itself.
             prefix_len = len(member_prefix) if distinct else max(len(member_prefix) - 1, 0)
-            error = self._check_request(prompt, prefix_len, len(prefix), p)
+            own_start = prefix_len - prefix_len % bs  # the rest of the prefix's last block is copied
+            error = self._check_request(prompt, own_start, len(prefix), p)
             if error:
                 errors.append(error_output(row_id, prompt, error))
                 continue
+            if own_start not in seeds:
+                seeds[own_start] = chain_hash(prompt[:own_start], bs)
             group.pending.append(
                 Sequence(
                     seq_id=next(self._ids),
                     token_ids=prompt,
-                    own_start=prefix_len,
-                    hash_seed=member_hash_seed(prompt[:prefix_len]),
+                    own_start=own_start,
+                    tail_len=prefix_len - own_start,
+                    hash_seed=seeds[own_start],
                     row_id=row_id,
                     num_prompt_tokens=len(prompt),
                     params=p,
@@ -382,9 +388,7 @@ class LLMEngine:
             group.prefix = PrefixSeq(seq_id=next(self._ids), token_ids=prefix, own_start=0, hash_seed=ROOT_HASH_SEED)
         return group, errors
 
-    def _check_request(
-        self, prompt: list[int], prefix_len: int, group_prefix_len: int, p: SamplingParams
-    ) -> str | None:
+    def _check_request(self, prompt: list[int], own_start: int, group_prefix_len: int, p: SamplingParams) -> str | None:
         if not prompt:
             return "the prompt is empty: give at least one token"
         if len(prompt) >= self.max_model_len:
@@ -403,8 +407,8 @@ class LLMEngine:
         if p.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; the model runner has none: use stop_token_ids"
         bm = self.block_manager
-        num_tokens = min(len(prompt) + p.max_tokens, self.max_model_len) - prefix_len
-        need = bm.blocks_for(num_tokens) + (bm.blocks_for(group_prefix_len) if prefix_len else 0)
+        num_tokens = min(len(prompt) + p.max_tokens, self.max_model_len) - own_start
+        need = bm.blocks_for(num_tokens) + bm.blocks_for(group_prefix_len)
         if need > bm.num_blocks:
             return (
                 f"the request needs {need} KV blocks (prompt {len(prompt)} + max_tokens {p.max_tokens}) "

@@ -16,9 +16,9 @@ API (what the scheduler side and the engine loop use):
                                        # in the step's chunk order
     logits = runner.execute_logits(step)  # [num_sampled, vocab] fp32 raw logits, same order
 
-Each `execute` runs every chunk's tokens (writing their K/V at the slots its block table
-gives), then samples from the last token of each chunk that asks for it. The LM head runs only
-on those rows. Chunks may come in any order: the runner puts the chunks that share a prefix
+Each `execute` makes the step's K/V copies (`StepInput.copies`), runs every chunk's tokens
+(writing their K/V at the slots its block table gives), then samples from the last token of
+each chunk that asks for it. The LM head runs only on those rows. Chunks may come in any order: the runner puts the chunks that share a prefix
 next to each other, in prefix order, before the others (the attention kernel's layout), and
 answers in the original order. Blocks are the scheduler's business: the runner trusts block
 tables, but checks that they cover the tokens (ValueError otherwise). Token i of a chunk sits
@@ -121,6 +121,8 @@ class ModelRunner:
         """Run one step; raw next-token logits [num_sampled, vocab] fp32 of the chunks with
         sample=True, in chunk order."""
         batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
+        for copy in step.copies:  # [layers, K/V, blocks, slots, ...]: every layer's slots at once
+            self.kv_cache[:, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, copy.src, : copy.num_tokens]
         ids, positions, meta, logits_indices = self._to_device(batch)
         with _cpu_threads(
             1

@@ -19,7 +19,7 @@ from prefixflow.engine.native.alignedserve import DensityFirstBatcher
 from prefixflow.engine.native.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.native.sequence import GroupState, KVOwner, Sequence, SeqStatus
-from prefixflow.engine.native.step import SampledToken, SeqChunk, SharedPrefix, StepInput
+from prefixflow.engine.native.step import KVCopy, SampledToken, SeqChunk, SharedPrefix, StepInput
 
 # AlignedServe's starvation guard (Sec. 3.5), counted in steps: a KV-length range whose ready
 # requests were passed over for this many steps is served next.
@@ -47,6 +47,7 @@ class SchedulerOutput:
     growth_blocks: int = 0  # blocks the running requests are expected to grow into
     completing: set[int] = field(default_factory=set)  # prefixes this step computes to the end
     num_preemptions: int = 0
+    copies: list[KVCopy] = field(default_factory=list)  # members' prefix tails, before the model runs
 
     def add(self, owner: KVOwner, num_tokens: int, sample: bool, kind: str) -> None:
         assert 0 < num_tokens <= self.token_budget
@@ -63,17 +64,18 @@ class SchedulerOutput:
         index: dict[tuple[int, int], int] = {}
         chunks = []
         for c in self.chunks:
-            owner, prefix_index, start_pos = c.owner, -1, c.start
-            if isinstance(owner, Sequence) and owner.prefix_len > 0:
-                key = (id(owner.group), owner.prefix_len)  # plan pieces of one run share its id
+            owner, prefix_index, start_pos = c.owner, -1, c.owner.own_start + c.start
+            if isinstance(owner, Sequence) and owner.own_start > 0:
+                # A member attends its prefix's whole blocks (own_start is a block boundary).
+                key = (id(owner.group), owner.own_start)  # plan pieces of one run share its id
                 if key not in index:
                     assert owner.group is not None, "a member with a prefix belongs to a group"
                     prefix = owner.group.prefix
                     assert prefix is not None and (prefix.is_complete or prefix.seq_id in self.completing)
-                    num_blocks = -(-owner.prefix_len // self.block_size)
                     index[key] = len(prefixes)
-                    prefixes.append(SharedPrefix(tuple(prefix.block_table[:num_blocks]), owner.prefix_len))
-                prefix_index, start_pos = index[key], owner.prefix_len + c.start
+                    blocks = tuple(prefix.block_table[: owner.own_start // self.block_size])
+                    prefixes.append(SharedPrefix(blocks, owner.own_start))
+                prefix_index = index[key]
             seq = owner if isinstance(owner, Sequence) else None
             # penalties count the prompt's and output's tokens: only those rows carry them
             penalised = seq is not None and c.sample and seq.params.has_penalties
@@ -91,7 +93,7 @@ class SchedulerOutput:
                     history=_history(seq) if seq is not None and penalised else (),
                 )
             )
-        return StepInput(tuple(chunks), tuple(prefixes))
+        return StepInput(tuple(chunks), tuple(prefixes), tuple(self.copies))
 
 
 def _history(seq: Sequence) -> tuple[int, ...]:
@@ -138,7 +140,7 @@ class Scheduler:
         rows = tokens = 0
         for group in itertools.chain(self.waiting, self.active):
             rows += len(group.pending)
-            tokens += sum(s.num_prompt_tokens - s.own_start for s in group.pending)
+            tokens += sum(s.num_prompt_tokens - s.prefix_len for s in group.pending)
             if not group.active and group.prefix is not None:
                 tokens += group.prefix.num_own_tokens
         return rows, tokens
@@ -211,6 +213,8 @@ class Scheduler:
             if self._reserve(seq, n, out):
                 self._add_prompt_chunk(out, seq, n, sample=n == seq.num_uncomputed_tokens, kind="prefill")
         while group.pending and out.token_budget > 0 and not out.blocked and self._below_seq_cap():
+            if group.pending[0].tail_len and not group.prefix_ready:
+                return  # its tail's K/V are copied before the step: the prefix's last block must hold them
             if not self._start_member(group, group.pending[0], out):
                 out.blocked = True
 
@@ -290,11 +294,18 @@ class Scheduler:
                 return False
             self._preempt_group(victim)  # may free some of `hits`: the cost is recounted
         self.bm.take_cached(seq, hits)
+        copy_tail = seq.num_computed_tokens < seq.tail_len  # no own block found: the prefix has them
+        if copy_tail:
+            seq.num_computed_tokens = seq.tail_len
         if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = self._shared_tokens(group, seq) + seq.num_computed_tokens
+            seq.num_cached_tokens = self._shared_tokens(group, seq) + seq.num_computed_tokens - seq.tail_len
         seq.prompt_high_water = max(seq.prompt_high_water, seq.num_computed_tokens)
         n = min(seq.num_uncomputed_tokens, out.token_budget)
         self.bm.allocate(seq, n)
+        if copy_tail:
+            assert group.prefix is not None and group.prefix.is_complete
+            src = group.prefix.block_table[seq.own_start // self.bm.block_size]
+            out.copies.append(KVCopy(src, seq.block_table[0], seq.tail_len))
         group.pending.remove(seq)
         group.running.append(seq)
         seq.status = SeqStatus.RUNNING

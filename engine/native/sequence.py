@@ -13,16 +13,25 @@ from enum import Enum
 
 from prefixflow.requests import SamplingParams
 
-# Seeds of the block hash chains (engine/native/block_manager.py). KV at an own index depends on every
-# earlier token and on the positions, so a chain's seed names what comes before own index 0.
+# Seed of the block hash chains (engine/native/block_manager.py). Every chain starts at a prompt's
+# first token: KV at an own index depends on every earlier token and on the positions, so an
+# owner's own blocks are root-aligned and its seed is the chain's hash of what comes before them.
 ROOT_HASH_SEED = 0x5EED
 
 
-def member_hash_seed(prefix_token_ids: list[int]) -> int:
-    """Seed of the own-KV chain of a member whose own KV follows `prefix_token_ids`."""
-    if not prefix_token_ids:
-        return ROOT_HASH_SEED
-    return hash((ROOT_HASH_SEED, 1, tuple(prefix_token_ids)))
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """Hash of one full KV block: its tokens and the hash of the block before it."""
+    return hash((parent, tokens))
+
+
+def chain_hash(token_ids: list[int], block_size: int) -> int:
+    """The chain's hash after the whole blocks of token_ids (from the prompt's start): the
+    seed of an owner whose own KV starts at len(token_ids), a multiple of block_size."""
+    assert len(token_ids) % block_size == 0, "own KV starts at a block boundary"
+    parent = ROOT_HASH_SEED
+    for i in range(0, len(token_ids), block_size):
+        parent = block_hash(parent, tuple(token_ids[i : i + block_size]))
+    return parent
 
 
 class SeqStatus(Enum):
@@ -75,7 +84,12 @@ class PrefixSeq(KVOwner):
 
 @dataclass(eq=False)
 class Sequence(KVOwner):
-    """One request. own_start == its prefix_len (the shared prefix it attends to)."""
+    """One request. It shares prefix_len tokens with its group's prefix: it attends the
+    prefix's first own_start tokens (whole blocks) in the prefix's blocks, and its own KV starts
+    with the other tail_len (the prefix's partial last block), whose K/V it copies from the
+    prefix's block instead of computing them (`KVCopy`). So a member's own blocks line up with
+    the prompt's blocks from its start, as every other owner's, and any later request whose
+    prompt starts with the same tokens finds them in the block cache."""
 
     row_id: int = -1
     num_prompt_tokens: int = 0
@@ -91,10 +105,12 @@ class Sequence(KVOwner):
     admit_order: int = -1  # scheduler's start counter; -1: never started
     sample_index: int = 0  # which of the row's SamplingParams.n samples this is
     num_samples: int = 1
+    tail_len: int = 0  # own tokens at the start whose K/V the group's prefix computed
 
     @property
     def prefix_len(self) -> int:
-        return self.own_start
+        """Tokens it shares with its group's prefix (computed there, once)."""
+        return self.own_start + self.tail_len
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -7,8 +7,11 @@ KV layout. Every request owns a block table for its *own* KV: the tokens after i
 shared prefix (or its whole sequence when it has no shared prefix). A group's shared prefix
 lives in blocks of its own (`SharedPrefix.block_table`), computed once by a chunk that has
 `prefix_index == -1` and the prefix blocks as its own table, then referenced by every member.
-A member's own KV starts at offset 0 of its first own block even when the prefix ends in the
-middle of a block, so shared blocks are never written by members.
+A member attends the prefix's whole blocks only; when the prefix ends in the middle of a block,
+that block's K/V are copied into the member's first own block (`KVCopy`, before the step's
+model runs), so a member's own blocks line up with its prompt's blocks from the start (the
+block cache finds them for any prompt with the same tokens) and shared blocks are never
+written by members.
 
 Positions. A chunk's token i has logical position `start_pos + i` (used for rotary
 embeddings) and own-KV index `num_cached_tokens + i`. For a member of a group,
@@ -70,11 +73,23 @@ class SeqChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class KVCopy:
+    """Copy the K/V of the first `num_tokens` slots of block `src` to block `dst` (every
+    layer), before the step's model runs."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepInput:
-    """All chunks of one step, in any order (the runner groups them by prefix itself)."""
+    """All chunks of one step, in any order (the runner groups them by prefix itself), and
+    the K/V copies that come first."""
 
     chunks: tuple[SeqChunk, ...]
     prefixes: tuple[SharedPrefix, ...] = ()
+    copies: tuple[KVCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:

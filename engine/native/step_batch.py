@@ -23,7 +23,7 @@ from itertools import chain
 
 import numpy as np
 
-from prefixflow.engine.native.step import SeqChunk, StepInput
+from prefixflow.engine.native.step import KVCopy, SeqChunk, StepInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,8 @@ def build_step_batch(step: StepInput, block_size: int, max_model_len: int, num_k
         raise ValueError("StepInput.chunks is empty; the scheduler must not run an empty step")
     for c in chunks:
         _check_chunk(c, step, block_size, max_model_len)
+    for copy in step.copies:
+        _check_copy(copy, block_size, num_kv_blocks)
     # Chunks with prefix g (in g order) first, then those without; stable within each.
     order = sorted(range(len(chunks)), key=lambda i: (chunks[i].prefix_index < 0, chunks[i].prefix_index))
     seqs = [chunks[i] for i in order]
@@ -174,6 +176,13 @@ def _table_matrix(tables: list[tuple[int, ...]]) -> np.ndarray:
     for r, t in enumerate(tables):
         out[r, : len(t)] = t
     return out
+
+
+def _check_copy(copy: KVCopy, block_size: int, num_kv_blocks: int) -> None:
+    if not (0 <= copy.src < num_kv_blocks and 0 <= copy.dst < num_kv_blocks and copy.src != copy.dst):
+        raise ValueError(f"{copy} names blocks outside the cache's 0..{num_kv_blocks - 1} or one block twice")
+    if not 0 < copy.num_tokens <= block_size:
+        raise ValueError(f"{copy} copies {copy.num_tokens} slots of blocks of {block_size}")
 
 
 def _check_chunk(c: SeqChunk, step: StepInput, block_size: int, max_model_len: int) -> None:

@@ -223,7 +223,6 @@ class Processor:
             "block_size": self.config.engine_config.block_size,
             "stealing": stealing,
             "cache_blocks": self._cache_blocks() if self.config.window_rows is not None else None,
-            "members_cached": self.config.backend == "vllm",
         }
 
     def _cache_blocks(self) -> int | None:

@@ -335,8 +335,7 @@ class PlanOptions:
     custom_ids: the rows carry OpenAI batch custom_ids, which must be unique.
     cache_blocks: KV blocks one replica's engine caches: in windows, what a later window's plan
     expects an engine still to hold of the earlier ones (pipeline/homes.py); None: the cost
-    model's estimate (Llama-3.1-8B's KV on an H100). members_cached: the engines' caches let a
-    later prompt find a group member's own blocks (vLLM's; not the native engine's: homes_of)."""
+    model's estimate (Llama-3.1-8B's KV on an H100)."""
 
     order: str
     num_replicas: int
@@ -345,7 +344,6 @@ class PlanOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     stealing: bool = False
     cache_blocks: int | None = None
-    members_cached: bool = True
 
 
 def plan_dataset(ds: Any, **options: Any) -> PlannedJob:
@@ -443,7 +441,7 @@ def plan_blocks(
         stealing=opts.stealing,
         homes=homes,
     )
-    homes = None if homes is None else homes_of(plan, homes, opts.members_cached)  # reads hashes: before they go
+    homes = None if homes is None else homes_of(plan, homes)  # reads hashes: before they go
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
     error_ids = np.setdiff1d(np.arange(offsets[0], offsets[-1], dtype=np.int64), good_ids, assume_unique=True)

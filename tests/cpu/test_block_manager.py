@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixflow.engine.native.block_manager import BlockManager
-from prefixflow.engine.native.sequence import ROOT_HASH_SEED, KVOwner, member_hash_seed
+from prefixflow.engine.native.sequence import ROOT_HASH_SEED, KVOwner, chain_hash
 
 _ids = iter(range(10**6))
 
@@ -45,6 +45,7 @@ def test_full_blocks_are_hashed_and_found_by_a_later_owner():
     a = owner(range(10))
     run_prefill(bm, a)
     assert len(a.block_hashes) == 2  # the third block is partial: not cached
+    a_blocks = list(a.block_table)
     b = owner(list(range(8)) + [99, 98, 97])
     hits = bm.lookup(b, max_blocks=10)
     assert hits == a.block_table[:2]
@@ -54,8 +55,14 @@ def test_full_blocks_are_hashed_and_found_by_a_later_owner():
     assert [bm.blocks[x].ref_count for x in hits] == [2, 2]
     bm.free(a)
     assert [bm.blocks[x].ref_count for x in hits] == [1, 1]
-    # A different chain seed (tokens after a shared prefix) never matches root-chain blocks.
-    c = owner(range(10), seed=member_hash_seed([1, 2, 3]))
+    # An owner whose own KV starts a block into its prompt (a group's member) chains from that
+    # block's hash: it finds the blocks any prompt with the same tokens computed, a's freed ones too.
+    member = KVOwner(seq_id=next(_ids), token_ids=list(range(10)), own_start=4, hash_seed=chain_hash([0, 1, 2, 3], 4))
+    assert bm.lookup(member, 10) == [a_blocks[1]]
+    # The same own tokens after other tokens: another chain.
+    c = KVOwner(
+        seq_id=next(_ids), token_ids=[9, 1, 2, 3, *range(4, 10)], own_start=4, hash_seed=chain_hash([9, 1, 2, 3], 4)
+    )
     assert bm.lookup(c, 10) == []
 
 

@@ -160,6 +160,25 @@ def test_hashed_block_cache_hits_give_the_same_outputs(model):
     assert_same_as_hf(hf, prompts, warm)
 
 
+def test_a_later_prompt_finds_a_group_members_own_blocks(model):
+    # A group's prefix ends inside a block (13 tokens, blocks of 4): each member copies the
+    # partial block's K/V into its first own block, so its own blocks line up with the prompt's
+    # and a later prompt that extends a member's finds them all: 5 whole blocks (20 tokens),
+    # not only the prefix's 3.
+    path, hf = model
+    rng = random.Random(5)
+    tok = lambda n: [rng.randrange(3, hf.config.vocab_size) for _ in range(n)]  # noqa: E731
+    prefix = tok(13)
+    members = [prefix + tok(9), prefix + tok(4)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    engine = make_engine(path, max_num_batched_tokens=256)
+    assert_same_as_hf(hf, members, engine.generate(members, params))
+    later = [members[0] + tok(5)]
+    outs = engine.generate(later, params)
+    assert outs[0].num_cached_tokens == 20
+    assert_same_as_hf(hf, later, outs)
+
+
 def test_prefixes_admitted_in_one_step_share_their_common_blocks(model):
     # Two levels of sharing: one system prompt, then two documents asked two questions each.
     # Both groups' prefixes (system + document) start in the first step; the second reuses the

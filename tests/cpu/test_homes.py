@@ -141,14 +141,12 @@ def test_the_lookup_where_the_hashes_are_finds_what_the_walk_through_gather_find
     )
 
 
-def test_the_native_engines_homes_hold_group_prefixes_and_whole_prompts_not_members_own_blocks():
+def test_the_homes_hold_every_whole_block_of_group_members_and_prompts_run_whole():
     doc = list(range(500, 524))  # 6 blocks
     window = [doc + [1] * 9, doc + [2] * 9, list(range(600, 625))]  # a group of two, and a prompt alone
     plan = build_plan(_hashed(window), num_replicas=1, min_prefix_len=BLOCK)
     later = _hashed([doc + [1] * 9 + [3], list(range(600, 625)) + [4]])
-    vllm_like = homes_of(plan, PrefixHomes.empty(1, 1000)).find(later)
-    native = homes_of(plan, PrefixHomes.empty(1, 1000), members_cached=False).find(later)
-    # vLLM's cache hashes a member's own blocks from the prompt's start: the whole first prompt
-    # is found (8 whole blocks); the native engine's only its group's prefix (the document's 6).
-    assert vllm_like.hit.tolist() == [32, 24]
-    assert native.hit.tolist() == [24, 24]  # the prompt run whole is found in both
+    # Both engines hash a member's own blocks from the prompt's start (the native engine since
+    # its members' blocks line up with the prompt's): the whole first prompt is found (8 whole
+    # blocks, beyond the group's 6-block prefix), and the prompt run whole (6).
+    assert homes_of(plan, PrefixHomes.empty(1, 1000)).find(later).hit.tolist() == [32, 24]

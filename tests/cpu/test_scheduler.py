@@ -63,6 +63,10 @@ class FakeRunner:
     def execute(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
         bs = self.block_size
+        for copy in step.copies:  # before any chunk runs (engine/native/step.py)
+            src = self.kv.get(copy.src, [None] * bs)[: copy.num_tokens]
+            assert None not in src, "a copy of K/V slots never written"
+            self.kv.setdefault(copy.dst, [None] * bs)[: copy.num_tokens] = src
         written: dict[int, int] = {}
         for c in step.chunks:
             plen = step.prefixes[c.prefix_index].length if c.prefix_index >= 0 else 0
@@ -269,8 +273,8 @@ def test_members_start_in_the_step_that_completes_their_prefix():
     # the prefix K/V written earlier in the same step, as vLLM's same-step prefix-cache hits do.
     groups = [
         make_group(0, list(range(10, 22)), [[40, 41], [42], [43, 44, 45]], 0),
-        make_group(1, list(range(2, 52)), [[3], [4]], 3),
-    ]  # 18 + 50: past the budget
+        make_group(1, list(range(2, 50)), [[3], [4]], 3),
+    ]  # 18 + 48: past the budget
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = make_engine(num_blocks=100, max_num_batched_tokens=64)
     outs = instrumented_run(engine, groups, params)
@@ -280,6 +284,21 @@ def test_members_start_in_the_step_that_completes_their_prefix():
     assert first.prefixes[0].length == 12 and sum(len(c.token_ids) for c in first.chunks) == 64
     second = engine.runner.steps[1]  # group 1's prefix ends: its members start next to the decodes
     assert sorted(c.prefix_index for c in second.chunks) == [-1, 0, 0, 0, 1, 1]
+
+
+def test_members_that_copy_their_prefixs_last_block_start_once_it_is_computed():
+    # A 10-token prefix ends inside its third block: the K/V its members copy from that block
+    # exist only after the step that computes them, so the members start in the next step.
+    g = make_group(0, list(range(2, 12)), [[40, 41], [42]], 0)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine = make_engine(num_blocks=100, max_num_batched_tokens=64)
+    outs = instrumented_run(engine, [g], params)
+    assert_matches_reference(outs, [g], params)
+    first, second = engine.runner.steps[:2]
+    assert [len(c.token_ids) for c in first.chunks] == [10] and not first.copies
+    assert [c.num_tokens for c in second.copies] == [2, 2]
+    assert [c.token_ids for c in second.chunks] == [(40, 41), (42,)]
+    assert [p.length for p in second.prefixes] == [8]  # the whole blocks, attended in place
 
 
 def test_the_expected_output_share_comes_from_finished_requests():
@@ -389,6 +408,29 @@ def test_prefix_cache_reuses_blocks_across_runs_and_groups():
     assert engine.totals.num_computed_prompt_tokens < computed_first
     assert second[0].num_cached_tokens >= 20 + 8
     assert {r: o.token_ids for r, o in first.items()} == {r: o.token_ids for r, o in second.items()}
+
+
+def test_members_own_blocks_line_up_with_the_prompt_so_a_later_prompt_finds_them():
+    # A prefix of 10 tokens (2 whole blocks of 4 and 2 more): each member attends the 2 whole
+    # blocks and copies the other 2 tokens' K/V into its first own block, which then lines up
+    # with the prompt's third block.
+    prefix, q1, q2 = list(range(2, 12)), list(range(40, 49)), [50, 51, 52]
+    g = make_group(0, prefix, [q1, q2], 0)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = make_engine(num_blocks=200)
+    first = instrumented_run(engine, [g], params)
+    assert_matches_reference(first, [g], params)
+    copies = [c for step in engine.runner.steps for c in step.copies]
+    assert [c.num_tokens for c in copies] == [2, 2]
+    assert engine.totals.num_computed_prompt_tokens == 10 + 9 + 3  # copied tokens are not computed
+    assert sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in first.values()) == 10 + 9 + 3
+    assert first[1].prefix_len == 10
+    # A prompt run alone later finds row 0's member blocks, not only the prefix's 2 whole ones:
+    # 16 tokens (2 of the prefix, then the tail and q1 in row 0's own blocks).
+    later = make_group(1, [], [prefix + q1 + [60, 61, 62]], 2)
+    again = instrumented_run(engine, [later], params)
+    assert again[2].num_cached_tokens == 16
+    assert_matches_reference(again, [later], params)
 
 
 def test_member_equal_to_prefix_and_errors_do_not_stop_the_run():
@@ -603,7 +645,7 @@ def test_groups_are_taken_lazily_as_the_scheduler_has_room():
             taken_at.append(len(engine.stats))
             yield g
 
-    outs = list(engine.run(source(), params))
+    outs = {o.row_id: o for o in engine.run(source(), params)}
     assert_matches_reference(outs, groups, params)
     assert taken_at.count(0) < len(groups) // 2 and len(set(taken_at)) > 5  # taken over many steps
 
