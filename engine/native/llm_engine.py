@@ -362,7 +362,7 @@ class LLMEngine:
             # the prefix minus its last token and computes that token itself.
             prefix_len = len(member_prefix) if distinct else max(len(member_prefix) - 1, 0)
             own_start = prefix_len - prefix_len % bs  # the rest of the prefix's last block is copied
-            error = self._check_request(prompt, own_start, len(prefix), p)
+            error = self._check_request(prompt, own_start, len(prefix) if prefix_len else 0, p)
             if error:
                 errors.append(error_output(row_id, prompt, error))
                 continue
@@ -389,6 +389,8 @@ class LLMEngine:
         return group, errors
 
     def _check_request(self, prompt: list[int], own_start: int, group_prefix_len: int, p: SamplingParams) -> str | None:
+        """Why the request cannot run, or None. own_start: where its own KV starts in the prompt;
+        group_prefix_len: the group's prefix, whose blocks it needs too (0: it shares none)."""
         if not prompt:
             return "the prompt is empty: give at least one token"
         if len(prompt) >= self.max_model_len:
