@@ -13,10 +13,10 @@ and evicts the least recently used first, so a bound any tighter would forget wh
 still has, and any looser would remember what it lost. Memory: 20 bytes per kept block, so the
 driver's index is bounded by replicas x capacity whatever the dataset's size.
 
-`find` looks a window's rows up block by block while they stay in the index (HashedPrompts.
-leading: where the hashes are, or through `gather` in chunks): each row's `hit` is the prefix, in whole blocks,
-that some replica holds, and `holders` which ones (the rows a prefix computed on every replica
-has are marked `everywhere`: no replica is better for them). multilevel.py places a unit on the
+`find` looks a window's rows up block by block while they stay in the index
+(HashedPrompts.leading: where the hashes are, or through `gather` in chunks): each row's `hit`
+is the prefix, in whole blocks, that some replica holds, and `holders` which ones (the rows a
+prefix computed on every replica has are marked `everywhere`: no replica is better for them). multilevel.py places a unit on the
 replica where its rows' hits save the most, unless that replica would take more than its share
 (partition.py `_place_at_home`), and counts what the hits save in the plan's computed tokens.
 `after` returns the homes once a window's plan has run: its rows' blocks on their replicas.

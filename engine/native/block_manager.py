@@ -7,9 +7,10 @@ A group's prefix blocks are one owner's table that members only reference throug
 Second-level reuse (BatchLLM Sec. 3.2, last paragraph; vLLM's automatic prefix caching): a
 full, computed block gets a hash of (parent block's hash, its tokens), the chain starting at
 the owner's `hash_seed` (the chain's hash of the prompt before its own KV: every owner's blocks
-line up with its prompt's blocks, engine/native/sequence.py). A freed block keeps its hash and stays findable until the space is
-needed; free blocks are handed out least recently freed first, and blocks without a hash
-before any cached block, so the cache is evicted LRU only when free blocks run out.
+line up with its prompt's blocks, engine/native/sequence.py). A freed block keeps its hash and
+stays findable until the space is needed; free blocks are handed out least recently freed
+first, and blocks without a hash before any cached block, so the cache is evicted LRU only when
+free blocks run out.
 
 Usage: `lookup` (pure) -> `can_allocate(cost)` -> `take_cached` + `allocate`.
 """

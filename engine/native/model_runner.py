@@ -18,9 +18,9 @@ API (what the scheduler side and the engine loop use):
 
 Each `execute` makes the step's K/V copies (`StepInput.copies`), runs every chunk's tokens
 (writing their K/V at the slots its block table gives), then samples from the last token of
-each chunk that asks for it. The LM head runs only on those rows. Chunks may come in any order: the runner puts the chunks that share a prefix
-next to each other, in prefix order, before the others (the attention kernel's layout), and
-answers in the original order. Blocks are the scheduler's business: the runner trusts block
+each chunk that asks for it. The LM head runs only on those rows. Chunks may come in any
+order: the runner puts the chunks that share a prefix next to each other, in prefix order,
+before the others (the attention kernel's layout), and answers in the original order. Blocks are the scheduler's business: the runner trusts block
 tables, but checks that they cover the tokens (ValueError otherwise). Token i of a chunk sits
 at position start_pos + i, which must stay below max_model_len.
 
