@@ -24,7 +24,8 @@ one row. A group's shared prefix is computed once with `keep_kv=True`; its K/V o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +35,17 @@ from prefixflow.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from prefixflow.engine.models.model_args import ModelArgs
 
 MASK_BYTES = 8 << 20
+Head = Literal["logits", "last", "sum", "none"]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixKV:
-    """A shared prefix's K and V for every layer. k, v: [L, Hkv, P, D] in the model dtype."""
+    """A shared prefix's K and V for every layer. k, v: [L, Hkv, P, D] in the model dtype;
+    hidden_sum: the sum of its tokens' final hidden states, kept for mean pooling (embed)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    hidden_sum: torch.Tensor | None = field(default=None, compare=False)  # [H] fp32, mean pooling
 
     @property
     def length(self) -> int:
@@ -59,13 +63,17 @@ def hybrid_forward(
     prefix: PrefixKV | None,
     chunk_size: int,
     keep_kv: bool = False,
-    want_logits: bool = True,
+    head: Head = "logits",
 ) -> tuple[torch.Tensor | None, PrefixKV | None]:
     """Run `token_ids` (positions P .. P+T-1 after `prefix`, P = prefix.length or 0).
 
     token_ids: [T >= 1] int64 on the model's device.
     keep_kv: return the K/V of prefix + these tokens for every layer (a group's shared prefix).
-    want_logits: return the next-token logits after the last token, [V] fp32.
+    head: what to return of the final hidden states (after the model's last norm):
+        "logits" the next-token logits after the last token, [V] fp32; "last" the last
+        token's hidden state, [H] fp32; "sum" the sum of these tokens' hidden states, [H] fp32
+        (mean pooling: the last layer then answers every query, not only the last);
+        "none" nothing (a prefix computed for its KV alone).
     """
     a = model.args
     t, p = int(token_ids.shape[0]), prefix.length if prefix is not None else 0
@@ -83,16 +91,24 @@ def hybrid_forward(
             kv[0, :, :p] = prefix.k[i]
             kv[1, :, :p] = prefix.v[i]
         last = i == a.num_layers - 1
-        q_lo = 0 if not last else (t - 1 if want_logits else t)  # queries this layer must answer
+        q_lo = 0 if not last or head == "sum" else (t if head == "none" else t - 1)  # queries to answer
         _project_qkv(model, layer, r, positions, q_buf, kv, p, chunk_size)
         if q_lo < t:
             _attend(q_buf, kv, p, q_lo, chunk_size, a, layer.self_attn.attn.scale)
             _mlp_block(layer, r, q_buf, q_lo, chunk_size)
     kept = PrefixKV(store[0], store[1]) if store is not None else None
-    if not want_logits:
+    if head == "none":
         return None, kept
+    if head == "sum":
+        return _final_norm(model, r, chunk_size).sum(0), kept
     h = model.model.norm(r[t - 1 : t])  # [1, H]
-    return model.lm_head(h)[0], kept  # [V] fp32
+    return (model.lm_head(h)[0] if head == "logits" else h[0].float()), kept
+
+
+def _final_norm(model: LlamaForCausalLM, r: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per chunk, the sum over its rows of the final norm of `r`: [T / chunk, H] fp32 (the
+    norm of every row at once would be another [T, H])."""
+    return torch.stack([model.model.norm(r[lo : lo + chunk]).float().sum(0) for lo in range(0, r.shape[0], chunk)])
 
 
 def _project_qkv(

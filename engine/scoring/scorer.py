@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,10 +33,12 @@ from prefixflow.engine.models.loader import load_model, load_tokenizer, resolve_
 from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.scoring.cache import PrefixCache
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, error_output, make_output
-from prefixflow.engine.scoring.forward import forward_bytes, hybrid_forward, max_input_len
+from prefixflow.engine.scoring.forward import Head, forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
+from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling, error_embedding, model_pooling
 from prefixflow.engine.scoring.srjf import CachedLen, SRJFScheduler
 from prefixflow.errors import require
+from prefixflow.model_source import resolve_model
 from prefixflow.pipeline import build_plan
 from prefixflow.requests import PrefixGroup
 
@@ -123,17 +125,55 @@ class Scorer:
         """Score each prompt (a string or token ids); outputs in input order. choices: one
         list for every row, or one list per row. Prompts are planned (build_plan) so that
         shared prefixes are computed once."""
-        ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
-        if len(ids) != len(prompts):
-            raise ValueError(f"row_ids has {len(ids)} entries for {len(prompts)} prompts")
+        ids = _row_ids(prompts, row_ids)
         by_row = _per_row_choices(choices, ids)
+        outs = self._planned(
+            prompts,
+            ids,
+            order,
+            lambda i, why: error_output(i, by_row.get(i, ()), 0, why),
+            lambda groups: self.score_groups(groups, by_row),
+        )
+        return outs
+
+    def embed(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        pooling: Pooling | None = None,
+        *,
+        row_ids: Sequence[int] | None = None,
+        order: str = "batchllm",
+    ) -> list[EmbedOutput]:
+        """Embed each prompt (a string or token ids); outputs in input order. pooling: None
+        for the checkpoint's own (`pooling.model_pooling`). Planned as `score` is."""
+        chosen = self.model_pooling() if pooling is None else pooling
+        return self._planned(
+            prompts,
+            _row_ids(prompts, row_ids),
+            order,
+            lambda i, why: error_embedding(i, 0, why),
+            lambda groups: self.embed_groups(groups, chosen),
+        )
+
+    def model_pooling(self) -> Pooling:
+        """The checkpoint's pooling (its sentence-transformers files, else last token normalized)."""
+        return model_pooling(resolve_model(self.config.model))
+
+    def _planned(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        ids: list[int],
+        order: str,
+        error: Callable[[int, str], Any],
+        run: Callable[[Iterable[PrefixGroup]], Iterator[Any]],
+    ) -> list[Any]:
+        """`run` over the planned groups of the non-empty prompts; `error` for the empty ones."""
         tokens = [self._encode(p) for p in prompts]
-        empty = "the prompt is empty: give at least one token"
-        outs = {i: error_output(i, by_row.get(i, ()), 0, empty) for i, t in zip(ids, tokens) if not t}
+        outs = {i: error(i, "the prompt is empty: give at least one token") for i, t in zip(ids, tokens) if not t}
         kept = [(i, t) for i, t in zip(ids, tokens) if t]
         if kept:
             plan = build_plan([t for _, t in kept], row_ids=[i for i, _ in kept], order=order)
-            outs.update((o.row_id, o) for o in self.score_groups(plan.groups(0), by_row))
+            outs.update((o.row_id, o) for o in run(plan.groups(0)))
         return [outs[i] for i in ids]
 
     def score_groups(
@@ -151,6 +191,30 @@ class Scorer:
         advances by computed tokens / tokens_per_s per request (the JCT proxy of Sec. 6.3)
         instead of the wall clock, so that online studies do not depend on the machine's
         load; latencies are then in virtual seconds."""
+        return self._prefill_groups(groups, choices, None, arrivals, tokens_per_s)
+
+    def embed_groups(
+        self,
+        groups: Iterable[PrefixGroup],
+        pooling: Pooling,
+        *,
+        arrivals: Mapping[int, float] | None = None,
+        tokens_per_s: float | None = None,
+    ) -> Iterator[EmbedOutput]:
+        """Embed planned groups (the `embed` task): each row's final hidden states pooled as
+        `pooling` says (engine/scoring/pooling.py), in score_groups' order and with its
+        prefix sharing; yields each row's output when done (bad rows first)."""
+        return self._prefill_groups(groups, {}, pooling, arrivals, tokens_per_s)
+
+    def _prefill_groups(
+        self,
+        groups: Iterable[PrefixGroup],
+        choices: Choices,
+        pooling: Pooling | None,
+        arrivals: Mapping[int, float] | None,
+        tokens_per_s: float | None,
+    ) -> Iterator[Any]:
+        """score_groups (pooling None) and embed_groups: one prefill per row, SRJF order."""
         require(
             tokens_per_s is None or tokens_per_s > 0,
             "Scorer.score_groups",
@@ -166,7 +230,7 @@ class Scorer:
         self.score_stats = stats = ScoreStats()
         self.totals = None
         cache = PrefixCache(self.prefix_cache_bytes)
-        reqs = yield from self._admit_groups(groups, choices, arrivals, stats, cache)
+        reqs = yield from self._admit_groups(groups, choices, pooling, arrivals, stats, cache)
         # SRJFScheduler hands back the very array it was given (np.asarray of an int64 array
         # is that array), so its id() finds the request and its group's cached prefix.
         by_array: dict[Hashable, _Req] = {id(r.tokens): r for r in reqs}  # the queue's request ids
@@ -186,7 +250,7 @@ class Scorer:
                 queue.add(id(r.tokens), r.tokens, now, cached_len)
             req = by_array[queue.pick(cached_len, now)]
             computed = stats.num_computed_tokens
-            out = self._run(req, cache, stats)
+            out = self._run(req, cache, stats, pooling)
             if tokens_per_s:
                 virtual += (stats.num_computed_tokens - computed) / tokens_per_s
             stats.latency_s[req.row_id] = clock() - req.arrival
@@ -201,16 +265,17 @@ class Scorer:
         self,
         groups: Iterable[PrefixGroup],
         choices: Choices,
+        pooling: Pooling | None,
         arrivals: Mapping[int, float] | None,
         stats: ScoreStats,
         cache: PrefixCache,
-    ) -> Generator[ScoreOutput, None, list[_Req]]:
+    ) -> Generator[Any, None, list[_Req]]:
         """Every group's valid members as requests, in arrival order (plan order on ties);
         yields the bad rows' errors as each group is read, counts rows in `stats`, and tells
         the cache how many members will read each shared prefix."""
         reqs: list[_Req] = []
         for i, g in enumerate(groups):
-            members, errors = self._group_requests(("group", i), g, choices, arrivals)
+            members, errors = self._group_requests(("group", i), g, choices, pooling, arrivals)
             stats.num_requests += len(members) + len(errors)
             stats.num_errors += len(errors)
             yield from errors
@@ -221,44 +286,68 @@ class Scorer:
         return reqs
 
     @torch.inference_mode()
-    def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats) -> ScoreOutput:
+    def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats, pooling: Pooling | None) -> Any:
+        """Score or embed one request (pooling None: score), reading or computing its prefix."""
         ids = torch.from_numpy(req.tokens).to(self.device)  # [T] int64
         p, c = req.prefix_len, self.options.chunk_size
+        mean = pooling is not None and pooling.kind == "mean"
         stats.num_prompt_tokens += len(req.tokens)
         num_cached, prefix = 0, None
         if p > 0:
             prefix = cache.get(req.group)
             if prefix is None:
-                _, prefix = hybrid_forward(self.model, ids[:p], None, c, keep_kv=True, want_logits=False)
+                hidden, prefix = hybrid_forward(
+                    self.model, ids[:p], None, c, keep_kv=True, head="sum" if mean else "none"
+                )
                 assert prefix is not None, "hybrid_forward(keep_kv=True) returns the prefix's KV"
+                prefix = replace(prefix, hidden_sum=hidden)
                 cache.put(req.group, prefix)  # kept for the members left, if it fits
                 stats.num_prefix_misses += 1
                 stats.num_computed_tokens += p
             else:
                 stats.num_prefix_hits += 1
                 num_cached = p
-        logits, _ = hybrid_forward(self.model, ids[p:], prefix, c)
+        head: Head = "logits" if pooling is None else ("sum" if mean else "last")
+        out, _ = hybrid_forward(self.model, ids[p:], prefix, c, head=head)
+        assert out is not None, "hybrid_forward answers every head but 'none'"
         stats.num_computed_tokens += len(req.tokens) - p
         if p > 0:
             cache.finished(req.group)
-        return make_output(req.row_id, req.choices, req.choice_ids, logits, len(req.tokens), p, num_cached)
+        if pooling is None:
+            return make_output(req.row_id, req.choices, req.choice_ids, out, len(req.tokens), p, num_cached)
+        if mean and prefix is not None and prefix.hidden_sum is not None:
+            out = out + prefix.hidden_sum
+        if mean:
+            out = out / len(req.tokens)
+        if pooling.normalize:
+            out = torch.nn.functional.normalize(out, dim=-1)
+        return EmbedOutput(req.row_id, tuple(out.tolist()), len(req.tokens), p, num_cached)
 
     def _group_requests(
-        self, key: Hashable, g: PrefixGroup, choices: Choices, arrivals: Mapping[int, float] | None
-    ) -> tuple[list[_Req], list[ScoreOutput]]:
-        """Valid members as requests (sharing the prefix when it pays and fits), and errors."""
-        members, errors = [], []
+        self,
+        key: Hashable,
+        g: PrefixGroup,
+        choices: Choices,
+        pooling: Pooling | None,
+        arrivals: Mapping[int, float] | None,
+    ) -> tuple[list[_Req], list[Any]]:
+        """Valid members as requests (sharing the prefix when it pays and fits), and errors
+        (ScoreOutputs, or EmbedOutputs when embedding)."""
+        members: list[_Req] = []
+        errors: list[Any] = []
+
+        def error(row: int, row_choices: Sequence[Choice], n: int, why: str) -> Any:
+            return error_output(row, row_choices, n, why) if pooling is None else error_embedding(row, n, why)
+
         for i in range(g.num_members):
             row = int(g.row_ids[i])
             row_choices = choices.get(row, ()) if isinstance(choices, Mapping) else choices
             tokens = np.ascontiguousarray(g.prompt(i), dtype=np.int64)
             try:
-                ids = choice_token_ids(
-                    row_choices, self.tokenizer, self.args.vocab_size, self.options.choice_leading_space
-                )
+                ids = () if pooling is not None else self._choice_ids(row_choices)
                 _check_prompt_ids(tokens, self.args.vocab_size)
             except ValueError as e:
-                errors.append(error_output(row, row_choices, len(tokens), str(e)))
+                errors.append(error(row, row_choices, len(tokens), str(e)))
                 continue
             arrival = float(arrivals.get(row, 0.0)) if arrivals is not None else 0.0
             members.append(_Req(row, key, tokens, 0, row_choices, ids, arrival))
@@ -268,10 +357,13 @@ class Scorer:
             r.prefix_len = p
             limit = self.max_input_len(p)
             if len(r.tokens) > limit:
-                errors.append(error_output(r.row_id, r.choices, len(r.tokens), self._too_long(len(r.tokens), limit, p)))
+                errors.append(error(r.row_id, r.choices, len(r.tokens), self._too_long(len(r.tokens), limit, p)))
                 continue
             kept.append(r)
         return kept, errors
+
+    def _choice_ids(self, row_choices: Sequence[Choice]) -> tuple[int, ...]:
+        return choice_token_ids(row_choices, self.tokenizer, self.args.vocab_size, self.options.choice_leading_space)
 
     def _shared_prefix_len(self, g: PrefixGroup, members: list[_Req]) -> int:
         """The group prefix computed once: 0 for fewer than two members; one token shorter
@@ -349,6 +441,13 @@ class _Fifo:
 
 def _make_queue(o: ScoreOptions) -> SRJFScheduler | _Fifo:
     return _Fifo() if o.policy == "fcfs" else SRJFScheduler(o.lam, o.calibrate)
+
+
+def _row_ids(prompts: Sequence[Any], row_ids: Sequence[int] | None) -> list[int]:
+    ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
+    if len(ids) != len(prompts):
+        raise ValueError(f"row_ids has {len(ids)} entries for {len(prompts)} prompts")
+    return ids
 
 
 def _per_row_choices(choices: PromptChoices, row_ids: list[int]) -> Mapping[int, Sequence[Choice]]:
