@@ -6,7 +6,7 @@ finishing rules live in engine/native/finish.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from prefixflow.requests import SamplingParams
@@ -122,6 +122,11 @@ class EngineTotals:
     @property
     def output_tokens_per_s(self) -> float:
         return self.num_output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+
+def summed_totals(parts: list[EngineTotals]) -> EngineTotals:
+    """The totals of a run made of several engine runs (a prefill task runs unit by unit)."""
+    return EngineTotals(*(sum(getattr(t, f.name) for t in parts) for f in fields(EngineTotals)))
 
 
 def error_output(row_id: int, prompt: list[int], error: str) -> RequestOutput:

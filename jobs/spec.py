@@ -55,6 +55,8 @@ from prefixflow.operators.config import (
     DEFAULT_BACKEND,
     INPUT_TABLE_FORMATS,
     OUTPUT_TABLE_FORMATS,
+    PREFILL_TASKS,
+    EmbedConfig,
     ProcessorConfig,
     ScoreConfig,
     choice_problems,
@@ -357,6 +359,7 @@ if TYPE_CHECKING:
     StorageSpec: TypeAlias = Any
     PromptSpec: TypeAlias = Any
     ScoreSpec: TypeAlias = Any
+    EmbedSpec: TypeAlias = Any
 else:
     # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
     # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
@@ -395,6 +398,10 @@ else:
     # task: score (PrefillOnly), one probability per allowed answer (operators/results/score.py).
     # add_special_tokens stays out: the prompt section decides the prompt's text.
     ScoreSpec = _mirror(ScoreConfig, "ScoreSpec", skip=("add_special_tokens",))
+
+    # task: embed, one vector per row (operators/results/embed.py), pooled as the model says
+    # unless these say otherwise.
+    EmbedSpec = _mirror(EmbedConfig, "EmbedSpec")
 
 
 class InputSpec(_Strict):
@@ -639,10 +646,11 @@ class JobSpec(_Strict):
 
     name: str = "prefixflow-job"
     model: str = Field(description="Hugging Face model directory (config.json, weights, tokenizer)")
-    task: Annotated[str, _choice("task")] = Field(default=_default("task"), description="generate or score")
+    task: Annotated[str, _choice("task")] = Field(default=_default("task"), description="generate, score or embed")
     input: InputSpec
     prompt: PromptSpec | None = None
     score: ScoreSpec | None = Field(default=None, description="settings of task: score")
+    embed: EmbedSpec | None = Field(default=None, description="settings of task: embed (pooling, normalize)")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     order: Annotated[str, _choice("order")] = Field(
@@ -692,11 +700,13 @@ class JobSpec(_Strict):
         fmt = self.input_format()  # raises, naming input.format, when it cannot be inferred
         if self.task == "score" and self.score is None:
             raise ValueError('task: score needs a score section, e.g. score: {choices: ["Yes", "No"]}')
-        if self.task == "score" and fmt == "openai":
+        if self.task in PREFILL_TASKS and fmt == "openai":
             raise ValueError(
-                "task: score cannot read OpenAI batch files (they are chat/completion "
+                f"task: {self.task} cannot read OpenAI batch files (they are chat/completion "
                 "requests): use task: generate, or a jsonl/csv/parquet input"
             )
+        if self.embed is not None and self.task != "embed":
+            raise _SpecProblems([("embed", "embed settings need task: embed; set it, or remove embed")])
         if self.prompt is None and fmt != "openai":
             raise ValueError(
                 "prompt is required unless input.format is openai: add prompt.template "
@@ -841,6 +851,7 @@ class JobSpec(_Strict):
             openai_batch=self.input_format() == "openai",
             task=self.task,
             score=self.score.model_dump() if self.score is not None else None,
+            embed=self.embed.model_dump() if self.embed is not None else None,
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
+from prefixflow.engine.scoring.pooling import POOLING_KINDS, Pooling, model_pooling  # torch-free
 from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, one_of, require, short
 from prefixflow.model_source import resolve_model
@@ -30,7 +31,8 @@ from prefixflow.pipeline.plan import DEFAULT_ORDER
 from prefixflow.requests import SamplingParams
 
 # The job spec (jobs/spec.py) takes its choices for task and engine.backend from these.
-TASKS = ("generate", "score")
+TASKS = ("generate", "score", "embed")
+PREFILL_TASKS = ("score", "embed")  # no decoding: one prefill per row (engine/scoring)
 BACKENDS = ("native", "vllm")
 DEFAULT_BACKEND = "native"
 # Tables a job reads (operators/stages/read_table.py) and writes (operators/results/table_commit.py).
@@ -147,6 +149,31 @@ class ScoreConfig(ScoreOptions):
 
 
 @dataclass(frozen=True)
+class EmbedConfig:
+    """The `embed` task: one vector per row, the model's final hidden states pooled
+    (engine/scoring/pooling.py).
+
+    pooling: "last" (the last token's) or "mean" (every token's); None: as the checkpoint's
+        sentence-transformers files say, else "last" (vLLM's rule).
+    normalize: scale to unit length; None: as the checkpoint says (a Normalize module), else
+        true. The job spec's `embed` section is generated from this class.
+    """
+
+    pooling: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLING_KINDS:
+            raise invalid("EmbedConfig", "pooling", self.pooling, f"use null or one of {', '.join(POOLING_KINDS)}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise invalid("EmbedConfig", "normalize", self.normalize, "use null, true or false")
+
+    def pooling_of(self, model: str) -> Pooling:
+        """The Pooling an engine runs for `model` (reads its folder: call where the model is)."""
+        return model_pooling(resolve_model(model), self.pooling, self.normalize)
+
+
+@dataclass(frozen=True)
 class ProcessorConfig:
     """Options of a prefixflow processor (see `prefixflow.build_processor`).
 
@@ -186,8 +213,10 @@ class ProcessorConfig:
     rows_per_chunk: outputs per streamed output block (and per written part).
     include_prompt: add the rendered prompt text as a `prompt` column.
     openai_batch: rows are OpenAI batch requests (custom_id + body), see operators/openai_batch.
-    task: "generate" (text) or "score" (choice probabilities; needs `score`).
+    task: "generate" (text), "score" (choice probabilities; needs `score`) or "embed" (one
+        vector per row, in an `embeddings` column; `embed` tunes it).
     score: ScoreConfig (or a dict of its fields) for task "score".
+    embed: EmbedConfig (or a dict of its fields) for task "embed"; None: the checkpoint's pooling.
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
         instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
         False}); rendered in the bounded sandbox (prefixflow/sandbox.py). Python API,
@@ -221,6 +250,7 @@ class ProcessorConfig:
     openai_batch: bool = False
     task: str = "generate"
     score: ScoreConfig | dict[str, Any] | None = None
+    embed: EmbedConfig | dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     runtime_env: dict[str, Any] | None = None
@@ -237,6 +267,8 @@ class ProcessorConfig:
             SamplingParams().with_overrides(self.sampling or {})
         if isinstance(self.score, dict):
             object.__setattr__(self, "score", ScoreConfig(**self.score))
+        if isinstance(self.embed, dict):
+            object.__setattr__(self, "embed", EmbedConfig(**self.embed))
         self._check()
         engine = dict(self.engine)
         object.__setattr__(
@@ -266,6 +298,12 @@ class ProcessorConfig:
         return self.score
 
     @property
+    def embed_config(self) -> EmbedConfig:
+        """`embed` as the EmbedConfig __post_init__ made of a dict (EmbedConfig() when not given)."""
+        assert not isinstance(self.embed, dict), "__post_init__ builds the EmbedConfig"
+        return self.embed or EmbedConfig()
+
+    @property
     def sampling_params(self) -> SamplingParams:
         """The SamplingParams each row starts from: `sampling` when it is one, else its fields
         over the model's generation_config.json (read once per config object, on first use; a
@@ -292,11 +330,12 @@ class ProcessorConfig:
             "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}",
         )
         _require(
-            self.task != "score" or not self.openai_batch,
+            self.task not in PREFILL_TASKS or not self.openai_batch,
             "task",
             self.task,
             "OpenAI batch files are chat/completion requests: use task 'generate' for them",
         )
+        _require(self.task == "embed" or self.embed is None, "embed", self.embed, "embed settings need task 'embed'")
         for name, value, fix in limit_problems({name: getattr(self, name) for name in LIMITS}):
             raise invalid("ProcessorConfig", name, value, fix)
         _require(

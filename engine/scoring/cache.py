@@ -1,8 +1,11 @@
 """The scorer's prefix KV cache: group prefixes kept while their group runs (PrefillOnly Sec. 5.1).
 
 A group's shared prefix KV (every layer, `PrefixKV`) is computed once by its first scheduled
-member and kept for the other members; when the group's last member finishes it is dropped
-(suffix KV is never kept at all). The cache has a byte budget: inserting beyond it evicts the
+member and kept for the other members (suffix KV is never kept at all). When the group's last
+expected member finishes, the prefix is no longer pinned but stays while the budget has room:
+a job's plan cuts a large group into units that the engine runs one after another, and the
+next unit's members find it (Sec. 5.1 drops it at once; a replica's engine outlives a unit).
+The cache has a byte budget: inserting beyond it evicts unpinned prefixes first, then the
 least recently used prefixes of other groups, whose remaining members then miss and recompute
 it. That is the situation in which SRJF with continuous JCT calibration (Sec. 6.3, Alg. 1)
 helps: it sees which waiting requests the cache covers now and runs them first.
@@ -57,20 +60,25 @@ class PrefixCache:
             return False
         self._drop(group)
         while self.used_bytes + kv.nbytes > self.capacity_bytes:
-            self._drop(next(iter(self._entries)))
+            unpinned = (g for g in self._entries if g not in self._pending)
+            self._drop(next(unpinned, next(iter(self._entries))))  # LRU of the unpinned, else of all
             self.num_evictions += 1
         self._entries[group] = kv
         self.used_bytes += kv.nbytes
         return True
 
     def finished(self, group: Hashable) -> None:
-        """One member of `group` is done; the last one drops the prefix (Sec. 5.1)."""
+        """One member of `group` is done; after the last one expected the prefix is unpinned:
+        kept while the budget has room, evicted before any pinned one."""
         left = self._pending.get(group, 0) - 1
         if left > 0:
             self._pending[group] = left
             return
         self._pending.pop(group, None)
-        self._drop(group)
+
+    def pinned(self, group: Hashable) -> bool:
+        """Whether members of `group` are still expected."""
+        return group in self._pending
 
     def _drop(self, group: Hashable) -> None:
         kv = self._entries.pop(group, None)

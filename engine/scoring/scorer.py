@@ -1,15 +1,21 @@
-"""Prefill-only scoring, the `score` task: one probability per allowed answer (PrefillOnly).
+"""Prefill-only work: the `score` task (one probability per allowed answer, PrefillOnly) and
+the `embed` task (one vector per row).
 
     scorer = Scorer(EngineConfig(model="path/to/hf_dir", device="cpu"))
     outs = scorer.score(["...Should we recommend it? Answer:"], [" Yes", " No"])
     outs[0].probs, outs[0].logprobs, outs[0].label, outs[0].error
+    vecs = scorer.embed(["a passage"], Pooling("mean"))  # None: the checkpoint's pooling
+    vecs[0].embedding
 
 Each row is a prompt and its choices; the model runs ONE forward pass over the prompt (hybrid
 prefilling, engine/scoring/forward.py) and the last position's logits give, per choice, the
 softmax over the choices' first-token logits and the first token's log-probability under the
-full vocabulary (engine/scoring/choices.py says how choices are tokenized). No KV is kept after
-a request, except a planned group's shared prefix KV while the group has members left
-(Sec. 5.1, engine/scoring/cache.py). Requests run one at a time (Sec. 6.1) in the order of
+full vocabulary (engine/scoring/choices.py says how choices are tokenized). To embed, the final
+hidden states are pooled instead (engine/scoring/pooling.py: the last token's, or the mean of
+every token's, the prefix's part summed once per group). No KV is kept after a request, except
+a planned group's shared prefix KV: pinned while the group has members left (Sec. 5.1), then
+kept while the budget has room, so that the next unit of a group the plan cut finds it
+(engine/scoring/cache.py). Requests run one at a time (Sec. 6.1) in the order of
 PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.engine.scoring.srjf`):
 before each pick, every waiting request is scored by the tokens the prefix cache does not
 cover now, minus lam * its queueing time. Rows longer than the maximum input length of the
@@ -18,6 +24,7 @@ memory budget (`ScoreOptions.max_forward_bytes`) or than max_model_len get an er
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 PromptChoices = Choices | Sequence[Sequence[Choice]]  # `score` also takes one list per prompt
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+EMPTY_PROMPT = "the prompt is empty: give at least one token"
 
 
 @dataclass(slots=True)
@@ -69,7 +77,7 @@ class ScoreStats:
 @dataclass(slots=True, eq=False)
 class _Req:
     row_id: int
-    group: Hashable
+    group: Hashable  # its prefix's cache key (_prefix_key), set with prefix_len
     tokens: np.ndarray  # [prompt_len] int64
     prefix_len: int  # shared prefix computed once per group (0: none)
     choices: Sequence[Choice]
@@ -94,6 +102,9 @@ class Scorer:
         if budget is None:
             budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_PREFIX_CACHE_BYTES
         self.prefix_cache_bytes = budget
+        # Kept for the engine's life: a group the plan cut into units finds its prefix in the
+        # next unit's run (engine/scoring/cache.py).
+        self.prefix_cache = PrefixCache(budget)
         self.score_stats = ScoreStats()
         self.stats: list[StepStats] = []
         self.totals: EngineTotals | None = None
@@ -169,7 +180,7 @@ class Scorer:
     ) -> list[Any]:
         """`run` over the planned groups of the non-empty prompts; `error` for the empty ones."""
         tokens = [self._encode(p) for p in prompts]
-        outs = {i: error(i, "the prompt is empty: give at least one token") for i, t in zip(ids, tokens) if not t}
+        outs = {i: error(i, EMPTY_PROMPT) for i, t in zip(ids, tokens) if not t}
         kept = [(i, t) for i, t in zip(ids, tokens) if t]
         if kept:
             plan = build_plan([t for _, t in kept], row_ids=[i for i, _ in kept], order=order)
@@ -229,7 +240,7 @@ class Scorer:
         )
         self.score_stats = stats = ScoreStats()
         self.totals = None
-        cache = PrefixCache(self.prefix_cache_bytes)
+        cache, evicted = self.prefix_cache, self.prefix_cache.num_evictions
         reqs = yield from self._admit_groups(groups, choices, pooling, arrivals, stats, cache)
         # SRJFScheduler hands back the very array it was given (np.asarray of an int64 array
         # is that array), so its id() finds the request and its group's cached prefix.
@@ -255,7 +266,7 @@ class Scorer:
                 virtual += (stats.num_computed_tokens - computed) / tokens_per_s
             stats.latency_s[req.row_id] = clock() - req.arrival
             yield out
-        stats.num_evictions = cache.num_evictions
+        stats.num_evictions = cache.num_evictions - evicted
         stats.wall_time_s = time.perf_counter() - start
         self.totals = _engine_totals(stats)
 
@@ -275,7 +286,7 @@ class Scorer:
         the cache how many members will read each shared prefix."""
         reqs: list[_Req] = []
         for i, g in enumerate(groups):
-            members, errors = self._group_requests(("group", i), g, choices, pooling, arrivals)
+            members, errors = self._group_requests(g, choices, pooling, arrivals)
             stats.num_requests += len(members) + len(errors)
             stats.num_errors += len(errors)
             yield from errors
@@ -295,7 +306,7 @@ class Scorer:
         num_cached, prefix = 0, None
         if p > 0:
             prefix = cache.get(req.group)
-            if prefix is None:
+            if prefix is None or (mean and prefix.hidden_sum is None):  # mean pooling needs its sum
                 hidden, prefix = hybrid_forward(
                     self.model, ids[:p], None, c, keep_kv=True, head="sum" if mean else "none"
                 )
@@ -325,7 +336,6 @@ class Scorer:
 
     def _group_requests(
         self,
-        key: Hashable,
         g: PrefixGroup,
         choices: Choices,
         pooling: Pooling | None,
@@ -350,11 +360,11 @@ class Scorer:
                 errors.append(error(row, row_choices, len(tokens), str(e)))
                 continue
             arrival = float(arrivals.get(row, 0.0)) if arrivals is not None else 0.0
-            members.append(_Req(row, key, tokens, 0, row_choices, ids, arrival))
+            members.append(_Req(row, None, tokens, 0, row_choices, ids, arrival))
         p = self._shared_prefix_len(g, members)
         kept = []
         for r in members:
-            r.prefix_len = p
+            r.prefix_len, r.group = p, _prefix_key(r.tokens[:p])
             limit = self.max_input_len(p)
             if len(r.tokens) > limit:
                 errors.append(error(r.row_id, r.choices, len(r.tokens), self._too_long(len(r.tokens), limit, p)))
@@ -366,14 +376,18 @@ class Scorer:
         return choice_token_ids(row_choices, self.tokenizer, self.args.vocab_size, self.options.choice_leading_space)
 
     def _shared_prefix_len(self, g: PrefixGroup, members: list[_Req]) -> int:
-        """The group prefix computed once: 0 for fewer than two members; one token shorter
-        when a member's prompt is the whole prefix (its last position must be computed by the
-        member itself to give logits); 0 when the prefix's own forward exceeds the budget."""
-        if len(members) < 2 or g.prefix_len == 0:
+        """The group prefix computed once: one token shorter when a member's prompt is the
+        whole prefix (its last position must be computed by the member itself to give
+        logits); 0 when the prefix's own forward exceeds the budget. A lone member with a
+        prefix is a piece of a larger run that a unit boundary cut: it shares the prefix with
+        the run's other pieces, through the cache, as a group does."""
+        if not members or g.prefix_len == 0:
             return 0
         p = g.prefix_len
         if any(len(r.tokens) == p for r in members):
             p -= 1
+        if p == 0:
+            return 0
         budget = self.options.max_forward_bytes
         if (
             budget is not None
@@ -400,6 +414,11 @@ class Scorer:
         return [int(t) for t in prompt]
 
 
+def _prefix_key(tokens: np.ndarray) -> Hashable:
+    """A prefix's cache key: its tokens (a digest of them, with their count)."""
+    return len(tokens), hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
+
+
 def _engine_totals(stats: ScoreStats) -> EngineTotals:
     """A scoring run as EngineTotals: every prompt token is prefill; no steps, no outputs."""
     return EngineTotals(
@@ -415,6 +434,8 @@ def _engine_totals(stats: ScoreStats) -> EngineTotals:
 
 
 def _check_prompt_ids(tokens: np.ndarray, vocab_size: int) -> None:
+    if not len(tokens):
+        raise ValueError(EMPTY_PROMPT)
     bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
     if len(bad):
         raise ValueError(

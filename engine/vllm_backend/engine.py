@@ -40,6 +40,7 @@ from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids
 from prefixflow.engine.scoring.choices import error_output as score_error
 from prefixflow.engine.scoring.options import ScoreOptions
+from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling
 from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.errors import require
 from prefixflow.model_source import resolve_model
@@ -85,6 +86,7 @@ class _Req:
     options: dict[str, Any]  # more vLLM SamplingParams fields (scoring's logprob_token_ids)
     error: str | None = None  # known before the run: the row is not sent
     copies: int = 1  # a greedy row asking n > 1: run once, its answer n times
+    embed: bool = False  # a pooling request (the embed task), not a generation
 
 
 class VllmEngine:
@@ -96,6 +98,8 @@ class VllmEngine:
     vllm_args: more vLLM engine arguments, from the allow-list engine/vllm_backend/args.ALLOWED (checked
         again here by check_vllm_args, before vLLM is imported).
     group_scheduler: True (all parts), False (vLLM's stock scheduler) or a GroupScheduling.
+    pooling: an embedding engine (the embed task: vLLM's pooling runner, the model converted to
+        an embedding model, pooled and normalized as this says); None: a generating one.
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
         the scheduler object is then `self.scheduler`, and step statistics come from it), else
         in a child process. In-process by default: a child engine core outlives a SIGKILLed
@@ -111,9 +115,10 @@ class VllmEngine:
         group_scheduler: bool | GroupScheduling = True,
         *,
         in_process: bool = True,
+        pooling: Pooling | None = None,
     ) -> None:
         extra = check_vllm_args(vllm_args or {})
-        self.config = config
+        self.config, self.pooling = config, pooling
         self.parts = ALL_PARTS if group_scheduler is True else NO_PARTS if group_scheduler is False else group_scheduler
         self.model_path = str(resolve_model(config.model))
         _set_env(in_process)
@@ -201,6 +206,32 @@ class VllmEngine:
             else:
                 yield _score_output(out, m, row_choices)
 
+    def embed_groups(self, groups: Iterable[PrefixGroup], pooling: Pooling) -> Iterator[EmbedOutput]:
+        """Embed planned groups, as Scorer.embed_groups, with vLLM's pooling runner (the engine
+        must have been built with this pooling: vLLM pools as its model was built). Prefix
+        caching stays on: a member's last-token embedding reads its group's cached prefix
+        (mean pooling needs every token's hidden state, so vLLM computes the whole prompt)."""
+        require(
+            pooling == self.pooling,
+            "VllmEngine.embed_groups",
+            "pooling",
+            pooling,
+            f"this engine was built to pool as {self.pooling}: build a VllmEngine(pooling=...) for it",
+        )
+        members = (
+            NOT_READY
+            if g is NOT_READY
+            else [_Req(row, prompt, p, SamplingParams(), {}, embed=True) for row, prompt, p in _rows(g)]
+            for g in groups
+        )
+        for out, m in self._execute(members):
+            if m.error is not None:
+                yield EmbedOutput(m.row_id, prompt_len=len(m.prompt), error=m.error)
+                continue
+            cached = int(out.num_cached_tokens or 0)
+            embedding = tuple(float(v) for v in out.outputs.data.float().tolist())
+            yield EmbedOutput(m.row_id, embedding, len(m.prompt), min(m.prefix_len, cached), cached)
+
     # ---- internals ------------------------------------------------------------------------------
 
     def _execute(self, groups: Iterable[list[_Req] | None]) -> Iterator[tuple[Any, _Req]]:
@@ -238,7 +269,7 @@ class VllmEngine:
                 for out in self._step():
                     self._in_flight.discard(out.request_id)
                     counts["cached"] += int(out.num_cached_tokens or 0)
-                    counts["output"] += sum(len(c.token_ids) for c in out.outputs)
+                    counts["output"] += 0 if reqs[out.request_id].embed else sum(len(c.token_ids) for c in out.outputs)
                     yield out, reqs.pop(out.request_id)
             completed = True
         finally:
@@ -275,8 +306,9 @@ class VllmEngine:
         if error is not None:
             return error
         try:
+            params = _pooling_params() if m.embed else _vllm_params(m)
             self.engine.add_request(
-                request_id, {"prompt_token_ids": m.prompt}, _vllm_params(m), priority=rank if self.parts.priority else 0
+                request_id, {"prompt_token_ids": m.prompt}, params, priority=rank if self.parts.priority else 0
             )
         except ValueError as e:  # vLLM's own request validation (lengths, parameters)
             return f"vLLM refused the request: {e}"
@@ -351,6 +383,12 @@ class VllmEngine:
             scheduling_policy="priority" if parts.priority else "fcfs",
         )
         kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
+        if self.pooling is not None:
+            kwargs.update(runner="pooling", convert="embed", pooler_config=_pooler_config(self.pooling))
+        if self.pooling is not None and self.pooling.kind == "mean":
+            # vLLM's mean pooling needs every token's hidden state in one step: it turns prefix
+            # caching and chunked prefill off for it by default, and fails a request without
+            kwargs.update(enable_prefix_caching=False, enable_chunked_prefill=False)
         if self.is_cpu:
             args = read_model_args(self.model_path)
             blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
@@ -449,6 +487,20 @@ def _member(row: int, prompt: list[int], prefix_len: int, p: SamplingParams) -> 
 
 def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:
     return choices.get(row, ()) if isinstance(choices, Mapping) else choices
+
+
+def _pooling_params() -> Any:
+    """An embedding request's vLLM parameters (its pooling is the engine's pooler_config)."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task="embed")
+
+
+def _pooler_config(pooling: Pooling) -> Any:
+    """Our Pooling as vLLM's pooler config: which token(s), and whether to normalize."""
+    from vllm.config import PoolerConfig
+
+    return PoolerConfig(pooling_type=pooling.kind.upper(), use_activation=pooling.normalize)
 
 
 def _vllm_params(m: _Req) -> Any:

@@ -26,6 +26,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     "vllm": ("__init__.py", ""),
     "vllm.platforms": ("platforms/__init__.py", ""),
     "vllm.sampling_params": ("sampling_params.py", ""),
+    "vllm.config": ("config/__init__.py", ""),
     "vllm.v1.engine.llm_engine": ("v1/engine/llm_engine.py", ""),
     "vllm.v1.core.sched.scheduler": ("v1/core/sched/scheduler.py", ""),
     "vllm.v1.core.sched.async_scheduler": ("v1/core/sched/async_scheduler.py", ""),
@@ -47,16 +48,21 @@ SOURCES: dict[str, tuple[str, str]] = {
     "KVCacheManager": ("v1/core/kv_cache_manager.py", "KVCacheManager"),
     "BlockPool": ("v1/core/block_pool.py", "BlockPool"),
     "SamplingParams": ("sampling_params.py", "SamplingParams"),
+    "PoolingParams": ("pooling_params.py", "PoolingParams"),
+    "PoolerConfig": ("config/pooler.py", "PoolerConfig"),
     "StructuredOutputsParams": ("sampling_params.py", "StructuredOutputsParams"),
     "RequestOutputKind": ("sampling_params.py", "RequestOutputKind"),
     "RequestOutput": ("outputs.py", "RequestOutput"),
+    "PoolingRequestOutput": ("outputs.py", "PoolingRequestOutput"),
+    "PoolingOutput": ("outputs.py", "PoolingOutput"),
     "CompletionOutput": ("outputs.py", "CompletionOutput"),
     "Logprob": ("logprobs.py", "Logprob"),
 }
 
 USED: dict[str, tuple[str, ...]] = {
     # imports (engine.py, scheduler.py)
-    "vllm": ("EngineArgs", "SamplingParams"),
+    "vllm": ("EngineArgs", "SamplingParams", "PoolingParams"),
+    "vllm.config": ("PoolerConfig",),
     "vllm.platforms": ("current_platform",),
     "vllm.sampling_params": ("RequestOutputKind", "StructuredOutputsParams"),
     "vllm.v1.engine.llm_engine": ("LLMEngine",),
@@ -102,6 +108,11 @@ USED: dict[str, tuple[str, ...]] = {
         "num_gpu_blocks_override",
         "kv_cache_memory_bytes",
         "max_model_len",
+        # the embed task's engine (VllmEngine(pooling=...))
+        "runner",
+        "convert",
+        "pooler_config",
+        "enable_chunked_prefill",
     ),
     # engine._vllm_params (and the score path's logprob_token_ids)
     "SamplingParams": (
@@ -128,6 +139,11 @@ USED: dict[str, tuple[str, ...]] = {
         "logprob_token_ids",
     ),
     "RequestOutputKind": ("FINAL_ONLY",),
+    # the embed task (engine._pooling_params, _pooler_config, embed_groups)
+    "PoolingParams": ("task",),
+    "PoolerConfig": ("pooling_type", "use_activation"),
+    "PoolingRequestOutput": ("request_id", "finished", "num_cached_tokens", "outputs"),
+    "PoolingOutput": ("data",),
     # what the outputs give (engine._to_output, _sample, _token_logprob, _score_output)
     "RequestOutput": ("request_id", "finished", "num_cached_tokens", "outputs"),
     "CompletionOutput": ("index", "token_ids", "text", "finish_reason", "stop_reason", "logprobs"),

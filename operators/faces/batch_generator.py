@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.results.outputs import COMPUTED, INTERNAL, RANK, input_name, with_outputs
+from prefixflow.operators.results.outputs import INTERNAL, error_records, input_name
 from prefixflow.operators.results.progress import LiveBar
 from prefixflow.operators.stages.generate import ReplicaRunner
 from prefixflow.operators.stages.tokenize import TOKENS, Tokenize
@@ -62,24 +62,7 @@ class Generator:
         bad = np.flatnonzero(errors)
         if len(bad):
             rows = table.drop_columns([TOKENS]).take(pa.array(bad))
-            n = len(bad)
-            pieces.append(
-                with_outputs(
-                    rows,
-                    {
-                        "row_id": bad.tolist(),
-                        "generated_text": [None] * n,
-                        "generated_tokens": [[]] * n,
-                        "num_input_tokens": [0] * n,
-                        "num_generated_tokens": [0] * n,
-                        "finish_reason": [None] * n,
-                        "error": rows.column(ERROR).to_pylist(),
-                        "replica": [0] * n,
-                        RANK: [0] * n,
-                        COMPUTED: [0.0] * n,
-                    },
-                )
-            )
+            pieces.append(error_records(rows, bad.tolist(), rows.column(ERROR).to_pylist(), 0, self.config.task))
         self.batches += 1
         out = pa.concat_tables(pieces, promote_options="permissive")
         # Back to the batch's row order; row_id is the position within this batch.

@@ -10,7 +10,8 @@ executes (operators/faces/lazy_job.py). Preprocess output is merged into the row
 ray.data.llm's columns, as Ray 2.60 writes them (RAY_COLUMNS), beside the input's and
 prefixflow's finish_reason:
     prompt (the chat template applied), prompt_token_ids, num_input_tokens, generated_tokens,
-    generated_text, num_generated_tokens, embeddings (null), metrics, logprobs, prompt_logprobs,
+    generated_text, num_generated_tokens, embeddings (task_type "embed"; else null), metrics,
+    logprobs, prompt_logprobs,
     request_id (the row's id in the job), batch_uuid (one per output block), time_taken_llm
     (seconds from the start of the row's replica run, all its rows queued then as Ray queues a
     batch, to its output block), params (the row's sampling parameters), __inference_error__.
@@ -45,6 +46,7 @@ from prefixflow.operators.faces.ray_llm_config import (
     engine_settings,
     vLLMEngineProcessorConfig,
 )
+from prefixflow.operators.results.embed import EMBED_FIELDS
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.row_sampling import row_sampling
 from prefixflow.operators.stages.plan import fetch_rows
@@ -174,7 +176,8 @@ class RayLLMProcessor(Processor):
             text = r.get("generated_text") or ""
             if detokenize and not text and r.get("generated_tokens") and not e:
                 text = self._decode(r["generated_tokens"])
-            params = "" if e else repr(row_sampling(self.config.sampling_params, r.get("sampling_params")))
+            embed = self.config.task == "embed"
+            params = "" if e or embed else repr(row_sampling(self.config.sampling_params, r.get("sampling_params")))
             values = {
                 "prompt": r.get("prompt") or "",
                 "prompt_token_ids": p,
@@ -182,7 +185,7 @@ class RayLLMProcessor(Processor):
                 "generated_tokens": [] if e else r["generated_tokens"],
                 "generated_text": text,
                 "num_generated_tokens": 0 if e else r["num_generated_tokens"],
-                "embeddings": None,
+                "embeddings": r.get("embeddings"),
                 "metrics": None
                 if e
                 else {"num_generation_tokens": r["num_generated_tokens"], "num_cached_tokens": r.get("_pf_cached")},
@@ -196,7 +199,7 @@ class RayLLMProcessor(Processor):
             }
             for name in RAY_COLUMNS:
                 out[name].append(values[name])
-        return _with_ray_columns(block, out)
+        return _with_ray_columns(block, out, self.config.task)
 
     def _decode(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:
@@ -238,7 +241,7 @@ class RayLLMProcessor(Processor):
         logger.info(message + "\nOptional input columns:\n\tsampling_params: vLLM's sampling parameters.")
 
 
-def _with_ray_columns(block: pa.Table, values: dict[str, list[Any]]) -> pa.Table:
+def _with_ray_columns(block: pa.Table, values: dict[str, list[Any]], task: str) -> pa.Table:
     """The block with Ray's columns written (replacing input columns of those names, and the
     `input_<name>` copies prefixflow kept of them), prefixflow's own error/row_id/replica dropped
     (an input column they displaced gets its name back), bookkeeping dropped."""
@@ -256,7 +259,7 @@ def _with_ray_columns(block: pa.Table, values: dict[str, list[Any]]) -> pa.Table
         "request_id": pa.int64(),
         "time_taken_llm": pa.float64(),
         "metrics": METRICS_TYPE,
-        "embeddings": pa.null(),
+        "embeddings": EMBED_FIELDS[0].type if task == "embed" else pa.null(),
         "prompt_logprobs": pa.null(),
     }
     for name in RAY_COLUMNS:

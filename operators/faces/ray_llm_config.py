@@ -191,14 +191,14 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             raise invalid(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
         if self.task_type not in TASK_TYPES:
             raise invalid(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
-        if self.task_type != "generate":
+        if self.task_type not in ("generate", "embed"):
             raise invalid(
                 name,
                 "task_type",
                 self.task_type,
-                "prefixflow's ray.data.llm face generates "
-                "text only: use 'generate' (choice probabilities: prefixflow.ProcessorConfig("
-                "task='score'))",
+                "prefixflow's ray.data.llm face generates and embeds: use 'generate' or 'embed' "
+                "(classify and cross-encoder score are not built; choice probabilities: "
+                "prefixflow.ProcessorConfig(task='score'))",
             )
         for key, fix in REFUSED.items():
             if getattr(self, key):
@@ -274,6 +274,7 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             runtime_env=self.runtime_env,
             num_cpus_per_replica=self.engine_bundle().get("CPU", 1.0),
             sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS),
+            task=self.task_type,
         )
 
     def engine_bundle(self) -> dict[str, float]:

@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.results.score import SCORE_FIELDS, score_columns, with_score_fields
+from prefixflow.operators.results.embed import EMBED_FIELDS, with_embed_fields
+from prefixflow.operators.results.score import SCORE_FIELDS, with_score_fields
 
 RANK, COMPUTED = "_pf_rank", "_pf_computed"
 # The replica the plan gave a row to, where another replica ran it (work stealing): with RANK,
 # the row's place in the plan, which names its part (operators/results/write.py); null: `replica`.
 PLAN_REPLICA = "_pf_plan_replica"
 # Prompt tokens the engine found computed (RequestOutput.num_cached_tokens; OpenAI's
-# usage.prompt_tokens_details.cached_tokens); null on rows that did not run (error records,
-# scores). Internal, as COMPUTED: the OpenAI writer reads it, the other formats drop it.
+# usage.prompt_tokens_details.cached_tokens); null on rows that did not run (error records). Internal, as COMPUTED: the OpenAI writer reads it, the other formats drop it.
 CACHED = "_pf_cached"
 # Output columns added to every row (names follow ray.data.llm where it has one).
 OUTPUT_FIELDS = [
@@ -66,14 +66,15 @@ def output_chunk(
     ranks: np.ndarray,
     replica: int,
     plan_replica: int,
-    score: bool = False,
+    task: str = "generate",
 ) -> pa.Table:
     """Output rows for finished requests: their input columns plus the output columns.
 
     rows, prompt_len, computed, ranks: per output, in `outs` order (its input row, prompt
     tokens, prompt tokens computed with the prefix amortized, rank in its plan replica's order).
     replica: the replica that ran them; plan_replica: the one the plan gave them to.
-    score: `outs` are ScoreOutputs of the score task (operators/results/score.py).
+    task: "generate" (`outs` are RequestOutputs), "score" (ScoreOutputs,
+    operators/results/score.py) or "embed" (EmbedOutputs, operators/results/embed.py).
     """
     n = len(outs)
     common = {
@@ -83,10 +84,16 @@ def output_chunk(
         COMPUTED: computed.tolist(),
         PLAN_REPLICA: [plan_replica] * n,
     }
-    if score:
-        columns = {**score_columns(outs), **common}
-        return with_score_fields(with_outputs(rows, columns, score=True), outs)
     errors = [getattr(o, "error", None) for o in outs]
+    if task != "generate":  # a prefill task: no text, no tokens
+        columns = {
+            **common,
+            **no_generation(len(outs)),
+            "row_id": [int(o.row_id) for o in outs],
+            "error": errors,
+            CACHED: [None if e else o.num_cached_tokens for o, e in zip(outs, errors)],
+        }
+        return with_task_fields(with_outputs(rows, columns, task), task, outs)
     columns = {
         **common,
         "row_id": [int(o.row_id) for o in outs],
@@ -135,15 +142,55 @@ def token_counts(group: Any, prefix_counted: bool) -> tuple[list[int], list[floa
     return ([group.prefix_len + len(d) for d in group.distinct], [prefix + len(d) for d in group.distinct])
 
 
-def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = False) -> pa.Table:
+def no_generation(n: int) -> dict[str, list[Any]]:
+    """The generation columns of `n` rows that generated nothing (prefill tasks, error records)."""
+    return {
+        "generated_text": [None] * n,
+        "generated_tokens": [[]] * n,
+        "num_generated_tokens": [0] * n,
+        "finish_reason": [None] * n,
+    }
+
+
+def error_records(rows: pa.Table, row_ids: list[int], errors: list[str], replica: int, task: str) -> pa.Table:
+    """Output rows for rows that did not run (`rows`: their input rows, in `row_ids` order): the
+    error, empty outputs, no tokens computed; a row's rank is its id."""
+    n = len(row_ids)
+    columns = {
+        **no_generation(n),
+        "row_id": row_ids,
+        "num_input_tokens": [0] * n,
+        "error": errors,
+        "replica": [replica] * n,
+        RANK: row_ids,
+        COMPUTED: [0.0] * n,
+    }
+    return with_task_fields(with_outputs(rows, columns, task), task, None)
+
+
+def task_fields(task: str) -> list[pa.Field]:
+    """The output columns a task adds to the generate task's."""
+    return SCORE_FIELDS if task == "score" else EMBED_FIELDS if task == "embed" else []
+
+
+def with_task_fields(table: pa.Table, task: str, outs: list[Any] | None) -> pa.Table:
+    """Append the task's own columns; `outs` None gives nulls (error records)."""
+    if task == "score":
+        return with_score_fields(table, outs)
+    if task == "embed":
+        return with_embed_fields(table, outs)
+    return table
+
+
+def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], task: str = "generate") -> pa.Table:
     """Input columns (bookkeeping dropped) followed by the typed output columns.
 
     An input column whose name an output column takes (`error`, `row_id`, ..., `prompt` with
-    include_prompt, the score columns with score) is kept as `input_<name>`, never replaced.
+    include_prompt, the task's own columns) is kept as `input_<name>`, never replaced.
     """
     user = [c for c in rows.column_names if not c.startswith("_pf_") or c in KEEP_INTERNAL]
     table = rows.select(user)
-    ours = output_names(score, include_prompt="_pf_prompt" in user)
+    ours = output_names(task, include_prompt="_pf_prompt" in user)
     table = table.rename_columns([input_name(c, user) if c in ours else c for c in user])
     for f in OUTPUT_FIELDS:
         values = columns.get(f.name, [None] * table.num_rows) if f.name in OPTIONAL else columns[f.name]
@@ -153,11 +200,10 @@ def with_outputs(rows: pa.Table, columns: dict[str, list[Any]], score: bool = Fa
     return table
 
 
-def output_names(score: bool, include_prompt: bool) -> set[str]:
+def output_names(task: str, include_prompt: bool) -> set[str]:
     """Every column name the output rows may have besides the input's (part to part alike)."""
     names = {f.name for f in OUTPUT_FIELDS if not f.name.startswith("_pf_")} | {"logprobs", SAMPLES_FIELD.name}
-    if score:
-        names |= {f.name for f in SCORE_FIELDS}
+    names |= {f.name for f in task_fields(task)}
     return names | ({"prompt"} if include_prompt else set())
 
 

@@ -38,19 +38,6 @@ def row_choices(config: ScoreConfig, rows: pa.Table, row_ids: np.ndarray) -> Any
     return {int(r): list(v) if isinstance(v, (list, tuple)) else [] for r, v in zip(row_ids, values)}
 
 
-def score_columns(outs: list[Any]) -> dict[str, list[Any]]:
-    """The generate task's output columns for scored rows (no text, no tokens)."""
-    n = len(outs)
-    return {
-        "row_id": [int(o.row_id) for o in outs],
-        "generated_text": [None] * n,
-        "generated_tokens": [[]] * n,
-        "num_generated_tokens": [0] * n,
-        "finish_reason": [None] * n,
-        "error": [o.error for o in outs],
-    }
-
-
 def with_score_fields(table: pa.Table, outs: list[Any] | None) -> pa.Table:
     """Append the score columns; `outs` None gives nulls (error records of a score job)."""
     n = table.num_rows

@@ -24,12 +24,14 @@ import numpy as np
 import pyarrow as pa
 
 from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY
-from prefixflow.engine.outputs import EngineTotals, RequestOutput, StepStats, error_output
+from prefixflow.engine.outputs import EngineTotals, RequestOutput, StepStats, error_output, summed_totals
 from prefixflow.engine.scoring.choices import ScoreOutput
+from prefixflow.engine.scoring.options import ScoreOptions
+from prefixflow.engine.scoring.pooling import EmbedOutput
 from prefixflow.operators.columns import ERROR, SOURCE
-from prefixflow.operators.config import ProcessorConfig
-from prefixflow.operators.results.outputs import COMPUTED, RANK, output_chunk, plain, token_counts, with_outputs
-from prefixflow.operators.results.score import row_choices, with_score_fields
+from prefixflow.operators.config import PREFILL_TASKS, ProcessorConfig
+from prefixflow.operators.results.outputs import error_records, output_chunk, plain, token_counts
+from prefixflow.operators.results.score import row_choices
 from prefixflow.operators.results.write import WriteOptions, part_manifest, ray_node_id, write_part
 from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.stages.isolate import run_isolated, without_rows
@@ -59,13 +61,15 @@ class GeneratingEngine(Protocol):
 
 
 class ScoringEngine(Protocol):
-    """What the runner uses of a scoring engine (Scorer, VllmEngine): `score_groups`, and the
-    same records (a Scorer makes no steps: its `stats` stays empty)."""
+    """What the runner uses of a prefill-only engine (Scorer, VllmEngine): `score_groups` and
+    `embed_groups`, and the same records (a Scorer makes no steps: its `stats` stays empty)."""
 
     stats: list[StepStats]
     totals: EngineTotals | None
 
     def score_groups(self, groups: Iterable[Any], choices: Any) -> Iterator[ScoreOutput]: ...
+
+    def embed_groups(self, groups: Iterable[Any], pooling: Any) -> Iterator[EmbedOutput]: ...
 
 
 ReplicaEngine = GeneratingEngine | ScoringEngine
@@ -274,6 +278,8 @@ class _Book:
             self.num_groups += 1
         if self.config.task == "score":
             per_row = row_choices(self.config.score_config, payload.rows, ids)
+        elif self.config.task == "embed":
+            per_row = None  # nothing per row: the engine was given its pooling
         else:
             per_row = row_params(self.config.sampling_params, payload.rows, ids)
         if isinstance(per_row, dict):
@@ -313,7 +319,7 @@ class _Book:
             ranks,
             replica,
             self.plan_replica(outs[0].row_id),
-            self.config.task == "score",
+            self.config.task,
         )
 
 
@@ -410,12 +416,15 @@ def make_engine(config: ProcessorConfig) -> ReplicaEngine:
         # policy batchllm: our group scheduler inside vLLM (a request cap only when one is set);
         # policy vllm: vLLM's own scheduler, as the native engine's vllm policy imitates it.
         parts = GroupScheduling(no_cap=engine.max_num_seqs is None) if engine.policy == "batchllm" else False
-        return VllmEngine(engine, config.vllm_args, group_scheduler=parts)
-    if config.task == "score":
+        pooling = config.embed_config.pooling_of(config.model) if config.task == "embed" else None
+        return VllmEngine(engine, config.vllm_args, group_scheduler=parts, pooling=pooling)
+    if config.task in PREFILL_TASKS:
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine import Scorer
 
-        return Scorer(config.engine_config, config.score_config.options())
+        # embed: the score task's default options (chunk size, prefix cache, SRJF order)
+        options = config.score_config.options() if config.task == "score" else ScoreOptions()
+        return Scorer(config.engine_config, options)
     # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
     from prefixflow.engine import LLMEngine
 
@@ -528,24 +537,43 @@ class ReplicaGenerator:
             for rid, src, why in zip(chunk.tolist(), sources, reasons):
                 why = why or self.extra_errors.get(rid, "unknown error")
                 messages.append(f"{src}: {why}" if src else why)
-            n = len(chunk)
-            columns = {
-                "row_id": chunk.tolist(),
-                "generated_text": [None] * n,
-                "generated_tokens": [[]] * n,
-                "num_input_tokens": [0] * n,
-                "num_generated_tokens": [0] * n,
-                "finish_reason": [None] * n,
-                "error": messages,
-                "replica": [-1] * n,
-                # An error part is named after its first row id: unique across a job's runs
-                # and windows, whatever rows earlier runs gave up or later windows add.
-                RANK: chunk.tolist(),
-                COMPUTED: [0.0] * n,
-            }
-            score = self.config.task == "score"
-            table = with_outputs(rows, columns, score)
-            yield with_score_fields(table, None) if score else table
+            # Ranked by row id: an error part is named after its first row id, unique across
+            # a job's runs and windows, whatever rows earlier runs gave up or later windows add.
+            yield error_records(rows, chunk.tolist(), messages, -1, self.config.task)
+
+
+def _prefill_outputs(
+    engine: ScoringEngine, config: ProcessorConfig, book: "_Book", units: Iterable[UnitPayload | None]
+) -> Iterator[Any]:
+    """engine_outputs of a prefill task (score, embed): unit by unit, no decoding."""
+    if config.task == "embed":
+        pooling = config.embed_config.pooling_of(config.model)
+
+        def run(groups: Iterable[Any]) -> Iterator[Any]:
+            return engine.embed_groups(groups, pooling)
+
+        def failed(rid: int, why: str) -> Any:
+            return EmbedOutput(row_id=rid, error=why)
+    else:
+        # The native Scorer took its options when it was built; VllmEngine takes them per run.
+        more = {"options": config.score_config.options()} if config.backend == "vllm" else {}
+
+        def run(groups: Iterable[Any]) -> Iterator[Any]:
+            return engine.score_groups(groups, book.params, **more)
+
+        def failed(rid: int, why: str) -> Any:
+            return ScoreOutput(row_id=rid, choices=(), error=why)
+
+    totals: list[EngineTotals] = []
+    for payload in units:
+        if payload is NOT_READY:
+            time.sleep(IDLE_POLL_S)
+            continue
+        yield from run_isolated(run, payload.unit.groups, lambda: None, failed)
+        if engine.totals is not None:
+            totals.append(engine.totals)
+    # Each unit was one engine run, with its own totals: the replica's record sums them.
+    engine.totals = summed_totals(totals)
 
 
 def one_unit(replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarray) -> UnitPayload:
@@ -573,20 +601,8 @@ def engine_outputs(
     task, prefill only, scores unit by unit. `book` notes each unit as it is taken (its rows'
     sampling parameters or choices among them) before the engine reads them."""
     units = book.taking(feed)
-    if config.task == "score":
-        # The native Scorer took its options when it was built; VllmEngine takes them per run.
-        more = {"options": config.score_config.options()} if config.backend == "vllm" else {}
-        scorer = cast(ScoringEngine, engine)
-        for payload in units:
-            if payload is NOT_READY:
-                time.sleep(IDLE_POLL_S)
-                continue
-            yield from run_isolated(
-                lambda groups: scorer.score_groups(groups, book.params, **more),
-                payload.unit.groups,
-                lambda: None,
-                lambda rid, why: ScoreOutput(row_id=rid, choices=(), error=why),
-            )
+    if config.task in PREFILL_TASKS:
+        yield from _prefill_outputs(cast(ScoringEngine, engine), config, book, units)
         return
     groups = (g for payload in units for g in ((NOT_READY,) if payload is NOT_READY else payload.unit.groups))
     generator = cast(GeneratingEngine, engine)

@@ -207,10 +207,10 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     from prefixflow.pipeline import build_plan
 
     class FailsOnRow(Scorer):  # our own Scorer, one method made to raise for row 1 (see above)
-        def _run(self, req, cache, stats):
+        def _run(self, req, cache, stats, pooling):
             if req.row_id == 1:
                 raise RuntimeError("injected scorer failure")
-            return super()._run(req, cache, stats)
+            return super()._run(req, cache, stats, pooling)
 
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 11], [20, 21, 22]]
     groups = build_plan(prompts, row_ids=[0, 1, 2], order="batchllm", min_prefix_len=4).groups(0)
@@ -226,7 +226,7 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     assert by_row[0].error is None and by_row[2].error is None and by_row[0].label in ("Yes", "No")
     ids = [int(o.row_id) for o in outs]
     n = np.zeros(len(outs), np.int64)
-    table = output_chunk(outs, rows.take(pa.array(ids)), n, n.astype(float), n, replica=0, plan_replica=0, score=True)
+    table = output_chunk(outs, rows.take(pa.array(ids)), n, n.astype(float), n, replica=0, plan_replica=0, task="score")
     assert table.column("error").null_count == 2 and table.column("label").null_count == 1
 
 

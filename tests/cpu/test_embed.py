@@ -130,3 +130,28 @@ def test_the_scorer_embeds_as_the_checkpoint_says(tmp_path):
     torch.testing.assert_close(
         torch.tensor(out.embedding), reference(hf, ids, Pooling("mean", False)), atol=ATOL, rtol=1e-4
     )
+
+
+def test_a_group_cut_into_units_computes_its_prefix_once(ckpt):
+    """The plan cuts a large group into units that the engine runs one after another (a lone
+    member included): the later units read the prefix the first one left in the cache."""
+    import numpy as np
+
+    from prefixflow.requests import PrefixGroup
+
+    path, hf = ckpt
+    s = Scorer(EngineConfig(model=str(path), device="cpu"))
+    profile = np.array(rand_tokens(24, seed=9), dtype=np.int64)
+    tails = [np.array(rand_tokens(n, seed=20 + n), dtype=np.int64) for n in (3, 5, 2)]
+    pieces = [
+        PrefixGroup(0, profile, np.array([0, 1]), tuple(tails[:2])),
+        PrefixGroup(0, profile, np.array([2]), (tails[2],)),
+    ]
+    for pooling in (Pooling("mean"), Pooling("last")):
+        first = list(s.embed_groups([pieces[0]], pooling))
+        (lone,) = s.embed_groups([pieces[1]], pooling)
+        assert s.score_stats.num_prefix_hits == 1 and s.score_stats.num_computed_tokens == 2  # its tail alone
+        assert lone.prefix_len == lone.num_cached_tokens == 24
+        for out in [*first, lone]:
+            ids = profile.tolist() + tails[out.row_id].tolist()
+            torch.testing.assert_close(torch.tensor(out.embedding), reference(hf, ids, pooling), atol=ATOL, rtol=1e-4)

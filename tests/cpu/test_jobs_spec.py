@@ -84,7 +84,7 @@ def test_bad_template_syntax_fails_at_validation():
 
 
 def test_examples_parse(tmp_path):
-    for name in ("quickstart.yaml", "s3.yaml", "openai_batch.yaml", "gpu_cluster.yaml"):
+    for name in ("quickstart.yaml", "s3.yaml", "openai_batch.yaml", "gpu_cluster.yaml", "score.yaml", "embed.yaml"):
         spec = load_spec(example_path(name))
         assert spec.output.path
 

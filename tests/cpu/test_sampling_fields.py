@@ -77,7 +77,7 @@ def test_samples_column_lists_each_rows_samples_and_keeps_an_input_samples_colum
         replica=0,
         plan_replica=0,
     )
-    assert "samples" in output_names(False, False)
+    assert "samples" in output_names("generate", False)
     assert table.column("input_samples").to_pylist() == ["mine", "also mine", "too"]
     assert table.column("generated_text").to_pylist() == ["ab", "x", None]  # sample 0
     samples = table.column("samples").to_pylist()

@@ -1,4 +1,5 @@
-"""The scorer's prefix KV cache: kept until the group's last member, LRU eviction by bytes."""
+"""The scorer's prefix KV cache: pinned until the group's last member, kept after it while the
+budget has room (a later unit of the group finds it), LRU eviction by bytes, unpinned first."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ def kv(tokens: int) -> PrefixKV:
     return PrefixKV(torch.zeros(2, 1, tokens, 4), torch.zeros(2, 1, tokens, 4))
 
 
-def test_prefix_is_dropped_when_the_last_member_finishes():
-    cache = PrefixCache(capacity_bytes=10_000)
+def test_prefix_is_unpinned_when_the_last_member_finishes_and_evicted_first():
+    cache = PrefixCache(capacity_bytes=1500)
     cache.expect("g", 3)
     assert cache.put("g", kv(10)) and cache.used_bytes == 640
     for _ in range(2):
         cache.finished("g")
-        assert "g" in cache
+        assert cache.pinned("g")
     cache.finished("g")
-    assert "g" not in cache and cache.used_bytes == 0
+    assert "g" in cache and not cache.pinned("g")  # kept: a later unit of the group finds it
+    cache.expect("h", 1)
+    cache.put("h", kv(10))
+    assert cache.get("g") is not None  # "g" is now the most recently used, but unpinned
+    cache.expect("i", 1)
+    cache.put("i", kv(10))  # 3 x 640 > 1500: the unpinned "g" goes, not the LRU "h"
+    assert "g" not in cache and "h" in cache and "i" in cache and cache.num_evictions == 1
 
 
 def test_lru_eviction_and_prefixes_larger_than_the_budget():
