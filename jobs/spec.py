@@ -646,7 +646,9 @@ class JobSpec(_Strict):
 
     name: str = "prefixflow-job"
     model: str = Field(description="Hugging Face model directory (config.json, weights, tokenizer)")
-    task: Annotated[str, _choice("task")] = Field(default=_default("task"), description="generate, score or embed")
+    task: Annotated[str, _choice("task")] = Field(
+        default=_default("task"), description="generate, score, embed or classify"
+    )
     input: InputSpec
     prompt: PromptSpec | None = None
     score: ScoreSpec | None = Field(default=None, description="settings of task: score")

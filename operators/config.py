@@ -31,8 +31,8 @@ from prefixflow.pipeline.plan import DEFAULT_ORDER
 from prefixflow.requests import SamplingParams
 
 # The job spec (jobs/spec.py) takes its choices for task and engine.backend from these.
-TASKS = ("generate", "score", "embed")
-PREFILL_TASKS = ("score", "embed")  # no decoding: one prefill per row (engine/scoring)
+TASKS = ("generate", "score", "embed", "classify")
+PREFILL_TASKS = ("score", "embed", "classify")  # no decoding: one prefill per row (engine/scoring)
 BACKENDS = ("native", "vllm")
 DEFAULT_BACKEND = "native"
 # Tables a job reads (operators/stages/read_table.py) and writes (operators/results/table_commit.py).
@@ -213,8 +213,9 @@ class ProcessorConfig:
     rows_per_chunk: outputs per streamed output block (and per written part).
     include_prompt: add the rendered prompt text as a `prompt` column.
     openai_batch: rows are OpenAI batch requests (custom_id + body), see operators/openai_batch.
-    task: "generate" (text), "score" (choice probabilities; needs `score`) or "embed" (one
-        vector per row, in an `embeddings` column; `embed` tunes it).
+    task: "generate" (text), "score" (choice probabilities; needs `score`), "embed" (one
+        vector per row, in an `embeddings` column; `embed` tunes it) or "classify" (a sequence
+        classification checkpoint's label probabilities, in the score task's columns).
     score: ScoreConfig (or a dict of its fields) for task "score".
     embed: EmbedConfig (or a dict of its fields) for task "embed"; None: the checkpoint's pooling.
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template

@@ -126,13 +126,17 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args, max_positions)
-        tied = self.model.embed_tokens if args.tie_word_embeddings else None
+        # A base model has no LM head: the embedding stands in for it (never asked for logits:
+        # the engines that would ask refuse such a model, require_lm_head).
+        tied = self.model.embed_tokens if args.tie_word_embeddings or not args.has_lm_head else None
         self.lm_head = LMHead(args.hidden_size, args.vocab_size, tied)
+        # A sequence classifier's head (transformers' `score`): label logits of the last token.
+        self.score = nn.Linear(args.hidden_size, len(args.labels), bias=False) if args.labels else None
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them (again after
         `to_empty()`, which gives every module fresh parameters)."""
-        if self.args.tie_word_embeddings:
+        if self.args.tie_word_embeddings or not self.args.has_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def attention_layers(self) -> list[PagedAttention]:

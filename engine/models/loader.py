@@ -129,7 +129,10 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     continue
                 if hf_name == "lm_head.weight" and model.args.tie_word_embeddings:
                     continue  # tied checkpoints sometimes store the copy too
-                name, rows = model.slice_of(hf_name)
+                ours = hf_name  # a base model's weights lack the "model." prefix
+                if not model.args.has_lm_head and not hf_name.startswith(("model.", "score.")):
+                    ours = f"model.{hf_name}"
+                name, rows = model.slice_of(ours)
                 if name not in params:
                     raise ValueError(
                         f"{file.name} holds weight {hf_name!r} that the {model.args.architecture} model does not have"
@@ -143,7 +146,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                         f"{tuple(target.shape)}"
                     )
                 target.copy_(tensor)
-                loaded.add((name, 0 if rows is None else _slice_index(model, hf_name)))
+                loaded.add((name, 0 if rows is None else _slice_index(model, ours)))
     missing = sorted(f"{n}[{i}]" for n, i in expected - loaded)
     if missing:
         more = " ..." if len(missing) > 8 else ""

@@ -15,6 +15,20 @@ from typing import Any
 from prefixflow.model_source import resolve_model
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Base models without an LM head (embedding checkpoints such as e5-mistral's MistralModel): the
+# same network, its weights named without the "model." prefix; they embed, they cannot generate.
+BASE_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+}
+# Sequence classifiers: the network and a `score` head ([labels, hidden], no bias) on the last
+# token's final hidden state, for the classify task.
+CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -55,12 +69,35 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None  # None: full attention
+    has_lm_head: bool = True  # False: a base model or a classifier, which embed (and classify)
+    labels: tuple[str, ...] = ()  # a classifier's labels (config.json id2label), in id order
 
     @property
     def kv_bytes_per_token_per_elem(self) -> int:
         """K and V elements one token occupies in the cache, all layers (multiply by the
         element size for bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def require_lm_head(args: ModelArgs, task: str) -> None:
+    """ValueError for a base model or classifier (no LM head) asked to do what needs the
+    vocabulary's logits (`task`)."""
+    if not args.has_lm_head:
+        kind = "a sequence classifier" if args.labels else "a base model"
+        can = "embed (task: embed) and classify (task: classify)" if args.labels else "embed (task: embed)"
+        raise ValueError(
+            f"the checkpoint is {kind} ({args.architecture.replace('ForCausalLM', '')}) without an "
+            f"LM head: it can {can}, not {task}; use a {args.architecture} checkpoint to {task}"
+        )
+
+
+def require_classifier(args: ModelArgs) -> None:
+    """ValueError for a checkpoint without a classification head asked to classify."""
+    if not args.labels:
+        raise ValueError(
+            f"task classify needs a sequence classification checkpoint ({', '.join(CLASSIFIER_ARCHITECTURES)}: "
+            f"a score head over labels); this one is {args.architecture if args.has_lm_head else 'a base model'}"
+        )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -74,10 +111,16 @@ def read_model_args(path: str | Path) -> ModelArgs:
     cfg = read_json(resolve_model(path) / "config.json")
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    has_lm_head = arch is not None
+    headless = {**BASE_ARCHITECTURES, **CLASSIFIER_ARCHITECTURES}
+    if arch is None:  # a base model or a classifier: the same network as its causal LM's
+        arch = next((headless[a] for a in archs if a in headless), None)
+    classifier = not has_lm_head and any(a in CLASSIFIER_ARCHITECTURES for a in archs)
     if arch is None:
         raise ValueError(
             f"config.json architectures={archs!r} is not supported: prefixflow's "
-            f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)} (and, to embed or classify, "
+            f"{', '.join(headless)})"
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(
@@ -103,7 +146,17 @@ def read_model_args(path: str | Path) -> ModelArgs:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         sliding_window=int(sliding) if sliding else None,
+        has_lm_head=has_lm_head,
+        labels=_labels(cfg) if classifier else (),
     )
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels by id: config.json id2label, else num_labels (LABEL_i, as
+    transformers names them)."""
+    id2label = cfg.get("id2label") or {}
+    count = int(cfg.get("num_labels") or len(id2label) or 2)
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:

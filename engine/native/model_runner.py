@@ -52,7 +52,7 @@ from prefixflow.engine.models.loader import (
     resolve_max_model_len,
     torch_dtype,
 )
-from prefixflow.engine.models.model_args import read_model_args
+from prefixflow.engine.models.model_args import read_model_args, require_lm_head
 from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
@@ -78,6 +78,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype, config.model, self.device)
         self.args = read_model_args(config.model)
+        require_lm_head(self.args, "generate")
         self.max_model_len = resolve_max_model_len(config, self.args)
         self.vocab_size = self.args.vocab_size
         self.block_size = config.block_size

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -37,10 +37,10 @@ import torch
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.outputs import EngineTotals, StepStats
 from prefixflow.engine.models.loader import load_model, load_tokenizer, resolve_device, resolve_max_model_len
-from prefixflow.engine.models.model_args import read_model_args
+from prefixflow.engine.models.model_args import read_model_args, require_classifier, require_lm_head
 from prefixflow.engine.scoring.cache import PrefixCache
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, error_output, make_output
-from prefixflow.engine.scoring.forward import Head, forward_bytes, hybrid_forward, max_input_len
+from prefixflow.engine.scoring.forward import Head, PrefixKV, forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling, error_embedding, model_pooling
 from prefixflow.engine.scoring.srjf import CachedLen, SRJFScheduler
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 PromptChoices = Choices | Sequence[Sequence[Choice]]  # `score` also takes one list per prompt
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+Work = Pooling | Literal["score", "classify"]  # what a prefill run gives: a pooled vector, or scores
 EMPTY_PROMPT = "the prompt is empty: give at least one token"
 
 
@@ -202,7 +203,20 @@ class Scorer:
         advances by computed tokens / tokens_per_s per request (the JCT proxy of Sec. 6.3)
         instead of the wall clock, so that online studies do not depend on the machine's
         load; latencies are then in virtual seconds."""
-        return self._prefill_groups(groups, choices, None, arrivals, tokens_per_s)
+        return self._prefill_groups(groups, choices, "score", arrivals, tokens_per_s)
+
+    def classify_groups(
+        self,
+        groups: Iterable[PrefixGroup],
+        *,
+        arrivals: Mapping[int, float] | None = None,
+        tokens_per_s: float | None = None,
+    ) -> Iterator[ScoreOutput]:
+        """Classify planned groups (the `classify` task) with a sequence classifier's head on
+        each row's last token: ScoreOutputs over the checkpoint's labels (config.json id2label),
+        probs their softmax, in score_groups' order and with its prefix sharing."""
+        require_classifier(self.args)
+        return self._prefill_groups(groups, list(self.args.labels), "classify", arrivals, tokens_per_s)
 
     def embed_groups(
         self,
@@ -221,11 +235,13 @@ class Scorer:
         self,
         groups: Iterable[PrefixGroup],
         choices: Choices,
-        pooling: Pooling | None,
+        work: Work,
         arrivals: Mapping[int, float] | None,
         tokens_per_s: float | None,
     ) -> Iterator[Any]:
-        """score_groups (pooling None) and embed_groups: one prefill per row, SRJF order."""
+        """score_groups, classify_groups and embed_groups: one prefill per row, SRJF order."""
+        if work == "score":
+            require_lm_head(self.args, "score")
         require(
             tokens_per_s is None or tokens_per_s > 0,
             "Scorer.score_groups",
@@ -241,7 +257,7 @@ class Scorer:
         self.score_stats = stats = ScoreStats()
         self.totals = None
         cache, evicted = self.prefix_cache, self.prefix_cache.num_evictions
-        reqs = yield from self._admit_groups(groups, choices, pooling, arrivals, stats, cache)
+        reqs = yield from self._admit_groups(groups, choices, work, arrivals, stats, cache)
         # SRJFScheduler hands back the very array it was given (np.asarray of an int64 array
         # is that array), so its id() finds the request and its group's cached prefix.
         by_array: dict[Hashable, _Req] = {id(r.tokens): r for r in reqs}  # the queue's request ids
@@ -261,7 +277,7 @@ class Scorer:
                 queue.add(id(r.tokens), r.tokens, now, cached_len)
             req = by_array[queue.pick(cached_len, now)]
             computed = stats.num_computed_tokens
-            out = self._run(req, cache, stats, pooling)
+            out = self._run(req, cache, stats, work)
             if tokens_per_s:
                 virtual += (stats.num_computed_tokens - computed) / tokens_per_s
             stats.latency_s[req.row_id] = clock() - req.arrival
@@ -276,7 +292,7 @@ class Scorer:
         self,
         groups: Iterable[PrefixGroup],
         choices: Choices,
-        pooling: Pooling | None,
+        work: Work,
         arrivals: Mapping[int, float] | None,
         stats: ScoreStats,
         cache: PrefixCache,
@@ -286,7 +302,7 @@ class Scorer:
         the cache how many members will read each shared prefix."""
         reqs: list[_Req] = []
         for i, g in enumerate(groups):
-            members, errors = self._group_requests(g, choices, pooling, arrivals)
+            members, errors = self._group_requests(g, choices, work, arrivals)
             stats.num_requests += len(members) + len(errors)
             stats.num_errors += len(errors)
             yield from errors
@@ -297,48 +313,59 @@ class Scorer:
         return reqs
 
     @torch.inference_mode()
-    def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats, pooling: Pooling | None) -> Any:
-        """Score or embed one request (pooling None: score), reading or computing its prefix."""
+    def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats, work: Work) -> Any:
+        """Score, classify or embed one request, reading or computing its prefix."""
         ids = torch.from_numpy(req.tokens).to(self.device)  # [T] int64
-        p, c = req.prefix_len, self.options.chunk_size
-        mean = pooling is not None and pooling.kind == "mean"
+        mean = isinstance(work, Pooling) and work.kind == "mean"
         stats.num_prompt_tokens += len(req.tokens)
-        num_cached, prefix = 0, None
-        if p > 0:
-            prefix = cache.get(req.group)
-            if prefix is None or (mean and prefix.hidden_sum is None):  # mean pooling needs its sum
-                hidden, prefix = hybrid_forward(
-                    self.model, ids[:p], None, c, keep_kv=True, head="sum" if mean else "none"
-                )
-                assert prefix is not None, "hybrid_forward(keep_kv=True) returns the prefix's KV"
-                prefix = replace(prefix, hidden_sum=hidden)
-                cache.put(req.group, prefix)  # kept for the members left, if it fits
-                stats.num_prefix_misses += 1
-                stats.num_computed_tokens += p
-            else:
-                stats.num_prefix_hits += 1
-                num_cached = p
-        head: Head = "logits" if pooling is None else ("sum" if mean else "last")
-        out, _ = hybrid_forward(self.model, ids[p:], prefix, c, head=head)
+        prefix, num_cached = self._prefix(req, ids, cache, stats, mean)
+        p = req.prefix_len
+        head: Head = "logits" if work == "score" else ("sum" if mean else "last")
+        out, _ = hybrid_forward(self.model, ids[p:], prefix, self.options.chunk_size, head=head)
         assert out is not None, "hybrid_forward answers every head but 'none'"
         stats.num_computed_tokens += len(req.tokens) - p
         if p > 0:
             cache.finished(req.group)
-        if pooling is None:
+        if work == "classify":  # the classifier's head on the last token: one logit per label
+            assert self.model.score is not None, "classify_groups checked the checkpoint has a score head"
+            out = self.model.score(out.to(self.model.score.weight.dtype)).float()
+        if not isinstance(work, Pooling):
             return make_output(req.row_id, req.choices, req.choice_ids, out, len(req.tokens), p, num_cached)
         if mean and prefix is not None and prefix.hidden_sum is not None:
             out = out + prefix.hidden_sum
         if mean:
             out = out / len(req.tokens)
-        if pooling.normalize:
+        if work.normalize:
             out = torch.nn.functional.normalize(out, dim=-1)
         return EmbedOutput(req.row_id, tuple(out.tolist()), len(req.tokens), p, num_cached)
+
+    def _prefix(
+        self, req: _Req, ids: torch.Tensor, cache: PrefixCache, stats: ScoreStats, mean: bool
+    ) -> tuple[PrefixKV | None, int]:
+        """The request's group prefix KV (None: it has none) and the tokens read from the
+        cache: computed and kept when the cache lacks it (or, for mean pooling, its sum)."""
+        p = req.prefix_len
+        if p == 0:
+            return None, 0
+        prefix = cache.get(req.group)
+        if prefix is not None and (prefix.hidden_sum is not None or not mean):
+            stats.num_prefix_hits += 1
+            return prefix, p
+        hidden, prefix = hybrid_forward(
+            self.model, ids[:p], None, self.options.chunk_size, keep_kv=True, head="sum" if mean else "none"
+        )
+        assert prefix is not None, "hybrid_forward(keep_kv=True) returns the prefix's KV"
+        prefix = replace(prefix, hidden_sum=hidden)
+        cache.put(req.group, prefix)  # kept for the members left, if it fits
+        stats.num_prefix_misses += 1
+        stats.num_computed_tokens += p
+        return prefix, 0
 
     def _group_requests(
         self,
         g: PrefixGroup,
         choices: Choices,
-        pooling: Pooling | None,
+        work: Work,
         arrivals: Mapping[int, float] | None,
     ) -> tuple[list[_Req], list[Any]]:
         """Valid members as requests (sharing the prefix when it pays and fits), and errors
@@ -347,14 +374,14 @@ class Scorer:
         errors: list[Any] = []
 
         def error(row: int, row_choices: Sequence[Choice], n: int, why: str) -> Any:
-            return error_output(row, row_choices, n, why) if pooling is None else error_embedding(row, n, why)
+            return error_embedding(row, n, why) if isinstance(work, Pooling) else error_output(row, row_choices, n, why)
 
         for i in range(g.num_members):
             row = int(g.row_ids[i])
             row_choices = choices.get(row, ()) if isinstance(choices, Mapping) else choices
             tokens = np.ascontiguousarray(g.prompt(i), dtype=np.int64)
             try:
-                ids = () if pooling is not None else self._choice_ids(row_choices)
+                ids = self._choice_ids(row_choices) if work == "score" else tuple(range(len(row_choices)))
                 _check_prompt_ids(tokens, self.args.vocab_size)
             except ValueError as e:
                 errors.append(error(row, row_choices, len(tokens), str(e)))

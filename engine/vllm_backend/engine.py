@@ -86,7 +86,7 @@ class _Req:
     options: dict[str, Any]  # more vLLM SamplingParams fields (scoring's logprob_token_ids)
     error: str | None = None  # known before the run: the row is not sent
     copies: int = 1  # a greedy row asking n > 1: run once, its answer n times
-    embed: bool = False  # a pooling request (the embed task), not a generation
+    pooling_task: str | None = None  # a pooling request ("embed" or "classify"), not a generation
 
 
 class VllmEngine:
@@ -100,6 +100,8 @@ class VllmEngine:
     group_scheduler: True (all parts), False (vLLM's stock scheduler) or a GroupScheduling.
     pooling: an embedding engine (the embed task: vLLM's pooling runner, the model converted to
         an embedding model, pooled and normalized as this says); None: a generating one.
+    classify: a classifying engine (the classify task: vLLM's pooling runner on a sequence
+        classification checkpoint, softmax over its labels).
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
         the scheduler object is then `self.scheduler`, and step statistics come from it), else
         in a child process. In-process by default: a child engine core outlives a SIGKILLed
@@ -116,9 +118,10 @@ class VllmEngine:
         *,
         in_process: bool = True,
         pooling: Pooling | None = None,
+        classify: bool = False,
     ) -> None:
         extra = check_vllm_args(vllm_args or {})
-        self.config, self.pooling = config, pooling
+        self.config, self.pooling, self.classify = config, pooling, classify
         self.parts = ALL_PARTS if group_scheduler is True else NO_PARTS if group_scheduler is False else group_scheduler
         self.model_path = str(resolve_model(config.model))
         _set_env(in_process)
@@ -221,7 +224,7 @@ class VllmEngine:
         members = (
             NOT_READY
             if g is NOT_READY
-            else [_Req(row, prompt, p, SamplingParams(), {}, embed=True) for row, prompt, p in _rows(g)]
+            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task="embed") for row, prompt, p in _rows(g)]
             for g in groups
         )
         for out, m in self._execute(members):
@@ -231,6 +234,36 @@ class VllmEngine:
             cached = int(out.num_cached_tokens or 0)
             embedding = tuple(float(v) for v in out.outputs.data.float().tolist())
             yield EmbedOutput(m.row_id, embedding, len(m.prompt), min(m.prefix_len, cached), cached)
+
+    def classify_groups(self, groups: Iterable[PrefixGroup]) -> Iterator[ScoreOutput]:
+        """Classify planned groups, as Scorer.classify_groups, with vLLM's pooling runner on the
+        sequence classifier (the engine must have been built with classify=True): per row the
+        softmax over the checkpoint's labels, read from its last token (prefix caching on)."""
+        require(self.classify, "VllmEngine.classify_groups", "classify", False, "build VllmEngine(classify=True)")
+        labels = read_model_args(self.model_path).labels
+        members = (
+            NOT_READY
+            if g is NOT_READY
+            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task="classify") for row, prompt, p in _rows(g)]
+            for g in groups
+        )
+        for out, m in self._execute(members):
+            if m.error is not None:
+                yield score_error(m.row_id, labels, len(m.prompt), m.error)
+                continue
+            probs = tuple(float(v) for v in out.outputs.data.float().tolist())
+            cached = int(out.num_cached_tokens or 0)
+            yield ScoreOutput(
+                row_id=m.row_id,
+                choices=labels,
+                choice_token_ids=tuple(range(len(labels))),
+                probs=probs,
+                logprobs=tuple(math.log(p) if p > 0 else -math.inf for p in probs),
+                label=labels[probs.index(max(probs))],
+                prompt_len=len(m.prompt),
+                prefix_len=min(m.prefix_len, cached),
+                num_cached_tokens=cached,
+            )
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -269,7 +302,8 @@ class VllmEngine:
                 for out in self._step():
                     self._in_flight.discard(out.request_id)
                     counts["cached"] += int(out.num_cached_tokens or 0)
-                    counts["output"] += 0 if reqs[out.request_id].embed else sum(len(c.token_ids) for c in out.outputs)
+                    pooled = reqs[out.request_id].pooling_task is not None
+                    counts["output"] += 0 if pooled else sum(len(c.token_ids) for c in out.outputs)
                     yield out, reqs.pop(out.request_id)
             completed = True
         finally:
@@ -306,7 +340,7 @@ class VllmEngine:
         if error is not None:
             return error
         try:
-            params = _pooling_params() if m.embed else _vllm_params(m)
+            params = _vllm_params(m) if m.pooling_task is None else _pooling_params(m.pooling_task)
             self.engine.add_request(
                 request_id, {"prompt_token_ids": m.prompt}, params, priority=rank if self.parts.priority else 0
             )
@@ -385,6 +419,8 @@ class VllmEngine:
         kwargs["scheduler_cls"] = f"{SCHEDULER}.{'CountingScheduler' if self.is_cpu else 'AsyncCountingScheduler'}"
         if self.pooling is not None:
             kwargs.update(runner="pooling", convert="embed", pooler_config=_pooler_config(self.pooling))
+        if self.classify:  # a sequence classifier: vLLM pools its last token through the score head
+            kwargs.update(runner="pooling")
         if self.pooling is not None and self.pooling.kind == "mean":
             # vLLM's mean pooling needs every token's hidden state in one step: it turns prefix
             # caching and chunked prefill off for it by default, and fails a request without
@@ -489,11 +525,12 @@ def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:
     return choices.get(row, ()) if isinstance(choices, Mapping) else choices
 
 
-def _pooling_params() -> Any:
-    """An embedding request's vLLM parameters (its pooling is the engine's pooler_config)."""
+def _pooling_params(task: str) -> Any:
+    """A pooling request's vLLM parameters ("embed": its pooling is the engine's pooler_config;
+    "classify": the label probabilities)."""
     from vllm import PoolingParams
 
-    return PoolingParams(task="embed")
+    return PoolingParams(task=task)
 
 
 def _pooler_config(pooling: Pooling) -> Any:

@@ -10,7 +10,8 @@ executes (operators/faces/lazy_job.py). Preprocess output is merged into the row
 ray.data.llm's columns, as Ray 2.60 writes them (RAY_COLUMNS), beside the input's and
 prefixflow's finish_reason:
     prompt (the chat template applied), prompt_token_ids, num_input_tokens, generated_tokens,
-    generated_text, num_generated_tokens, embeddings (task_type "embed"; else null), metrics,
+    generated_text, num_generated_tokens, embeddings (task_type "embed": the vector; "classify":
+    the label probabilities, as Ray's; else null), metrics,
     logprobs, prompt_logprobs,
     request_id (the row's id in the job), batch_uuid (one per output block), time_taken_llm
     (seconds from the start of the row's replica run, all its rows queued then as Ray queues a
@@ -176,8 +177,8 @@ class RayLLMProcessor(Processor):
             text = r.get("generated_text") or ""
             if detokenize and not text and r.get("generated_tokens") and not e:
                 text = self._decode(r["generated_tokens"])
-            embed = self.config.task == "embed"
-            params = "" if e or embed else repr(row_sampling(self.config.sampling_params, r.get("sampling_params")))
+            pooled = self.config.task in ("embed", "classify")  # vLLM's pooling runner: no sampling
+            params = "" if e or pooled else repr(row_sampling(self.config.sampling_params, r.get("sampling_params")))
             values = {
                 "prompt": r.get("prompt") or "",
                 "prompt_token_ids": p,
@@ -185,11 +186,12 @@ class RayLLMProcessor(Processor):
                 "generated_tokens": [] if e else r["generated_tokens"],
                 "generated_text": text,
                 "num_generated_tokens": 0 if e else r["num_generated_tokens"],
-                "embeddings": r.get("embeddings"),
+                # Ray's classify rows carry the label probabilities in `embeddings`
+                "embeddings": r.get("probs") if self.config.task == "classify" else r.get("embeddings"),
                 "metrics": None
                 if e
                 else {"num_generation_tokens": r["num_generated_tokens"], "num_cached_tokens": r.get("_pf_cached")},
-                "logprobs": r.get("logprobs"),
+                "logprobs": None if pooled else r.get("logprobs"),
                 "prompt_logprobs": None,
                 "request_id": -1 if e else r["row_id"],
                 "batch_uuid": batch,
@@ -259,7 +261,7 @@ def _with_ray_columns(block: pa.Table, values: dict[str, list[Any]], task: str) 
         "request_id": pa.int64(),
         "time_taken_llm": pa.float64(),
         "metrics": METRICS_TYPE,
-        "embeddings": EMBED_FIELDS[0].type if task == "embed" else pa.null(),
+        "embeddings": EMBED_FIELDS[0].type if task in ("embed", "classify") else pa.null(),
         "prompt_logprobs": pa.null(),
     }
     for name in RAY_COLUMNS:

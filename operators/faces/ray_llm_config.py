@@ -191,14 +191,13 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             raise invalid(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
         if self.task_type not in TASK_TYPES:
             raise invalid(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
-        if self.task_type not in ("generate", "embed"):
+        if self.task_type == "score":
             raise invalid(
                 name,
                 "task_type",
                 self.task_type,
-                "prefixflow's ray.data.llm face generates and embeds: use 'generate' or 'embed' "
-                "(classify and cross-encoder score are not built; choice probabilities: "
-                "prefixflow.ProcessorConfig(task='score'))",
+                "cross-encoder score is not built: use 'generate', 'embed' or 'classify' (choice "
+                "probabilities of a generative model: prefixflow.ProcessorConfig(task='score'))",
             )
         for key, fix in REFUSED.items():
             if getattr(self, key):

@@ -73,7 +73,7 @@ def output_chunk(
     rows, prompt_len, computed, ranks: per output, in `outs` order (its input row, prompt
     tokens, prompt tokens computed with the prefix amortized, rank in its plan replica's order).
     replica: the replica that ran them; plan_replica: the one the plan gave them to.
-    task: "generate" (`outs` are RequestOutputs), "score" (ScoreOutputs,
+    task: "generate" (`outs` are RequestOutputs), "score" or "classify" (ScoreOutputs,
     operators/results/score.py) or "embed" (EmbedOutputs, operators/results/embed.py).
     """
     n = len(outs)
@@ -170,12 +170,12 @@ def error_records(rows: pa.Table, row_ids: list[int], errors: list[str], replica
 
 def task_fields(task: str) -> list[pa.Field]:
     """The output columns a task adds to the generate task's."""
-    return SCORE_FIELDS if task == "score" else EMBED_FIELDS if task == "embed" else []
+    return SCORE_FIELDS if task in ("score", "classify") else EMBED_FIELDS if task == "embed" else []
 
 
 def with_task_fields(table: pa.Table, task: str, outs: list[Any] | None) -> pa.Table:
     """Append the task's own columns; `outs` None gives nulls (error records)."""
-    if task == "score":
+    if task in ("score", "classify"):  # classify: the labels are the choices
         return with_score_fields(table, outs)
     if task == "embed":
         return with_embed_fields(table, outs)

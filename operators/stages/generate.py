@@ -71,6 +71,8 @@ class ScoringEngine(Protocol):
 
     def embed_groups(self, groups: Iterable[Any], pooling: Any) -> Iterator[EmbedOutput]: ...
 
+    def classify_groups(self, groups: Iterable[Any]) -> Iterator[ScoreOutput]: ...
+
 
 ReplicaEngine = GeneratingEngine | ScoringEngine
 
@@ -278,8 +280,8 @@ class _Book:
             self.num_groups += 1
         if self.config.task == "score":
             per_row = row_choices(self.config.score_config, payload.rows, ids)
-        elif self.config.task == "embed":
-            per_row = None  # nothing per row: the engine was given its pooling
+        elif self.config.task in ("embed", "classify"):
+            per_row = None  # nothing per row: the engine has its pooling, or its labels
         else:
             per_row = row_params(self.config.sampling_params, payload.rows, ids)
         if isinstance(per_row, dict):
@@ -417,7 +419,8 @@ def make_engine(config: ProcessorConfig) -> ReplicaEngine:
         # policy vllm: vLLM's own scheduler, as the native engine's vllm policy imitates it.
         parts = GroupScheduling(no_cap=engine.max_num_seqs is None) if engine.policy == "batchllm" else False
         pooling = config.embed_config.pooling_of(config.model) if config.task == "embed" else None
-        return VllmEngine(engine, config.vllm_args, group_scheduler=parts, pooling=pooling)
+        classify = config.task == "classify"
+        return VllmEngine(engine, config.vllm_args, group_scheduler=parts, pooling=pooling, classify=classify)
     if config.task in PREFILL_TASKS:
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine import Scorer
@@ -545,8 +548,15 @@ class ReplicaGenerator:
 def _prefill_outputs(
     engine: ScoringEngine, config: ProcessorConfig, book: "_Book", units: Iterable[UnitPayload | None]
 ) -> Iterator[Any]:
-    """engine_outputs of a prefill task (score, embed): unit by unit, no decoding."""
-    if config.task == "embed":
+    """engine_outputs of a prefill task (score, embed, classify): unit by unit, no decoding."""
+    if config.task == "classify":
+
+        def run(groups: Iterable[Any]) -> Iterator[Any]:
+            return engine.classify_groups(groups)
+
+        def failed(rid: int, why: str) -> Any:
+            return ScoreOutput(row_id=rid, choices=(), error=why)
+    elif config.task == "embed":
         pooling = config.embed_config.pooling_of(config.model)
 
         def run(groups: Iterable[Any]) -> Iterator[Any]:

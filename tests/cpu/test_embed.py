@@ -155,3 +155,32 @@ def test_a_group_cut_into_units_computes_its_prefix_once(ckpt):
         for out in [*first, lone]:
             ids = profile.tolist() + tails[out.row_id].tolist()
             torch.testing.assert_close(torch.tensor(out.embedding), reference(hf, ids, pooling), atol=ATOL, rtol=1e-4)
+
+
+def test_a_base_model_checkpoint_embeds_and_refuses_to_generate(tmp_path):
+    """Embedding checkpoints are often the base model alone (e5-mistral's MistralModel): no LM
+    head, weights named without "model.". They embed like the causal LM's body; generating
+    or scoring, which need the head, is refused by name."""
+    import shutil
+
+    from transformers import AutoModel
+
+    from prefixflow.engine.native.llm_engine import LLMEngine
+
+    causal = tiny_checkpoint_cached("qwen2", seed=5)
+    base = tmp_path / "base"
+    hf = AutoModel.from_pretrained(str(causal), dtype=torch.float32).eval()
+    hf.save_pretrained(str(base))
+    for f in causal.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, base / f.name)
+    assert json.loads((base / "config.json").read_text())["architectures"] == ["Qwen2Model"]
+    s = Scorer(EngineConfig(model=str(base), device="cpu"))
+    ids = rand_tokens(11, seed=12)
+    for pooling in (Pooling("last"), Pooling("mean", False)):
+        (out,) = s.embed([ids], pooling)
+        torch.testing.assert_close(torch.tensor(out.embedding), reference(hf, ids, pooling), atol=ATOL, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"base model \(Qwen2\) without an LM head: it can embed"):
+        s.score([ids], [5, 6])
+    with pytest.raises(ValueError, match=r"base model \(Qwen2\).*not generate"):
+        LLMEngine(EngineConfig(model=str(base), device="cpu"))

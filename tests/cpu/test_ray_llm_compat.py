@@ -81,7 +81,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
         cpu_context(small.processor_config().engine_config, m)
 
     bad = {
-        "task_type": "classify",
+        "task_type": "score",
         "dynamic_lora_loading_path": "/loras",
         "prepare_multimodal_stage": True,
         "concurrency": (2, 1),

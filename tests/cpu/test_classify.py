@@ -1,0 +1,136 @@
+"""The `classify` task: a sequence classification checkpoint's label probabilities (its `score`
+head on the last token), on the native engine against transformers (fp32 CPU) with shared
+prefixes computed once, through a whole job on local Ray, and through ray.data.llm's
+task_type="classify" on vLLM's pooling runner; checkpoints without the head are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.models.tiny import tiny_checkpoint_cached
+from prefixflow.engine.scoring.scorer import Scorer
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+def classifier_checkpoint(folder: Path, arch: str = "llama") -> tuple[Path, object]:
+    """A random-weight sequence classifier of the tiny `arch` (transformers writes it, with its
+    `score` head and id2label), the tiny checkpoint's tokenizer beside it; and the HF model."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    causal = tiny_checkpoint_cached(arch, seed=5)
+    config = AutoConfig.from_pretrained(
+        str(causal), num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()}
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(str(folder))
+    for f in causal.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, folder / f.name)
+    return folder, hf
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def classifier(request, tmp_path_factory):
+    return classifier_checkpoint(tmp_path_factory.mktemp(f"cls-{request.param}"), request.param)
+
+
+def rand_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference(hf, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return torch.softmax(hf(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def test_label_probabilities_match_transformers_with_shared_prefixes(classifier):
+    from prefixflow.pipeline import build_plan
+
+    path, hf = classifier
+    s = Scorer(EngineConfig(model=str(path), device="cpu"))
+    profile = rand_tokens(29, seed=1)
+    prompts = [profile + rand_tokens(n, seed=10 + n) for n in (3, 8, 1, 12)] + [rand_tokens(20, seed=2)]
+    plan = build_plan(prompts, row_ids=list(range(len(prompts))), order="batchllm", min_prefix_len=8)
+    outs = {o.row_id: o for o in s.classify_groups(plan.groups(0))}
+    assert s.score_stats.num_prefix_misses == 1 and s.score_stats.num_prefix_hits == 3
+    for i, ids in enumerate(prompts):
+        out = outs[i]
+        assert out.error is None and out.choices == ("negative", "neutral", "positive")
+        np.testing.assert_allclose(out.probs, reference(hf, ids), atol=1e-5)
+        np.testing.assert_allclose(np.exp(out.logprobs), out.probs, atol=1e-6)
+        assert out.label == LABELS[int(np.argmax(out.probs))]
+
+
+def test_checkpoints_without_the_head_are_refused(classifier):
+    from prefixflow.engine.native.llm_engine import LLMEngine
+
+    path, _ = classifier
+    causal = Scorer(EngineConfig(model=str(tiny_checkpoint_cached("llama", seed=5)), device="cpu"))
+    with pytest.raises(ValueError, match="task classify needs a sequence classification checkpoint"):
+        list(causal.classify_groups([]))
+    with pytest.raises(ValueError, match=r"a sequence classifier \(.*\) without an LM head: it can embed"):
+        LLMEngine(EngineConfig(model=str(path), device="cpu"))
+    # a classifier embeds like its body: the last token's final hidden state
+    (vec,) = Scorer(EngineConfig(model=str(path), device="cpu")).embed([rand_tokens(6, seed=3)])
+    assert vec.error is None and len(vec.embedding) > 0
+
+
+@pytest.mark.slow
+def test_a_classify_job_on_local_ray(ray_local, tmp_path):
+    import ray
+
+    import prefixflow
+
+    path, hf = classifier_checkpoint(tmp_path / "cls")
+    rows = [{"k": i, "text": f"Review of the product: item {i} was {'great' if i % 2 else 'awful'}."} for i in range(8)]
+    config = prefixflow.ProcessorConfig(
+        model=str(path), task="classify", prompt={"template": "{{ text }}"}, engine={"device": "cpu"}, replicas=2
+    )
+    out = sorted(prefixflow.build_processor(config)(ray.data.from_items(rows)).take_all(), key=lambda r: r["k"])
+    from prefixflow.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(path))
+    for r, row in zip(out, rows):
+        assert r["error"] is None and list(r["choices"]) == list(LABELS.values())
+        np.testing.assert_allclose(r["probs"], reference(hf, list(tok(row["text"])["input_ids"])), atol=1e-5)
+        assert r["label"] in LABELS.values()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_rays_classify_example_runs_on_vllms_pooling_runner(ray_local, tmp_path):
+    """ray.data.llm's task_type="classify", import line changed: vLLM's label probabilities
+    in `embeddings`, as Ray's rows carry them, equal to the native engine's."""
+    import ray
+
+    from prefixflow import build_processor, vLLMEngineProcessorConfig
+
+    path, hf = classifier_checkpoint(tmp_path / "cls")
+    config = vLLMEngineProcessorConfig(
+        model_source=str(path),
+        task_type="classify",
+        engine_kwargs=dict(enforce_eager=True, max_model_len=256),
+        chat_template_stage=False,
+        detokenize_stage=False,
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        log_engine_metrics=False,
+    )
+    processor = build_processor(
+        config,
+        preprocess=lambda row: dict(prompt=f"Review: item {row['id']} works."),
+        postprocess=lambda row: dict(prompt=row["prompt"], probs=row["embeddings"], ids=row["prompt_token_ids"]),
+    )
+    out = processor(ray.data.range(6)).take_all()
+    assert len(out) == 6
+    for r in out:
+        np.testing.assert_allclose(r["probs"], reference(hf, list(r["ids"])), atol=1e-4)
