@@ -61,7 +61,15 @@ CHOICES = {"task": TASKS, "order": ORDER_POLICIES, "engine.backend": BACKENDS}
 BACKEND_KEYS = ("backend", "vllm")
 # Score settings only the native Scorer honours (hybrid prefilling, its KV discard, SRJF order):
 # vLLM scores a row by decoding one token with the choices' log-probabilities.
-NATIVE_SCORE_FIELDS = ("chunk_size", "prefix_cache_bytes", "max_forward_bytes", "policy", "calibrate", "lam")
+NATIVE_SCORE_FIELDS = (
+    "chunk_size",
+    "prefix_cache_bytes",
+    "max_forward_bytes",
+    "policy",
+    "calibrate",
+    "lam",
+    "max_packed_tokens",
+)
 # generation_config.json keys -> SamplingParams fields: the ones vLLM's generation_config="auto"
 # takes as defaults (do_sample is ignored there too). Fields SamplingParams lacks are skipped.
 GENERATION_CONFIG_KEYS = {

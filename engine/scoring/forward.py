@@ -24,8 +24,11 @@ one row. A group's shared prefix is computed once with `keep_kv=True`; its K/V o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from prefixflow.kernels.rotary import apply_rotary
 from prefixflow.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from prefixflow.engine.models.model_args import ModelArgs
+from prefixflow.errors import require
 
 MASK_BYTES = 8 << 20
 Head = Literal["logits", "last", "sum", "none"]
@@ -64,10 +68,15 @@ def hybrid_forward(
     chunk_size: int,
     keep_kv: bool = False,
     head: Head = "logits",
+    lengths: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor | None, PrefixKV | None]:
     """Run `token_ids` (positions P .. P+T-1 after `prefix`, P = prefix.length or 0).
 
     token_ids: [T >= 1] int64 on the model's device.
+    lengths: `token_ids` is several requests packed one after another (Prepacking), each
+        `lengths[i]` tokens at positions P .. P+len-1 after the same prefix, attending to the
+        prefix and to its own tokens only; the head's answer then has one row per request
+        ([S, V] or [S, H]). None: one request.
     keep_kv: return the K/V of prefix + these tokens for every layer (a group's shared prefix).
     head: what to return of the final hidden states (after the model's last norm):
         "logits" the next-token logits after the last token, [V] fp32; "last" the last
@@ -83,7 +92,7 @@ def hybrid_forward(
     scratch = None if keep_kv else torch.empty((2,) + kv_shape, dtype=w.dtype, device=w.device)
     r = model.model.embed_tokens(token_ids)  # [T, H] residual
     q_buf = torch.empty(t, a.num_heads * a.head_dim, dtype=r.dtype, device=r.device)
-    positions = torch.arange(p, p + t, device=r.device)
+    positions, allowed = _packing(lengths, p, t, r.device)
     for i, layer in enumerate(model.model.decoder_layers()):
         kv = store[:, i] if store is not None else scratch  # [2, Hkv, P+T, D]
         assert kv is not None, "scratch is allocated when keep_kv is False"
@@ -91,18 +100,44 @@ def hybrid_forward(
             kv[0, :, :p] = prefix.k[i]
             kv[1, :, :p] = prefix.v[i]
         last = i == a.num_layers - 1
-        q_lo = 0 if not last or head == "sum" else (t if head == "none" else t - 1)  # queries to answer
+        every = head == "sum" or lengths is not None  # packed: each request's last row is needed
+        q_lo = 0 if not last or every else (t if head == "none" else t - 1)  # queries to answer
         _project_qkv(model, layer, r, positions, q_buf, kv, p, chunk_size)
         if q_lo < t:
-            _attend(q_buf, kv, p, q_lo, chunk_size, a, layer.self_attn.attn.scale)
+            _attend(q_buf, kv, p, q_lo, chunk_size, a, layer.self_attn.attn.scale, allowed)
             _mlp_block(layer, r, q_buf, q_lo, chunk_size)
     kept = PrefixKV(store[0], store[1]) if store is not None else None
     if head == "none":
         return None, kept
+    ends = np.cumsum(lengths if lengths is not None else [t])
     if head == "sum":
-        return _final_norm(model, r, chunk_size).sum(0), kept
-    h = model.model.norm(r[t - 1 : t])  # [1, H]
-    return (model.lm_head(h)[0] if head == "logits" else h[0].float()), kept
+        sums = [_final_norm(model, r[e - n : e], chunk_size).sum(0) for e, n in zip(ends, np.diff(ends, prepend=0))]
+        return (torch.stack(sums) if lengths is not None else sums[0]), kept
+    h = model.model.norm(r[torch.as_tensor(ends - 1, device=r.device)])  # [S, H]
+    out = model.lm_head(h) if head == "logits" else h.float()
+    return (out if lengths is not None else out[0]), kept
+
+
+def _packing(
+    lengths: Sequence[int] | None, p: int, t: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Positions of the T tokens, and for packed requests which keys each may attend ([T, P+T]
+    bool: the prefix's, and its own request's up to itself); None: one request, causal."""
+    if lengths is None:
+        return torch.arange(p, p + t, device=device), None
+    require(
+        sum(lengths) == t and min(lengths) >= 1, "hybrid_forward", "lengths", list(lengths), f"sum to {t}, each >= 1"
+    )
+    request = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.as_tensor(lengths, device=device)
+    )
+    starts = torch.as_tensor(np.cumsum([0, *lengths[:-1]]), device=device)
+    positions = p + torch.arange(t, device=device) - starts[request]
+    own = (request[:, None] == request[None, :]) & (
+        torch.arange(t, device=device)[None, :] <= torch.arange(t, device=device)[:, None]
+    )
+    allowed = torch.cat([torch.ones(t, p, dtype=torch.bool, device=device), own], dim=1)
+    return positions, allowed
 
 
 def _final_norm(model: LlamaForCausalLM, r: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -142,10 +177,20 @@ def attention_tile(num_keys: int, chunk_size: int) -> int:
     return max(16, min(chunk_size, MASK_BYTES // (4 * max(1, num_keys))))
 
 
-def _attend(q_buf: torch.Tensor, kv: torch.Tensor, p: int, q_lo: int, chunk: int, a: ModelArgs, scale: float) -> None:
+def _attend(
+    q_buf: torch.Tensor,
+    kv: torch.Tensor,
+    p: int,
+    q_lo: int,
+    chunk: int,
+    a: ModelArgs,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> None:
     """Causal attention of query rows q_lo..T-1 (positions p+row) over kv[:, :, :p+row+1];
     outputs overwrite the q rows. SDPA's flash kernels (CPU and CUDA) never materialise the
-    scores; only the causal mask of a query tile is materialised."""
+    scores; only the causal mask of a query tile is materialised. allowed: packed requests'
+    mask ([T, P+T], _packing), instead of the causal one."""
     t = q_buf.shape[0]
     tile = attention_tile(p + t, chunk)
     for lo in range(q_lo, t, tile):
@@ -155,7 +200,9 @@ def _attend(q_buf: torch.Tensor, kv: torch.Tensor, p: int, q_lo: int, chunk: int
         k = kv[0, :, :kv_len].unsqueeze(0)  # [1, Hkv, L, D]
         v = kv[1, :, :kv_len].unsqueeze(0)
         mask, causal = None, False
-        if n > 1 and p + lo == 0:
+        if allowed is not None:
+            mask = allowed[lo:hi, :kv_len]
+        elif n > 1 and p + lo == 0:
             causal = True  # square: top-left causal is right
         elif n > 1:
             rows = torch.arange(p + lo, p + hi, device=q.device).unsqueeze(1)

@@ -23,6 +23,10 @@ class ScoreOptions:
     policy: "srjf" (Alg. 1) or "fcfs" (plan / arrival order). calibrate: recompute the cached
         length before every pick (False: plain SRJF, cached length taken at arrival).
     lam: starvation term, score reduction per second queued (the paper's lambda = 500).
+    max_packed_tokens: the waiting requests that share a picked request's prefix (its group's
+        members, or requests with none) run with it in one packed forward (Prepacking), up to
+        this many tokens of their own; 1: one request per forward, as PrefillOnly runs them
+        (on a GPU a long prompt fills it alone; on a CPU a short one leaves the matmuls small).
     """
 
     chunk_size: int = 512
@@ -33,6 +37,7 @@ class ScoreOptions:
     policy: ScorePolicy = "srjf"
     calibrate: bool = True
     lam: float = 500.0
+    max_packed_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name, ok, fix in (
@@ -49,6 +54,7 @@ class ScoreOptions:
             ),
             ("policy", self.policy in SCORE_POLICIES, f"use one of {', '.join(map(repr, SCORE_POLICIES))}"),
             ("lam", self.lam >= 0, "use 0 or a positive weight"),
+            ("max_packed_tokens", self.max_packed_tokens >= 1, "use a positive token count (1: no packing)"),
         ):
             if not ok:
                 raise invalid("ScoreOptions", name, getattr(self, name), fix)

@@ -15,10 +15,14 @@ hidden states are pooled instead (engine/scoring/pooling.py: the last token's, o
 every token's, the prefix's part summed once per group). No KV is kept after a request, except
 a planned group's shared prefix KV: pinned while the group has members left (Sec. 5.1), then
 kept while the budget has room, so that the next unit of a group the plan cut finds it
-(engine/scoring/cache.py). Requests run one at a time (Sec. 6.1) in the order of
+(engine/scoring/cache.py). Requests are picked one at a time (Sec. 6.1) in the order of
 PrefillOnly's SRJF with continuous JCT calibration (Sec. 6.3, `prefixflow.engine.scoring.srjf`):
 before each pick, every waiting request is scored by the tokens the prefix cache does not
-cover now, minus lam * its queueing time. Rows longer than the maximum input length of the
+cover now, minus lam * its queueing time. The picked request runs packed with the waiting
+requests of its prefix (its group's members, or rows sharing none) up to
+ScoreOptions.max_packed_tokens of their own tokens (Prepacking: one forward, each attending to
+the prefix and itself): on a CPU, one short request per forward leaves every matmul small
+(max_packed_tokens=1 runs them one by one, as the paper). Rows longer than the maximum input length of the
 memory budget (`ScoreOptions.max_forward_bytes`) or than max_model_len get an error.
 """
 
@@ -43,7 +47,7 @@ from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_
 from prefixflow.engine.scoring.forward import Head, PrefixKV, forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling, error_embedding, model_pooling
-from prefixflow.engine.scoring.srjf import CachedLen, SRJFScheduler
+from prefixflow.engine.scoring.srjf import CachedLen, SRJFScheduler, take_waiting
 from prefixflow.errors import require
 from prefixflow.model_source import resolve_model
 from prefixflow.pipeline import build_plan
@@ -71,6 +75,7 @@ class ScoreStats:
     num_prefix_hits: int = 0
     num_prefix_misses: int = 0
     num_evictions: int = 0
+    num_forwards: int = 0  # forwards of requests' own tokens (packed requests share one)
     wall_time_s: float = 0.0
     latency_s: dict[int, float] = field(default_factory=dict)  # row_id -> finish - arrival
 
@@ -275,13 +280,14 @@ class Scorer:
             while waiting and waiting[0].arrival <= now:
                 r = waiting.popleft()
                 queue.add(id(r.tokens), r.tokens, now, cached_len)
-            req = by_array[queue.pick(cached_len, now)]
+            batch = self._mates(by_array[queue.pick(cached_len, now)], queue, by_array)
             computed = stats.num_computed_tokens
-            out = self._run(req, cache, stats, work)
+            outs = self._run(batch, cache, stats, work)
             if tokens_per_s:
                 virtual += (stats.num_computed_tokens - computed) / tokens_per_s
-            stats.latency_s[req.row_id] = clock() - req.arrival
-            yield out
+            for req, out in zip(batch, outs):
+                stats.latency_s[req.row_id] = clock() - req.arrival
+                yield out
         stats.num_evictions = cache.num_evictions - evicted
         stats.wall_time_s = time.perf_counter() - start
         self.totals = _engine_totals(stats)
@@ -312,20 +318,52 @@ class Scorer:
         reqs.sort(key=lambda r: r.arrival)  # stable: plan order on ties
         return reqs
 
-    @torch.inference_mode()
-    def _run(self, req: _Req, cache: PrefixCache, stats: ScoreStats, work: Work) -> Any:
-        """Score, classify or embed one request, reading or computing its prefix."""
-        ids = torch.from_numpy(req.tokens).to(self.device)  # [T] int64
-        mean = isinstance(work, Pooling) and work.kind == "mean"
-        stats.num_prompt_tokens += len(req.tokens)
-        prefix, num_cached = self._prefix(req, ids, cache, stats, mean)
+    def _mates(self, req: _Req, queue: SRJFScheduler | _Fifo, by_array: Mapping[Hashable, _Req]) -> list[_Req]:
+        """`req` and the waiting requests that share its prefix (all of its group's members
+        waiting, or requests with no shared prefix), in queue order, while their own tokens
+        fit ScoreOptions.max_packed_tokens and the forward's memory budget: one packed
+        forward runs them (Prepacking)."""
         p = req.prefix_len
+        budget = min(self.options.max_packed_tokens, self.max_input_len(p) - p) - (len(req.tokens) - p)
+        if budget <= 0:
+            return [req]
+
+        def mate(rid: Hashable) -> bool:
+            other = by_array[rid]
+            return other.group == req.group and other.prefix_len == p
+
+        taken = queue.take(mate, lambda rid: len(by_array[rid].tokens) - p, budget)
+        return [req, *(by_array[rid] for rid in taken)]
+
+    @torch.inference_mode()
+    def _run(self, reqs: list[_Req], cache: PrefixCache, stats: ScoreStats, work: Work) -> list[Any]:
+        """Score, classify or embed requests of one prefix (one request, or several packed),
+        reading or computing the prefix."""
+        req, p = reqs[0], reqs[0].prefix_len
+        mean = isinstance(work, Pooling) and work.kind == "mean"
+        prefix, cached = self._prefix(req, torch.from_numpy(req.tokens).to(self.device), cache, stats, mean)
+        stats.num_prefix_hits += (len(reqs) - 1) * (p > 0)  # the others read what the first found
+        own = [torch.from_numpy(r.tokens[p:]) for r in reqs]
         head: Head = "logits" if work == "score" else ("sum" if mean else "last")
-        out, _ = hybrid_forward(self.model, ids[p:], prefix, self.options.chunk_size, head=head)
+        lengths = [len(t) for t in own] if len(reqs) > 1 else None
+        out, _ = hybrid_forward(
+            self.model, torch.cat(own).to(self.device), prefix, self.options.chunk_size, head=head, lengths=lengths
+        )
         assert out is not None, "hybrid_forward answers every head but 'none'"
-        stats.num_computed_tokens += len(req.tokens) - p
-        if p > 0:
-            cache.finished(req.group)
+        stats.num_forwards += 1
+        rows = out if lengths is not None else out.unsqueeze(0)
+        outs = []
+        for i, r in enumerate(reqs):
+            stats.num_prompt_tokens += len(r.tokens)
+            stats.num_computed_tokens += len(r.tokens) - p
+            if p > 0:
+                cache.finished(r.group)
+            outs.append(self._finish(r, rows[i], prefix, work, cached if i == 0 else p))
+        return outs
+
+    def _finish(self, req: _Req, out: torch.Tensor, prefix: PrefixKV | None, work: Work, num_cached: int) -> Any:
+        """One request's output from its head's answer (`out`: logits, or hidden state / sum)."""
+        p, mean = req.prefix_len, isinstance(work, Pooling) and work.kind == "mean"
         if work == "classify":  # the classifier's head on the last token: one logit per label
             assert self.model.score is not None, "classify_groups checked the checkpoint has a score head"
             out = self.model.score(out.to(self.model.score.weight.dtype)).float()
@@ -485,6 +523,12 @@ class _Fifo:
 
     def pick(self, cached_len: CachedLen, now: float) -> Hashable:
         return self._queue.popleft()
+
+    def take(self, keep: Callable[[Hashable], bool], cost: Callable[[Hashable], int], budget: int) -> list[Hashable]:
+        ids = list(self._queue)
+        at = set(take_waiting(ids, keep, cost, budget))
+        self._queue = deque(rid for i, rid in enumerate(ids) if i not in at)
+        return [rid for i, rid in enumerate(ids) if i in at]
 
 
 def _make_queue(o: ScoreOptions) -> SRJFScheduler | _Fifo:

@@ -17,7 +17,7 @@ arrival. `calibrate=False` gives plain SRJF (n_cached taken once, at arrival).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -82,3 +82,24 @@ class SRJFScheduler:
         scores = self.scores(cached_len, now)
         best = int(np.argmin(scores))  # argmin keeps the first (earliest queued) of equal scores
         return self._queue.pop(best).req_id
+
+    def take(self, keep: Callable[[Hashable], bool], cost: Callable[[Hashable], int], budget: int) -> list[Hashable]:
+        """Remove and return waiting requests `keep` accepts, in queue order, while their
+        `cost` sums within `budget` (the mates packed with a picked request)."""
+        at = set(take_waiting([w.req_id for w in self._queue], keep, cost, budget))
+        taken = [w.req_id for i, w in enumerate(self._queue) if i in at]
+        self._queue = [w for i, w in enumerate(self._queue) if i not in at]
+        return taken
+
+
+def take_waiting(
+    ids: Sequence[Hashable], keep: Callable[[Hashable], bool], cost: Callable[[Hashable], int], budget: int
+) -> list[int]:
+    """Positions in `ids`, in order, of those `keep` accepts while their costs sum within
+    `budget` (first fit: a request too large for what is left is passed over)."""
+    out, used = [], 0
+    for i, rid in enumerate(ids):
+        if keep(rid) and used + cost(rid) <= budget:
+            out.append(i)
+            used += cost(rid)
+    return out

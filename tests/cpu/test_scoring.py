@@ -141,7 +141,8 @@ def test_continuous_jct_calibration_gets_the_extra_hit_of_fig5(calibrate, hits):
     path = tiny_checkpoint_cached("llama", seed=5)
     probe = scorer(path)
     one_prefix = 2 * probe.args.num_layers * probe.args.num_kv_heads * probe.args.head_dim * 4 * 12
-    s = scorer(path, prefix_cache_bytes=one_prefix + one_prefix // 2, calibrate=calibrate, lam=0)
+    # one request per forward, as the paper schedules them (packing would run A and D together)
+    s = scorer(path, prefix_cache_bytes=one_prefix + one_prefix // 2, calibrate=calibrate, lam=0, max_packed_tokens=1)
     p1, p2 = rand_tokens(12, 20), rand_tokens(12, 21)
     groups = [
         _group(0, p1, {0: rand_tokens(2, 22), 3: rand_tokens(8, 23)}),  # A, D
@@ -155,7 +156,7 @@ def test_continuous_jct_calibration_gets_the_extra_hit_of_fig5(calibrate, hits):
 
 def test_fcfs_policy_keeps_plan_order_and_zero_cache_recomputes():
     path = tiny_checkpoint_cached("llama", seed=5)
-    s = scorer(path, policy="fcfs", prefix_cache_bytes=0)
+    s = scorer(path, policy="fcfs", prefix_cache_bytes=0, max_packed_tokens=1)
     groups = [
         _group(0, rand_tokens(10, 30), {5: [1, 2], 6: [3]}),
         _group(1, rand_tokens(10, 31), {7: [4, 5, 6], 8: [7]}),
@@ -168,7 +169,7 @@ def test_virtual_clock_latencies_are_computed_tokens_over_rate():
     """Online studies run on a virtual clock: a request takes its computed tokens / rate, and
     the clock jumps over idle time to the next arrival."""
     path = tiny_checkpoint_cached("llama", seed=5)
-    s = scorer(path)
+    s = scorer(path, max_packed_tokens=1)  # one request per forward: each its own latency
     groups = [
         _group(0, rand_tokens(10, 40), {0: [1, 2], 1: [3, 4, 5, 6]}),  # 12 + 2 + 4
         _group(1, [], {2: rand_tokens(7, 41)}),
@@ -178,3 +179,30 @@ def test_virtual_clock_latencies_are_computed_tokens_over_rate():
     assert s.score_stats.latency_s == {0: 6.0, 1: 8.0, 2: 3.5}
     with pytest.raises(ValueError, match="tokens_per_s=0"):
         list(s.score_groups(groups, [1, 2], tokens_per_s=0))
+
+
+@pytest.mark.parametrize("task", ["score", "embed"])
+def test_packed_requests_give_what_they_give_one_at_a_time(task):
+    """Requests of one prefix (a group's members; rows sharing none) run packed in one forward
+    (Prepacking), each attending only to the prefix and itself: the outputs equal those of one
+    request per forward, in fewer forwards."""
+    from prefixflow.engine.scoring.pooling import Pooling
+
+    path = tiny_checkpoint_cached("qwen2", seed=5)
+    groups = [
+        _group(0, rand_tokens(20, 50), {0: rand_tokens(3, 51), 1: rand_tokens(9, 52), 2: rand_tokens(1, 53)}),
+        _group(1, [], {3: rand_tokens(7, 54)}),
+        _group(2, [], {4: rand_tokens(12, 55)}),
+    ]
+    runs = {}
+    for packed in (1, 512):
+        s = scorer(path, max_packed_tokens=packed)
+        run = s.score_groups(groups, [1, 2]) if task == "score" else s.embed_groups(groups, Pooling("mean"))
+        runs[packed] = ({o.row_id: o for o in run}, s.score_stats)
+    (alone, one_stats), (packed, packed_stats) = runs[1], runs[512]
+    assert one_stats.num_forwards == 5 and packed_stats.num_forwards == 2  # the group's 3; the 2 loose rows
+    assert packed_stats.num_computed_tokens == one_stats.num_computed_tokens
+    for row, out in packed.items():
+        values = out.probs if task == "score" else out.embedding
+        np.testing.assert_allclose(values, alone[row].probs if task == "score" else alone[row].embedding, atol=1e-5)
+        assert out.num_cached_tokens == alone[row].num_cached_tokens
