@@ -221,19 +221,11 @@ class VllmEngine:
             pooling,
             f"this engine was built to pool as {self.pooling}: build a VllmEngine(pooling=...) for it",
         )
-        members = (
-            NOT_READY
-            if g is NOT_READY
-            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task="embed") for row, prompt, p in _rows(g)]
-            for g in groups
-        )
-        for out, m in self._execute(members):
+        for embedding, m, cached in self._pooled(groups, "embed"):
             if m.error is not None:
                 yield EmbedOutput(m.row_id, prompt_len=len(m.prompt), error=m.error)
-                continue
-            cached = int(out.num_cached_tokens or 0)
-            embedding = tuple(float(v) for v in out.outputs.data.float().tolist())
-            yield EmbedOutput(m.row_id, embedding, len(m.prompt), min(m.prefix_len, cached), cached)
+            else:
+                yield EmbedOutput(m.row_id, embedding, len(m.prompt), min(m.prefix_len, cached), cached)
 
     def classify_groups(self, groups: Iterable[PrefixGroup]) -> Iterator[ScoreOutput]:
         """Classify planned groups, as Scorer.classify_groups, with vLLM's pooling runner on the
@@ -241,18 +233,10 @@ class VllmEngine:
         softmax over the checkpoint's labels, read from its last token (prefix caching on)."""
         require(self.classify, "VllmEngine.classify_groups", "classify", False, "build VllmEngine(classify=True)")
         labels = read_model_args(self.model_path).labels
-        members = (
-            NOT_READY
-            if g is NOT_READY
-            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task="classify") for row, prompt, p in _rows(g)]
-            for g in groups
-        )
-        for out, m in self._execute(members):
+        for probs, m, cached in self._pooled(groups, "classify"):
             if m.error is not None:
                 yield score_error(m.row_id, labels, len(m.prompt), m.error)
                 continue
-            probs = tuple(float(v) for v in out.outputs.data.float().tolist())
-            cached = int(out.num_cached_tokens or 0)
             yield ScoreOutput(
                 row_id=m.row_id,
                 choices=labels,
@@ -266,6 +250,22 @@ class VllmEngine:
             )
 
     # ---- internals ------------------------------------------------------------------------------
+
+    def _pooled(self, groups: Iterable[PrefixGroup], task: str) -> Iterator[tuple[tuple[float, ...], _Req, int]]:
+        """vLLM's pooling outputs for the groups' members (task "embed" or "classify"): (the
+        values, the member, its prompt tokens read from the prefix cache); () and 0 for a
+        member that could not run (its error set)."""
+        members = (
+            NOT_READY
+            if g is NOT_READY
+            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task=task) for row, prompt, p in _rows(g)]
+            for g in groups
+        )
+        for out, m in self._execute(members):
+            if m.error is not None:
+                yield (), m, 0
+            else:
+                yield tuple(float(v) for v in out.outputs.data.float().tolist()), m, int(out.num_cached_tokens or 0)
 
     def _execute(self, groups: Iterable[list[_Req] | None]) -> Iterator[tuple[Any, _Req]]:
         """Add the groups' members (priority = plan rank) as vLLM has room for them
