@@ -207,10 +207,10 @@ def test_a_scorer_exception_fails_only_its_row(tiny_model):
     from prefixflow.pipeline import build_plan
 
     class FailsOnRow(Scorer):  # our own Scorer, one method made to raise for row 1 (see above)
-        def _run(self, req, cache, stats, pooling):
-            if req.row_id == 1:
+        def _run(self, reqs, cache, stats, work):  # one request, or several packed
+            if any(r.row_id == 1 for r in reqs):
                 raise RuntimeError("injected scorer failure")
-            return super()._run(req, cache, stats, pooling)
+            return super()._run(reqs, cache, stats, work)
 
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 11], [20, 21, 22]]
     groups = build_plan(prompts, row_ids=[0, 1, 2], order="batchllm", min_prefix_len=4).groups(0)
