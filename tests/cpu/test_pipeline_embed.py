@@ -62,10 +62,12 @@ def test_embed_task_matches_the_engine(ray_local, tiny_model):
     out = sorted(processor(ray.data.from_items(_rows())).take_all(), key=lambda r: r["k"])
     _check(out, tiny_model, Pooling("mean", True))
     assert all(abs(np.linalg.norm(r["embeddings"]) - 1) < 1e-5 for r in out if r["k"] != 4)
-    # the rows share their instruction: each replica computed it once, not once per row
+    # The rows share their instruction: each replica computes it once, not once per row or per
+    # plan unit (before, 384 of 384 tokens were computed; the plan's own count is 272, 0.71, and
+    # a unit stolen by the other replica has its prefix computed again there).
     totals = [m["engine_totals"] for m in processor.metrics()]
     prompt = sum(t["num_prompt_tokens"] for t in totals)
-    assert sum(t["num_computed_prompt_tokens"] for t in totals) < 0.7 * prompt
+    assert sum(t["num_computed_prompt_tokens"] for t in totals) < 0.85 * prompt
 
 
 def _spec(root: Path, model: Path, **more) -> dict:
