@@ -144,14 +144,13 @@ class Scorer:
         shared prefixes are computed once."""
         ids = _row_ids(prompts, row_ids)
         by_row = _per_row_choices(choices, ids)
-        outs = self._planned(
+        return self._planned(
             prompts,
             ids,
             order,
             lambda i, why: error_output(i, by_row.get(i, ()), 0, why),
             lambda groups: self.score_groups(groups, by_row),
         )
-        return outs
 
     def embed(
         self,
@@ -428,9 +427,10 @@ class Scorer:
             members.append(_Req(row, None, tokens, 0, row_choices, ids, arrival))
         p = self._shared_prefix_len(g, members)
         kept = []
+        key = _prefix_key(np.ascontiguousarray(g.prefix[:p], dtype=np.int64))  # the members' first p tokens
+        limit = self.max_input_len(p)
         for r in members:
-            r.prefix_len, r.group = p, _prefix_key(r.tokens[:p])
-            limit = self.max_input_len(p)
+            r.prefix_len, r.group = p, key
             if len(r.tokens) > limit:
                 errors.append(error(r.row_id, r.choices, len(r.tokens), self._too_long(len(r.tokens), limit, p)))
                 continue
