@@ -171,6 +171,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_bytes(*seen: int) -> int:
+    """The process's peak RSS: the kernel's high-water mark, which Linux updates lazily (it can
+    trail the current RSS by a few pages), and at least every RSS this process sampled."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _rss_bytes(), *seen)
+
+
 def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
     """One size, in this process (run by --scale in a fresh one per size)."""
     synth = SyntheticHashes(num_prompts)
@@ -179,7 +185,7 @@ def measure_scale(num_prompts: int, replicas: int = 8) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     plan = build_plan(prompts, order="batchllm", num_replicas=replicas)
     plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes(before)
     s = plan.summary
     predicted = [r["predicted_seconds"] for r in s["replicas"]]
     tokens = int(synth.length.sum())
@@ -248,7 +254,7 @@ def measure_stream(num_prompts: int, window_rows: int, replicas: int = 8) -> dic
         "replicas": replicas,
         "plan_s": round(time.perf_counter() - start, 1),
         "plan_cpu_s": round(time.process_time() - cpu_start, 1),
-        "peak_process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_process_rss_bytes": _peak_rss_bytes(before, *rss_after),
         "rss_before_plan_bytes": int(before),
         "rss_after_window_bytes": rss_after[:: max(1, len(rss_after) // 20)] + rss_after[-1:],
         "kept_across_windows_bytes": int(kept + homes_bytes),

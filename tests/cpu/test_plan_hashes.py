@@ -161,6 +161,6 @@ def test_plan_bench_stream_plans_in_windows_and_keeps_what_the_driver_keeps():
     # windows of 250, 500, 1,000, 2,000, 4,000, 4,000, 4,000, 4,000 and the last 250 rows
     assert r["num_windows"] == 9 and r["num_prompts"] == 20_000
     assert r["kept_across_windows_bytes"] >= 8 * 20_000  # each row's id, in its unit
-    assert 0 < r["token_saving_ratio"] < 1 and r["peak_process_rss_bytes"] > r["rss_before_plan_bytes"]
+    assert 0 < r["token_saving_ratio"] < 1 and r["peak_process_rss_bytes"] >= r["rss_before_plan_bytes"]
     # The prefix homes are kept too, bounded by replicas x cache blocks (20 bytes a block).
     assert 0 < r["prefix_homes_bytes"] <= 2 * 29_206 * 20
