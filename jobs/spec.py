@@ -50,6 +50,7 @@ from pydantic import (
 from prefixflow.engine.config import EngineConfig
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, short
 from prefixflow.jobs.job import Job
+from prefixflow.lora import LoraConfig
 from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.operators.config import (
     DEFAULT_BACKEND,
@@ -74,7 +75,7 @@ from prefixflow.operators.stages.read_table import (
     token_env_problem,
 )
 from prefixflow.operators.template import PromptTemplate
-from prefixflow.requests import SamplingParams
+from prefixflow.requests import NOT_OVERRIDDEN, SamplingParams
 from prefixflow.storage import StorageOptions, masked, normal_path
 
 
@@ -360,6 +361,7 @@ if TYPE_CHECKING:
     PromptSpec: TypeAlias = Any
     ScoreSpec: TypeAlias = Any
     EmbedSpec: TypeAlias = Any
+    LoraSpec: TypeAlias = Any
 else:
     # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
     # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
@@ -385,7 +387,7 @@ else:
             ),
         },
     )
-    SamplingSpec = _mirror(SamplingParams, "SamplingSpec")
+    SamplingSpec = _mirror(SamplingParams, "SamplingSpec", skip=NOT_OVERRIDDEN)
 
     # Object storage settings (prefixflow/storage.py); anything left out comes from the AWS
     # environment variables, or for other schemes from their fsspec driver's.
@@ -402,6 +404,8 @@ else:
     # task: embed, one vector per row (operators/results/embed.py), pooled as the model says
     # unless these say otherwise.
     EmbedSpec = _mirror(EmbedConfig, "EmbedSpec")
+    # per-row LoRA adapters (prefixflow/lora.py): a row's `model` names its adapter
+    LoraSpec = _mirror(LoraConfig, "LoraSpec")
 
 
 class InputSpec(_Strict):
@@ -653,6 +657,11 @@ class JobSpec(_Strict):
     prompt: PromptSpec | None = None
     score: ScoreSpec | None = Field(default=None, description="settings of task: score")
     embed: EmbedSpec | None = Field(default=None, description="settings of task: embed (pooling, normalize)")
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="per-row LoRA adapters: path (one subfolder per adapter; a row's model column names "
+        "one), max_loras, max_lora_rank; engine.backend vllm",
+    )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     order: Annotated[str, _choice("order")] = Field(
@@ -709,6 +718,10 @@ class JobSpec(_Strict):
             )
         if self.embed is not None and self.task != "embed":
             raise _SpecProblems([("embed", "embed settings need task: embed; set it, or remove embed")])
+        if self.lora is not None and (self.task != "generate" or self.engine.backend != "vllm"):
+            raise _SpecProblems(
+                [("lora", "LoRA adapters run with task: generate on engine.backend: vllm; set them, or remove lora")]
+            )
         if self.prompt is None and fmt != "openai":
             raise ValueError(
                 "prompt is required unless input.format is openai: add prompt.template "
@@ -854,6 +867,7 @@ class JobSpec(_Strict):
             task=self.task,
             score=self.score.model_dump() if self.score is not None else None,
             embed=self.embed.model_dump() if self.embed is not None else None,
+            lora=self.lora.model_dump() if self.lora is not None else None,
         )
 
 

@@ -23,6 +23,7 @@ from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
 from prefixflow.engine.scoring.pooling import POOLING_KINDS, Pooling, model_pooling  # torch-free
 from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
+from prefixflow.lora import LoraAdapters, LoraConfig
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, one_of, require, short
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.template import PromptTemplate
@@ -112,6 +113,9 @@ class TokenizeOptions:
     chat_template_kwargs: dict[str, Any] | None = None
     messages: bool = True
     continue_last: bool = False
+    # The LoRA adapters' names (prefixflow/lora.py) when the job has them: each row's `model`
+    # column must then name one of them or the job's model. None: the column is not read.
+    adapters: tuple[str, ...] | None = None
 
 
 def model_max_len(model: str, override: int | None) -> int:
@@ -226,6 +230,9 @@ class ProcessorConfig:
         classification checkpoint's label probabilities, in the score task's columns).
     score: ScoreConfig (or a dict of its fields) for task "score".
     embed: EmbedConfig (or a dict of its fields) for task "embed"; None: the checkpoint's pooling.
+    lora: LoraConfig (or a dict of its fields: path, max_loras, max_lora_rank): per-row LoRA
+        adapters, ray.data.llm's dynamic_lora_loading_path; a row's `model` column names its
+        adapter. Task generate on engine.backend vllm; the plan never groups rows of two adapters.
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
         instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
         False}); rendered in the bounded sandbox (prefixflow/sandbox.py). Python API,
@@ -260,6 +267,7 @@ class ProcessorConfig:
     task: str = "generate"
     score: ScoreConfig | dict[str, Any] | None = None
     embed: EmbedConfig | dict[str, Any] | None = None
+    lora: LoraConfig | dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     runtime_env: dict[str, Any] | None = None
@@ -278,6 +286,8 @@ class ProcessorConfig:
             object.__setattr__(self, "score", ScoreConfig(**self.score))
         if isinstance(self.embed, dict):
             object.__setattr__(self, "embed", EmbedConfig(**self.embed))
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         self._check()
         engine = dict(self.engine)
         object.__setattr__(
@@ -312,6 +322,11 @@ class ProcessorConfig:
         assert not isinstance(self.embed, dict), "__post_init__ builds the EmbedConfig"
         return self.embed or EmbedConfig()
 
+    def lora_adapters(self) -> LoraAdapters | None:
+        """The job's LoRA adapters, read from lora.path (None: no lora). Reads the folder."""
+        assert not isinstance(self.lora, dict), "__post_init__ builds the LoraConfig"
+        return None if self.lora is None else self.lora.adapters()
+
     @property
     def sampling_params(self) -> SamplingParams:
         """The SamplingParams each row starts from: `sampling` when it is one, else its fields
@@ -332,19 +347,7 @@ class ProcessorConfig:
 
     def _check(self) -> None:
         """The fields' own checks (task, order and the engine's are setting_problems')."""
-        _require(
-            self.task != "score" or self.score is not None,
-            "score",
-            self.score,
-            "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}",
-        )
-        _require(
-            self.task not in PREFILL_TASKS or not self.openai_batch,
-            "task",
-            self.task,
-            "OpenAI batch files are chat/completion requests: use task 'generate' for them",
-        )
-        _require(self.task == "embed" or self.embed is None, "embed", self.embed, "embed settings need task 'embed'")
+        self._check_task_sections()
         for name, value, fix in limit_problems({name: getattr(self, name) for name in LIMITS}):
             raise invalid("ProcessorConfig", name, value, fix)
         _require(
@@ -387,10 +390,40 @@ class ProcessorConfig:
                 f"not an engine setting: {hint + ' ' if hint else ''}use one of {', '.join(known)}",
             )
 
+    def _check_task_sections(self) -> None:
+        """The task's own sections (score, embed, lora) and what each task cannot read."""
+        _require(
+            self.task != "score" or self.score is not None,
+            "score",
+            self.score,
+            "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}",
+        )
+        _require(
+            self.task not in PREFILL_TASKS or not self.openai_batch,
+            "task",
+            self.task,
+            "OpenAI batch files are chat/completion requests: use task 'generate' for them",
+        )
+        _require(self.task == "embed" or self.embed is None, "embed", self.embed, "embed settings need task 'embed'")
+        _require(
+            self.lora is None or isinstance(self.lora, LoraConfig),
+            "lora",
+            self.lora,
+            "give a LoraConfig, a dict or None",
+        )
+        _require(
+            self.lora is None
+            or (self.task == "generate" and isinstance(self.engine, dict) and self.engine.get("backend") == "vllm"),
+            "lora",
+            self.lora,
+            "LoRA adapters run on engine.backend vllm, task generate: set the backend, or remove lora",
+        )
+
     def tokenize_options(self) -> TokenizeOptions:
         """The tokenize stage's options, built here for every caller (the Processor's tokenize
         actors, the map_batches Generator, ray.data.llm's stages). Reads the model's config
         for its context length unless engine.max_model_len is given."""
+        lora = self.lora_adapters()
         return TokenizeOptions(
             model=self.model,
             prompt=self.prompt_template,
@@ -400,6 +433,7 @@ class ProcessorConfig:
             sampling=self.sampling_params,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
+            adapters=None if lora is None else lora.names,
         )
 
     @property

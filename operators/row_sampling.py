@@ -9,22 +9,35 @@ checks a sample of rows, and the engine actors build each row's SamplingParams: 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from prefixflow.operators.columns import ADAPTER
 
 SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
 
 
 def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
     """One SamplingParams, or a row_id -> SamplingParams map when rows override fields
-    (an OpenAI request body, or ray.data.llm's `sampling_params` column)."""
+    (an OpenAI request body, or ray.data.llm's `sampling_params` column) or name LoRA adapters
+    (the tokenize stage's `_pf_adapter`)."""
     column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
-    if column is None:
+    if column is None and ADAPTER not in rows.column_names:
         return default
-    values = rows.column(column).to_pylist()
-    return {rid: row_sampling(default, value) for rid, value in zip(row_ids.tolist(), values)}
+    n = rows.num_rows
+    values = rows.column(column).to_pylist() if column is not None else [None] * n
+    adapters = rows.column(ADAPTER).to_pylist() if ADAPTER in rows.column_names else [None] * n
+    return {
+        rid: _with_adapter(row_sampling(default, value), adapter)
+        for rid, value, adapter in zip(row_ids.tolist(), values, adapters)
+    }
+
+
+def _with_adapter(params: Any, adapter: str | None) -> Any:
+    return params if adapter is None else replace(params, lora_adapter=adapter)
 
 
 def row_sampling(default: Any, value: Any) -> Any:

@@ -64,10 +64,17 @@ def hash_token_blocks(flat: np.ndarray, start: np.ndarray, count: np.ndarray, bl
 
 
 def block_hashes(
-    tokens: RaggedTokens, block_size: int = DEFAULT_BLOCK_SIZE, hash_fn: BlockHashFn = hash_token_blocks
+    tokens: RaggedTokens,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    hash_fn: BlockHashFn = hash_token_blocks,
+    seeds: np.ndarray | None = None,
 ) -> RaggedTokens:
     """Chained hashes of each prompt's blocks (the last block may be short): a ragged int64
-    array with ceil(len / block_size) values per prompt, each in [0, 2**63)."""
+    array with ceil(len / block_size) values per prompt, each in [0, 2**63).
+
+    seeds: [n] a key per prompt that starts its chain (0, the default, for every prompt):
+    prompts with other seeds share no hash, whatever their tokens. A row's LoRA adapter is its
+    seed (prefixflow/lora.adapter_key), so that the plan never groups rows of two adapters."""
     if block_size < 1:
         raise ValueError(f"block_size={block_size} is invalid: use the engine's KV block size (e.g. 16)")
     lens = tokens.lengths
@@ -79,14 +86,16 @@ def block_hashes(
     own = np.asarray(
         hash_fn(tokens.flat, start, np.minimum(block_size, lens[row] - k * block_size), block_size), dtype=np.uint64
     )
-    return RaggedTokens(_chain(own, offsets, per_row), offsets)
+    start_keys = np.zeros(len(lens), np.uint64) if seeds is None else np.asarray(seeds).astype(np.uint64)
+    return RaggedTokens(_chain(own, offsets, per_row, start_keys), offsets)
 
 
-def _chain(own: np.ndarray, offsets: np.ndarray, per_row: np.ndarray) -> np.ndarray:
-    """h[k] = mix(h[k-1], own[k]): equal h[k] stands for equal blocks 0..k, not block k alone."""
+def _chain(own: np.ndarray, offsets: np.ndarray, per_row: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """h[k] = mix(h[k-1], own[k]), h[-1] = the row's seed: equal h[k] stands for equal blocks
+    0..k (and equal seeds), not block k alone."""
     out = np.empty(len(own), dtype=np.uint64)
     by_blocks = np.argsort(-per_row, kind="stable")  # rows with block k are a prefix of this
-    prev = np.zeros(len(per_row), dtype=np.uint64)
+    prev = seeds.copy()
     for k in range(int(per_row.max()) if len(per_row) else 0):
         rows = by_blocks[: np.count_nonzero(per_row > k)]
         idx = offsets[rows] + k
@@ -128,10 +137,12 @@ class HashedPrompts:
         prompts: Sequence[Sequence[int]] | Any,
         block_size: int = DEFAULT_BLOCK_SIZE,
         hash_fn: BlockHashFn = hash_token_blocks,
+        seeds: np.ndarray | None = None,
     ) -> "HashedPrompts":
-        """In-memory prompts planned through their hashes (tests, benches)."""
+        """In-memory prompts planned through their hashes (tests, benches, map_batches; seeds:
+        see block_hashes)."""
         tokens = RaggedTokens.from_sequences(prompts)
-        hashes = block_hashes(tokens, block_size, hash_fn)
+        hashes = block_hashes(tokens, block_size, hash_fn, seeds)
 
         def fetch(idx: np.ndarray) -> RaggedTokens:
             return RaggedTokens.from_sequences([tokens[int(i)] for i in idx])

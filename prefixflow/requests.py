@@ -49,6 +49,10 @@ class SamplingParams:
     structured_outputs: None, or a mapping with exactly one of vLLM's StructuredOutputsParams
         keys: json (a JSON schema object or its text), json_object (true), regex, choice (a
         list of strings), grammar. vLLM backend only.
+    lora_adapter: the LoRA adapter this row runs with (prefixflow/lora.py; None: the base
+        model). Not a sampling parameter: the row's `model` column sets it (the tokenize stage
+        checks it names one of the job's adapters), never a `sampling` section or override. It
+        lives here because it is per row like these and travels with them to the engine.
     """
 
     temperature: float = 1.0
@@ -70,6 +74,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: dict[str, Any] | None = None
+    lora_adapter: str | None = None
 
     def __post_init__(self) -> None:
         # Types are checked here, the one place every source (spec, rows, OpenAI bodies, Python)
@@ -148,7 +153,7 @@ class SamplingParams:
                 f"sampling parameters must be a mapping of field -> value, got "
                 f'{type(overrides).__name__}: e.g. {{"temperature": 0, "max_tokens": 16}}'
             )
-        allowed = [f.name for f in fields(self)]
+        allowed = [f.name for f in fields(self) if f.name not in NOT_OVERRIDDEN]
         values = {str(k): v for k, v in overrides.items() if v is not None}
         unknown = [k for k in values if k not in allowed]
         if unknown:
@@ -156,6 +161,8 @@ class SamplingParams:
         return replace(self, **values) if values else self
 
 
+# Fields a row's or a spec's sampling settings never set (a row's `model` column sets lora_adapter).
+NOT_OVERRIDDEN = ("lora_adapter",)
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 MAX_N = 1024
 # vLLM's SamplingParams raises 0 < temperature < 1e-2 to 1e-2 (its _MAX_TEMP, "may cause

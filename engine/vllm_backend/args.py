@@ -200,6 +200,10 @@ OWN_ARGS: dict[str, str] = {
     "trust_remote_code": "engine.trust_remote_code",
     "scheduling_policy": "engine.policy (batchllm: our group scheduler; vllm: vLLM's own)",
     "scheduler_cls": "engine.policy (batchllm: our group scheduler; vllm: vLLM's own)",
+    "enable_lora": "lora (the job's adapter folder)",
+    "max_loras": "lora.max_loras",
+    "max_lora_rank": "lora.max_lora_rank",
+    "max_cpu_loras": "lora (every adapter is kept in CPU memory)",
 }
 
 # Arguments whose strings vLLM imports as code (named in the message; ALLOWED refuses every

@@ -43,6 +43,7 @@ from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling
 from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.errors import require
+from prefixflow.lora import LoraAdapters
 from prefixflow.model_source import resolve_model
 from prefixflow.requests import PrefixGroup, SamplingParams
 
@@ -102,6 +103,9 @@ class VllmEngine:
         an embedding model, pooled and normalized as this says); None: a generating one.
     classify: a classifying engine (the classify task: vLLM's pooling runner on a sequence
         classification checkpoint, softmax over its labels).
+    lora: the job's LoRA adapters (prefixflow/lora.py): a row whose SamplingParams name one
+        (`lora_adapter`) runs with it, the others on the base model. vLLM keys its prefix cache
+        by adapter too, so rows of two adapters never share KV there either.
     in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0;
         the scheduler object is then `self.scheduler`, and step statistics come from it), else
         in a child process. In-process by default: a child engine core outlives a SIGKILLed
@@ -119,9 +123,10 @@ class VllmEngine:
         in_process: bool = True,
         pooling: Pooling | None = None,
         classify: bool = False,
+        lora: LoraAdapters | None = None,
     ) -> None:
         extra = check_vllm_args(vllm_args or {})
-        self.config, self.pooling, self.classify = config, pooling, classify
+        self.config, self.pooling, self.classify, self.lora = config, pooling, classify, lora
         self.parts = ALL_PARTS if group_scheduler is True else NO_PARTS if group_scheduler is False else group_scheduler
         self.model_path = str(resolve_model(config.model))
         _set_env(in_process)
@@ -148,6 +153,7 @@ class VllmEngine:
         self.totals: EngineTotals | None = None
         self._runs = itertools.count()
         self._in_flight: set[str] = set()
+        self._lora_requests = _lora_requests(lora)
 
     @property
     def scheduler(self) -> Any:
@@ -339,10 +345,17 @@ class VllmEngine:
         error = self._check_prompt(m.prompt)
         if error is not None:
             return error
+        adapter = m.params.lora_adapter
+        if adapter is not None and adapter not in self._lora_requests:
+            return f"LoRA adapter {adapter!r} is not one of this engine's (lora.path)"
         try:
             params = _vllm_params(m) if m.pooling_task is None else _pooling_params(m.pooling_task)
             self.engine.add_request(
-                request_id, {"prompt_token_ids": m.prompt}, params, priority=rank if self.parts.priority else 0
+                request_id,
+                {"prompt_token_ids": m.prompt},
+                params,
+                lora_request=None if adapter is None else self._lora_requests[adapter],
+                priority=rank if self.parts.priority else 0,
             )
         except ValueError as e:  # vLLM's own request validation (lengths, parameters)
             return f"vLLM refused the request: {e}"
@@ -421,6 +434,8 @@ class VllmEngine:
             kwargs.update(runner="pooling", convert="embed", pooler_config=_pooler_config(self.pooling))
         if self.classify:  # a sequence classifier: vLLM pools its last token through the score head
             kwargs.update(runner="pooling")
+        if self.lora is not None:
+            kwargs.update(self.lora.vllm_args(cpu=self.is_cpu))
         if self.pooling is not None and self.pooling.kind == "mean":
             # vLLM's mean pooling needs every token's hidden state in one step: it turns prefix
             # caching and chunked prefill off for it by default, and fails a request without
@@ -523,6 +538,18 @@ def _member(row: int, prompt: list[int], prefix_len: int, p: SamplingParams) -> 
 
 def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:
     return choices.get(row, ()) if isinstance(choices, Mapping) else choices
+
+
+def _lora_requests(lora: LoraAdapters | None) -> dict[str, Any]:
+    """vLLM's LoRARequest of each adapter, by name; its id (from 1) is its place in the sorted
+    names, the same in every replica."""
+    if lora is None:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {
+        a.name: LoRARequest(lora_name=a.name, lora_int_id=i + 1, lora_path=a.path) for i, a in enumerate(lora.adapters)
+    }
 
 
 def _pooling_params(task: str) -> Any:

@@ -31,6 +31,8 @@ SOURCES: dict[str, tuple[str, str]] = {
     "vllm.v1.core.sched.scheduler": ("v1/core/sched/scheduler.py", ""),
     "vllm.v1.core.sched.async_scheduler": ("v1/core/sched/async_scheduler.py", ""),
     "vllm.envs": ("envs.py", ""),
+    "vllm.lora.request": ("lora/request.py", ""),
+    "LoRARequest": ("lora/request.py", "LoRARequest"),
     "Platform": ("platforms/interface.py", "Platform"),
     "EngineArgs": ("engine/arg_utils.py", "EngineArgs"),
     "CompilationConfig": ("config/compilation.py", "CompilationConfig"),
@@ -66,6 +68,7 @@ USED: dict[str, tuple[str, ...]] = {
     "vllm.platforms": ("current_platform",),
     "vllm.sampling_params": ("RequestOutputKind", "StructuredOutputsParams"),
     "vllm.v1.engine.llm_engine": ("LLMEngine",),
+    "vllm.lora.request": ("LoRARequest",),
     "vllm.v1.core.sched.scheduler": ("Scheduler",),
     "vllm.v1.core.sched.async_scheduler": ("AsyncScheduler",),
     # environment (engine._set_env)
@@ -84,7 +87,7 @@ USED: dict[str, tuple[str, ...]] = {
         "reset_prefix_cache",
         "add_request",
     ),
-    "LLMEngine.add_request": ("request_id", "prompt", "params", "priority"),
+    "LLMEngine.add_request": ("request_id", "prompt", "params", "lora_request", "priority"),
     "InprocClient": ("engine_core",),  # the core in this process (VllmEngine.scheduler)
     "EngineCore": ("scheduler",),
     "VllmConfig": ("scheduler_config", "cache_config", "model_config"),
@@ -113,7 +116,14 @@ USED: dict[str, tuple[str, ...]] = {
         "convert",
         "pooler_config",
         "enable_chunked_prefill",
+        # per-row LoRA adapters (prefixflow/lora.LoraAdapters.vllm_args)
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
     ),
+    # engine._lora_requests
+    "LoRARequest": ("lora_name", "lora_int_id", "lora_path"),
     # engine._vllm_params (and the score path's logprob_token_ids)
     "SamplingParams": (
         "n",

@@ -23,8 +23,9 @@ from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.outputs import INTERNAL, error_records, input_name
 from prefixflow.operators.results.progress import LiveBar
 from prefixflow.operators.stages.generate import ReplicaRunner
+from prefixflow.operators.stages.plan import adapter_seeds
 from prefixflow.operators.stages.tokenize import TOKENS, Tokenize
-from prefixflow.pipeline import RaggedTokens, build_plan
+from prefixflow.pipeline import HashedPrompts, RaggedTokens, build_plan
 
 
 class Generator:
@@ -52,8 +53,7 @@ class Generator:
         self.progress.add_rows(table.num_rows, int(errors.sum()))
         pieces = []
         if len(good):
-            tokens = RaggedTokens.from_sequences(table.column(TOKENS).take(pa.array(good)))
-            plan = build_plan(tokens, row_ids=good, order=self.config.order, num_replicas=1)
+            plan = build_plan(self._prompts(table.take(pa.array(good))), row_ids=good, order=self.config.order)
             groups = plan.groups(0)
             order = np.concatenate([g.row_ids for g in groups]).astype(np.int64)
             rows = table.drop_columns([TOKENS]).take(pa.array(order))
@@ -68,6 +68,14 @@ class Generator:
         # Back to the batch's row order; row_id is the position within this batch.
         out = out.take(pc_sort_indices(out.column("row_id")))
         return _own_names_back(out.drop_columns([*INTERNAL, "replica", "row_id"]), table.column_names)
+
+    def _prompts(self, good: pa.Table) -> RaggedTokens | HashedPrompts:
+        """The good rows' prompts for the plan: their tokens, or with LoRA adapters their block
+        hashes keyed by adapter (operators/stages/plan.adapter_seeds)."""
+        seeds = adapter_seeds(good)
+        if seeds is None:
+            return RaggedTokens.from_sequences(good.column(TOKENS))
+        return HashedPrompts.from_tokens(good.column(TOKENS), self.config.engine_config.block_size, seeds=seeds)
 
 
 def _own_names_back(out: pa.Table, names: list[str]) -> pa.Table:

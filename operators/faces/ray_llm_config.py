@@ -17,7 +17,9 @@ vLLMEngineProcessorConfig -> ProcessorConfig (`processor_config()`):
     every task and actor of the job; the GPUs of a replica are decided when the job runs
     (num_gpus_per_replica None: tensor_parallel_size x pipeline_parallel_size where the cluster
     has GPUs, none where it has none); accelerator_type and placement_group_config's bundles ->
-    the engine actors' Ray options; order (prefixflow's own) -> the plan order.
+    the engine actors' Ray options; order (prefixflow's own) -> the plan order;
+    dynamic_lora_loading_path with engine_kwargs' enable_lora, max_loras, max_lora_rank ->
+    ProcessorConfig.lora (a row's `model` names its adapter, a subfolder of the path).
 Stage configs (bool, dict or the classes below): chat_template_stage (enabled: rows' `messages`
 get the chat template, its chat_template / chat_template_kwargs included; off: rows give
 `prompt`), tokenize_stage (batch_size, concurrency, num_cpus, memory, runtime_env size the
@@ -25,7 +27,7 @@ tokenize tasks (an actor pool's (min, max) caps the tasks at once at max); prefi
 back even where sampling_params said detokenize=False). Accepted without effect, because
 prefixflow's replicas take their rows in plan order themselves: max_pending_requests,
 max_concurrent_batches, max_tasks_in_flight_per_actor. Refused with a ValueError naming the
-field and what to use instead: other task types, LoRA, multimodal inputs, a stage on another
+field and what to use instead: cross-encoder score, multimodal inputs, a stage on another
 model, and the SGLang, HTTP and Serve-deployment processors. Ray's older fields
 (apply_chat_template, chat_template, tokenize, detokenize) are taken as the stages they became.
 """
@@ -38,6 +40,7 @@ from typing import Any
 from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.vllm_backend.args import OWN_ARGS  # torch-free, does not import vLLM
 from prefixflow.errors import invalid
+from prefixflow.lora import LoraConfig
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.requests import SamplingParams
 
@@ -143,8 +146,9 @@ def resolve_stage(value: Any, cls: type, field_name: str, defaults: dict[str, An
 
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
+# engine_kwargs that become the LoraConfig (max_cpu_loras: every adapter stays in CPU memory)
+LORA_KWARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 REFUSED = {  # field -> why prefixflow cannot honour a value other than the default, and the fix
-    "dynamic_lora_loading_path": "LoRA adapters are not supported: remove it",
     "has_image": "multimodal inputs are not supported: remove it",
 }
 
@@ -274,6 +278,26 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             num_cpus_per_replica=self.engine_bundle().get("CPU", 1.0),
             sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS),
             task=self.task_type,
+            lora=self.lora_config(),
+        )
+
+    def lora_config(self) -> LoraConfig | None:
+        """Per-row LoRA: dynamic_lora_loading_path and engine_kwargs' LoRA arguments (a row's
+        `model` names its adapter, a subfolder of the path, as in ray.data.llm)."""
+        given = {k: self.engine_kwargs[k] for k in LORA_KWARGS if k in self.engine_kwargs}
+        if self.dynamic_lora_loading_path is None:
+            if given.get("enable_lora"):
+                raise invalid(
+                    "vLLMEngineProcessorConfig",
+                    "dynamic_lora_loading_path",
+                    None,
+                    "per-row LoRA adapters are read from a folder with one subfolder per adapter: give it",
+                )
+            return None
+        return LoraConfig(
+            path=self.dynamic_lora_loading_path,
+            max_loras=given.get("max_loras"),
+            max_lora_rank=given.get("max_lora_rank"),
         )
 
     def engine_bundle(self) -> dict[str, float]:
@@ -326,6 +350,8 @@ def engine_settings(
     for key, value in engine_kwargs.items():
         if key == "task_type" and value == task_type:
             continue  # ray.data.llm copies task_type into engine_kwargs itself
+        if key in LORA_KWARGS:
+            continue  # vLLMEngineProcessorConfig.lora_config's
         ours = OWN_ARGS.get(key, "").removeprefix("engine.")
         # model is model_source; num_gpu_blocks_override counts blocks, not bytes: both stay
         # vLLM arguments, which the check then refuses by name.

@@ -420,7 +420,14 @@ def make_engine(config: ProcessorConfig) -> ReplicaEngine:
         parts = GroupScheduling(no_cap=engine.max_num_seqs is None) if engine.policy == "batchllm" else False
         pooling = config.embed_config.pooling_of(config.model) if config.task == "embed" else None
         classify = config.task == "classify"
-        return VllmEngine(engine, config.vllm_args, group_scheduler=parts, pooling=pooling, classify=classify)
+        return VllmEngine(
+            engine,
+            config.vllm_args,
+            group_scheduler=parts,
+            pooling=pooling,
+            classify=classify,
+            lora=config.lora_adapters(),
+        )
     if config.task in PREFILL_TASKS:
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine import Scorer

@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.operators.columns import ERROR
+from prefixflow.lora import adapter_key
+from prefixflow.operators.columns import ADAPTER, ERROR
 from prefixflow.operators.stages.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline import RaggedTokens, build_plan
 from prefixflow.pipeline.block_hash import (
@@ -163,8 +164,16 @@ def _meta_and_hashes(block: pa.Table, custom_ids: bool, block_size: int) -> tupl
     meta = _block_meta(block, custom_ids)
     if TOKENS not in block.column_names:
         return meta, (np.zeros(0, np.int64), np.zeros(1, np.int64))
-    hashes = block_hashes(RaggedTokens.from_sequences(block.column(TOKENS)), block_size)
+    hashes = block_hashes(RaggedTokens.from_sequences(block.column(TOKENS)), block_size, seeds=adapter_seeds(block))
     return meta, (hashes.flat, hashes.offsets)
+
+
+def adapter_seeds(block: pa.Table) -> np.ndarray | None:
+    """Each row's LoRA adapter as its hash chain's seed (None: a job without adapters), so that
+    rows of two adapters never share a plan group (pipeline/block_hash.py)."""
+    if ADAPTER not in block.column_names:
+        return None
+    return np.array([adapter_key(a) for a in block.column(ADAPTER).to_pylist()], np.uint64)
 
 
 def _gather_meta(refs: list[Any], custom_ids: bool, block_size: int) -> tuple[list[dict[str, Any]], list[Any]]:

