@@ -27,6 +27,7 @@ from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
+from prefixflow.lora import LoraConfig
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import model_max_len, table_package_problem
 from prefixflow.operators.results.bookkeeping import (
@@ -87,7 +88,7 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     """
     storage = spec.storage_options()
     here = [] if address or os.environ.get("RAY_ADDRESS") else _this_machine()
-    problems = _model_problems(spec) + kv_cache_problems(spec, here)
+    problems = _model_problems(spec) + kv_cache_problems(spec, here) + _lora_problems(spec)
     storage_failed = False
     table = spec.input.table_input()
     if table is not None:
@@ -155,6 +156,17 @@ def _same_table(a: str, b: str) -> bool:
         return normal_path(a) == normal_path(b)
     except ValueError:  # not a path (an Iceberg or Unity Catalog name)
         return a == b
+
+
+def _lora_problems(spec: JobSpec) -> Problems:
+    """The `lora` folder: each adapter one every engine can load (prefixflow/lora.py)."""
+    if spec.lora is None:
+        return []
+    try:
+        LoraConfig(**spec.lora.model_dump()).adapters()
+    except ValueError as e:
+        return [("lora.path", str(e))]
+    return []
 
 
 def _model_problems(spec: JobSpec) -> Problems:

@@ -303,3 +303,16 @@ def test_validate_reads_the_columns_of_an_s3_input(tmp_path, tiny_model, s3_serv
         "prompt.template: names column 'questoin', which the input does not have "
         "(columns: document, id, question); did you mean 'question'?"
     ), line
+
+
+def test_lora_needs_the_vllm_backend_and_a_folder_of_adapters(tmp_path, tiny_model):
+    """A `lora` section: refused by name on the native backend (which runs no adapters), and
+    its folder checked before any work (prefixflow/lora.py)."""
+    with pytest.raises(SpecError, match="lora: LoRA adapters run with task: generate on engine.backend: vllm"):
+        parse_spec(_job(tmp_path, tiny_model, lora={"path": str(tmp_path)}))
+    empty = tmp_path / "adapters"
+    empty.mkdir()
+    got = _problems(_job(tmp_path, tiny_model, lora={"path": str(empty)}, engine__backend="vllm"))
+    assert "holds no adapter: give one subfolder per adapter" in got["lora.path"]
+    with pytest.raises(SpecError, match="lora.max_lora_rank"):
+        parse_spec(_job(tmp_path, tiny_model, lora={"path": str(empty), "max_lora_rank": 7}, engine__backend="vllm"))
