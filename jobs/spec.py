@@ -56,7 +56,7 @@ from prefixflow.operators.config import (
     DEFAULT_BACKEND,
     INPUT_TABLE_FORMATS,
     OUTPUT_TABLE_FORMATS,
-    PREFILL_TASKS,
+    OPENAI_TASKS,
     EmbedConfig,
     ProcessorConfig,
     ScoreConfig,
@@ -711,10 +711,11 @@ class JobSpec(_Strict):
         fmt = self.input_format()  # raises, naming input.format, when it cannot be inferred
         if self.task == "score" and self.score is None:
             raise ValueError('task: score needs a score section, e.g. score: {choices: ["Yes", "No"]}')
-        if self.task in PREFILL_TASKS and fmt == "openai":
+        if self.task not in OPENAI_TASKS and fmt == "openai":
             raise ValueError(
-                f"task: {self.task} cannot read OpenAI batch files (they are chat/completion "
-                "requests): use task: generate, or a jsonl/csv/parquet input"
+                f"task: {self.task} cannot read OpenAI batch files (they hold chat/completion "
+                "requests, task: generate, or /v1/embeddings requests, task: embed): use one of "
+                "those, or a jsonl/csv/parquet input"
             )
         if self.embed is not None and self.task != "embed":
             raise _SpecProblems([("embed", "embed settings need task: embed; set it, or remove embed")])

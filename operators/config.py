@@ -33,6 +33,7 @@ from prefixflow.requests import SamplingParams
 
 # The job spec (jobs/spec.py) takes its choices for task and engine.backend from these.
 TASKS = ("generate", "score", "embed", "classify")
+OPENAI_TASKS = ("generate", "embed")  # what OpenAI batch files ask for (/v1/embeddings: embed)
 PREFILL_TASKS = ("score", "embed", "classify")  # no decoding: one prefill per row (engine/scoring)
 BACKENDS = ("native", "vllm")
 DEFAULT_BACKEND = "native"
@@ -116,6 +117,8 @@ class TokenizeOptions:
     # The LoRA adapters' names (prefixflow/lora.py) when the job has them: each row's `model`
     # column must then name one of them or the job's model. None: the column is not read.
     adapters: tuple[str, ...] | None = None
+    # The job's task: an OpenAI batch request whose url asks for another is an error record.
+    task: str = "generate"
 
 
 def model_max_len(model: str, override: int | None) -> int:
@@ -399,10 +402,10 @@ class ProcessorConfig:
             "task 'score' needs score settings, e.g. score={'choices': ['Yes', 'No']}",
         )
         _require(
-            self.task not in PREFILL_TASKS or not self.openai_batch,
+            self.task in OPENAI_TASKS or not self.openai_batch,
             "task",
             self.task,
-            "OpenAI batch files are chat/completion requests: use task 'generate' for them",
+            "OpenAI batch files hold chat/completion requests (task 'generate') or embeddings requests (task 'embed')",
         )
         _require(self.task == "embed" or self.embed is None, "embed", self.embed, "embed settings need task 'embed'")
         _require(
@@ -434,6 +437,7 @@ class ProcessorConfig:
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
             adapters=None if lora is None else lora.names,
+            task=self.task,
         )
 
     @property

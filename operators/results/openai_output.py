@@ -37,6 +37,7 @@ from prefixflow.tokenizer import load_tokenizer, token_bytes
 # The message isolate.py and operators/stages/supervise.py give a row the engine failed on: our failure
 # (500), not the request's.
 ENGINE_FAILED = "the engine failed on this row"
+EMBEDDINGS = "/v1/embeddings"  # the url of an embeddings request (operators/stages/openai_batch.py reads them)
 _PARAM = re.compile(r"\bbody\.(\w+)|\bSamplingParams\.(\w+)=")
 
 
@@ -50,10 +51,15 @@ def output_line(
     digest = request_digest(cid, row["row_id"])  # the line's ids prove its row (part_rows.py)
     rec: dict[str, Any] = {"id": batch_line_id(digest), "custom_id": cid}
     request_id = f"req_{digest[24:48]}"
-    chat = row.get("_pf_url") != "/v1/completions"
+    url = row.get("_pf_url")
+    chat = url != "/v1/completions"
     if row.get("error"):
-        status, error = error_body(row["error"], chat)
+        status, error = error_body(row["error"], chat, embeddings=url == EMBEDDINGS)
         rec["response"] = {"status_code": status, "request_id": request_id, "body": {"error": error}}
+        rec["error"] = None
+        return rec
+    if url == EMBEDDINGS:
+        rec["response"] = {"status_code": 200, "request_id": request_id, "body": _embedding_body(row, default_model)}
         rec["error"] = None
         return rec
     samples = _samples(row)
@@ -84,7 +90,18 @@ def output_line(
     return rec
 
 
-def error_body(message: str, chat: bool = True) -> tuple[int, dict[str, Any]]:
+def _embedding_body(row: dict[str, Any], default_model: str) -> dict[str, Any]:
+    """An embeddings response body (OpenAI's CreateEmbeddingResponse): one float vector."""
+    tokens = row["num_input_tokens"]
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [float(x) for x in row["embeddings"]]}],
+        "model": row.get("_pf_model") or default_model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def error_body(message: str, chat: bool = True, embeddings: bool = False) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI's error object) for an error row's message: 500 where the engine
     failed, else 400 (the request: a bad line or field, a prompt too long for the model)."""
     if ENGINE_FAILED in message:
@@ -93,7 +110,7 @@ def error_body(message: str, chat: bool = True) -> tuple[int, dict[str, Any]]:
         return 400, {
             "message": message,
             "type": "invalid_request_error",
-            "param": "messages" if chat else "prompt",
+            "param": "input" if embeddings else "messages" if chat else "prompt",
             "code": "context_length_exceeded",
         }
     named = _PARAM.search(message)

@@ -2,7 +2,8 @@
 
 Input line:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "...", "messages": [...], "max_tokens": 64, ...}}
-             (or url "/v1/completions" with body.prompt)
+             (or url "/v1/completions" with body.prompt, or url "/v1/embeddings" with
+             body.input, one string, for a job with task: embed)
 Output lines (operators/results/openai_output.py): {"id": "batch_req_...", "custom_id": "r1",
               "response": {"status_code": 200, "request_id": "...", "body": {chat.completion}},
               "error": null}; a failed request has status_code 400 (500: the engine failed)
@@ -36,10 +37,14 @@ from typing import Any
 
 from prefixflow.errors import invalid
 from prefixflow.operators.columns import ERROR
+from prefixflow.operators.results.openai_output import EMBEDDINGS
 from prefixflow.operators.template import content_text
 from prefixflow.requests import INT32_MAX, SamplingParams
 
-URLS = ("/v1/chat/completions", "/v1/completions")
+URLS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS)
+# The task a request's url asks for (the tokenize stage makes a request of another task's url
+# an error record: one job runs one task).
+URL_TASK = {"/v1/chat/completions": "generate", "/v1/completions": "generate", EMBEDDINGS: "embed"}
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # body field -> SamplingParams field (tests/cpu/test_jobs_openai.py checks each exists).
 _SAMPLING = {
@@ -94,6 +99,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 _ROUTED = {
     "/v1/chat/completions": ("messages", "logprobs", "top_logprobs", "response_format"),
     "/v1/completions": ("prompt", "logprobs", "response_format"),
+    EMBEDDINGS: ("input", "encoding_format", "dimensions"),
 }
 
 
@@ -152,6 +158,9 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
     _check_fields(body, url)
     _check_max_tokens(body)
     row: dict[str, Any] = {"custom_id": cid, "_pf_url": url, "_pf_model": body.get("model")}
+    if url == EMBEDDINGS:
+        row["_pf_prompt_text"] = _embedding_input(body)
+        return row
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
             raise ValueError("body.messages must be a list of chat messages for /v1/chat/completions")
@@ -170,10 +179,25 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _embedding_input(body: dict[str, Any]) -> str:
+    """The one text an embeddings request embeds. A list of several inputs would be several
+    answers in one output line, and token-id inputs skip our tokenizer: both refused by name."""
+    given = body.get("input")
+    if isinstance(given, list) and len(given) == 1 and isinstance(given[0], str):
+        given = given[0]
+    if not isinstance(given, str) or not given:
+        raise invalid("body", "input", given, f"give one non-empty string for {EMBEDDINGS} (one line per input)")
+    if body.get("encoding_format") not in (None, "float"):
+        raise invalid("body", "encoding_format", body["encoding_format"], 'use "float" (base64 is not written)')
+    if body.get("dimensions") is not None:
+        raise invalid("body", "dimensions", body["dimensions"], "remove it: the vector has the model's own size")
+    return given
+
+
 def _check_fields(body: dict[str, Any], url: str) -> None:
     """ValueError naming the first body field that would change the answer but is not honoured."""
     for name, value in body.items():
-        if name in NO_MEANING or name in _ROUTED[url] or name in _SAMPLING:
+        if name in NO_MEANING or name in _ROUTED[url] or (name in _SAMPLING and url != EMBEDDINGS):
             continue
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:
@@ -184,9 +208,10 @@ def _check_fields(body: dict[str, Any], url: str) -> None:
             continue
         other = {"/v1/chat/completions": "/v1/completions"}.get(url, "/v1/chat/completions")
         where = f" (it belongs to {other})" if name in _ROUTED[other] else ""
+        fields = ", ".join(_ROUTED[url] if url == EMBEDDINGS else sorted(_SAMPLING))
+        kind = "fields" if url == EMBEDDINGS else "sampling fields"
         raise ValueError(
-            f"body.{name} is not a field prefixflow honours for {url}{where}: remove "
-            f"it (the sampling fields are {', '.join(sorted(_SAMPLING))})"
+            f"body.{name} is not a field prefixflow honours for {url}{where}: remove it (the {kind} are {fields})"
         )
 
 

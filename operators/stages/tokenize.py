@@ -30,6 +30,7 @@ from prefixflow.lora import ADAPTER_COLUMN, row_adapter
 from prefixflow.operators.columns import ADAPTER, ERROR
 from prefixflow.operators.config import TokenizeOptions
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS, row_sampling
+from prefixflow.operators.stages.openai_batch import URL_TASK
 from prefixflow.operators.template import RowError, messages_from_value, template_row_error
 from prefixflow.tokenizer import chat_text, load_tokenizer
 
@@ -38,7 +39,7 @@ TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # output-length hint, so that replicas are balanced for the outputs they will really make.
 MAX_TOKENS = "_pf_max_tokens"
 # Columns the OpenAI batch reader fills in place of a template (operators/stages/openai_batch.py).
-OPENAI_MESSAGES, OPENAI_PROMPT, OPENAI_MODEL = "_pf_messages", "_pf_prompt_text", "_pf_model"
+OPENAI_MESSAGES, OPENAI_PROMPT, OPENAI_MODEL, OPENAI_URL = "_pf_messages", "_pf_prompt_text", "_pf_model", "_pf_url"
 
 
 class Tokenize:
@@ -58,6 +59,7 @@ class Tokenize:
         for i, row in enumerate(rows):
             if errors[i] is None:
                 try:
+                    self._check_url(row)
                     adapters[i] = self._adapter(row)
                     max_tokens[i] = self._check_sampling(row)
                     texts[i], chat[i] = self._render(row)
@@ -77,6 +79,12 @@ class Tokenize:
         if self.opts.adapters is not None:
             table = _set_column(table, ADAPTER, pa.array(adapters, pa.string()))
         return table
+
+    def _check_url(self, row: dict[str, Any]) -> None:
+        """An OpenAI batch request asks for the job's task (one job runs one task)."""
+        url = row.get(OPENAI_URL)
+        if url is not None and URL_TASK.get(url, self.opts.task) != self.opts.task:
+            raise RowError(f"url {url} asks for task {URL_TASK[url]}, but this job's task is {self.opts.task}")
 
     def _adapter(self, row: dict[str, Any]) -> str | None:
         """The LoRA adapter the row's `model` names, or its OpenAI request body's, as vLLM's

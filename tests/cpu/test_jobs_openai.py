@@ -409,3 +409,61 @@ def test_error_records_as_openai_writes_them():
         == system_fingerprint({"model.safetensors": "ab"}, {"backend": "native"})
         != system_fingerprint({"model.safetensors": "ab"}, {"backend": "vllm"})
     )
+
+
+def test_openai_embeddings_batch_round_trip(ray_local, tiny_model, tmp_path):
+    """/v1/embeddings requests in an OpenAI batch file, run with task: embed: each good request
+    answered with OpenAI's embeddings body, its vector transformers' last hidden state of the
+    input (tokenized with the tokenizer's special tokens, as vLLM's embeddings endpoint does),
+    normalized; requests this job cannot answer as asked are error records naming the field."""
+    import torch
+    from openai.types import CreateEmbeddingResponse
+    from transformers import AutoModel
+
+    from prefixflow.tokenizer import load_tokenizer
+
+    doc = "The river rises in the hills and runs to the sea through three towns. "
+    good = {f"e{i}": doc + q for i, q in enumerate(["Where?", "How long?", "Which towns?"])}
+    good["e3"] = "A line of its own."
+
+    def line(cid: str, url: str, body: dict) -> str:
+        return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+    lines = [line(cid, "/v1/embeddings", {"model": "m", "input": text}) for cid, text in good.items()]
+    lines += [
+        line("two-inputs", "/v1/embeddings", {"input": ["a", "b"]}),
+        line("dims", "/v1/embeddings", {"input": "a", "dimensions": 8}),
+        line("base64", "/v1/embeddings", {"input": "a", "encoding_format": "base64"}),
+        line("temp", "/v1/embeddings", {"input": "a", "temperature": 0}),
+        line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    (tmp_path / "batch.jsonl").write_text("\n".join(lines) + "\n")
+    spec = parse_spec(
+        {
+            "model": str(tiny_model),
+            "task": "embed",
+            "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai"},
+            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+            "output": {"path": str(tmp_path / "out")},
+        }
+    )
+    run_job(spec, quiet=True)
+    results = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [json.loads(x)["custom_id"] for x in lines]  # input order
+    by_id = {r["custom_id"]: r["response"] for r in results}
+    tokenizer = load_tokenizer(str(tiny_model))
+    hf = AutoModel.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    for cid, text in good.items():
+        assert by_id[cid]["status_code"] == 200
+        body = CreateEmbeddingResponse.model_validate(by_id[cid]["body"])
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            want = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+        assert body.model == "m" and body.usage.prompt_tokens == len(ids) and len(body.data) == 1
+        assert torch.allclose(torch.tensor(body.data[0].embedding), want, atol=1e-4), cid
+    errors = {cid: by_id[cid]["body"]["error"] for cid in ("two-inputs", "dims", "base64", "temp", "chat")}
+    assert all(by_id[cid]["status_code"] == 400 for cid in errors)
+    assert errors["two-inputs"]["param"] == "input" and "one line per input" in errors["two-inputs"]["message"]
+    assert errors["dims"]["param"] == "dimensions" and errors["base64"]["param"] == "encoding_format"
+    assert errors["temp"]["param"] == "temperature"
+    assert "asks for task generate, but this job's task is embed" in errors["chat"]["message"]

@@ -121,8 +121,11 @@ def test_embed_spec_is_checked_before_anything_starts(tmp_path):
         parse_spec({**base, "task": "embed", "embed": {"polling": "mean"}})
     with pytest.raises(SpecError, match="need task: embed"):
         parse_spec({**base, "embed": {"pooling": "mean"}})
-    with pytest.raises(SpecError, match="cannot read OpenAI batch files"):
-        parse_spec({**base, "task": "embed", "input": {"path": "x.jsonl", "format": "openai"}})
+    # OpenAI batch files hold chat/completion or embeddings requests: an embed job reads them,
+    # a classify job cannot
+    parse_spec({**base, "task": "embed", "input": {"path": "x.jsonl", "format": "openai"}})
+    with pytest.raises(SpecError, match="task: classify cannot read OpenAI batch files"):
+        parse_spec({**base, "task": "classify", "input": {"path": "x.jsonl", "format": "openai"}})
     with pytest.raises(ValueError, match="ProcessorConfig.embed"):
         prefixflow.ProcessorConfig(model="m", embed={"pooling": "mean"})
 
