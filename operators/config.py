@@ -119,6 +119,9 @@ class TokenizeOptions:
     adapters: tuple[str, ...] | None = None
     # The job's task: an OpenAI batch request whose url asks for another is an error record.
     task: str = "generate"
+    # embed / classify: whether the job's vectors are normalized (its classes softmaxed), what
+    # a row's ray.data.llm `pooling_params` may ask (use_activation) and nothing else.
+    pooling_activation: bool | None = None
 
 
 def model_max_len(model: str, override: int | None) -> int:
@@ -325,6 +328,12 @@ class ProcessorConfig:
         assert not isinstance(self.embed, dict), "__post_init__ builds the EmbedConfig"
         return self.embed or EmbedConfig()
 
+    def _pooling_activation(self) -> bool | None:
+        """embed: the pooling's normalize (read from the model); classify: True (softmax)."""
+        if self.task == "embed":
+            return self.embed_config.pooling_of(self.model).normalize
+        return True if self.task == "classify" else None
+
     def lora_adapters(self) -> LoraAdapters | None:
         """The job's LoRA adapters, read from lora.path (None: no lora). Reads the folder."""
         assert not isinstance(self.lora, dict), "__post_init__ builds the LoraConfig"
@@ -438,6 +447,7 @@ class ProcessorConfig:
             chat_template_kwargs=self.chat_template_kwargs,
             adapters=None if lora is None else lora.names,
             task=self.task,
+            pooling_activation=self._pooling_activation(),
         )
 
     @property

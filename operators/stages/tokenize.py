@@ -20,6 +20,7 @@ foresaw fails that batch with MemoryError instead of exhausting the node.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # output-length hint, so that replicas are balanced for the outputs they will really make.
 MAX_TOKENS = "_pf_max_tokens"
 # Columns the OpenAI batch reader fills in place of a template (operators/stages/openai_batch.py).
+POOLING_PARAMS = "pooling_params"  # ray.data.llm's column of a row's vLLM PoolingParams fields
 OPENAI_MESSAGES, OPENAI_PROMPT, OPENAI_MODEL, OPENAI_URL = "_pf_messages", "_pf_prompt_text", "_pf_model", "_pf_url"
 
 
@@ -60,6 +62,7 @@ class Tokenize:
             if errors[i] is None:
                 try:
                     self._check_url(row)
+                    self._check_pooling(row.get(POOLING_PARAMS))
                     adapters[i] = self._adapter(row)
                     max_tokens[i] = self._check_sampling(row)
                     texts[i], chat[i] = self._render(row)
@@ -79,6 +82,29 @@ class Tokenize:
         if self.opts.adapters is not None:
             table = _set_column(table, ADAPTER, pa.array(adapters, pa.string()))
         return table
+
+    def _check_pooling(self, value: Any) -> None:
+        """A ray.data.llm row's `pooling_params` (vLLM's PoolingParams fields) may only ask for
+        what the job does: the engines pool every row of a job alike, so a row asking for
+        other dimensions or activation is an error record, never answered otherwise."""
+        if value is None or self.opts.task not in ("embed", "classify"):
+            return
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise RowError("pooling_params is not a JSON object: give a mapping like {}") from None
+        if not isinstance(value, dict):
+            raise RowError(f"pooling_params must be a mapping, got {type(value).__name__}")
+        for key, given in value.items():
+            if given is None or (key == "use_activation" and given == self.opts.pooling_activation):
+                continue
+            fix = (
+                f"the job's is {self.opts.pooling_activation} (embed.normalize)"
+                if key == "use_activation"
+                else "the engines pool every row of a job alike"
+            )
+            raise RowError(f"pooling_params.{key}={given!r} is not honoured per row: {fix}")
 
     def _check_url(self, row: dict[str, Any]) -> None:
         """An OpenAI batch request asks for the job's task (one job runs one task)."""

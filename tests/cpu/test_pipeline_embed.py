@@ -164,3 +164,33 @@ def test_rays_embed_example_runs_on_vllms_pooling_runner(ray_local, tiny_model):
     for row, ref in zip(out, direct):
         if row["k"] != 4:
             np.testing.assert_allclose(row["embedding"], ref.embedding, atol=1e-4)
+
+
+def test_a_rows_pooling_params_may_ask_only_for_what_the_job_does(tiny_model):
+    """ray.data.llm rows carry vLLM PoolingParams fields in `pooling_params`; every row of a job
+    is pooled alike, so a row asking for anything else is its error record, never answered
+    otherwise (and a generate job does not read the column)."""
+    import pyarrow as pa
+
+    from prefixflow.operators.columns import ERROR
+    from prefixflow.operators.stages.tokenize import Tokenize
+
+    config = prefixflow.ProcessorConfig(model=str(tiny_model), task="embed")
+    opts = config.tokenize_options()
+    assert opts.pooling_activation is True  # the tiny checkpoint: last token, normalized
+    asks = [None, {}, {"use_activation": True}, {"dimensions": None}, {"dimensions": 8}, {"use_activation": False}, 3]
+    # as JSON text: the column as a file stores it (a struct column is read the same way)
+    texts = [None if a is None else json.dumps(a) for a in asks]
+    rows = pa.Table.from_pylist([{"prompt": "a passage", "pooling_params": t} for t in texts])
+    errors = Tokenize(opts)(rows).column(ERROR).to_pylist()
+    assert errors[:4] == [None] * 4
+    assert "pooling_params.dimensions=8 is not honoured per row" in errors[4]
+    assert "pooling_params.use_activation=False is not honoured per row: the job's is True" in errors[5]
+    assert "must be a mapping" in errors[6]
+    # a struct column (Ray's rows as dicts): each row's missing fields read as null
+    structs = pa.Table.from_pylist(
+        [{"prompt": "p", "pooling_params": a} for a in ({"use_activation": True}, {"dimensions": 8})]
+    )
+    assert [e is None for e in Tokenize(opts)(structs).column(ERROR).to_pylist()] == [True, False]
+    generate = prefixflow.ProcessorConfig(model=str(tiny_model)).tokenize_options()
+    assert Tokenize(generate)(rows).column(ERROR).to_pylist() == [None] * len(asks)
