@@ -105,10 +105,10 @@ class LoraAdapters:
         with the token's slot number, and a base-model token's number is -1: Python's last
         slot. A base row batched with adapter rows then runs with the last slot's adapter
         (seen here: the tiny checkpoint's base rows gave the merged model's outputs of an
-        adapter). On the CPU the engine therefore gets one slot more than adapters exist; vLLM
-        fills the first free slot and holds each adapter in at most one, so the last slot is
-        never filled and stays zero, and base tokens get nothing added, as on a GPU, whose
-        kernels skip -1."""
+        adapter; upstream: vllm-project/vllm pull request 48421, open). On the CPU the engine
+        therefore gets one slot more than adapters exist; vLLM fills the first free slot and
+        holds each adapter in at most one, so the last slot is never filled and stays zero, and
+        base tokens get nothing added, as on a GPU, whose kernels skip -1."""
         slots = self.max_loras
         if cpu:
             slots = len(self.adapters) + 1
