@@ -153,9 +153,9 @@ def test_a_lora_job_survives_a_killed_engine_with_each_row_once_and_its_adapters
     from prefixflow.operators.results.write import read_output
     from prefixflow.operators.stages.tokenize import TOKENS, Tokenize
 
-    MAX_TOKENS = 32  # with 2 rows a step, the job runs long enough for the kill to land mid-job
+    MAX_TOKENS = 16  # 2 rows a step, 2 a part: the first part commits with 30 rows to go
     base = tiny_checkpoint_cached("llama")
-    rows = list(demo_rows(num_docs=8, questions_per_doc=8, sentences_per_doc=3, seed=5))
+    rows = list(demo_rows(num_docs=4, questions_per_doc=8, sentences_per_doc=3, seed=5))
     docs = sorted({r["doc_id"] for r in rows})
     for i, r in enumerate(rows):
         k = docs.index(r["doc_id"])
