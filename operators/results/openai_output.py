@@ -21,10 +21,12 @@ splits its output and error files).
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
 import re
+import struct
 from typing import Any, Callable
 
 from prefixflow.operators.results.bookkeeping import COMMITS, ERRORS_FILE, RESULTS_FILE
@@ -91,11 +93,15 @@ def output_line(
 
 
 def _embedding_body(row: dict[str, Any], default_model: str) -> dict[str, Any]:
-    """An embeddings response body (OpenAI's CreateEmbeddingResponse): one float vector."""
+    """An embeddings response body (OpenAI's CreateEmbeddingResponse): one vector, as floats
+    or, for encoding_format base64, as OpenAI encodes it: little-endian float32 bytes."""
     tokens = row["num_input_tokens"]
+    vector: Any = [float(x) for x in row["embeddings"]]
+    if row.get("_pf_encoding") == "base64":
+        vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return {
         "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": [float(x) for x in row["embeddings"]]}],
+        "data": [{"object": "embedding", "index": 0, "embedding": vector}],
         "model": row.get("_pf_model") or default_model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

@@ -55,7 +55,7 @@ SAMPLE_TYPE = pa.struct(
     ]
 )
 SAMPLES_FIELD = pa.field("samples", pa.list_(SAMPLE_TYPE))
-KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt")  # needed by the writers
+KEEP_INTERNAL = ("_pf_url", "_pf_model", "_pf_prompt", "_pf_encoding")  # needed by the writers
 
 
 def output_chunk(

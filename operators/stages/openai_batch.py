@@ -111,6 +111,7 @@ def parse_requests(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "custom_id": None,
             "_pf_url": None,
             "_pf_model": None,
+            "_pf_encoding": None,
             "_pf_messages": None,
             "_pf_prompt_text": None,
             "_pf_sampling": None,
@@ -160,6 +161,7 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"custom_id": cid, "_pf_url": url, "_pf_model": body.get("model")}
     if url == EMBEDDINGS:
         row["_pf_prompt_text"] = _embedding_input(body)
+        row["_pf_encoding"] = body.get("encoding_format")  # float (None) or base64
         return row
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
@@ -187,8 +189,8 @@ def _embedding_input(body: dict[str, Any]) -> str:
         given = given[0]
     if not isinstance(given, str) or not given:
         raise invalid("body", "input", given, f"give one non-empty string for {EMBEDDINGS} (one line per input)")
-    if body.get("encoding_format") not in (None, "float"):
-        raise invalid("body", "encoding_format", body["encoding_format"], 'use "float" (base64 is not written)')
+    if body.get("encoding_format") not in (None, "float", "base64"):
+        raise invalid("body", "encoding_format", body["encoding_format"], 'use "float" or "base64"')
     if body.get("dimensions") is not None:
         raise invalid("body", "dimensions", body["dimensions"], "remove it: the vector has the model's own size")
     return given

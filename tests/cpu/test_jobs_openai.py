@@ -416,6 +416,9 @@ def test_openai_embeddings_batch_round_trip(ray_local, tiny_model, tmp_path):
     answered with OpenAI's embeddings body, its vector transformers' last hidden state of the
     input (tokenized with the tokenizer's special tokens, as vLLM's embeddings endpoint does),
     normalized; requests this job cannot answer as asked are error records naming the field."""
+    import base64
+
+    import numpy as np
     import torch
     from openai.types import CreateEmbeddingResponse
     from transformers import AutoModel
@@ -425,15 +428,23 @@ def test_openai_embeddings_batch_round_trip(ray_local, tiny_model, tmp_path):
     doc = "The river rises in the hills and runs to the sea through three towns. "
     good = {f"e{i}": doc + q for i, q in enumerate(["Where?", "How long?", "Which towns?"])}
     good["e3"] = "A line of its own."
+    good["e4-base64"] = doc + "Where?"  # the same input as e0, its vector as OpenAI's base64
 
     def line(cid: str, url: str, body: dict) -> str:
         return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
-    lines = [line(cid, "/v1/embeddings", {"model": "m", "input": text}) for cid, text in good.items()]
+    lines = [
+        line(
+            cid,
+            "/v1/embeddings",
+            {"model": "m", "input": text, "encoding_format": "base64" if cid.endswith("base64") else "float"},
+        )
+        for cid, text in good.items()
+    ]
     lines += [
         line("two-inputs", "/v1/embeddings", {"input": ["a", "b"]}),
         line("dims", "/v1/embeddings", {"input": "a", "dimensions": 8}),
-        line("base64", "/v1/embeddings", {"input": "a", "encoding_format": "base64"}),
+        line("base16", "/v1/embeddings", {"input": "a", "encoding_format": "base16"}),
         line("temp", "/v1/embeddings", {"input": "a", "temperature": 0}),
         line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ]
@@ -455,15 +466,19 @@ def test_openai_embeddings_batch_round_trip(ray_local, tiny_model, tmp_path):
     hf = AutoModel.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     for cid, text in good.items():
         assert by_id[cid]["status_code"] == 200
-        body = CreateEmbeddingResponse.model_validate(by_id[cid]["body"])
+        raw = json.loads(json.dumps(by_id[cid]["body"]))
+        if cid.endswith("base64"):  # decoded as the OpenAI SDK decodes it before its types
+            vector = base64.b64decode(raw["data"][0]["embedding"])
+            raw["data"][0]["embedding"] = np.frombuffer(vector, dtype="float32").tolist()
+        body = CreateEmbeddingResponse.model_validate(raw)
         ids = tokenizer(text)["input_ids"]
         with torch.no_grad():
             want = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
         assert body.model == "m" and body.usage.prompt_tokens == len(ids) and len(body.data) == 1
         assert torch.allclose(torch.tensor(body.data[0].embedding), want, atol=1e-4), cid
-    errors = {cid: by_id[cid]["body"]["error"] for cid in ("two-inputs", "dims", "base64", "temp", "chat")}
+    errors = {cid: by_id[cid]["body"]["error"] for cid in ("two-inputs", "dims", "base16", "temp", "chat")}
     assert all(by_id[cid]["status_code"] == 400 for cid in errors)
     assert errors["two-inputs"]["param"] == "input" and "one line per input" in errors["two-inputs"]["message"]
-    assert errors["dims"]["param"] == "dimensions" and errors["base64"]["param"] == "encoding_format"
+    assert errors["dims"]["param"] == "dimensions" and errors["base16"]["param"] == "encoding_format"
     assert errors["temp"]["param"] == "temperature"
     assert "asks for task generate, but this job's task is embed" in errors["chat"]["message"]
