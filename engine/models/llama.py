@@ -33,6 +33,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim)
+        if args.qk_norm:  # Qwen3: each query and key head normalized before rotary
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
 
     def forward(
         self,
@@ -48,6 +52,8 @@ class LlamaAttention(nn.Module):
         heads = self.qkv_proj(x).view(t, hqk + self.num_kv_heads, self.head_dim)
         # q and k rotate in one call: their heads are adjacent in each row of qkv.
         qk, v = heads[:, :hqk], heads[:, hqk:]
+        if self.qk_norm:  # a new contiguous tensor: the rotary then works in place on it
+            qk = torch.cat(self.normed(qk[:, : self.num_heads], qk[:, self.num_heads :]), dim=1)
         if cpu_exact.supports_rotary(qk, cos, sin):
             cpu_exact.rotary_(qk, cos, sin)  # in place, one C call (v stays a view)
         else:
@@ -58,6 +64,14 @@ class LlamaAttention(nn.Module):
         o = self.attn(q, k, v, meta, queries)  # [T|N, Hq, D]
         out: torch.Tensor = self.o_proj(o.reshape(o.shape[0], self.q_size))  # [T|N, H]
         return out
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] through Qwen3's per-head norms (as they are for the other
+        models). Every forward path (this one, engine/scoring/forward.py) calls it."""
+        if not self.qk_norm:
+            return q, k
+        d = self.head_dim
+        return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape)
 
 
 class LlamaDecoderLayer(nn.Module):

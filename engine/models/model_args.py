@@ -14,13 +14,14 @@ from typing import Any
 
 from prefixflow.model_source import resolve_model
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Base models without an LM head (embedding checkpoints such as e5-mistral's MistralModel): the
 # same network, its weights named without the "model." prefix; they embed, they cannot generate.
 BASE_ARCHITECTURES = {
     "LlamaModel": "LlamaForCausalLM",
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
 }
 # Sequence classifiers: the network and a `score` head ([labels, hidden], no bias) on the last
 # token's final hidden state, for the classify task.
@@ -28,6 +29,7 @@ CLASSIFIER_ARCHITECTURES = {
     "LlamaForSequenceClassification": "LlamaForCausalLM",
     "MistralForSequenceClassification": "MistralForCausalLM",
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -68,6 +70,7 @@ class ModelArgs:
     rope: RopeConfig
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rotary
     sliding_window: int | None = None  # None: full attention
     has_lm_head: bool = True  # False: a base model or a classifier, which embed (and classify)
     labels: tuple[str, ...] = ()  # a classifier's labels (config.json id2label), in id order
@@ -129,8 +132,8 @@ def read_model_args(path: str | Path) -> ModelArgs:
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     sliding = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        sliding = None  # Qwen2 lists a window but only uses it when use_sliding_window is set
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        sliding = None  # Qwen2/3 list a window but only use it when use_sliding_window is set
     return ModelArgs(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -145,6 +148,7 @@ def read_model_args(path: str | Path) -> ModelArgs:
         rope=_rope_config(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=int(sliding) if sliding else None,
         has_lm_head=has_lm_head,
         labels=_labels(cfg) if classifier else (),

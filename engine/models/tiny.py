@@ -28,10 +28,10 @@ from prefixflow.paths import cache_root
 if TYPE_CHECKING:  # transformers is imported where it is used (a slow import)
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 # Bumped whenever the files written change, so cached checkpoints are rebuilt.
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = 4
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # "<|endoftext|>" is unused by our template, but transformers loads the tokenizer of a "qwen2"
@@ -81,7 +81,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of `arch` into `path` (created) and return it.
 
-    arch: "llama", "mistral" or "qwen2" (Qwen2 has q/k/v biases).
+    arch: "llama", "mistral", "qwen2" (Qwen2 has q/k/v biases) or "qwen3" (RMSNorm on each
+        query and key head).
     llama3_rope: use Llama-3.1 rope scaling (rope_type "llama3"); llama only.
     config_overrides: any field of the transformers config, e.g. num_hidden_layers=4,
         hidden_size=512, tie_word_embeddings=True.
@@ -106,6 +107,8 @@ def make_tiny_checkpoint(
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, config.initializer_range)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's, 1 at init: vary them
+                param.normal_(1.0, 0.3)
     model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
@@ -176,6 +179,7 @@ def _model_class(arch: str) -> type:
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
     }[arch]
 
 
@@ -196,15 +200,20 @@ def _build_config(arch: str, vocab_size: int, llama3_rope: bool, overrides: dict
         fields["rope_theta"] = fields["rope_scaling"].pop("rope_theta")
     if arch == "mistral":
         fields["sliding_window"] = None  # we attend to the whole context, like HF then
+    if arch == "qwen3":  # Qwen3Config's own default is 128, four times the tiny model's heads
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     fields.update(overrides)
     if fields["vocab_size"] != vocab_size:
         raise ValueError(
             f"vocab_size={fields['vocab_size']} must equal the tokenizer's "
             f"{vocab_size}: leave vocab_size out of the overrides"
         )
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[
-        arch
-    ]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
     config: PretrainedConfig = cls(**fields)
     return config
 

@@ -165,8 +165,9 @@ def _project_qkv(
         h = layer.input_layernorm(r[lo:hi])  # [n, H]
         q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         cos, sin = model.model.rotary(positions[lo:hi], h.dtype)  # [n, 1, D]
-        q_buf[lo:hi] = apply_rotary(q.view(n, attn.num_heads, attn.head_dim), cos, sin).view(n, -1)
-        k = apply_rotary(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)  # [n, Hkv, D]
+        q, k = attn.normed(q.view(n, attn.num_heads, attn.head_dim), k.view(n, attn.num_kv_heads, attn.head_dim))
+        q_buf[lo:hi] = apply_rotary(q, cos, sin).view(n, -1)
+        k = apply_rotary(k, cos, sin)  # [n, Hkv, D]
         kv[0, :, p + lo : p + hi] = k.transpose(0, 1)
         kv[1, :, p + lo : p + hi] = v.view(n, attn.num_kv_heads, attn.head_dim).transpose(0, 1)
 

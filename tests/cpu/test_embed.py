@@ -18,7 +18,7 @@ from prefixflow.engine.scoring.scorer import Scorer, ScoreOptions
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def ckpt(request):
     from transformers import AutoModel
 

@@ -25,6 +25,8 @@ VARIANTS = {
     "llama3_rope_tied": dict(arch="llama", llama3_rope=True, tie_word_embeddings=True),
     "mistral": dict(arch="mistral"),
     "qwen2_bias_tied": dict(arch="qwen2", tie_word_embeddings=True),
+    # head_dim set apart from hidden / heads, as Qwen3 checkpoints set it
+    "qwen3_qk_norm_tied": dict(arch="qwen3", tie_word_embeddings=True, head_dim=64),
 }
 
 

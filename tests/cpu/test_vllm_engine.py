@@ -79,7 +79,7 @@ def run_both(arch: str, token_lists, params):
     return ({o.row_id: o for o in vllm.run(groups, params)}, {o.row_id: o for o in native.run(groups, params)})
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
     ours, native = run_both(arch, prompts(), GREEDY)
     assert sorted(ours) == sorted(native) == list(range(14))
