@@ -246,3 +246,27 @@ def test_ray_data_llm_lora_rows_run_through_our_face(ray_local, adapters):
     models = {n: merged_model(Path(base), None if n == base else adapters / n) for n in names}
     for r in rows:
         assert list(r["generated_tokens"]) == greedy(models[r["model"]], list(r["prompt_token_ids"]), 5), r["id"]
+
+
+def test_the_tokenize_stage_names_each_rows_adapter_from_model_or_an_openai_bodys_model(adapters, tmp_path):
+    """`_pf_adapter` from ray.data.llm's `model` column, or an OpenAI request body's `model` (as
+    vLLM's OpenAI server reads it); an unknown name is that row's error record."""
+    import pyarrow as pa
+
+    from prefixflow.operators.columns import ADAPTER, ERROR
+    from prefixflow.operators.config import ProcessorConfig
+    from prefixflow.operators.stages.tokenize import Tokenize
+
+    base = str(tiny_checkpoint_cached("llama"))
+    config = ProcessorConfig(model=base, engine={"backend": "vllm"}, lora={"path": str(adapters)})
+    tokenize = Tokenize(config.tokenize_options())
+    rows = pa.Table.from_pylist([{"prompt": "p", "model": m} for m in (None, base, "beta", "gamma")])
+    out = tokenize(rows)
+    assert out.column(ADAPTER).to_pylist()[:3] == [None, None, "beta"]
+    assert out.column(ERROR).to_pylist()[:3] == [None] * 3 and "'gamma' is neither" in out.column(ERROR)[3].as_py()
+    openai = pa.Table.from_pylist([{"_pf_prompt_text": "p", "_pf_model": m} for m in ("alpha", "gpt-x")])
+    out = tokenize(openai)
+    assert out.column(ADAPTER).to_pylist()[0] == "alpha" and "'gpt-x' is neither" in out.column(ERROR)[1].as_py()
+    # without lora the column is not read: any model name runs on the base model
+    plain = Tokenize(ProcessorConfig(model=base).tokenize_options())(rows)
+    assert ADAPTER not in plain.column_names and plain.column(ERROR).to_pylist() == [None] * 4
