@@ -27,7 +27,6 @@ from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
-from prefixflow.lora import LoraConfig
 from prefixflow.operators.columns import ERROR, SOURCE
 from prefixflow.operators.config import model_max_len, table_package_problem
 from prefixflow.operators.results.bookkeeping import (
@@ -163,7 +162,7 @@ def _lora_problems(spec: JobSpec) -> Problems:
     if spec.lora is None:
         return []
     try:
-        LoraConfig(**spec.lora.model_dump()).adapters()
+        spec.to_config().lora_adapters()
     except ValueError as e:
         return [("lora.path", str(e))]
     return []

@@ -41,10 +41,10 @@ from prefixflow.operators.results.openai_output import EMBEDDINGS
 from prefixflow.operators.template import content_text
 from prefixflow.requests import INT32_MAX, SamplingParams
 
-URLS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS)
-# The task a request's url asks for (the tokenize stage makes a request of another task's url
-# an error record: one job runs one task).
+# The urls read, and the task each asks for (the tokenize stage makes a request of another
+# task's url an error record: one job runs one task).
 URL_TASK = {"/v1/chat/completions": "generate", "/v1/completions": "generate", EMBEDDINGS: "embed"}
+URLS = tuple(URL_TASK)
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # body field -> SamplingParams field (tests/cpu/test_jobs_openai.py checks each exists).
 _SAMPLING = {

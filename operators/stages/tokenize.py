@@ -39,8 +39,8 @@ TOKENS, PROMPT = "_pf_tokens", "_pf_prompt"
 # A row's own max_tokens (from its sampling overrides; null: the job's default): the plan's
 # output-length hint, so that replicas are balanced for the outputs they will really make.
 MAX_TOKENS = "_pf_max_tokens"
-# Columns the OpenAI batch reader fills in place of a template (operators/stages/openai_batch.py).
 POOLING_PARAMS = "pooling_params"  # ray.data.llm's column of a row's vLLM PoolingParams fields
+# Columns the OpenAI batch reader fills in place of a template (operators/stages/openai_batch.py).
 OPENAI_MESSAGES, OPENAI_PROMPT, OPENAI_MODEL, OPENAI_URL = "_pf_messages", "_pf_prompt_text", "_pf_model", "_pf_url"
 
 
