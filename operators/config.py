@@ -329,7 +329,7 @@ class ProcessorConfig:
         return self.embed or EmbedConfig()
 
     def _pooling_activation(self) -> bool | None:
-        """embed: the pooling's normalize (read from the model); classify: True (softmax)."""
+        """embed: the pooling's normalize (read from the model); classify: True (its activation)."""
         if self.task == "embed":
             return self.embed_config.pooling_of(self.model).normalize
         return True if self.task == "classify" else None

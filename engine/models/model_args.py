@@ -32,6 +32,14 @@ CLASSIFIER_ARCHITECTURES = {
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The torch.nn.modules a sentence-transformers cross-encoder's config may name as its activation
+# (nothing else is imported or run). Softmax and Sigmoid both mean "classify" as vLLM takes them:
+# sigmoid over one label, softmax over more.
+SBERT_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "classify",
+    "torch.nn.modules.activation.Softmax": "classify",
+    "torch.nn.modules.linear.Identity": "identity",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,10 @@ class ModelArgs:
     sliding_window: int | None = None  # None: full attention
     has_lm_head: bool = True  # False: a base model or a classifier, which embed (and classify)
     labels: tuple[str, ...] = ()  # a classifier's labels (config.json id2label), in id order
+    # What a classifier's label logits become, chosen from config.json as transformers' loss and
+    # vLLM's pooler choose it (`_activation`): "softmax" over two or more labels, "sigmoid" over
+    # one (a cross-encoder's relevance score) or for multi-label problems, "identity" for regression.
+    activation: str = "softmax"
 
     @property
     def kv_bytes_per_token_per_elem(self) -> int:
@@ -152,6 +164,7 @@ def read_model_args(path: str | Path) -> ModelArgs:
         sliding_window=int(sliding) if sliding else None,
         has_lm_head=has_lm_head,
         labels=_labels(cfg) if classifier else (),
+        activation=_activation(cfg, len(_labels(cfg))) if classifier else "softmax",
     )
 
 
@@ -161,6 +174,34 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
     id2label = cfg.get("id2label") or {}
     count = int(cfg.get("num_labels") or len(id2label) or 2)
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+
+
+def _activation(cfg: dict[str, Any], num_labels: int) -> str:
+    """A classifier's activation (ModelArgs.activation) from config.json: problem_type first (as
+    transformers' loss reads it), then a sentence-transformers cross-encoder's activation_fn,
+    else softmax over two or more labels and sigmoid over one; ValueError for an activation_fn
+    outside SBERT_ACTIVATIONS (its name is never imported)."""
+    by_labels = "softmax" if num_labels >= 2 else "sigmoid"
+    problem = cfg.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem == "single_label_classification":
+        return by_labels
+    sbert = cfg.get("sentence_transformers")
+    name = (sbert.get("activation_fn") if isinstance(sbert, dict) else None) or cfg.get(
+        "sbert_ce_default_activation_function"
+    )
+    if name is None:
+        return by_labels
+    if name not in SBERT_ACTIVATIONS:
+        raise ValueError(
+            f"config.json names the cross-encoder activation {name!r}: prefixflow applies "
+            f"{', '.join(SBERT_ACTIVATIONS)} (remove it for the default: sigmoid over one label, "
+            "softmax over more)"
+        )
+    return by_labels if SBERT_ACTIVATIONS[name] == "classify" else "identity"
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:

@@ -13,6 +13,7 @@ first tokens are equal cannot be told apart: the row gets an error naming them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +28,10 @@ class ScoreOutput:
     """One scored row.
 
     choices: the labels as given (ints shown as str). choice_token_ids: their first tokens.
-    probs: softmax over the choices' first-token logits (sums to 1).
-    logprobs: each first token's log-probability under the full vocabulary.
+    probs: softmax over the choices' first-token logits (sums to 1); for a classifier (the
+    classify task), its label logits through its activation (`label_output`).
+    logprobs: each first token's log-probability under the full vocabulary (a classifier's:
+    the probabilities' logs; none for a regression head).
     label: the most probable choice. prefix_len: prompt tokens of the group's shared prefix.
     num_cached_tokens: prompt tokens read from a cached prefix KV instead of computed.
     error: why the row was not scored (then probs, logprobs and label are empty / None).
@@ -118,6 +121,46 @@ def make_output(
         prefix_len=prefix_len,
         num_cached_tokens=num_cached,
     )
+
+
+def label_output(
+    row_id: int,
+    labels: tuple[str, ...],
+    values: Sequence[float],
+    activation: str,
+    prompt_len: int,
+    prefix_len: int,
+    num_cached: int,
+) -> ScoreOutput:
+    """A classified row: `values` are the classifier's label logits after its `activation`
+    (ModelArgs.activation): probabilities for softmax and sigmoid, whose logs are the logprobs;
+    raw outputs for identity (a regression head), which have no logprobs. label: the label of
+    the largest value."""
+    values = tuple(float(v) for v in values)
+    logprobs = () if activation == "identity" else tuple(math.log(v) if v > 0 else -math.inf for v in values)
+    return ScoreOutput(
+        row_id=row_id,
+        choices=labels,
+        choice_token_ids=tuple(range(len(labels))),
+        probs=values,
+        logprobs=logprobs,
+        label=labels[values.index(max(values))],
+        prompt_len=prompt_len,
+        prefix_len=prefix_len,
+        num_cached_tokens=num_cached,
+    )
+
+
+def activate(logits: Any, activation: str) -> Any:
+    """A classifier's label logits ([labels] tensor) through its activation (ModelArgs.activation)."""
+    import torch
+
+    if activation == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(logits.float())
+    assert activation == "identity", f"unknown activation {activation!r}"
+    return logits.float()
 
 
 def error_output(row_id: int, choices: Sequence[Choice], prompt_len: int, error: str) -> ScoreOutput:

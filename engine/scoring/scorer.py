@@ -43,7 +43,15 @@ from prefixflow.engine.outputs import EngineTotals, StepStats
 from prefixflow.engine.models.loader import load_model, load_tokenizer, resolve_device, resolve_max_model_len
 from prefixflow.engine.models.model_args import read_model_args, require_classifier, require_lm_head
 from prefixflow.engine.scoring.cache import PrefixCache
-from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, error_output, make_output
+from prefixflow.engine.scoring.choices import (
+    Choice,
+    ScoreOutput,
+    activate,
+    choice_token_ids,
+    error_output,
+    label_output,
+    make_output,
+)
 from prefixflow.engine.scoring.forward import Head, PrefixKV, forward_bytes, hybrid_forward, max_input_len
 from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling, error_embedding, model_pooling
@@ -365,7 +373,11 @@ class Scorer:
         p, mean = req.prefix_len, isinstance(work, Pooling) and work.kind == "mean"
         if work == "classify":  # the classifier's head on the last token: one logit per label
             assert self.model.score is not None, "classify_groups checked the checkpoint has a score head"
-            out = self.model.score(out.to(self.model.score.weight.dtype)).float()
+            logits = self.model.score(out.to(self.model.score.weight.dtype))
+            values = activate(logits, self.args.activation).tolist()
+            return label_output(
+                req.row_id, self.args.labels, values, self.args.activation, len(req.tokens), p, num_cached
+            )
         if not isinstance(work, Pooling):
             return make_output(req.row_id, req.choices, req.choice_ids, out, len(req.tokens), p, num_cached)
         if mean and prefix is not None and prefix.hidden_sum is not None:

@@ -37,7 +37,7 @@ from prefixflow.engine.outputs import (
     greedy_copies,
 )
 from prefixflow.engine.models.model_args import read_model_args
-from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids
+from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, label_output
 from prefixflow.engine.scoring.choices import error_output as score_error
 from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling
@@ -236,23 +236,17 @@ class VllmEngine:
     def classify_groups(self, groups: Iterable[PrefixGroup]) -> Iterator[ScoreOutput]:
         """Classify planned groups, as Scorer.classify_groups, with vLLM's pooling runner on the
         sequence classifier (the engine must have been built with classify=True): per row the
-        softmax over the checkpoint's labels, read from its last token (prefix caching on)."""
+        checkpoint's label logits through its activation (softmax, or sigmoid for a
+        cross-encoder's one label), read from its last token (prefix caching on)."""
         require(self.classify, "VllmEngine.classify_groups", "classify", False, "build VllmEngine(classify=True)")
-        labels = read_model_args(self.model_path).labels
-        for probs, m, cached in self._pooled(groups, "classify"):
+        args = read_model_args(self.model_path)
+        for values, m, cached in self._pooled(groups, "classify"):
             if m.error is not None:
-                yield score_error(m.row_id, labels, len(m.prompt), m.error)
+                yield score_error(m.row_id, args.labels, len(m.prompt), m.error)
                 continue
-            yield ScoreOutput(
-                row_id=m.row_id,
-                choices=labels,
-                choice_token_ids=tuple(range(len(labels))),
-                probs=probs,
-                logprobs=tuple(math.log(p) if p > 0 else -math.inf for p in probs),
-                label=labels[probs.index(max(probs))],
-                prompt_len=len(m.prompt),
-                prefix_len=min(m.prefix_len, cached),
-                num_cached_tokens=cached,
+            # vLLM's pooler applied the activation (chosen from config.json as ModelArgs' is)
+            yield label_output(
+                m.row_id, args.labels, values, args.activation, len(m.prompt), min(m.prefix_len, cached), cached
             )
 
     # ---- internals ------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ vLLMEngineProcessorConfig -> ProcessorConfig (`processor_config()`):
     has GPUs, none where it has none); accelerator_type and placement_group_config's bundles ->
     the engine actors' Ray options; order (prefixflow's own) -> the plan order;
     dynamic_lora_loading_path with engine_kwargs' enable_lora, max_loras, max_lora_rank ->
-    ProcessorConfig.lora (a row's `model` names its adapter, a subfolder of the path).
+    ProcessorConfig.lora (a row's `model` names its adapter, a subfolder of the path);
+    task_type -> task (a cross-encoder's "score" is task classify on its one-label head).
 Stage configs (bool, dict or the classes below): chat_template_stage (enabled: rows' `messages`
 get the chat template, its chat_template / chat_template_kwargs included; off: rows give
 `prompt`), tokenize_stage (batch_size, concurrency, num_cpus, memory, runtime_env size the
@@ -27,7 +28,7 @@ tokenize tasks (an actor pool's (min, max) caps the tasks at once at max); prefi
 back even where sampling_params said detokenize=False). Accepted without effect, because
 prefixflow's replicas take their rows in plan order themselves: max_pending_requests,
 max_concurrent_batches, max_tasks_in_flight_per_actor. Refused with a ValueError naming the
-field and what to use instead: cross-encoder score, multimodal inputs, a stage on another
+field and what to use instead: multimodal inputs, a stage on another
 model, and the SGLang, HTTP and Serve-deployment processors. Ray's older fields
 (apply_chat_template, chat_template, tokenize, detokenize) are taken as the stages they became.
 """
@@ -145,7 +146,12 @@ def resolve_stage(value: Any, cls: type, field_name: str, defaults: dict[str, An
     return stage.with_defaults(defaults)
 
 
-TASK_TYPES = ("generate", "embed", "classify", "score")
+# ray.data.llm's task types -> prefixflow's tasks. A cross-encoder's "score" is classification
+# by its one-label head (sigmoid, or the activation its config names), its score in
+# `embeddings` as Ray's rows carry it; prefixflow's own task "score" is something else: choice
+# probabilities of a generative model.
+RAY_TASKS = {"generate": "generate", "embed": "embed", "classify": "classify", "score": "classify"}
+TASK_TYPES = tuple(RAY_TASKS)
 # engine_kwargs that become the LoraConfig (max_cpu_loras: every adapter stays in CPU memory)
 LORA_KWARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 REFUSED = {  # field -> why prefixflow cannot honour a value other than the default, and the fix
@@ -195,14 +201,6 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             raise invalid(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
         if self.task_type not in TASK_TYPES:
             raise invalid(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
-        if self.task_type == "score":
-            raise invalid(
-                name,
-                "task_type",
-                self.task_type,
-                "cross-encoder score is not built: use 'generate', 'embed' or 'classify' (choice "
-                "probabilities of a generative model: prefixflow.ProcessorConfig(task='score'))",
-            )
         for key, fix in REFUSED.items():
             if getattr(self, key):
                 raise invalid(name, key, getattr(self, key), fix)
@@ -277,7 +275,7 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             runtime_env=self.runtime_env,
             num_cpus_per_replica=self.engine_bundle().get("CPU", 1.0),
             sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS),
-            task=self.task_type,
+            task=RAY_TASKS[self.task_type],
             lora=self.lora_config(),
         )
 

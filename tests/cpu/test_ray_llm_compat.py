@@ -82,7 +82,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
         cpu_context(small.processor_config().engine_config, m)
 
     bad = {
-        "task_type": "score",
+        "task_type": "rerank",
         "prepare_multimodal_stage": True,
         "concurrency": (2, 1),
         "chat_template_stage": {"bogus": 1},
@@ -91,6 +91,9 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     for name, value in bad.items():
         with pytest.raises(ValueError, match=f"vLLMEngineProcessorConfig.{name}"):
             vLLMEngineProcessorConfig(model_source=m, **{name: value})
+    # a cross-encoder's task_type "score" is classification by its one-label head, not
+    # prefixflow's own task "score" (choice probabilities)
+    assert vLLMEngineProcessorConfig(model_source=m, task_type="score").processor_config().task == "classify"
     # per-row LoRA: the adapters' folder and engine_kwargs' LoRA arguments become ProcessorConfig.lora
     lora = vLLMEngineProcessorConfig(
         model_source=m, dynamic_lora_loading_path="/loras", engine_kwargs={"enable_lora": True, "max_loras": 2}
