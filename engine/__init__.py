@@ -4,7 +4,8 @@
 
 config.py (EngineConfig, every engine's settings) and outputs.py (what every engine hands back)
 are shared; native/ is our engine (LLMEngine), scoring/ the score task (Scorer), vllm_backend/
-the same interface on vLLM, models/ the model, its layers and its loading. The rooms import the
+the same interface on vLLM, http_backend/ on an OpenAI-compatible server, models/ the model,
+its layers and its loading. The rooms import the
 shared modules and models/, never each other, except that vllm_backend/ scores through
 scoring/'s torch-free choices and options.
 

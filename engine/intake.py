@@ -1,6 +1,6 @@
 """When an engine takes its next planned group: lazily, as its scheduler has room for it.
 
-Both engines (native and vLLM) take the groups of a run from an iterable only while the work
+The native and vLLM engines take the groups of a run from an iterable only while the work
 waiting to start is short: fewer rows than are running (at least INTAKE_MIN_ROWS, at most the
 engine's request cap) and fewer prompt tokens than one step may prefill. A group taken is the engine's; one not yet taken is
 still the caller's to hand to another replica (work stealing, operators/stages/work_queue.py), so the

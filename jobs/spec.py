@@ -363,7 +363,7 @@ if TYPE_CHECKING:
     EmbedSpec: TypeAlias = Any
     LoraSpec: TypeAlias = Any
 else:
-    # engine.backend and engine.vllm choose the engine (operators/config.setting_problems checks
+    # engine.backend, engine.vllm and engine.http choose the engine (operators/config.setting_problems checks
     # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
     EngineSpec = _mirror(
         EngineConfig,
@@ -374,7 +374,8 @@ else:
                 Annotated[str, _choice("engine.backend")],
                 Field(
                     default=DEFAULT_BACKEND,
-                    description="native: prefixflow's engine; vllm: vLLM's engine (pip install prefixflow[vllm])",
+                    description="native: prefixflow's engine; vllm: vLLM's engine (pip install prefixflow[vllm]); "
+                    "http: OpenAI-compatible servers (engine.http)",
                 ),
             ),
             "vllm": (
@@ -383,6 +384,14 @@ else:
                     default_factory=dict,
                     description="vLLM engine arguments, "
                     "passed through (like ray.data.llm's engine_kwargs); backend vllm only",
+                ),
+            ),
+            "http": (
+                dict[str, Any] | None,
+                Field(
+                    default=None,
+                    description="backend http: the OpenAI-compatible servers (endpoints: one replica each, "
+                    "model, api_key_env, max_concurrency, qps, max_retries, backoff_s, timeout_s, token_ids)",
                 ),
             ),
         },

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig  # torch-free
+from prefixflow.engine.http_backend.config import HttpConfig, http_problems  # torch-free
 from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
 from prefixflow.engine.scoring.pooling import POOLING_KINDS, Pooling, model_pooling  # torch-free
 from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
@@ -35,7 +36,7 @@ from prefixflow.requests import SamplingParams
 TASKS = ("generate", "score", "embed", "classify")
 OPENAI_TASKS = ("generate", "embed")  # what OpenAI batch files ask for (/v1/embeddings: embed)
 PREFILL_TASKS = ("score", "embed", "classify")  # no decoding: one prefill per row (engine/scoring)
-BACKENDS = ("native", "vllm")
+BACKENDS = ("native", "vllm", "http")
 DEFAULT_BACKEND = "native"
 # Tables a job reads (operators/stages/read_table.py) and writes (operators/results/table_commit.py).
 INPUT_TABLE_FORMATS = ("delta", "iceberg", "lance", "unity_catalog")
@@ -60,7 +61,7 @@ def table_package_problem(table_format: str) -> str | None:
 
 CHOICES = {"task": TASKS, "order": ORDER_POLICIES, "engine.backend": BACKENDS}
 # The engine dict's keys that choose the backend; the others are EngineConfig fields.
-BACKEND_KEYS = ("backend", "vllm")
+BACKEND_KEYS = ("backend", "vllm", "http")
 # Score settings only the native Scorer honours (hybrid prefilling, its KV discard, SRJF order):
 # vLLM scores a row by decoding one token with the choices' log-probabilities.
 NATIVE_SCORE_FIELDS = (
@@ -205,13 +206,16 @@ class ProcessorConfig:
         Kept as given; `sampling_params` is the whole SamplingParams, read from the model when
         first asked. A row's `sampling_params` column overrides fields per row.
     engine: EngineConfig fields other than `model` (dtype, device, max_num_batched_tokens, ...),
-        plus `backend`: "native" (prefixflow's engine, the default) or "vllm", and `vllm`: vLLM
-        engine arguments passed through (like ray.data.llm's engine_kwargs), backend vllm only.
-        Read once, into `engine_config`, `backend` and `vllm_args`.
+        plus `backend`: "native" (prefixflow's engine, the default), "vllm" or "http" (the
+        OpenAI-compatible servers of `http`, an HttpConfig's fields: one replica per endpoint,
+        task generate), and `vllm`: vLLM engine arguments passed through (like ray.data.llm's
+        engine_kwargs), backend vllm only. Read once, into `engine_config`, `backend`,
+        `vllm_args` and `http_config`.
     order: plan order policy: fcfs, dfs, batchllm (the default) or blendserve.
     replicas: data-parallel engine actors (Ray's `concurrency`): the plan is made for this many,
         and this many are started; one the cluster cannot hold yet starts when it can (a node
-        added) and takes work then.
+        added) and takes work then. Backend http: one per endpoint (1, the default, is taken as
+        that many).
     min_replicas: the fewest engines the cluster must hold when the job starts (None: replicas),
         as ray.data.llm's `concurrency=(min, max)`.
     work_stealing: a replica that runs dry takes the last unstarted plan units of the one expected to finish last
@@ -281,6 +285,7 @@ class ProcessorConfig:
     engine_config: EngineConfig = field(init=False, repr=False, compare=False)
     backend: str = field(init=False, repr=False, compare=False)
     vllm_args: dict[str, Any] = field(init=False, repr=False, compare=False)
+    http_config: HttpConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, dict):
@@ -308,6 +313,16 @@ class ProcessorConfig:
             )
         object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
         object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
+        http = HttpConfig.of(engine["http"]) if self.backend == "http" else None
+        object.__setattr__(self, "http_config", http)
+        if http is not None:  # one replica per server
+            _require(
+                self.replicas in (1, len(http.endpoints)),
+                "replicas",
+                self.replicas,
+                f"engine.backend http runs one replica per endpoint: leave replicas out, or give {len(http.endpoints)}",
+            )
+            object.__setattr__(self, "replicas", len(http.endpoints))
 
     @property
     def prompt_template(self) -> PromptTemplate | None:
@@ -384,7 +399,7 @@ class ProcessorConfig:
             isinstance(self.engine, dict),
             "engine",
             self.engine,
-            "give a dict of EngineConfig fields, plus backend and vllm",
+            "give a dict of EngineConfig fields, plus backend, vllm and http",
         )
         _require(
             "model" not in self.engine,
@@ -558,13 +573,20 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Prob
     args = engine.get("vllm") or {}
     if not isinstance(args, dict):
         return [("engine.vllm", args, "give a mapping of vLLM engine arguments, e.g. {enforce_eager: true}")]
+    problems: list[Problem] = []
+    if backend != "http" and engine.get("http") is not None:
+        problems.append(
+            ("engine.http", engine["http"], "server settings need engine.backend: http; set it, or remove engine.http")
+        )
+    if backend == "http":
+        return problems + _http_problems(engine, task)
     if backend == "native":
-        return (
+        return problems + (
             [("engine.vllm", args, "vLLM arguments need engine.backend: vllm; set it, or remove engine.vllm")]
             if args
             else []
         )
-    problems = _vllm_arg_problems(args)
+    problems += _vllm_arg_problems(args)
     if engine.get("aligned_decode_batch") is not None:
         problems.append(
             (
@@ -585,6 +607,19 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Prob
             )
         )
     return problems + _native_score_problems(task, score)
+
+
+def _http_problems(engine: dict[str, Any], task: str) -> list[Problem]:
+    """What engine.backend http cannot run: its own settings (engine/http_backend/config.py),
+    a task other than generate, vLLM arguments (the servers were started with theirs)."""
+    problems = http_problems(engine.get("http"))
+    if task != "generate":
+        problems.append(("task", task, "engine.backend: http runs task generate (/v1/completions); use native or vllm"))
+    if engine.get("vllm"):
+        problems.append(
+            ("engine.vllm", engine["vllm"], "the servers run with the arguments they were started with: remove it")
+        )
+    return problems
 
 
 def _native_score_problems(task: str, score: Any) -> list[Problem]:

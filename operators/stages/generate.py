@@ -182,13 +182,16 @@ class ReplicaRunner:
     def __init__(self, config: ProcessorConfig, report: Callable[[dict[str, Any]], None] | None = None):
         self.config = config
         self.engine: ReplicaEngine | None = None
+        self.engine_replica = 0  # the replica the engine was built for (backend http: its server)
         self.record: dict[str, Any] | None = None  # the last run's metrics (see _record)
         # Called with live counters while the engine runs (a Heartbeat thread; none: no reports).
         self.report = report
 
-    def load(self) -> ReplicaEngine:
-        if self.engine is None:
-            self.engine = make_engine(self.config)
+    def load(self, replica: int = 0) -> ReplicaEngine:
+        """The engine, built at the first call (a model engine serves any replica); an http
+        engine talks to `replica`'s server, so another replica's run builds another."""
+        if self.engine is None or (self.config.backend == "http" and replica != self.engine_replica):
+            self.engine, self.engine_replica = make_engine(self.config, replica), replica
         return self.engine
 
     def run(self, replica: int, groups: list[Any], rows: pa.Table, row_ids: np.ndarray) -> Iterator[pa.Table]:
@@ -205,7 +208,7 @@ class ReplicaRunner:
         started = time.time()
         self.record = None
         book = _Book(self.config)
-        engine = self.load()
+        engine = self.load(replica)
         loaded = time.time()
         pending: dict[int, list[Any]] = {}  # plan replica -> finished outputs not yet in a chunk
         beat = Heartbeat(engine, replica, loaded, self.report) if self.report is not None else None
@@ -230,7 +233,7 @@ class ReplicaRunner:
     def _record(self, replica: int, started: float, loaded: float, book: "_Book") -> dict[str, Any]:
         """Times and the engine's per-step token counts of one run (metrics.json's replicas)."""
         finished = time.time()
-        engine = self.load()
+        engine = self.load(replica)
         totals = engine.totals
         steps = [plain(s) for s in engine.stats]
         return {
@@ -408,8 +411,14 @@ class Heartbeat:
         self.decode_tokens += sum(getattr(s, "num_decode_tokens", 0) for s in steps)
 
 
-def make_engine(config: ProcessorConfig) -> ReplicaEngine:
-    """The engine of one replica: the one place that picks its class by backend and task."""
+def make_engine(config: ProcessorConfig, replica: int = 0) -> ReplicaEngine:
+    """The engine of one replica: the one place that picks its class by backend and task.
+    replica: which one (backend http: it picks the replica's server)."""
+    if config.backend == "http":
+        from prefixflow.engine.http_backend.engine import HttpEngine  # torch-free, but only where it runs
+
+        assert config.http_config is not None, "ProcessorConfig builds http_config for backend http"
+        return HttpEngine(config.engine_config, config.http_config, replica)
     if config.backend == "vllm":
         # lazy: the engines import torch (and vLLM), in the engine actor only, never on the driver
         from prefixflow.engine.vllm_backend.engine import GroupScheduling, VllmEngine
@@ -499,7 +508,7 @@ class ReplicaGenerator:
         import ray
 
         if item != ERRORS_ITEM:
-            self.runner.load()
+            self.runner.load(item)
         ray.get(self.sink.engine_ready.remote(token, os.getpid(), int(item)))
         if item == ERRORS_ITEM:
             chunks, feed = self._error_records(), None

@@ -507,7 +507,10 @@ def engine_actor_options(cfg: ProcessorConfig, needs_engine: bool = True) -> dic
 def gpus_per_replica(cfg: ProcessorConfig) -> float:
     """An engine actor's GPUs: num_gpus_per_replica, or where that is None (decide when the job
     runs) the engine's tensor_parallel_size x pipeline_parallel_size on a cluster with GPUs,
-    none on one without (vLLM's CPU backend, the native engine on CPUs)."""
+    none on one without (vLLM's CPU backend, the native engine on CPUs); none for engines
+    that send their work to servers (backend http)."""
+    if cfg.backend == "http":
+        return 0.0
     if cfg.num_gpus_per_replica is not None:
         return cfg.num_gpus_per_replica
     import ray

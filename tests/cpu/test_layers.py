@@ -24,7 +24,7 @@ import lines (torch kept out of a torch-free module, Ray out of `import prefixfl
 function-level import that only dodges a cycle is not allowed.
 
 Inside engine/, the rooms: its shared modules (engine/*.py: config, outputs) < models/ (the
-model, its layers, loading) < native/, scoring/ and vllm_backend/, which never import one
+model, its layers, loading) < native/, scoring/, vllm_backend/ and http_backend/, which never import one
 another, except that vllm_backend/ may import scoring/ (the score task's choices and options,
 which both backends answer).
 
@@ -63,6 +63,7 @@ ENGINE_ROOMS = {
     "native": {"shared", "models"},
     "scoring": {"shared", "models"},
     "vllm_backend": {"shared", "models", "scoring"},
+    "http_backend": {"shared"},
 }
 OPERATOR_ROOMS = {
     "shared": set(),

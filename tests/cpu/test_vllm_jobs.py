@@ -22,6 +22,8 @@ import yaml
 
 from ray._private.state import jobs as ray_jobs  # every driver that joined the cluster
 
+from support.native import native_tokens
+
 from prefixflow.bench.fault_bench import Driver, check_output, local_records, wait_until, worker_pid
 from prefixflow.jobs.demo import example_path, write_demo_data
 from prefixflow.operators.results.write import read_output
@@ -54,19 +56,6 @@ def _with(spec: dict, root: Path, backend: str) -> dict:
     return spec
 
 
-def _native_tokens(spec: dict, rows: list[dict]) -> dict[int, list[int]]:
-    """The native backend's greedy outputs for the same rows and prompts, by the same replica
-    runner (batch_generator.Generator) in this process: cheaper than a second whole job."""
-    import pyarrow as pa
-
-    from prefixflow.operators.faces.batch_generator import Generator
-
-    engine = {k: v for k, v in spec["engine"].items() if k not in ("backend", "vllm")}
-    gen = Generator(model=spec["model"], prompt=spec["prompt"], sampling=spec["sampling"], engine=engine)
-    out = gen(pa.Table.from_pylist(rows))
-    return dict(zip(out.column("id").to_pylist(), out.column("generated_tokens").to_pylist()))
-
-
 @pytest.mark.slow
 def test_vllm_job_killed_engine_exactly_once_and_equal_to_native(ray_local, quickstart, tmp_path):
     address = ray_local.get_runtime_context().gcs_address
@@ -74,7 +63,7 @@ def test_vllm_job_killed_engine_exactly_once_and_equal_to_native(ray_local, quic
     spec = _with(quickstart, tmp_path, "vllm")
     out = Path(spec["output"]["path"])
     job = Driver(spec, tmp_path, "vllm", address)
-    native = _native_tokens(spec, rows)  # while the job starts
+    native = native_tokens(spec, rows)  # while the job starts
     wait_until(lambda: len(local_records(out)) >= 1, job, "a committed part")
     record = local_records(out)[0]
     os.kill(worker_pid(record), signal.SIGKILL)  # the vLLM engine actor that wrote this part
