@@ -1,7 +1,8 @@
 """Checks before any work: the spec against the world it will run in.
 
     preflight(spec)          model folder (tokenizer, vocab_size, chat template), input files and a
-                             sample of their rows, output path (writable, its S3 bucket reachable)
+                             sample of their rows, output path (writable, its S3 bucket reachable),
+                             engine.backend http's servers (answering, serving the model)
     check_resources(spec)    after ray.init: can the cluster ever place one engine actor?
     sample_rows(spec, n)     the first n input rows, read by the job's own readers (no Ray)
     row_report(spec, rows)   which sampled rows would become error records, and why
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixflow.engine.http_backend.client import Endpoint, RequestFailed
 from prefixflow.engine.models.model_args import read_model_args
 from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
@@ -69,6 +71,7 @@ from prefixflow.storage import (
 )
 
 SAMPLE_ROWS = 32
+PROBE_TIMEOUT_S = 10.0  # engine.backend http: how long validate waits for each endpoint's /models
 SAMPLE_BYTES = 1 << 20  # the first MiB of the first file holds the sample of any usual input
 
 Problems = list[tuple[str, str]]
@@ -87,7 +90,7 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     """
     storage = spec.storage_options()
     here = [] if address or os.environ.get("RAY_ADDRESS") else _this_machine()
-    problems = _model_problems(spec) + kv_cache_problems(spec, here) + _lora_problems(spec)
+    problems = _model_problems(spec) + kv_cache_problems(spec, here) + _lora_problems(spec) + _endpoint_problems(spec)
     storage_failed = False
     table = spec.input.table_input()
     if table is not None:
@@ -166,6 +169,35 @@ def _lora_problems(spec: JobSpec) -> Problems:
     except ValueError as e:
         return [("lora.path", str(e))]
     return []
+
+
+def _endpoint_problems(spec: JobSpec) -> Problems:
+    """engine.backend http: each endpoint answers GET /models (once, within 10 s) with the
+    model the job asks for among its names, and takes the key, if one is named."""
+    config = spec.to_config()
+    http = config.http_config
+    if http is None:
+        return []
+    name = http.model or config.model
+    quick = dataclasses.replace(http, max_retries=0, timeout_s=PROBE_TIMEOUT_S)
+    problems: Problems = []
+    for i, base in enumerate(http.endpoints):
+        try:
+            served = Endpoint(base, quick).served_models()
+        except ValueError as e:  # the key's variable is not set
+            return [("engine.http.api_key_env", str(e))]
+        except RequestFailed as e:
+            field = "engine.http.api_key_env" if " 401" in str(e) or " 403" in str(e) else f"engine.http.endpoints[{i}]"
+            problems.append((field, str(e)))
+            continue
+        if served and name not in served:
+            problems.append(
+                (
+                    "engine.http.model",
+                    f"{base} serves {', '.join(served)}, not {name!r}: set engine.http.model to the served name",
+                )
+            )
+    return problems
 
 
 def _model_problems(spec: JobSpec) -> Problems:

@@ -30,7 +30,8 @@ class RequestFailed(Exception):
 
 class Endpoint:
     """One server (`base`: its URL ending in /v1). Thread-safe: the engine's request threads
-    share it. `retries` counts the retried attempts (429/408/5xx/connection)."""
+    share it. `retries` counts the retried attempts (429/408/5xx/connection). Raises
+    ValueError when api_key_env names a variable that is not set here."""
 
     def __init__(self, base: str, config: HttpConfig, sleep: Callable[[float], None] = time.sleep):
         self.base, self.config, self.sleep = base, config, sleep
@@ -50,7 +51,16 @@ class Endpoint:
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST `body` to base + path; the answer's JSON. RequestFailed when the server refuses
         it (a 4xx other than 408/429, or an answer that is not JSON) or after max_retries."""
-        data = json.dumps(body).encode()
+        return self._request(path, json.dumps(body).encode())
+
+    def served_models(self) -> list[str]:
+        """The model names the server serves (GET /models), retried as a POST is."""
+        answer = self._request("/models", None)
+        data = answer.get("data")
+        return [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+    def _request(self, path: str, data: bytes | None) -> dict[str, Any]:
+        """POST `data` (GET when None) with the retries; the answer's JSON."""
         for attempt in range(self.config.max_retries + 1):
             self._wait_turn()
             status, text, retry_after = self._send(path, data)
@@ -69,12 +79,14 @@ class Endpoint:
             wait = min(self.config.backoff_s * 2**attempt, MAX_BACKOFF_S)
             self.sleep(min(max(wait, retry_after or 0.0), MAX_BACKOFF_S))
         what = f"HTTP {status}: {_message(text)}" if status is not None else text
-        raise RequestFailed(f"{self.base}{path} failed {self.config.max_retries + 1} times ({what})")
+        attempts = self.config.max_retries + 1
+        raise RequestFailed(f"{self.base}{path} failed ({what}) after {attempts} attempt{'s' if attempts > 1 else ''}")
 
-    def _send(self, path: str, data: bytes) -> tuple[int | None, str, float | None]:
-        """(status, body text, Retry-After seconds) of one attempt; status None: no answer
-        (the text says why)."""
-        request = urllib.request.Request(f"{self.base}{path}", data=data, headers=self.headers, method="POST")
+    def _send(self, path: str, data: bytes | None) -> tuple[int | None, str, float | None]:
+        """(status, body text, Retry-After seconds) of one attempt (GET when data is None);
+        status None: no answer (the text says why)."""
+        method = "GET" if data is None else "POST"
+        request = urllib.request.Request(f"{self.base}{path}", data=data, headers=self.headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self.config.timeout_s) as answer:
                 return answer.status, answer.read().decode("utf-8", "replace"), None

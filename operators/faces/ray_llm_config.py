@@ -378,8 +378,9 @@ SGLangEngineProcessorConfig = _refused(
 )
 HttpRequestProcessorConfig = _refused(
     "HttpRequestProcessorConfig",
-    "to query an HTTP endpoint keep ray.data.llm's; to run the model "
-    "here use vLLMEngineProcessorConfig or prefixflow.ProcessorConfig",
+    "to send rows' prompts to OpenAI-compatible servers in plan order (one partition each, prefix-"
+    "affine) use prefixflow.ProcessorConfig(engine={'backend': 'http', 'http': {'endpoints': [...]}}); "
+    "for arbitrary payloads to any URL keep ray.data.llm's",
 )
 ServeDeploymentProcessorConfig = _refused(
     "ServeDeploymentProcessorConfig",

@@ -316,3 +316,27 @@ def test_lora_needs_the_vllm_backend_and_a_folder_of_adapters(tmp_path, tiny_mod
     assert "holds no adapter: give one subfolder per adapter" in got["lora.path"]
     with pytest.raises(SpecError, match="lora.max_lora_rank"):
         parse_spec(_job(tmp_path, tiny_model, lora={"path": str(empty), "max_lora_rank": 7}, engine__backend="vllm"))
+
+
+def test_http_servers_are_asked_for_the_model_before_any_work(tmp_path, tiny_model):
+    """engine.backend http: validate asks each endpoint's /v1/models once: a server that does
+    not serve the job's model and one that does not answer are named; engine.http's own
+    settings are checked by name when the spec is read."""
+    from support.openai_server import ScriptedServer
+    from support.vllm_server import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    with ScriptedServer(default={"object": "list", "data": [{"id": "tiny"}]}) as server:
+        http = {"endpoints": [server.url, closed], "model": "other", "max_retries": 0}
+        got = _problems(_job(tmp_path, tiny_model, engine__backend="http", engine__http=http))
+        assert (
+            got["engine.http.model"]
+            == f"{server.url}/v1 serves tiny, not 'other': set engine.http.model to the served name"
+        )
+        assert got["engine.http.endpoints[1]"].endswith("after 1 attempt")
+        assert got["engine.http.endpoints[1]"].startswith(f"{closed}/v1/models failed (no answer")
+        assert server.requests == [("/v1/models", None)]
+        ok = {"endpoints": [server.url], "model": "tiny"}
+        assert preflight(parse_spec(_job(tmp_path, tiny_model, engine__backend="http", engine__http=ok))) is not None
+    with pytest.raises(SpecError, match="engine.http.qsp: .*did you mean 'qps'"):
+        parse_spec(_job(tmp_path, tiny_model, engine__backend="http", engine__http={"endpoints": [closed], "qsp": 1}))

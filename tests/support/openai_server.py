@@ -17,7 +17,7 @@ Answer = tuple[int, Any, dict[str, str]]  # status, JSON body (or text), headers
 
 
 class ScriptedServer:
-    """`url`: its base URL. `script`: answers given in order (then `upstream`, else 200 with
+    """`url`: its base URL. `script`: answers to POSTs and GETs given in order (then `upstream`, else 200 with
     `default`). `requests`: each request's (path, JSON body), in arrival order; `headers` theirs."""
 
     def __init__(self, script: list[Answer] | None = None, upstream: str | None = None, default: Any = None):
@@ -46,6 +46,8 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            do_GET = do_POST  # a GET's body is None (GET /v1/models)
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -55,8 +57,9 @@ class ScriptedServer:
         self.thread.start()
 
     def forward(self, path: str, body: Any) -> Answer:
+        data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            f"{self.upstream}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            f"{self.upstream}{path}", data=data, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
