@@ -21,7 +21,7 @@ import pytest
 import yaml
 from support.native import native_tokens
 from support.openai_server import ScriptedServer
-from support.vllm_server import vllm_servers
+from prefixflow.bench.vllm_servers import vllm_servers
 
 from prefixflow.bench.fault_bench import Driver, check_output, local_records, wait_until, worker_pid
 from prefixflow.jobs.demo import example_path, write_demo_data

@@ -24,7 +24,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_command(model: str, name: str, port: int, max_model_len: int = 512) -> list[str]:
+def serve_command(
+    model: str, name: str, port: int, max_model_len: int = 512, kv_cache_bytes: int = 64 << 20
+) -> list[str]:
     """`vllm serve` for a tiny checkpoint on a CPU: fp32 (the tests compare with the native
     engine), eager (no graph compilation), prefix caching on, cached prompt tokens reported
     (usage.prompt_tokens_details), a small KV cache."""
@@ -50,7 +52,7 @@ def serve_command(model: str, name: str, port: int, max_model_len: int = 512) ->
         "--block-size",
         "32",
         "--kv-cache-memory-bytes",
-        str(64 << 20),
+        str(kv_cache_bytes),
         "--max-num-seqs",
         "16",
         "--seed",
@@ -59,9 +61,12 @@ def serve_command(model: str, name: str, port: int, max_model_len: int = 512) ->
 
 
 @contextlib.contextmanager
-def vllm_servers(model: str, count: int, name: str, logs: Path, max_model_len: int = 512) -> Iterator[list[str]]:
-    """Start `count` servers of `model`, each serving it as `name`; yields their base URLs."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def vllm_servers(
+    model: str, count: int, name: str, logs: Path, max_model_len: int = 512, kv_cache_bytes: int = 64 << 20
+) -> Iterator[list[str]]:
+    """Start `count` servers of `model`, each serving it as `name`; yields their base URLs.
+    The servers run in vLLM's dev mode, for POST /reset_prefix_cache (reset_prefix_cache)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     procs, urls = [], []
     try:
         for i in range(count):
@@ -69,7 +74,7 @@ def vllm_servers(model: str, count: int, name: str, logs: Path, max_model_len: i
             log = open(logs / f"vllm-{i}.log", "wb")
             procs.append(
                 subprocess.Popen(
-                    serve_command(model, name, port, max_model_len),
+                    serve_command(model, name, port, max_model_len, kv_cache_bytes),
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -103,6 +108,13 @@ def _healthy(url: str) -> bool:
             return bool(r.status == 200)
     except OSError:
         return False
+
+
+def reset_prefix_cache(url: str) -> None:
+    """Empty a server's prefix cache (dev mode's POST /reset_prefix_cache)."""
+    request = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as r:
+        r.read()
 
 
 def metric(url: str, name: str) -> float:
