@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 INTAKE_MIN_ROWS = 16  # rows kept waiting however few run (the first steps, small batches)
 IDLE_POLL_S = 0.05  # an engine with nothing to run asks again this often
@@ -40,6 +40,13 @@ def wants_more(
     if max_num_seqs is not None:
         rows = min(rows, max_num_seqs)
     return pending_rows < rows and pending_tokens < max_num_batched_tokens
+
+
+def group_rows(g: Any) -> list[tuple[int, list[int], int]]:
+    """(row_id, full prompt, prefix_len) of each member of a planned group (a PrefixGroup), in
+    the plan's member order: what an engine that takes whole prompts sends (vLLM, a server)."""
+    prefix = [int(t) for t in g.prefix]
+    return [(int(row), prefix + [int(t) for t in g.distinct[i]], g.prefix_len) for i, row in enumerate(g.row_ids)]
 
 
 def every_group(groups: Iterable[T | None]) -> Iterator[T]:

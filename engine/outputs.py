@@ -124,6 +124,29 @@ class EngineTotals:
         return self.num_output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run any request now (a server that stopped answering, or that refuses
+    the key or the model): no row is to blame. The run stops instead of turning rows into
+    error records; the committed rows are kept for output.resume."""
+
+
+def request_totals(
+    counts: dict[str, int], wall_time_s: float, num_steps: int = 0, num_preemptions: int = 0
+) -> EngineTotals:
+    """A run's totals from the request counts an engine that is handed whole prompts keeps
+    (vLLM, a server): requests, prompt tokens, of them cached, output tokens."""
+    return EngineTotals(
+        num_requests=counts["requests"],
+        num_prompt_tokens=counts["prompt"],
+        num_computed_prompt_tokens=counts["prompt"] - counts["cached"],
+        num_recomputed_tokens=0,
+        num_output_tokens=counts["output"],
+        num_steps=num_steps,
+        num_preemptions=num_preemptions,
+        wall_time_s=wall_time_s,
+    )
+
+
 def summed_totals(parts: list[EngineTotals]) -> EngineTotals:
     """The totals of a run made of several engine runs (a prefill task runs unit by unit)."""
     return EngineTotals(*(sum(getattr(t, f.name) for t in parts) for f in fields(EngineTotals)))

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixflow.engine.http_backend.client import Endpoint, RequestFailed
-from prefixflow.engine.models.model_args import read_model_args
+from prefixflow.engine.http_backend.client import Endpoint, EndpointDown, RequestFailed
+from prefixflow.engine.models.model_args import read_model_args, require_classifier
 from prefixflow.errors import FieldProblem, InvalidSetting, did_you_mean, short
 from prefixflow.jobs.spec import JobSpec, SpecError
 from prefixflow.model_source import model_kind, resolve_model, weight_files
@@ -186,8 +186,8 @@ def _endpoint_problems(spec: JobSpec) -> Problems:
             served = Endpoint(base, quick).served_models()
         except ValueError as e:  # the key's variable is not set
             return [("engine.http.api_key_env", str(e))]
-        except RequestFailed as e:
-            field = "engine.http.api_key_env" if " 401" in str(e) or " 403" in str(e) else f"engine.http.endpoints[{i}]"
+        except (RequestFailed, EndpointDown) as e:
+            field = "engine.http.api_key_env" if e.status in (401, 403) else f"engine.http.endpoints[{i}]"
             problems.append((field, str(e)))
             continue
         if served and name not in served:
@@ -232,6 +232,7 @@ def _model_problems(spec: JobSpec) -> Problems:
         (None if spec.engine.trust_remote_code else _tokenizer_problem(model))
         or _vocab_problem(model, config)
         or _generation_config_problem(spec)
+        or _classifier_problem(spec, model)
     )
     if problem is not None:
         return [("model", problem)]
@@ -255,6 +256,17 @@ def _model_problems(spec: JobSpec) -> Problems:
             why = f"{e.value} is invalid: {e.fix}" if isinstance(e, InvalidSetting) else str(e)
             return [("engine.max_model_len", why)]
     return []
+
+
+def _classifier_problem(spec: JobSpec, model: Path) -> str | None:
+    """task classify: a classification head, and an activation the engines apply."""
+    if spec.task != "classify":
+        return None
+    try:
+        require_classifier(read_model_args(model))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def kv_cache_problems(spec: JobSpec, node_memory: list[int]) -> Problems:

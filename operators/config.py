@@ -299,6 +299,7 @@ class ProcessorConfig:
             object.__setattr__(self, "embed", EmbedConfig(**self.embed))
         if isinstance(self.lora, dict):
             object.__setattr__(self, "lora", LoraConfig(**self.lora))
+        self._take_endpoint_count()
         self._check()
         engine = dict(self.engine)
         object.__setattr__(
@@ -313,16 +314,23 @@ class ProcessorConfig:
             )
         object.__setattr__(self, "backend", engine.get("backend") or DEFAULT_BACKEND)
         object.__setattr__(self, "vllm_args", dict(engine.get("vllm") or {}))
-        http = HttpConfig.of(engine["http"]) if self.backend == "http" else None
-        object.__setattr__(self, "http_config", http)
-        if http is not None:  # one replica per server
-            _require(
-                self.replicas in (1, len(http.endpoints)),
-                "replicas",
-                self.replicas,
-                f"engine.backend http runs one replica per endpoint: leave replicas out, or give {len(http.endpoints)}",
-            )
-            object.__setattr__(self, "replicas", len(http.endpoints))
+        object.__setattr__(self, "http_config", HttpConfig.of(engine["http"]) if self.backend == "http" else None)
+
+    def _take_endpoint_count(self) -> None:
+        """Backend http runs one replica per endpoint: replicas 1 (the default) becomes their
+        count, another count is refused (checked before the other replica settings)."""
+        engine = self.engine if isinstance(self.engine, dict) else {}
+        http = engine.get("http")
+        endpoints = http.get("endpoints") if isinstance(http, dict) else None
+        if engine.get("backend") != "http" or not isinstance(endpoints, (list, tuple)) or not endpoints:
+            return  # not the http backend, or its endpoints are refused with the engine settings
+        _require(
+            self.replicas in (1, len(endpoints)),
+            "replicas",
+            self.replicas,
+            f"engine.backend http runs one replica per endpoint: leave replicas out, or give {len(endpoints)}",
+        )
+        object.__setattr__(self, "replicas", len(endpoints))
 
     @property
     def prompt_template(self) -> PromptTemplate | None:

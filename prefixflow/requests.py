@@ -140,6 +140,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    def asked_once(self) -> tuple["SamplingParams", int]:
+        """(the parameters to ask an engine, copies of its answer): a greedy request asking
+        n > 1 samples is asked once and its answer copied n times (n greedy samples are one
+        answer; vLLM refuses greedy n > 1); any other is asked as it is, once."""
+        if self.n > 1 and self.greedy:
+            return self.sample_params(0), self.n
+        return self, 1
+
     def sample_params(self, index: int) -> "SamplingParams":
         """The parameters of sample `index` of n: one sample, seed + index when seeded."""
         seed = None if self.seed is None else (self.seed + index) % (INT64_MAX + 1)

@@ -24,6 +24,7 @@ engine actors read the variable (ProcessorConfig.runtime_env can set it).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +32,9 @@ from urllib.parse import urlsplit
 from prefixflow.errors import did_you_mean, invalid
 
 Problem = tuple[str, Any, str]  # (field path from the top, value, fix)
-MAX_BACKOFF_S = 60.0
+MAX_BACKOFF_S = 60.0  # the longest wait before a retry (a Retry-After above it waits this long)
+MAX_CONCURRENCY = 1024  # requests in flight per endpoint: one thread each
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 OWNER = "engine.http"
 
 
@@ -88,31 +91,48 @@ def http_problems(settings: Any) -> list[Problem]:
         if value is not None and (not isinstance(value, str) or not value):
             problems.append((f"{OWNER}.{name}", value, "give a non-empty string, or leave it out"))
     key = settings.get("api_key_env")
-    if isinstance(key, str) and key.startswith(("sk-", "Bearer")):
-        problems.append((f"{OWNER}.api_key_env", "<hidden>", "name the environment variable that holds the key"))
+    if isinstance(key, str) and key and not ENV_NAME.fullmatch(key):  # a pasted key is never echoed
+        problems.append(
+            (f"{OWNER}.api_key_env", "<hidden>", "give the NAME of the environment variable that holds the key")
+        )
     if not isinstance(settings.get("token_ids", True), bool):
         problems.append((f"{OWNER}.token_ids", settings["token_ids"], "use true or false"))
     return problems
 
 
 def _endpoint_problems(endpoints: Any) -> list[Problem]:
+    """Each endpoint an http(s) URL with a host, a valid port and no path but /v1; one that
+    carries credentials or a query is never echoed (either may hold a key)."""
     name = f"{OWNER}.endpoints"
     if not isinstance(endpoints, (list, tuple)) or not endpoints:
         return [(name, endpoints, "give a list of server URLs, one replica each: [http://host:8000, ...]")]
     problems: list[Problem] = []
     for i, e in enumerate(endpoints):
-        parts = urlsplit(e) if isinstance(e, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            problems.append((f"{name}[{i}]", e, "give an http:// or https:// URL with a host"))
-        elif parts.username or parts.password:
-            problems.append(
-                (f"{name}[{i}]", "<hidden>", "give the URL without credentials (a key goes in api_key_env)")
-            )
-        elif parts.query or parts.fragment:
-            problems.append((f"{name}[{i}]", e, "give the server's base URL, without a query"))
-    if len({base_url(e) for e in endpoints if isinstance(e, str)}) < len(endpoints):
-        problems.append((name, endpoints, "list each server once (one replica each)"))
+        fix = _url_fix(e)
+        if fix is not None:
+            secret = isinstance(e, str) and ("@" in e or "?" in e)
+            problems.append((f"{name}[{i}]", "<hidden>" if secret else e, fix))
+    if not problems and len({base_url(e) for e in endpoints}) < len(endpoints):
+        problems.append((name, f"{len(endpoints)} URLs", "list each server once (one replica each)"))
     return problems
+
+
+def _url_fix(endpoint: Any) -> str | None:
+    """What is wrong with one endpoint URL (None: nothing)."""
+    try:
+        parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+        port = parts.port if parts is not None else None  # raises for a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        return "give an http:// or https:// URL with a host, e.g. http://10.0.0.1:8000"
+    if parts.username or parts.password:
+        return "give the URL without credentials (a key goes in api_key_env)"
+    if parts.query or parts.fragment:
+        return "give the server's base URL, without a query"
+    if parts.path.rstrip("/") not in ("", "/v1"):
+        return f"give the server's base URL (http://host:{port or 8000} or .../v1), not a path under it"
+    return None
 
 
 def _number_problems(settings: dict[str, Any]) -> list[Problem]:
@@ -120,7 +140,7 @@ def _number_problems(settings: dict[str, Any]) -> list[Problem]:
     backoff_s at least 0 (numbers); qps may be null (no limit)."""
     problems: list[Problem] = []
     for name, integer, positive in (
-        ("max_concurrency", True, True),
+        ("max_concurrency", True, True),  # at most MAX_CONCURRENCY (threads)
         ("max_retries", True, False),
         ("qps", False, True),
         ("backoff_s", False, False),
@@ -130,7 +150,11 @@ def _number_problems(settings: dict[str, Any]) -> list[Problem]:
             continue
         value = settings[name]
         number = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if not number or isinstance(value, bool) or not math.isfinite(value) or value < 0 or (positive and value <= 0):
+        if name == "max_concurrency" and number and not isinstance(value, bool) and value > MAX_CONCURRENCY:
+            problems.append((name, value, f"give at most {MAX_CONCURRENCY} (one thread each)"))
+        elif (
+            not number or isinstance(value, bool) or not math.isfinite(value) or value < 0 or (positive and value <= 0)
+        ):
             problems.append(
                 (
                     name,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.engine.config import EngineConfig
-from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY
+from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, group_rows
 from prefixflow.engine.http_backend.client import Endpoint, RequestFailed
 from prefixflow.engine.http_backend.config import HttpConfig
 from prefixflow.engine.outputs import (
@@ -32,6 +32,7 @@ from prefixflow.engine.outputs import (
     TokenLogprob,
     error_output,
     greedy_copies,
+    request_totals,
 )
 from prefixflow.requests import SamplingParams
 
@@ -48,14 +49,14 @@ class _Member:
     prompt: list[int]
     prefix_len: int
     params: SamplingParams
-    copies: int = 1  # a greedy row asking n > 1: sent once, its answer n times
+    copies: int = 1  # a greedy row asking n > 1: sent once, its answer n times (asked_once)
 
 
 class HttpEngine:
     """One replica's engine on the server at `http.endpoints[replica % len]`. One `run` at a time.
 
     config: the job's EngineConfig (its max_tokens cap and model); http: the servers and how to
-    talk to them."""
+    talk to them. `close()` when done with it (its request threads)."""
 
     def __init__(self, config: EngineConfig, http: HttpConfig, replica: int = 0):
         self.config, self.http = config, http
@@ -68,51 +69,62 @@ class HttpEngine:
 
     def run(self, groups: Iterable[Any], params: Params = SamplingParams()) -> Iterator[RequestOutput]:
         """Send planned groups' members in plan order; yield each row's output as its answer
-        comes (an error record for a row the server refused or that failed every retry).
+        comes (an error record for a row the server refused). Raises EndpointDown (an
+        EngineUnavailable) when the server refuses the key or the model, or stops answering.
         params: one SamplingParams for all, or row_id -> SamplingParams."""
+        self.reset()  # nothing of an abandoned run comes out of this one
         start, counts = time.perf_counter(), dict(requests=0, prompt=0, cached=0, output=0)
         waiting: deque[_Member] = deque()
         source, exhausted = iter(groups), False
         try:
             while True:
-                while len(self._in_flight) < self.http.max_concurrency:
-                    if not waiting and not exhausted:
-                        exhausted = self._take(source, waiting, params)
-                    if not waiting:
-                        break
-                    m = waiting.popleft()
-                    self._in_flight[self._pool.submit(self.endpoint.post, "/completions", self._body(m))] = m
+                exhausted, turn_s = self._send(source, waiting, params, exhausted)
                 if not self._in_flight:
-                    if exhausted:
+                    if exhausted and not waiting:
                         return
-                    time.sleep(IDLE_POLL_S)  # the feed has no group yet
+                    time.sleep(max(turn_s, IDLE_POLL_S) if waiting else IDLE_POLL_S)  # qps, or no group yet
                     continue
-                done, _ = wait(
-                    list(self._in_flight),
-                    timeout=None if exhausted or waiting else IDLE_POLL_S,
-                    return_when=FIRST_COMPLETED,
-                )
+                idle = not exhausted and not waiting  # the feed may have a group later
+                timeout = turn_s if waiting and turn_s > 0 else IDLE_POLL_S if idle else None
+                done, _ = wait(list(self._in_flight), timeout=timeout, return_when=FIRST_COMPLETED)
                 for future in done:
                     yield self._finish(self._in_flight.pop(future), future, counts)
         finally:
-            elapsed = time.perf_counter() - start
-            self.totals = EngineTotals(
-                num_requests=counts["requests"],
-                num_prompt_tokens=counts["prompt"],
-                num_computed_prompt_tokens=counts["prompt"] - counts["cached"],
-                num_recomputed_tokens=0,
-                num_output_tokens=counts["output"],
-                num_steps=0,
-                num_preemptions=0,
-                wall_time_s=elapsed,
-            )
+            self.totals = request_totals(counts, time.perf_counter() - start)
+            if self._in_flight:  # the caller stopped iterating, or the server went down
+                self.reset()
 
     def reset(self) -> None:
-        """Forget what is in flight (after a failed or abandoned run): the answers still to
-        come are dropped; the server finishes those requests on its own."""
+        """Forget what is in flight (after a failed or abandoned run): requests not started are
+        cancelled, the answers still to come are dropped (the server finishes those on its own)."""
         for future in self._in_flight:
             future.cancel()
         self._in_flight.clear()
+
+    def close(self) -> None:
+        """Stop the request threads: waits end at once, requests not started are cancelled."""
+        self.endpoint.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send(
+        self, source: Iterator[Any], waiting: deque[_Member], params: Params, exhausted: bool
+    ) -> tuple[bool, float]:
+        """Hand members to the request threads while fewer than max_concurrency are in flight,
+        each when qps lets it start (a request is sent as soon as it is handed over), taking the
+        feed's next group only when the members before it are sent. Returns (the feed is
+        exhausted, seconds until qps lets the next member start: 0 when none waits for it)."""
+        while len(self._in_flight) < self.http.max_concurrency:
+            if not waiting and not exhausted:
+                exhausted = self._take(source, waiting, params)
+            if not waiting:
+                return exhausted, 0.0
+            turn_s = self.endpoint.take_turn()
+            if turn_s > 0:
+                return exhausted, turn_s
+            m = waiting.popleft()
+            future = self._pool.submit(self.endpoint.post, "/completions", self._body(m), True)
+            self._in_flight[future] = m
+        return exhausted, 0.0
 
     def _take(self, source: Iterator[Any], waiting: deque[_Member], params: Params) -> bool:
         """The feed's next group's members into `waiting`; True when the feed is exhausted."""
@@ -121,27 +133,28 @@ class HttpEngine:
             return True
         if g is NOT_READY:
             return False
-        prefix = [int(t) for t in g.prefix]
-        for i, row in enumerate(g.row_ids):
-            p = self.config.row_params(params, int(row))
-            prompt = prefix + [int(t) for t in g.distinct[i]]
-            copies = p.n if p.n > 1 and p.greedy else 1
-            waiting.append(_Member(int(row), prompt, g.prefix_len, p.sample_params(0) if copies > 1 else p, copies))
+        for row, prompt, prefix_len in group_rows(g):
+            asked, copies = self.config.row_params(params, row).asked_once()
+            waiting.append(_Member(row, prompt, prefix_len, asked, copies))
         return False
 
     def _body(self, m: _Member) -> dict[str, Any]:
         return completion_body(self.model, m.prompt, m.params, self.http.token_ids)
 
     def _finish(self, m: _Member, future: Future[dict[str, Any]], counts: dict[str, int]) -> RequestOutput:
-        """The row's output from the server's answer (its error record when the request failed)."""
+        """The row's output from the server's answer: its error record when the server refused
+        the request or answered what is not a completion (EndpointDown is raised)."""
         counts["requests"] += 1
         counts["prompt"] += len(m.prompt)
         try:
-            out = completion_output(future.result(), m)
-        except (RequestFailed, ValueError, KeyError, TypeError) as e:
-            return error_output(m.row_id, m.prompt, str(e))
+            answer = future.result()
+            out = completion_output(answer, m)
+        except (RequestFailed, ValueError, KeyError, TypeError, AttributeError) as e:
+            return error_output(
+                m.row_id, m.prompt, f"{type(e).__name__}: {e}" if not isinstance(e, RequestFailed) else str(e)
+            )
         counts["cached"] += out.num_cached_tokens
-        counts["output"] += sum(len(s.token_ids) for s in out.samples) if out.samples else len(out.token_ids)
+        counts["output"] += int((answer.get("usage") or {}).get("completion_tokens") or 0)
         return greedy_copies(out, m.copies)
 
 
@@ -205,23 +218,30 @@ def completion_output(answer: dict[str, Any], m: _Member) -> RequestOutput:
 
 
 def _sample(c: dict[str, Any], p: SamplingParams) -> SampleOutput:
+    """One choice of a completion answer. ValueError for a choice that did not finish (vLLM's
+    "abort", or none given): the row's error record."""
+    finish = c.get("finish_reason")
+    if finish not in ("stop", "length"):
+        raise ValueError(f"the server ended the completion with finish_reason={finish!r}, not 'stop' or 'length'")
     ids = tuple(int(t) for t in c.get("token_ids") or ())
     text = str(c.get("text") or "") if p.detokenize else ""
-    finish = str(c.get("finish_reason") or "length")
     logprobs = None
     if p.logprobs is not None and c.get("logprobs"):
         lp = c["logprobs"]
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
         logprobs = tuple(
-            TokenLogprob(
-                _token_id(token),
-                float(value if value is not None else float("-inf")),
-                tuple((_token_id(t), float(v)) for t, v in (top or {}).items())[: p.logprobs],
-            )
+            TokenLogprob(_token_id(token), float(value if value is not None else float("-inf")), _top(top, p.logprobs))
             for token, value, top in zip(lp["tokens"], lp["token_logprobs"], tops)
         )
         ids = ids or tuple(t.token_id for t in logprobs)
-    return SampleOutput(int(c.get("index", 0)), ids, text, finish, logprobs)
+    return SampleOutput(int(c.get("index", 0)), ids, text, str(finish), logprobs)
+
+
+def _top(top: dict[str, float] | None, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most probable alternatives, most probable first (vLLM lists the sampled token
+    first, then the top k, so the sampled one may be an extra)."""
+    ranked = sorted(((_token_id(t), float(v)) for t, v in (top or {}).items()), key=lambda item: -item[1])
+    return tuple(ranked[:k])
 
 
 def _token_id(token: str) -> int:

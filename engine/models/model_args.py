@@ -32,6 +32,7 @@ CLASSIFIER_ARCHITECTURES = {
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("softmax", "sigmoid", "identity")  # ModelArgs.activation's values the engines apply
 # The torch.nn.modules a sentence-transformers cross-encoder's config may name as its activation
 # (nothing else is imported or run). Softmax and Sigmoid both mean "classify" as vLLM takes them:
 # sigmoid over one label, softmax over more.
@@ -82,9 +83,10 @@ class ModelArgs:
     sliding_window: int | None = None  # None: full attention
     has_lm_head: bool = True  # False: a base model or a classifier, which embed (and classify)
     labels: tuple[str, ...] = ()  # a classifier's labels (config.json id2label), in id order
-    # What a classifier's label logits become, chosen from config.json as transformers' loss and
-    # vLLM's pooler choose it (`_activation`): "softmax" over two or more labels, "sigmoid" over
-    # one (a cross-encoder's relevance score) or for multi-label problems, "identity" for regression.
+    # What a classifier's label logits become, chosen from config.json as vLLM's pooler chooses
+    # it (`_activation`): "softmax" over two or more labels, "sigmoid" over one (a cross-encoder's
+    # relevance score) or for multi-label problems, "identity" for regression; any other value
+    # is the activation the config names, which require_classifier refuses.
     activation: str = "softmax"
 
     @property
@@ -107,11 +109,18 @@ def require_lm_head(args: ModelArgs, task: str) -> None:
 
 
 def require_classifier(args: ModelArgs) -> None:
-    """ValueError for a checkpoint without a classification head asked to classify."""
+    """ValueError for a checkpoint without a classification head asked to classify, or whose
+    config names an activation the engines do not apply."""
     if not args.labels:
         raise ValueError(
             f"task classify needs a sequence classification checkpoint ({', '.join(CLASSIFIER_ARCHITECTURES)}: "
             f"a score head over labels); this one is {args.architecture if args.has_lm_head else 'a base model'}"
+        )
+    if args.activation not in ACTIVATIONS:
+        raise ValueError(
+            f"config.json names the cross-encoder activation {args.activation!r}: prefixflow applies "
+            f"{', '.join(SBERT_ACTIVATIONS)} (remove it for the default: sigmoid over one label, "
+            "softmax over more)"
         )
 
 
@@ -177,10 +186,11 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _activation(cfg: dict[str, Any], num_labels: int) -> str:
-    """A classifier's activation (ModelArgs.activation) from config.json: problem_type first (as
-    transformers' loss reads it), then a sentence-transformers cross-encoder's activation_fn,
-    else softmax over two or more labels and sigmoid over one; ValueError for an activation_fn
-    outside SBERT_ACTIVATIONS (its name is never imported)."""
+    """A classifier's activation (ModelArgs.activation) from config.json, as vLLM's pooler picks
+    it: problem_type first, then a sentence-transformers cross-encoder's activation_fn (a null
+    one: the default), else softmax over two or more labels and sigmoid over one. A name
+    outside SBERT_ACTIVATIONS comes back as it is (never imported), for require_classifier to
+    refuse when the checkpoint is asked to classify (it still embeds)."""
     by_labels = "softmax" if num_labels >= 2 else "sigmoid"
     problem = cfg.get("problem_type")
     if problem == "regression":
@@ -190,17 +200,14 @@ def _activation(cfg: dict[str, Any], num_labels: int) -> str:
     if problem == "single_label_classification":
         return by_labels
     sbert = cfg.get("sentence_transformers")
-    name = (sbert.get("activation_fn") if isinstance(sbert, dict) else None) or cfg.get(
-        "sbert_ce_default_activation_function"
-    )
+    if isinstance(sbert, dict) and "activation_fn" in sbert:
+        name = sbert["activation_fn"]
+    else:
+        name = cfg.get("sbert_ce_default_activation_function")
     if name is None:
         return by_labels
     if name not in SBERT_ACTIVATIONS:
-        raise ValueError(
-            f"config.json names the cross-encoder activation {name!r}: prefixflow applies "
-            f"{', '.join(SBERT_ACTIVATIONS)} (remove it for the default: sigmoid over one label, "
-            "softmax over more)"
-        )
+        return str(name)
     return by_labels if SBERT_ACTIVATIONS[name] == "classify" else "identity"
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
-from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, wants_more
+from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, group_rows, wants_more
 from prefixflow.engine.outputs import (
     EngineTotals,
     RequestOutput,
@@ -35,8 +35,9 @@ from prefixflow.engine.outputs import (
     decode_output,
     error_output,
     greedy_copies,
+    request_totals,
 )
-from prefixflow.engine.models.model_args import read_model_args
+from prefixflow.engine.models.model_args import read_model_args, require_classifier
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, label_output
 from prefixflow.engine.scoring.choices import error_output as score_error
 from prefixflow.engine.scoring.options import ScoreOptions
@@ -173,7 +174,7 @@ class VllmEngine:
         members = (
             NOT_READY
             if g is NOT_READY
-            else [_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in _rows(g)]
+            else [_member(row, prompt, p, self.config.row_params(params, row)) for row, prompt, p in group_rows(g)]
             for g in groups
         )
         for out, m in self._execute(members):
@@ -205,7 +206,7 @@ class VllmEngine:
         members = (
             NOT_READY
             if g is NOT_READY
-            else [self._score_member(row, prompt, p, choices, options) for row, prompt, p in _rows(g)]
+            else [self._score_member(row, prompt, p, choices, options) for row, prompt, p in group_rows(g)]
             for g in groups
         )
         for out, m in self._execute(members):
@@ -240,6 +241,7 @@ class VllmEngine:
         cross-encoder's one label), read from its last token (prefix caching on)."""
         require(self.classify, "VllmEngine.classify_groups", "classify", False, "build VllmEngine(classify=True)")
         args = read_model_args(self.model_path)
+        require_classifier(args)
         for values, m, cached in self._pooled(groups, "classify"):
             if m.error is not None:
                 yield score_error(m.row_id, args.labels, len(m.prompt), m.error)
@@ -258,7 +260,7 @@ class VllmEngine:
         members = (
             NOT_READY
             if g is NOT_READY
-            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task=task) for row, prompt, p in _rows(g)]
+            else [_Req(row, prompt, p, SamplingParams(), {}, pooling_task=task) for row, prompt, p in group_rows(g)]
             for g in groups
         )
         for out, m in self._execute(members):
@@ -309,15 +311,8 @@ class VllmEngine:
         finally:
             if not completed:  # the caller stopped iterating, or adding or a step raised
                 self.reset()
-        self.totals = EngineTotals(
-            num_requests=counts["requests"],
-            num_prompt_tokens=counts["prompt"],
-            num_computed_prompt_tokens=counts["prompt"] - counts["cached"],
-            num_recomputed_tokens=0,
-            num_output_tokens=counts["output"],
-            num_steps=len(self.stats),
-            num_preemptions=sum(s.num_preemptions for s in self.stats),
-            wall_time_s=time.perf_counter() - start,
+        self.totals = request_totals(
+            counts, time.perf_counter() - start, len(self.stats), sum(s.num_preemptions for s in self.stats)
         )
 
     def _wants_more(self) -> bool:
@@ -517,17 +512,10 @@ def _elem_size(dtype: str) -> int:
     return 4 if dtype in ("auto", "float32") else 2
 
 
-def _rows(g: PrefixGroup) -> list[tuple[int, list[int], int]]:
-    """(row_id, full prompt, prefix_len) of each member, in the plan's member order."""
-    prefix = [int(t) for t in g.prefix]
-    return [(int(row), prefix + [int(t) for t in g.distinct[i]], g.prefix_len) for i, row in enumerate(g.row_ids)]
-
-
 def _member(row: int, prompt: list[int], prefix_len: int, p: SamplingParams) -> _Req:
     """One member to generate for; a greedy one asking n > 1 samples is asked once."""
-    if p.n > 1 and p.greedy:
-        return _Req(row, prompt, prefix_len, p.sample_params(0), {}, copies=p.n)
-    return _Req(row, prompt, prefix_len, p, {})
+    asked, copies = p.asked_once()
+    return _Req(row, prompt, prefix_len, asked, {}, copies=copies)
 
 
 def _row_choices(choices: Choices, row: int) -> Sequence[Choice]:

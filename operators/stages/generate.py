@@ -191,6 +191,9 @@ class ReplicaRunner:
         """The engine, built at the first call (a model engine serves any replica); an http
         engine talks to `replica`'s server, so another replica's run builds another."""
         if self.engine is None or (self.config.backend == "http" and replica != self.engine_replica):
+            close = getattr(self.engine, "close", None)  # an http engine's request threads
+            if close is not None:
+                close()
             self.engine, self.engine_replica = make_engine(self.config, replica), replica
         return self.engine
 

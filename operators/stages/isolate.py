@@ -10,7 +10,9 @@ exception. Only a death of the process (not an exception) is the supervisor's bu
 An engine that fails on every request is broken, not fed bad rows (a lost GPU, a broken
 kernel): once MAX_FAILURES_IN_A_ROW rows run alone have failed with none running in between,
 EngineBroken is raised instead of turning the rest of the replica into error records.
-The job then stops with its committed rows kept for `output.resume`.
+The job then stops with its committed rows kept for `output.resume`. An engine that knows it
+cannot run anything now raises EngineUnavailable (engine/outputs.py), which stops the run at
+once, the same way.
 
 `without_rows` (a group less the rows already done) is shared with the replica runner
 (operators/stages/generate.py), which skips the rows an earlier attempt committed.
@@ -27,6 +29,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from prefixflow.engine.outputs import EngineUnavailable  # torch-free
 from prefixflow.requests import PrefixGroup
 
 _log = logging.getLogger(__name__)
@@ -141,6 +144,8 @@ def _attempt(
         for out in run(groups):
             done.add(int(out.row_id))
             yield out
+    except EngineUnavailable:
+        raise  # no row is to blame (a server that stopped answering): the run stops, rows kept for resume
     except Exception as e:  # noqa: BLE001 - any engine failure is contained; GeneratorExit is not an Exception
         return e
     return None

@@ -89,8 +89,9 @@ def test_a_cross_encoders_score_is_the_sigmoid_of_its_one_label_and_queries_shar
     """Reranking: one query, several documents after it; each row's relevance is the sigmoid
     of the one-label head (transformers' and vLLM's rule), the query computed once. A
     regression head's value comes back raw (no logprobs); config.json's sentence-transformers
-    activation_fn is followed when it names Identity, and an activation outside the known
-    torch.nn modules is refused by name, never imported."""
+    activation_fn is followed when it names Identity (a null one means the default, as vLLM
+    reads it), and an activation outside the known torch.nn modules is refused by name when the
+    checkpoint is asked to classify, never imported."""
     from prefixflow.engine.models.model_args import read_model_args
     from prefixflow.pipeline import build_plan
 
@@ -122,8 +123,15 @@ def test_a_cross_encoders_score_is_the_sigmoid_of_its_one_label_and_queries_shar
     )
     assert read_model_args(identity).activation == "identity" and read_model_args(path).activation == "sigmoid"
     unsafe, _ = cross_encoder(tmp_path / "bad", sbert_ce_default_activation_function="os.system")
+    assert read_model_args(unsafe).activation == "os.system"  # read, never imported; it still embeds
     with pytest.raises(ValueError, match="names the cross-encoder activation 'os.system'"):
-        read_model_args(unsafe)
+        list(Scorer(EngineConfig(model=str(unsafe), device="cpu")).classify_groups([]))
+    null, _ = cross_encoder(
+        tmp_path / "null",
+        sentence_transformers={"activation_fn": None},
+        sbert_ce_default_activation_function="torch.nn.modules.linear.Identity",
+    )
+    assert read_model_args(null).activation == "sigmoid"  # a null activation_fn: vLLM's default
 
 
 def test_checkpoints_without_the_head_are_refused(classifier):

@@ -323,7 +323,7 @@ def test_http_servers_are_asked_for_the_model_before_any_work(tmp_path, tiny_mod
     not serve the job's model and one that does not answer are named; engine.http's own
     settings are checked by name when the spec is read."""
     from support.openai_server import ScriptedServer
-    from prefixflow.bench.vllm_servers import free_port
+    from prefixflow.bench.fault_proxy import free_port
 
     closed = f"http://127.0.0.1:{free_port()}"
     with ScriptedServer(default={"object": "list", "data": [{"id": "tiny"}]}) as server:

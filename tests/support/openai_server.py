@@ -17,11 +17,22 @@ Answer = tuple[int, Any, dict[str, str]]  # status, JSON body (or text), headers
 
 
 class ScriptedServer:
-    """`url`: its base URL. `script`: answers to POSTs and GETs given in order (then `upstream`, else 200 with
-    `default`). `requests`: each request's (path, JSON body), in arrival order; `headers` theirs."""
+    """`url`: its base URL. `script`: answers to POSTs given in order (then `upstream`, else 200
+    with `default`); `get_script` the same for GETs (then `upstream`, else the model list
+    `models`: GET /v1/models). `requests`: each request's (path, JSON body; None for a GET), in
+    arrival order; `headers` theirs."""
 
-    def __init__(self, script: list[Answer] | None = None, upstream: str | None = None, default: Any = None):
+    def __init__(
+        self,
+        script: list[Answer] | None = None,
+        upstream: str | None = None,
+        default: Any = None,
+        get_script: list[Answer] | None = None,
+        models: tuple[str, ...] = ("tiny",),
+    ):
         self.script: deque[Answer] = deque(script or [])
+        self.get_script: deque[Answer] = deque(get_script or [])
+        self.models = {"object": "list", "data": [{"id": m} for m in models]}
         self.upstream, self.default = upstream, default
         self.requests: list[tuple[str, Any]] = []
         self.headers: list[dict[str, str]] = []
@@ -31,13 +42,15 @@ class ScriptedServer:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+                script = server.get_script if self.command == "GET" else server.script
                 with server.lock:
                     server.requests.append((self.path, body))
                     server.headers.append(dict(self.headers))
-                    answer = server.script.popleft() if server.script else None
+                    answer = script.popleft() if script else None
                 if answer is None and server.upstream is not None:
                     answer = server.forward(self.path, body)
-                status, payload, headers = answer or (200, server.default, {})
+                fallback = server.models if self.command == "GET" else server.default
+                status, payload, headers = answer or (200, fallback, {})
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(status)
                 for k, v in {"Content-Type": "application/json", **headers}.items():
