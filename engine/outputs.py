@@ -6,6 +6,7 @@ finishing rules live in engine/native/finish.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -65,6 +66,26 @@ class RequestOutput:
 
     def as_sample(self, index: int) -> SampleOutput:
         return SampleOutput(index, self.token_ids, self.text, self.finish_reason, self.logprobs)
+
+
+def sampled_output(
+    row_id: int, prompt: Sequence[int], prefix_len: int, samples: Sequence[SampleOutput], n: int, num_cached: int
+) -> RequestOutput:
+    """A finished request from its samples in index order (what vLLM and a server hand back):
+    sample 0's fields, and with n > 1 every sample. prefix_len: the group's shared prefix, as
+    far as the cache served it (num_cached prompt tokens)."""
+    first = samples[0]
+    return RequestOutput(
+        row_id=row_id,
+        prompt_token_ids=tuple(prompt),
+        token_ids=first.token_ids,
+        text=first.text,
+        finish_reason=first.finish_reason,
+        logprobs=first.logprobs,
+        prefix_len=min(prefix_len, num_cached),
+        num_cached_tokens=num_cached,
+        samples=tuple(samples) if n > 1 else (),
+    )
 
 
 def with_samples(outs: list[RequestOutput]) -> RequestOutput:

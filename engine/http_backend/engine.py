@@ -33,6 +33,7 @@ from prefixflow.engine.outputs import (
     error_output,
     greedy_copies,
     request_totals,
+    sampled_output,
 )
 from prefixflow.requests import SamplingParams
 
@@ -202,19 +203,7 @@ def completion_output(answer: dict[str, Any], m: _Member) -> RequestOutput:
         raise ValueError(f"the server answered without choices: {str(answer)[:200]}")
     samples = [_sample(c, m.params) for c in choices]
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
-    cached = int(details.get("cached_tokens") or 0)
-    first = samples[0]
-    return RequestOutput(
-        row_id=m.row_id,
-        prompt_token_ids=tuple(m.prompt),
-        token_ids=first.token_ids,
-        text=first.text,
-        finish_reason=first.finish_reason,
-        logprobs=first.logprobs,
-        prefix_len=min(m.prefix_len, cached),
-        num_cached_tokens=cached,
-        samples=tuple(samples) if m.params.n > 1 else (),
-    )
+    return sampled_output(m.row_id, m.prompt, m.prefix_len, samples, m.params.n, int(details.get("cached_tokens") or 0))
 
 
 def _sample(c: dict[str, Any], p: SamplingParams) -> SampleOutput:

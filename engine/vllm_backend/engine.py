@@ -36,6 +36,7 @@ from prefixflow.engine.outputs import (
     error_output,
     greedy_copies,
     request_totals,
+    sampled_output,
 )
 from prefixflow.engine.models.model_args import read_model_args, require_classifier
 from prefixflow.engine.scoring.choices import Choice, ScoreOutput, choice_token_ids, label_output
@@ -590,18 +591,7 @@ def _to_output(out: Any, m: _Req, tokenizer: Any) -> RequestOutput:
     """vLLM's output as ours (engine/native/finish.finished_output): sample 0's fields, and with
     n > 1 every sample in `samples`."""
     samples = sorted((_sample(c, m.params, tokenizer) for c in out.outputs), key=lambda s: s.index)
-    first, cached = samples[0], int(out.num_cached_tokens or 0)
-    return RequestOutput(
-        row_id=m.row_id,
-        prompt_token_ids=tuple(m.prompt),
-        token_ids=first.token_ids,
-        text=first.text,
-        finish_reason=first.finish_reason,
-        logprobs=first.logprobs,
-        prefix_len=min(m.prefix_len, cached),
-        num_cached_tokens=cached,
-        samples=tuple(samples) if m.params.n > 1 else (),
-    )
+    return sampled_output(m.row_id, m.prompt, m.prefix_len, samples, m.params.n, int(out.num_cached_tokens or 0))
 
 
 def _sample(c: Any, params: SamplingParams, tokenizer: Any) -> SampleOutput:

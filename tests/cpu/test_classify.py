@@ -53,6 +53,23 @@ def classifier(request, tmp_path_factory):
     return classifier_checkpoint(tmp_path_factory.mktemp(f"cls-{request.param}"), request.param)
 
 
+def ray_pooling_processor(path: Path, task_type: str, **stages: object) -> object:
+    """ray.data.llm's processor as its docs build one, import line changed: vLLM's pooling
+    runner on the CPU (eager, one CPU bundle), prompts given by the rows."""
+    from prefixflow import build_processor, vLLMEngineProcessorConfig
+
+    config = vLLMEngineProcessorConfig(
+        model_source=str(path),
+        task_type=task_type,
+        engine_kwargs=dict(enforce_eager=True, max_model_len=256),
+        chat_template_stage=False,
+        detokenize_stage=False,
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        log_engine_metrics=False,
+    )
+    return build_processor(config, **stages)
+
+
 def rand_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -176,20 +193,10 @@ def test_rays_classify_example_runs_on_vllms_pooling_runner(ray_local, tmp_path)
     in `embeddings`, as Ray's rows carry them, equal to the native engine's."""
     import ray
 
-    from prefixflow import build_processor, vLLMEngineProcessorConfig
-
     path, hf = classifier_checkpoint(tmp_path / "cls")
-    config = vLLMEngineProcessorConfig(
-        model_source=str(path),
-        task_type="classify",
-        engine_kwargs=dict(enforce_eager=True, max_model_len=256),
-        chat_template_stage=False,
-        detokenize_stage=False,
-        placement_group_config={"bundles": [{"CPU": 1}]},
-        log_engine_metrics=False,
-    )
-    processor = build_processor(
-        config,
+    processor = ray_pooling_processor(
+        path,
+        "classify",
         preprocess=lambda row: dict(prompt=f"Review: item {row['id']} works."),
         postprocess=lambda row: dict(prompt=row["prompt"], probs=row["embeddings"], ids=row["prompt_token_ids"]),
     )
@@ -206,20 +213,10 @@ def test_rays_cross_encoder_score_runs_on_vllms_pooling_runner(ray_local, tmp_pa
     relevance (vLLM's sigmoid of the one-label head) in `embeddings`, equal to transformers'."""
     import ray
 
-    from prefixflow import build_processor, vLLMEngineProcessorConfig
-
     path, hf = cross_encoder(tmp_path / "ce")
-    config = vLLMEngineProcessorConfig(
-        model_source=str(path),
-        task_type="score",
-        engine_kwargs=dict(enforce_eager=True, max_model_len=256),
-        chat_template_stage=False,
-        detokenize_stage=False,
-        placement_group_config={"bundles": [{"CPU": 1}]},
-        log_engine_metrics=False,
-    )
-    processor = build_processor(
-        config,
+    processor = ray_pooling_processor(
+        path,
+        "score",
         preprocess=lambda row: dict(prompt=f"Query: is it cheap? Document: item {row['id']} costs {row['id']}."),
         postprocess=lambda row: dict(score=row["embeddings"], ids=row["prompt_token_ids"]),
     )
