@@ -83,7 +83,7 @@ class HttpEngine:
                 if not self._in_flight:
                     if exhausted and not waiting:
                         return
-                    time.sleep(max(turn_s, IDLE_POLL_S) if waiting else IDLE_POLL_S)  # qps, or no group yet
+                    time.sleep(turn_s if waiting and turn_s > 0 else IDLE_POLL_S)  # qps, or no group yet
                     continue
                 idle = not exhausted and not waiting  # the feed may have a group later
                 timeout = turn_s if waiting and turn_s > 0 else IDLE_POLL_S if idle else None
