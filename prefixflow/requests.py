@@ -186,7 +186,11 @@ STRUCTURED_KINDS = {
 }
 
 
-def params_for_row(params: "SamplingParams | Mapping[int, SamplingParams]", row_id: int) -> SamplingParams:
+# The engines' `params` argument: one SamplingParams for all rows, or row_id -> SamplingParams.
+Params = SamplingParams | Mapping[int, SamplingParams]
+
+
+def params_for_row(params: Params, row_id: int) -> SamplingParams:
     """A row's SamplingParams from one for all rows, or a row_id -> SamplingParams mapping
     (the engines' `params` argument). ValueError when the mapping has no entry for the row."""
     if isinstance(params, SamplingParams):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +35,8 @@ from prefixflow.engine.outputs import (
     request_totals,
     sampled_output,
 )
-from prefixflow.requests import SamplingParams
+from prefixflow.requests import Params, SamplingParams
 
-Params = SamplingParams | Mapping[int, SamplingParams]
 _END = object()  # the feed is exhausted
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's logprobs tokens with return_tokens_as_token_ids
 

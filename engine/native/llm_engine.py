@@ -12,7 +12,7 @@ import gc
 import itertools
 import time
 from dataclasses import replace
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence as Seq
+from collections.abc import Generator, Iterable, Iterator, Sequence as Seq
 from typing import Any, Final
 
 from prefixflow.engine.config import EngineConfig
@@ -32,9 +32,8 @@ from prefixflow.engine.outputs import (
     with_samples,
 )
 from prefixflow.pipeline import build_plan
-from prefixflow.requests import PrefixGroup, SamplingParams
+from prefixflow.requests import PrefixGroup, Params, SamplingParams
 
-Params = SamplingParams | Mapping[int, SamplingParams]
 Member = tuple[int, list[int], list[int], SamplingParams, int]  # row, prefix, distinct, params, sample
 Made = tuple[GroupState | None, list[RequestOutput]]  # a group (None: no row can run) and its rows' errors
 

@@ -47,9 +47,8 @@ from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.errors import require
 from prefixflow.lora import LoraAdapters
 from prefixflow.model_source import resolve_model
-from prefixflow.requests import PrefixGroup, SamplingParams
+from prefixflow.requests import PrefixGroup, Params, SamplingParams
 
-Params = SamplingParams | Mapping[int, SamplingParams]
 Choices = Sequence[Choice] | Mapping[int, Sequence[Choice]]
 SCHEDULER = "prefixflow.engine.vllm_backend.scheduler"
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
