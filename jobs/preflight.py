@@ -309,7 +309,7 @@ def _kv_block_bytes(spec: JobSpec) -> int | None:
     if model is None:
         return None
     try:
-        per_token = read_model_args(model).kv_bytes_per_token_per_elem
+        per_token = read_model_args(model, vision=spec.engine.backend == "vllm").kv_bytes_per_token_per_elem
     except (ValueError, KeyError, TypeError, OSError):  # an architecture only vLLM runs
         return None
     dtype, device = spec.engine.dtype, spec.engine.device

@@ -50,6 +50,7 @@ from pydantic import (
 from prefixflow.engine.config import EngineConfig
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, short
 from prefixflow.jobs.job import Job
+from prefixflow.images import ImageConfig
 from prefixflow.lora import LoraConfig
 from prefixflow.model_source import normalize_model  # torch-free
 from prefixflow.operators.config import (
@@ -362,6 +363,7 @@ if TYPE_CHECKING:
     ScoreSpec: TypeAlias = Any
     EmbedSpec: TypeAlias = Any
     LoraSpec: TypeAlias = Any
+    ImagesSpec: TypeAlias = Any
 else:
     # engine.backend, engine.vllm and engine.http choose the engine (operators/config.setting_problems checks
     # them for both the spec and ProcessorConfig); the other engine fields are EngineConfig's.
@@ -415,6 +417,8 @@ else:
     EmbedSpec = _mirror(EmbedConfig, "EmbedSpec")
     # per-row LoRA adapters (prefixflow/lora.py): a row's `model` names its adapter
     LoraSpec = _mirror(LoraConfig, "LoraSpec")
+    # where the images of chat messages may come from (prefixflow/images.py)
+    ImagesSpec = _mirror(ImageConfig, "ImagesSpec")
 
 
 class InputSpec(_Strict):
@@ -671,6 +675,11 @@ class JobSpec(_Strict):
         description="per-row LoRA adapters: path (one subfolder per adapter; a row's model column names "
         "one), max_loras, max_lora_rank; engine.backend vllm",
     )
+    images: ImagesSpec | None = Field(
+        default=None,
+        description="where the images of chat messages may come from: root (a local folder), allow_urls "
+        "(fetch http(s) URLs), max_bytes, timeout_s; a vision-language model on engine.backend vllm",
+    )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     order: Annotated[str, _choice("order")] = Field(
@@ -731,6 +740,10 @@ class JobSpec(_Strict):
         if self.lora is not None and (self.task != "generate" or self.engine.backend != "vllm"):
             raise _SpecProblems(
                 [("lora", "LoRA adapters run with task: generate on engine.backend: vllm; set them, or remove lora")]
+            )
+        if self.images is not None and (self.task != "generate" or self.engine.backend != "vllm"):
+            raise _SpecProblems(
+                [("images", "images run with task: generate on engine.backend: vllm; set them, or remove images")]
             )
         if self.prompt is None and fmt != "openai":
             raise ValueError(
@@ -878,6 +891,7 @@ class JobSpec(_Strict):
             score=self.score.model_dump() if self.score is not None else None,
             embed=self.embed.model_dump() if self.embed is not None else None,
             lora=self.lora.model_dump() if self.lora is not None else None,
+            images=self.images.model_dump() if self.images is not None else None,
         )
 
 

@@ -24,6 +24,7 @@ from prefixflow.engine.http_backend.config import HttpConfig, http_problems  # t
 from prefixflow.engine.scoring.options import ScoreOptions  # torch-free
 from prefixflow.engine.scoring.pooling import POOLING_KINDS, Pooling, model_pooling  # torch-free
 from prefixflow.engine.vllm_backend.args import vllm_arg_problems  # torch-free, does not import vLLM
+from prefixflow.images import ImageConfig
 from prefixflow.lora import LoraAdapters, LoraConfig
 from prefixflow.errors import InvalidSetting, did_you_mean, invalid, one_of, require, short
 from prefixflow.model_source import resolve_model
@@ -123,6 +124,21 @@ class TokenizeOptions:
     # embed / classify: whether the job's vectors are normalized (its classes softmaxed), what
     # a row's ray.data.llm `pooling_params` may ask (use_activation) and nothing else.
     pooling_activation: bool | None = None
+    # A job that takes images (engine.backend vllm, a vision-language model): where they may come
+    # from, and the model's image token, which the chat template writes once per image. None:
+    # an image part is the row's error record.
+    images: ImageConfig | None = None
+    image_token_id: int | None = None
+
+
+def model_image_token(model: str) -> int | None:
+    """The token id a vision-language model's chat template writes for each image (its config's
+    image_token_id, or image_token_index), or None: the model takes text only."""
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(config.get(key), int) and not isinstance(config[key], bool):
+            return int(config[key])
+    return None
 
 
 def model_max_len(model: str, override: int | None) -> int:
@@ -130,9 +146,11 @@ def model_max_len(model: str, override: int | None) -> int:
     if override is not None:
         return override
     config = json.loads((resolve_model(model) / "config.json").read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        if isinstance(config.get(key), int):
-            return config[key]
+    # A vision-language model's context is its language model's (text_config).
+    for cfg in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            if isinstance(cfg.get(key), int):
+                return int(cfg[key])
     return 2048
 
 
@@ -243,6 +261,10 @@ class ProcessorConfig:
     lora: LoraConfig (or a dict of its fields: path, max_loras, max_lora_rank): per-row LoRA
         adapters, ray.data.llm's dynamic_lora_loading_path; a row's `model` column names its
         adapter. Task generate on engine.backend vllm; the plan never groups rows of two adapters.
+    images: ImageConfig (or a dict of its fields: root, allow_urls, max_bytes, timeout_s): where
+        the images of chat messages may come from. A vision-language model (its config names an
+        image token) on engine.backend vllm, task generate, takes image parts (data URLs only
+        when this is None); elsewhere an image part is the row's error record.
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
         instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
         False}); rendered in the bounded sandbox (prefixflow/sandbox.py). Python API,
@@ -278,6 +300,7 @@ class ProcessorConfig:
     score: ScoreConfig | dict[str, Any] | None = None
     embed: EmbedConfig | dict[str, Any] | None = None
     lora: LoraConfig | dict[str, Any] | None = None
+    images: ImageConfig | dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     runtime_env: dict[str, Any] | None = None
@@ -299,6 +322,8 @@ class ProcessorConfig:
             object.__setattr__(self, "embed", EmbedConfig(**self.embed))
         if isinstance(self.lora, dict):
             object.__setattr__(self, "lora", LoraConfig(**self.lora))
+        if isinstance(self.images, dict):
+            object.__setattr__(self, "images", ImageConfig(**self.images))
         self._take_endpoint_count()
         self._check()
         engine = dict(self.engine)
@@ -356,6 +381,12 @@ class ProcessorConfig:
         if self.task == "embed":
             return self.embed_config.pooling_of(self.model).normalize
         return True if self.task == "classify" else None
+
+    @property
+    def image_config(self) -> ImageConfig:
+        """Where the job's images may come from (data URLs only when `images` is None)."""
+        assert not isinstance(self.images, dict), "__post_init__ builds the ImageConfig"
+        return self.images or ImageConfig()
 
     def lora_adapters(self) -> LoraAdapters | None:
         """The job's LoRA adapters, read from lora.path (None: no lora). Reads the folder."""
@@ -453,12 +484,20 @@ class ProcessorConfig:
             self.lora,
             "LoRA adapters run on engine.backend vllm, task generate: set the backend, or remove lora",
         )
+        _require(
+            self.images is None
+            or (self.task == "generate" and isinstance(self.engine, dict) and self.engine.get("backend") == "vllm"),
+            "images",
+            self.images,
+            "images run on engine.backend vllm, task generate: set the backend, or remove images",
+        )
 
     def tokenize_options(self) -> TokenizeOptions:
         """The tokenize stage's options, built here for every caller (the Processor's tokenize
         actors, the map_batches Generator, ray.data.llm's stages). Reads the model's config
         for its context length unless engine.max_model_len is given."""
         lora = self.lora_adapters()
+        image_token = model_image_token(self.model) if self.backend == "vllm" and self.task == "generate" else None
         return TokenizeOptions(
             model=self.model,
             prompt=self.prompt_template,
@@ -471,6 +510,8 @@ class ProcessorConfig:
             adapters=None if lora is None else lora.names,
             task=self.task,
             pooling_activation=self._pooling_activation(),
+            images=None if image_token is None else self.image_config,
+            image_token_id=image_token,
         )
 
     @property

@@ -15,29 +15,33 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.columns import ADAPTER
+from prefixflow.operators.columns import ADAPTER, IMAGES
 
 SAMPLING_COLUMNS = ("_pf_sampling", "sampling_params")
 
 
 def row_params(default: Any, rows: pa.Table, row_ids: np.ndarray) -> Any:
     """One SamplingParams, or a row_id -> SamplingParams map when rows override fields
-    (an OpenAI request body, or ray.data.llm's `sampling_params` column) or name LoRA adapters
-    (the tokenize stage's `_pf_adapter`)."""
+    (an OpenAI request body, or ray.data.llm's `sampling_params` column), name LoRA adapters
+    (the tokenize stage's `_pf_adapter`) or carry images (`_pf_images`)."""
     column = next((c for c in SAMPLING_COLUMNS if c in rows.column_names), None)
-    if column is None and ADAPTER not in rows.column_names:
+    if column is None and ADAPTER not in rows.column_names and IMAGES not in rows.column_names:
         return default
     n = rows.num_rows
     values = rows.column(column).to_pylist() if column is not None else [None] * n
     adapters = rows.column(ADAPTER).to_pylist() if ADAPTER in rows.column_names else [None] * n
+    images = rows.column(IMAGES).to_pylist() if IMAGES in rows.column_names else [None] * n
     return {
-        rid: _with_adapter(row_sampling(default, value), adapter)
-        for rid, value, adapter in zip(row_ids.tolist(), values, adapters)
+        rid: _with_row_fields(row_sampling(default, value), adapter, image)
+        for rid, value, adapter, image in zip(row_ids.tolist(), values, adapters, images)
     }
 
 
-def _with_adapter(params: Any, adapter: str | None) -> Any:
-    return params if adapter is None else replace(params, lora_adapter=adapter)
+def _with_row_fields(params: Any, adapter: str | None, images: list[bytes] | None) -> Any:
+    """`params` with the row's LoRA adapter and images (fields no sampling setting sets)."""
+    if adapter is not None:
+        params = replace(params, lora_adapter=adapter)
+    return replace(params, images=tuple(images)) if images else params
 
 
 def row_sampling(default: Any, value: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from prefixflow.errors import invalid, short
+from prefixflow.images import IMAGE_PART_TYPES, part_image
 from prefixflow.sandbox import TemplateLimitError, compiled, environment, render
 
 
@@ -90,8 +91,9 @@ class PromptTemplate:
     def is_chat(self) -> bool:
         return self.template is None
 
-    def render(self, row: dict[str, Any]) -> str | list[dict[str, str]]:
-        """Plain text for `template`, else a list of chat messages. Raises RowError."""
+    def render(self, row: dict[str, Any], images: list[Any] | None = None) -> str | list[dict[str, Any]]:
+        """Plain text for `template`, else a list of chat messages. Raises RowError.
+        images: collects the image sources of a messages_column's content parts (messages_from_value)."""
         values = self._values(row)
         if self.template is not None:
             text = _render(self.template, values, "prompt.template")
@@ -99,7 +101,7 @@ class PromptTemplate:
                 raise RowError("empty prompt: the template rendered to blank text for this row")
             return text
         if self.messages_column is not None:
-            return messages_from_value(values.get(self.messages_column), self.messages_column)
+            return messages_from_value(values.get(self.messages_column), self.messages_column, images)
         messages = []
         if self.system is not None:
             messages.append({"role": "system", "content": _render(self.system, values, "prompt.system")})
@@ -178,8 +180,11 @@ def _clip(e: object) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def messages_from_value(value: Any, column: str) -> list[dict[str, str]]:
-    """Validate chat messages from a column (a list of {role, content}, or its JSON text)."""
+def messages_from_value(value: Any, column: str, images: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Validate chat messages from a column (a list of {role, content}, or its JSON text).
+
+    images: where a vision-language job collects the image sources of the messages' content
+    parts, in order (`content_value`); None: an image part is a RowError."""
     if value is None:
         raise RowError(
             f"column {column!r} is missing or null in this row: it must hold chat "
@@ -198,33 +203,49 @@ def messages_from_value(value: Any, column: str) -> list[dict[str, str]]:
             raise RowError(f"message {i} of column {column!r} needs a string 'role'")
         content = m.get("content")
         if isinstance(content, list):
-            content = content_text(content, i)
-        if not isinstance(content, str):
+            content = content_value(content, i, images)
+        if not isinstance(content, (str, list)):
             raise RowError(f"message {i} of column {column!r} needs string 'content'")
         messages.append({"role": m["role"], "content": content})
-    if not any(m["content"].strip() for m in messages):
+    if not any(isinstance(m["content"], list) or m["content"].strip() for m in messages):
         raise RowError("empty prompt: every message of this row has blank content")
     return messages
 
 
-def content_text(parts: list[Any], index: int) -> str:
-    """The text of message `index`'s OpenAI content parts ([{"type": "text", "text": ...}]).
-    Any other part (image_url, input_audio, file, ...) is a RowError: the models here take text
-    only, and answering from the text alone would quietly change the request."""
-    texts = []
+def content_value(parts: list[Any], index: int, images: list[Any] | None = None) -> str | list[dict[str, str]]:
+    """The content of message `index` from its OpenAI content parts: the text parts joined,
+    or, where the parts name images and `images` is a list, the parts as vision chat templates
+    take them ([{"type": "text", "text": ...}, {"type": "image"}, ...]), each image's source
+    appended to `images` (prefixflow/images.py). Any other part (input_audio, file, ...), or an
+    image where `images` is None, is a RowError: answering from the text alone would quietly
+    change the request."""
+    texts: list[dict[str, str]] = []
+    has_image = False
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            texts.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PART_TYPES and images is not None:
+            try:
+                images.append(part_image(part))
+            except ValueError as e:
+                raise RowError(f"message {index}: {e}") from None
+            texts.append({"type": "image"})
+            has_image = True
         elif isinstance(kind, str) and kind != "text":
+            why = (
+                " (images run on engine.backend vllm with a vision-language model)" if kind in IMAGE_PART_TYPES else ""
+            )
             raise RowError(
-                f"message {index} has a content part of type {short(kind)}: this model takes text only; remove it"
+                f"message {index} has a content part of type {short(kind)}: this model takes text only; remove it{why}"
             )
         else:
             raise RowError(
                 f'message {index} has a content part that is not {{"type": "text", "text": ...}}: give text parts only'
             )
-    return "".join(texts)
+    if has_image:
+        return texts
+    return "".join(t["text"] for t in texts)
 
 
 def template_columns(prompt: PromptTemplate) -> set[str]:

@@ -138,11 +138,13 @@ class HashedPrompts:
         block_size: int = DEFAULT_BLOCK_SIZE,
         hash_fn: BlockHashFn = hash_token_blocks,
         seeds: np.ndarray | None = None,
+        keyed: RaggedTokens | None = None,
     ) -> "HashedPrompts":
         """In-memory prompts planned through their hashes (tests, benches, map_batches; seeds:
-        see block_hashes)."""
+        see block_hashes). keyed: the prompts as the planner keys them, hashed in their place
+        (images by their keys: operators/stages/plan.plan_tokens); the groups get `prompts`."""
         tokens = RaggedTokens.from_sequences(prompts)
-        hashes = block_hashes(tokens, block_size, hash_fn, seeds)
+        hashes = block_hashes(tokens if keyed is None else keyed, block_size, hash_fn, seeds)
 
         def fetch(idx: np.ndarray) -> RaggedTokens:
             return RaggedTokens.from_sequences([tokens[int(i)] for i in idx])

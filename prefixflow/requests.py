@@ -9,7 +9,7 @@ import json
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,8 @@ class SamplingParams:
         model). Not a sampling parameter: the row's `model` column sets it (the tokenize stage
         checks it names one of the job's adapters), never a `sampling` section or override. It
         lives here because it is per row like these and travels with them to the engine.
+    images: the row's images (encoded bytes, in prompt order; prefixflow/images.py), set like
+        lora_adapter by the tokenize stage, never by sampling settings; vLLM backend only.
     """
 
     temperature: float = 1.0
@@ -75,6 +77,7 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: dict[str, Any] | None = None
     lora_adapter: str | None = None
+    images: tuple[bytes, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         # Types are checked here, the one place every source (spec, rows, OpenAI bodies, Python)
@@ -169,8 +172,9 @@ class SamplingParams:
         return replace(self, **values) if values else self
 
 
-# Fields a row's or a spec's sampling settings never set (a row's `model` column sets lora_adapter).
-NOT_OVERRIDDEN = ("lora_adapter",)
+# Fields a row's or a spec's sampling settings never set (a row's `model` column sets lora_adapter,
+# its messages' image parts the images).
+NOT_OVERRIDDEN = ("lora_adapter", "images")
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 MAX_N = 1024
 # vLLM's SamplingParams raises 0 < temperature < 1e-2 to 1e-2 (its _MAX_TEMP, "may cause

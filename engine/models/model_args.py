@@ -130,10 +130,24 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_model_args(path: str | Path) -> ModelArgs:
-    """Parse config.json into ModelArgs; unknown architectures raise ValueError."""
+# A vision-language checkpoint's text_config names its language model by model_type only.
+TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TEXT_MODEL_TYPES["qwen3"] = "Qwen3ForCausalLM"
+
+
+def read_model_args(path: str | Path, vision: bool = False) -> ModelArgs:
+    """Parse config.json into ModelArgs; unknown architectures raise ValueError.
+
+    vision: the caller runs vision-language models (the vLLM backend): a config whose
+    text_config is one of the supported language models gives that model's args (the KV cache
+    is the language model's). Elsewhere such a checkpoint is refused: the native engine runs text."""
     cfg = read_json(resolve_model(path) / "config.json")
     archs = cfg.get("architectures") or []
+    text = cfg.get("text_config")
+    if vision and isinstance(text, dict) and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        arch = TEXT_MODEL_TYPES.get(str(text.get("model_type")))
+        if arch is not None:
+            cfg, archs = text, [arch]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     has_lm_head = arch is not None
     headless = {**BASE_ARCHITECTURES, **CLASSIFIER_ARCHITECTURES}
@@ -141,10 +155,11 @@ def read_model_args(path: str | Path) -> ModelArgs:
         arch = next((headless[a] for a in archs if a in headless), None)
     classifier = not has_lm_head and any(a in CLASSIFIER_ARCHITECTURES for a in archs)
     if arch is None:
+        vlm = " (a vision-language model whose text_config is one of those runs on engine.backend vllm)"
         raise ValueError(
             f"config.json architectures={archs!r} is not supported: prefixflow's "
             f"engine runs {', '.join(SUPPORTED_ARCHITECTURES)} (and, to embed or classify, "
-            f"{', '.join(headless)})"
+            f"{', '.join(headless)}){vlm if isinstance(text, dict) else ''}"
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(

@@ -45,6 +45,7 @@ from prefixflow.engine.scoring.options import ScoreOptions
 from prefixflow.engine.scoring.pooling import EmbedOutput, Pooling
 from prefixflow.engine.vllm_backend.args import check_vllm_args
 from prefixflow.errors import require
+from prefixflow.images import decode_image
 from prefixflow.lora import LoraAdapters
 from prefixflow.model_source import resolve_model
 from prefixflow.requests import PrefixGroup, Params, SamplingParams
@@ -240,7 +241,7 @@ class VllmEngine:
         checkpoint's label logits through its activation (softmax, or sigmoid for a
         cross-encoder's one label), read from its last token (prefix caching on)."""
         require(self.classify, "VllmEngine.classify_groups", "classify", False, "build VllmEngine(classify=True)")
-        args = read_model_args(self.model_path)
+        args = read_model_args(self.model_path, vision=True)
         require_classifier(args)
         for values, m, cached in self._pooled(groups, "classify"):
             if m.error is not None:
@@ -341,12 +342,12 @@ class VllmEngine:
             params = _vllm_params(m) if m.pooling_task is None else _pooling_params(m.pooling_task)
             self.engine.add_request(
                 request_id,
-                {"prompt_token_ids": m.prompt},
+                _prompt(m),
                 params,
                 lora_request=None if adapter is None else self._lora_requests[adapter],
                 priority=rank if self.parts.priority else 0,
             )
-        except ValueError as e:  # vLLM's own request validation (lengths, parameters)
+        except ValueError as e:  # vLLM's own request validation (lengths, parameters, images)
             return f"vLLM refused the request: {e}"
         self._in_flight.add(request_id)
         return None
@@ -430,7 +431,7 @@ class VllmEngine:
             # caching and chunked prefill off for it by default, and fails a request without
             kwargs.update(enable_prefix_caching=False, enable_chunked_prefill=False)
         if self.is_cpu:
-            args = read_model_args(self.model_path)
+            args = read_model_args(self.model_path, vision=True)
             blocks = _cpu_kv_blocks(c, block, args.kv_bytes_per_token_per_elem)
             kwargs["num_gpu_blocks_override"] = blocks
             # An explicit KV size: vLLM's CPU worker otherwise reserves gpu_memory_utilization of
@@ -458,7 +459,7 @@ def cpu_context(config: EngineConfig, model_path: str) -> int:
     (max_position_embeddings) and the KV cache (EngineConfig.kv_cache_bytes, less vLLM's one
     reserved block) allow. Checked in the driver before a job starts (Processor.plan,
     jobs/preflight) and again where the engine starts. Reads config.json only."""
-    args = read_model_args(model_path)
+    args = read_model_args(model_path, vision=True)
     block = cpu_block_size(config)
     fits = (_cpu_kv_blocks(config, block, args.kv_bytes_per_token_per_elem) - 1) * block
     wanted = config.max_model_len
@@ -547,6 +548,14 @@ def _pooler_config(pooling: Pooling) -> Any:
     from vllm.config import PoolerConfig
 
     return PoolerConfig(pooling_type=pooling.kind.upper(), use_activation=pooling.normalize)
+
+
+def _prompt(m: _Req) -> dict[str, Any]:
+    """vLLM's token prompt of a request: its token ids, and its images (vLLM's processor puts
+    each image's tokens at its placeholder and keys its prefix cache by the image's hash)."""
+    if not m.params.images:
+        return {"prompt_token_ids": m.prompt}
+    return {"prompt_token_ids": m.prompt, "multi_modal_data": {"image": [decode_image(b) for b in m.params.images]}}
 
 
 def _vllm_params(m: _Req) -> Any:

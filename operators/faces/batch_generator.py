@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prefixflow.operators.columns import ERROR
+from prefixflow.operators.columns import ERROR, IMAGE_AT
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.outputs import INTERNAL, error_records, input_name
 from prefixflow.operators.results.progress import LiveBar
 from prefixflow.operators.stages.generate import ReplicaRunner
-from prefixflow.operators.stages.plan import adapter_seeds
+from prefixflow.operators.stages.plan import adapter_seeds, plan_tokens
 from prefixflow.operators.stages.tokenize import TOKENS, Tokenize
 from prefixflow.pipeline import HashedPrompts, RaggedTokens, build_plan
 
@@ -70,12 +70,15 @@ class Generator:
         return _own_names_back(out.drop_columns([*INTERNAL, "replica", "row_id"]), table.column_names)
 
     def _prompts(self, good: pa.Table) -> RaggedTokens | HashedPrompts:
-        """The good rows' prompts for the plan: their tokens, or with LoRA adapters their block
-        hashes keyed by adapter (operators/stages/plan.adapter_seeds)."""
+        """The good rows' prompts for the plan: their tokens, or with LoRA adapters or images
+        their block hashes keyed by adapter and image (operators/stages/plan.adapter_seeds,
+        plan_tokens)."""
         seeds = adapter_seeds(good)
-        if seeds is None:
+        if seeds is None and IMAGE_AT not in good.column_names:
             return RaggedTokens.from_sequences(good.column(TOKENS))
-        return HashedPrompts.from_tokens(good.column(TOKENS), self.config.engine_config.block_size, seeds=seeds)
+        return HashedPrompts.from_tokens(
+            good.column(TOKENS), self.config.engine_config.block_size, seeds=seeds, keyed=plan_tokens(good)
+        )
 
 
 def _own_names_back(out: pa.Table, names: list[str]) -> pa.Table:

@@ -12,8 +12,9 @@ Output lines (operators/results/openai_output.py): {"id": "batch_req_...", "cust
               particular order, and `results.jsonl` (once the job completes) in input order.
 
 Body fields: each is honoured or the request becomes an error record naming it.
-  - honoured: messages (chat; content parts of type text only: an image_url, input_audio or
-    file part makes the request an error record) / prompt (completions); the SamplingParams fields in `_SAMPLING`
+  - honoured: messages (chat; content parts of type text, and image_url on a vision-language
+    job of engine.backend vllm (prefixflow/images.py): any other part (input_audio, file), or an
+    image elsewhere, makes the request an error record) / prompt (completions); the SamplingParams fields in `_SAMPLING`
     (max_tokens / max_completion_tokens: one limit, both given they must be equal, else the
     request is an error record; temperature, top_p, top_k, min_p, seed, stop,
     stop_token_ids, min_tokens, ignore_eos, n, presence_penalty, frequency_penalty,
@@ -38,7 +39,7 @@ from typing import Any
 from prefixflow.errors import invalid
 from prefixflow.operators.columns import ERROR
 from prefixflow.operators.results.openai_output import EMBEDDINGS
-from prefixflow.operators.template import content_text
+from prefixflow.operators.template import content_value
 from prefixflow.requests import INT32_MAX, SamplingParams
 
 # The urls read, and the task each asks for (the tokenize stage makes a request of another
@@ -168,7 +169,9 @@ def _request(rec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("body.messages must be a list of chat messages for /v1/chat/completions")
         for i, message in enumerate(body["messages"]):
             if isinstance(message, dict) and isinstance(message.get("content"), list):
-                content_text(message["content"], i)  # an image or audio part: this request's error
+                # An audio or file part is this request's error; an image part is checked where the
+                # row is tokenized (a vision-language job on engine.backend vllm takes it).
+                content_value(message["content"], i, images=[])
         row["_pf_messages"] = json.dumps(body["messages"])
     else:
         prompt = body.get("prompt")

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prefixflow.lora import adapter_key
-from prefixflow.operators.columns import ADAPTER, ERROR
+from prefixflow.operators.columns import ADAPTER, ERROR, IMAGE_AT, IMAGE_KEYS
 from prefixflow.operators.stages.tokenize import MAX_TOKENS, TOKENS
 from prefixflow.pipeline import RaggedTokens, build_plan
 from prefixflow.pipeline.block_hash import (
@@ -164,8 +164,25 @@ def _meta_and_hashes(block: pa.Table, custom_ids: bool, block_size: int) -> tupl
     meta = _block_meta(block, custom_ids)
     if TOKENS not in block.column_names:
         return meta, (np.zeros(0, np.int64), np.zeros(1, np.int64))
-    hashes = block_hashes(RaggedTokens.from_sequences(block.column(TOKENS)), block_size, seeds=adapter_seeds(block))
+    hashes = block_hashes(plan_tokens(block), block_size, seeds=adapter_seeds(block))
     return meta, (hashes.flat, hashes.offsets)
+
+
+def plan_tokens(block: pa.Table) -> RaggedTokens:
+    """The block's prompts as the planner keys them: their token ids, each image's placeholder
+    token replaced by the image's key (prefixflow/images.image_key), so that rows share a plan
+    prefix through an image only when it is the same image. The engines get the real ids."""
+    tokens = RaggedTokens.from_sequences(block.column(TOKENS))
+    if IMAGE_AT not in block.column_names:
+        return tokens
+    at = block.column(IMAGE_AT).combine_chunks()
+    rows = pc.list_parent_indices(at).to_numpy(zero_copy_only=False).astype(np.int64)
+    if len(rows) == 0:
+        return tokens
+    flat = tokens.flat.astype(np.int64)
+    positions = tokens.offsets[rows] + pc.list_flatten(at).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat[positions] = pc.list_flatten(block.column(IMAGE_KEYS).combine_chunks()).to_numpy(zero_copy_only=False)
+    return RaggedTokens(flat, tokens.offsets)
 
 
 def adapter_seeds(block: pa.Table) -> np.ndarray | None:

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from prefixflow.images import ImageConfig, image_key, load_image
 from prefixflow.lora import ADAPTER_COLUMN, row_adapter
-from prefixflow.operators.columns import ADAPTER, ERROR
+from prefixflow.operators.columns import ADAPTER, ERROR, IMAGE_AT, IMAGE_KEYS, IMAGES
 from prefixflow.operators.config import TokenizeOptions
 from prefixflow.operators.row_sampling import SAMPLING_COLUMNS, row_sampling
 from prefixflow.operators.stages.openai_batch import URL_TASK
@@ -58,6 +60,7 @@ class Tokenize:
         max_tokens: list[int | None] = [None] * len(rows)
         chat = [False] * len(rows)
         adapters: list[str | None] = [None] * len(rows)
+        sources: list[list[Any]] = [[] for _ in rows]  # each row's image sources, in prompt order
         for i, row in enumerate(rows):
             if errors[i] is None:
                 try:
@@ -65,13 +68,16 @@ class Tokenize:
                     self._check_pooling(row.get(POOLING_PARAMS))
                     adapters[i] = self._adapter(row)
                     max_tokens[i] = self._check_sampling(row)
-                    texts[i], chat[i] = self._render(row)
+                    texts[i], chat[i] = self._render(row, sources[i])
                 except RowError as e:
                     errors[i] = str(e)
         tokens = self._encode(texts, chat)
+        images = [RowImages() for _ in rows]
         for i, ids in enumerate(tokens):
             if errors[i] is None:
                 errors[i] = self._check_length(len(ids))
+            if errors[i] is None and self.opts.images is not None:
+                images[i], errors[i] = row_images(ids, sources[i], self.opts.images, self.opts.image_token_id)
             if errors[i] is not None:
                 tokens[i] = []
         table = _set_column(table, ERROR, pa.array(errors, pa.string()))
@@ -81,6 +87,10 @@ class Tokenize:
             table = _set_column(table, PROMPT, pa.array(texts, pa.string()))
         if self.opts.adapters is not None:
             table = _set_column(table, ADAPTER, pa.array(adapters, pa.string()))
+        if self.opts.images is not None:
+            table = _set_column(table, IMAGES, pa.array([r.data for r in images], pa.list_(pa.binary())))
+            table = _set_column(table, IMAGE_AT, pa.array([r.at for r in images], pa.list_(pa.int32())))
+            table = _set_column(table, IMAGE_KEYS, pa.array([r.keys for r in images], pa.list_(pa.int64())))
         return table
 
     def _check_pooling(self, value: Any) -> None:
@@ -128,10 +138,12 @@ class Tokenize:
             return None
         return check_row_sampling(self.opts.sampling, row)
 
-    def _render(self, row: dict[str, Any]) -> tuple[str, bool]:
-        """The prompt text of a row and whether it came from a chat template."""
+    def _render(self, row: dict[str, Any], sources: list[Any]) -> tuple[str, bool]:
+        """The prompt text of a row and whether it came from a chat template; the sources of the
+        images its messages name are appended to `sources` (a job that takes images)."""
+        images = sources if self.opts.images is not None else None
         if self.opts.prompt is not None:
-            rendered = self.opts.prompt.render(row)
+            rendered = self.opts.prompt.render(row, images)
             if isinstance(rendered, str):
                 return rendered, False
             return self._chat(rendered), True
@@ -139,7 +151,7 @@ class Tokenize:
         # `messages` / `prompt` columns).
         for column in (OPENAI_MESSAGES, "messages") if self.opts.messages else (OPENAI_MESSAGES,):
             if row.get(column) is not None:
-                return self._chat(messages_from_value(row[column], "messages")), True
+                return self._chat(messages_from_value(row[column], "messages", images)), True
         for column in (OPENAI_PROMPT, "prompt"):
             if row.get(column) is not None:
                 text = str(row[column])
@@ -150,7 +162,7 @@ class Tokenize:
             "the row has no prompt: give a prompt template, or a `messages` (chat) or `prompt` (text) column"
         )
 
-    def _chat(self, messages: list[dict[str, str]]) -> str:
+    def _chat(self, messages: list[dict[str, Any]]) -> str:
         add = self.opts.prompt.add_generation_prompt if self.opts.prompt is not None else True
         if self.opts.continue_last and messages and messages[-1].get("role") != "user":
             add = False
@@ -187,6 +199,33 @@ class Tokenize:
                 "prompt or raise engine.max_model_len"
             )
         return None
+
+
+@dataclass(frozen=True)
+class RowImages:
+    """A row's images: their bytes, the positions of their placeholder tokens, their plan keys."""
+
+    data: list[bytes] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+
+def row_images(
+    ids: list[int], sources: list[Any], config: ImageConfig, image_token_id: int | None
+) -> tuple[RowImages, str | None]:
+    """The images `sources` name, read and checked, placed at the image tokens of the prompt
+    `ids`; or why the row cannot run (its error record)."""
+    at = [j for j, t in enumerate(ids) if t == image_token_id] if sources else []
+    if len(at) != len(sources):
+        return RowImages(), (
+            f"the prompt has {len(at)} image placeholder tokens for {len(sources)} images: the chat "
+            "template must write the model's image token once per image part (use the model's own)"
+        )
+    try:
+        data = [load_image(source, config) for source in sources]
+    except ValueError as e:
+        return RowImages(), str(e)
+    return RowImages(data, at, [image_key(d) for d in data]), None
 
 
 MEMORY_HEADROOM_BYTES = 8 << 30  # far past a batch of rows and a render's limits (prefixflow/sandbox.py)

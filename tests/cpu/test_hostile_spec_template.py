@@ -6,8 +6,9 @@
 - A prompt template that would build a huge value, loop for ever or recurse becomes a RowError
   for its row (an error record; `validate` reports it), never an OverflowError or MemoryError
   traceback or a render that runs for ages. Normal templates render exactly as Jinja does.
-- A chat message with an image (or any non-text) content part is that row's error, not a
-  request answered from its text; a positive temperature below vLLM's floor is refused.
+- A chat message with an image (where the job takes none) or any other non-text content part
+  is that row's error, not a request answered from its text; a positive temperature below
+  vLLM's floor is refused.
 
 Hypothesis cases are bounded (25 to 40 examples each: 65 generated hostile inputs, 30 normal
 templates); the file takes about half a minute, most of it the one whole job on the local Ray.
@@ -430,7 +431,9 @@ def test_text_parts_still_make_the_message():
         messages_from_value([{"role": "user", "content": ["just a string"]}], "m")
 
 
-def test_openai_chat_request_with_an_image_part_is_an_error_record():
+def test_openai_chat_request_with_an_audio_part_is_an_error_record():
+    """An audio part is refused as the request is read; an image part passes the reader and is
+    the tokenize stage's to take (a vision-language job) or refuse (tests/cpu/test_images.py)."""
     def line(cid: str, content: object) -> bytes:
         return json.dumps(
             {
@@ -446,6 +449,7 @@ def test_openai_chat_request_with_an_image_part_is_an_error_record():
             b"\n".join(
                 [
                     line("img", [{"type": "text", "text": "Describe"}, NON_TEXT[0]]),
+                    line("audio", [{"type": "text", "text": "Describe"}, NON_TEXT[1]]),
                     line("txt", [{"type": "text", "text": "Describe"}]),
                     line("plain", "Describe"),
                 ]
@@ -454,9 +458,9 @@ def test_openai_chat_request_with_an_image_part_is_an_error_record():
         )
     )
     by_id = {r["custom_id"]: r for r in rows}
-    error = by_id["img"][ERROR]
-    assert "message 0 has a content part of type 'image_url': this model takes text only" in error
-    assert by_id["txt"][ERROR] is None and by_id["plain"][ERROR] is None
+    error = by_id["audio"][ERROR]
+    assert "message 0 has a content part of type 'input_audio': this model takes text only" in error
+    assert by_id["img"][ERROR] is None and by_id["txt"][ERROR] is None and by_id["plain"][ERROR] is None
 
 
 # --- class 5b: temperatures below the floor -----------------------------------------------------

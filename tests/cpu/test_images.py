@@ -1,0 +1,278 @@
+"""Images in chat messages (issue 40 item 4): read where rows are tokenized, planned by the hash
+of their bytes, run on the vLLM backend with a tiny vision-language checkpoint (Idefics3, see
+tests/support/vision.py) whose greedy answers equal transformers'.
+
+The fast tests need no vLLM: image sources (data URLs, paths under images.root, http(s) URLs
+only when allowed, from a server on loopback), content parts, the tokenize stage's columns and
+the plan's keys. The slow one is a whole job on local Ray with its engine actor killed once a
+part is committed: every row exactly once, bad images as error records, answers == transformers.
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from support.vision import data_url, image_message, make_tiny_vlm, png_bytes, transformers_answers
+
+from prefixflow.bench.fault_bench import Driver, check_output, local_records, wait_until, worker_pid
+from prefixflow.images import ImageConfig, image_key, load_image
+from prefixflow.jobs.spec import SpecError, parse_spec
+from prefixflow.operators.config import ProcessorConfig
+from prefixflow.operators.results.write import read_output
+from prefixflow.operators.stages.plan import plan_tokens
+from prefixflow.operators.stages.tokenize import Tokenize
+from prefixflow.operators.template import RowError, messages_from_value
+from prefixflow.pipeline import HashedPrompts, build_plan
+from prefixflow.pipeline.block_hash import block_hashes
+
+SYSTEM = {"role": "system", "content": "You describe pictures in a few words."}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Path:
+    return make_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3")
+
+
+# --- sources -------------------------------------------------------------------------------
+
+
+def test_image_sources_data_url_path_under_root_and_refusals(tmp_path):
+    png = png_bytes(1)
+    assert load_image(data_url(png), ImageConfig()) == png
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(png)
+    (tmp_path / "secret.png").write_bytes(png)
+    root = ImageConfig(root=str(tmp_path / "pics"))
+    assert load_image("a.png", root) == png
+    assert load_image(str(tmp_path / "pics" / "a.png"), root) == png
+    assert load_image(f"file://{tmp_path}/pics/a.png", root) == png
+    refusals = {
+        "a.png": (ImageConfig(), "the job sets no images.root"),
+        "../secret.png": (root, "outside images.root"),
+        str(tmp_path / "secret.png"): (root, "outside images.root"),
+        "missing.png": (root, "the image file cannot be read (FileNotFoundError"),
+        "data:image/png;base64,aGVsbG8=": (root, "in no image format Pillow knows"),
+        "data:image/png,abc": (root, "is not base64"),
+        "data:image/png;base64,@@@": (root, "invalid base64"),
+        "s3://bucket/a.png": (root, "URL scheme is not accepted"),
+        "http://127.0.0.1:9/a.png": (root, "does not fetch URLs: set images.allow_urls"),
+        data_url(png): (ImageConfig(max_bytes=100), "above images.max_bytes 100"),
+        data_url(png[:60]): (root, "the image cannot be read"),
+    }
+    for source, (config, why) in refusals.items():
+        with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(".", r"\.")):
+            load_image(source, config)
+
+
+def test_image_urls_fetched_only_when_allowed(tmp_path):
+    png = png_bytes(2)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = png if self.path == "/a.png" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert load_image(f"{url}/a.png", ImageConfig(allow_urls=True)) == png
+        with pytest.raises(ValueError, match="could not be fetched \\(HTTPError: HTTP Error 404"):
+            load_image(f"{url}/b.png", ImageConfig(allow_urls=True))
+        with pytest.raises(ValueError, match="set images.allow_urls"):
+            load_image(f"{url}/a.png", ImageConfig())
+    finally:
+        server.shutdown()
+
+
+def test_content_parts_keep_images_only_where_the_job_takes_them():
+    messages = [SYSTEM, image_message("What is it?", "a.png")]
+    images: list = []
+    got = messages_from_value(json.dumps(messages), "messages", images)
+    assert got[1]["content"] == [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    assert got[0]["content"] == SYSTEM["content"] and images == ["a.png"]
+    hf_form = [{"role": "user", "content": [{"type": "image", "image": "b.png"}, {"type": "text", "text": "Q"}]}]
+    assert messages_from_value(hf_form, "m", images) and images == ["a.png", "b.png"]
+    with pytest.raises(RowError, match="takes text only; remove it \\(images run on engine.backend vllm"):
+        messages_from_value(messages, "messages")
+    with pytest.raises(RowError, match="names no image"):
+        messages_from_value([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "m", [])
+    with pytest.raises(RowError, match="type 'input_audio': this model takes text only"):
+        messages_from_value([{"role": "user", "content": [{"type": "input_audio"}]}], "m", [])
+
+
+def test_images_config_needs_the_vllm_backend(tiny_model):
+    with pytest.raises(ValueError, match="images run on engine.backend vllm, task generate"):
+        ProcessorConfig(model=str(tiny_model), prompt={"messages_column": "m"}, images={"root": "/data"})
+    with pytest.raises(ValueError, match="ImageConfig.root='s3://b/x' is invalid"):
+        ProcessorConfig(
+            model=str(tiny_model),
+            prompt={"messages_column": "m"},
+            engine={"backend": "vllm"},
+            images={"root": "s3://b/x"},
+        )
+    spec = {
+        "name": "x",
+        "model": str(tiny_model),
+        "input": {"path": "in.jsonl"},
+        "prompt": {"messages_column": "m"},
+        "output": {"path": "out"},
+    }
+    with pytest.raises(SpecError, match="images: images run with task: generate on engine.backend: vllm"):
+        parse_spec({**spec, "images": {"allow_urls": True}})
+    # A text-only model on the vLLM backend takes no image: the row's error, not the job's.
+    opts = ProcessorConfig(model=str(tiny_model), prompt={"messages_column": "m"}, engine={"backend": "vllm"})
+    assert opts.tokenize_options().images is None
+
+
+# --- tokenize and plan ---------------------------------------------------------------------
+
+
+def _tokenized(vlm: Path, conversations: list[list[dict]], **config) -> pa.Table:
+    cfg = ProcessorConfig(model=str(vlm), prompt={"messages_column": "messages"}, engine={"backend": "vllm"}, **config)
+    rows = [{"messages": json.dumps(c), "_pf_error": None} for c in conversations]
+    return Tokenize(cfg.tokenize_options())(pa.Table.from_pylist(rows))
+
+
+def test_tokenize_places_images_and_the_plan_keys_them_by_content(vlm):
+    a, b = png_bytes(1), png_bytes(2)
+    conversations = [
+        [SYSTEM, image_message("What is it?", data_url(a))],
+        [SYSTEM, image_message("Which colours?", data_url(a))],
+        [SYSTEM, image_message("What is it?", data_url(b))],
+        [SYSTEM, {"role": "user", "content": "No picture here."}],
+        [SYSTEM, image_message("What is it?", "data:image/png;base64,aGVsbG8=")],
+    ]
+    table = _tokenized(vlm, conversations)
+    errors = table.column("_pf_error").to_pylist()
+    assert errors[:4] == [None] * 4 and "in no image format Pillow knows" in errors[4]
+    tokens = table.column("_pf_tokens").to_pylist()
+    image_token = json.loads((vlm / "config.json").read_text())["image_token_id"]
+    at = table.column("_pf_image_at").to_pylist()
+    assert [[j for j, t in enumerate(ids) if t == image_token] for ids in tokens] == at
+    assert at[3] == [] and at[4] == [] and tokens[4] == []
+    assert table.column("_pf_image_keys").to_pylist()[:3] == [[image_key(a)], [image_key(a)], [image_key(b)]]
+    assert table.column("_pf_images").to_pylist()[:3] == [[a], [a], [b]]
+    # Rows 0 and 2 have the same tokens but not the same image: the plan sees them apart from
+    # the image on, and rows 0 and 1 alike up to the question.
+    assert tokens[0] == tokens[2]
+    keyed = plan_tokens(table)
+    image_at = at[0][0]
+    assert list(keyed[0][:image_at]) == list(keyed[2][:image_at]) and keyed[0][image_at] != keyed[2][image_at]
+    assert list(keyed[0][: image_at + 1]) == list(keyed[1][: image_at + 1])
+    hashes = block_hashes(keyed, block_size=4)
+    first = image_at // 4  # the block holding the image
+    assert list(hashes[0][:first]) == list(hashes[2][:first]) and hashes[0][first] != hashes[2][first]
+    # Planned, the rows of one image form one group; the engine gets the real token ids.
+    good = table.take(pa.array([0, 1, 2]))
+    plan = build_plan(
+        HashedPrompts.from_tokens(good.column("_pf_tokens"), 4, keyed=plan_tokens(good)), row_ids=np.arange(3)
+    )
+    groups = plan.groups(0)
+    assert sorted(sorted(g.row_ids.tolist()) for g in groups) == [[0, 1], [2]]
+    by_row = {int(r): g.prompt(i).tolist() for g in groups for i, r in enumerate(g.row_ids)}
+    assert by_row == {i: tokens[i] for i in range(3)}
+
+
+def test_a_template_without_the_image_token_is_the_rows_error(vlm):
+    table = _tokenized(
+        vlm,
+        [[image_message("What is it?", data_url(png_bytes(1)))]],
+    )
+    assert table.column("_pf_error").to_pylist() == [None]
+    cfg = ProcessorConfig(
+        model=str(vlm),
+        prompt={"messages_column": "messages"},
+        engine={"backend": "vllm"},
+        chat_template="{% for m in messages %}{{ m['role'] }}{% endfor %}",
+    )
+    rows = [{"messages": json.dumps([image_message("What is it?", data_url(png_bytes(1)))]), "_pf_error": None}]
+    error = Tokenize(cfg.tokenize_options())(pa.Table.from_pylist(rows)).column("_pf_error")[0].as_py()
+    assert "the prompt has 0 image placeholder tokens for 1 images" in error
+
+
+# --- a whole job on vLLM -------------------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_image_job_on_vllm_killed_once_equals_transformers(ray_local, vlm, tmp_path):
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for k in range(3):
+        (pics / f"{k}.png").write_bytes(png_bytes(10 + k))
+    (pics / "broken.png").write_bytes(b"not a picture")
+    questions = ("What is it?", "Which colours?", "Where is it?", "Is it day?", "Count the shapes.", "Why?", "How?")
+    good = [
+        [SYSTEM, image_message(q, f"{k}.png" if k else data_url(png_bytes(10)))] for q in questions for k in range(3)
+    ]
+    good.append([SYSTEM, {"role": "user", "content": "No picture here."}])
+    bad = {
+        "broken": [SYSTEM, image_message("What is it?", "broken.png")],
+        "outside": [SYSTEM, image_message("What is it?", "../secret.png")],
+        "url": [SYSTEM, image_message("What is it?", "http://127.0.0.1:9/a.png")],
+    }
+    rows = [{"id": i, "messages": json.dumps(c)} for i, c in enumerate(good)]
+    rows += [{"id": name, "messages": json.dumps(c)} for name, c in bad.items()]
+    rows = [{**r, "id": str(r["id"])} for r in rows]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    spec = {
+        "name": "images",
+        "model": str(vlm),
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "prompt": {"messages_column": "messages"},
+        "images": {"root": str(pics)},
+        "sampling": {"temperature": 0, "max_tokens": 16},
+        "engine": {
+            "backend": "vllm",
+            "dtype": "float32",
+            "device": "cpu",
+            "max_num_seqs": 2,
+            "max_model_len": 512,
+            "vllm": {"enforce_eager": True},
+        },
+        "replicas": 1,
+        "output": {"path": str(out), "format": "jsonl", "rows_per_part": 2, "overwrite": False, "resume": True},
+    }
+    job = Driver(spec, tmp_path, "images", ray_local.get_runtime_context().gcs_address)
+    expected = transformers_answers(vlm, good, max_tokens=16, images_root=pics)  # while the job starts
+
+    def answered() -> list[dict]:  # parts of answers (the error records are committed apart)
+        return [rec for rec in local_records(out) if min(rec["row_ids"]) < len(good)]
+
+    wait_until(lambda: len(answered()) >= 1, job, "a committed part of answers")
+    os.kill(worker_pid(answered()[0]), signal.SIGKILL)  # the vLLM engine actor that wrote it
+    job.wait()
+
+    assert check_output(str(out), rows) == {
+        "output_rows": len(rows),
+        "rows_lost": 0,
+        "rows_duplicated": 0,
+        "error_rows": len(bad),
+    }
+    got = {r["id"]: r for r in read_output(str(out))}
+    assert {i: list(got[str(i)]["generated_tokens"]) for i in range(len(good))} == dict(enumerate(expected))
+    assert "in no image format Pillow knows" in got["broken"]["error"]
+    assert "outside images.root" in got["outside"]["error"]
+    assert "set images.allow_urls" in got["url"]["error"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["fault_tolerance"]["engine_failures"] == 1, metrics["fault_tolerance"]
