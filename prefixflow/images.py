@@ -65,13 +65,15 @@ class ImageConfig:
 
 
 def part_image(part: dict[str, Any]) -> Any:
-    """The image source a content part of type image_url or image names (a string, or bytes);
-    ValueError when it names none."""
+    """The image source a content part of type image_url or image names: a string, bytes, or a
+    PIL image (ray.data.llm's examples put one in `image`); ValueError when it names none."""
     value = part.get(part["type"])
-    if isinstance(value, dict):
-        value = value.get("url")
+    if isinstance(value, dict):  # OpenAI's {"url": ...}, or a Hugging Face dataset's {"bytes", "path"}
+        value = next((value[k] for k in ("url", "bytes", "path") if value.get(k)), None)
     if value is None:
         value = part.get("url", part.get("path"))
+    if _is_pil(value):
+        return value
     if not isinstance(value, (str, bytes)) or not value:
         raise ValueError(
             f'a content part of type {part["type"]} names no image: give {{"type": "image_url", '
@@ -80,9 +82,12 @@ def part_image(part: dict[str, Any]) -> Any:
     return value
 
 
-def load_image(source: str | bytes, config: ImageConfig) -> bytes:
-    """The encoded bytes of the image `source` names, checked to decode; ValueError saying why not."""
-    if isinstance(source, bytes):
+def load_image(source: Any, config: ImageConfig) -> bytes:
+    """The encoded bytes of the image `source` names (part_image), checked to decode; ValueError
+    saying why not."""
+    if _is_pil(source):
+        data = _png(source)
+    elif isinstance(source, bytes):
         data = source
     elif source.startswith("data:"):
         data = _data_url(source)
@@ -124,6 +129,23 @@ def image_key(data: bytes) -> int:
     """The planner's key of an image: 62 bits of the sha256 of its bytes (a non-negative int64
     that no vocabulary reaches, so it never equals a real token)."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 2 | (1 << 40)
+
+
+def _is_pil(value: Any) -> bool:
+    """Whether `value` is a PIL image (without importing Pillow for rows that hold none)."""
+    return any(c.__module__.startswith("PIL.") and c.__name__ == "Image" for c in type(value).__mro__)
+
+
+def _png(image: Any) -> bytes:
+    """A PIL image encoded losslessly (PNG), as it travels with its row."""
+    import io
+
+    out = io.BytesIO()
+    try:
+        image.save(out, format="PNG")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the image cannot be encoded ({type(e).__name__}: {str(e)[:120]})") from None
+    return out.getvalue()
 
 
 def _data_url(url: str) -> bytes:

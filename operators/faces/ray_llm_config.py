@@ -20,6 +20,9 @@ vLLMEngineProcessorConfig -> ProcessorConfig (`processor_config()`):
     the engine actors' Ray options; order (prefixflow's own) -> the plan order;
     dynamic_lora_loading_path with engine_kwargs' enable_lora, max_loras, max_lora_rank ->
     ProcessorConfig.lora (a row's `model` names its adapter, a subfolder of the path);
+    prepare_multimodal_stage enabled (or has_image) -> ProcessorConfig.images: image parts of
+    rows' messages (image_url or image: data URLs, http(s) URLs, and local files under
+    model_config_kwargs' allowed_local_media_path) on a vision-language model;
     task_type -> task (a cross-encoder's "score" is task classify on its one-label head).
 Stage configs (bool, dict or the classes below): chat_template_stage (enabled: rows' `messages`
 get the chat template, its chat_template / chat_template_kwargs included; off: rows give
@@ -28,7 +31,7 @@ tokenize tasks (an actor pool's (min, max) caps the tasks at once at max); prefi
 back even where sampling_params said detokenize=False). Accepted without effect, because
 prefixflow's replicas take their rows in plan order themselves: max_pending_requests,
 max_concurrent_batches, max_tasks_in_flight_per_actor. Refused with a ValueError naming the
-field and what to use instead: multimodal inputs, a stage on another
+field and what to use instead: video and audio parts, a stage on another
 model, and the SGLang, HTTP and Serve-deployment processors. Ray's older fields
 (apply_chat_template, chat_template, tokenize, detokenize) are taken as the stages they became.
 """
@@ -41,6 +44,7 @@ from typing import Any
 from prefixflow.engine.config import EngineConfig  # torch-free
 from prefixflow.engine.vllm_backend.args import OWN_ARGS  # torch-free, does not import vLLM
 from prefixflow.errors import invalid
+from prefixflow.images import ImageConfig
 from prefixflow.lora import LoraConfig
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.requests import SamplingParams
@@ -154,9 +158,8 @@ RAY_TASKS = {"generate": "generate", "embed": "embed", "classify": "classify", "
 TASK_TYPES = tuple(RAY_TASKS)
 # engine_kwargs that become the LoraConfig (max_cpu_loras: every adapter stays in CPU memory)
 LORA_KWARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
-REFUSED = {  # field -> why prefixflow cannot honour a value other than the default, and the fix
-    "has_image": "multimodal inputs are not supported: remove it",
-}
+# prepare_multimodal_stage's model_config_kwargs that prefixflow reads (vLLM's ModelConfig names)
+MEDIA_KWARGS = ("allowed_local_media_path",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,9 +204,6 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             raise invalid(name, "engine_kwargs", self.engine_kwargs, "give a dict of vLLM engine arguments")
         if self.task_type not in TASK_TYPES:
             raise invalid(name, "task_type", self.task_type, f"use one of {', '.join(TASK_TYPES)}")
-        for key, fix in REFUSED.items():
-            if getattr(self, key):
-                raise invalid(name, key, getattr(self, key), fix)
         self.stages()  # each stage config checked, by name
         self.processor_config()  # ProcessorConfig checks the rest (engine_kwargs by name)
         self.engine_bundle()
@@ -232,12 +232,15 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
         mm = resolve_stage(
             self.prepare_multimodal_stage, PrepareMultimodalStageConfig, "prepare_multimodal_stage", defaults
         )
-        if mm.enabled:
+        if self.has_image is not None:
+            mm = _replace(mm, enabled=self.has_image)
+        unknown = sorted(set(mm.model_config_kwargs or {}) - set(MEDIA_KWARGS))
+        if unknown:
             raise invalid(
                 "vLLMEngineProcessorConfig",
-                "prepare_multimodal_stage",
-                self.prepare_multimodal_stage,
-                "multimodal inputs are not supported: leave the stage off",
+                f"prepare_multimodal_stage.model_config_kwargs.{unknown[0]}",
+                (mm.model_config_kwargs or {})[unknown[0]],
+                f"prefixflow reads {', '.join(MEDIA_KWARGS)} here; engine arguments go in engine_kwargs",
             )
         for stage_name, stage in (("chat_template_stage", chat), ("tokenize_stage", tok), ("detokenize_stage", detok)):
             if stage.model_source != self.model_source:
@@ -277,7 +280,17 @@ class vLLMEngineProcessorConfig:  # ray.data.llm's name, lower case first
             sampling=SamplingParams(max_tokens=VLLM_MAX_TOKENS),
             task=RAY_TASKS[self.task_type],
             lora=self.lora_config(),
+            images=self.image_config(stages["prepare_multimodal"]),
         )
+
+    def image_config(self, stage: PrepareMultimodalStageConfig) -> ImageConfig | None:
+        """Images in rows' messages when the multimodal stage is on (or has_image): as Ray's
+        stage reads them, http(s) URLs fetched, and local files under the stage's
+        model_config_kwargs allowed_local_media_path (vLLM's rule: none without it)."""
+        if not stage.enabled:
+            return None
+        root = (stage.model_config_kwargs or {}).get("allowed_local_media_path")
+        return ImageConfig(root=root or None, allow_urls=True)
 
     def lora_config(self) -> LoraConfig | None:
         """Per-row LoRA: dynamic_lora_loading_path and engine_kwargs' LoRA arguments (a row's

@@ -434,6 +434,7 @@ def test_text_parts_still_make_the_message():
 def test_openai_chat_request_with_an_audio_part_is_an_error_record():
     """An audio part is refused as the request is read; an image part passes the reader and is
     the tokenize stage's to take (a vision-language job) or refuse (tests/cpu/test_images.py)."""
+
     def line(cid: str, content: object) -> bytes:
         return json.dumps(
             {

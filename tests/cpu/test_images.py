@@ -11,6 +11,7 @@ part is committed: every row exactly once, bad images as error records, answers 
 from __future__ import annotations
 
 import http.server
+import io
 import importlib.util
 import json
 import os
@@ -276,3 +277,77 @@ def test_image_job_on_vllm_killed_once_equals_transformers(ray_local, vlm, tmp_p
     assert "set images.allow_urls" in got["url"]["error"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["fault_tolerance"]["engine_failures"] == 1, metrics["fault_tolerance"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_rays_vision_example_through_our_face(ray_local, vlm, tmp_path):
+    """Ray's documented vision example (docs.ray.io "Working with LLMs": a PIL image in an
+    `image` part, prepare_multimodal_stage on) with only the import changed; an image_url with
+    a path under allowed_local_media_path too. Answers equal transformers'."""
+    import ray
+    from PIL import Image
+
+    from prefixflow import build_processor, vLLMEngineProcessorConfig  # was: from ray.data.llm import ...
+
+    (tmp_path / "1.png").write_bytes(png_bytes(21))
+    config = vLLMEngineProcessorConfig(
+        model_source=str(vlm),
+        engine_kwargs={"max_model_len": 512, "enforce_eager": True},
+        prepare_multimodal_stage={"enabled": True, "model_config_kwargs": {"allowed_local_media_path": str(tmp_path)}},
+        batch_size=4,
+        concurrency=1,
+    )
+
+    pil = Image.open(io.BytesIO(png_bytes(20))).convert("RGB")  # the closure takes it by value
+
+    def preprocess(row: dict) -> dict:
+        picture = (
+            {"type": "image", "image": pil}
+            if row["id"] % 2 == 0
+            else {"type": "image_url", "image_url": {"url": "1.png"}}
+        )
+        return dict(
+            messages=[SYSTEM, {"role": "user", "content": [{"type": "text", "text": row["q"]}, picture]}],
+            sampling_params=dict(temperature=0, max_tokens=8, detokenize=False),
+        )
+
+    processor = build_processor(
+        config, preprocess=preprocess, postprocess=lambda row: dict(id=row["id"], tokens=row["generated_tokens"])
+    )
+    questions = ["What is it?", "What is it?", "Which colours?", "Which colours?"]
+    rows = processor(ray.data.from_items([{"id": i, "q": q} for i, q in enumerate(questions)])).take_all()
+    got = {r["id"]: list(r["tokens"]) for r in rows}
+    conversations = [
+        [
+            SYSTEM,
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": q},
+                    {"type": "image_url", "image_url": {"url": data_url(png_bytes(20)) if i % 2 == 0 else "1.png"}},
+                ],
+            },
+        ]
+        for i, q in enumerate(questions)
+    ]
+    assert got == dict(enumerate(transformers_answers(vlm, conversations, max_tokens=8, images_root=tmp_path)))
+
+
+def test_openai_batch_chat_request_with_an_image(vlm):
+    """A /v1/chat/completions request's image_url part reaches the tokenize stage, which takes it
+    on a vision-language job and makes it the request's error on a text one."""
+    from prefixflow.operators.stages.openai_batch import parse_requests
+    from prefixflow.operators.stages.read import parse_jsonl
+
+    body = {"messages": [SYSTEM, image_message("What is it?", data_url(png_bytes(3)))], "max_tokens": 4}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    rows = parse_requests(parse_jsonl(json.dumps(line).encode(), "b.jsonl"))
+    assert rows[0]["_pf_error"] is None
+    cfg = ProcessorConfig(model=str(vlm), openai_batch=True, engine={"backend": "vllm"})
+    table = Tokenize(cfg.tokenize_options())(pa.Table.from_pylist(rows))
+    assert table.column("_pf_error").to_pylist() == [None]
+    assert table.column("_pf_images").to_pylist() == [[png_bytes(3)]]
+    text = ProcessorConfig(model=str(vlm), openai_batch=True)  # the native backend takes text only
+    error = Tokenize(text.tokenize_options())(pa.Table.from_pylist(rows)).column("_pf_error")[0].as_py()
+    assert "type 'image_url': this model takes text only" in error

@@ -20,6 +20,7 @@ import pytest
 from support.rays_own import rays_own_basic_example
 
 import prefixflow
+from prefixflow.images import ImageConfig
 from prefixflow.lora import LoraConfig
 
 needs_vllm = pytest.mark.skipif(
@@ -83,7 +84,7 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
 
     bad = {
         "task_type": "rerank",
-        "prepare_multimodal_stage": True,
+        "prepare_multimodal_stage": {"model_config_kwargs": {"limit_mm_per_prompt": {"image": 2}}},
         "concurrency": (2, 1),
         "chat_template_stage": {"bogus": 1},
         "tokenize_stage": {"model_source": "other"},
@@ -100,6 +101,16 @@ def test_config_fields_map_or_fail_by_name(tiny_model):
     )
     assert lora.processor_config().lora == LoraConfig(path="/loras", max_loras=2)
     assert "enable_lora" not in lora.processor_config().vllm_args
+    # images: the multimodal stage (or Ray's older has_image) takes rows' image parts; http(s)
+    # URLs are fetched as Ray's stage fetches them, local files only under allowed_local_media_path
+    mm = {"enabled": True, "model_config_kwargs": {"allowed_local_media_path": "/pics"}}
+    assert vLLMEngineProcessorConfig(model_source=m, prepare_multimodal_stage=mm).processor_config().images == (
+        ImageConfig(root="/pics", allow_urls=True)
+    )
+    assert vLLMEngineProcessorConfig(model_source=m, has_image=True).processor_config().images == ImageConfig(
+        allow_urls=True
+    )
+    assert vLLMEngineProcessorConfig(model_source=m).processor_config().images is None
     with pytest.raises(ValueError, match="vLLMEngineProcessorConfig.dynamic_lora_loading_path"):
         vLLMEngineProcessorConfig(model_source=m, engine_kwargs={"enable_lora": True})
     with pytest.raises(ValueError, match="engine.vllm.enable_prefix_cachin"):  # checked by name, at once
