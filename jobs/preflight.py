@@ -90,7 +90,9 @@ def preflight(spec: JobSpec, source: str = "<spec>", address: str | None = None)
     """
     storage = spec.storage_options()
     here = [] if address or os.environ.get("RAY_ADDRESS") else _this_machine()
-    problems = _model_problems(spec) + kv_cache_problems(spec, here) + _lora_problems(spec) + _endpoint_problems(spec)
+    model = _model_problems(spec)
+    problems = model + kv_cache_problems(spec, here) + _lora_problems(spec) + _endpoint_problems(spec)
+    problems += [] if model else _image_problems(spec)  # reads the model's config.json
     storage_failed = False
     table = spec.input.table_input()
     if table is not None:
@@ -168,6 +170,30 @@ def _lora_problems(spec: JobSpec) -> Problems:
         spec.to_config().lora_adapters()
     except ValueError as e:
         return [("lora.path", str(e))]
+    return []
+
+
+def _image_problems(spec: JobSpec) -> Problems:
+    """`images.root`: a folder the job can list (local, or in object storage with its settings);
+    and a model that takes images (its config.json names an image token)."""
+    if spec.images is None:
+        return []
+    config = spec.to_config()
+    if config.tokenize_options().images is None:
+        return [
+            (
+                "images",
+                "the model takes text only (its config.json names no image_token_id): use a vision-language model, or remove images",
+            )
+        ]
+    root = spec.images.root
+    if root is None:
+        return []
+    try:
+        if not spec.storage_options().filesystem(root).isdir(root):
+            return [("images.root", f"{masked(root)} is not a folder: give the folder holding the images")]
+    except (OSError, ValueError) as e:
+        return [("images.root", f"{masked(root)} cannot be listed ({type(e).__name__}): check the path and storage")]
     return []
 
 

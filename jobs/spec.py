@@ -892,6 +892,7 @@ class JobSpec(_Strict):
             embed=self.embed.model_dump() if self.embed is not None else None,
             lora=self.lora.model_dump() if self.lora is not None else None,
             images=self.images.model_dump() if self.images is not None else None,
+            storage=self.storage_options() if self.images is not None else None,
         )
 
 

@@ -32,6 +32,7 @@ from prefixflow.operators.template import PromptTemplate
 from prefixflow.pipeline.ordering import ORDER_POLICIES
 from prefixflow.pipeline.plan import DEFAULT_ORDER
 from prefixflow.requests import SamplingParams
+from prefixflow.storage import StorageOptions
 
 # The job spec (jobs/spec.py) takes its choices for task and engine.backend from these.
 TASKS = ("generate", "score", "embed", "classify")
@@ -129,6 +130,7 @@ class TokenizeOptions:
     # an image part is the row's error record.
     images: ImageConfig | None = None
     image_token_id: int | None = None
+    image_storage: StorageOptions | None = field(default=None, repr=False)  # images.root in object storage
 
 
 def model_image_token(model: str) -> int | None:
@@ -265,6 +267,8 @@ class ProcessorConfig:
         the images of chat messages may come from. A vision-language model (its config names an
         image token) on engine.backend vllm, task generate, takes image parts (data URLs only
         when this is None); elsewhere an image part is the row's error record.
+    storage: how the job reaches object storage (a job spec's `storage` section): images under
+        an images.root in object storage are read with it. None: the environment's settings.
     chat_template / chat_template_kwargs: for rows that carry `messages`: a Jinja chat template
         instead of the tokenizer's own, and more variables for it (e.g. {"enable_thinking":
         False}); rendered in the bounded sandbox (prefixflow/sandbox.py). Python API,
@@ -301,6 +305,7 @@ class ProcessorConfig:
     embed: EmbedConfig | dict[str, Any] | None = None
     lora: LoraConfig | dict[str, Any] | None = None
     images: ImageConfig | dict[str, Any] | None = None
+    storage: StorageOptions | None = field(default=None, repr=False)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     runtime_env: dict[str, Any] | None = None
@@ -512,6 +517,7 @@ class ProcessorConfig:
             pooling_activation=self._pooling_activation(),
             images=None if image_token is None else self.image_config,
             image_token_id=image_token,
+            image_storage=self.storage if image_token is not None else None,
         )
 
     @property

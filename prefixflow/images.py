@@ -5,8 +5,9 @@ A message's content part names an image as OpenAI does (`{"type": "image_url", "
 {"url": ...}}`) or as Hugging Face chat templates do (`{"type": "image", "image": ...}`, or its
 `url` / `path`). The source is one of:
   - a data URL (`data:image/png;base64,...`), always accepted;
-  - a local path (or `file://` URL) under the job's `images.root`, else refused: a dataset must
-    not make the job read the machine's files;
+  - a path under the job's `images.root` (relative to it, or absolute: a local folder, or a
+    URL of object storage such as s3://bucket/pictures, read with the job's `storage`
+    settings), else refused: a dataset must not make the job read the machine's files;
   - an http(s) URL, fetched only when the job sets `images.allow_urls`.
 Each image is read once where the row is tokenized, checked to decode as an image (a bad one is
 the row's error record, never the replica's failure), and travels with its row as bytes.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.errors import invalid
+from prefixflow.storage import StorageOptions, protocol, strip_scheme
 
 DEFAULT_MAX_BYTES = 20 << 20
 IMAGE_PART_TYPES = ("image_url", "image")
@@ -41,8 +43,9 @@ UNBUILT_PART_TYPES = ("input_audio", "audio_url", "video_url", "video", "audio",
 class ImageConfig:
     """Where a row's images may come from (the job spec's `images` section is generated from it).
 
-    root: a local folder (mounted on every node); image paths must lie under it (a relative
-        path is taken from it). None: no local images.
+    root: a folder every node reaches: local (mounted) or a URL (s3://bucket/pictures, read
+        with the job's storage settings); image paths must lie under it (a relative path is
+        taken from it). None: no image paths.
     allow_urls: fetch http(s) image URLs (False: such a row is an error record).
     max_bytes: the largest image accepted, encoded.
     timeout_s: seconds one URL fetch may take.
@@ -54,8 +57,12 @@ class ImageConfig:
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.root is not None and (not isinstance(self.root, str) or "://" in self.root or not self.root):
-            raise invalid("ImageConfig", "root", self.root, "give a local folder every node mounts, or null")
+        if self.root is not None and (not isinstance(self.root, str) or not self.root):
+            raise invalid(
+                "ImageConfig", "root", self.root, "give a folder every node reaches (a path or a URL), or null"
+            )
+        if self.root is not None and self.root.startswith(("http://", "https://")):
+            raise invalid("ImageConfig", "root", self.root, "give a folder; http(s) images need images.allow_urls")
         if not isinstance(self.allow_urls, bool):
             raise invalid("ImageConfig", "allow_urls", self.allow_urls, "use true or false")
         if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
@@ -82,9 +89,9 @@ def part_image(part: dict[str, Any]) -> Any:
     return value
 
 
-def load_image(source: Any, config: ImageConfig) -> bytes:
+def load_image(source: Any, config: ImageConfig, storage: StorageOptions | None = None) -> bytes:
     """The encoded bytes of the image `source` names (part_image), checked to decode; ValueError
-    saying why not."""
+    saying why not. storage: how to reach an images.root in object storage (the job's)."""
     if _is_pil(source):
         data = _png(source)
     elif isinstance(source, bytes):
@@ -94,7 +101,7 @@ def load_image(source: Any, config: ImageConfig) -> bytes:
     elif source.startswith(("http://", "https://")):
         data = _fetch(source, config)
     else:
-        data = _local(source, config)
+        data = _under_root(source, config, storage or StorageOptions())
     if len(data) > config.max_bytes:
         raise ValueError(f"the image has {len(data)} bytes, above images.max_bytes {config.max_bytes}")
     check_image(data)
@@ -158,13 +165,16 @@ def _data_url(url: str) -> bytes:
         raise ValueError("the image's data URL holds invalid base64") from None
 
 
-def _local(source: str, config: ImageConfig) -> bytes:
-    path = urllib.parse.unquote(source[len("file://") :]) if source.startswith("file://") else source
-    if "://" in path:
-        raise ValueError("the image's URL scheme is not accepted: give a data URL, a path under images.root or http(s)")
+def _under_root(source: str, config: ImageConfig, storage: StorageOptions) -> bytes:
+    """The bytes of the image at `source`, a path that must lie under images.root."""
     if config.root is None:
-        raise ValueError("the image is a local path, but the job sets no images.root: set it to the images' folder")
-    root = os.path.realpath(config.root)
+        raise ValueError("the image is a path, but the job sets no images.root: set it to the images' folder")
+    if "://" in source and not source.startswith("file://") and protocol(source) != protocol(config.root):
+        raise ValueError("the image's URL scheme is not accepted: give a data URL, a path under images.root or http(s)")
+    if protocol(config.root) not in (None, "file"):
+        return _remote(source, config, storage)
+    path = urllib.parse.unquote(source[len("file://") :]) if source.startswith("file://") else source
+    root = os.path.realpath(strip_scheme(config.root))
     full = os.path.realpath(os.path.join(root, path))
     if os.path.commonpath([root, full]) != root:
         raise ValueError("the image's path is outside images.root: give a path under it")
@@ -173,6 +183,21 @@ def _local(source: str, config: ImageConfig) -> bytes:
             data = f.read(config.max_bytes + 1)
     except OSError as e:
         raise ValueError(f"the image file cannot be read ({type(e).__name__}: {e.strerror})") from None
+    return data
+
+
+def _remote(source: str, config: ImageConfig, storage: StorageOptions) -> bytes:
+    """An image under an images.root in object storage: `source` is relative to it, or a URL
+    of the same scheme inside it (no `..` steps: object stores have no folders to leave)."""
+    root = str(config.root).rstrip("/")
+    url = source if "://" in source else f"{root}/{source.lstrip('/')}"
+    if not url.startswith(root + "/") or ".." in url[len(root) :].split("/"):
+        raise ValueError("the image's path is outside images.root: give a path under it")
+    try:
+        with storage.filesystem(url).open(url, "rb") as f:
+            data: bytes = f.read(config.max_bytes + 1)
+    except (OSError, ValueError) as e:  # FileNotFoundError, PermissionError, a client's error
+        raise ValueError(f"the image cannot be read from storage ({type(e).__name__})") from None
     return data
 
 

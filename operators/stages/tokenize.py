@@ -28,7 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from prefixflow.images import ImageConfig, image_key, load_image
+from prefixflow.images import image_key, load_image
 from prefixflow.lora import ADAPTER_COLUMN, row_adapter
 from prefixflow.operators.columns import ADAPTER, ERROR, IMAGE_AT, IMAGE_KEYS, IMAGES
 from prefixflow.operators.config import TokenizeOptions
@@ -77,7 +77,7 @@ class Tokenize:
             if errors[i] is None:
                 errors[i] = self._check_length(len(ids))
             if errors[i] is None and self.opts.images is not None:
-                images[i], errors[i] = row_images(ids, sources[i], self.opts.images, self.opts.image_token_id)
+                images[i], errors[i] = row_images(ids, sources[i], self.opts)
             if errors[i] is not None:
                 tokens[i] = []
         table = _set_column(table, ERROR, pa.array(errors, pa.string()))
@@ -210,19 +210,19 @@ class RowImages:
     keys: list[int] = field(default_factory=list)
 
 
-def row_images(
-    ids: list[int], sources: list[Any], config: ImageConfig, image_token_id: int | None
-) -> tuple[RowImages, str | None]:
-    """The images `sources` name, read and checked, placed at the image tokens of the prompt
-    `ids`; or why the row cannot run (its error record)."""
-    at = [j for j, t in enumerate(ids) if t == image_token_id] if sources else []
+def row_images(ids: list[int], sources: list[Any], opts: TokenizeOptions) -> tuple[RowImages, str | None]:
+    """The images `sources` name, read and checked (opts.images, opts.image_storage), placed at
+    the image tokens (opts.image_token_id) of the prompt `ids`; or why the row cannot run (its
+    error record)."""
+    assert opts.images is not None, "a job that takes images"
+    at = [j for j, t in enumerate(ids) if t == opts.image_token_id] if sources else []
     if len(at) != len(sources):
         return RowImages(), (
             f"the prompt has {len(at)} image placeholder tokens for {len(sources)} images: the chat "
             "template must write the model's image token once per image part (use the model's own)"
         )
     try:
-        data = [load_image(source, config) for source in sources]
+        data = [load_image(source, opts.images, opts.image_storage) for source in sources]
     except ValueError as e:
         return RowImages(), str(e)
     return RowImages(data, at, [image_key(d) for d in data]), None

@@ -27,6 +27,7 @@ from support.vision import data_url, image_message, make_tiny_vlm, png_bytes, tr
 
 from prefixflow.bench.fault_bench import Driver, check_output, local_records, wait_until, worker_pid
 from prefixflow.images import ImageConfig, image_key, load_image
+from prefixflow.jobs.preflight import preflight
 from prefixflow.jobs.spec import SpecError, parse_spec
 from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.write import read_output
@@ -75,6 +76,32 @@ def test_image_sources_data_url_path_under_root_and_refusals(tmp_path):
             load_image(source, config)
 
 
+def test_images_under_a_root_in_object_storage(s3_server):
+    """images.root on S3 (moto on loopback), read with the job's storage settings: relative
+    paths and URLs inside the root; nothing outside it."""
+    from support.s3 import s3_bucket
+
+    storage = s3_bucket(s3_server, "pf-images")
+    png = png_bytes(4)
+    fs = storage.filesystem("s3://pf-images/pics/a.png")
+    with fs.open("s3://pf-images/pics/a.png", "wb") as f:
+        f.write(png)
+    with fs.open("s3://pf-images/secret/b.png", "wb") as f:
+        f.write(png)
+    config = ImageConfig(root="s3://pf-images/pics")
+    assert load_image("a.png", config, storage) == png
+    assert load_image("s3://pf-images/pics/a.png", config, storage) == png
+    for source, why in {
+        "s3://pf-images/secret/b.png": "outside images.root",
+        "../secret/b.png": "outside images.root",
+        "s3://pf-images/pics2/a.png": "outside images.root",
+        "missing.png": "cannot be read from storage (FileNotFoundError)",
+        "gs://pf-images/pics/a.png": "URL scheme is not accepted",
+    }.items():
+        with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+            load_image(source, config, storage)
+
+
 def test_image_urls_fetched_only_when_allowed(tmp_path):
     png = png_bytes(2)
 
@@ -118,15 +145,15 @@ def test_content_parts_keep_images_only_where_the_job_takes_them():
         messages_from_value([{"role": "user", "content": [{"type": "input_audio"}]}], "m", [])
 
 
-def test_images_config_needs_the_vllm_backend(tiny_model):
+def test_images_config_needs_the_vllm_backend(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="images run on engine.backend vllm, task generate"):
         ProcessorConfig(model=str(tiny_model), prompt={"messages_column": "m"}, images={"root": "/data"})
-    with pytest.raises(ValueError, match="ImageConfig.root='s3://b/x' is invalid"):
+    with pytest.raises(ValueError, match="ImageConfig.root='https://h/x' is invalid"):
         ProcessorConfig(
             model=str(tiny_model),
             prompt={"messages_column": "m"},
             engine={"backend": "vllm"},
-            images={"root": "s3://b/x"},
+            images={"root": "https://h/x"},
         )
     spec = {
         "name": "x",
@@ -137,9 +164,37 @@ def test_images_config_needs_the_vllm_backend(tiny_model):
     }
     with pytest.raises(SpecError, match="images: images run with task: generate on engine.backend: vllm"):
         parse_spec({**spec, "images": {"allow_urls": True}})
-    # A text-only model on the vLLM backend takes no image: the row's error, not the job's.
+    # A text-only model on the vLLM backend takes no image: without an images section the
+    # row's error, with one the spec's
     opts = ProcessorConfig(model=str(tiny_model), prompt={"messages_column": "m"}, engine={"backend": "vllm"})
     assert opts.tokenize_options().images is None
+    (tmp_path / "in.jsonl").write_text(json.dumps({"m": json.dumps([SYSTEM])}) + "\n")
+    vllm_spec = {
+        **spec,
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "output": {"path": str(tmp_path / "out")},
+        "engine": {"backend": "vllm", "device": "cpu"},
+        "images": {},
+    }
+    with pytest.raises(SpecError, match="images: the model takes text only"):
+        preflight(parse_spec(vllm_spec))
+
+
+def test_images_root_is_checked_before_any_work(vlm, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"m": json.dumps([SYSTEM])}) + "\n")
+    spec = {
+        "name": "x",
+        "model": str(vlm),
+        "input": {"path": str(tmp_path / "in.jsonl")},
+        "prompt": {"messages_column": "m"},
+        "output": {"path": str(tmp_path / "out")},
+        "engine": {"backend": "vllm", "device": "cpu"},
+        "images": {"root": str(tmp_path / "nowhere")},
+    }
+    with pytest.raises(SpecError, match="images.root: .*nowhere is not a folder: give the folder holding the images"):
+        preflight(parse_spec(spec))
+    (tmp_path / "nowhere").mkdir()
+    preflight(parse_spec(spec))
 
 
 # --- tokenize and plan ---------------------------------------------------------------------
