@@ -677,8 +677,9 @@ class JobSpec(_Strict):
     )
     images: ImagesSpec | None = Field(
         default=None,
-        description="where the images of chat messages may come from: root (a local folder), allow_urls "
-        "(fetch http(s) URLs), max_bytes, timeout_s; a vision-language model on engine.backend vllm",
+        description="where the images of chat messages may come from: root (a local folder or an s3:// URL), "
+        "allow_urls (fetch http(s) URLs), max_bytes, max_pixels, timeout_s; a vision-language model on "
+        "engine.backend vllm",
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)

@@ -9,8 +9,10 @@ A message's content part names an image as OpenAI does (`{"type": "image_url", "
     URL of object storage such as s3://bucket/pictures, read with the job's `storage`
     settings), else refused: a dataset must not make the job read the machine's files;
   - an http(s) URL, fetched only when the job sets `images.allow_urls`.
-Each image is read once where the row is tokenized, checked to decode as an image (a bad one is
-the row's error record, never the replica's failure), and travels with its row as bytes.
+Each image is read once where the row is tokenized and decoded there once (a missing, broken,
+oversized or refused one is the row's error record, never the replica's failure), and travels
+with its row as bytes: each row holds its own copy while the job is planned, so a job of many
+questions per large image holds them many times over in Ray's object store (a known cost).
 
 The planner sees an image as part of the prompt by the hash of its bytes (`image_key`): the
 placeholder token the chat template writes for it is replaced, for planning only, by that key,
@@ -24,16 +26,22 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import http.client
 import os
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from prefixflow.errors import invalid
-from prefixflow.storage import StorageOptions, protocol, strip_scheme
+from prefixflow.storage import StorageOptions, is_local, local_path, normal_path, protocol
 
 DEFAULT_MAX_BYTES = 20 << 20
+DEFAULT_MAX_PIXELS = 40_000_000  # 8000 x 5000: past what vision encoders resize down from
+# The formats decoded: Pillow's others include EPS, which it decodes by running Ghostscript.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 IMAGE_PART_TYPES = ("image_url", "image")
 # Parts that are media vLLM may take but prefixflow has not built: refused by name.
 UNBUILT_PART_TYPES = ("input_audio", "audio_url", "video_url", "video", "audio", "file")
@@ -48,12 +56,17 @@ class ImageConfig:
         taken from it). None: no image paths.
     allow_urls: fetch http(s) image URLs (False: such a row is an error record).
     max_bytes: the largest image accepted, encoded.
-    timeout_s: seconds one URL fetch may take.
+    max_pixels: the most pixels an image may have (width x height): its decoded size is what
+        the engine holds, whatever the bytes (a few hundred bytes of PNG can claim gigapixels).
+    timeout_s: seconds one URL fetch may take, all of it.
+    The root is kept in storage.normal_path's form: a local one absolute, read where the job
+    starts, so that every node reads the same folder.
     """
 
     root: str | None = None
     allow_urls: bool = False
     max_bytes: int = DEFAULT_MAX_BYTES
+    max_pixels: int = DEFAULT_MAX_PIXELS
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -61,12 +74,19 @@ class ImageConfig:
             raise invalid(
                 "ImageConfig", "root", self.root, "give a folder every node reaches (a path or a URL), or null"
             )
-        if self.root is not None and self.root.startswith(("http://", "https://")):
+        if self.root is not None and protocol(self.root) in ("http", "https"):
             raise invalid("ImageConfig", "root", self.root, "give a folder; http(s) images need images.allow_urls")
+        if self.root is not None:
+            try:
+                object.__setattr__(self, "root", normal_path(self.root))
+            except ValueError as e:
+                raise invalid("ImageConfig", "root", self.root, str(e)) from None
+        for name in ("max_bytes", "max_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise invalid("ImageConfig", name, value, "use a positive integer")
         if not isinstance(self.allow_urls, bool):
             raise invalid("ImageConfig", "allow_urls", self.allow_urls, "use true or false")
-        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
-            raise invalid("ImageConfig", "max_bytes", self.max_bytes, "use a positive number of bytes")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise invalid("ImageConfig", "timeout_s", self.timeout_s, "use a positive number of seconds")
 
@@ -103,33 +123,49 @@ def load_image(source: Any, config: ImageConfig, storage: StorageOptions | None 
     else:
         data = _under_root(source, config, storage or StorageOptions())
     if len(data) > config.max_bytes:
-        raise ValueError(f"the image has {len(data)} bytes, above images.max_bytes {config.max_bytes}")
-    check_image(data)
+        raise ValueError(f"the image has more than images.max_bytes ({config.max_bytes}) bytes")
+    check_image(data, config.max_pixels)
     return data
 
 
-def check_image(data: bytes) -> None:
-    """ValueError unless `data` decodes as an image (Pillow reads its header and checks it)."""
+def check_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """ValueError unless `data` is an image of one of FORMATS, of at most `max_pixels`, that
+    decodes whole: decoded here once, so that the engine never meets a broken image (a PNG can
+    pass Pillow's verify() with garbage pixel data)."""
     import io
 
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.verify()
+        with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ValueError(f"the image has {width}x{height} pixels, above images.max_pixels {max_pixels}")
+            image.load()
     except UnidentifiedImageError:
-        raise ValueError("the image cannot be read: its bytes are in no image format Pillow knows") from None
-    except (OSError, SyntaxError, ValueError) as e:  # a known format, broken
+        raise ValueError(f"the image cannot be read: its bytes are in none of {', '.join(FORMATS)}") from None
+    except ValueError as e:
+        if str(e).startswith("the image has"):
+            raise
+        raise ValueError(f"the image cannot be read (ValueError: {str(e)[:120]})") from None
+    except Image.DecompressionBombError:  # past twice Pillow's own limit: refused before our check
+        raise ValueError(f"the image has more pixels than images.max_pixels {max_pixels} allows") from None
+    except Exception as e:  # noqa: BLE001 - a broken image raises what its decoder raises (OSError, SyntaxError, ...)
         raise ValueError(f"the image cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 def decode_image(data: bytes) -> Any:
-    """A PIL image (RGB) of bytes that `load_image` accepted: what vLLM's processors take."""
+    """A PIL image (RGB) of bytes that `load_image` accepted: what vLLM's processors take.
+    ValueError if it does not decode (never expected: check_image decoded it)."""
     import io
 
     from PIL import Image
 
-    return Image.open(io.BytesIO(data)).convert("RGB")
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+            return image.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - what a decoder raises
+        raise ValueError(f"the image cannot be decoded ({type(e).__name__})") from None
 
 
 def image_key(data: bytes) -> int:
@@ -171,13 +207,15 @@ def _under_root(source: str, config: ImageConfig, storage: StorageOptions) -> by
         raise ValueError("the image is a path, but the job sets no images.root: set it to the images' folder")
     if "://" in source and not source.startswith("file://") and protocol(source) != protocol(config.root):
         raise ValueError("the image's URL scheme is not accepted: give a data URL, a path under images.root or http(s)")
-    if protocol(config.root) not in (None, "file"):
+    if not is_local(config.root):
         return _remote(source, config, storage)
     path = urllib.parse.unquote(source[len("file://") :]) if source.startswith("file://") else source
-    root = os.path.realpath(strip_scheme(config.root))
-    full = os.path.realpath(os.path.join(root, path))
+    root = os.path.realpath(local_path(config.root))
+    full = os.path.realpath(os.path.join(root, path))  # symbolic links followed, then checked
     if os.path.commonpath([root, full]) != root:
         raise ValueError("the image's path is outside images.root: give a path under it")
+    if not os.path.isfile(full):  # a folder, a FIFO or a device would block or mislead open()
+        raise ValueError("the image's path is not a file under images.root")
     try:
         with open(full, "rb") as f:
             data = f.read(config.max_bytes + 1)
@@ -188,10 +226,13 @@ def _under_root(source: str, config: ImageConfig, storage: StorageOptions) -> by
 
 def _remote(source: str, config: ImageConfig, storage: StorageOptions) -> bytes:
     """An image under an images.root in object storage: `source` is relative to it, or a URL
-    of the same scheme inside it (no `..` steps: object stores have no folders to leave)."""
+    of the same scheme inside it (no `..` or empty steps: object stores have no folders to leave)."""
     root = str(config.root).rstrip("/")
-    url = source if "://" in source else f"{root}/{source.lstrip('/')}"
-    if not url.startswith(root + "/") or ".." in url[len(root) :].split("/"):
+    if source.startswith("/"):
+        raise ValueError("the image's path is outside images.root: give a path relative to it, or its URL")
+    url = source if "://" in source else f"{root}/{source}"
+    steps = url[len(root) + 1 :].split("/")
+    if not url.startswith(root + "/") or any(step in ("", ".", "..") for step in steps):
         raise ValueError("the image's path is outside images.root: give a path under it")
     try:
         with storage.filesystem(url).open(url, "rb") as f:
@@ -201,13 +242,39 @@ def _remote(source: str, config: ImageConfig, storage: StorageOptions) -> bytes:
     return data
 
 
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects followed only to http(s) URLs (urllib's default also follows ftp://)."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise urllib.error.HTTPError(newurl, code, "redirect to a URL that is not http(s)", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def _fetch(url: str, config: ImageConfig) -> bytes:
+    """The image at an http(s) URL: at most max_bytes + 1 bytes, within timeout_s in all. Errors
+    name the kind of failure and the HTTP status, not the server's words."""
     if not config.allow_urls:
         raise ValueError("the image is an http(s) URL, but the job does not fetch URLs: set images.allow_urls")
+    deadline = time.monotonic() + config.timeout_s
+    opener = urllib.request.build_opener(_HttpOnlyRedirects())
     request = urllib.request.Request(url, headers={"User-Agent": "prefixflow"})
+    chunks: list[bytes] = []
     try:
-        with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
-            data: bytes = response.read(config.max_bytes + 1)
-    except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
-        raise ValueError(f"the image URL could not be fetched ({type(e).__name__}: {str(e)[:120]})") from None
-    return data
+        with opener.open(request, timeout=config.timeout_s) as response:
+            size = 0
+            while size <= config.max_bytes:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the fetch took more than images.timeout_s ({config.timeout_s} s)")
+                chunk = response.read1(min(1 << 16, config.max_bytes + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"the image URL could not be fetched (HTTP status {e.code})") from None
+    except TimeoutError as e:
+        raise ValueError(f"the image URL could not be fetched ({e})") from None
+    except (OSError, ValueError, http.client.HTTPException) as e:  # refused, reset, a malformed reply
+        raise ValueError(f"the image URL could not be fetched ({type(e).__name__})") from None
+    return b"".join(chunks)

@@ -172,6 +172,98 @@ def tiny_checkpoint_cached(
     return final
 
 
+# The tiny vision-language checkpoint (Idefics3, SmolVLM's architecture: a SigLIP-style vision
+# tower, pixel shuffle, a Llama text model). vLLM 0.32's Llava family imports torchvision, which
+# cannot be installed beside this torch; its Idefics3 runs. 64x64 images of 16x16 patches, pixel
+# shuffle 2: four image tokens per image, no splitting. The chat template writes `<image>` per
+# image part, which vLLM and transformers' processor both expand to
+# `<fake_token_around_image><global-img><image>x4<fake_token_around_image>`.
+VLM_IMAGE_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
+VLM_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_tiny_vlm_checkpoint(path: str | os.PathLike) -> Path:
+    """Write the tiny Idefics3 checkpoint (weights, config, tokenizer, processor) into `path`:
+    the tiny Llama (seed 0) as its text model, with the image tokens added."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import Idefics3VisionConfig, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VLM_IMAGE_TOKENS)})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    text_config = _build_config("llama", len(tokenizer), False, {})
+    vision = Idefics3VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16
+    )
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    assert isinstance(image_token, int)
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=LlamaConfig(**text_config.to_dict()).to_dict(),
+        image_token_id=image_token,
+        scale_factor=2,
+        tie_word_embeddings=False,
+        pad_token_id=text_config.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.text_model.norm.weight.fill_(_FINAL_NORM_SCALE)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with _quiet_progress_bars():
+        model.save_pretrained(path)
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 64}, max_image_size={"longest_edge": 64}
+    )
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=VLM_CHAT_TEMPLATE
+    )
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def tiny_vlm_checkpoint_cached() -> Path:
+    """`make_tiny_vlm_checkpoint`, written once under the tiny cache (as tiny_checkpoint_cached)."""
+    key = json.dumps(dict(v=_FORMAT_VERSION, transformers=version("transformers"), arch="idefics3"), sort_keys=True)
+    final = cache_root() / "tiny" / f"idefics3-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".idefics3-", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        make_tiny_vlm_checkpoint(tmp)
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def png_image(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    """A deterministic random RGB picture, PNG-encoded (the vision tests' and bench's images)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
 def _model_class(arch: str) -> type:
     import transformers
 

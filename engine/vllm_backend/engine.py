@@ -340,14 +340,17 @@ class VllmEngine:
             return f"LoRA adapter {adapter!r} is not one of this engine's (lora.path)"
         try:
             params = _vllm_params(m) if m.pooling_task is None else _pooling_params(m.pooling_task)
+            prompt = _prompt(m)  # ValueError for an image that does not decode
             self.engine.add_request(
                 request_id,
-                _prompt(m),
+                prompt,
                 params,
                 lora_request=None if adapter is None else self._lora_requests[adapter],
                 priority=rank if self.parts.priority else 0,
             )
-        except ValueError as e:  # vLLM's own request validation (lengths, parameters, images)
+        except Exception as e:
+            if not _refused(e):
+                raise
             return f"vLLM refused the request: {e}"
         self._in_flight.add(request_id)
         return None
@@ -548,6 +551,16 @@ def _pooler_config(pooling: Pooling) -> Any:
     from vllm.config import PoolerConfig
 
     return PoolerConfig(pooling_type=pooling.kind.upper(), use_activation=pooling.normalize)
+
+
+def _refused(error: Exception) -> bool:
+    """Whether add_request refused this one request (its row's error), not the engine failing:
+    vLLM's request validation raises ValueError, or VLLMValidationError (an image's tokens past
+    max_model_len, ...: in vLLM 0.32 no ValueError; matched by name, as releases before it
+    lack the class)."""
+    return isinstance(error, (ValueError, TypeError)) or any(
+        c.__name__ == "VLLMValidationError" for c in type(error).__mro__
+    )
 
 
 def _prompt(m: _Req) -> dict[str, Any]:

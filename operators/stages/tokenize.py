@@ -215,7 +215,7 @@ def row_images(ids: list[int], sources: list[Any], opts: TokenizeOptions) -> tup
     the image tokens (opts.image_token_id) of the prompt `ids`; or why the row cannot run (its
     error record)."""
     assert opts.images is not None, "a job that takes images"
-    at = [j for j, t in enumerate(ids) if t == opts.image_token_id] if sources else []
+    at = [j for j, t in enumerate(ids) if t == opts.image_token_id]  # the text may hold the token too
     if len(at) != len(sources):
         return RowImages(), (
             f"the prompt has {len(at)} image placeholder tokens for {len(sources)} images: the chat "

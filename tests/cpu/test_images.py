@@ -15,8 +15,10 @@ import io
 import importlib.util
 import json
 import os
+import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,18 +64,65 @@ def test_image_sources_data_url_path_under_root_and_refusals(tmp_path):
         "a.png": (ImageConfig(), "the job sets no images.root"),
         "../secret.png": (root, "outside images.root"),
         str(tmp_path / "secret.png"): (root, "outside images.root"),
-        "missing.png": (root, "the image file cannot be read (FileNotFoundError"),
-        "data:image/png;base64,aGVsbG8=": (root, "in no image format Pillow knows"),
+        "missing.png": (root, "not a file under images.root"),
+        "data:image/png;base64,aGVsbG8=": (root, "in none of PNG, JPEG, WEBP, GIF, BMP, TIFF"),
         "data:image/png,abc": (root, "is not base64"),
         "data:image/png;base64,@@@": (root, "invalid base64"),
         "s3://bucket/a.png": (root, "URL scheme is not accepted"),
         "http://127.0.0.1:9/a.png": (root, "does not fetch URLs: set images.allow_urls"),
-        data_url(png): (ImageConfig(max_bytes=100), "above images.max_bytes 100"),
+        data_url(png): (ImageConfig(max_bytes=100), "more than images.max_bytes (100) bytes"),
         data_url(png[:60]): (root, "the image cannot be read"),
     }
     for source, (config, why) in refusals.items():
-        with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(".", r"\.")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             load_image(source, config)
+
+
+def _png_chunks(width: int, height: int, pixels: bytes) -> bytes:
+    """A PNG of the given header and compressed pixel data, every CRC right."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def test_hostile_images_are_the_rows_errors(tmp_path, monkeypatch):
+    """Found by an independent review: a few hundred bytes claiming gigapixels, pixel data that
+    passes Pillow's verify() but does not decode, a format Pillow decodes by running Ghostscript,
+    a FIFO and symbolic links under the root."""
+    import zlib
+
+    config = ImageConfig(root=str(tmp_path))
+    bomb = _png_chunks(100_000, 100_000, zlib.compress(b"\0" * 100))
+    garbage = _png_chunks(40, 40, b"not zlib data at all")
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    for data, why in {
+        bomb: "more pixels than images.max_pixels 40000000 allows",
+        _png_chunks(9000, 9000, zlib.compress(b"\0" * 100)): "9000x9000 pixels, above images.max_pixels 40000000",
+        garbage: "the image cannot be read (",
+        eps: "in none of PNG, JPEG",
+    }.items():
+        with pytest.raises(ValueError, match=re.escape(why)):
+            load_image(data, config)
+    with pytest.raises(ValueError, match="above images.max_pixels 100"):
+        load_image(png_bytes(1), ImageConfig(max_pixels=100))
+    os.mkfifo(tmp_path / "fifo.png")
+    (tmp_path / "secret.png").write_bytes(png_bytes(1))
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "link.png").symlink_to(tmp_path / "secret.png")
+    (tmp_path / "pics" / "fifo.png").symlink_to(tmp_path / "fifo.png")
+    with pytest.raises(ValueError, match="not a file under images.root"):
+        load_image("fifo.png", config)
+    for root in (str(tmp_path / "pics"), f"local://{tmp_path}/pics", f"file://{tmp_path}/pics"):
+        with pytest.raises(ValueError, match="outside images.root"):
+            load_image("link.png", ImageConfig(root=root))
+    # a relative root is made absolute where the config is built (every node reads that folder)
+    monkeypatch.chdir(tmp_path)
+    assert ImageConfig(root="pics").root == str(tmp_path / "pics")
 
 
 def test_images_under_a_root_in_object_storage(s3_server):
@@ -98,7 +147,7 @@ def test_images_under_a_root_in_object_storage(s3_server):
         "missing.png": "cannot be read from storage (FileNotFoundError)",
         "gs://pf-images/pics/a.png": "URL scheme is not accepted",
     }.items():
-        with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             load_image(source, config, storage)
 
 
@@ -107,11 +156,24 @@ def test_image_urls_fetched_only_when_allowed(tmp_path):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = png if self.path == "/a.png" else b""
+            if self.path == "/garbage":
+                self.wfile.write(b"GARBAGE\r\n\r\n")
+                return
+            if self.path == "/ftp":
+                self.send_response(302)
+                self.send_header("Location", "ftp://127.0.0.1/a.png")
+                self.end_headers()
+                return
+            body = png if self.path in ("/a.png", "/slow") else b""
             self.send_response(200 if body else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            for i in range(len(body)) if self.path == "/slow" else ():  # a byte every 0.3 s
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.3)
+            if self.path != "/slow":
+                self.wfile.write(body)
 
         def log_message(self, *args):
             pass
@@ -119,10 +181,17 @@ def test_image_urls_fetched_only_when_allowed(tmp_path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
+    allowed = ImageConfig(allow_urls=True, timeout_s=1)
     try:
-        assert load_image(f"{url}/a.png", ImageConfig(allow_urls=True)) == png
-        with pytest.raises(ValueError, match="could not be fetched \\(HTTPError: HTTP Error 404"):
-            load_image(f"{url}/b.png", ImageConfig(allow_urls=True))
+        assert load_image(f"{url}/a.png", allowed) == png
+        for path, why in {
+            "/b.png": "(HTTP status 404)",
+            "/ftp": "(HTTP status 302)",  # a redirect to ftp:// is not followed
+            "/garbage": "(BadStatusLine)",
+            "/slow": "(the fetch took more than images.timeout_s (1 s))",
+        }.items():
+            with pytest.raises(ValueError, match=re.escape("could not be fetched " + why)):
+                load_image(url + path, allowed)
         with pytest.raises(ValueError, match="set images.allow_urls"):
             load_image(f"{url}/a.png", ImageConfig())
     finally:
@@ -217,7 +286,7 @@ def test_tokenize_places_images_and_the_plan_keys_them_by_content(vlm):
     ]
     table = _tokenized(vlm, conversations)
     errors = table.column("_pf_error").to_pylist()
-    assert errors[:4] == [None] * 4 and "in no image format Pillow knows" in errors[4]
+    assert errors[:4] == [None] * 4 and "in none of PNG, JPEG, WEBP, GIF, BMP, TIFF" in errors[4]
     tokens = table.column("_pf_tokens").to_pylist()
     image_token = json.loads((vlm / "config.json").read_text())["image_token_id"]
     at = table.column("_pf_image_at").to_pylist()
@@ -261,6 +330,9 @@ def test_a_template_without_the_image_token_is_the_rows_error(vlm):
     rows = [{"messages": json.dumps([image_message("What is it?", data_url(png_bytes(1)))]), "_pf_error": None}]
     error = Tokenize(cfg.tokenize_options())(pa.Table.from_pylist(rows)).column("_pf_error")[0].as_py()
     assert "the prompt has 0 image placeholder tokens for 1 images" in error
+    # the image token typed as text, with no image: the same count, the other way round
+    literal = _tokenized(vlm, [[{"role": "user", "content": "What is <image> here?"}]])
+    assert "the prompt has 1 image placeholder tokens for 0 images" in literal.column("_pf_error")[0].as_py()
 
 
 # --- a whole job on vLLM -------------------------------------------------------------------
@@ -327,7 +399,7 @@ def test_image_job_on_vllm_killed_once_equals_transformers(ray_local, vlm, tmp_p
     }
     got = {r["id"]: r for r in read_output(str(out))}
     assert {i: list(got[str(i)]["generated_tokens"]) for i in range(len(good))} == dict(enumerate(expected))
-    assert "in no image format Pillow knows" in got["broken"]["error"]
+    assert "in none of PNG, JPEG, WEBP, GIF, BMP, TIFF" in got["broken"]["error"]
     assert "outside images.root" in got["outside"]["error"]
     assert "set images.allow_urls" in got["url"]["error"]
     metrics = json.loads((out / "metrics.json").read_text())
