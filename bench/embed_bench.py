@@ -25,12 +25,11 @@ tight cache, where arrival order loses its hits.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from prefixflow.bench.record import command_line, spread, write_result
 
 INSTRUCTION = "Represent this question about the document for retrieval.\nDocument: {document}\nQuestion: {question}"
 BLOCK = 32  # vLLM's CPU attention wants multiples of 32
@@ -137,14 +136,11 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     reference = runs["prefixflow_native"][0]["vectors"]
     out = {}
     for system, rs in runs.items():
-        secs = [r["seconds"] for r in rs]
         diff = max(
             float(np.abs(np.asarray(r["vectors"][i]) - np.asarray(reference[i])).max()) for r in rs for i in reference
         )
         out[system] = {
-            "seconds_median": statistics.median(secs),
-            "seconds_min": min(secs),
-            "seconds_max": max(secs),
+            **spread([r["seconds"] for r in rs]),
             "computed_tokens": [r["computed_tokens"] for r in rs],
             "load_avg": [round(r["load_avg"], 2) for r in rs],
             "max_abs_diff_vs_native": diff,
@@ -179,8 +175,7 @@ def main() -> None:
     plan_s = time.perf_counter() - t0
     runs = run_all(prompts, plan, pooling, engines(model, blocks, pooling), args.repeats)
     result = {
-        "command": "python -m prefixflow.bench.embed_bench "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": command_line("embed_bench", args),
         "model": args.model,
         "rows": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
@@ -190,10 +185,7 @@ def main() -> None:
         "pooling": "last, normalized",
         "systems": summary(runs),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    for system, s in result["systems"].items():
-        print(system, s)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,10 @@ import hashlib
 import json
 import os
 import random
-import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from prefixflow.bench.record import command_line, spread, write_result
 
 BLOCK = 32  # vLLM's CPU attention wants multiples of 32
 MAX_BATCHED_TOKENS, MAX_MODEL_LEN, MAX_TOKENS = 2048, 512, 8
@@ -230,11 +230,8 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     reference = runs["vllm_arrival"][0]["answers"]
     out = {}
     for system, rs in runs.items():
-        secs = [r["seconds"] for r in rs]
         out[system] = {
-            "seconds_median": statistics.median(secs),
-            "seconds_min": min(secs),
-            "seconds_max": max(secs),
+            **spread([r["seconds"] for r in rs]),
             "computed_tokens": [r["computed_tokens"] for r in rs],
             "load_avg": [round(r["load_avg"], 2) for r in rs],
             "answers_equal_arrival": all(r["answers"] == reference for r in rs),
@@ -261,8 +258,7 @@ def main() -> None:
     planned = plans(rows)
     runs = run_all(rows, planned, engines(model, args.kv_blocks), args.repeats)
     result = {
-        "command": "python -m prefixflow.bench.image_bench "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": command_line("image_bench", args),
         "model": "tiny Idefics3 (engine/models/tiny.py tiny_vlm_checkpoint_cached)",
         "rows": len(rows),
         "kv_blocks": args.kv_blocks,
@@ -270,10 +266,7 @@ def main() -> None:
         "plan_computed_prompt_tokens": {k: int(v.summary["computed_prompt_tokens"]) for k, v in planned.items()},
         "systems": summary(runs),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    for system, s in result["systems"].items():
-        print(system, s)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

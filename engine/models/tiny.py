@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib.metadata import version
@@ -140,29 +140,24 @@ def tiny_checkpoint_cached(
 
     Safe when several processes ask at once: each writes a temporary folder and renames it.
     """
+    key = dict(arch=arch, seed=seed, llama3_rope=llama3_rope, overrides=config_overrides)
+    return _cached(arch, key, lambda tmp: make_tiny_checkpoint(tmp, arch, seed, llama3_rope, **config_overrides))
+
+
+def _cached(name: str, key: dict[str, Any], make: Callable[[Path], Path]) -> Path:
+    """The checkpoint `make` writes, once under the tiny cache in a folder keyed by `key`
+    (tiny_checkpoint_cached's rules: written to a temporary folder, then renamed)."""
     # The transformers version is part of the key: its init and file format may change.
-    key = json.dumps(
-        dict(
-            v=_FORMAT_VERSION,
-            transformers=version("transformers"),
-            arch=arch,
-            seed=seed,
-            llama3_rope=llama3_rope,
-            overrides=config_overrides,
-        ),
-        sort_keys=True,
-        default=str,
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    text = json.dumps(dict(key, v=_FORMAT_VERSION, transformers=version("transformers")), sort_keys=True, default=str)
     root = cache_root() / "tiny"
-    final = root / f"{arch}-{digest}"
+    final = root / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by processes
     try:
-        make_tiny_checkpoint(tmp, arch, seed, llama3_rope, **config_overrides)
+        make(tmp)
         os.replace(tmp, final)  # atomic; fails if another process won the race
     except OSError:
         if not (final / "config.json").exists():
@@ -233,22 +228,7 @@ def make_tiny_vlm_checkpoint(path: str | os.PathLike) -> Path:
 
 def tiny_vlm_checkpoint_cached() -> Path:
     """`make_tiny_vlm_checkpoint`, written once under the tiny cache (as tiny_checkpoint_cached)."""
-    key = json.dumps(dict(v=_FORMAT_VERSION, transformers=version("transformers"), arch="idefics3"), sort_keys=True)
-    final = cache_root() / "tiny" / f"idefics3-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (final / "config.json").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".idefics3-", dir=final.parent))
-    tmp.chmod(0o755)
-    try:
-        make_tiny_vlm_checkpoint(tmp)
-        os.replace(tmp, final)
-    except OSError:
-        if not (final / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return _cached("idefics3", dict(arch="idefics3"), make_tiny_vlm_checkpoint)
 
 
 def png_image(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:

@@ -1,0 +1,29 @@
+"""What the side-by-side benchmarks share when they record a result: the command that gives it,
+a median with its spread, and the JSON file under bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def command_line(module: str, args: argparse.Namespace) -> str:
+    """The command that reruns a benchmark with these arguments (its --out left out)."""
+    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")
+    return f"python -m prefixflow.bench.{module} {given}"
+
+
+def spread(values: list[float], name: str = "seconds") -> dict[str, float]:
+    """{name}_median, _min and _max of repeated measurements."""
+    return {f"{name}_median": statistics.median(values), f"{name}_min": min(values), f"{name}_max": max(values)}
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    """Write `result` as indented JSON to `path` (its folder made) and print its systems."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    for system, s in result.get("systems", {}).items():
+        print(system, s)
