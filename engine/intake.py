@@ -1,11 +1,15 @@
 """When an engine takes its next planned group: lazily, as its scheduler has room for it.
 
 The native and vLLM engines take the groups of a run from an iterable only while the work
-waiting to start is short: fewer rows than are running (at least INTAKE_MIN_ROWS, at most the
-engine's request cap) and fewer prompt tokens than one step may prefill. A group taken is the engine's; one not yet taken is
-still the caller's to hand to another replica (work stealing, operators/stages/work_queue.py), so the
-engine holds as little unstarted work as keeps its batches full: the next step can admit at
-most a step's token budget, and as many rows as finish.
+waiting to start is short: fewer rows than are running or than the request cap leaves free
+seats (at least INTAKE_MIN_ROWS, at most the engine's request cap) and fewer prompt tokens than
+one step may prefill. A group taken is the engine's; one not yet taken is still the caller's to
+hand to another replica (work stealing, operators/stages/work_queue.py), so the engine holds as
+little unstarted work as keeps its batches full: the next step can admit at most a step's
+token budget, into its free seats and those of the rows that finish. (Counting free seats
+matters for prefill-only work, embeddings, whose rows all finish in their step: with rows capped
+at those running, vLLM's steps held 16 rows of a 4,096-token budget and the embed bench's vLLM
+backend took 17.9 s where vLLM's own `embed` took 14.9 s.)
 
 The iterable may yield NOT_READY: no group is ready now, ask again later (the work queue has
 nothing unstarted, while another replica may still hand work back). The engine goes on with
@@ -37,8 +41,8 @@ def wants_more(
     """Whether the engine takes another group before its next step (module docstring).
     max_num_seqs: the engine's request cap (None: none); rows waiting past it wait anyway."""
     rows = max(INTAKE_MIN_ROWS, num_running)
-    if max_num_seqs is not None:
-        rows = min(rows, max_num_seqs)
+    if max_num_seqs is not None:  # and as many as the free seats, which the next step may fill
+        rows = min(max(rows, max_num_seqs - num_running), max_num_seqs)
     return pending_rows < rows and pending_tokens < max_num_batched_tokens
 
 
