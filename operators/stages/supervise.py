@@ -433,6 +433,9 @@ def start_engines(cfg: ProcessorConfig, options: dict[str, Any]) -> dict[int, An
     return engines
 
 
+SLOT_RELEASE_GRACE_S = 30.0  # how long a windowed job waits for CPU slots a finished job still holds
+
+
 def cpus_short(cfg: ProcessorConfig, options: dict[str, Any]) -> tuple[float, float] | None:
     """(free CPUs, CPUs needed) where the cluster's free CPU slots cannot hold the job's engine
     actors (with `options`) and its tokenize tasks at once, with one slot to spare for the small
@@ -446,12 +449,22 @@ def cpus_short(cfg: ProcessorConfig, options: dict[str, Any]) -> tuple[float, fl
     return (free, needed) if free < needed else None
 
 
-def check_window_resources(cfg: ProcessorConfig, options: dict[str, Any]) -> None:
+def check_window_resources(
+    cfg: ProcessorConfig, options: dict[str, Any], grace_s: float = SLOT_RELEASE_GRACE_S
+) -> None:
     """A job planned in windows runs its engines while it tokenizes the next window: refused
     where the cluster cannot hold both (the engines would wait forever for a window that no
-    CPU slot is left to tokenize)."""
+    CPU slot is left to tokenize). Slots short are waited for up to `grace_s` first: the actors
+    of a job that just finished in the same cluster (a notebook's previous cell, the test
+    before) give theirs back within seconds."""
+    if cfg.window_rows is None:
+        return
+    deadline = time.monotonic() + grace_s
     short = cpus_short(cfg, options)
-    if cfg.window_rows is not None and short is not None:
+    while short is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        short = cpus_short(cfg, options)
+    if short is not None:
         raise ValueError(
             f"window_rows={cfg.window_rows}: a job planned in windows runs its engines while it reads and "
             f"tokenizes the next window, and the cluster has {short[0]:g} free CPUs where {short[1]:g} are "
