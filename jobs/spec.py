@@ -738,14 +738,11 @@ class JobSpec(_Strict):
             )
         if self.embed is not None and self.task != "embed":
             raise _SpecProblems([("embed", "embed settings need task: embed; set it, or remove embed")])
-        if self.lora is not None and (self.task != "generate" or self.engine.backend != "vllm"):
-            raise _SpecProblems(
-                [("lora", "LoRA adapters run with task: generate on engine.backend: vllm; set them, or remove lora")]
-            )
-        if self.images is not None and (self.task != "generate" or self.engine.backend != "vllm"):
-            raise _SpecProblems(
-                [("images", "images run with task: generate on engine.backend: vllm; set them, or remove images")]
-            )
+        for name, what in (("lora", "LoRA adapters"), ("images", "images")):
+            if getattr(self, name) is not None and (self.task != "generate" or self.engine.backend != "vllm"):
+                raise _SpecProblems(
+                    [(name, f"{what} run with task: generate on engine.backend: vllm; set them, or remove {name}")]
+                )
         if self.prompt is None and fmt != "openai":
             raise ValueError(
                 "prompt is required unless input.format is openai: add prompt.template "

@@ -263,7 +263,8 @@ class ProcessorConfig:
     lora: LoraConfig (or a dict of its fields: path, max_loras, max_lora_rank): per-row LoRA
         adapters, ray.data.llm's dynamic_lora_loading_path; a row's `model` column names its
         adapter. Task generate on engine.backend vllm; the plan never groups rows of two adapters.
-    images: ImageConfig (or a dict of its fields: root, allow_urls, max_bytes, timeout_s): where
+    images: ImageConfig (or a dict of its fields: root, allow_urls, max_bytes, max_pixels,
+        timeout_s): where
         the images of chat messages may come from. A vision-language model (its config names an
         image token) on engine.backend vllm, task generate, takes image parts (data URLs only
         when this is None); elsewhere an image part is the row's error record.
@@ -482,20 +483,16 @@ class ProcessorConfig:
             self.lora,
             "give a LoraConfig, a dict or None",
         )
-        _require(
-            self.lora is None
-            or (self.task == "generate" and isinstance(self.engine, dict) and self.engine.get("backend") == "vllm"),
-            "lora",
-            self.lora,
-            "LoRA adapters run on engine.backend vllm, task generate: set the backend, or remove lora",
+        vllm_generate = (
+            self.task == "generate" and isinstance(self.engine, dict) and self.engine.get("backend") == "vllm"
         )
-        _require(
-            self.images is None
-            or (self.task == "generate" and isinstance(self.engine, dict) and self.engine.get("backend") == "vllm"),
-            "images",
-            self.images,
-            "images run on engine.backend vllm, task generate: set the backend, or remove images",
-        )
+        for name, what in (("lora", "LoRA adapters"), ("images", "images")):
+            _require(
+                getattr(self, name) is None or vllm_generate,
+                name,
+                getattr(self, name),
+                f"{what} run on engine.backend vllm, task generate: set the backend, or remove {name}",
+            )
 
     def tokenize_options(self) -> TokenizeOptions:
         """The tokenize stage's options, built here for every caller (the Processor's tokenize
