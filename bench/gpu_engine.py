@@ -51,8 +51,9 @@ PREFIX, OWN, BLOCK = 512, 16, 16
 GOAL_STEP_64_S, GOAL_BUSY = 2.0e-3, 0.85
 
 
-def parity(device: str, max_new: int = 16) -> dict[str, Any]:
-    """Native greedy vs transformers greedy, fp32, per architecture."""
+def parity(device: str, max_new: int = 16, cuda_graphs: bool = False) -> dict[str, Any]:
+    """Native greedy vs transformers greedy, fp32, per architecture (the engine's decode steps
+    replayed as CUDA graphs with cuda_graphs; their static buffers on a CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +66,14 @@ def parity(device: str, max_new: int = 16) -> dict[str, Any]:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         torch.nn.Module.to(hf, device)  # the Module's own `to`: transformers' wrapper types it oddly
         engine = LLMEngine(
-            EngineConfig(model=path, device=device, dtype="float32", block_size=BLOCK, kv_cache_bytes=64 << 20)
+            EngineConfig(
+                model=path,
+                device=device,
+                dtype="float32",
+                block_size=BLOCK,
+                kv_cache_bytes=64 << 20,
+                cuda_graphs=cuda_graphs,
+            )
         )
         prompts = _parity_prompts(hf.config.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=max_new, logprobs=0)
@@ -112,7 +120,9 @@ def _parity_prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-def decode(device: str, dtype: DType, shape: dict[str, int], batches: list[int], decode_steps: int) -> dict:
+def decode(
+    device: str, dtype: DType, shape: dict[str, int], batches: list[int], decode_steps: int, cuda_graphs: bool = False
+) -> dict:
     """The decode step of `shape` at each batch, beside the weights floor and the profile."""
     from prefixflow.bench.step_profile import copy_bandwidth
     from prefixflow.engine.models.tiny import tiny_checkpoint_cached
@@ -126,15 +136,18 @@ def decode(device: str, dtype: DType, shape: dict[str, int], batches: list[int],
         "copy_bytes_per_s": round(bandwidth),
         "weights_bytes": weight_bytes,
         "weights_floor_s": weight_bytes / bandwidth,
+        "cuda_graphs": cuda_graphs,
     }
     for batch in batches:
-        got = decode_batch(path, device, dtype, batch, decode_steps)
+        got = decode_batch(path, device, dtype, batch, decode_steps, cuda_graphs)
         got["step_over_weights_floor"] = round(got["decode_step_s"] / out["weights_floor_s"], 2)
         out[str(batch)] = got
     return out
 
 
-def decode_batch(path: str, device: str, dtype: DType, batch: int, decode_steps: int) -> dict[str, Any]:
+def decode_batch(
+    path: str, device: str, dtype: DType, batch: int, decode_steps: int, cuda_graphs: bool = False
+) -> dict[str, Any]:
     from prefixflow.bench import peer_bench as pb
     from prefixflow.engine.config import EngineConfig
     from prefixflow.engine.native.llm_engine import LLMEngine
@@ -153,8 +166,11 @@ def decode_batch(path: str, device: str, dtype: DType, batch: int, decode_steps:
             max_num_seqs=batch,
             max_num_batched_tokens=max(2048, PREFIX + batch * OWN),
             max_model_len=2048,
+            cuda_graphs=cuda_graphs,
         )
     )
+    static = engine.runner.static
+    capture_s = static.capture_s if static is not None else None
     first = _runs(engine, pb.Workload("first", prompts, 1))
     full = _runs(engine, pb.Workload("decode", prompts, 1 + decode_steps))
     del engine
@@ -164,6 +180,7 @@ def decode_batch(path: str, device: str, dtype: DType, batch: int, decode_steps:
     return {
         "batch": batch,
         "decode_steps": decode_steps,
+        "graph_capture_s": capture_s,
         "decode_step_s": (full["wall_s"] - first["wall_s"]) / decode_steps,
         "device_busy_share": round(busy / wall, 3) if full["device_kernels"] else None,
         "kernels_per_decode_step": (full["device_kernels"] - first["device_kernels"]) / decode_steps
@@ -270,7 +287,11 @@ def warmup_child(path: str, device: str, dtype: str) -> None:
     from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
 
     imported = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=path, device=device, dtype=dtype, block_size=BLOCK, kv_cache_bytes=256 << 20))
+    engine = LLMEngine(
+        EngineConfig(
+            model=path, device=device, dtype=dtype, block_size=BLOCK, kv_cache_bytes=256 << 20, cuda_graphs=True
+        )
+    )
     built = time.perf_counter()
     prompts = [[3 + (7 * i + j) % 500 for j in range(40)] for i in range(8)]
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -291,12 +312,16 @@ def run(dry_run: bool) -> dict[str, Any]:
     shape, batches, steps = (SHAPE_DRY, [2, 4], 4) if dry_run else (SHAPE_1B, [64, 256], 32)
     started = time.perf_counter()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if not dry_run else "cpu (dry run)"}
+    # Eager steps, then the same with the decode steps as CUDA graphs (engine.cuda_graphs; on a
+    # CPU its static buffers): the goals are the graphs'.
     out["parity"] = parity(device)
+    out["parity_cuda_graphs"] = parity(device, cuda_graphs=True)
     out["decode"] = decode(device, dtype, shape, batches, steps)
+    out["decode_cuda_graphs"] = decode(device, dtype, shape, batches, steps, cuda_graphs=True)
     out["warmup"] = warmup(device, dtype, str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **shape)))
-    step_64 = out["decode"].get("64", {})
+    step_64 = out["decode_cuda_graphs"].get("64", {})
     out["goals"] = {
-        "float32_parity_exact": out["parity"]["exact"],
+        "float32_parity_exact": out["parity"]["exact"] and out["parity_cuda_graphs"]["exact"],
         "decode_step_64_at_most_2ms": step_64.get("decode_step_s", float("inf")) <= GOAL_STEP_64_S,
         "device_busy_at_least_85pct": (step_64.get("device_busy_share") or 0.0) >= GOAL_BUSY,
         "warmup_at_most_60s": out["warmup"]["cold"]["total_s"] <= 60,

@@ -53,6 +53,11 @@ class EngineConfig:
         (the job's sampling, a row's sampling_params, an OpenAI body's max_completion_tokens);
         a request asking more stops there, finish_reason "length". None: no cap. A guard for
         jobs whose rows set their own max_tokens. Both backends.
+    cuda_graphs: decode steps on persistent buffers padded to a ladder of batch sizes,
+        captured as one CUDA graph per size at engine start and replayed each step
+        (engine/native/static_step.py). Off by default until a GPU run verifies it (README);
+        on a CPU it runs the same buffers without graphs (what the tests check). Native
+        engine only: vLLM captures its own unless engine.vllm sets enforce_eager.
     """
 
     model: str
@@ -70,6 +75,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     seed: int = 0
     max_tokens_cap: int | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         self._check_model_and_memory()

@@ -649,6 +649,15 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Prob
                 "remove it or use the native backend",
             )
         )
+    if engine.get("cuda_graphs"):
+        problems.append(
+            (
+                "engine.cuda_graphs",
+                engine["cuda_graphs"],
+                "only engine.backend: native honours it (vLLM captures its own graphs unless "
+                "engine.vllm sets enforce_eager): remove it or use the native backend",
+            )
+        )
     device = str(engine.get("device") or "auto")
     if device.startswith("cuda:"):
         problems.append(

@@ -54,6 +54,7 @@ from prefixflow.engine.models.loader import (
 )
 from prefixflow.engine.models.model_args import read_model_args, require_lm_head
 from prefixflow.engine.native.sampler import Sampler
+from prefixflow.engine.native.static_step import MAX_LADDER_BATCH, StaticDecode
 from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
 from prefixflow.requests import SamplingParams
@@ -90,6 +91,7 @@ class ModelRunner:
         self.kv_bytes_per_token = self.args.kv_bytes_per_token_per_elem * elem
         self.num_kv_blocks = self._num_blocks(self._kv_budget_bytes())
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.static = self._static_decode() if config.cuda_graphs else None
 
     # ------------------------------------------------------------------ public API
 
@@ -124,16 +126,30 @@ class ModelRunner:
         batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
         for copy in step.copies:  # [layers, K/V, blocks, slots, ...]: every layer's slots at once
             self.kv_cache[:, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, copy.src, : copy.num_tokens]
-        ids, positions, meta, logits_indices = self._to_device(batch)
+        rung = self.static.rung_for(batch, len(step.copies)) if self.static is not None else None
         with _cpu_threads(
             1
             if self.device.type == "cpu" and batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and cpu_oversubscribed()
             else None
         ):
+            if rung is not None and self.static is not None:
+                return self.static.run(batch, rung)
+            ids, positions, meta, logits_indices = self._to_device(batch)
             logits: torch.Tensor = self.model(ids, positions, meta, logits_indices)
             return logits
 
     # ------------------------------------------------------------------ internals
+
+    def _static_decode(self) -> StaticDecode:
+        """Decode steps on persistent buffers (engine/native/static_step.py), captured as CUDA
+        graphs on CUDA: a rung for each batch size up to the request cap (or MAX_LADDER_BATCH),
+        block tables as wide as max_model_len needs."""
+        cap = min(self.config.effective_max_num_seqs or MAX_LADDER_BATCH, self.config.max_num_batched_tokens)
+        static = StaticDecode(self.model, cap, -(-self.max_model_len // self.block_size), self.device)
+        if self.device.type == "cuda":
+            with torch.inference_mode():
+                static.capture()
+        return static
 
     def _to_device(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         # Two host->device copies per step: all int64 arrays in one, all int32 ones in another
