@@ -19,9 +19,12 @@ layout everywhere: [num_blocks, block_size, num_kv_heads, head_dim]; block table
 - write_kv_cache(k, v, k_cache, v_cache, slot_mapping): scatter a step's K/V into the cache.
 - rms_norm(x, weight, eps, residual=None), rotary_embedding(q, k, positions, cos_sin): the
   layer's elementwise ops with Hugging Face's rounding.
+- TRITON_HEAD_DIMS, triton_available(): when a CUDA tensor takes the Triton kernels (other head
+  sizes fall back to the torch references, which read values on the host).
 """
 
 if __name__ == "prefixflow.kernels":
+    from prefixflow.kernels._common import TRITON_HEAD_DIMS, triton_available
     from prefixflow.kernels.kv_write import write_kv_cache, write_kv_cache_ref
     from prefixflow.kernels.norm import rms_norm, rms_norm_ref
     from prefixflow.kernels.packed_prefill import packed_prefill_attention, packed_prefill_attention_ref
@@ -30,6 +33,8 @@ if __name__ == "prefixflow.kernels":
     from prefixflow.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
     __all__ = [
+        "TRITON_HEAD_DIMS",
+        "triton_available",
         "packed_prefill_attention",
         "packed_prefill_attention_ref",
         "paged_decode_attention",

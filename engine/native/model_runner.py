@@ -57,6 +57,7 @@ from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.static_step import MAX_LADDER_BATCH, StaticDecode
 from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
+from prefixflow.kernels import TRITON_HEAD_DIMS, triton_available
 from prefixflow.requests import SamplingParams
 
 # CPU steps of at most this many tokens (decode steps, small chunks) run on one thread while the
@@ -147,6 +148,14 @@ class ModelRunner:
         cap = min(self.config.effective_max_num_seqs or MAX_LADDER_BATCH, self.config.max_num_batched_tokens)
         static = StaticDecode(self.model, cap, -(-self.max_model_len // self.block_size), self.device)
         if self.device.type == "cuda":
+            # A graph holds only device work: the torch fallbacks of other head sizes read
+            # values on the host (a sync), which a capture refuses.
+            if not triton_available() or self.args.head_dim not in TRITON_HEAD_DIMS:
+                raise ValueError(
+                    f"EngineConfig.cuda_graphs captures the Triton kernels, which take head_dim in "
+                    f"{TRITON_HEAD_DIMS} (with triton installed); this model's is {self.args.head_dim}: "
+                    "set cuda_graphs to false"
+                )
             with torch.inference_mode():
                 static.capture()
         return static

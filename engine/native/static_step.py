@@ -19,7 +19,9 @@ and with them (the prefix-shared kernel); each is a graph of its own.
 On a CPU, or on CUDA before a capture, the same buffers run the model eagerly: the path the CPU
 tests check against the step built afresh (engine/native/model_runner.py). The capture code
 (`capture`) is the only CUDA-only code; `gpu_suite` verifies it on a lent GPU. Off by default
-until one has (README).
+until one has (README). Memory the KV budget does not count: the buffers, and each graph's
+output, logits [rung, vocab] fp32, kept between replays (about 4 x 2,000 x vocab bytes over a
+ladder to 256, e.g. 1 GB for a 128k vocabulary), within the share gpu_memory_utilization leaves.
 """
 
 from __future__ import annotations
