@@ -16,6 +16,8 @@
 - warmup: a fresh process builds the engine and runs a first step, twice: with empty kernel
   caches (PREFIXFLOW_CACHE for the C kernels, TRITON_CACHE_DIR for Triton's), then with the
   caches the first one filled (the issue's goals: at most 60 s, and 5 s when cached).
+- each part twice: the engine's default steps, then with engine.cuda_graphs (decode steps
+  replayed as CUDA graphs; on a CPU their static buffers, no graph); the goals are the graphs'.
 
 --dry-run takes the same code on the CPU at a tiny shape (2 layers, 128 wide, 2 and 4 requests,
 4 decode steps): every part shaped and checked to run, no number worth reading. Without it and
@@ -72,6 +74,7 @@ def parity(device: str, max_new: int = 16, cuda_graphs: bool = False) -> dict[st
                 dtype="float32",
                 block_size=BLOCK,
                 kv_cache_bytes=64 << 20,
+                max_num_seqs=16,  # the prompts' count rounded up: a short ladder of graphs
                 cuda_graphs=cuda_graphs,
             )
         )
@@ -266,14 +269,16 @@ def _elem(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def warmup(device: str, dtype: DType, path: str) -> dict[str, Any]:
-    """A fresh process builds the engine of the checkpoint at `path` and runs a first step: with
-    empty kernel caches, then with what the first filled."""
+def warmup(device: str, dtype: DType, path: str, cuda_graphs: bool = False) -> dict[str, Any]:
+    """A fresh process builds the engine of the checkpoint at `path` (with engine.cuda_graphs:
+    its graphs captured too) and runs a first step: with empty kernel caches, then with what
+    the first filled."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PREFIXFLOW_CACHE": f"{tmp}/prefixflow", "TRITON_CACHE_DIR": f"{tmp}/triton"}
         runs = {}
         for name in ("cold", "cached"):
             cmd = [sys.executable, "-m", "prefixflow.bench.gpu_engine", "--warmup-child", path, device, dtype]
+            cmd.append("graphs" if cuda_graphs else "eager")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
                 raise RuntimeError(f"the warm-up process failed:\n{proc.stderr[-3000:]}")
@@ -281,7 +286,7 @@ def warmup(device: str, dtype: DType, path: str) -> dict[str, Any]:
     return runs
 
 
-def warmup_child(path: str, device: str, dtype: str) -> None:
+def warmup_child(path: str, device: str, dtype: str, steps: str) -> None:
     """In a fresh process: the engine built (imports included) and one 8-row step run, timed."""
     start = time.perf_counter()
     from prefixflow.engine import EngineConfig, LLMEngine, SamplingParams
@@ -289,7 +294,12 @@ def warmup_child(path: str, device: str, dtype: str) -> None:
     imported = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
-            model=path, device=device, dtype=dtype, block_size=BLOCK, kv_cache_bytes=256 << 20, cuda_graphs=True
+            model=path,
+            device=device,
+            dtype=dtype,
+            block_size=BLOCK,
+            kv_cache_bytes=256 << 20,
+            cuda_graphs=steps == "graphs",
         )
     )
     built = time.perf_counter()
@@ -318,21 +328,23 @@ def run(dry_run: bool) -> dict[str, Any]:
     out["parity_cuda_graphs"] = parity(device, cuda_graphs=True)
     out["decode"] = decode(device, dtype, shape, batches, steps)
     out["decode_cuda_graphs"] = decode(device, dtype, shape, batches, steps, cuda_graphs=True)
-    out["warmup"] = warmup(device, dtype, str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **shape)))
+    checkpoint = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **shape))
+    out["warmup"] = warmup(device, dtype, checkpoint)
+    out["warmup_cuda_graphs"] = warmup(device, dtype, checkpoint, cuda_graphs=True)
     step_64 = out["decode_cuda_graphs"].get("64", {})
     out["goals"] = {
         "float32_parity_exact": out["parity"]["exact"] and out["parity_cuda_graphs"]["exact"],
         "decode_step_64_at_most_2ms": step_64.get("decode_step_s", float("inf")) <= GOAL_STEP_64_S,
         "device_busy_at_least_85pct": (step_64.get("device_busy_share") or 0.0) >= GOAL_BUSY,
-        "warmup_at_most_60s": out["warmup"]["cold"]["total_s"] <= 60,
-        "warmup_cached_at_most_5s": out["warmup"]["cached"]["total_s"] <= 5,
+        "warmup_at_most_60s": out["warmup_cuda_graphs"]["cold"]["total_s"] <= 60,
+        "warmup_cached_at_most_5s": out["warmup_cuda_graphs"]["cached"]["total_s"] <= 5,
     }
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--warmup-child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--warmup-child":
         warmup_child(*sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

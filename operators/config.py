@@ -626,6 +626,15 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Prob
     if not isinstance(args, dict):
         return [("engine.vllm", args, "give a mapping of vLLM engine arguments, e.g. {enforce_eager: true}")]
     problems: list[Problem] = []
+    if backend != "native" and engine.get("cuda_graphs"):
+        problems.append(
+            (
+                "engine.cuda_graphs",
+                engine["cuda_graphs"],
+                "only engine.backend: native honours it (vLLM captures its own graphs unless "
+                "engine.vllm sets enforce_eager): remove it or use the native backend",
+            )
+        )
     if backend != "http" and engine.get("http") is not None:
         problems.append(
             ("engine.http", engine["http"], "server settings need engine.backend: http; set it, or remove engine.http")
@@ -647,15 +656,6 @@ def backend_problems(engine: dict[str, Any], task: str, score: Any) -> list[Prob
                 "only "
                 "engine.backend: native honours it (vLLM forms its own decode batches): "
                 "remove it or use the native backend",
-            )
-        )
-    if engine.get("cuda_graphs"):
-        problems.append(
-            (
-                "engine.cuda_graphs",
-                engine["cuda_graphs"],
-                "only engine.backend: native honours it (vLLM captures its own graphs unless "
-                "engine.vllm sets enforce_eager): remove it or use the native backend",
             )
         )
     device = str(engine.get("device") or "auto")

@@ -77,6 +77,7 @@ OVERSUBSCRIBED_LOAD_PER_CORE = 1.5
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.static: StaticDecode | None = None  # set last; steps before it (the CUDA profile) run eagerly
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype, config.model, self.device)
         self.args = read_model_args(config.model)
@@ -127,7 +128,7 @@ class ModelRunner:
         batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
         for copy in step.copies:  # [layers, K/V, blocks, slots, ...]: every layer's slots at once
             self.kv_cache[:, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, copy.src, : copy.num_tokens]
-        rung = self.static.rung_for(batch, len(step.copies)) if self.static is not None else None
+        rung = self.static.rung_for(batch) if self.static is not None else None
         with _cpu_threads(
             1
             if self.device.type == "cpu" and batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and cpu_oversubscribed()
@@ -143,10 +144,9 @@ class ModelRunner:
 
     def _static_decode(self) -> StaticDecode:
         """Decode steps on persistent buffers (engine/native/static_step.py), captured as CUDA
-        graphs on CUDA: a rung for each batch size up to the request cap (or MAX_LADDER_BATCH),
-        block tables as wide as max_model_len needs."""
-        cap = min(self.config.effective_max_num_seqs or MAX_LADDER_BATCH, self.config.max_num_batched_tokens)
-        static = StaticDecode(self.model, cap, -(-self.max_model_len // self.block_size), self.device)
+        graphs on CUDA: a rung for each batch size up to the request cap, MAX_LADDER_BATCH and
+        the step's token budget, block tables as wide as max_model_len needs."""
+        static = StaticDecode(self.model, self._ladder_top(), -(-self.max_model_len // self.block_size), self.device)
         if self.device.type == "cuda":
             # A graph holds only device work: the torch fallbacks of other head sizes read
             # values on the host (a sync), which a capture refuses.
@@ -197,12 +197,22 @@ class ModelRunner:
     def _copy(self, host: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(host).to(self.device, non_blocking=True)
 
+    def _ladder_top(self) -> int:
+        """The static decode's top rung: the request cap, MAX_LADDER_BATCH, the token budget."""
+        c = self.config
+        return min(c.effective_max_num_seqs or MAX_LADDER_BATCH, MAX_LADDER_BATCH, c.max_num_batched_tokens)
+
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_bytes is not None:
             return self.config.kv_cache_bytes
         if self.device.type != "cuda":
             return CPU_KV_CACHE_BYTES
         activation = self._profile_activation_bytes()
+        # With CUDA graphs, their pool too (at most a decode step of the top rung with its
+        # logits, which the profile's step of max_num_batched_tokens tokens, as many sampled,
+        # bounds) and the logits buffer they write.
+        if self.config.cuda_graphs:
+            activation = 2 * activation + self._ladder_top() * self.vocab_size * 4
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total * self.config.gpu_memory_utilization - (total - free) - activation)
 

@@ -19,9 +19,12 @@ and with them (the prefix-shared kernel); each is a graph of its own.
 On a CPU, or on CUDA before a capture, the same buffers run the model eagerly: the path the CPU
 tests check against the step built afresh (engine/native/model_runner.py). The capture code
 (`capture`) is the only CUDA-only code; `gpu_suite` verifies it on a lent GPU. Off by default
-until one has (README). Memory the KV budget does not count: the buffers, and each graph's
-output, logits [rung, vocab] fp32, kept between replays (about 4 x 2,000 x vocab bytes over a
-ladder to 256, e.g. 1 GB for a 128k vocabulary), within the share gpu_memory_utilization leaves.
+until one has (README). Memory: the graphs share one pool, whose peak is a decode step of the
+top rung (the model runner keeps that much more out of the KV budget), and write their logits
+into one [top rung, vocab] buffer. A step of S rows on rung R reads every block table as wide
+as max_model_len: the kernels pick their split-K counts from that width, so short contexts run
+the most splits (correct, and cheap beside the launches a graph saves). On a CPU the static
+buffers are for testing: no graph, and padding rows computed for nothing.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ from prefixflow.engine.models.layers.attention import AttentionMetadata
 from prefixflow.engine.native.step_batch import StepBatch
 
 PAD_SLOT = -1  # write_kv_cache skips it
-MAX_LADDER_BATCH = 256  # the top rung when the engine caps no requests (vLLM's default capture)
+MAX_LADDER_BATCH = 256  # the top rung, whatever the request cap (larger decode steps run eagerly)
 
 
 def ladder(max_batch: int) -> tuple[int, ...]:
     """Batch sizes that get buffers (and graphs): 1, 2, 4, 8, steps of 8 to 64, steps of 32
-    after, up to max_batch (itself the top rung). At most 1/4 of a rung above 8 is padding
-    below 64, at most 1/3 above it."""
+    after, up to max_batch (itself the top rung). Padding is under half a rung up to 16 rows,
+    under a third up to 24 and beyond 64, under a quarter between."""
     sizes = [1, 2, 4, *range(8, 65, 8), *range(96, max_batch + 1, 32)]
     rungs = [s for s in sizes if s < max_batch] + [max_batch]
     return tuple(sorted(set(rungs)))
@@ -80,7 +83,9 @@ class StaticDecode:
         self.sizes = ladder(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_blocks = max_blocks
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.device = device
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # what the graphs write: [top rung, vocab] fp32
         self.capture_s = 0.0
         b, i64, i32 = self.max_batch, torch.int64, torch.int32
         with torch.inference_mode(False):  # normal tensors: their versions count the fills
@@ -111,13 +116,13 @@ class StaticDecode:
         )
         return Rung(size, grouped, self.ids[:size], self.positions[:size], self.rows[:size], meta)
 
-    def rung_for(self, batch: StepBatch, num_copies: int) -> Rung | None:
-        """The rung a step runs on, or None when it is no pure decode step of at most the top
-        rung's size (or copies K/V, which the runner does before the step either way but a
-        decode step never needs). Block tables wider than max_blocks never occur (they cover
-        at most max_model_len) but are refused the same way."""
+    def rung_for(self, batch: StepBatch) -> Rung | None:
+        """The rung a step runs on, or None when it is no pure decode step (one token and one
+        sample per sequence) of at most the top rung's size. A step's K/V copies are made by
+        the runner before either path. Block tables wider than max_blocks never occur (they
+        cover at most max_model_len) but are refused the same way."""
         s = batch.num_seqs
-        is_decode = batch.num_tokens == s == batch.num_sampled and batch.last is None and num_copies == 0
+        is_decode = batch.num_tokens == s == batch.num_sampled and batch.last is None
         if not is_decode or s > self.max_batch or max(batch.max_blocks, batch.max_prefix_blocks) > self.max_blocks:
             return None
         size = next(r for r in self.sizes if r >= s)
@@ -131,8 +136,9 @@ class StaticDecode:
         if graph is None:
             logits = self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)
         else:
-            graph[0].replay()
-            logits = graph[1]
+            assert self.logits is not None, "capture() sets the graphs' logits buffer"
+            graph.replay()
+            logits = self.logits[: rung.size]
         order = torch.from_numpy(batch.int64_buffer[3 * batch.num_tokens :]).to(logits.device, non_blocking=True)
         return logits.index_select(0, order)
 
@@ -168,23 +174,28 @@ class StaticDecode:
             self.ranges[g + 1 : b + 1].copy_(self.ranges[g].expand(b - g))
 
     def capture(self) -> None:
-        """CUDA only: one graph per rung, largest first, in one memory pool (the smaller ones
-        reuse the larger ones' memory), each after a warm-up run that compiles its kernels."""
+        """CUDA only: one graph per rung, largest first, in one memory pool (a graph's
+        intermediates are freed when its capture ends, so the next reuses them), each after a
+        warm-up run that compiles its kernels; each copies its logits into `self.logits`."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size, grouped in sorted(self.rungs, reverse=True):
-            rung = self.rungs[(size, grouped)]
-            self._pad_all(rung)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)
-            self.graphs[(size, grouped)] = (graph, out)
-        torch.cuda.synchronize()
+        with torch.cuda.device(self.device):
+            pool = torch.cuda.graph_pool_handle()
+            for size, grouped in sorted(self.rungs, reverse=True):
+                rung = self.rungs[(size, grouped)]
+                self._pad_all(rung)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    warm = self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)
+                torch.cuda.current_stream().wait_stream(side)
+                if self.logits is None:  # the top rung comes first
+                    self.logits = torch.empty(self.max_batch, warm.shape[1], dtype=warm.dtype, device=self.device)
+                del warm
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[:size].copy_(self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices))
+                self.graphs[(size, grouped)] = graph
+            torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
 
     def _pad_all(self, rung: Rung) -> None:

@@ -3,8 +3,11 @@ layer CUDA graphs are captured over, checked on the CPU without the capture.
 
 - the ladder and which steps take a rung;
 - the model runner with engine.cuda_graphs (its static buffers here) against the same steps built
-  afresh, on the C kernels and on the torch reference: the same logits for the real rows,
-  padding rows writing no K/V, the buffers never reallocated;
+  afresh, on the C kernels and on the torch reference, over random decode steps that reuse
+  rungs with fewer rows, other table widths and group counts than the step before (what a
+  padding row or group left stale would show): the same logits and cache, padding rows writing
+  no K/V, the buffers never reallocated; steps run before the buffers exist (the CUDA memory
+  profile's) run eagerly;
 - the Triton kernels a CUDA graph replays (paged decode, prefix-shared, K/V write), through
   Triton's interpreter on padded rungs against the same rows run one at a time;
 - an engine's greedy outputs equal with the switch on and off; the switch refused off the native
@@ -66,17 +69,16 @@ def _static(max_batch: int = 32) -> StaticDecode:
 def test_which_steps_take_a_rung():
     static = _static()
     batch = build_step_batch(_decode_step(11, False), BLOCK, 128, 64)
-    rung = static.rung_for(batch, 0)
+    rung = static.rung_for(batch)
     assert rung is not None and (rung.size, rung.grouped) == (16, False)
-    grouped = static.rung_for(build_step_batch(_decode_step(3, True), BLOCK, 128, 64), 0)
+    grouped = static.rung_for(build_step_batch(_decode_step(3, True), BLOCK, 128, 64))
     assert grouped is not None and (grouped.size, grouped.grouped) == (4, True)
     assert grouped.meta.prefix_lens.shape == (4,) and not grouped.meta.is_decode_only
-    assert static.rung_for(build_step_batch(_decode_step(33, False), BLOCK, 128, 256), 0) is None  # past the top
-    assert static.rung_for(batch, 1) is None  # a step that copies K/V (StepInput.copies)
+    assert static.rung_for(build_step_batch(_decode_step(33, False), BLOCK, 128, 256)) is None  # past the top
     prefill = StepInput(
         chunks=(SeqChunk(0, (1, 2, 3), 0, 0, (4,), sample=True, sampling_params=GREEDY),),
     )
-    assert static.rung_for(build_step_batch(prefill, BLOCK, 128, 64), 0) is None
+    assert static.rung_for(build_step_batch(prefill, BLOCK, 128, 64)) is None
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +88,39 @@ def runners(tiny_model):
     def make(**kw):
         return ModelRunner(
             EngineConfig(
-                model=str(tiny_model), device="cpu", dtype="float32", kv_cache_bytes=8 << 20, max_model_len=512, **kw
+                model=str(tiny_model),
+                device="cpu",
+                dtype="float32",
+                kv_cache_bytes=8 << 20,
+                max_model_len=512,
+                max_num_seqs=16,
+                **kw,
             )
         )
 
     return make
+
+
+def _random_decode_step(rng: random.Random, num_blocks: int) -> StepInput:
+    """3-16 sequences decoding, 0-3 prefix groups of 1-199 tokens, own KV of 1-250 tokens, no
+    two sequences writing one slot."""
+    prefixes = []
+    for _ in range(rng.choice([0, 0, 1, 2, 3])):
+        length = rng.randrange(1, 200)
+        table = tuple(rng.sample(range(1, num_blocks), -(-length // BLOCK)))
+        prefixes.append(SharedPrefix(length=length, block_table=table))
+    chunks, used = [], set()
+    for i in range(rng.choice([3, 5, 6, 7, 8, 11, 13, 16])):
+        g = rng.randrange(-1, len(prefixes)) if prefixes else -1
+        cached = rng.randrange(0, 250)
+        blocks = tuple(rng.sample(range(1, num_blocks), -(-(cached + 1) // BLOCK)))
+        slot = (blocks[cached // BLOCK], cached % BLOCK)
+        if slot in used:
+            continue
+        used.add(slot)
+        start = cached + (prefixes[g].length if g >= 0 else 0)
+        chunks.append(SeqChunk(i, (rng.randrange(3, 500),), start, cached, blocks, g, True, GREEDY))
+    return StepInput(chunks=tuple(chunks), prefixes=tuple(prefixes))
 
 
 @pytest.mark.parametrize("c_kernels", ["1", "0"])
@@ -102,16 +132,20 @@ def test_static_buffers_give_the_fresh_steps_logits(runners, monkeypatch, c_kern
     cpu_linear._library.cache_clear()
     try:
         fresh, static = runners(), runners(cuda_graphs=True)
-        assert fresh.static is None and static.static is not None
+        assert fresh.static is None and static.static is not None and static.static.sizes[-1] == 16
         torch.manual_seed(0)
         static.kv_cache.copy_(torch.randn_like(static.kv_cache))
         fresh.kv_cache.copy_(static.kv_cache)
         buffers = static.static.ids.data_ptr(), static.static.tables.data_ptr()
-        for n, grouped in ((1, False), (3, True), (8, False), (11, True), (11, False), (2, True)):
-            step = _decode_step(n, grouped)
+        rng, rungs = random.Random(0), []
+        for _ in range(30):
+            step = _random_decode_step(rng, static.num_kv_blocks)
+            rung = static.static.rung_for(build_step_batch(step, BLOCK, 512, static.num_kv_blocks))
+            assert rung is not None
+            rungs.append((rung.size, len(step.chunks)))
             before = static.kv_cache.clone()
             want, got = fresh.execute_logits(step), static.execute_logits(step)
-            assert got.shape == want.shape == (n, fresh.vocab_size)
+            assert got.shape == want.shape == (len(step.chunks), fresh.vocab_size)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             # Only the real rows' slots were written (padding writes to PAD_SLOT, nowhere).
@@ -120,10 +154,28 @@ def test_static_buffers_give_the_fresh_steps_logits(runners, monkeypatch, c_kern
             assert set(map(tuple, changed.nonzero().tolist())) <= written
             torch.testing.assert_close(static.kv_cache, fresh.kv_cache, rtol=1e-5, atol=1e-5)
         assert (static.static.ids.data_ptr(), static.static.tables.data_ptr()) == buffers
+        # The point of the sequence: rungs run again with fewer rows than they held before.
+        assert any(b[0] == a[0] and b[1] < a[1] for a, b in zip(rungs, rungs[1:])), rungs
     finally:
         monkeypatch.undo()
         cpu_kernels._library.cache_clear()
         cpu_linear._library.cache_clear()
+
+
+def test_steps_before_the_buffers_exist_run_eagerly(tiny_model, monkeypatch):
+    """On CUDA the KV budget comes from a profiled step that runs before the static buffers are
+    built; that step (here the same call from the CPU budget) runs on the eager path."""
+    from prefixflow.engine.native import model_runner
+    from prefixflow.engine.native.model_runner import ModelRunner
+
+    def budget(self):
+        self.kv_cache = self._allocate_kv_cache(1)
+        self.execute_logits(model_runner._warmup_step(8, 2, self.block_size))
+        return 8 << 20
+
+    monkeypatch.setattr(ModelRunner, "_kv_budget_bytes", budget)
+    runner = ModelRunner(EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", cuda_graphs=True))
+    assert runner.static is not None
 
 
 def _attention_forward(cache: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor, scale: float):
@@ -173,13 +225,13 @@ def test_triton_kernels_on_padded_rungs_equal_rows_run_alone(grouped):
     static_a = StaticDecode(_attention_forward(alone.unbind(0), qkv, dim**-0.5), 8, 4, torch.device("cpu"))
     step = _decode_step(5, grouped, first_block=4)
     batch = build_step_batch(step, BLOCK, 4 * BLOCK, blocks)
-    rung = static_b.rung_for(batch, 0)
+    rung = static_b.rung_for(batch)
     assert rung is not None and rung.size == 8
     got = static_b.run(batch, rung)
     assert static_b.slots[5:8].tolist() == [PAD_SLOT] * 3
     for i, chunk in enumerate(step.chunks):
         single = build_step_batch(StepInput(chunks=(chunk,), prefixes=step.prefixes), BLOCK, 4 * BLOCK, blocks)
-        rung_1 = static_a.rung_for(single, 0)
+        rung_1 = static_a.rung_for(single)
         assert rung_1 is not None and rung_1.size == 1
         torch.testing.assert_close(got[i], static_a.run(single, rung_1)[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batched, alone, rtol=0, atol=0)
