@@ -262,4 +262,6 @@ def test_the_switch_is_the_native_engines():
 
     problems = setting_problems({"backend": "vllm", "cuda_graphs": True}, "generate", None, "batchllm")
     assert [p[0] for p in problems] == ["engine.cuda_graphs"]
+    http = setting_problems({"backend": "http", "cuda_graphs": True}, "generate", None, "batchllm")
+    assert "engine.cuda_graphs" in [p[0] for p in http]
     assert not setting_problems({"backend": "native", "cuda_graphs": True}, "generate", None, "batchllm")
