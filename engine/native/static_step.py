@@ -150,12 +150,6 @@ class StaticDecode:
         self.ids[:s].copy_(ids)
         self.positions[:s].copy_(positions)
         self.slots[:s].copy_(slots)
-        if b > s:
-            self.ids[s:b].zero_()
-            self.positions[s:b].zero_()
-            self.slots[s:b].fill_(PAD_SLOT)
-            self.kv_lens[s:b].fill_(1)
-            self.tables[s:b, 0].zero_()
         w, pw = batch.max_blocks, batch.max_prefix_blocks
         # cu_seqlens_q is skipped: one query per sequence, the static arange
         _, kv_lens, tables, p_lens, p_tables, ranges = torch.from_numpy(batch.int32_buffer).split(
@@ -163,15 +157,11 @@ class StaticDecode:
         )
         self.kv_lens[:s].copy_(kv_lens, non_blocking=True)
         self.tables[:s, :w].copy_(tables.view(s, w), non_blocking=True)
-        if not rung.grouped:
-            return
-        self.prefix_lens[:g].copy_(p_lens, non_blocking=True)
-        self.prefix_tables[:g, :pw].copy_(p_tables.view(g, pw), non_blocking=True)
-        self.ranges[: g + 1].copy_(ranges, non_blocking=True)
-        if b > g:  # groups of no members after the step's: their range is empty
-            self.prefix_lens[g:b].fill_(1)
-            self.prefix_tables[g:b, 0].zero_()
-            self.ranges[g + 1 : b + 1].copy_(self.ranges[g].expand(b - g))
+        if rung.grouped:
+            self.prefix_lens[:g].copy_(p_lens, non_blocking=True)
+            self.prefix_tables[:g, :pw].copy_(p_tables.view(g, pw), non_blocking=True)
+            self.ranges[: g + 1].copy_(ranges, non_blocking=True)
+        self._pad(s, g if rung.grouped else b, b)  # an ungrouped rung reads no group
 
     def capture(self) -> None:
         """CUDA only: one graph per rung, largest first, in one memory pool (a graph's
@@ -181,8 +171,9 @@ class StaticDecode:
         with torch.cuda.device(self.device):
             pool = torch.cuda.graph_pool_handle()
             for size, grouped in sorted(self.rungs, reverse=True):
+                self.ranges[0].zero_()
+                self._pad(0, 0, size)  # every row and group a padding one
                 rung = self.rungs[(size, grouped)]
-                self._pad_all(rung)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -198,14 +189,17 @@ class StaticDecode:
             torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
 
-    def _pad_all(self, rung: Rung) -> None:
-        """Every row and group of the rung a padding one (the capture's inputs)."""
-        b = rung.size
-        self.ids[:b].zero_()
-        self.positions[:b].zero_()
-        self.slots[:b].fill_(PAD_SLOT)
-        self.kv_lens[:b].fill_(1)
-        self.tables[:b].zero_()
-        self.prefix_lens[:b].fill_(1)
-        self.prefix_tables[:b].zero_()
-        self.ranges[: b + 1].zero_()
+    def _pad(self, rows: int, groups: int, size: int) -> None:
+        """Rows `rows`.. and prefix groups `groups`.. of a rung of `size` made padding: token 0
+        at position 0, no K/V written, one key (block 0's first slot); groups of one key and no
+        member (their ranges all end where group `groups` starts, already set)."""
+        if size > rows:
+            self.ids[rows:size].zero_()
+            self.positions[rows:size].zero_()
+            self.slots[rows:size].fill_(PAD_SLOT)
+            self.kv_lens[rows:size].fill_(1)
+            self.tables[rows:size, 0].zero_()
+        if size > groups:
+            self.prefix_lens[groups:size].fill_(1)
+            self.prefix_tables[groups:size, 0].zero_()
+            self.ranges[groups + 1 : size + 1].copy_(self.ranges[groups].expand(size - groups))
