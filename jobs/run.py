@@ -40,12 +40,11 @@ from prefixflow.operators.results.commit import (
     check_window,
 )
 from prefixflow.operators.results.openai_output import system_fingerprint, write_results
+from prefixflow.operators.results.sink import sink_name, start_sink
 from prefixflow.operators.results.write import (
     WriteOptions,
     clear_end_markers,
     prepare_output,
-    sink_name,
-    start_sink,
     write_json,
 )
 from prefixflow.operators.stages.plan import PlannedJob, joined_windows, window_summary

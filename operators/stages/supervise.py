@@ -9,7 +9,7 @@ WorkQueue (operators/stages/work_queue.py: its own replica's in plan order, then
 unstarted units of the busiest replica) and committing each part itself: to the output path
 (a job run from a spec, operators/results/commit.py), or, with no WriteOptions (the Python API,
 whose rows leave as a Dataset's blocks), to the job's MetricsSink, which keeps each committed
-block in the object store until the driver takes it (operators/results/write.MetricsSink.commit_block).
+block in the object store until the driver takes it (operators/results/sink.MetricsSink.commit_block).
 One more actor writes the error records (ERRORS_ITEM). When an actor dies, the units it held go back
 to its replica's queue with their uncommitted rows, and its replica starts again on a new
 actor; the others never stop, and take those units themselves when the new actor cannot start

@@ -31,7 +31,8 @@ import yaml
 
 from prefixflow.bench.fault_bench import engine_pids, local_records, worker_pid, writers_overlap
 from prefixflow.jobs.demo import demo_rows
-from prefixflow.operators.results.write import read_output, sink_name
+from prefixflow.operators.results.sink import sink_name
+from prefixflow.operators.results.write import read_output
 
 pytestmark = pytest.mark.slow
 

@@ -44,7 +44,9 @@ def server(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_http_job_on_two_endpoints_retries_refuses_a_row_and_runs_each_row_once(ray_local, server, tiny_model, tmp_path):
+def test_http_job_on_two_endpoints_retries_refuses_a_row_and_runs_each_row_once(
+    ray_local, server, tiny_model, tmp_path
+):
     root = tmp_path
     spec = yaml.safe_load(example_path("quickstart.yaml").read_text())
     path = write_demo_data(root, num_docs=4, questions_per_doc=6, sentences_per_doc=4, seed=3)
@@ -52,9 +54,7 @@ def test_http_job_on_two_endpoints_retries_refuses_a_row_and_runs_each_row_once(
     long_row = {**rows[0], "id": 1000, "document": "word " * 300}  # ~950 tokens: > the server's 512, < the model's 2048
     path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, long_row]))
     spec["model"], spec["input"]["path"] = str(tiny_model), str(path)
-    with ScriptedServer(
-        [(500, {"error": {"message": "warming up"}}, {}), (503, "busy", {})], upstream=server
-    ) as proxy:
+    with ScriptedServer([(500, {"error": {"message": "warming up"}}, {}), (503, "busy", {})], upstream=server) as proxy:
         spec["engine"].update(
             backend="http",
             http={"endpoints": [proxy.url, server], "model": SERVED, "backoff_s": 0.05, "max_concurrency": 4},

@@ -286,7 +286,7 @@ def test_plot_png_and_without_matplotlib(tmp_path, monkeypatch):
 def test_ray_metrics_of_deaths_and_error_rows(ray_local):
     import ray
 
-    from prefixflow.operators.results.write import MetricsSink
+    from prefixflow.operators.results.sink import MetricsSink
 
     job = f"deaths-{uuid.uuid4().hex[:8]}"
     sink = ray.remote(MetricsSink).options(num_cpus=0).remote(job)
