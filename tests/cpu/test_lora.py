@@ -187,7 +187,8 @@ def test_a_lora_job_survives_a_killed_engine_with_each_row_once_and_its_adapters
         return [rec for rec in local_records(out) if rec["replica"] >= 0]
 
     wait_until(lambda: len(engine_parts()) >= 1, job, "a part committed by the engine")
-    os.kill(worker_pid(engine_parts()[0]), signal.SIGKILL)  # the vLLM engine actor
+    victim = engine_parts()[0]
+    os.kill(worker_pid(victim), signal.SIGKILL)  # the vLLM engine actor that wrote it
     # the oracle, while the job goes on: each row's prompt tokens as the job's tokenize stage
     # makes them, continued greedily by transformers with the row's adapter merged
     config = load_spec(tmp_path / "lora.yaml").to_config()
@@ -205,8 +206,23 @@ def test_a_lora_job_survives_a_killed_engine_with_each_row_once_and_its_adapters
     got = {r["id"]: r for r in read_output(str(out))}
     assert "'gamma' is neither the job's model nor a LoRA adapter" in got[rows[-1]["id"]]["error"]
     assert {i: list(got[i]["generated_tokens"]) for i in expected} == expected
-    ft = json.loads((out / "metrics.json").read_text())["fault_tolerance"]
-    assert ft["engine_failures"] == 1 and ft["failures"][0]["item_rows_left"] > 0, ft  # killed mid-job
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["generated_tokens"] == sum(len(r["generated_tokens"]) for r in got.values())
+    ft = metrics["fault_tolerance"]
+    assert ft["engine_failures"] == 1 and ft["rows_given_up"] == 0, ft
+    failure = ft["failures"][0]
+    assert failure["engine_loaded"] and failure["item_rows_left"] > 0, ft  # killed mid-job
+    # A second engine actor ran only the rows not committed at the kill: the dead one's unit's
+    # rest and the units still queued (the vLLM backend's restart: the only CLI job on vLLM that
+    # kills its engine, since each vLLM engine start costs this 2-core machine ~20 s of CPU).
+    records = engine_parts()
+    assert len({rec["worker"] for rec in records}) == 2
+    killed = victim["worker"]
+    first = sum(len(rec["row_ids"]) for rec in records if rec["worker"] == killed)
+    again = sum(len(rec["row_ids"]) for rec in records if rec["worker"] != killed)
+    assert first + again == len(rows) - 1  # the unknown adapter's row is the driver's error record
+    assert again >= failure["item_rows_left"] and failure["units_held"] >= 1
+    print(f"\nLoRA job on vLLM: engine actor SIGKILLed with {first} rows committed; a new actor ran the {again} others")
 
 
 @needs_vllm
