@@ -18,7 +18,7 @@ from prefixflow.cli import main as cli
 from prefixflow.jobs.demo import demo_rows
 from prefixflow.jobs.run import run_job
 from prefixflow.jobs.spec import parse_spec
-from prefixflow.operators.results.commit import COMMITS, OutputLock, commit_bytes, load_committed
+from prefixflow.operators.results.commit import COMMITS, LOCK_FILE, OutputLock, commit_bytes, load_committed
 from prefixflow.operators.results.write import read_output
 from prefixflow.storage import StorageOptions
 
@@ -47,7 +47,8 @@ def _spec(root, model, resume: bool = False) -> dict:
 @pytest.mark.slow
 def test_file_urls_for_input_output_model_and_resume(ray_local, tiny_model, tmp_path):
     """Input (read by Ray's parquet reader through the fsspec filesystem), output and model as
-    file:// URLs; a part lost after the job ended is redone by a resume, and only that part."""
+    file:// URLs; a part deleted by hand after the job ended is redone by a resume, and only
+    that part: its orphaned commit record removed, the part written again, the lock released."""
     rows = demo_rows(num_docs=2, questions_per_doc=3, sentences_per_doc=3, seed=4)  # 6 rows
     (tmp_path / "in").mkdir()
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in" / "part-0.parquet")
@@ -64,9 +65,11 @@ def test_file_urls_for_input_output_model_and_resume(ray_local, tiny_model, tmp_
     metrics = run_job(parse_spec(_spec(tmp_path, tiny_model, resume=True)), quiet=True)
     assert metrics["fault_tolerance"]["rows_committed_before"] == len(rows) - len(lost_ids)
     assert metrics["fault_tolerance"]["rows_written"] == len(lost_ids)
+    assert f"_commits/{lost.name}.json" in metrics["fault_tolerance"]["orphans_removed"]
     again = read_output(f"file://{tmp_path}/out/")
     assert sorted(r["id"] for r in again) == sorted(r["id"] for r in rows)  # each row once
-    assert (tmp_path / "out" / "_SUCCESS").exists()
+    assert lost.exists() and (tmp_path / "out" / "_SUCCESS").exists()
+    assert not (tmp_path / "out" / LOCK_FILE).exists()
 
 
 def test_object_store_commit_protocol_on_another_scheme(tiny_model, tmp_path, monkeypatch):
