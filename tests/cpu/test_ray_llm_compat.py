@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from support.rays_own import rays_own_basic_example
 
@@ -369,17 +370,24 @@ def test_ray_stage_config_and_runtime_env_examples(ray_local, tiny_model, tmp_pa
     # processes (a tokenize task's worker, the job's task)
     assert any(seen.values()) and len(seen) >= 3, seen
 
-    ours = own_api(
-        str(model),
-        [{"prompt": "What is 2+2?"}],
-        lambda row: dict(
-            messages=[{"role": "user", "content": row["prompt"]}], sampling_params=dict(temperature=0.6, max_tokens=100)
-        ),
-        {"vllm": {"enforce_eager": True}},
+    # Our own API given the same chat_template_kwargs renders the same prompt: its tokenize stage
+    # makes the prompt tokens the Ray face's row ran with. After tokenize both faces run the
+    # same engine actor (test_ray_basic_example_runs_once_with_rays_columns runs both faces end
+    # to end and compares their tokens), so no second vLLM engine starts here for it.
+    from prefixflow.operators.stages.tokenize import MAX_TOKENS, TOKENS, Tokenize
+
+    ours = prefixflow.ProcessorConfig(
+        model=str(model),
+        engine={"backend": "vllm", "vllm": {"enforce_eager": True}},
         chat_template_kwargs={"enable_thinking": True},
-        rows_per_chunk=64,
     )
-    assert list(ours[0]["generated_tokens"]) == list(thinking["generated_tokens"])
+    row = {
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+        "sampling_params": {"temperature": 0.6, "max_tokens": 100},
+    }
+    tokenized = Tokenize(ours.tokenize_options())(pa.Table.from_pylist([row]))
+    assert tokenized.column(TOKENS).to_pylist() == [list(thinking["prompt_token_ids"])]
+    assert tokenized.column(MAX_TOKENS).to_pylist() == [100]
 
 
 def _watch_env(needle: str, seen: dict[int, bool], stop: threading.Event) -> None:
