@@ -33,6 +33,11 @@ def test_config_errors_name_the_field(tiny_model):
         prefixflow.ProcessorConfig(model=str(tiny_model), prompt={"template": "{{ x"})
 
 
+# The config's own chat template, with a variable from chat_template_kwargs: every face renders
+# it (map_batches' Generator once dropped both and used the tokenizer's own template).
+TEMPLATE = "{{ greeting }}|{% for m in messages %}{{ m['content'] }}{% endfor %}|"
+
+
 @pytest.fixture(scope="module")
 def config(tiny_model):
     return prefixflow.ProcessorConfig(
@@ -40,6 +45,9 @@ def config(tiny_model):
         sampling={"temperature": 0, "max_tokens": 5},
         replicas=1,
         engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
+        include_prompt=True,
+        chat_template=TEMPLATE,
+        chat_template_kwargs={"greeting": "hello"},
     )
 
 
@@ -89,34 +97,12 @@ def test_processor_and_generator_agree(ray_local, config):
     for a, b in zip(out, rows):
         assert a["tokens"] == list(b["generated_tokens"]) and a["text"] == b["generated_text"]
         assert (a["error"] is None) == (b["error"] is None)
+    assert [r["prompt"] for r in rows if r["error"] is None] == [
+        f"hello|{r['q']}|" for r in _rows() if r["k"] != 1
+    ]  # the config's chat template and its kwargs, in the Generator too
 
 
 def test_prompt_fields_must_be_text(tiny_model):
     """A number as a template is a ValueError naming the field (before: jinja's TypeError)."""
     with pytest.raises(ValueError, match=r"PromptTemplate\.template=5 is invalid: give text"):
         prefixflow.ProcessorConfig(model=str(tiny_model), prompt={"template": 5})
-
-
-def test_generator_renders_the_configs_chat_template(ray_local, tiny_model):
-    """map_batches' Generator takes chat_template and chat_template_kwargs as every face does
-    (before, it dropped both and used the tokenizer's own template)."""
-    import ray
-
-    template = "{{ greeting }}|{% for m in messages %}{{ m['content'] }}{% endfor %}|"
-    config = prefixflow.ProcessorConfig(
-        model=str(tiny_model),
-        sampling={"temperature": 0, "max_tokens": 2},
-        engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
-        include_prompt=True,
-        chat_template=template,
-        chat_template_kwargs={"greeting": "hello"},
-    )
-    ds = ray.data.from_items([{"messages": [{"role": "user", "content": "what does the fox do?"}]}])
-    rows = ds.map_batches(
-        prefixflow.Generator,
-        fn_constructor_kwargs={"config": config},
-        batch_size=1,
-        concurrency=1,
-        batch_format="pyarrow",
-    ).take_all()
-    assert rows[0]["prompt"] == "hello|what does the fox do?|" and rows[0]["error"] is None

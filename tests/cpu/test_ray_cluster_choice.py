@@ -43,10 +43,7 @@ def test_a_run_without_an_address_starts_its_own_cluster(ray_local, tiny_model, 
     proc = _plan(spec, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Ray: started a local cluster for this run" in proc.stderr
-    # The session's cluster runs on this machine, and the run did not join it.
+    # The session's cluster runs on this machine, and the run did not join it. (A run given
+    # RAY_ADDRESS joins that cluster and says so: every `start_driver` job does, and
+    # tests/cpu/test_resume_safety.py's lock test asserts the line.)
     assert len(ray._private.state.jobs()) == drivers_before
-    address = ray_local.get_runtime_context().gcs_address
-    joined = _plan(spec, {**env, "RAY_ADDRESS": address})
-    assert joined.returncode == 0, joined.stderr[-3000:]
-    assert f"Ray: joined the cluster at {address}: 1 node(s)" in joined.stderr
-    assert len(ray._private.state.jobs()) == drivers_before + 1

@@ -196,7 +196,7 @@ def _wait_for(path: Path, proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_a_second_job_is_refused_and_a_killed_drivers_lock_is_taken_over_by_the_resume(
-    start_driver, tiny_model, tmp_path
+    ray_local, start_driver, tiny_model, tmp_path
 ):
     """One output path: while a job holds it, a second job on it is refused, naming the holder;
     the holder SIGKILLed leaves its lock behind, and the resume takes the lock over, finishes
@@ -215,6 +215,9 @@ def test_a_second_job_is_refused_and_a_killed_drivers_lock_is_taken_over_by_the_
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == first.pid  # left behind
     rerun = start_driver(job)
     assert rerun.wait(timeout=JOB_TIMEOUT_S) == 0, rerun.log_path.read_text()[-3000:]
+    # RAY_ADDRESS named the session's cluster: the run joined it and said so.
+    address = ray_local.get_runtime_context().gcs_address
+    assert f"Ray: joined the cluster at {address}: 1 node(s)" in rerun.log_path.read_text()
     assert sorted(r["id"] for r in read_output(str(out))) == list(range(12))
     assert not (out / LOCK_FILE).exists()
 
