@@ -437,8 +437,18 @@ def test_job_with_bad_values_and_clashing_columns_finishes(ray_local, tiny_model
     for i, (override, _) in enumerate(bad):
         lines.append(json.dumps({"q": "bad", "error": f"b{i}", "row_id": 200 + i, "sampling_params": override}))
     lines += ['{"q": "\\ud800", "row_id": 300}', '{"q": ' + "[" * 10000 + "]" * 10000 + "}"]
+    # Rows that bomb the template (a string of 10**12 characters, 10**10 loop steps) and a
+    # temperature too small to sample with: each its own error record, the job goes on.
+    hostile = {"mul": 400, "loop": 401, "temp": 402}
+    for q, row_id in hostile.items():
+        tiny = {"sampling_params": {"temperature": 1e-40}} if q == "temp" else {}
+        lines.append(json.dumps({"q": q, "row_id": row_id, **tiny}))
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    out = _run(tmp_path, tiny_model, {"path": str(tmp_path / "in.jsonl")}, {"template": "Q: {{ q }}"})
+    template = (  # "Q: {{ q }}" for every other row
+        "{% if q == 'mul' %}{{ 'a' * 10**12 }}{% elif q == 'loop' %}"
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}Q: {{ q }}"
+    )
+    out = _run(tmp_path, tiny_model, {"path": str(tmp_path / "in.jsonl")}, {"template": template})
     assert len(out) == len(lines) and sorted(r["row_id"] for r in out) == list(range(len(lines)))
     by_input = {r.get("input_row_id"): r for r in out}
     for i in range(7):  # good rows ran, and kept their own `error` and `row_id` columns
@@ -451,6 +461,9 @@ def test_job_with_bad_values_and_clashing_columns_finishes(ray_local, tiny_model
     assert len(unreadable) == 2  # the two lines Arrow cannot store: no columns, only the error
     assert "line 13 is not valid Unicode (lone surrogate" in unreadable[0]
     assert "line 14 is nested too deeply" in unreadable[1]
+    for q in ("mul", "loop"):
+        assert "prompt.template exceeded a template limit" in by_input[hostile[q]]["error"], by_input[hostile[q]]
+    assert "temperature=1e-40 is invalid" in by_input[hostile["temp"]]["error"], by_input[hostile["temp"]]
 
 
 @pytest.mark.slow

@@ -498,36 +498,5 @@ def test_zero_and_the_floor_and_above_are_accepted():
         assert SamplingParams(temperature=t).temperature == float(t)
 
 
-# --- whole job on the real local Ray -------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_job_with_bombing_rows_and_tiny_temperatures_finishes(ray_local, tiny_model, tmp_path):
-    from prefixflow.jobs.run import run_job
-    from prefixflow.operators.results.write import read_output
-
-    qs = ["one", "mul", "two", "loop", "three", "temp"]
-    lines = [json.dumps({"q": q, **({"sampling_params": {"temperature": 1e-40}} if q == "temp" else {})}) for q in qs]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    spec = parse_spec(
-        {
-            "model": str(tiny_model),
-            "input": {"path": str(tmp_path / "in.jsonl")},
-            "prompt": {
-                "template": "{% if q == 'mul' %}{{ 'a' * 10**12 }}{% elif q == 'loop' %}"
-                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-                "{% endfor %}{% endif %}Q: {{ q }}"
-            },
-            "sampling": {"temperature": 0, "max_tokens": 3},
-            "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
-            "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_part": 3},
-        }
-    )
-    run_job(spec, quiet=True)
-    by_q = {r["q"]: r for r in read_output(str(tmp_path / "out"))}
-    assert sorted(by_q) == sorted(qs)
-    for q in ("one", "two", "three"):
-        assert by_q[q]["error"] is None and by_q[q]["num_generated_tokens"] >= 1, by_q[q]
-    for q in ("mul", "loop"):
-        assert "prompt.template exceeded a template limit" in by_q[q]["error"], by_q[q]
-    assert "temperature=1e-40 is invalid" in by_q["temp"]["error"], by_q["temp"]
+# A whole job with rows that bomb the template and a tiny temperature: tests/cpu/test_bad_rows.py
+# (test_job_with_bad_values_and_clashing_columns_finishes), one job with the other bad rows.
