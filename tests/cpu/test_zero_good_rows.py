@@ -27,11 +27,17 @@ def _lines(rows: list[dict]) -> bytes:
 INPUTS = {
     # (A column that no row has, or sampling keys unknown in every row, are refused up front by
     # preflight: tests/cpu/test_spec_preflight.py. Here every row fails on its own.)
-    "template_column_null_in_every_row": (_lines([{**r, "document": None} for r in ROWS]), TEMPLATE, 4, 0),
-    "unknown_sampling_key": (
-        _lines([{**r, "sampling_params": {"beam_width": 2} if r["id"] < 2 else {"top_p": 5}} for r in ROWS]),
+    # Half the rows lack the template's column, half ask for sampling keys that do not exist.
+    "no_row_renders_or_samples": (
+        _lines(
+            [{**r, "document": None} for r in ROWS]
+            + [
+                {**r, "id": 4 + r["id"], "sampling_params": {"beam_width": 2} if r["id"] < 2 else {"top_p": 5}}
+                for r in ROWS
+            ]
+        ),
         TEMPLATE,
-        4,
+        8,
         0,
     ),
     "no_line_parses": (b'{"id": 1, "document": \n' * 3 + b"[1, 2]\n", TEMPLATE, 4, 0),
@@ -71,9 +77,8 @@ def _spec(root: Path, data: bytes, template: str, fmt: str, **extra) -> object:
 # Each case in one output format, both formats covered: a whole job costs seconds, and the
 # whole-job fuzz (test_fuzz_jobs.py) mixes cases and formats further.
 CASES = [
-    ("template_column_null_in_every_row", "parquet"),
-    ("unknown_sampling_key", "jsonl"),
-    ("no_line_parses", "parquet"),
+    ("no_row_renders_or_samples", "parquet"),
+    ("no_line_parses", "jsonl"),
     ("empty_file", "jsonl"),
     ("one_good_row", "parquet"),
 ]
