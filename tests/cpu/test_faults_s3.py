@@ -2,8 +2,8 @@
 share of requests with 503 SlowDown and delays others. A job through it completes with every
 row once; a storage that keeps failing fails the job with a clear message, leaves committed
 parts intact, and the same job resumed afterwards (through the flaky proxy) finishes exactly
-once. Each job runs as its
-own driver process (the `start_driver` fixture), as under `ray job submit`."""
+once. Each job runs as its own driver process (the `start_driver` fixture), as under
+`ray job submit`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ fault proxy in front of it that answers 500 and 503 before it forwards
 this 2-core machine's CPU to start (its API server and engine core each import vLLM), and the
 job's replicas see two endpoints either way.
 
-One job proves several things, as tests/cpu/test_vllm_jobs.py does for the vLLM backend: the
+One job proves several things, as tests/cpu/test_lora.py's job does for the vLLM backend: the
 quickstart job on two endpoints (one replica each), with a row the server refuses (longer than
 its max-model-len: its error record carries the server's message, the job goes on), the
 proxy's 5xx answers retried, an engine actor SIGKILLed once a part is committed, ends with every

@@ -221,6 +221,7 @@ def test_a_lora_job_survives_a_killed_engine_with_each_row_once_and_its_adapters
     first = sum(len(rec["row_ids"]) for rec in records if rec["worker"] == killed)
     again = sum(len(rec["row_ids"]) for rec in records if rec["worker"] != killed)
     assert first + again == len(rows) - 1  # the unknown adapter's row is the driver's error record
+    assert ft["rows_written"] == len(rows)  # that error record included
     assert again >= failure["item_rows_left"] and failure["units_held"] >= 1
     print(f"\nLoRA job on vLLM: engine actor SIGKILLed with {first} rows committed; a new actor ran the {again} others")
 

@@ -312,7 +312,9 @@ def test_a_windowed_job_killed_between_windows_resumes_with_every_row_once(start
     from prefixflow.jobs.run import run_job
     from prefixflow.jobs.spec import load_spec
 
-    with pytest.raises(ValueError, match=r"window 0 of the input is not the one the first run planned \(its content"):
+    with pytest.raises(
+        ValueError, match=r"window 0 of the input is not the one the first run planned \(its content changed\)"
+    ):
         run_job(load_spec(job), quiet=True)
     assert not (out / "_SUCCESS").exists()
     first.write_text(text)

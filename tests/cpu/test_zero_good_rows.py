@@ -27,7 +27,8 @@ def _lines(rows: list[dict]) -> bytes:
 INPUTS = {
     # (A column that no row has, or sampling keys unknown in every row, are refused up front by
     # preflight: tests/cpu/test_spec_preflight.py. Here every row fails on its own.)
-    # Half the rows lack the template's column, half ask for sampling keys that do not exist.
+    # Half the rows lack the template's column, half ask for sampling they cannot have (a key
+    # that does not exist, a top_p above 1).
     "no_row_renders_or_samples": (
         _lines(
             [{**r, "document": None} for r in ROWS]
