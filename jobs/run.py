@@ -47,7 +47,8 @@ from prefixflow.operators.results.write import (
     prepare_output,
     write_json,
 )
-from prefixflow.operators.stages.plan import PlannedJob, joined_windows, window_summary
+from prefixflow.operators.stages.plan import PlannedJob
+from prefixflow.operators.stages.window_plans import joined_windows, window_summary
 from prefixflow.operators.results.table_commit import commit_to_table, job_id
 from prefixflow.operators.stages.read import input_files, read_dataset
 from prefixflow.operators.stages.read_table import pinned

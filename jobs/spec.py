@@ -701,6 +701,11 @@ class JobSpec(_Strict):
         description="plan the job in windows of this many rows, each run while the next is read and "
         "planned; unset: the whole job is planned before any row runs",
     )
+    window_planners: Annotated[int, _limited("window_planners")] = Field(
+        default=_default("window_planners"),
+        description="with window_rows: windows planned at once, each by a Ray task on any node; a window's "
+        "plan sees the prefix homes of the windows up to this many before it",
+    )
     max_retries_per_row: int = Field(
         default=_default("max_retries_per_row"),
         ge=0,
@@ -862,6 +867,8 @@ class JobSpec(_Strict):
         data["output"].pop("catalog", None)
         if data.get("window_rows") is None:  # unset: the key of a job started before the field existed
             data.pop("window_rows", None)
+        if data.get("window_planners") == 1:  # the default: the key of a job started before the field existed
+            data.pop("window_planners", None)
         return json.dumps(data, sort_keys=True)
 
     def to_config(self) -> ProcessorConfig:
@@ -877,6 +884,7 @@ class JobSpec(_Strict):
             min_replicas=self.replicas.min if isinstance(self.replicas, ReplicasSpec) else None,
             work_stealing=self.work_stealing,
             window_rows=self.window_rows,
+            window_planners=self.window_planners,
             max_retries_per_row=self.max_retries_per_row,
             num_gpus_per_replica=self.resources.num_gpus_per_replica,
             num_cpus_per_replica=self.resources.num_cpus_per_replica,

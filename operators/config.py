@@ -98,6 +98,7 @@ LIMITS: dict[str, tuple[float, bool, bool, str]] = {
     "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
     "max_retries_per_row": (0, True, False, "use an integer >= 0"),
     "window_rows": (1, True, True, "use a positive integer, or None to plan the whole job at once"),
+    "window_planners": (1, True, False, "use a positive integer: how many windows are planned at once"),
 }
 
 
@@ -244,6 +245,10 @@ class ProcessorConfig:
         dispatched to the engines while the next is read and planned (pipeline/windows.py);
         None: the whole job is read and planned before any row runs (one global plan, which
         shares every prefix, at the cost of the engines waiting for it).
+    window_planners: with window_rows, how many windows are planned at once, each by a Ray task
+        on any node (operators/stages/window_plans.py), so that planning keeps up with a large
+        cluster; a window's plan then sees the prefix homes of the windows up to this many before
+        it only (1: every window before). OpenAI batch input plans one window at a time.
     max_retries_per_row: after an engine actor dies, its uncommitted rows run again on a new
         one; a replica whose actor dies this many more times in a row without committing a row
         has its rows left become error records (operators/stages/attempts.py).
@@ -293,6 +298,7 @@ class ProcessorConfig:
     min_replicas: int | None = None
     work_stealing: bool = True
     window_rows: int | None = None
+    window_planners: int = 1
     max_retries_per_row: int = 2
     num_gpus_per_replica: float | None = 0.0
     num_cpus_per_replica: float = 1.0

@@ -108,17 +108,18 @@ class PrefixHomes:
         at = np.repeat(lo - np.r_[0, np.cumsum(count)[:-1]], count) + np.arange(int(count.sum()))
         return HomeHits(hit, pair_row, self.replica[at].astype(np.int64), everywhere)
 
-    def after(
-        self,
-        prompts: HashedPrompts,
-        row_replica: np.ndarray,
-        row_rank: np.ndarray,
-    ) -> "PrefixHomes":
-        """The homes once a window's rows ran: `row_replica`, `row_rank` ([n] each row's replica
-        and position in its order) say where and when each row filled its whole blocks. Only a
-        replica's last `capacity` blocks can stay, so only its last rows are read."""
+    def after(self, prompts: HashedPrompts, row_replica: np.ndarray, row_rank: np.ndarray) -> "PrefixHomes":
+        """The homes once a window's rows ran (entries, then merged)."""
+        return self.merged(self.entries(prompts, row_replica, row_rank))
+
+    def entries(self, prompts: HashedPrompts, row_replica: np.ndarray, row_rank: np.ndarray) -> "HomeEntries":
+        """What a window's rows add to the homes once they ran: `row_replica`, `row_rank` ([n]
+        each row's replica and position in its order) say where and when each row filled its
+        whole blocks. Only a replica's last `capacity` blocks can stay, so only its last rows are
+        read. Reads the hashes (where the window is planned); the entries depend on the homes'
+        capacity only, so a window planned against older homes adds what it would add to newer."""
         if self.capacity == 0 or len(prompts) == 0:
-            return self
+            return HomeEntries.empty()
         whole = np.asarray(prompts.lengths, dtype=np.int64) // prompts.block_size
         kept = []
         for r in range(self.num_replicas):
@@ -126,27 +127,15 @@ class PrefixHomes:
             mine = mine[np.argsort(-row_rank[mine], kind="stable")]  # latest first
             kept.append(mine[: int(np.searchsorted(np.cumsum(whole[mine]), self.capacity)) + 1])
         rows = np.concatenate(kept)  # every replica's at once: one gather (a task per block)
-        h, s = self._blocks(prompts, rows, whole[rows], row_rank[rows])
+        h, rank = _whole_blocks(prompts, rows, whole[rows], row_rank[rows])
         replica = np.repeat(np.asarray(row_replica, dtype=np.int32)[rows], whole[rows])
-        return self._merged(h, replica, s)
+        return HomeEntries(h, replica, rank)
 
-    def _blocks(
-        self, prompts: HashedPrompts, rows: np.ndarray, whole: np.ndarray, rank: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(hash, stamp) of the whole blocks of `rows`, stamped by their rank in this window."""
-        out_h: list[np.ndarray] = []
-        out_s: list[np.ndarray] = []
-        width = int(whole.max()) if len(whole) else 0
-        step = max(1, (prompts.max_cells or 1 << 22) // max(width, 1))
-        for lo in range(0, len(rows), step):
-            part, w = rows[lo : lo + step], whole[lo : lo + step]
-            got = prompts.gather(part, 0, width) if width else np.zeros((len(part), 0), np.int64)
-            mask = np.arange(width)[None, :] < w[:, None]
-            out_h.append(got[mask])
-            out_s.append(np.repeat(self.next_stamp + rank[lo : lo + step], w))
-        if not out_h:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate(out_h).astype(np.int64), np.concatenate(out_s).astype(np.int64)
+    def merged(self, entries: "HomeEntries") -> "PrefixHomes":
+        """These homes and a window's entries, stamped after every window merged before."""
+        if not len(entries.hashes):
+            return self
+        return self._merged(entries.hashes, entries.replica, self.next_stamp + entries.rank)
 
     def _merged(self, hashes: np.ndarray, replica: np.ndarray, stamp: np.ndarray) -> "PrefixHomes":
         """Old and new entries, one per (hash, replica) with its latest stamp, each replica's
@@ -167,6 +156,41 @@ class PrefixHomes:
         )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class HomeEntries:
+    """What one window adds to the homes (PrefixHomes.entries): [k] each whole block's hash,
+    the replica that filled it and its row's rank in the window (its stamp, once merged, is
+    the homes' next_stamp plus the rank)."""
+
+    hashes: np.ndarray
+    replica: np.ndarray
+    rank: np.ndarray
+
+    @classmethod
+    def empty(cls) -> "HomeEntries":
+        e = np.zeros(0, dtype=np.int64)
+        return cls(e, e.astype(np.int32), e)
+
+
+def _whole_blocks(
+    prompts: HashedPrompts, rows: np.ndarray, whole: np.ndarray, rank: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(hash, rank) of the whole blocks of `rows`, each block with its row's rank."""
+    out_h: list[np.ndarray] = []
+    out_r: list[np.ndarray] = []
+    width = int(whole.max()) if len(whole) else 0
+    step = max(1, (prompts.max_cells or 1 << 22) // max(width, 1))
+    for lo in range(0, len(rows), step):
+        part, w = rows[lo : lo + step], whole[lo : lo + step]
+        got = prompts.gather(part, 0, width) if width else np.zeros((len(part), 0), np.int64)
+        mask = np.arange(width)[None, :] < w[:, None]
+        out_h.append(got[mask])
+        out_r.append(np.repeat(rank[lo : lo + step], w))
+    if not out_h:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(out_h).astype(np.int64), np.concatenate(out_r).astype(np.int64)
+
+
 def cache_blocks(kv_budget_bytes: float, kv_bytes_per_token: int, block_size: int) -> int:
     """KV blocks of `block_size` tokens that a replica's KV budget holds: the homes' capacity."""
     return max(int(kv_budget_bytes // max(kv_bytes_per_token * block_size, 1)), 0)
@@ -179,10 +203,10 @@ def estimated_cache_blocks(block_size: int) -> int:
     return cache_blocks(cm.kv_budget_bytes, cm.model.kv_bytes_per_token, block_size)
 
 
-def homes_of(plan: Any, homes: PrefixHomes) -> PrefixHomes:
-    """The homes after `plan` (planned from HashedPrompts) ran: its table's replica and rank.
-    Every whole block of every prompt is recorded: both engines' caches hash each block from
-    the prompt's start, a group member's own blocks too."""
+def home_entries(plan: Any, homes: PrefixHomes) -> HomeEntries:
+    """What `plan` (planned from HashedPrompts) adds to `homes` once it ran: its table's replica
+    and rank. Every whole block of every prompt is recorded: both engines' caches hash each
+    block from the prompt's start, a group member's own blocks too."""
     if plan.hashed is None:
         raise ValueError("prefix homes need a plan built from HashedPrompts (block hashes)")
     n = len(plan.seq_index)
@@ -190,4 +214,9 @@ def homes_of(plan: Any, homes: PrefixHomes) -> PrefixHomes:
     rank = np.zeros(n, dtype=np.int64)
     replica[plan.seq_index] = plan.table.column("replica").to_numpy()
     rank[plan.seq_index] = plan.table.column("rank").to_numpy()
-    return homes.after(plan.hashed, replica, rank)
+    return homes.entries(plan.hashed, replica, rank)
+
+
+def homes_of(plan: Any, homes: PrefixHomes) -> PrefixHomes:
+    """The homes after `plan` ran (home_entries, merged)."""
+    return homes.merged(home_entries(plan, homes))

@@ -27,7 +27,8 @@ from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
 from prefixflow.operators.results.sink import start_sink
-from prefixflow.operators.stages.plan import PlannedJob, joined_windows, plan_dataset, plan_windows, window_summary
+from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
+from prefixflow.operators.stages.window_plans import joined_windows, plan_windows, window_summary
 from prefixflow.operators.stages.supervise import (
     Supervisor,
     check_window_resources,
@@ -192,11 +193,13 @@ class Processor:
 
     def plan_windows(self, ds: Any, stealing: bool = False) -> Iterator[PlannedJob]:
         """Tokenize `ds` and plan it in windows of config.window_rows rows, each as it is read
-        (operators/stages/plan.plan_windows); lazy: nothing is read before the first is asked for."""
+        (operators/stages/window_plans.py, config.window_planners at once); lazy: nothing is read
+        before the first is asked for."""
         self.check_context()
         if self.config.window_rows is None:
             raise ValueError("plan_windows needs config.window_rows")
-        return plan_windows(self.tokenize(ds), self.config.window_rows, **self._plan_options(stealing))
+        windows, planners = self.config.window_rows, self.config.window_planners
+        return plan_windows(self.tokenize(ds), windows, planners, **self._plan_options(stealing))
 
     def plans(
         self, ds: Any, stealing: bool = False, whole: bool = False, sample: int | None = None

@@ -1,6 +1,6 @@
 """Plan stage: the job's one global barrier, shuffle-free; or, with window_rows, one window of
-the job at a time (plan_windows: each window's blocks planned as Ray Data streams them in, the
-rows numbered on from the window before; the driver queues each while the engines run).
+the job (plan_blocks in a task of operators/stages/window_plans.py, its rows numbered from where
+the window before ends).
 
 1. The tokenized dataset is materialized; its blocks stay in the object store (one ref each).
 2. One small task per block returns only per-row metadata: lengths, the error flag (and
@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -44,10 +43,9 @@ from prefixflow.pipeline.block_hash import (
     block_hashes,
     leading_found,
 )
-from prefixflow.pipeline.homes import PrefixHomes, estimated_cache_blocks, homes_of
+from prefixflow.pipeline.homes import HomeEntries, PrefixHomes, home_entries
 from prefixflow.pipeline.plan import PlanUnit
 from prefixflow.pipeline.prefix_tree import ragged_gather
-from prefixflow.pipeline.windows import WindowedPlan, continued_table, window_sizes
 
 
 @dataclass(frozen=True)
@@ -89,16 +87,17 @@ class PlannedJob:
     timings: dict[str, float] = field(default_factory=dict)
     content_digest: str = ""  # sha256 over every row's columns but the tokens, in row order
     driver_bytes: int = 0  # what planning brought to the driver: metadata and hash windows
-    # A window of a job planned in windows (plan_windows; None: the whole job): its number, and
+    # A window of a job planned in windows (window_plans.py; None: the whole job): its number, and
     # where its units, groups and ranks start in the job's numbering (every window's continue
     # the windows' before it: unit ids in the work queue, group ids in the engines, part names).
     window: int | None = None
     first_unit: int = 0
     first_group: int = 0
     first_ranks: tuple[int, ...] = ()  # per replica; () = zeros
-    # The blocks each replica holds once this window ran (pipeline/homes.py), for the next
-    # window's plan; None for a whole-job plan, and once the window is queued (window_summary).
-    homes: PrefixHomes | None = None
+    # What this window's rows add to the prefix homes once they ran (pipeline/homes.py), for the
+    # windows after it; None for a whole-job plan, and once the window is queued (window_summary).
+    home_entries: HomeEntries | None = None
+    planned_on: str = ""  # the node whose task planned it (a window: operators/stages/window_plans.py)
 
     @property
     def num_units(self) -> int:
@@ -352,7 +351,7 @@ def replica_row_ids(planned: PlannedJob, replica: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How a job's rows are planned (plan_dataset, plan_windows).
+    """How a job's rows are planned (plan_dataset, window_plans.plan_windows).
 
     default_max_tokens: the output-length hint of rows whose own max_tokens is null (the job's
     sampling default, which they run with); None leaves them unknown (estimated per subtree).
@@ -380,45 +379,6 @@ def plan_dataset(ds: Any, **options: Any) -> PlannedJob:
     return plan_blocks(refs, PlanOptions(**options), read_s=time.perf_counter() - t0)
 
 
-def plan_windows(ds: Any, window_rows: int, **options: Any) -> Iterator[PlannedJob]:
-    """Plan the tokenized dataset `ds` in windows of about `window_rows` rows, each planned as
-    soon as its blocks are read and tokenized (while Ray Data goes on reading the next), in row
-    order: window k holds the rows after window k-1's. The first windows are small (window_sizes)
-    so that the engines get work within seconds. A window ends at the first block boundary past
-    its size, so the windows (and the plan) are the same in every run that reads the same blocks.
-    A window's plan sends a unit to the replica that computed its prefix in an earlier window
-    (pipeline/homes.py), within the replica's share. options: PlanOptions' fields."""
-    opts = PlanOptions(**options)
-    sizes = window_sizes(window_rows)
-    seen: dict[Any, int] = {}  # custom_id -> the first row that used it, across windows
-    refs: list[Any] = []
-    rows, target, window = 0, next(sizes), None
-    waited = time.perf_counter()
-    for bundle in ds.iter_internal_ref_bundles():
-        refs += bundle.block_refs
-        rows += bundle.num_rows() or 0
-        if rows < target:
-            continue
-        window = _next_window(window, refs, opts, time.perf_counter() - waited, seen)
-        yield window
-        refs, rows, target, waited = [], 0, next(sizes), time.perf_counter()
-    if refs or window is None:  # the rest; an empty dataset is one empty window
-        yield _next_window(window, refs, opts, time.perf_counter() - waited, seen)
-
-
-def _next_window(
-    before: PlannedJob | None, refs: list[Any], opts: PlanOptions, read_s: float, seen: dict[Any, int]
-) -> PlannedJob:
-    """The window of `refs`, numbered after `before` (None: the first)."""
-    if before is None:
-        capacity = opts.cache_blocks if opts.cache_blocks is not None else estimated_cache_blocks(opts.block_size)
-        homes = PrefixHomes.empty(opts.num_replicas, capacity)
-        return dataclasses.replace(plan_blocks(refs, opts, read_s=read_s, seen=seen, homes=homes), window=0)
-    first_row = before.rows.first_row + before.rows.num_rows
-    planned = plan_blocks(refs, opts, first_row=first_row, read_s=read_s, seen=seen, homes=before.homes)
-    return dataclasses.replace(planned, window=int(before.window or 0) + 1, **before.next_offsets())
-
-
 def plan_blocks(
     refs: list[Any],
     opts: PlanOptions,
@@ -429,7 +389,7 @@ def plan_blocks(
 ) -> PlannedJob:
     """Plan the good rows of the tokenized blocks `refs`, whose rows are numbered from
     `first_row` (see the module doc). seen: custom_id -> first row id of the windows before.
-    homes: what the replicas hold of the windows before (a window of plan_windows)."""
+    homes: what the replicas hold of the windows before (a window of window_plans.plan_windows)."""
     t1 = time.perf_counter()
     metas, hash_refs = _gather_meta(refs, opts.custom_ids, opts.block_size)
     offsets = first_row + np.r_[0, np.cumsum([m["num_rows"] for m in metas])].astype(np.int64)
@@ -467,45 +427,13 @@ def plan_blocks(
         stealing=opts.stealing,
         homes=homes,
     )
-    homes = None if homes is None else homes_of(plan, homes)  # reads hashes: before they go
+    entries = None if homes is None else home_entries(plan, homes)  # reads hashes: before they go
     hash_refs.clear()  # planned: the hashes may leave the object store (the gather is spent)
     t3 = time.perf_counter()
     error_ids = np.setdiff1d(np.arange(offsets[0], offsets[-1], dtype=np.int64), good_ids, assume_unique=True)
     timings = {"read_tokenize_s": read_s, "gather_s": t2 - t1, "build_plan_s": t3 - t2}
     digest = hashlib.sha256(b"".join(m["digest"].tobytes() for m in metas)).hexdigest()  # block order
-    return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total, homes=homes)
-
-
-def window_summary(window: PlannedJob, keep_table: bool = False) -> PlannedJob:
-    """What the job keeps of a window once it is queued: its plan's summary and group sizes,
-    and its table in the job's numbering where asked (pipeline/windows.WindowedPlan; the units'
-    tokens and hashes may go)."""
-    plan = window.plan
-    zeros = (0,) * plan.num_replicas
-    table = continued_table(plan.table, window.first_group, window.first_ranks or zeros) if keep_table else None
-    return dataclasses.replace(window, plan=WindowedPlan(table, plan.summary, plan.group_sizes), homes=None)
-
-
-def joined_windows(windows: list[PlannedJob]) -> PlannedJob:
-    """The whole job planned in `windows` (window_summary()s, in window order), as the report
-    and a dry run read a PlannedJob: its plan the windows' joined (WindowedPlan.join), rows and
-    error rows joined, timings and bytes summed, and a content digest over the windows'."""
-    rows = windows[0].rows
-    for w in windows[1:]:
-        rows = rows.joined(w.rows)
-    timings: dict[str, float] = {}
-    for w in windows:
-        for key, value in w.timings.items():
-            timings[key] = timings.get(key, 0.0) + value
-    return PlannedJob(
-        WindowedPlan.join([w.plan for w in windows]),
-        rows,
-        np.concatenate([w.error_row_ids for w in windows]),
-        {k: v for w in windows for k, v in w.extra_errors.items()},
-        timings,
-        hashlib.sha256("".join(w.content_digest for w in windows).encode("ascii")).hexdigest(),
-        sum(w.driver_bytes for w in windows),
-    )
+    return PlannedJob(plan, rows, error_ids, extra, timings, digest, received.total, home_entries=entries)
 
 
 def _output_lens(metas: list[dict[str, Any]], default_max_tokens: int | None) -> np.ndarray | None:

@@ -39,6 +39,7 @@ from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.attempts import AttemptLedger
 from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
+from prefixflow.operators.stages.window_plans import PLANNER_CPUS
 from prefixflow.operators.stages.windows import END, WindowFeed
 from prefixflow.operators.stages.work_queue import WorkQueue
 
@@ -72,7 +73,7 @@ class Supervisor:
     engine_options: Ray options of the engine actors (default engine_actor_options(config)).
     engines: replica -> its engine actor, started (and loading) while the job was planned
         (start_engines); the replicas without one start theirs when the run starts.
-    windows: the job's later windows (operators/stages/plan.plan_windows; `planned` is the
+    windows: the job's later windows (operators/stages/window_plans.plan_windows; `planned` is the
         first), planned on a thread while the engines run the windows before; each is queued
         once fewer units than half the last window's are left unstarted (so that the driver
         plans one window ahead of those queued, whatever the job's size). on_window(window) hears each
@@ -438,15 +439,20 @@ SLOT_RELEASE_GRACE_S = 30.0  # how long a windowed job waits for CPU slots a fin
 
 def cpus_short(cfg: ProcessorConfig, options: dict[str, Any]) -> tuple[float, float] | None:
     """(free CPUs, CPUs needed) where the cluster's free CPU slots cannot hold the job's engine
-    actors (with `options`) and its tokenize tasks at once, with one slot to spare for the small
+    actors (with `options`) and its tokenize tasks at once, with planning_cpus to spare for the
     planning tasks; None where they can (or the engines take GPUs: they are started at once)."""
     import ray
 
     if options.get("num_gpus"):
         return None
     free = ray.available_resources().get("CPU", 0.0)
-    needed = cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + 1
+    needed = cfg.replicas * options.get("num_cpus", 1) + cfg.tokenize_concurrency + planning_cpus(cfg)
     return (free, needed) if free < needed else None
+
+
+def planning_cpus(cfg: ProcessorConfig) -> float:
+    """CPU slots kept for the planning tasks: one, or a windowed job's planners' where more."""
+    return max(1.0, cfg.window_planners * PLANNER_CPUS) if cfg.window_rows is not None else 1.0
 
 
 def check_window_resources(
@@ -469,7 +475,7 @@ def check_window_resources(
             f"window_rows={cfg.window_rows}: a job planned in windows runs its engines while it reads and "
             f"tokenizes the next window, and the cluster has {short[0]:g} free CPUs where {short[1]:g} are "
             f"needed ({cfg.replicas} replicas x {options.get('num_cpus', 1):g} CPUs, {cfg.tokenize_concurrency} "
-            "tokenize tasks and one more): lower replicas, resources.num_cpus_per_replica or "
+            f"tokenize tasks and {planning_cpus(cfg):g} for planning): lower replicas, resources.num_cpus_per_replica or "
             "tokenize.concurrency, use a larger cluster, or unset window_rows"
         )
 

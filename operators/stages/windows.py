@@ -2,7 +2,7 @@
 
 The job driver (operators/stages/supervise.py) queues a window's units once the engines have
 nearly run out of the last one's; meanwhile this thread reads, tokenizes and plans the next
-window (operators/stages/plan.plan_windows: Ray Data streams the blocks) and builds its units'
+window (operators/stages/window_plans.plan_windows: Ray Data streams the blocks) and builds its units'
 payloads, hands it over, and waits until the driver has taken it before it reads on: one window
 is planned ahead of those queued, whatever the job's size, and Ray Data reads no further (its
 streaming executor stops when nobody takes its output).

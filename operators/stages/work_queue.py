@@ -24,7 +24,7 @@ decides, not the cost model's guess: a replica whose outputs run longer than pre
 whose cache thrashes, is relieved first, and one holding much unfinished work is not left to
 finish it alone.
 
-A job planned in windows (operators/stages/plan.plan_windows) adds each window's units as it is
+A job planned in windows (operators/stages/window_plans.plan_windows) adds each window's units as it is
 planned (`add`) and `close`s the queue after the last: until then a replica with nothing to
 take is told to WAIT, not DONE (the next window may bring it work).
 

@@ -140,7 +140,8 @@ def _tokenized_blocks(prompts: list[list[int]], errors: dict[int, str], per_bloc
 def test_plan_windows_plans_every_row_once_in_windows_numbered_on(ray_local):
     import ray
 
-    from prefixflow.operators.stages.plan import joined_windows, plan_windows, unit_payload_refs, window_summary
+    from prefixflow.operators.stages.plan import unit_payload_refs
+    from prefixflow.operators.stages.window_plans import joined_windows, plan_windows, window_summary
 
     prompts = _prompts(3, 40)
     prompts[13] = []
@@ -184,6 +185,61 @@ def test_plan_windows_plans_every_row_once_in_windows_numbered_on(ray_local):
     for r in (0, 1):  # each replica's ranks continue across windows: part names never repeat
         ranks_r = table.filter(pa.compute.equal(table.column("replica"), r)).column("rank").to_pylist()
         assert sorted(ranks_r) == list(range(len(ranks_r)))
+
+
+def test_windows_planned_at_once_see_the_homes_of_the_windows_planners_before(ray_local):
+    from prefixflow.operators.stages.window_plans import plan_windows
+
+    ds = ray_local.data.from_arrow(_tokenized_blocks(_prompts(3, 40), {}, per_block=5))
+    ds.context.execution_options.preserve_order = True
+
+    def windows(planners: int) -> list:
+        return list(plan_windows(ds, 32, planners, order="batchllm", num_replicas=2, block_size=4))
+
+    one, three, again = windows(1), windows(3), windows(3)
+    assert [w.rows.num_rows for w in three] == [w.rows.num_rows for w in one] == [5, 5, 10, 20]
+    # Three documents repeat in every window. One planner: each window after the first finds
+    # them where the windows before ran. Three at once: windows 1 and 2 were planned before
+    # window 0 was merged (no homes), window 3 against the homes after window 0.
+    hits = [[w.plan.summary["home_hit_tokens"] > 0 for w in ws] for ws in (one, three)]
+    assert hits == [[False, True, True, True], [False, False, False, True]]
+    units, groups = 0, 0
+    for w, w2 in zip(three, again, strict=True):  # the same plan in every run, numbered on
+        assert (w.window, w.first_unit, w.first_group) == (w2.window, units, groups)
+        assert w.plan.table.equals(w2.plan.table) and w.home_entries is not None
+        assert w.planned_on and w.timings["plan_task_s"] > 0  # planned by a task, on a node
+        units, groups = units + w.plan.num_units, groups + len(w.plan.run_starts) - 1
+    rows = sorted(r for w in three for r in w.plan.table.column("row_id").to_pylist())
+    assert rows == list(range(40))
+
+
+def _block_held_until(batch: dict, flag: str, blocks: list) -> pa.Table:
+    """Block batch["id"][0] of `blocks`; block 1 only once the file `flag` exists."""
+    b = int(batch["id"][0])
+    while b == 1 and not Path(flag).exists():
+        time.sleep(0.05)
+    return blocks[b]
+
+
+def test_a_window_is_handed_out_while_the_next_block_is_still_being_read(ray_local, tmp_path):
+    import threading
+
+    from prefixflow.operators.stages.window_plans import plan_windows
+
+    blocks = _tokenized_blocks(_prompts(4, 15), {}, per_block=5)
+    flag = tmp_path / "read-on"
+    ds = ray_local.data.range(3, override_num_blocks=3).map_batches(
+        _block_held_until, batch_size=1, fn_kwargs={"flag": str(flag), "blocks": blocks}, batch_format="numpy"
+    )
+    windows = plan_windows(ds, 32, 2, order="batchllm", num_replicas=2, block_size=4)
+    first: list = []
+    taker = threading.Thread(target=lambda: first.append(next(windows)), daemon=True)
+    taker.start()
+    taker.join(timeout=120)  # block 1 is held back until window 0 is out: no clock decides
+    flag.touch()
+    assert first and first[0].window == 0 and first[0].rows.num_rows == 5
+    rest = list(windows)
+    assert [w.rows.first_row for w in rest] == [5, 10]
 
 
 @pytest.mark.slow
