@@ -14,7 +14,8 @@ driver would take (the planner is single-threaded).
 The results go under `scale` in the output file, the other entries are kept.
 --stream plans that many synthetic prompts in windows, as a job with window_rows (issue 39):
 peak RSS of the one process against the windows planned, with what the windowed driver keeps
-across windows; under `stream`.
+across windows; under `stream`. Windows planned as Ray tasks on a multi-node test cluster, by
+the number planned at once: bench/window_tasks_bench.py, under `stream_tasks`.
 
 For each dataset: saving ratios (multi-level optimum, enlarged single level, plain first level,
 the plan's order), planning time, prompts/s, prompt tokens/s, and peak memory the planner
