@@ -334,6 +334,7 @@ def test_a_duplicate_custom_id_is_reported_when_its_first_use_is_an_error_record
     from prefixflow.operators.config import TokenizeOptions
     from prefixflow.operators.stages.plan import plan_dataset
     from prefixflow.operators.stages.tokenize import Tokenize
+    from prefixflow.operators.stages.window_plans import plan_windows
 
     lines = [
         b'{"custom_id": "broken", "url": "/v1/completions", "body": {',
@@ -352,6 +353,11 @@ def test_a_duplicate_custom_id_is_reported_when_its_first_use_is_an_error_record
     for row, first in ((3, 0), (4, 1), (5, 2)):
         assert f"(first used by row {first})" in planned.extra_errors[row]
     assert planned.plan.summary["num_rows"] == 1 and sorted(planned.error_row_ids.tolist()) == [0, 1, 3, 4, 5]
+    # Planned in windows (one block each; 4 asked at once, one at a time for custom_ids): the
+    # second window's duplicates are found against the first window's custom_ids.
+    windows = list(plan_windows(ray.data.from_arrow(blocks), 2, 4, order="batchllm", num_replicas=1, custom_ids=True))
+    assert [w.rows.num_rows for w in windows] == [4, 2]
+    assert {row: e for w in windows for row, e in w.extra_errors.items()} == planned.extra_errors
 
 
 # --- case 6: input columns named like output columns -----------------------------------------
