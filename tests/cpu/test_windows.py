@@ -238,6 +238,25 @@ def test_a_window_is_handed_out_while_the_next_block_is_still_being_read(ray_loc
     assert [w.rows.first_row for w in rest] == [5, 10]
 
 
+def _block_or_vanished(batch: dict, blocks: list) -> pa.Table:
+    if int(batch["id"][0]) == 1:
+        raise OSError("input part-01.jsonl vanished")
+    return blocks[int(batch["id"][0])]
+
+
+def test_a_block_that_fails_to_read_fails_the_windows(ray_local):
+    from prefixflow.operators.stages.window_plans import plan_windows
+
+    blocks = _tokenized_blocks(_prompts(5, 15), {}, per_block=5)
+    ds = ray_local.data.range(3, override_num_blocks=3).map_batches(
+        _block_or_vanished, batch_size=1, fn_kwargs={"blocks": blocks}, batch_format="numpy"
+    )
+    ds.context.execution_options.preserve_order = True
+    windows = plan_windows(ds, 32, 2, order="batchllm", num_replicas=2, block_size=4)
+    with pytest.raises(Exception, match="vanished"):  # read on the reader's thread, raised here
+        list(windows)
+
+
 @pytest.mark.slow
 def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_local, tiny_model):
     import prefixflow
