@@ -248,7 +248,7 @@ class ProcessorConfig:
     window_planners: with window_rows, how many windows are planned at once, each by a Ray task
         on any node (operators/stages/window_plans.py), so that planning keeps up with a large
         cluster; a window's plan then sees the prefix homes of the windows up to this many before
-        it only (1: every window before). OpenAI batch input plans one window at a time.
+        it only (1: every window before). OpenAI batch input plans one window at a time, on the driver.
     max_retries_per_row: after an engine actor dies, its uncommitted rows run again on a new
         one; a replica whose actor dies this many more times in a row without committing a row
         has its rows left become error records (operators/stages/attempts.py).

@@ -19,7 +19,9 @@ is the prefix, in whole blocks, that some replica holds, and `holders` which one
 prefix computed on every replica has are marked `everywhere`: no replica is better for them). multilevel.py places a unit on the
 replica where its rows' hits save the most, unless that replica would take more than its share
 (partition.py `_place_at_home`), and counts what the hits save in the plan's computed tokens.
-`after` returns the homes once a window's plan has run: its rows' blocks on their replicas.
+`entries` reads what a window's rows leave in the caches once its plan has run (their blocks on
+their replicas; where the window is planned, beside its hashes), and `merged` adds them to the
+homes in window order (the job's driver: operators/stages/window_plans.py); `after` is both.
 """
 
 from __future__ import annotations

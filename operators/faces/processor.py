@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import pyarrow as pa
 
@@ -191,7 +191,7 @@ class Processor:
         self.check_context()
         return plan_dataset(self.tokenize(ds), **self._plan_options(stealing))
 
-    def plan_windows(self, ds: Any, stealing: bool = False) -> Iterator[PlannedJob]:
+    def plan_windows(self, ds: Any, stealing: bool = False) -> Generator[PlannedJob, None, None]:
         """Tokenize `ds` and plan it in windows of config.window_rows rows, each as it is read
         (operators/stages/window_plans.py, config.window_planners at once); lazy: nothing is read
         before the first is asked for."""
@@ -213,7 +213,9 @@ class Processor:
         windows = self.plan_windows(ds, stealing=stealing)
         if whole:
             taken = windows if sample is None else itertools.islice(windows, sample)
-            return joined_windows([window_summary(w, keep_table=True) for w in taken]), None
+            whole_plan = joined_windows([window_summary(w, keep_table=True) for w in taken])
+            windows.close()  # a sample's: the windows still planning stop, the rest is not read
+            return whole_plan, None
         return next(windows), windows
 
     def _plan_options(self, stealing: bool) -> dict[str, Any]:

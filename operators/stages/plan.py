@@ -86,7 +86,7 @@ class PlannedJob:
     extra_errors: dict[int, str] = field(default_factory=dict)  # row id -> error found here
     timings: dict[str, float] = field(default_factory=dict)
     content_digest: str = ""  # sha256 over every row's columns but the tokens, in row order
-    driver_bytes: int = 0  # what planning brought to the driver: metadata and hash windows
+    driver_bytes: int = 0  # what planning brought to its process (the driver, a window's task): metadata, hashes
     # A window of a job planned in windows (window_plans.py; None: the whole job): its number, and
     # where its units, groups and ranks start in the job's numbering (every window's continue
     # the windows' before it: unit ids in the work queue, group ids in the engines, part names).

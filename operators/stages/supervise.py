@@ -74,9 +74,9 @@ class Supervisor:
     engines: replica -> its engine actor, started (and loading) while the job was planned
         (start_engines); the replicas without one start theirs when the run starts.
     windows: the job's later windows (operators/stages/window_plans.plan_windows; `planned` is the
-        first), planned on a thread while the engines run the windows before; each is queued
-        once fewer units than half the last window's are left unstarted (so that the driver
-        plans one window ahead of those queued, whatever the job's size). on_window(window) hears each
+        first), taken on a thread (operators/stages/windows.py) while the engines run the windows
+        before; each is queued once fewer units than half the last window's are left unstarted
+        (so that one window is ready ahead of those queued, whatever the job's size). on_window(window) hears each
         before its units are queued (a resume checks it is the window the first run planned).
     """
 

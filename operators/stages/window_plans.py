@@ -17,7 +17,12 @@ every run (a resume checks each window against the first run's, jobs/run.py). pl
 one window planned at a time, each against every window before it.
 
 OpenAI batch input (custom_ids, which must be unique across the whole job) is planned one window
-at a time: a window's duplicates are found against every custom_id of the windows before.
+at a time on the driver, which keeps every custom_id seen: a window's duplicates are found
+against the windows' before it without sending that table to a task and back for each window.
+
+A planning task holds 0.25 CPU slot (PLANNER_CPUS) although its plan keeps a core busy: the slots
+are what the job's resource check keeps for planning (operators/stages/supervise.planning_cpus),
+and planning on the driver, before, held none.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,7 +47,7 @@ from prefixflow.pipeline.windows import WindowedPlan, continued_table, window_si
 PLANNER_CPUS = 0.25
 
 
-def plan_windows(ds: Any, window_rows: int, planners: int = 1, **options: Any) -> Iterator[PlannedJob]:
+def plan_windows(ds: Any, window_rows: int, planners: int = 1, **options: Any) -> Generator[PlannedJob, None, None]:
     """Plan the tokenized dataset `ds` in windows of about `window_rows` rows, in row order:
     window k holds the rows after window k-1's. A window ends at the first block boundary past
     its size, so the windows (and, for a given `planners`, the plans) are the same in every run
@@ -68,8 +73,9 @@ def plan_windows(ds: Any, window_rows: int, planners: int = 1, **options: Any) -
         if refs or flight.submitted == 0:  # the rest; an empty dataset is one empty window
             yield from flight.submit(refs, rows, time.perf_counter() - waited)
         yield from flight.drain()
-    finally:
+    finally:  # the last window taken, a failure, or the consumer done early (closed)
         reader.stop()
+        flight.cancel()
 
 
 END = "end"  # _BundleReader.get: the dataset has no more bundles
@@ -77,9 +83,9 @@ POLL_S = 0.05  # how often a window that finished planning is looked for while b
 
 
 class _BundleReader:
-    """The tokenized dataset's bundles, read on a thread at most one ahead (so that Ray Data
-    reads no further than the windows need), so that plan_windows can hand a window out as soon
-    as its plan is done, while the next bundle is still being read and tokenized."""
+    """The tokenized dataset's bundles, read on a thread at most two ahead of plan_windows (one
+    queued, one waiting to be: Ray Data reads no further than that), so that plan_windows can
+    hand a window out as soon as its plan is done, while the next bundle is still being read."""
 
     def __init__(self, ds: Any):
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=1)
@@ -137,7 +143,7 @@ class _WindowsInFlight:
         # homes[k]: the homes after the windows before window k (homes[0]: none); kept from the
         # oldest that a window still to be submitted needs.
         self.homes: dict[int, PrefixHomes] = {0: PrefixHomes.empty(opts.num_replicas, capacity)}
-        self.seen: dict[Any, int] = {}  # custom_id -> its first row (custom_ids: one window at a time)
+        self.seen: dict[Any, int] = {}  # custom_id -> its first row (custom_ids: planned on the driver)
         self.flying: deque[tuple[int, Any]] = deque()
         self.submitted, self.next_row = 0, 0
         self.last: PlannedJob | None = None  # the last window yielded
@@ -151,9 +157,11 @@ class _WindowsInFlight:
         while k - self.planners + 1 > self._merged_upto():
             yield self._finish()
         homes = self.homes[max(k - self.planners + 1, 0)]
-        task = ray.remote(_plan_window).options(num_cpus=PLANNER_CPUS, scheduling_strategy=_node_for(k))
-        seen = self.seen if self.opts.custom_ids else None
-        self.flying.append((k, task.remote(refs, self.opts, self.next_row, read_s, seen, homes)))
+        if self.opts.custom_ids:  # planned here, against (and adding to) every custom_id before
+            self.flying.append((k, ray.put(_plan_window(refs, self.opts, self.next_row, read_s, self.seen, homes))))
+        else:
+            task = ray.remote(_plan_window).options(num_cpus=PLANNER_CPUS, scheduling_strategy=_node_for(k))
+            self.flying.append((k, task.remote(refs, self.opts, self.next_row, read_s, None, homes)))
         self.submitted, self.next_row = k + 1, self.next_row + rows
         for old in [j for j in self.homes if j < min(k - self.planners + 2, self._merged_upto())]:
             del self.homes[old]  # no window still to be submitted is planned against these
@@ -170,6 +178,17 @@ class _WindowsInFlight:
         while self.flying and ray.wait([self.flying[0][1]], timeout=0)[0]:
             yield self._finish()
 
+    def cancel(self) -> None:
+        """Stop the planning tasks still in flight (windows nobody will take)."""
+        import ray
+
+        for _, ref in self.flying:
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - a window planned on the driver (ray.put) or already done
+                pass
+        self.flying.clear()
+
     def drain(self) -> Iterator[PlannedJob]:
         while self.flying:
             yield self._finish()
@@ -183,9 +202,7 @@ class _WindowsInFlight:
         import ray
 
         k, ref = self.flying.popleft()
-        planned, seen = ray.get(ref)
-        if seen is not None:
-            self.seen = seen
+        planned = ray.get(ref)
         entries = planned.home_entries if planned.home_entries is not None else HomeEntries.empty()
         self.homes[k + 1] = self.homes[k].merged(entries)
         before = self.last
@@ -199,16 +216,17 @@ class _WindowsInFlight:
 
 
 def _node_for(window: int) -> Any:
-    """Where window `window` is planned: the cluster's nodes with CPUs in turn (soft: elsewhere
-    when that node is full or gone). Ray's SPREAD would not do: it reuses the worker leased for
-    the window before, so every window of a job planned on one node."""
+    """Where window `window` is planned: the cluster's nodes with CPUs in turn, elsewhere when
+    that node is gone or its CPU slots are taken (engine actors hold theirs while they wait for
+    work: soft affinity alone would wait for that node for good). Ray's SPREAD would not do: it
+    reuses the worker leased for the window before, so every window of a job planned on one node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
     if not nodes:
         return "DEFAULT"
-    return NodeAffinitySchedulingStrategy(node_id=nodes[window % len(nodes)], soft=True)
+    return NodeAffinitySchedulingStrategy(node_id=nodes[window % len(nodes)], soft=True, _spill_on_unavailable=True)
 
 
 def _plan_window(
@@ -218,17 +236,16 @@ def _plan_window(
     read_s: float,
     seen: dict[Any, int] | None,
     homes: PrefixHomes,
-) -> tuple[PlannedJob, dict[Any, int] | None]:
-    """One window's plan (a Ray task): the PlannedJob (its numbering the window's own; its
-    home_entries what its rows add to the homes), and (custom_ids) every custom_id seen up to
-    its end."""
+) -> PlannedJob:
+    """One window's plan (a Ray task; for custom_ids a call on the driver, `seen` updated in
+    place): its numbering the window's own, its home_entries what its rows add to the homes."""
     import ray
 
     t0 = time.perf_counter()
     planned = plan_blocks(refs, opts, first_row=first_row, read_s=read_s, seen=seen, homes=homes)
     timings = {**planned.timings, "plan_task_s": time.perf_counter() - t0}
     where = ray.get_runtime_context().get_node_id()
-    return dataclasses.replace(planned, timings=timings, planned_on=where), seen
+    return dataclasses.replace(planned, timings=timings, planned_on=where)
 
 
 def window_summary(window: PlannedJob, keep_table: bool = False) -> PlannedJob:

@@ -1,11 +1,12 @@
 """The later windows of a job planned in windows, planned on a thread while the engines run.
 
 The job driver (operators/stages/supervise.py) queues a window's units once the engines have
-nearly run out of the last one's; meanwhile this thread reads, tokenizes and plans the next
-window (operators/stages/window_plans.plan_windows: Ray Data streams the blocks) and builds its units'
-payloads, hands it over, and waits until the driver has taken it before it reads on: one window
-is planned ahead of those queued, whatever the job's size, and Ray Data reads no further (its
-streaming executor stops when nobody takes its output).
+nearly run out of the last one's; meanwhile this thread takes the next window from
+operators/stages/window_plans.plan_windows (Ray Data streams the blocks; window_planners
+windows are planned at once, each by a Ray task), builds its units' payloads, hands it over,
+and waits until the driver has taken it before it asks for another: one window is ready ahead
+of those queued (window_planners - 1 more being planned), whatever the job's size, and Ray Data
+reads at most two bundles further (its streaming executor stops when nobody takes its output).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class WindowFeed:
             self._hand_over(END)
         except BaseException as e:  # noqa: BLE001 - the driver fails the job with it (check)
             self.failure = e
+        finally:  # stopped or failed early: the windows' reader and planning tasks stop now
+            close = getattr(self.windows, "close", None)
+            if close is not None:
+                close()
 
     def _hand_over(self, item: Any) -> bool:
         """Put `item` for the driver and wait until it took it (False: stopped first)."""

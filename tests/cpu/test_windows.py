@@ -236,6 +236,20 @@ def test_a_window_is_handed_out_while_the_next_block_is_still_being_read(ray_loc
     assert first and first[0].window == 0 and first[0].rows.num_rows == 5
     rest = list(windows)
     assert [w.rows.first_row for w in rest] == [5, 10]
+    # A consumer done early (a dry run's sample, a stopped job) closes the windows: the reader
+    # thread, waiting for block 1, ends once that comes, and takes no more.
+    held = tmp_path / "read-on-again"
+    again = ray_local.data.range(3, override_num_blocks=3).map_batches(
+        _block_held_until, batch_size=1, fn_kwargs={"flag": str(held), "blocks": blocks}, batch_format="numpy"
+    )
+    before = set(threading.enumerate())
+    early = plan_windows(again, 32, 2, order="batchllm", num_replicas=2, block_size=4)
+    assert next(early).window == 0
+    (reader,) = [t for t in set(threading.enumerate()) - before if t.name == "prefixflow-window-reader"]
+    early.close()
+    held.touch()
+    reader.join(timeout=60)
+    assert not reader.is_alive()
 
 
 def _block_or_vanished(batch: dict, blocks: list) -> pa.Table:
