@@ -144,7 +144,7 @@ class _WindowsInFlight:
         # oldest that a window still to be submitted needs.
         self.homes: dict[int, PrefixHomes] = {0: PrefixHomes.empty(opts.num_replicas, capacity)}
         self.seen: dict[Any, int] = {}  # custom_id -> its first row (custom_ids: planned on the driver)
-        self.flying: deque[tuple[int, Any]] = deque()
+        self.flying: deque[tuple[int, Any]] = deque()  # (window, its task's ref, or its plan made here)
         self.submitted, self.next_row = 0, 0
         self.last: PlannedJob | None = None  # the last window yielded
 
@@ -158,7 +158,7 @@ class _WindowsInFlight:
             yield self._finish()
         homes = self.homes[max(k - self.planners + 1, 0)]
         if self.opts.custom_ids:  # planned here, against (and adding to) every custom_id before
-            self.flying.append((k, ray.put(_plan_window(refs, self.opts, self.next_row, read_s, self.seen, homes))))
+            self.flying.append((k, _plan_window(refs, self.opts, self.next_row, read_s, self.seen, homes)))
         else:
             task = ray.remote(_plan_window).options(num_cpus=PLANNER_CPUS, scheduling_strategy=_node_for(k))
             self.flying.append((k, task.remote(refs, self.opts, self.next_row, read_s, None, homes)))
@@ -175,7 +175,9 @@ class _WindowsInFlight:
         """The windows at the front that have finished planning, in order."""
         import ray
 
-        while self.flying and ray.wait([self.flying[0][1]], timeout=0)[0]:
+        while self.flying and (
+            isinstance(self.flying[0][1], PlannedJob) or ray.wait([self.flying[0][1]], timeout=0)[0]
+        ):
             yield self._finish()
 
     def cancel(self) -> None:
@@ -183,10 +185,8 @@ class _WindowsInFlight:
         import ray
 
         for _, ref in self.flying:
-            try:
+            if not isinstance(ref, PlannedJob):  # a task's (one already done ignores it)
                 ray.cancel(ref)
-            except Exception:  # noqa: BLE001 - a window planned on the driver (ray.put) or already done
-                pass
         self.flying.clear()
 
     def drain(self) -> Iterator[PlannedJob]:
@@ -202,7 +202,7 @@ class _WindowsInFlight:
         import ray
 
         k, ref = self.flying.popleft()
-        planned = ray.get(ref)
+        planned = ref if isinstance(ref, PlannedJob) else ray.get(ref)
         entries = planned.home_entries if planned.home_entries is not None else HomeEntries.empty()
         self.homes[k + 1] = self.homes[k].merged(entries)
         before = self.last
