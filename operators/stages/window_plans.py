@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from prefixflow.operators.stages.plan import PlannedJob, PlanOptions, plan_blocks
+from prefixflow.operators.stages.windows import END, POLL_S  # the feed's end of stream and wait step
 from prefixflow.pipeline.homes import HomeEntries, PrefixHomes, estimated_cache_blocks
 from prefixflow.pipeline.windows import WindowedPlan, continued_table, window_sizes
 
@@ -76,10 +77,6 @@ def plan_windows(ds: Any, window_rows: int, planners: int = 1, **options: Any) -
     finally:  # the last window taken, a failure, or the consumer done early (closed)
         reader.stop()
         flight.cancel()
-
-
-END = "end"  # _BundleReader.get: the dataset has no more bundles
-POLL_S = 0.05  # how often a window that finished planning is looked for while bundles are awaited
 
 
 class _BundleReader:

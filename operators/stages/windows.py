@@ -18,8 +18,8 @@ from typing import Any
 
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
 
-END = "end"  # poll(): the last window was handed out
-POLL_S = 0.05  # how often a waiting thread checks whether its window was taken, or to stop
+END = "end"  # the end of a stream handed over: poll() after the last window, window_plans' reader after the last bundle
+POLL_S = 0.05  # how often a thread waiting to hand over (or for a planned window) looks again, or to stop
 
 
 class WindowFeed:
