@@ -16,9 +16,11 @@ driver's index is bounded by replicas x capacity whatever the dataset's size.
 `find` looks a window's rows up block by block while they stay in the index
 (HashedPrompts.leading: where the hashes are, or through `gather` in chunks): each row's `hit`
 is the prefix, in whole blocks, that some replica holds, and `holders` which ones (the rows a
-prefix computed on every replica has are marked `everywhere`: no replica is better for them). multilevel.py places a unit on the
-replica where its rows' hits save the most, unless that replica would take more than its share
-(partition.py `_place_at_home`), and counts what the hits save in the plan's computed tokens.
+prefix computed on every replica has are marked `everywhere`: no replica is better for them).
+multilevel.py places a family of units (a document's chunks, a chain of turns; a family never
+joins units whose homes differ) whole on the replica where its rows' hits save the most, unless
+that replica would take more than its share (partition.py `_place_at_home`), and counts what
+the hits save in the plan's computed tokens.
 `entries` reads what a window's rows leave in the caches once its plan has run (their blocks on
 their replicas; where the window is planned, beside its hashes), and `merged` adds them to the
 homes in window order (the job's driver: operators/stages/window_plans.py); `after` is both.

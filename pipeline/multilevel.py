@@ -301,21 +301,35 @@ def merged_units(
     family = np.where(member, -1 - seg_id, unit_id)[new]
     starts = unit_start[new]
     if cut_cost is not None:
-        family = _costly_cuts(family, cut_cost[starts], cap)
+        homes = None if row_home is None else row_home[starts]
+        family = _costly_cuts(family, cut_cost[starts], cap, homes)
     return np.r_[starts, n].astype(np.int64), np.unique(family, return_inverse=True)[1].ravel()
 
 
-def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float) -> np.ndarray:
+def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float, homes: np.ndarray | None = None) -> np.ndarray:
     """Join a unit to the family before it when splitting them costs more than STICKY_CUT of a
     unit's cap: scattered, it would recompute what it shares with the unit before (a chat's
     history, when a job is so small that one chain spans several units). The cap is what the
     split buys (balance at that grain), so at cluster scale, where a unit holds thousands of
     prompts, only cuts below a system prompt happen and none is joined. Families stay contiguous
-    stretches of units, scanned as one (partition.py cuts inside one only to fill a replica)."""
-    new = (
-        np.r_[True, (family[1:] != family[:-1]) & (cost[1:] <= STICKY_CUT * cap)] if len(family) else np.zeros(0, bool)
-    )
-    return np.cumsum(new) - 1
+    stretches of units, scanned as one (partition.py cuts inside one only to fill a replica).
+    homes: [k] the replica holding each unit's prefix from earlier windows (-1: none): a unit
+    never joins a family whose home is another replica. A family has one home (_affinity), so
+    the join would send one of them away from the cache that holds its prefix, which costs more
+    than the cut: in a small window (a windowed job's first ones) every document's prefix costs
+    more than STICKY_CUT of the cap, and joined families of documents from different replicas
+    were most of what windows recomputed (bench/stream_bench.py)."""
+    joined = np.r_[False, (family[1:] == family[:-1]) | (cost[1:] > STICKY_CUT * cap)] if len(family) else family
+    out = np.zeros(len(family), dtype=np.int64)
+    current, current_home = 0, -1  # the family being built, and its home (-1: none yet)
+    for i in range(len(family)):
+        home = -1 if homes is None else int(homes[i])
+        elsewhere = family[i] != family[i - 1] and home >= 0 and current_home >= 0 and home != current_home
+        if i > 0 and (not joined[i] or elsewhere):
+            current, current_home = current + 1, -1
+        out[i] = current
+        current_home = home if current_home < 0 else current_home
+    return out
 
 
 def plan_multi_level(
@@ -490,7 +504,7 @@ def _affinity(
     home = np.where(by_family.max(axis=1) > 0, by_family.argmax(axis=1), -1)[family] if num_families else family
     by_unit = np.bincount(unit * num_replicas + rep, weights=weight, minlength=num_units * num_replicas)
     saving = by_unit.reshape(num_units, num_replicas)[np.arange(num_units), np.maximum(home, 0)]
-    return Affinity(home.astype(np.int64), np.where(home >= 0, saving, 0.0))
+    return Affinity(home.astype(np.int64), np.where(home >= 0, saving, 0.0), family)
 
 
 def _parts_in_replica_order(part: Partition, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -83,12 +83,14 @@ class Affinity:
     """What a job's earlier windows left on the replicas (pipeline/homes.py), for partition_runs.
 
     home: [num_runs] the replica whose cache holds a run's prefix, -1 for none; saving:
-    [num_runs] the compute seconds the run saves there. Each window is balanced on its own:
-    work stealing evens out at run time what a window's plan leaves.
+    [num_runs] the compute seconds the run saves there; family: [num_runs] runs placed at home
+    together (one home each; None: every run alone). Each window is balanced on its own: work
+    stealing evens out at run time what a window's plan leaves.
     """
 
     home: np.ndarray
     saving: np.ndarray
+    family: np.ndarray | None = None
 
 
 def partition_runs(
@@ -245,22 +247,39 @@ class _Filler:
 
 
 def _place_at_home(run_c: np.ndarray, run_m: np.ndarray, affinity: Affinity, num_replicas: int) -> np.ndarray:
-    """[num_runs] the replica each run is placed on before the scan, -1 for the scan's. Runs
-    with a home go there, the most saving per second of work first, while the replica's
-    compute (less the savings) and memory stay within its share of each: the balance is the
-    scan's to keep, so affinity takes only the room a fair share leaves."""
+    """[num_runs] the replica each run is placed on before the scan, -1 for the scan's. A
+    family (Affinity.family) with a home goes there whole, the most saving per second of work
+    first, while the replica's compute (less the savings) and memory stay within its share of
+    each; a family that does not fit sends there the runs that save something themselves, one
+    by one while they fit. Whole: its first run saves what it finds at home, the others what
+    the run before them left, so a family placed run by run would leave those behind. The
+    balance is the scan's to keep, so affinity takes only the room a fair share leaves."""
     home, saving = affinity.home, affinity.saving
-    placed = np.full(len(run_c), -1, dtype=np.int64)
+    family = np.arange(len(run_c)) if affinity.family is None else affinity.family
     homed = (home >= 0) & (saving > 0)
-    share_c = (float(run_c.sum()) - float(saving[homed].sum())) / num_replicas
-    share_m = float(run_m.sum()) / num_replicas
-    load_c, load_m = np.zeros(num_replicas), np.zeros(num_replicas)
-    for r in np.flatnonzero(homed)[np.argsort(-(saving / np.maximum(run_c, 1e-30))[homed], kind="stable")]:
-        h, c = int(home[r]), float(run_c[r] - saving[r])
-        if load_c[h] + c <= share_c * (1 + CUT_TOLERANCE) and load_m[h] + run_m[r] <= share_m * (1 + CUT_TOLERANCE):
-            placed[r] = h
-            load_c[h] += c
-            load_m[h] += run_m[r]
+    share = np.array([float(run_c.sum()) - float(saving[homed].sum()), float(run_m.sum())]) / num_replicas
+    load = np.zeros((num_replicas, 2))
+    placed = np.full(len(run_c), -1, dtype=np.int64)
+
+    def place(runs: np.ndarray, replica: int) -> bool:
+        cost = np.array([float((run_c[runs] - saving[runs] * homed[runs]).sum()), float(run_m[runs].sum())])
+        if np.any(load[replica] + cost > share * (1 + CUT_TOLERANCE)):
+            return False
+        placed[runs] = replica
+        load[replica] += cost
+        return True
+
+    fam_saving = np.bincount(family, weights=np.where(homed, saving, 0.0))
+    fam_work = np.bincount(family, weights=run_c)
+    runs_of = np.split(np.argsort(family, kind="stable"), np.cumsum(np.bincount(family))[:-1])
+    fam_home = np.full(len(fam_saving), -1, dtype=np.int64)
+    fam_home[family[homed]] = home[homed]  # a family's units share one home (multilevel._affinity)
+    candidates = np.flatnonzero(fam_saving > 0)
+    for f in candidates[np.argsort(-(fam_saving / np.maximum(fam_work, 1e-30))[candidates], kind="stable")]:
+        runs, h = runs_of[f], int(fam_home[f])
+        if not place(runs, h):
+            for r in runs[homed[runs]]:
+                place(np.array([r]), h)
     return placed
 
 

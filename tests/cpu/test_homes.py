@@ -125,6 +125,28 @@ def test_later_windows_go_where_their_documents_are_and_count_what_they_find_the
     assert simulated == pytest.approx(computed, rel=0.1)
 
 
+def test_documents_held_by_different_replicas_go_home_though_they_share_a_long_system_prompt():
+    """In a small window (a windowed job's first ones) a long system prompt costs more than a
+    unit's share, so a cut below it joins the documents' units into one family, which has one
+    home: a family must not join documents whose homes differ, or half of them leave the
+    replica that holds their prefix (multilevel._costly_cuts)."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 1000, 64).tolist()
+    docs = [system + rng.integers(0, 1000, 40).tolist() for _ in range(4)]
+    home_of = [0, 0, 1, 1]
+    homes = _ran(PrefixHomes.empty(2, 10_000), docs, home_of)  # an earlier window ran each document once
+    rows = [docs[d] + rng.integers(0, 1000, 6).tolist() for d in rng.permutation(np.repeat(np.arange(4), 3))]
+    doc_of = [next(d for d in range(4) if r[: len(docs[d])] == docs[d]) for r in rows]
+    plan = build_plan(_hashed(rows), num_replicas=2, min_prefix_len=BLOCK, stealing=True, homes=homes)
+    replica = np.zeros(len(rows), dtype=np.int64)
+    replica[plan.seq_index] = plan.table.column("replica").to_numpy()
+    assert [int(replica[i]) for i in range(len(rows))] == [home_of[d] for d in doc_of]
+    # What the rows find there is counted: on each replica the first row finds the system prompt
+    # and its document (104 tokens, whole blocks), the other document's first row that document
+    # past the system prompt; every other row shares its prefix with the row before it.
+    assert plan.summary["home_hit_tokens"] == 2 * (len(docs[0]) + 40)
+
+
 @given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=30), min_size=1, max_size=12), st.integers(1, 3))
 @settings(max_examples=60, deadline=None)
 def test_the_lookup_where_the_hashes_are_finds_what_the_walk_through_gather_finds(prompts, replicas):
