@@ -163,6 +163,33 @@ def test_the_lookup_where_the_hashes_are_finds_what_the_walk_through_gather_find
     )
 
 
+@given(
+    st.integers(0, 10_000),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.lists(st.integers(1, 40), min_size=2, max_size=5),
+)
+@settings(max_examples=40, deadline=None)
+def test_windows_with_homes_place_every_row_once_on_a_replica_of_the_job(seed, replicas, num_docs, window_sizes):
+    """Windows of documents under a shared system prompt (families joined by it, split by their
+    homes, placed home whole or run by run): each window's plan holds every row once, on
+    replicas of the job, and counts no more home hits than its rows' prompts hold."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 1000, int(rng.integers(0, 40))).tolist()
+    docs = [system + rng.integers(0, 1000, int(rng.integers(4, 60))).tolist() for _ in range(num_docs)]
+    homes = PrefixHomes.empty(replicas, int(rng.integers(1, 200)))
+    for size in window_sizes:
+        rows = [
+            docs[int(rng.integers(0, num_docs))] + rng.integers(0, 1000, int(rng.integers(0, 9))).tolist()
+            for _ in range(size)
+        ]
+        plan = build_plan(_hashed(rows), num_replicas=replicas, min_prefix_len=BLOCK, stealing=True, homes=homes)
+        assert sorted(plan.table.column("row_id").to_pylist()) == list(range(size))
+        assert set(plan.table.column("replica").to_pylist()) <= set(range(replicas))
+        assert 0 <= plan.summary["home_hit_tokens"] <= sum(len(r) - 1 for r in rows)
+        homes = homes_of(plan, homes)
+
+
 def test_the_homes_hold_every_whole_block_of_group_members_and_prompts_run_whole():
     doc = list(range(500, 524))  # 6 blocks
     window = [doc + [1] * 9, doc + [2] * 9, list(range(600, 625))]  # a group of two, and a prompt alone
