@@ -270,7 +270,8 @@ def merged_units(
     group (it costs more than cap) are chunks of one family: the partition sorts a family as
     one, so its chunks stay next to each other and a replica's chunks form one run.
     cut_cost: [n] seconds row i recomputes when the row before it runs elsewhere (what it
-    shares with it); units whose cut would cost that much stay in one family (_costly_cuts).
+    shares with it); units whose cut would cost that much stay in one family (_costly_cuts),
+    unless their homes differ.
     row_home: [n] the replica holding each row's prefix from earlier windows, -1 for none (rows
     in row_order): units whose first rows have different homes are not merged."""
     n = len(row_cost)
@@ -313,8 +314,9 @@ def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float, homes: np.nda
     split buys (balance at that grain), so at cluster scale, where a unit holds thousands of
     prompts, only cuts below a system prompt happen and none is joined. Families stay contiguous
     stretches of units, scanned as one (partition.py cuts inside one only to fill a replica).
-    homes: [k] the replica holding each unit's prefix from earlier windows (-1: none): a unit
-    never joins a family whose home is another replica. A family has one home (_affinity), so
+    homes: [k] a replica holding each unit's first row's prefix from earlier windows (the lowest
+    of them, HomeHits.first_home; -1: none): a unit never joins a family whose home is another
+    replica. A family has one home (_affinity), so
     the join would send one of them away from the cache that holds its prefix, which costs more
     than the cut: in a small window (a windowed job's first ones) every document's prefix costs
     more than STICKY_CUT of the cap, and joined families of documents from different replicas

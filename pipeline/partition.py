@@ -83,9 +83,10 @@ class Affinity:
     """What a job's earlier windows left on the replicas (pipeline/homes.py), for partition_runs.
 
     home: [num_runs] the replica whose cache holds a run's prefix, -1 for none; saving:
-    [num_runs] the compute seconds the run saves there; family: [num_runs] runs placed at home
-    together (one home each; None: every run alone). Each window is balanced on its own: work
-    stealing evens out at run time what a window's plan leaves.
+    [num_runs] the compute seconds the run saves there; family: [num_runs] ids (0 and up) of
+    runs that go home together, a family's runs with one home (None: every run alone). Each
+    window is balanced on its own: work stealing evens out at run time what a window's plan
+    leaves.
     """
 
     home: np.ndarray
@@ -118,9 +119,9 @@ def partition_runs(
     join_s: a piece predicted to take at most this long joins the replica of the neighbour it was
     cut from when that saves compute (`_join_small_pieces`); 0 (the default) for a partition that
     runs as it is; a unit's time when work stealing evens out that grain at run time.
-    affinity: what earlier windows left on the replicas: a run whose prefix a replica holds goes
-    there first while the replica stays within its share (`_place_at_home`); the scan fills
-    around them.
+    affinity: what earlier windows left on the replicas: a family of runs whose prefix a replica
+    holds goes there whole first while the replica stays within its share (`_place_at_home`);
+    the scan fills around them.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
@@ -250,36 +251,41 @@ def _place_at_home(run_c: np.ndarray, run_m: np.ndarray, affinity: Affinity, num
     """[num_runs] the replica each run is placed on before the scan, -1 for the scan's. A
     family (Affinity.family) with a home goes there whole, the most saving per second of work
     first, while the replica's compute (less the savings) and memory stay within its share of
-    each; a family that does not fit sends there the runs that save something themselves, one
-    by one while they fit. Whole: its first run saves what it finds at home, the others what
-    the run before them left, so a family placed run by run would leave those behind. The
-    balance is the scan's to keep, so affinity takes only the room a fair share leaves."""
+    each; of a family of several runs that does not fit, each run that saves something itself
+    and fits goes there. Whole: its first run saves what it finds at home, the others what the
+    run before them left, so a family placed run by run would leave those behind. The balance
+    is the scan's to keep, so affinity takes only the room a fair share leaves."""
     home, saving = affinity.home, affinity.saving
     family = np.arange(len(run_c)) if affinity.family is None else affinity.family
     homed = (home >= 0) & (saving > 0)
-    share = np.array([float(run_c.sum()) - float(saving[homed].sum()), float(run_m.sum())]) / num_replicas
-    load = np.zeros((num_replicas, 2))
+    net_c = run_c - np.where(homed, saving, 0.0)  # what a run computes at its home
+    limit_c = (float(run_c.sum()) - float(saving[homed].sum())) / num_replicas * (1 + CUT_TOLERANCE)
+    limit_m = float(run_m.sum()) / num_replicas * (1 + CUT_TOLERANCE)
+    load_c, load_m = [0.0] * num_replicas, [0.0] * num_replicas
     placed = np.full(len(run_c), -1, dtype=np.int64)
 
-    def place(runs: np.ndarray, replica: int) -> bool:
-        cost = np.array([float((run_c[runs] - saving[runs] * homed[runs]).sum()), float(run_m[runs].sum())])
-        if np.any(load[replica] + cost > share * (1 + CUT_TOLERANCE)):
-            return False
-        placed[runs] = replica
-        load[replica] += cost
-        return True
+    def place(runs: np.ndarray | int, replica: int, c: float, m: float) -> None:
+        if load_c[replica] + c <= limit_c and load_m[replica] + m <= limit_m:
+            placed[runs] = replica
+            load_c[replica] += c
+            load_m[replica] += m
 
     fam_saving = np.bincount(family, weights=np.where(homed, saving, 0.0))
-    fam_work = np.bincount(family, weights=run_c)
-    runs_of = np.split(np.argsort(family, kind="stable"), np.cumsum(np.bincount(family))[:-1])
+    fam_c, fam_m = np.bincount(family, weights=net_c), np.bincount(family, weights=run_m)
+    fam_size = np.bincount(family)
     fam_home = np.full(len(fam_saving), -1, dtype=np.int64)
-    fam_home[family[homed]] = home[homed]  # a family's units share one home (multilevel._affinity)
+    fam_home[family[homed]] = home[homed]
+    if np.any(fam_home[family[homed]] != home[homed]):
+        raise ValueError("Affinity: the runs of one family have one home (multilevel._affinity)")
+    runs_of = np.split(np.argsort(family, kind="stable"), np.cumsum(fam_size)[:-1])
     candidates = np.flatnonzero(fam_saving > 0)
-    for f in candidates[np.argsort(-(fam_saving / np.maximum(fam_work, 1e-30))[candidates], kind="stable")]:
-        runs, h = runs_of[f], int(fam_home[f])
-        if not place(runs, h):
-            for r in runs[homed[runs]]:
-                place(np.array([r]), h)
+    key = fam_saving / np.maximum(np.bincount(family, weights=run_c), 1e-30)
+    for f in candidates[np.argsort(-key[candidates], kind="stable")].tolist():
+        h = int(fam_home[f])
+        place(runs_of[f], h, float(fam_c[f]), float(fam_m[f]))
+        if placed[runs_of[f][0]] < 0 and fam_size[f] > 1:
+            for r in runs_of[f][homed[runs_of[f]]].tolist():
+                place(r, h, float(net_c[r]), float(run_m[r]))
     return placed
 
 
