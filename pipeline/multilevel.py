@@ -316,11 +316,11 @@ def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float, homes: np.nda
     stretches of units, scanned as one (partition.py cuts inside one only to fill a replica).
     homes: [k] a replica holding each unit's first row's prefix from earlier windows (the lowest
     of them, HomeHits.first_home; -1: none): a unit never joins a family whose home is another
-    replica. A family has one home (_affinity), so
-    the join would send one of them away from the cache that holds its prefix, which costs more
-    than the cut: in a small window (a windowed job's first ones) every document's prefix costs
-    more than STICKY_CUT of the cap, and joined families of documents from different replicas
-    were most of what windows recomputed (bench/stream_bench.py)."""
+    replica. A family has one home (_affinity), so the join would send one of them away from
+    the cache that holds its prefix, which costs more than the cut: in a small window (a
+    windowed job's first ones) every document's prefix costs more than STICKY_CUT of the cap,
+    and joined families of documents from different replicas were most of what windows
+    recomputed (bench/stream_bench.py)."""
     joined = np.r_[False, (family[1:] == family[:-1]) | (cost[1:] > STICKY_CUT * cap)] if len(family) else family
     out = np.zeros(len(family), dtype=np.int64)
     current, current_home = 0, -1  # the family being built, and its home (-1: none yet)

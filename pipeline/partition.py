@@ -264,11 +264,13 @@ def _place_at_home(run_c: np.ndarray, run_m: np.ndarray, affinity: Affinity, num
     load_c, load_m = [0.0] * num_replicas, [0.0] * num_replicas
     placed = np.full(len(run_c), -1, dtype=np.int64)
 
-    def place(runs: np.ndarray | int, replica: int, c: float, m: float) -> None:
-        if load_c[replica] + c <= limit_c and load_m[replica] + m <= limit_m:
-            placed[runs] = replica
-            load_c[replica] += c
-            load_m[replica] += m
+    def place(runs: np.ndarray | int, replica: int, c: float, m: float) -> bool:
+        if load_c[replica] + c > limit_c or load_m[replica] + m > limit_m:
+            return False
+        placed[runs] = replica
+        load_c[replica] += c
+        load_m[replica] += m
+        return True
 
     fam_saving = np.bincount(family, weights=np.where(homed, saving, 0.0))
     fam_c, fam_m = np.bincount(family, weights=net_c), np.bincount(family, weights=run_m)
@@ -282,8 +284,7 @@ def _place_at_home(run_c: np.ndarray, run_m: np.ndarray, affinity: Affinity, num
     key = fam_saving / np.maximum(np.bincount(family, weights=run_c), 1e-30)
     for f in candidates[np.argsort(-key[candidates], kind="stable")].tolist():
         h = int(fam_home[f])
-        place(runs_of[f], h, float(fam_c[f]), float(fam_m[f]))
-        if placed[runs_of[f][0]] < 0 and fam_size[f] > 1:
+        if not place(runs_of[f], h, float(fam_c[f]), float(fam_m[f])) and fam_size[f] > 1:
             for r in runs_of[f][homed[runs_of[f]]].tolist():
                 place(r, h, float(net_c[r]), float(run_m[r]))
     return placed

@@ -2,11 +2,12 @@
 
 A job of any size is read, tokenized and planned a window of rows at a time (operators/stages/
 window_plans.plan_windows: each window planned by a Ray task), each window a Plan of its own
-(plan.build_plan), dispatched while the next is read. The first windows are small, so that the engines get work within seconds; later ones grow
-to the cap. What the windows cost: two rows that share a prefix but fall into different windows
-are grouped apart, so the prefix is computed once per window it appears in (and per replica) where
-one global plan computes it once, unless the replica that runs the later window's rows still holds
-it in its prefix cache (bench/stream_bench.py measures both bounds).
+(plan.build_plan), dispatched while the next is read. The first windows are small, so that the
+engines get work within seconds; later ones grow to the cap. What the windows cost: two rows
+that share a prefix but fall into different windows are grouped apart, so the prefix is computed
+once per window it appears in (and per replica) where one global plan computes it once, unless
+the replica that runs the later window's rows still holds it in its prefix cache
+(bench/stream_bench.py measures both bounds).
 
 `WindowedPlan` is what the report and the plot read of such a job: the windows' summaries
 summed, the rows of every group, and (where asked: `prefixflow plan`, a dry run) the windows'

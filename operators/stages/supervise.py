@@ -76,8 +76,9 @@ class Supervisor:
     windows: the job's later windows (operators/stages/window_plans.plan_windows; `planned` is the
         first), taken on a thread (operators/stages/windows.py) while the engines run the windows
         before; each is queued once fewer units than half the last window's are left unstarted
-        (so that one window is ready ahead of those queued, whatever the job's size). on_window(window) hears each
-        before its units are queued (a resume checks it is the window the first run planned).
+        (so that one window is ready ahead of those queued, whatever the job's size).
+        on_window(window) hears each before its units are queued (a resume checks it is the
+        window the first run planned).
     """
 
     def __init__(
