@@ -71,3 +71,19 @@ def test_units_partition_the_plan(prompts, replicas):
         assert len(set(replica[lo:hi].tolist())) == 1  # a unit never spans replicas
     got = sorted(int(r) for k in range(replicas) for u in plan.units(k) for r in u.row_ids)
     assert got == list(range(len(prompts)))
+
+
+@pytest.mark.parametrize("order", ["fcfs", "batchllm"])
+def test_parts_of_a_row_each_join_into_units_of_a_replicas_share(order):
+    """Rows that share nothing are parts of one row each (a windowed plan's documents whose
+    prefixes live on different replicas are too): they join into units of about a replica's share
+    / UNITS_PER_REPLICA, so that an engine takes tens of units from the work queue, not one per
+    row (each take a round trip)."""
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, 30_000, size=int(rng.integers(20, 200)))) for _ in range(3000)]
+    plan = build_plan(prompts, order=order, num_replicas=2, min_prefix_len=16)
+    assert UNITS_PER_REPLICA <= plan.num_units <= 2 * 2 * UNITS_PER_REPLICA + 2
+    cap = plan.unit_seconds.sum() / (2 * UNITS_PER_REPLICA)
+    assert plan.unit_seconds.max() <= 2 * cap
+    rows = [int(r) for k in range(2) for u in plan.units(k) for r in u.row_ids]
+    assert sorted(rows) == list(range(3000))
