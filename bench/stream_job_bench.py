@@ -129,13 +129,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
 
     from prefixflow.jobs.demo import demo_checkpoint
+    from prefixflow.jobs.run import LOCAL_CLUSTER_SYSTEM_CONFIG
     from prefixflow.model_source import resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="pf_stream_job_bench_"))
     model = resolve_model(args.model) if args.model else demo_checkpoint(work)
     # One slot per engine and two for the read, tokenize and write tasks (a windowed job
-    # tokenizes the next window while the engines run).
-    ray.init(num_cpus=args.replicas + 2, include_dashboard=False, log_to_driver=False)
+    # tokenizes the next window while the engines run), and the settings of the local cluster
+    # that `prefixflow run` starts (idle workers kept: jobs/run.py).
+    ray.init(
+        num_cpus=args.replicas + 2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config=LOCAL_CLUSTER_SYSTEM_CONFIG,
+    )
     ray.data.DataContext.get_current().enable_progress_bars = False
     result: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "replicas": args.replicas}
     result["max_tokens"], result["sizes"] = args.max_tokens, {}

@@ -60,6 +60,15 @@ from prefixflow.storage import join
 DRY_RUN_WINDOWS = 5
 
 
+# The local cluster a run starts keeps an idle worker process for a minute (Ray's default: one
+# second beyond as many idle workers as there are free CPUs). A job's engines hold most of the
+# CPUs, so at one second every burst of small tasks (a window's gathers, the units' payloads)
+# started its workers anew, each importing Ray Data and pyarrow again: a windowed job of 20,000
+# rows on 2 cores started 47 workers and took 64 s; keeping them, 14 and 38 s
+# (bench/stream_job_bench.py, which starts its cluster with these settings too).
+LOCAL_CLUSTER_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 60_000}
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at `address` or RAY_ADDRESS, else start a local one for this run;
     say which on stderr. Nothing to do when Ray is already initialized (tests, notebooks)."""
@@ -73,7 +82,9 @@ def ensure_ray(address: str | None = None) -> None:
     else:
         # "local": a new cluster, even where another one runs on this machine (plain
         # ray.init() would join that one); without the dashboard it starts quicker.
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        ray.init(
+            address="local", include_dashboard=False, log_to_driver=True, _system_config=LOCAL_CLUSTER_SYSTEM_CONFIG
+        )
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
     gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
