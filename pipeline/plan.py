@@ -321,7 +321,8 @@ def _unit_parts(parts: np.ndarray, part_replica: np.ndarray, cum: np.ndarray, ca
     bucket = np.floor((cum[lo] - cum[replica_start]) / cap).astype(np.int64)
     joins = first | np.r_[True, bucket[1:] != bucket[:-1]]
     joined_start = np.maximum.accumulate(np.where(joins, lo, 0))
-    return lo[joins | (cum[hi] - cum[joined_start] > cap)]
+    starts: np.ndarray = lo[joins | (cum[hi] - cum[joined_start] > cap)]
+    return starts
 
 
 def _single_level(
