@@ -44,6 +44,13 @@ ERRORS_ITEM = -1
 PROGRESS_EVERY_S = 0.5  # how often a running replica reports its counters (live progress line)
 REPORT_EVERY_S = 0.5  # how often an engine tells the work queue of its outputs (its pace)
 WAIT_RETRY_S = 0.25  # how long an engine told to WAIT goes on with what it holds before asking again
+# A job's engine commits its first part of each plan replica at this share of rows_per_chunk, so
+# that the job's first results are on storage within seconds of its first row (a window of a
+# windowed job holds a few hundred rows per replica at first: at 1,000 rows a part, the first
+# part waited for the third window), as the windows start small (pipeline/windows.py); never
+# under FIRST_PART_MIN_ROWS rows (a part of a few rows buys nothing).
+FIRST_PART_SHARE = 8
+FIRST_PART_MIN_ROWS = 16
 
 
 class GeneratingEngine(Protocol):
@@ -203,17 +210,24 @@ class ReplicaRunner:
         yield from self.run_units(replica, [one_unit(replica, groups, rows, row_ids)])
 
     def run_units(
-        self, replica: int, feed: Iterable[UnitPayload | None], ran: Callable[[int], None] | None = None
+        self,
+        replica: int,
+        feed: Iterable[UnitPayload | None],
+        ran: Callable[[int], None] | None = None,
+        first_rows: int | None = None,
     ) -> Iterator[pa.Table]:
         """Output chunks (config.rows_per_chunk rows, each of one plan replica, so that a part
         keeps its plan name) of the units `feed` yields, taken as the engine has room; `ran`
-        hears each row id as its output comes (UnitFeed.ran)."""
+        hears each row id as its output comes (UnitFeed.ran); first_rows: the rows of each plan
+        replica's first chunk, where fewer (FIRST_PART_SHARE)."""
         started = time.time()
         self.record = None
         book = _Book(self.config)
         engine = self.load(replica)
         loaded = time.time()
         pending: dict[int, list[Any]] = {}  # plan replica -> finished outputs not yet in a chunk
+        chunked: set[int] = set()  # plan replicas that had a chunk in this run
+        first = min(first_rows or self.config.rows_per_chunk, self.config.rows_per_chunk)
         beat = Heartbeat(engine, replica, loaded, self.report) if self.report is not None else None
         try:
             for out in engine_outputs(engine, self.config, book, feed):
@@ -222,10 +236,12 @@ class ReplicaRunner:
                     beat.finished(out)
                 if ran is not None:
                     ran(out.row_id)
-                outs = pending.setdefault(book.plan_replica(out.row_id), [])
+                plan_replica = book.plan_replica(out.row_id)
+                outs = pending.setdefault(plan_replica, [])
                 outs.append(out)
-                if len(outs) >= self.config.rows_per_chunk:
-                    yield book.chunk(pending.pop(book.plan_replica(out.row_id)), replica)
+                if len(outs) >= (self.config.rows_per_chunk if plan_replica in chunked else first):
+                    chunked.add(plan_replica)
+                    yield book.chunk(pending.pop(plan_replica), replica)
         finally:
             if beat is not None:
                 beat.stop()
@@ -535,7 +551,9 @@ class ReplicaGenerator:
     def _chunks(self, replica: int, feed: UnitFeed) -> Iterator[pa.Table]:
         import ray
 
-        yield from self.runner.run_units(replica, feed, feed.ran)
+        per_chunk = self.config.rows_per_chunk
+        first_rows = max(per_chunk // FIRST_PART_SHARE, min(per_chunk, FIRST_PART_MIN_ROWS))
+        yield from self.runner.run_units(replica, feed, feed.ran, first_rows)
         if self.runner.record is not None:
             record = {
                 **self.runner.record,

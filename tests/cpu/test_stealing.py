@@ -47,6 +47,29 @@ def _run(model, units: list[UnitPayload], replica: int) -> tuple[ReplicaRunner, 
     return runner, pa.concat_tables(chunks, promote_options="permissive")
 
 
+def test_each_plan_replicas_first_chunk_is_first_rows_then_rows_per_chunk(tiny_model, planned):
+    """A job's engine commits a small first part per plan replica (FIRST_PART_SHARE), so that the
+    first results are on storage within seconds; the later chunks are rows_per_chunk rows."""
+    plan, payloads = planned
+    own = [payloads[u.unit_id] for u in plan.units(0)]
+    stolen = [payloads[u.unit_id] for u in plan.units(1)][-1]
+    config = ProcessorConfig(
+        model=str(tiny_model),
+        sampling={"temperature": 0, "max_tokens": 2},
+        engine={"device": "cpu", "kv_cache_bytes": 16 << 20, "block_size": 16},
+        rows_per_chunk=3,
+    )
+    chunks = list(ReplicaRunner(config).run_units(0, own + [stolen], first_rows=1))
+    sizes: dict[int, list[int]] = {}
+    for chunk in chunks:
+        (replica,) = set(chunk.column(PLAN_REPLICA).to_pylist())
+        sizes.setdefault(replica, []).append(chunk.num_rows)
+    assert sorted(sizes) == [0, 1]
+    for replica, rows in sizes.items():
+        assert rows[0] == 1 and all(n == 3 for n in rows[1:-1]) and 1 <= rows[-1] <= 3, (replica, rows)
+    assert sum(c.num_rows for c in chunks) == sum(len(p.unit.row_ids) for p in own + [stolen])
+
+
 def test_a_stolen_unit_runs_whole_on_the_thief_with_its_prefix_computed_once(tiny_model, planned):
     plan, payloads = planned
     own = [payloads[u.unit_id] for u in plan.units(0)]
