@@ -60,13 +60,15 @@ from prefixflow.storage import join
 DRY_RUN_WINDOWS = 5
 
 
-# The local cluster a run starts keeps an idle worker process for a minute (Ray's default: one
+# The local cluster a run starts keeps an idle worker process for 10 s (Ray's default: one
 # second beyond as many idle workers as there are free CPUs). A job's engines hold most of the
 # CPUs, so at one second every burst of small tasks (a window's gathers, the units' payloads)
-# started its workers anew, each importing Ray Data and pyarrow again: a windowed job of 20,000
-# rows on 2 cores started 47 workers and took 64 s; keeping them, 14 and 38 s
-# (bench/stream_job_bench.py, which starts its cluster with these settings too).
-LOCAL_CLUSTER_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 60_000}
+# started its workers anew, each importing Ray Data and pyarrow: a windowed job of 20,000 rows
+# on 2 cores started 49 workers and took 63 s, 126 CPU-s; at 10 s, 15 and 36 s, 77 CPU-s; at
+# 60 s no fewer starts and more CPU (idle workers poll: about 1% of a core each), which showed
+# on Ray's multi-node test cluster (test_multinode's node-lost test: 148 CPU-s at 1 s, 150 at
+# 10 s, 165 at 60 s). bench/stream_job_bench.py starts its cluster with these settings too.
+LOCAL_CLUSTER_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 10_000}
 
 
 def ensure_ray(address: str | None = None) -> None:
