@@ -35,6 +35,7 @@ class FaultProxy:
         self.fail_every, self.delay_every, self.delay_s, self.puts_ok = fail_every, delay_every, delay_s, puts_ok
         self.lock = threading.Lock()
         self.requests = self.failed = self.delayed = self.puts = 0
+        self.in_flight = self.max_in_flight = 0  # requests being answered at once (the most seen)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,6 +68,16 @@ class FaultProxy:
             return fail, delay
 
     def handle(self, req: BaseHTTPRequestHandler) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            self._answer(req)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def _answer(self, req: BaseHTTPRequestHandler) -> None:
         body = req.rfile.read(int(req.headers.get("Content-Length") or 0))
         fail, delay = self._decide(req.command)
         if fail:

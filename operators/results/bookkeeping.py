@@ -17,7 +17,8 @@ import json
 import math
 import os
 import re
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from prefixflow.errors import short
 from prefixflow.storage import is_local, local_path, masked
@@ -91,18 +92,74 @@ def read_bookkeeping(fs: Any, path: str, fields: dict[str, Kind], name: str | No
     each of `fields` checked; None when there is no such file. Damaged, naming the file (as
     `name`, default its base name), for a symbolic link, a folder, bytes that are not JSON, or
     an object without a field of its type: never an AttributeError or a traceback later."""
-    name = name or basename(path)
-    if is_local(path) and os.path.islink(local_path(path)):
-        raise Damaged(
-            f"{name} is a symbolic link (to {os.readlink(local_path(path))!r}), which "
-            "prefixflow never follows in an output folder"
-        )
-    try:
-        value = json.loads(fs.cat_file(path))
-    except FileNotFoundError:
+    value = read_bookkeeping_files(fs, [path], fields, [name or basename(path)])[0]
+    if isinstance(value, Damaged):
+        raise value
+    return value
+
+
+def read_bookkeeping_files(
+    fs: Any, paths: list[str], fields: dict[str, Kind], names: list[str]
+) -> list[dict[str, Any] | None | Damaged]:
+    """read_bookkeeping of each of `paths` (named `names`), a Damaged in the place of a damaged
+    file. The files are fetched at once, concurrently on object storage: a resume of a job of
+    thousands of parts reads thousands of commit records, one round trip each when read in turn."""
+    # A symbolic link is never read (refuse_links says why).
+    links = {p: os.readlink(local_path(p)) for p in paths if is_local(p) and os.path.islink(local_path(p))}
+    fetched = iter(_cat_files(fs, [p for p in paths if p not in links]))
+    values: list[dict[str, Any] | None | Damaged] = []
+    for path, name in zip(paths, names):
+        try:
+            if path in links:
+                raise Damaged(
+                    f"{name} is a symbolic link (to {links[path]!r}), which prefixflow never "
+                    "follows in an output folder"
+                )
+            values.append(_parse_bookkeeping(next(fetched), fields, name))
+        except Damaged as e:
+            values.append(e)
+    return values
+
+
+FETCH_THREADS = 16  # object storage requests at once (s3fs runs them on one event loop)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def io_map(fn: Callable[[T], R], items: list[T], local: bool) -> list[R]:
+    """`fn` of each item, in order: in turn on the local disk, FETCH_THREADS at once on object
+    storage, where each request waits a round trip (a resume reads every commit record)."""
+    if local or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(len(items), FETCH_THREADS)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _cat_files(fs: Any, paths: list[str]) -> list[bytes | Exception]:
+    """The bytes of each of `paths` (or the exception reading it raised), in order."""
+
+    def cat(path: str) -> bytes | Exception:
+        try:
+            data: bytes = fs.cat_file(path)
+            return data
+        except Exception as e:  # noqa: BLE001 - each file's failure is told apart by the caller
+            return e
+
+    return io_map(cat, paths, all(is_local(p) for p in paths))
+
+
+def _parse_bookkeeping(raw: bytes | Exception, fields: dict[str, Kind], name: str) -> dict[str, Any] | None:
+    """What read_bookkeeping says of a file that read as `raw` (its bytes, or the exception
+    reading it raised)."""
+    if isinstance(raw, FileNotFoundError):
         return None
-    except (IsADirectoryError, NotADirectoryError):
-        raise Damaged(f"{name} is a folder, not a file prefixflow wrote") from None
+    if isinstance(raw, (IsADirectoryError, NotADirectoryError)):
+        raise Damaged(f"{name} is a folder, not a file prefixflow wrote")
+    if isinstance(raw, Exception):  # the storage's own error, as a read in turn would raise it
+        raise raw
+    try:
+        value = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise Damaged(f"{name} is not valid JSON ({e})") from None
     if not isinstance(value, dict):

@@ -69,7 +69,9 @@ from prefixflow.operators.results.bookkeeping import (
     Damaged,
     basename,
     check_fields,
+    io_map,
     read_bookkeeping,
+    read_bookkeeping_files,
     refuse_links,
 )
 from prefixflow.operators.results.part_rows import holds_rows
@@ -237,7 +239,8 @@ def load_committed(out: str, storage: StorageOptions, clean: bool = True, verify
     sizes = {basename(e["name"]): int(e["size"]) for e in fs.ls(out, detail=True) if e["type"] == "file"}
     kept = [r for r in records if sizes.get(r["part"], -1) == r.get("bytes", sizes.get(r["part"]))]
     if verify:
-        kept = [r for r in kept if _content_matches(fs, out, r)]
+        matches = io_map(lambda r: _content_matches(fs, out, r), kept, is_local(out))
+        kept = [r for r, ok in zip(kept, matches) if ok]
     names = {r["part"] for r in kept}
     removed = []
     for part in [*(r["part"] for r in records if r["part"] not in names), *unreadable] if clean else []:
@@ -267,21 +270,26 @@ def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
     unreadable: list[str] = []
     if not fs.exists(records_dir):
         return records, unreadable
+    paths = []
     for p in sorted(fs.ls(records_dir, detail=False)):
         name = basename(p)
         if not (name.startswith("part-") and name.endswith(".json")):
             continue
-        part = name.removesuffix(".json")
-        if not PART_NAME.match(part):
+        if not PART_NAME.match(name.removesuffix(".json")):
             raise ValueError(
                 f"output.path={masked(out)!r}: {COMMITS}/{name} is not a commit "
                 "record this job writes (a part name with a path or odd characters "
                 "in it); the folder was changed by hand: rerun into a new path"
             )
+        paths.append(p)
+    names = [f"{COMMITS}/{basename(p)}" for p in paths]
+    for name, record in zip(names, read_bookkeeping_files(fs, paths, {}, names)):
+        part = basename(name).removesuffix(".json")
         try:
-            record = read_bookkeeping(fs, p, {}, f"{COMMITS}/{name}")
+            if isinstance(record, Damaged):
+                raise record
             if record is not None and record.get("part") == part:
-                check_fields(record, RECORD_FIELDS, f"{COMMITS}/{name}")
+                check_fields(record, RECORD_FIELDS, name)
         except Damaged as e:
             _log.warning("%s: %s: its part's rows run again", masked(out), e)
             unreadable.append(part)
@@ -290,7 +298,7 @@ def _read_records(out: str, fs: Any) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         if record.get("part") != part:
             raise ValueError(
-                f"output.path={masked(out)!r}: {COMMITS}/{name} names part "
+                f"output.path={masked(out)!r}: {name} names part "
                 f"{short(record.get('part'))}, not {part!r}; the commit records "
                 "were changed by hand: rerun into a new path"
             )

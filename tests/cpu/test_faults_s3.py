@@ -7,6 +7,7 @@ once. Each job runs as its own driver process (the `start_driver` fixture), as u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -16,7 +17,8 @@ import yaml
 
 from prefixflow.bench.fault_proxy import FaultProxy
 from prefixflow.jobs.demo import demo_rows
-from prefixflow.operators.results.write import read_output
+from prefixflow.operators.results.commit import load_committed
+from prefixflow.operators.results.write import WriteOptions, read_output, write_part
 from prefixflow.storage import StorageOptions
 from support.s3 import s3_bucket
 
@@ -155,3 +157,36 @@ def test_persistent_s3_failure_fails_clearly_and_resumes(start_driver, tiny_mode
 
 def read_output_part(fs, path: str) -> list[dict]:
     return [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line]
+
+
+def test_commit_records_and_parts_are_read_at_once_on_object_storage(bucket):
+    """A resume (and a job's end) reads every commit record, and with verify every part: on
+    object storage, requests at once, not one round trip after another (a job of thousands of
+    parts would wait minutes). What is read is the same."""
+    out = "s3://pf-faults/many/out"
+    opts = WriteOptions(path=out, format="jsonl", storage=bucket)
+    for k in range(0, 48, 2):
+        n = 2
+        write_part(
+            pa.table(
+                {
+                    "row_id": [k, k + 1],
+                    "replica": [0] * n,
+                    "_pf_rank": [k, k + 1],
+                    "error": pa.nulls(n, pa.string()),
+                    "num_input_tokens": [3] * n,
+                    "_pf_computed": [3.0] * n,
+                    "num_generated_tokens": [1] * n,
+                    "generated_text": ["x"] * n,
+                }
+            ),
+            opts,
+        )
+    proxy = FaultProxy(bucket.endpoint_url, delay_every=1, delay_s=0.05)
+    try:
+        committed = load_committed(out, dataclasses.replace(bucket, endpoint_url=proxy.endpoint), verify=True)
+    finally:
+        proxy.close()
+    assert committed.row_ids.tolist() == list(range(48)) and len(committed.manifests) == 24
+    assert committed.removed == []
+    assert proxy.max_in_flight > 1, proxy.max_in_flight
