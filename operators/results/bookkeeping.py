@@ -105,8 +105,9 @@ def read_bookkeeping_files(
     file. The files are fetched at once, concurrently on object storage: a resume of a job of
     thousands of parts reads thousands of commit records, one round trip each when read in turn."""
     # A symbolic link is never read (refuse_links says why).
-    links = {p: os.readlink(local_path(p)) for p in paths if is_local(p) and os.path.islink(local_path(p))}
-    fetched = iter(_cat_files(fs, [p for p in paths if p not in links]))
+    local = on_local_disk(fs)
+    links = {p: os.readlink(local_path(p)) for p in paths if local and os.path.islink(local_path(p))}
+    fetched = iter(_cat_files(fs, [p for p in paths if p not in links], local))
     values: list[dict[str, Any] | None | Damaged] = []
     for path, name in zip(paths, names):
         try:
@@ -136,7 +137,14 @@ def io_map(fn: Callable[[T], R], items: list[T], local: bool) -> list[R]:
         return list(pool.map(fn, items))
 
 
-def _cat_files(fs: Any, paths: list[str]) -> list[bytes | Exception]:
+def on_local_disk(fs: Any) -> bool:
+    """Whether `fs` is the local disk's (the paths an fsspec listing gives carry no scheme, so a
+    path alone cannot tell)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocols
+
+
+def _cat_files(fs: Any, paths: list[str], local: bool) -> list[bytes | Exception]:
     """The bytes of each of `paths` (or the exception reading it raised), in order."""
 
     def cat(path: str) -> bytes | Exception:
@@ -146,7 +154,7 @@ def _cat_files(fs: Any, paths: list[str]) -> list[bytes | Exception]:
         except Exception as e:  # noqa: BLE001 - each file's failure is told apart by the caller
             return e
 
-    return io_map(cat, paths, all(is_local(p) for p in paths))
+    return io_map(cat, paths, local)
 
 
 def _parse_bookkeeping(raw: bytes | Exception, fields: dict[str, Kind], name: str) -> dict[str, Any] | None:
