@@ -33,6 +33,7 @@ from prefixflow.operators.results.bookkeeping import (
     PART_NAME,
     TMP_PREFIX,
     basename,
+    io_map,
     is_own,
     refuse_links,
 )
@@ -225,9 +226,10 @@ def _delete_own_files(out: str, fs: Any, own: list[str]) -> None:
 def clear_end_markers(opts: WriteOptions) -> None:
     """Before a resume writes: the old `_SUCCESS` and summaries no longer describe the output."""
     fs = opts.storage.filesystem(opts.path)
-    for name in END_FILES:
-        if fs.exists(join(opts.path, name)):
-            fs.rm(join(opts.path, name))
+    paths = [join(opts.path, name) for name in END_FILES]  # _SUCCESS first
+    there = [p for p, found in zip(paths, io_map(fs.exists, paths, is_local(opts.path))) if found]
+    if there:
+        fs.rm(there)  # one request on an object store
 
 
 def write_json(path: str, value: Any, storage: StorageOptions) -> None:
