@@ -50,7 +50,7 @@ from prefixflow.operators.results.write import (
 from prefixflow.operators.stages.plan import PlannedJob
 from prefixflow.operators.stages.window_plans import joined_windows, window_summary
 from prefixflow.operators.results.table_commit import commit_to_table, job_id
-from prefixflow.operators.stages.read import input_files, read_dataset
+from prefixflow.operators.stages.read import estimated_rows, input_files, read_dataset
 from prefixflow.operators.stages.read_table import pinned
 from prefixflow.operators.stages.supervise import Supervisor, check_window_resources, start_engines, stop_engines
 from prefixflow.storage import join
@@ -69,6 +69,14 @@ DRY_RUN_WINDOWS = 5
 # on Ray's multi-node test cluster (test_multinode's node-lost test: 148 CPU-s at 1 s, 150 at
 # 10 s, 165 at 60 s). bench/stream_job_bench.py starts its cluster with these settings too.
 LOCAL_CLUSTER_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 10_000}
+
+# A job whose spec leaves window_rows unset is planned whole up to AUTO_WINDOW_ABOVE rows, in
+# windows of AUTO_WINDOW_ROWS above (sized_windows). One plan holds about 250 bytes a row on the
+# driver while it plans (25 GB for 100M rows) and keeps every engine waiting for all of it;
+# windows of 1M rows planned 100M prompts in 1.5 GiB (bench/plan_bench --stream) for a few
+# percent more prompt tokens (bench/stream_bench).
+AUTO_WINDOW_ABOVE = 4_000_000
+AUTO_WINDOW_ROWS = 1_000_000
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -104,7 +112,7 @@ def run_job(
     """Run (or only plan, with dry_run) a validated job; returns the metrics dict."""
     started = time.perf_counter()
     preflight(spec, source, address)
-    job = pin_table(spec.to_job(), quiet)
+    job = sized_windows(pin_table(spec.to_job(), quiet), quiet)
     wopts = job.write
     ensure_ray(address)
     lock = None
@@ -206,6 +214,29 @@ def pin_table(job: Job, quiet: bool = True) -> Job:
     if not quiet:
         print(f"input: {table.name} at version {table.version}", file=sys.stderr, flush=True)
     return dataclasses.replace(job, read=dataclasses.replace(job.read, table=table))
+
+
+def sized_windows(job: Job, quiet: bool = True) -> Job:
+    """The job planned in windows of AUTO_WINDOW_ROWS where its spec leaves window_rows unset
+    and its input holds more than AUTO_WINDOW_ABOVE rows (read.estimated_rows: decided by the
+    input alone, so that a resume decides alike); otherwise the job as it is."""
+    if job.config.window_rows is not None:
+        return job
+    try:
+        rows = estimated_rows(job.read)
+    except (OSError, ValueError):  # an input that cannot be read: the read says why, by name
+        rows = None
+    if rows is None or rows <= AUTO_WINDOW_ABOVE:
+        return job
+    if not quiet:
+        print(
+            f"plan: about {rows:,} input rows: planned in windows of {AUTO_WINDOW_ROWS:,} rows "
+            f"(window_rows unset; above {AUTO_WINDOW_ABOVE:,} rows one plan would keep every engine "
+            "waiting for all of it: set window_rows to choose)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return dataclasses.replace(job, config=dataclasses.replace(job.config, window_rows=AUTO_WINDOW_ROWS))
 
 
 def _generate(

@@ -244,7 +244,8 @@ class ProcessorConfig:
     window_rows: plan the job in windows of this many rows (the first ones smaller), each
         dispatched to the engines while the next is read and planned (pipeline/windows.py);
         None: the whole job is read and planned before any row runs (one global plan, which
-        shares every prefix, at the cost of the engines waiting for it).
+        shares every prefix, at the cost of the engines waiting for it). A job spec that leaves
+        it unset gets windows above 4,000,000 input rows (jobs/run.py sized_windows).
     window_planners: with window_rows, how many windows are planned at once, each by a Ray task
         on any node (operators/stages/window_plans.py), so that planning keeps up with a large
         cluster; a window's plan then sees the prefix homes of the windows up to this many before

@@ -30,9 +30,10 @@ import json
 import os
 import posixpath
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from prefixflow.errors import FieldProblem, invalid, require
 from prefixflow.retry import RetryPolicy
@@ -407,6 +408,29 @@ def same_filesystem(paths: list[str]) -> bool:
         return (protocol(p) or "", authority.split("@", 1)[1] if "@" in authority else "")
 
     return len({key(p) for p in paths}) <= 1
+
+
+FETCH_THREADS = 16  # object storage requests at once (s3fs runs them on one event loop)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def io_map(fn: Callable[[T], R], items: list[T], local: bool) -> list[R]:
+    """`fn` of each item, in order: in turn on the local disk, FETCH_THREADS at once on object
+    storage, where each request waits a round trip (a resume reads every commit record, a job
+    every parquet footer)."""
+    if local or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(len(items), FETCH_THREADS)) as pool:
+        return list(pool.map(fn, items))
+
+
+def on_local_disk(fs: Any) -> bool:
+    """Whether `fs` is the local disk's (the paths an fsspec listing gives carry no scheme, so a
+    path alone cannot tell)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocols
 
 
 def join(base: str, *parts: str) -> str:

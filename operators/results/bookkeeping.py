@@ -17,11 +17,10 @@ import json
 import math
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from prefixflow.errors import short
-from prefixflow.storage import is_local, local_path, masked
+from prefixflow.storage import io_map, is_local, local_path, masked, on_local_disk
 
 COMMITS = "_commits"
 JOB_FILE = "_job.json"
@@ -120,28 +119,6 @@ def read_bookkeeping_files(
         except Damaged as e:
             values.append(e)
     return values
-
-
-FETCH_THREADS = 16  # object storage requests at once (s3fs runs them on one event loop)
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def io_map(fn: Callable[[T], R], items: list[T], local: bool) -> list[R]:
-    """`fn` of each item, in order: in turn on the local disk, FETCH_THREADS at once on object
-    storage, where each request waits a round trip (a resume reads every commit record)."""
-    if local or len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(len(items), FETCH_THREADS)) as pool:
-        return list(pool.map(fn, items))
-
-
-def on_local_disk(fs: Any) -> bool:
-    """Whether `fs` is the local disk's (the paths an fsspec listing gives carry no scheme, so a
-    path alone cannot tell)."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "file" in protocols
 
 
 def _cat_files(fs: Any, paths: list[str], local: bool) -> list[bytes | Exception]:

@@ -69,14 +69,24 @@ from prefixflow.operators.results.bookkeeping import (
     Damaged,
     basename,
     check_fields,
-    io_map,
     read_bookkeeping,
     read_bookkeeping_files,
     refuse_links,
 )
 from prefixflow.operators.results.part_rows import holds_rows
 from prefixflow.retry import with_retries
-from prefixflow.storage import HTTP, StorageOptions, is_local, is_s3, join, local_path, masked, protocol, strip_scheme
+from prefixflow.storage import (
+    HTTP,
+    StorageOptions,
+    io_map,
+    is_local,
+    is_s3,
+    join,
+    local_path,
+    masked,
+    protocol,
+    strip_scheme,
+)
 
 _log = logging.getLogger(__name__)
 # How a table input names itself in _job.json's inputs (read_table.TableInput.name).

@@ -33,7 +33,6 @@ from prefixflow.operators.results.bookkeeping import (
     PART_NAME,
     TMP_PREFIX,
     basename,
-    io_map,
     is_own,
     refuse_links,
 )
@@ -46,7 +45,7 @@ from prefixflow.operators.results.commit import (
 )
 from prefixflow.operators.results.openai_output import output_line
 from prefixflow.operators.results.outputs import COMPUTED, PLAN_REPLICA, RANK
-from prefixflow.storage import StorageOptions, is_local, join, masked, normal_path
+from prefixflow.storage import StorageOptions, io_map, is_local, join, masked, normal_path
 
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 

@@ -41,7 +41,7 @@ from prefixflow.operators.columns import ERROR, RESERVED, SOURCE
 from prefixflow.operators.stages.openai_batch import parse_requests
 from prefixflow.operators.stages.read_table import TableInput, read_table
 from prefixflow.retry import with_retries
-from prefixflow.storage import StorageOptions, list_input_files, masked, same_filesystem
+from prefixflow.storage import StorageOptions, io_map, is_local, list_input_files, masked, same_filesystem
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 _log = logging.getLogger(__name__)
@@ -198,7 +198,6 @@ def clashing_columns(
 
 def _parquet_schemas(files: list[str], storage: StorageOptions) -> list[pa.Schema]:
     import pyarrow.parquet as pq
-    from concurrent.futures import ThreadPoolExecutor
 
     def read_schema(path: str) -> pa.Schema:
         with storage.filesystem(path).open(path, "rb") as f:
@@ -207,8 +206,7 @@ def _parquet_schemas(files: list[str], storage: StorageOptions) -> list[pa.Schem
     def schema(path: str) -> pa.Schema:
         return with_retries(lambda: read_schema(path), f"read the schema of {masked(path)}", storage.retry)
 
-    with ThreadPoolExecutor(max_workers=min(len(files), 16)) as pool:
-        return list(pool.map(schema, files))
+    return io_map(schema, files, all(is_local(f) for f in files))
 
 
 def _parsed_schemas(items: list[dict[str, Any]], fmt: Format, storage: StorageOptions) -> list[pa.Schema]:
@@ -238,6 +236,38 @@ def as_text(table: pa.Table, names: list[str]) -> pa.Table:
         values = [to_text(v) for v in table.column(name).to_pylist()]
         table = table.set_column(table.column_names.index(name), name, pa.array(values, pa.string()))
     return table
+
+
+# Bytes read from the start of the first file to estimate a line format's rows from its size.
+ROWS_SAMPLE_BYTES = 1 << 20
+
+
+def estimated_rows(opts: ReadOptions) -> int | None:
+    """About how many rows the input holds, known before it is read: parquet's exactly, from
+    its footers (read at once on object storage); JSONL's and CSV's from the files' sizes and
+    the lines in the first ROWS_SAMPLE_BYTES of the first file. None for a table (its own
+    metadata counts it) or where a file has no size (an HTTP server that sends none)."""
+    if opts.table is not None:
+        return None
+    files = input_files(opts)
+    local = all(is_local(f) for f in files)
+    if opts.format == "parquet":
+        import pyarrow.parquet as pq
+
+        def footer_rows(path: str) -> int:
+            with opts.storage.filesystem(path).open(path, "rb") as f:
+                return int(pq.read_metadata(f).num_rows)
+
+        rows = sum(io_map(footer_rows, files, local))
+    else:
+        sizes = io_map(lambda p: opts.storage.filesystem(p).size(p), files, local)
+        if not files or any(size is None for size in sizes):
+            return None
+        with opts.storage.filesystem(files[0]).open(files[0], "rb") as f:
+            head = f.read(ROWS_SAMPLE_BYTES)
+        lines = head.count(b"\n") + (1 if head and not head.endswith(b"\n") else 0)
+        rows = round(sum(sizes) * lines / len(head)) if head else 0
+    return min(rows, opts.limit) if opts.limit is not None else rows
 
 
 def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:

@@ -303,7 +303,7 @@ def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_l
     assert [list(r["generated_tokens"]) for r in windowed] == [list(r["generated_tokens"]) for r in whole]
 
 
-def _job(root: Path, model: Path, rows: list[dict], files: int, window_rows: int = 32) -> Path:
+def _job(root: Path, model: Path, rows: list[dict], files: int, window_rows: int | None = 32) -> Path:
     """A folder of `files` JSONL files (a block each, tokenized in batches smaller than a file)."""
     data = root / "in"
     data.mkdir()
@@ -322,6 +322,8 @@ def _job(root: Path, model: Path, rows: list[dict], files: int, window_rows: int
         "tokenize": {"batch_size": 4},
         "output": {"path": str(root / "out"), "format": "jsonl", "rows_per_part": 2, "resume": True},
     }
+    if window_rows is None:  # unset: the job's size decides (jobs/run.sized_windows)
+        del spec["window_rows"]
     (root / "job.yaml").write_text(yaml.safe_dump(spec))
     return root / "job.yaml"
 
@@ -369,6 +371,51 @@ def test_a_dry_run_of_a_windowed_job_plans_its_first_windows(ray_local, tiny_mod
     assert sample["rows"] == 45 and sample["input_rows"] == 80 and sample["windows"] == 5
     assert sample["computed_prompt_tokens"] == round(plan["computed_prompt_tokens"] * 80 / 45)
     assert sample["prompt_tokens"] > plan["prompt_tokens"]
+
+
+def test_the_input_is_counted_before_it_is_read(tmp_path):
+    """Parquet's rows exactly, from the footers; JSONL's from the files' sizes and the lines at
+    the start of the first; limit caps them; a table's are not counted here."""
+    import pyarrow.parquet as pq
+
+    from prefixflow.operators.stages.read import ReadOptions, estimated_rows
+    from prefixflow.operators.stages.read_table import TableInput
+
+    rows = demo_rows(num_docs=8, questions_per_doc=5, sentences_per_doc=4, seed=9)
+    (tmp_path / "pq").mkdir()
+    for k in range(3):
+        pq.write_table(pa.Table.from_pylist(rows[k::3]), tmp_path / "pq" / f"part-{k}.parquet")
+    assert estimated_rows(ReadOptions(str(tmp_path / "pq"), "parquet")) == 40
+    assert estimated_rows(ReadOptions(str(tmp_path / "pq"), "parquet", limit=7)) == 7
+    (tmp_path / "jsonl").mkdir()
+    for k in range(4):
+        with open(tmp_path / "jsonl" / f"part-{k}.jsonl", "w") as out:
+            out.writelines(json.dumps(r) + "\n" for r in rows[k * 10 : (k + 1) * 10])
+    assert abs(estimated_rows(ReadOptions(str(tmp_path / "jsonl"), "jsonl")) - 40) <= 4
+    table = TableInput("delta", str(tmp_path / "t"))
+    assert estimated_rows(ReadOptions(str(tmp_path / "t"), "parquet", table=table)) is None
+
+
+def test_a_job_that_leaves_window_rows_unset_is_windowed_by_its_size(ray_local, tiny_model, tmp_path, monkeypatch):
+    """Above AUTO_WINDOW_ABOVE input rows a job planned whole would keep every engine waiting
+    for all of it (and hold ~250 bytes a row on the driver): unset, window_rows becomes
+    AUTO_WINDOW_ROWS; at or below, one plan; set, as set. (A dry run: the plans, no engine.)"""
+    from prefixflow.jobs import run
+    from prefixflow.jobs.spec import load_spec
+
+    rows = demo_rows(num_docs=8, questions_per_doc=5, sentences_per_doc=4, seed=9)  # 40 rows
+    spec = load_spec(_job(tmp_path, tiny_model, rows, files=8, window_rows=None))
+    monkeypatch.setattr(run, "AUTO_WINDOW_ROWS", 16)  # the sizes of a job 250,000 times this one's
+    monkeypatch.setattr(run, "AUTO_WINDOW_ABOVE", 80)  # about 40 rows, from the JSONL files' sizes
+    assert run.sized_windows(spec.to_job()).config.window_rows is None
+    assert "num_windows" not in run.run_job(spec, dry_run=True, quiet=True)["plan"]
+    monkeypatch.setattr(run, "AUTO_WINDOW_ABOVE", 20)
+    assert run.sized_windows(spec.to_job()).config.window_rows == 16
+    plan = run.run_job(spec, dry_run=True, quiet=True)["plan"]
+    assert plan["num_rows"] == 40 and plan["num_windows"] > 1
+    (tmp_path / "set").mkdir()
+    spec = load_spec(_job(tmp_path / "set", tiny_model, rows, files=8, window_rows=64))
+    assert run.sized_windows(spec.to_job()).config.window_rows == 64
 
 
 @pytest.mark.slow
