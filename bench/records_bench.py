@@ -34,9 +34,13 @@ BUCKET = "pf-records-bench"
 def _bucket(endpoint: str) -> storage.StorageOptions:
     import boto3
 
-    keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys).create_bucket(Bucket=BUCKET)
-    return storage.StorageOptions(endpoint_url=endpoint, region="us-east-1", **keys)
+    key, secret = "testing", "testing"  # moto's
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=key, aws_secret_access_key=secret
+    ).create_bucket(Bucket=BUCKET)
+    return storage.StorageOptions(
+        endpoint_url=endpoint, region="us-east-1", aws_access_key_id=key, aws_secret_access_key=secret
+    )
 
 
 def _write_parts(opts: WriteOptions, parts: int, rows_per_part: int = 10) -> None:

@@ -433,6 +433,26 @@ def on_local_disk(fs: Any) -> bool:
     return "file" in protocols
 
 
+def listed_entries(files: list[str], storage: StorageOptions) -> list[dict[str, Any]]:
+    """fsspec's info entry (name, size, type, and what the store adds: ETag, mtime) of each of
+    `files`, in order, from one listing of each folder, not a request per file; an http(s)
+    file's from its own HEAD (HTTP has no folder listing)."""
+    by_folder: dict[str, list[int]] = {}
+    for k, f in enumerate(files):
+        by_folder.setdefault(f.rstrip("/").rsplit("/", 1)[0], []).append(k)
+    entries: list[dict[str, Any]] = [{} for _ in files]
+    for folder, ks in by_folder.items():
+        fs = storage.filesystem(folder)
+        listed = (
+            {}
+            if protocol(folder) in HTTP
+            else {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
+        )
+        for k in ks:
+            entries[k] = listed.get(strip_scheme(files[k]).rstrip("/")) or fs.info(files[k])
+    return entries
+
+
 def join(base: str, *parts: str) -> str:
     if protocol(base) is not None:
         return posixpath.join(base.rstrip("/"), *parts)

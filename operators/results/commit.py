@@ -76,16 +76,14 @@ from prefixflow.operators.results.bookkeeping import (
 from prefixflow.operators.results.part_rows import holds_rows
 from prefixflow.retry import with_retries
 from prefixflow.storage import (
-    HTTP,
     StorageOptions,
     io_map,
     is_local,
     is_s3,
     join,
+    listed_entries,
     local_path,
     masked,
-    protocol,
-    strip_scheme,
 )
 
 _log = logging.getLogger(__name__)
@@ -201,21 +199,8 @@ def input_listing(files: list[str], storage: StorageOptions) -> list[list[Any]]:
     there is a size: a copy of the same data (to another node, or re-uploaded) must still
     resume. An http(s) file is asked for its own (HTTP has no folder listing); a server that
     sends no Content-Length is identified by its ETag or Last-Modified header instead."""
-    by_folder: dict[str, list[str]] = {}
-    for f in files:
-        by_folder.setdefault(f.rstrip("/").rsplit("/", 1)[0], []).append(f)
-    out = []
-    for folder, names in by_folder.items():
-        fs = storage.filesystem(folder)
-        listed = (
-            {}
-            if protocol(folder) in HTTP
-            else {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
-        )
-        for f in names:
-            e = listed.get(strip_scheme(f).rstrip("/")) or fs.info(f)
-            out.append([masked(f), _file_identity(f, e)])
-    return sorted(out)
+    entries = listed_entries(files, storage)
+    return sorted([masked(f), _file_identity(f, e)] for f, e in zip(files, entries))
 
 
 def _file_identity(path: str, entry: dict[str, Any]) -> int | str:

@@ -41,7 +41,15 @@ from prefixflow.operators.columns import ERROR, RESERVED, SOURCE
 from prefixflow.operators.stages.openai_batch import parse_requests
 from prefixflow.operators.stages.read_table import TableInput, read_table
 from prefixflow.retry import with_retries
-from prefixflow.storage import StorageOptions, io_map, is_local, list_input_files, masked, same_filesystem
+from prefixflow.storage import (
+    StorageOptions,
+    io_map,
+    is_local,
+    list_input_files,
+    listed_entries,
+    masked,
+    same_filesystem,
+)
 
 Format = Literal["jsonl", "csv", "parquet", "openai"]
 _log = logging.getLogger(__name__)
@@ -260,8 +268,8 @@ def estimated_rows(opts: ReadOptions) -> int | None:
 
         rows = sum(io_map(footer_rows, files, local))
     else:
-        sizes = io_map(lambda p: opts.storage.filesystem(p).size(p), files, local)
-        if not files or any(size is None for size in sizes):
+        sizes = [int(e["size"]) for e in listed_entries(files, opts.storage) if e.get("size") is not None]
+        if not files or len(sizes) < len(files):  # a file without a size
             return None
         with opts.storage.filesystem(files[0]).open(files[0], "rb") as f:
             head = f.read(ROWS_SAMPLE_BYTES)
@@ -274,7 +282,7 @@ def file_ranges(files: list[str], opts: ReadOptions) -> list[dict[str, Any]]:
     """Work items: whole files, or byte ranges of large JSONL files (read in parallel)."""
     whole = opts.format in ("csv", "parquet")  # only JSONL lines can be split by byte ranges
     # An HTTP server may send no size (no Content-Length): such a file is read whole.
-    sizes = [(opts.storage.filesystem(p).size(p) or 0) if not whole else 0 for p in files]
+    sizes = [0] * len(files) if whole else [e.get("size") or 0 for e in listed_entries(files, opts.storage)]
     # Enough reads to keep every tokenizer busy (a fused read -> tokenize task per range).
     chunk = min(opts.chunk_bytes, max(1 << 20, -(-sum(sizes) // max(opts.min_tasks, 1))))
     items = []
