@@ -433,6 +433,20 @@ def on_local_disk(fs: Any) -> bool:
     return "file" in protocols
 
 
+def cat_whole(fs: Any, path: str) -> bytes:
+    """The whole file at `path`; on S3 in one request (s3fs first asks an object's size, a HEAD
+    and so a second round trip, to split a large one into ranges, unless max_concurrency is 1):
+    for the job's own small files, commit records and parts."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    data: bytes = fs.cat_file(path, max_concurrency=1) if "s3" in protocols else fs.cat_file(path)
+    return data
+
+
+def cat_all(fs: Any, paths: list[str]) -> list[bytes]:
+    """cat_whole of each of `paths`, in order: at once on object storage (io_map)."""
+    return io_map(lambda p: cat_whole(fs, p), paths, on_local_disk(fs))
+
+
 def listed_entries(files: list[str], storage: StorageOptions) -> list[dict[str, Any]]:
     """fsspec's info entry (name, size, type, and what the store adds: ETag, mtime) of each of
     `files`, in order, from one listing of each folder, not a request per file; an http(s)

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from prefixflow.errors import short
-from prefixflow.storage import io_map, is_local, local_path, masked, on_local_disk
+from prefixflow.storage import cat_whole, io_map, is_local, local_path, masked, on_local_disk
 
 COMMITS = "_commits"
 JOB_FILE = "_job.json"
@@ -126,8 +126,7 @@ def _cat_files(fs: Any, paths: list[str], local: bool) -> list[bytes | Exception
 
     def cat(path: str) -> bytes | Exception:
         try:
-            data: bytes = fs.cat_file(path)
-            return data
+            return cat_whole(fs, path)
         except Exception as e:  # noqa: BLE001 - each file's failure is told apart by the caller
             return e
 

@@ -77,6 +77,7 @@ from prefixflow.operators.results.part_rows import holds_rows
 from prefixflow.retry import with_retries
 from prefixflow.storage import (
     StorageOptions,
+    cat_whole,
     io_map,
     is_local,
     is_s3,
@@ -305,7 +306,7 @@ def _content_matches(fs: Any, out: str, record: dict[str, Any]) -> bool:
     """Whether the part still holds what its writer committed: the recorded sha256 (records of
     an older prefixflow have none) and exactly the rows the record names, read from the part
     itself (the sha256 covers the part, not what the record claims about it)."""
-    data = fs.cat_file(join(out, record["part"]))
+    data = cat_whole(fs, join(out, record["part"]))
     want = record.get("sha256")
     if want is not None and hashlib.sha256(data).hexdigest() != want:
         _log.warning(

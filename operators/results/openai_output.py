@@ -33,7 +33,7 @@ from prefixflow.operators.results.bookkeeping import COMMITS, ERRORS_FILE, RESUL
 from prefixflow.operators.results.commit import commit_bytes, load_committed
 from prefixflow.operators.results.outputs import CACHED
 from prefixflow.operators.results.part_rows import batch_line_id, request_digest
-from prefixflow.storage import join
+from prefixflow.storage import cat_all, join
 from prefixflow.tokenizer import load_tokenizer, token_bytes
 
 # The message isolate.py and operators/stages/supervise.py give a row the engine failed on: our failure
@@ -214,12 +214,14 @@ def write_results(out: str, storage: Any, error_file: bool = False) -> str:
     its row ids in the part's line order, and row ids are input positions. Returns the path."""
     fs = storage.filesystem(out)
     keyed: list[tuple[int, bytes]] = []
-    for manifest in load_committed(out, storage, clean=False).manifests:
-        record = json.loads(fs.cat_file(join(out, COMMITS, f"{manifest['part']}.json")))
-        lines = [line for line in fs.cat_file(join(out, manifest["part"])).splitlines() if line]
+    parts = [m["part"] for m in load_committed(out, storage, clean=False).manifests]
+    records = cat_all(fs, [join(out, COMMITS, f"{part}.json") for part in parts])
+    for part, raw, data in zip(parts, records, cat_all(fs, [join(out, part) for part in parts])):
+        record = json.loads(raw)
+        lines = [line for line in data.splitlines() if line]
         if len(lines) != len(record["row_ids"]):
             raise RuntimeError(
-                f"{manifest['part']} in {out!r} has {len(lines)} lines but its commit "
+                f"{part} in {out!r} has {len(lines)} lines but its commit "
                 f"record {len(record['row_ids'])} rows: rerun with output.resume: true"
             )
         keyed.extend(zip(record["row_ids"], lines))

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prefixflow.storage import StorageOptions, iceberg_catalog, join, masked
+from prefixflow.storage import StorageOptions, cat_whole, iceberg_catalog, join, masked
 
 JOB_ID_PROPERTY = "prefixflow.job-id"
 OutputTableFormat = Literal["delta", "iceberg", "lance"]  # config.OUTPUT_TABLE_FORMATS
@@ -151,7 +151,7 @@ def committed_version(out: TableOutput, job: str, storage: StorageOptions) -> tu
 def _read_part(path: str, storage: StorageOptions) -> pa.Table:
     import pyarrow.parquet as pq
 
-    return pq.read_table(io.BytesIO(storage.filesystem(path).cat_file(path)))
+    return pq.read_table(io.BytesIO(cat_whole(storage.filesystem(path), path)))
 
 
 def _unified_schema(paths: list[str], storage: StorageOptions, table: pa.Schema | None) -> pa.Schema:
