@@ -81,15 +81,21 @@ def run(parts: int, latency_ms: float, repeats: int) -> dict[str, Any]:
         _write_parts(WriteOptions(path=out, format="jsonl", storage=bucket), parts)
         proxy = FaultProxy(endpoint, delay_every=1, delay_s=latency_ms / 1000)
         via = dataclasses.replace(bucket, endpoint_url=proxy.endpoint)
-        cells: dict[str, Any] = {}
+        cases = [(verify, threads) for verify in (False, True) for threads in (1, storage.FETCH_THREADS)]
+        times: dict[tuple[bool, int], list[float]] = {case: [] for case in cases}
+        loads = []
         try:
-            for verify in (False, True):
-                for threads in (1, storage.FETCH_THREADS):
-                    times = [_timed(out, via, threads, verify, parts) for _ in range(repeats)]
-                    name = f"{'records_and_parts' if verify else 'records'}_{threads}_at_once"
-                    cells[name] = {**spread(times), "load_average": os.getloadavg()[0]}
+            _timed(out, via, storage.FETCH_THREADS, True, parts)  # a warm-up, not counted
+            for _ in range(repeats):  # the cells interleaved: a drift of the server's speed hits all
+                for verify, threads in cases:
+                    times[verify, threads].append(_timed(out, via, threads, verify, parts))
+                loads.append(os.getloadavg()[0])
         finally:
             proxy.close()
+        cells: dict[str, Any] = {
+            f"{'records_and_parts' if verify else 'records'}_{threads}_at_once": spread(times[verify, threads])
+            for verify, threads in cases
+        }
     finally:
         proc.kill()
     ratios = {
@@ -97,7 +103,14 @@ def run(parts: int, latency_ms: float, repeats: int) -> dict[str, Any]:
         / cells[f"{kind}_{storage.FETCH_THREADS}_at_once"]["seconds_median"]
         for kind in ("records", "records_and_parts")
     }
-    return {"parts": parts, "latency_ms": latency_ms, "repeats": repeats, "cells": cells, "speedup": ratios}
+    return {
+        "parts": parts,
+        "latency_ms": latency_ms,
+        "repeats": repeats,
+        "cells": cells,
+        "speedup": ratios,
+        "load_average_per_repeat": loads,
+    }
 
 
 def main() -> None:
