@@ -230,6 +230,14 @@ def masked(text: str) -> str:
     return _SECRET_QUERY.sub(r"\1***", text)
 
 
+# s3fs tries each S3 call this many times (its default 5), each try being botocore's
+# max_attempts with its own backoff: throttling and 5xx are botocore's to retry; s3fs's second
+# try is for an answer whose body broke off mid-read, which botocore does not retry. At 5, a
+# storage that stayed down took 5 x max_attempts requests per call (x max_attempts again for a
+# part write): 20 refused PUTs at max_attempts 2 where the settings promised 4.
+S3FS_TRIES = 2
+
+
 @dataclass(frozen=True)
 class StorageOptions:
     """How to reach object storage. All None: the AWS environment decides (S3); other schemes
@@ -300,6 +308,7 @@ class StorageOptions:
         return fs
 
     def _s3(self, extra: dict[str, Any]) -> Any:
+        """s3fs over botocore (see S3FS_TRIES), one instance per settings and process."""
         import s3fs
 
         client_kwargs: dict[str, Any] = {}
@@ -332,6 +341,7 @@ class StorageOptions:
         fs = _S3_INSTANCES.get(key)
         if fs is None:
             fs = _S3_INSTANCES[key] = s3fs.S3FileSystem(**kwargs)
+            fs.retries = S3FS_TRIES
         return fs
 
     def arrow_filesystem(self, paths: list[str]) -> tuple[list[str], Any]:
