@@ -20,6 +20,7 @@ from prefixflow.jobs.demo import demo_rows
 from prefixflow.operators.results.commit import load_committed
 from prefixflow.operators.results.write import WriteOptions, read_output, write_part
 from prefixflow.storage import StorageOptions
+from support.output_folders import part_table
 from support.s3 import s3_bucket
 
 pytestmark = pytest.mark.slow
@@ -166,22 +167,7 @@ def test_commit_records_and_parts_are_read_at_once_on_object_storage(bucket):
     out = "s3://pf-faults/many/out"
     opts = WriteOptions(path=out, format="jsonl", storage=bucket)
     for k in range(0, 48, 2):
-        n = 2
-        write_part(
-            pa.table(
-                {
-                    "row_id": [k, k + 1],
-                    "replica": [0] * n,
-                    "_pf_rank": [k, k + 1],
-                    "error": pa.nulls(n, pa.string()),
-                    "num_input_tokens": [3] * n,
-                    "_pf_computed": [3.0] * n,
-                    "num_generated_tokens": [1] * n,
-                    "generated_text": ["x"] * n,
-                }
-            ),
-            opts,
-        )
+        write_part(part_table([k, k + 1]), opts)
     for verify in (False, True):  # the records alone; then the parts too
         proxy = FaultProxy(bucket.endpoint_url, delay_every=1, delay_s=0.05)
         try:
