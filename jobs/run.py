@@ -218,7 +218,7 @@ def pin_table(job: Job, quiet: bool = True) -> Job:
 
 def sized_windows(job: Job, quiet: bool = True) -> Job:
     """The job planned in windows of AUTO_WINDOW_ROWS where its spec leaves window_rows unset
-    and its input holds more than AUTO_WINDOW_ABOVE rows (read.estimated_rows: decided by the
+    (0: whole, whatever the size) and its input holds more than AUTO_WINDOW_ABOVE rows (read.estimated_rows: decided by the
     input alone, so that a resume decides alike); otherwise the job as it is."""
     if job.config.window_rows is not None:
         return job
@@ -232,7 +232,7 @@ def sized_windows(job: Job, quiet: bool = True) -> Job:
         print(
             f"plan: about {rows:,} input rows: planned in windows of {AUTO_WINDOW_ROWS:,} rows "
             f"(window_rows unset; above {AUTO_WINDOW_ABOVE:,} rows one plan would keep every engine "
-            "waiting for all of it: set window_rows to choose)",
+            "waiting for all of it: set window_rows to choose, 0 to plan it whole)",
             file=sys.stderr,
             flush=True,
         )

@@ -700,7 +700,7 @@ class JobSpec(_Strict):
         default=_default("window_rows"),
         description="plan the job in windows of this many rows, each run while the next is read and "
         "planned; unset: the whole job is planned before any row runs, unless its input holds more than "
-        "4,000,000 rows: then windows of 1,000,000",
+        "4,000,000 rows: then windows of 1,000,000; 0: the whole job, whatever its size",
     )
     window_planners: Annotated[int, _limited("window_planners")] = Field(
         default=_default("window_planners"),

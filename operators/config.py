@@ -97,7 +97,7 @@ LIMITS: dict[str, tuple[float, bool, bool, str]] = {
     "num_gpus_per_replica": (0, False, True, "use a number >= 0, or None to decide when the job runs"),
     "num_cpus_per_replica": (0, False, False, "use a number >= 0"),
     "max_retries_per_row": (0, True, False, "use an integer >= 0"),
-    "window_rows": (1, True, True, "use a positive integer, or None to plan the whole job at once"),
+    "window_rows": (0, True, True, "use a positive integer, or 0 (or None) to plan the whole job at once"),
     "window_planners": (1, True, False, "use a positive integer: how many windows are planned at once"),
 }
 
@@ -245,7 +245,8 @@ class ProcessorConfig:
         dispatched to the engines while the next is read and planned (pipeline/windows.py);
         None: the whole job is read and planned before any row runs (one global plan, which
         shares every prefix, at the cost of the engines waiting for it). A job spec that leaves
-        it unset gets windows above 4,000,000 input rows (jobs/run.py sized_windows).
+        it unset gets windows above 4,000,000 input rows (jobs/run.py sized_windows); 0: the
+        whole job planned at once, whatever its size.
     window_planners: with window_rows, how many windows are planned at once, each by a Ray task
         on any node (operators/stages/window_plans.py), so that planning keeps up with a large
         cluster; a window's plan then sees the prefix homes of the windows up to this many before
@@ -322,6 +323,12 @@ class ProcessorConfig:
     backend: str = field(init=False, repr=False, compare=False)
     vllm_args: dict[str, Any] = field(init=False, repr=False, compare=False)
     http_config: HttpConfig | None = field(init=False, repr=False, compare=False)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the job is planned in windows: window_rows a positive count (0 or None: the
+        whole job at once)."""
+        return bool(self.window_rows)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, dict):

@@ -196,7 +196,7 @@ class Processor:
         (operators/stages/window_plans.py, config.window_planners at once); lazy: nothing is read
         before the first is asked for."""
         self.check_context()
-        if self.config.window_rows is None:
+        if not self.config.window_rows:
             raise ValueError("plan_windows needs config.window_rows")
         windows, planners = self.config.window_rows, self.config.window_planners
         return plan_windows(self.tokenize(ds), windows, planners, **self._plan_options(stealing))
@@ -208,7 +208,7 @@ class Processor:
         ones, each read and planned when asked for; whole: every window planned now, and the
         whole job returned (`prefixflow plan`), or its first `sample` windows joined (a dry run:
         the rest is not read)."""
-        if self.config.window_rows is None:
+        if not self.config.windowed:
             return self.plan(ds, stealing=stealing), None
         windows = self.plan_windows(ds, stealing=stealing)
         if whole:
@@ -227,7 +227,7 @@ class Processor:
             "default_max_tokens": self.config.sampling_params.max_tokens,
             "block_size": self.config.engine_config.block_size,
             "stealing": stealing,
-            "cache_blocks": self._cache_blocks() if self.config.window_rows is not None else None,
+            "cache_blocks": self._cache_blocks() if self.config.windowed else None,
         }
 
     def _cache_blocks(self) -> int | None:

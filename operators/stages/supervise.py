@@ -453,7 +453,7 @@ def cpus_short(cfg: ProcessorConfig, options: dict[str, Any]) -> tuple[float, fl
 
 def planning_cpus(cfg: ProcessorConfig) -> float:
     """CPU slots kept for the planning tasks: one, or a windowed job's planners' where more."""
-    return max(1.0, cfg.window_planners * PLANNER_CPUS) if cfg.window_rows is not None else 1.0
+    return max(1.0, cfg.window_planners * PLANNER_CPUS) if cfg.windowed else 1.0
 
 
 def check_window_resources(
@@ -464,7 +464,7 @@ def check_window_resources(
     CPU slot is left to tokenize). Slots short are waited for up to `grace_s` first: the actors
     of a job that just finished in the same cluster (a notebook's previous cell, the test
     before) give theirs back within seconds."""
-    if cfg.window_rows is None:
+    if not cfg.windowed:
         return
     deadline = time.monotonic() + grace_s
     short = cpus_short(cfg, options)
@@ -477,7 +477,7 @@ def check_window_resources(
             f"tokenizes the next window, and the cluster has {short[0]:g} free CPUs where {short[1]:g} are "
             f"needed ({cfg.replicas} replicas x {options.get('num_cpus', 1):g} CPUs, {cfg.tokenize_concurrency} "
             f"tokenize tasks and {planning_cpus(cfg):g} for planning): lower replicas, resources.num_cpus_per_replica or "
-            "tokenize.concurrency, use a larger cluster, or unset window_rows"
+            "tokenize.concurrency, use a larger cluster, or plan the job whole (window_rows: 0)"
         )
 
 

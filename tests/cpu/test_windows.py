@@ -399,7 +399,8 @@ def test_the_input_is_counted_before_it_is_read(tmp_path):
 def test_a_job_that_leaves_window_rows_unset_is_windowed_by_its_size(ray_local, tiny_model, tmp_path, monkeypatch):
     """Above AUTO_WINDOW_ABOVE input rows a job planned whole would keep every engine waiting
     for all of it (and hold ~250 bytes a row on the driver): unset, window_rows becomes
-    AUTO_WINDOW_ROWS; at or below, one plan; set, as set. (A dry run: the plans, no engine.)"""
+    AUTO_WINDOW_ROWS; at or below, one plan; set, as set (0: one plan). (Dry runs: the plans,
+    no engine.)"""
     from prefixflow.jobs import run
     from prefixflow.jobs.spec import load_spec
 
@@ -416,6 +417,10 @@ def test_a_job_that_leaves_window_rows_unset_is_windowed_by_its_size(ray_local, 
     (tmp_path / "set").mkdir()
     spec = load_spec(_job(tmp_path / "set", tiny_model, rows, files=8, window_rows=64))
     assert run.sized_windows(spec.to_job()).config.window_rows == 64
+    (tmp_path / "whole").mkdir()  # 0: one plan, whatever the size
+    spec = load_spec(_job(tmp_path / "whole", tiny_model, rows, files=8, window_rows=0))
+    assert run.sized_windows(spec.to_job()).config.window_rows == 0
+    assert "num_windows" not in run.run_job(spec, dry_run=True, quiet=True)["plan"]
 
 
 @pytest.mark.slow
