@@ -459,8 +459,9 @@ def cat_all(fs: Any, paths: list[str]) -> list[bytes]:
 
 def listed_entries(files: list[str], storage: StorageOptions) -> list[dict[str, Any]]:
     """fsspec's info entry (name, size, type, and what the store adds: ETag, mtime) of each of
-    `files`, in order, from one listing of each folder, not a request per file; an http(s)
-    file's from its own HEAD (HTTP has no folder listing)."""
+    `files`, in order: from one listing of each folder that holds several of them, not a
+    request per file; a file alone in its folder (whose listing could be a whole bucket's), and
+    an http(s) file (HTTP has no folder listing), from its own request."""
     by_folder: dict[str, list[int]] = {}
     for k, f in enumerate(files):
         by_folder.setdefault(f.rstrip("/").rsplit("/", 1)[0], []).append(k)
@@ -469,7 +470,7 @@ def listed_entries(files: list[str], storage: StorageOptions) -> list[dict[str, 
         fs = storage.filesystem(folder)
         listed = (
             {}
-            if protocol(folder) in HTTP
+            if protocol(folder) in HTTP or len(ks) == 1
             else {strip_scheme(e["name"]).rstrip("/"): e for e in fs.ls(folder, detail=True)}
         )
         for k in ks:
