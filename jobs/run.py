@@ -222,10 +222,7 @@ def sized_windows(job: Job, quiet: bool = True) -> Job:
     input alone, so that a resume decides alike); otherwise the job as it is."""
     if job.config.window_rows is not None:
         return job
-    try:
-        rows = estimated_rows(job.read)
-    except (OSError, ValueError):  # an input that cannot be read: the read says why, by name
-        rows = None
+    rows = estimated_rows(job.read)  # read with retries: a failure here fails the job, never flips it
     if rows is None or rows <= AUTO_WINDOW_ABOVE:
         return job
     if not quiet:

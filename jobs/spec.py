@@ -866,7 +866,10 @@ class JobSpec(_Strict):
         # between attempts; the tables are named by input.table and output.table.
         data["input"].pop("catalog", None)
         data["output"].pop("catalog", None)
-        if data.get("window_rows") is None:  # unset: the key of a job started before the field existed
+        # Unset: the key of a job started before the field existed. 0 (whole, whatever the size)
+        # is the same key: a run planned whole before unset meant windows for large inputs is
+        # resumed with window_rows: 0; whole or windowed, the plan's own identity tells them apart.
+        if not data.get("window_rows"):
             data.pop("window_rows", None)
         if data.get("window_planners") == 1:  # the default: the key of a job started before the field existed
             data.pop("window_planners", None)

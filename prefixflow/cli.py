@@ -249,7 +249,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     # lazy: the job modules load pyarrow, pydantic and Ray's pieces; `prefixflow --help` needs none
     from prefixflow.jobs import report
     from prefixflow.jobs.preflight import plan_out_problems, preflight
-    from prefixflow.jobs.run import ensure_ray, pin_table, plan_job
+    from prefixflow.jobs.run import ensure_ray, pin_table, plan_job, sized_windows
     from prefixflow.jobs.spec import SpecError
     from prefixflow.operators.faces.processor import Processor
 
@@ -258,7 +258,7 @@ def _plan(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise SpecError(args.spec, problems)
     ensure_ray(args.address)
-    job = pin_table(spec.to_job())
+    job = sized_windows(pin_table(spec.to_job()), quiet=False)  # as `run` plans it
     planned, _ = plan_job(Processor(job.config), job, whole=True)
     print(report.plan_text(planned))
     import io

@@ -33,7 +33,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from prefixflow.errors import FieldProblem, invalid, require
 from prefixflow.retry import RetryPolicy
@@ -328,7 +328,11 @@ class StorageOptions:
             use_listings_cache=False,
             # botocore retries 5xx, throttling and dropped connections with
             # backoff on every request, reads included.
-            config_kwargs={"retries": {"max_attempts": self.max_attempts, "mode": "standard"}},
+            # (max_pool_connections: botocore's 10 would hold io_map's FETCH_THREADS requests to 10.)
+            config_kwargs={
+                "retries": {"max_attempts": self.max_attempts, "mode": "standard"},
+                "max_pool_connections": FETCH_THREADS,
+            },
         )
         kwargs.update(extra)
         # One instance per arguments, AWS_* environment and process: the botocore session and
@@ -455,6 +459,13 @@ def cat_whole(fs: Any, path: str) -> bytes:
 def cat_all(fs: Any, paths: list[str]) -> list[bytes]:
     """cat_whole of each of `paths`, in order: at once on object storage (io_map)."""
     return io_map(lambda p: cat_whole(fs, p), paths, on_local_disk(fs))
+
+
+def cat_each(fs: Any, paths: list[str]) -> Iterator[bytes]:
+    """cat_whole of each of `paths`, in order, FETCH_THREADS fetched at once: no more than that
+    many files' bytes held (a job's parts, read to assemble its output)."""
+    for start in range(0, len(paths), FETCH_THREADS):
+        yield from cat_all(fs, paths[start : start + FETCH_THREADS])
 
 
 def listed_entries(files: list[str], storage: StorageOptions) -> list[dict[str, Any]]:

@@ -121,27 +121,26 @@ def read_bookkeeping_files(
     return values
 
 
-def _cat_files(fs: Any, paths: list[str], local: bool) -> list[bytes | Exception]:
-    """The bytes of each of `paths` (or the exception reading it raised), in order."""
+def _cat_files(fs: Any, paths: list[str], local: bool) -> list[bytes | OSError]:
+    """The bytes of each of `paths`, in order, or where one is missing or a folder the error
+    that says so."""
 
-    def cat(path: str) -> bytes | Exception:
+    def cat(path: str) -> bytes | OSError:
         try:
             return cat_whole(fs, path)
-        except Exception as e:  # noqa: BLE001 - each file's failure is told apart by the caller
-            return e
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:  # this file's answer
+            return e  # (any other error, a storage that is down, ends the reads at once)
 
     return io_map(cat, paths, local)
 
 
-def _parse_bookkeeping(raw: bytes | Exception, fields: dict[str, Kind], name: str) -> dict[str, Any] | None:
-    """What read_bookkeeping says of a file that read as `raw` (its bytes, or the exception
-    reading it raised)."""
+def _parse_bookkeeping(raw: bytes | OSError, fields: dict[str, Kind], name: str) -> dict[str, Any] | None:
+    """What read_bookkeeping says of a file that read as `raw` (its bytes, or the error that
+    says it is missing or a folder)."""
     if isinstance(raw, FileNotFoundError):
         return None
-    if isinstance(raw, (IsADirectoryError, NotADirectoryError)):
+    if isinstance(raw, OSError):  # IsADirectoryError, NotADirectoryError (_cat_files)
         raise Damaged(f"{name} is a folder, not a file prefixflow wrote")
-    if isinstance(raw, Exception):  # the storage's own error, as a read in turn would raise it
-        raise raw
     try:
         value = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError

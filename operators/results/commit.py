@@ -439,7 +439,16 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
             f"input files changed since the first run (size or modification time): "
             f"{', '.join(changed[:5]) or 'the list of files'}"
         )
-    if old.get("input_content") != new["input_content"]:
+    if ("plan" in old) != ("plan" in new):  # one planned whole (its plan digest), one in windows
+        was, now = ("whole", "in windows") if "plan" in old else ("in windows", "whole")
+        fix = (
+            "set window_rows: 0 to plan it whole as it did (a spec that leaves window_rows unset plans "
+            "an input of more than 4,000,000 rows in windows)"
+            if "plan" in old
+            else "set window_rows as it was, or leave it unset as it was"
+        )
+        return f"the first run planned the job {was} and this run plans it {now}: {fix}"
+    if old.get("input_content") != new.get("input_content"):
         return "the input's content changed since the first run"
     return "the plan differs from the first run's"
 

@@ -33,7 +33,7 @@ from prefixflow.operators.results.bookkeeping import COMMITS, ERRORS_FILE, RESUL
 from prefixflow.operators.results.commit import commit_bytes, load_committed
 from prefixflow.operators.results.outputs import CACHED
 from prefixflow.operators.results.part_rows import batch_line_id, request_digest
-from prefixflow.storage import cat_all, join
+from prefixflow.storage import cat_all, cat_each, join
 from prefixflow.tokenizer import load_tokenizer, token_bytes
 
 # The message isolate.py and operators/stages/supervise.py give a row the engine failed on: our failure
@@ -216,7 +216,7 @@ def write_results(out: str, storage: Any, error_file: bool = False) -> str:
     keyed: list[tuple[int, bytes]] = []
     parts = [m["part"] for m in load_committed(out, storage, clean=False).manifests]
     records = cat_all(fs, [join(out, COMMITS, f"{part}.json") for part in parts])
-    for part, raw, data in zip(parts, records, cat_all(fs, [join(out, part) for part in parts])):
+    for part, raw, data in zip(parts, records, cat_each(fs, [join(out, part) for part in parts])):
         record = json.loads(raw)
         lines = [line for line in data.splitlines() if line]
         if len(lines) != len(record["row_ids"]):

@@ -45,7 +45,7 @@ from prefixflow.operators.results.commit import (
 )
 from prefixflow.operators.results.openai_output import output_line
 from prefixflow.operators.results.outputs import COMPUTED, PLAN_REPLICA, RANK
-from prefixflow.storage import StorageOptions, cat_all, io_map, is_local, join, masked, normal_path
+from prefixflow.storage import StorageOptions, cat_each, io_map, is_local, join, masked, normal_path
 
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
@@ -243,9 +243,9 @@ def read_output(path: str, storage: StorageOptions = StorageOptions()) -> pa.Tab
     if parts and parts[0].endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        tables = [pq.read_table(io.BytesIO(data)) for data in cat_all(fs, parts)]
+        tables = [pq.read_table(io.BytesIO(data)) for data in cat_each(fs, parts)]
         return pa.concat_tables(tables, promote_options="permissive")
     records: list[dict] = []
-    for data in cat_all(fs, parts):
+    for data in cat_each(fs, parts):
         records.extend(json.loads(line) for line in data.decode().splitlines() if line)
     return records

@@ -214,7 +214,7 @@ def _parquet_schemas(files: list[str], storage: StorageOptions) -> list[pa.Schem
     def schema(path: str) -> pa.Schema:
         return with_retries(lambda: read_schema(path), f"read the schema of {masked(path)}", storage.retry)
 
-    return io_map(schema, files, all(is_local(f) for f in files))
+    return io_map(schema, files, local=False)  # threads on a local path too: NFS, FUSE mounts of buckets
 
 
 def _parsed_schemas(items: list[dict[str, Any]], fmt: Format, storage: StorageOptions) -> list[pa.Schema]:
@@ -258,21 +258,30 @@ def estimated_rows(opts: ReadOptions) -> int | None:
     if opts.table is not None:
         return None
     files = input_files(opts)
-    local = all(is_local(f) for f in files)
     if opts.format == "parquet":
         import pyarrow.parquet as pq
 
         def footer_rows(path: str) -> int:
-            with opts.storage.filesystem(path).open(path, "rb") as f:
-                return int(pq.read_metadata(f).num_rows)
+            def read() -> int:
+                with opts.storage.filesystem(path).open(path, "rb") as f:
+                    return int(pq.read_metadata(f).num_rows)
 
-        rows = sum(io_map(footer_rows, files, local))
+            return with_retries(read, f"read the footer of {masked(path)}", opts.storage.retry)
+
+        rows = sum(io_map(footer_rows, files, all(is_local(f) for f in files)))
     else:
         sizes = [int(e["size"]) for e in listed_entries(files, opts.storage) if e.get("size") is not None]
         if not files or len(sizes) < len(files):  # a file without a size
             return None
-        with opts.storage.filesystem(files[0]).open(files[0], "rb") as f:
-            head = f.read(ROWS_SAMPLE_BYTES)
+        first = next((f for f, size in zip(files, sizes) if size), None)
+        if first is None:  # every file empty
+            return 0
+
+        def read_head() -> bytes:  # one range request, not the reader's read-ahead block
+            data: bytes = opts.storage.filesystem(first).cat_file(first, start=0, end=ROWS_SAMPLE_BYTES)
+            return data
+
+        head = with_retries(read_head, f"read the start of {masked(first)}", opts.storage.retry)
         lines = head.count(b"\n") + (1 if head and not head.endswith(b"\n") else 0)
         rows = round(sum(sizes) * lines / len(head)) if head else 0
     return min(rows, opts.limit) if opts.limit is not None else rows

@@ -99,6 +99,35 @@ def test_a_resume_names_a_window_planned_otherwise_apart_from_a_changed_input(tm
         check_window(str(tmp_path), {}, recorded, window, 2, StorageOptions())
 
 
+def test_a_resume_planned_whole_first_and_in_windows_now_says_how_to_plan_it_as_before(tmp_path, tiny_model):
+    """A job of more than 4M rows started whole (before an unset window_rows meant windows for
+    it) and resumed now: refused by name, with the setting that plans it as it was; window_rows
+    0 and unset are one spec (the plan's own identity tells whole from windows)."""
+    from prefixflow.jobs.spec import load_spec
+    from prefixflow.operators.results.commit import check_job_file, job_identity
+    from prefixflow.storage import StorageOptions
+
+    rows = demo_rows(num_docs=2, questions_per_doc=2, seed=9)
+    path = _job(tmp_path, tiny_model, rows, files=1, window_rows=None)
+    unset = load_spec(path)
+    spec = yaml.safe_load(path.read_text())
+    (tmp_path / "zero.yaml").write_text(yaml.safe_dump({**spec, "window_rows": 0}))
+    assert unset.to_job().identity_key == load_spec(tmp_path / "zero.yaml").to_job().identity_key
+
+    class Whole:  # what job_identity reads of a plan
+        content_digest = "c" * 64
+
+    out = tmp_path / "out"
+    out.mkdir()
+    inputs = [["in/part-00.jsonl", 10]]
+    whole = job_identity(None, 2, unset.to_job().identity_key, inputs) | {"fingerprint": "a" * 64}
+    whole |= {"input_content": Whole.content_digest, "plan": "p" * 64}
+    windows = job_identity(None, 2, unset.to_job().identity_key, inputs)
+    check_job_file(str(out), whole, StorageOptions(), resume=False)
+    with pytest.raises(ValueError, match="planned the job whole and this run plans it in windows: set window_rows: 0"):
+        check_job_file(str(out), windows, StorageOptions(), resume=True)
+
+
 def test_the_progress_line_grows_with_the_windows():
     from prefixflow.jobs.report import Progress
 
