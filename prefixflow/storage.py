@@ -440,19 +440,22 @@ def io_map(fn: Callable[[T], R], items: list[T], local: bool) -> list[R]:
         return list(pool.map(fn, items))
 
 
+def _protocols(fs: Any) -> tuple[str, ...]:
+    """The schemes an fsspec filesystem serves (its `protocol`: one name or several)."""
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+
+
 def on_local_disk(fs: Any) -> bool:
     """Whether `fs` is the local disk's (the paths an fsspec listing gives carry no scheme, so a
     path alone cannot tell)."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "file" in protocols
+    return "file" in _protocols(fs)
 
 
 def cat_whole(fs: Any, path: str) -> bytes:
     """The whole file at `path`; on S3 in one request (s3fs first asks an object's size, a HEAD
     and so a second round trip, to split a large one into ranges, unless max_concurrency is 1):
     for the job's own small files, commit records and parts."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    data: bytes = fs.cat_file(path, max_concurrency=1) if "s3" in protocols else fs.cat_file(path)
+    data: bytes = fs.cat_file(path, max_concurrency=1) if "s3" in _protocols(fs) else fs.cat_file(path)
     return data
 
 

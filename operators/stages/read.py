@@ -44,7 +44,6 @@ from prefixflow.retry import with_retries
 from prefixflow.storage import (
     StorageOptions,
     io_map,
-    is_local,
     list_input_files,
     listed_entries,
     masked,
@@ -186,7 +185,7 @@ def clashing_columns(
     schema: the job reads such input twice, and only when it has more than one work item.
     """
     if fmt == "parquet":
-        schemas = _parquet_schemas(files, storage)
+        schemas = [footer.schema.to_arrow_schema() for footer in parquet_footers(files, storage)]
     elif fmt in ("jsonl", "csv") and items is not None and len(items) > 1:
         schemas = _parsed_schemas(items, fmt, storage)
     else:  # one work item cannot clash with itself; OpenAI rows have one fixed schema
@@ -204,17 +203,19 @@ def clashing_columns(
     return clash
 
 
-def _parquet_schemas(files: list[str], storage: StorageOptions) -> list[pa.Schema]:
+def parquet_footers(files: list[str], storage: StorageOptions) -> list[Any]:
+    """Each parquet file's footer (pyarrow's FileMetaData: its schema, its rows), read with
+    retries, FETCH_THREADS at once (threads on a local path too: NFS, FUSE mounts of buckets)."""
     import pyarrow.parquet as pq
 
-    def read_schema(path: str) -> pa.Schema:
-        with storage.filesystem(path).open(path, "rb") as f:
-            return pq.read_schema(f)
+    def footer(path: str) -> Any:
+        def read() -> Any:
+            with storage.filesystem(path).open(path, "rb") as f:
+                return pq.read_metadata(f)
 
-    def schema(path: str) -> pa.Schema:
-        return with_retries(lambda: read_schema(path), f"read the schema of {masked(path)}", storage.retry)
+        return with_retries(read, f"read the footer of {masked(path)}", storage.retry)
 
-    return io_map(schema, files, local=False)  # threads on a local path too: NFS, FUSE mounts of buckets
+    return io_map(footer, files, local=False)
 
 
 def _parsed_schemas(items: list[dict[str, Any]], fmt: Format, storage: StorageOptions) -> list[pa.Schema]:
@@ -259,16 +260,7 @@ def estimated_rows(opts: ReadOptions) -> int | None:
         return None
     files = input_files(opts)
     if opts.format == "parquet":
-        import pyarrow.parquet as pq
-
-        def footer_rows(path: str) -> int:
-            def read() -> int:
-                with opts.storage.filesystem(path).open(path, "rb") as f:
-                    return int(pq.read_metadata(f).num_rows)
-
-            return with_retries(read, f"read the footer of {masked(path)}", opts.storage.retry)
-
-        rows = sum(io_map(footer_rows, files, all(is_local(f) for f in files)))
+        rows = sum(int(footer.num_rows) for footer in parquet_footers(files, opts.storage))
     else:
         sizes = [int(e["size"]) for e in listed_entries(files, opts.storage) if e.get("size") is not None]
         if not files or len(sizes) < len(files):  # a file without a size
