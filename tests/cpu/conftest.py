@@ -21,6 +21,12 @@ from prefixflow.jobs.run import LOCAL_CLUSTER_SYSTEM_CONFIG
 # test_resume_safety and test_api_processor: 118 -> 107 CPU-s).
 for _key, _value in LOCAL_CLUSTER_SYSTEM_CONFIG.items():
     os.environ.setdefault(f"RAY_{_key}", str(_value))
+# ... and lets those idle workers go (after that threshold) however many CPUs are free: at Ray's
+# default up to one per CPU stays for good, each polling at ~0.7 CPU-s a minute, and the pytest
+# process's own job (its in-process Python API jobs) kept 2-4 such workers on each xdist
+# worker's cluster for the whole suite (an idle cluster: 3.9 -> 2.5 CPU-s a minute). A job's
+# workers still serve its next burst of tasks within the threshold.
+os.environ.setdefault("RAY_num_workers_soft_limit", "0")
 
 
 @pytest.fixture(scope="session")
