@@ -40,13 +40,14 @@ from prefixflow.operators.results.commit import (
     check_window,
 )
 from prefixflow.operators.results.openai_output import system_fingerprint, write_results
-from prefixflow.operators.results.sink import sink_name, start_sink
+from prefixflow.operators.results.sink import sink_name
 from prefixflow.operators.results.write import (
     WriteOptions,
     clear_end_markers,
     prepare_output,
     write_json,
 )
+from prefixflow.operators.stages.job_hub import start_sink
 from prefixflow.operators.stages.plan import PlannedJob
 from prefixflow.operators.stages.window_plans import joined_windows, window_summary
 from prefixflow.operators.results.table_commit import commit_to_table, job_id

@@ -26,7 +26,7 @@ from prefixflow.engine.vllm_backend.engine import cpu_context
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
-from prefixflow.operators.results.sink import start_sink
+from prefixflow.operators.stages.job_hub import start_sink
 from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
 from prefixflow.operators.stages.window_plans import joined_windows, plan_windows, window_summary
 from prefixflow.operators.stages.supervise import (

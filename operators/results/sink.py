@@ -1,8 +1,9 @@
-"""The job's MetricsSink: a small Ray actor on the driver's node that the engine actors report
-to (per-replica stats, committed parts, engines loaded, live counters) and that feeds Ray's
-metrics (JobMetrics). Its own module, apart from the write stage, because every job starts
-one in a fresh worker process: this module imports neither pyarrow nor the config (about
-0.5 s of CPU per job on this 2-core machine), only what the actor runs.
+"""The job's MetricsSink: what the engine actors report to (per-replica stats, committed parts,
+engines loaded, live counters), feeding Ray's metrics (JobMetrics). It runs in the job's one
+small actor on the driver's node, with the job's work queues (operators/stages/job_hub.py). Its
+own module, apart from the write stage, because every job starts that actor in a fresh worker
+process: this module imports neither pyarrow nor the config (about 0.5 s of CPU per job on this
+2-core machine), only what the actor runs.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ if TYPE_CHECKING:
 
 
 class MetricsSink:
-    """A small Ray actor that the engine actors report to: per-replica stats when a replica
-    finishes, and for the job driver (operators/stages/supervise.py) each committed part, each engine that
-    has loaded its model and each replica's live counters (for the Python API it draws them as
-    a live bar, `show_progress`). Named, so that another process can
-    read a running job's state. It also feeds Ray's metrics (JobMetrics): the dashboard and
-    Prometheus see a running job."""
+    """What the engine actors report to, in the job's one small actor (operators/stages/
+    job_hub.JobHub): per-replica stats when a replica finishes, and for the job driver
+    (operators/stages/supervise.py) each committed part, each engine that has loaded its model
+    and each replica's live counters (for the Python API it draws them as a live bar,
+    `show_progress`). Named, so that another process can read a running job's state. It also
+    feeds Ray's metrics (JobMetrics): the dashboard and Prometheus see a running job."""
 
     def __init__(self, job: str = "prefixflow") -> None:
         self.records: list[dict[str, Any]] = []
@@ -208,18 +209,6 @@ class JobMetrics:
         self.gauges["live_generated_tokens_per_s"].set(counts["generated_tokens"] / seconds, tags=tags)
 
 
-def start_sink(job: str = "prefixflow", name: str | None = None) -> Any:
-    """A MetricsSink actor on the driver's own node: it lives as long as the driver does (on
-    another node it would die with that node, and take the job with it). name: for another
-    process to find it (namespace "prefixflow")."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    named = {"namespace": "prefixflow", "name": name} if name is not None else {}
-    return ray.remote(MetricsSink).options(num_cpus=0, scheduling_strategy=here, **named).remote(job)
-
-
 def sink_name(fingerprint: str, driver_pid: int) -> str:
-    """The job's MetricsSink actor name (namespace "prefixflow")."""
+    """The job's sink actor name (namespace "prefixflow"; operators/stages/job_hub.start_sink)."""
     return f"prefixflow-{fingerprint[:16]}-{driver_pid}"

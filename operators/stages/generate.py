@@ -35,6 +35,7 @@ from prefixflow.operators.results.score import row_choices
 from prefixflow.operators.results.write import WriteOptions, part_manifest, ray_node_id, write_part
 from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.stages.isolate import run_isolated, without_rows
+from prefixflow.operators.stages.job_hub import RunQueue
 from prefixflow.operators.stages.plan import RowIndex, UnitPayload, fetch_rows
 from prefixflow.operators.stages.work_queue import DONE, WAIT, Take
 from prefixflow.pipeline.plan import PlanUnit
@@ -87,15 +88,15 @@ ReplicaEngine = GeneratingEngine | ScoringEngine
 class UnitFeed:
     """The units one engine runs, in the order it gets them, minus the rows not to run.
 
-    queue: the job's WorkQueue actor, which hands out the units, each with an object ref of its
-    payload (operators/stages/plan.unit_payload_refs). skip: rows committed by an earlier run or
+    queue: the run's work queue (operators/stages/job_hub.RunQueue), which hands out the units,
+    each with an object ref of its payload (operators/stages/plan.unit_payload_refs). skip: rows committed by an earlier run or
     given up.
     Iterating yields UnitPayloads, or NOT_READY while the queue says WAIT (asking it again at
     most every WAIT_RETRY_S); `ran` tells the queue what share of each unit's rows has its
     output (the pace of work stealing), `committed` when every row of a unit is committed.
     """
 
-    def __init__(self, replica: int, skip: np.ndarray, queue: Any, token: str):
+    def __init__(self, replica: int, skip: np.ndarray, queue: RunQueue, token: str):
         self.replica, self.skip, self.queue, self.token = replica, skip, queue, token
         self.left: dict[int, int] = {}  # unit -> its rows not committed yet
         self.size: dict[int, int] = {}  # unit -> its rows to run, as taken
@@ -114,7 +115,7 @@ class UnitFeed:
             if time.monotonic() - asked < WAIT_RETRY_S:
                 yield NOT_READY
                 continue
-            take: Take = ray.get(self.queue.take.remote(self.replica, self.token))
+            take: Take = ray.get(self.queue.take(self.replica, self.token))
             if take.kind == DONE:
                 return
             if take.kind == WAIT:
@@ -158,7 +159,7 @@ class UnitFeed:
         if self.to_run[unit] and time.monotonic() < self.next_report:
             return
         shares = {u: 1.0 - self.to_run[u] / self.size[u] for u in self.unreported}
-        self.queue.ran.remote(self.token, shares)
+        self.queue.ran(self.token, shares)
         self.unreported.clear()
         self.next_report = time.monotonic() + REPORT_EVERY_S
         for u, share in shares.items():
@@ -177,7 +178,7 @@ class UnitFeed:
                 self._finished(unit)
 
     def _finished(self, unit: int) -> None:
-        self.queue.finished.remote(unit, self.token)
+        self.queue.finished(unit, self.token)
 
 
 class ReplicaRunner:
@@ -515,10 +516,10 @@ class ReplicaGenerator:
         """Live counters to the sink, fire and forget: the engine never waits on the driver."""
         self.sink.progress.remote(counts)
 
-    def run_item(self, item: int, token: str, queue: Any = None) -> int:
+    def run_item(self, item: int, token: str, queue: RunQueue | None = None) -> int:
         """Run one work item for the job driver (operators/stages/supervise.py), committing each
         part as soon as it is done; returns the rows committed.
-        token: names this engine to the sink and the queue; queue: the job's WorkQueue, which
+        token: names this engine to the sink and the queue; queue: the run's work queue, which
         hands out the units (None for the error records, which need none).
 
         The sink hears when the engine is loaded (a death before that is no row's fault) and

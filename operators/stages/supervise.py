@@ -38,10 +38,10 @@ from prefixflow.operators.results.commit import Committed, load_committed
 from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.attempts import AttemptLedger
 from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
+from prefixflow.operators.stages.job_hub import RunQueue, open_queue
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
 from prefixflow.operators.stages.window_plans import PLANNER_CPUS
 from prefixflow.operators.stages.windows import END, WindowFeed
-from prefixflow.operators.stages.work_queue import WorkQueue
 
 logger = logging.getLogger(__name__)
 
@@ -127,27 +127,20 @@ class Supervisor:
             return ray.get(self.sink.committed_rows.remote(self.commit_run))
         return load_committed(self.wopts.path, self.wopts.storage, clean=False)
 
-    def _start_queue(self, planned: PlannedJob, committed: Committed) -> Any:
-        """The WorkQueue actor, on the driver's node (it lives as long as the driver), holding
-        every unit with rows left (a resume: less the committed ones)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+    def _start_queue(self, planned: PlannedJob, committed: Committed) -> RunQueue:
+        """This run's WorkQueue, in the job's hub (on the driver's node: it lives as long as the
+        driver), holding every unit with rows left (a resume: less the committed ones)."""
         replica, seconds, rows_left, done = _queued_units(planned.plan, self.unit_rows, 0, committed)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return (
-            ray.remote(WorkQueue)
-            .options(num_cpus=0, scheduling_strategy=here)
-            .remote(
-                replica,
-                seconds,
-                self.config.replicas,
-                rows_left,
-                done,
-                self.config.work_stealing,
-                [ref for refs in self.payloads for ref in refs],  # by unit id: replica by replica
-                closed=self.windows is None,
-            )
+        return open_queue(
+            self.sink,
+            replica,
+            seconds,
+            self.config.replicas,
+            rows_left,
+            done,
+            self.config.work_stealing,
+            [ref for refs in self.payloads for ref in refs],  # by unit id: replica by replica
+            closed=self.windows is None,
         )
 
     def _take_window(self) -> None:
@@ -159,13 +152,13 @@ class Supervisor:
         if self.windows is None or self.windows.ended:
             return
         self.windows.check()
-        counts = ray.get(self.queue.counts.remote())
+        counts = ray.get(self.queue.counts())
         nobody = self.given_up.issuperset(range(self.config.replicas))  # its rows become error records
         if counts["num_queued"] > self.last_window_units // 2 and not nobody:
             return
         got = self.windows.poll()
         if got is END:
-            self.queue.close.remote()
+            self.queue.close()
             stop_engines(self.engines)  # started for replicas that never had work
         elif got is not None:
             self._queue_window(*got)
@@ -186,7 +179,7 @@ class Supervisor:
         self.extra_errors = {**self.extra_errors, **window.extra_errors}
         self.last_window_units = window.num_units
         flat = [ref for refs in payloads for ref in refs]
-        first = ray.get(self.queue.add.remote(replica, seconds, flat, rows_left, done))
+        first = ray.get(self.queue.add(replica, seconds, flat, rows_left, done))
         if first != window.first_unit:  # unit ids are the windows' numbering: a bug, not a fault
             raise RuntimeError(f"window {window.window} starts at unit {window.first_unit}, the queue at {first}")
         if not self.config.work_stealing:
@@ -199,7 +192,7 @@ class Supervisor:
         takes them), and their uncommitted rows."""
         import ray
 
-        queued = ray.get(self.queue.drop.remote(replica))
+        queued = ray.get(self.queue.drop(replica))
         return {u: np.setdiff1d(self.unit_rows[u], committed.row_ids) for u in queued}
 
     def _poison(self, rows: dict[int, np.ndarray]) -> None:
@@ -261,10 +254,7 @@ class Supervisor:
                 self.windows.stop()
             for run in self.running.values():  # a job-level failure: stop what still runs
                 ray.kill(run.actor)
-            try:
-                self.queue_status = ray.get(self.queue.status.remote())
-            finally:
-                ray.kill(self.queue)
+            self.queue_status = ray.get(self.queue.end())
 
     def _retire(self, tokens: list[str]) -> None:
         """The sink takes no more commits from these engines' runs (they ended, or died with a
@@ -281,7 +271,7 @@ class Supervisor:
         import ray
 
         busy = {r.item for r in self.running.values()}
-        queued = ray.get(self.queue.counts.remote())["queued"]
+        queued = ray.get(self.queue.counts())["queued"]
         if sum(queued) and self.given_up.issuperset(range(self.config.replicas)):
             self._give_up_the_rest(committed)  # no replica left to take the queued units
             queued = [0] * len(queued)
@@ -336,7 +326,7 @@ class Supervisor:
         (waiting for resources that may never come: a node lost): none has work left."""
         import ray
 
-        if not ray.get(self.queue.counts.remote())["all_done"]:
+        if not ray.get(self.queue.counts())["all_done"]:
             return
         ready = ray.get(self.sink.status.remote())["engines_ready"]
         for ref, run in list(self.running.items()):
@@ -380,7 +370,7 @@ class Supervisor:
         # A death before the engine was loaded is no row's fault (a node lost, OOM at load).
         loaded = run.token in ray.get(self.sink.status.remote())["engines_ready"]
         self.sink.engine_died.remote(run.item)  # Ray's metrics: engine deaths
-        held = ray.get(self.queue.held.remote(run.token)) if run.item != ERRORS_ITEM else []
+        held = ray.get(self.queue.held(run.token)) if run.item != ERRORS_ITEM else []
         left = {u: np.setdiff1d(self.unit_rows[u], np.union1d(now.row_ids, self.poisoned)) for u in held}
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         self.failures.append(
@@ -401,7 +391,7 @@ class Supervisor:
             self._poison(left)
             left = {}
         if run.item != ERRORS_ITEM:
-            ray.get(self.queue.release.remote(run.token, {u: v.tolist() for u, v in left.items()}, run.item))
+            ray.get(self.queue.release(run.token, {u: v.tolist() for u, v in left.items()}, run.item))
         self.given_up.update(give_up)
 
     def report(self) -> dict[str, Any]:

@@ -35,8 +35,8 @@ the others to take; engines that had ended are started again by the driver while
 queued (operators/stages/supervise.py). A replica whose engine starts late (a node added; replicas given as a
 range) takes its own queue's remains, then steals like any other.
 
-Pure Python: the job driver (operators/stages/supervise.py) runs one as a Ray actor on its own node; the
-tests drive it directly.
+Pure Python: the job driver (operators/stages/supervise.py) keeps one per run in the job's actor on
+its own node (operators/stages/job_hub.py); the tests drive it directly.
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ def test_engine_that_keeps_dying_gives_its_rows_up_as_errors(start_driver, ray_l
 
 
 def _job_sink(ray, out: Path, proc: subprocess.Popen):
-    """The running job's MetricsSink actor, found by its name."""
+    """The running job's actor (its sink, JobHub), found by its name."""
     fingerprint = json.loads((out / "_job.json").read_text())["fingerprint"]
     name = sink_name(fingerprint, proc.pid)
     deadline = time.time() + 60

@@ -1,6 +1,6 @@
 """A replica running another replica's units (work stealing): the ReplicaRunner fed a thief's
 sequence of units (its own, then the last of another replica's), without Ray; and the UnitFeed
-an engine takes units through, against a WorkQueue actor."""
+an engine takes units through, against a run's queue in the job's actor (JobHub)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.outputs import PLAN_REPLICA
 from prefixflow.operators.stages.generate import WAIT_RETRY_S, ReplicaRunner, UnitFeed
 from prefixflow.operators.stages.plan import UnitPayload
-from prefixflow.operators.stages.work_queue import WorkQueue
+from prefixflow.operators.stages.job_hub import JobHub, open_queue
 from prefixflow.pipeline import build_plan
 
 
@@ -110,12 +110,9 @@ def test_the_feed_waits_while_the_busy_victim_would_finish_first_then_ends(ray_l
     assert units[0] == list(range(len(units[0]))) and len(units[1]) >= 2  # numbered replica by replica
     seconds = [10.0] * len(units[0]) + [0.1] * len(units[1])
     refs = [ray.put(payloads[u]) for us in units for u in us]  # by unit id
-    queue = (
-        ray.remote(WorkQueue)
-        .options(num_cpus=0)
-        .remote([0] * len(units[0]) + [1] * len(units[1]), seconds, 2, payloads=refs)
-    )
-    assert ray.get(queue.take.remote(1, "victim")).unit == units[1][0]
+    hub = ray.remote(JobHub).options(num_cpus=0).remote()  # the job's actor, holding its run's queue
+    queue = open_queue(hub, [0] * len(units[0]) + [1] * len(units[1]), seconds, 2, payloads=refs)
+    assert ray.get(queue.take(1, "victim")).unit == units[1][0]
     unit_feed = UnitFeed(0, np.array([], np.int64), queue, "thief")
     feed = iter(unit_feed)
     own = [next(feed) for _ in units[0]]
@@ -123,8 +120,9 @@ def test_the_feed_waits_while_the_busy_victim_would_finish_first_then_ends(ray_l
     assert next(feed) is None and next(feed) is None  # WAIT, then not asked again at once
     unit_feed.ran(int(own[0].unit.row_ids[0]))  # the first output is reported at once
     for _ in units[1][1:]:
-        assert ray.get(queue.take.remote(1, "victim")).kind == "unit"
+        assert ray.get(queue.take(1, "victim")).kind == "unit"
     time.sleep(WAIT_RETRY_S)
     assert list(feed) == []  # asked again: nothing is queued, DONE
-    status = ray.get(queue.status.remote())
+    status = ray.get(queue.end())
     assert status["steals"] == [] and status["paces"][0] > 0
+    assert ray.get(hub.status.remote())["engines_ready"] == {}  # the sink's side, in the same actor

@@ -1,0 +1,132 @@
+"""The job's one small actor on the driver's node: its MetricsSink (operators/results/sink.py),
+which the engines report to, and the WorkQueue (operators/stages/work_queue.py) of each of its
+runs, which the engines take units from. One actor, not two: every Ray actor is a process of
+its own (about 1 CPU-s to start on a 2-core machine, and its threads' polling while it lives),
+and both are small and on the driver's node for the same reason (they live as long as the
+driver). Like the sink's module, this one imports neither pyarrow nor the config.
+
+    sink = start_sink("my-job")                      # before the plan: engines load meanwhile
+    queue = open_queue(sink, WorkQueue-arguments...)  # the run's queue, once the plan is made
+    ray.get(queue.take(replica, token))               # an engine's next unit
+    status = ray.get(queue.close())                   # the run ended: its queue goes
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from prefixflow.operators.results.sink import MetricsSink
+from prefixflow.operators.stages.work_queue import WorkQueue
+
+
+class JobHub(MetricsSink):
+    """A MetricsSink that also holds its job's work queues, one per run (a Python API
+    processor's sink outlives each run; two Datasets of one processor may run at once)."""
+
+    def __init__(self, job: str = "prefixflow") -> None:
+        super().__init__(job)
+        self.queues: dict[str, WorkQueue] = {}
+
+    def open_queue(self, run: str, *args: Any, **kwargs: Any) -> None:
+        self.queues[run] = WorkQueue(*args, **kwargs)
+
+    def queue_take(self, run: str, replica: int, token: str) -> Any:
+        return self.queues[run].take(replica, token)
+
+    def queue_ran(self, run: str, token: str, shares: Mapping[int, float]) -> None:
+        self.queues[run].ran(token, shares)
+
+    def queue_finished(self, run: str, unit: int, token: str) -> None:
+        self.queues[run].finished(unit, token)
+
+    def queue_add(
+        self,
+        run: str,
+        unit_replica: Sequence[int],
+        unit_seconds: Sequence[float],
+        payloads: Sequence[Any],
+        rows_left: Mapping[int, Sequence[int]],
+        done_units: Iterable[int],
+    ) -> int:
+        return self.queues[run].add(unit_replica, unit_seconds, payloads, rows_left, done_units)
+
+    def queue_close(self, run: str) -> None:
+        self.queues[run].close()
+
+    def queue_release(self, run: str, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
+        return self.queues[run].release(token, rows_left, replica)
+
+    def queue_drop(self, run: str, replica: int) -> list[int]:
+        return self.queues[run].drop(replica)
+
+    def queue_held(self, run: str, token: str) -> list[int]:
+        return self.queues[run].held(token)
+
+    def queue_counts(self, run: str) -> dict:
+        return self.queues[run].counts()
+
+    def end_queue(self, run: str) -> dict:
+        """The run's queue goes (with the payload refs it held); returns its status."""
+        return self.queues.pop(run).status()
+
+
+class RunQueue:
+    """One run's work queue in the job's JobHub, as the driver and the engines call it: each
+    method sends the call and returns its object ref (fire and forget, or ray.get it)."""
+
+    def __init__(self, hub: Any, run: str):
+        self.hub, self.run = hub, run
+
+    def take(self, replica: int, token: str) -> Any:
+        return self.hub.queue_take.remote(self.run, replica, token)
+
+    def ran(self, token: str, shares: Mapping[int, float]) -> Any:
+        return self.hub.queue_ran.remote(self.run, token, shares)
+
+    def finished(self, unit: int, token: str) -> Any:
+        return self.hub.queue_finished.remote(self.run, unit, token)
+
+    def add(self, *args: Any) -> Any:
+        """WorkQueue.add's arguments, all five."""
+        return self.hub.queue_add.remote(self.run, *args)
+
+    def close(self) -> Any:
+        return self.hub.queue_close.remote(self.run)
+
+    def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> Any:
+        return self.hub.queue_release.remote(self.run, token, rows_left, replica)
+
+    def drop(self, replica: int) -> Any:
+        return self.hub.queue_drop.remote(self.run, replica)
+
+    def held(self, token: str) -> Any:
+        return self.hub.queue_held.remote(self.run, token)
+
+    def counts(self) -> Any:
+        return self.hub.queue_counts.remote(self.run)
+
+    def end(self) -> Any:
+        return self.hub.end_queue.remote(self.run)
+
+
+def open_queue(hub: Any, *args: Any, **kwargs: Any) -> RunQueue:
+    """A new run's WorkQueue (WorkQueue's arguments) in the job's hub."""
+    import ray
+
+    run = uuid.uuid4().hex
+    ray.get(hub.open_queue.remote(run, *args, **kwargs))  # before any engine asks it for a unit
+    return RunQueue(hub, run)
+
+
+def start_sink(job: str = "prefixflow", name: str | None = None) -> Any:
+    """The job's JobHub actor on the driver's own node: it lives as long as the driver does (on
+    another node it would die with that node, and take the job with it). name: for another
+    process to find it (namespace "prefixflow"; results/sink.sink_name)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    named = {"namespace": "prefixflow", "name": name} if name is not None else {}
+    return ray.remote(JobHub).options(num_cpus=0, scheduling_strategy=here, **named).remote(job)
