@@ -27,6 +27,11 @@ for _key, _value in LOCAL_CLUSTER_SYSTEM_CONFIG.items():
 # worker's cluster for the whole suite (an idle cluster: 3.9 -> 2.5 CPU-s a minute). A job's
 # workers still serve its next burst of tasks within the threshold.
 os.environ.setdefault("RAY_num_workers_soft_limit", "0")
+# Each node's log monitor looks for new worker log files every 0.1 s while it follows fewer than
+# this many (Ray's default 1,000), every 0.5 s above: a suite's clusters hold hundreds, each
+# look a listing of the whole folder (an idle node with 200 such files: 0.30 -> 0.09 CPU-s in
+# 20 s). A worker's lines still reach its driver, found up to 0.5 s later.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 
 @pytest.fixture(scope="session")
