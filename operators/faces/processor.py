@@ -26,7 +26,6 @@ from prefixflow.engine.vllm_backend.engine import cpu_context
 from prefixflow.model_source import resolve_model
 from prefixflow.operators.config import ProcessorConfig, TokenizeOptions
 from prefixflow.operators.results.outputs import INTERNAL
-from prefixflow.operators.stages.job_hub import start_sink
 from prefixflow.operators.stages.plan import PlannedJob, plan_dataset
 from prefixflow.operators.stages.window_plans import joined_windows, plan_windows, window_summary
 from prefixflow.operators.stages.supervise import (
@@ -83,8 +82,10 @@ class Processor:
 
     def outputs(self, ds: Any) -> Any:
         """The output rows of `ds` as a lazy Dataset: the job runs when it executes."""
-        # lazy: lazy_job imports Ray's datasource API; building a processor needs no Ray
+        # lazy: lazy_job imports Ray's datasource API, job_hub Ray itself (its actor's methods
+        # are declared with ray.method); building a processor needs no Ray
         from prefixflow.operators.faces.lazy_job import job_dataset
+        from prefixflow.operators.stages.job_hub import start_sink
 
         if self.sink is None:  # one small actor per processor collects the runs' records
             self.sink = start_sink()

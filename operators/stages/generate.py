@@ -2,7 +2,8 @@
 
 The job's driver (operators/stages/supervise.py, for a job from a spec and for the Python API
 alike) starts one `ReplicaGenerator` actor per replica and calls `run_item`: the actor takes
-units from the job's WorkQueue (operators/stages/work_queue.py) as its engine has room, its own
+units from the run's work queue (operators/stages/work_queue.py, in the job's actor:
+job_hub.py) as its engine has room, its own
 replica's first, then (run dry) the last unstarted ones of the busiest replica, and commits each
 part itself (to the output path, or to the sink). It hands the units to a ReplicaRunner, which
 every path shares (the streaming batch_generator.Generator too): it loads the engine of the
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -35,10 +36,12 @@ from prefixflow.operators.results.score import row_choices
 from prefixflow.operators.results.write import WriteOptions, part_manifest, ray_node_id, write_part
 from prefixflow.operators.row_sampling import row_params
 from prefixflow.operators.stages.isolate import run_isolated, without_rows
-from prefixflow.operators.stages.job_hub import RunQueue
 from prefixflow.operators.stages.plan import RowIndex, UnitPayload, fetch_rows
 from prefixflow.operators.stages.work_queue import DONE, WAIT, Take
 from prefixflow.pipeline.plan import PlanUnit
+
+if TYPE_CHECKING:
+    from prefixflow.operators.stages.job_hub import RunQueue
 
 logger = logging.getLogger(__name__)
 ERRORS_ITEM = -1
@@ -472,7 +475,7 @@ def make_engine(config: ProcessorConfig, replica: int = 0) -> ReplicaEngine:
 
 class ReplicaGenerator:
     """An engine actor of the job driver (operators/stages/supervise.py): `run_item` runs a
-    replica's units (from the job's WorkQueue) on a ReplicaRunner, or writes the error records.
+    replica's units (from the run's work queue) on a ReplicaRunner, or writes the error records.
 
     Built from the config alone, so that it can load its engine (`load`) while the job is still
     read and planned (operators/stages/supervise.start_engines); `take_job` then hands it the
@@ -533,6 +536,7 @@ class ReplicaGenerator:
         if item == ERRORS_ITEM:
             chunks, feed = self._error_records(), None
         else:
+            assert queue is not None  # only the error records run without one
             feed = self._feed(item, queue, token)
             chunks = self._chunks(item, feed)
         rows = 0
@@ -546,7 +550,7 @@ class ReplicaGenerator:
             rows += chunk.num_rows
         return rows
 
-    def _feed(self, replica: int, queue: Any, token: str) -> UnitFeed:
+    def _feed(self, replica: int, queue: RunQueue, token: str) -> UnitFeed:
         return UnitFeed(replica, np.union1d(self.done, self.skip), queue, token)
 
     def _chunks(self, replica: int, feed: UnitFeed) -> Iterator[pa.Table]:

@@ -4,8 +4,8 @@ work queue, each restarted alone when it dies.
     manifests, faults = Supervisor(config, planned, sink, wopts, max_retries, progress).run()
     for _ in Supervisor(config, planned, sink, None, max_retries).steps(): ...  # the Python API
 
-One actor per replica runs `ReplicaGenerator.run_item`, taking plan units from the job's
-WorkQueue (operators/stages/work_queue.py: its own replica's in plan order, then, run dry, the last
+One actor per replica runs `ReplicaGenerator.run_item`, taking plan units from the run's
+work queue (operators/stages/work_queue.py, in the job's actor, job_hub.py: its own replica's in plan order, then, run dry, the last
 unstarted units of the busiest replica) and committing each part itself: to the output path
 (a job run from a spec, operators/results/commit.py), or, with no WriteOptions (the Python API,
 whose rows leave as a Dataset's blocks), to the job's MetricsSink, which keeps each committed
@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -38,10 +38,12 @@ from prefixflow.operators.results.commit import Committed, load_committed
 from prefixflow.operators.results.write import WriteOptions
 from prefixflow.operators.stages.attempts import AttemptLedger
 from prefixflow.operators.stages.generate import ERRORS_ITEM, ReplicaGenerator
-from prefixflow.operators.stages.job_hub import RunQueue, open_queue
 from prefixflow.operators.stages.plan import PlannedJob, unit_payload_refs
 from prefixflow.operators.stages.window_plans import PLANNER_CPUS
 from prefixflow.operators.stages.windows import END, WindowFeed
+
+if TYPE_CHECKING:
+    from prefixflow.operators.stages.job_hub import RunQueue
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class Supervisor:
     units are queued (and one for the error records), restarts a replica whose actor died after
     handing its units back, gives a replica up when the ledger says so.
 
+    sink: the job's actor (operators/stages/job_hub.start_sink), which also holds this run's
+        work queue.
     wopts: where the actors commit their parts; None: to the sink (the Python API).
     progress: the driver's display of committed parts and live counters (None: none).
     engine_options: Ray options of the engine actors (default engine_actor_options(config)).
@@ -130,6 +134,10 @@ class Supervisor:
     def _start_queue(self, planned: PlannedJob, committed: Committed) -> RunQueue:
         """This run's WorkQueue, in the job's hub (on the driver's node: it lives as long as the
         driver), holding every unit with rows left (a resume: less the committed ones)."""
+        # lazy: job_hub imports Ray (its actor's methods are declared with ray.method), and
+        # `import prefixflow` (which reaches this module) needs no Ray
+        from prefixflow.operators.stages.job_hub import open_queue
+
         replica, seconds, rows_left, done = _queued_units(planned.plan, self.unit_rows, 0, committed)
         return open_queue(
             self.sink,

@@ -82,6 +82,7 @@ def test_processor_and_generator_agree(ray_local, config):
     assert "bogus" in out[1]["error"] and len(out[0]["tokens"]) <= 2 < len(out[2]["tokens"])
     assert processor.plan_summary()["token_saving_ratio"] > 0
     assert processor.metrics()[0]["num_rows"] == 8
+    assert ray.get(processor.sink.queue_runs.remote()) == []  # the run's work queue went with it
 
     # The lighter mode: the same requests through map_batches, one plan per batch.
     ds2 = ray.data.from_items([{**r, "messages": [{"role": "user", "content": r["q"]}]} for r in _rows()])

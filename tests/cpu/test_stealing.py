@@ -14,7 +14,7 @@ from prefixflow.operators.config import ProcessorConfig
 from prefixflow.operators.results.outputs import PLAN_REPLICA
 from prefixflow.operators.stages.generate import WAIT_RETRY_S, ReplicaRunner, UnitFeed
 from prefixflow.operators.stages.plan import UnitPayload
-from prefixflow.operators.stages.job_hub import JobHub, open_queue
+from prefixflow.operators.stages.job_hub import QUEUE, JobHub, hub_actor, open_queue
 from prefixflow.pipeline import build_plan
 
 
@@ -110,7 +110,7 @@ def test_the_feed_waits_while_the_busy_victim_would_finish_first_then_ends(ray_l
     assert units[0] == list(range(len(units[0]))) and len(units[1]) >= 2  # numbered replica by replica
     seconds = [10.0] * len(units[0]) + [0.1] * len(units[1])
     refs = [ray.put(payloads[u]) for us in units for u in us]  # by unit id
-    hub = ray.remote(JobHub).options(num_cpus=0).remote()  # the job's actor, holding its run's queue
+    hub = hub_actor().options(num_cpus=0).remote()  # the job's actor, holding its run's queue
     queue = open_queue(hub, [0] * len(units[0]) + [1] * len(units[1]), seconds, 2, payloads=refs)
     assert ray.get(queue.take(1, "victim")).unit == units[1][0]
     unit_feed = UnitFeed(0, np.array([], np.int64), queue, "thief")
@@ -126,3 +126,16 @@ def test_the_feed_waits_while_the_busy_victim_would_finish_first_then_ends(ray_l
     status = ray.get(queue.end())
     assert status["steals"] == [] and status["paces"][0] > 0
     assert ray.get(hub.status.remote())["engines_ready"] == {}  # the sink's side, in the same actor
+    # The run's queue is gone; an engine still asking is told DONE, holds nothing.
+    assert ray.get(queue.take(0, "late")).kind == "done" and ray.get(queue.held("late")) == []
+    assert ray.get(hub.queue_runs.remote()) == [] and ray.get(queue.end()) == {}
+
+
+def test_every_queue_call_of_the_hub_answers_on_the_queues_thread():
+    """The queues' state is touched by one thread only, apart from the sink's: a queue method
+    left in the default group would run beside the others (and wait behind the sink's work)."""
+    from prefixflow.operators.results.sink import MetricsSink
+
+    own = [name for name in vars(JobHub) if not name.startswith("_")]
+    assert own and not set(own) & set(vars(MetricsSink))  # no sink method is shadowed
+    assert {name: getattr(JobHub, name).__ray_concurrency_group__ for name in own} == dict.fromkeys(own, QUEUE)
