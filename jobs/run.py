@@ -219,8 +219,9 @@ def pin_table(job: Job, quiet: bool = True) -> Job:
 
 def sized_windows(job: Job, quiet: bool = True) -> Job:
     """The job planned in windows of AUTO_WINDOW_ROWS where its spec leaves window_rows unset
-    (0: whole, whatever the size) and its input holds more than AUTO_WINDOW_ABOVE rows (read.estimated_rows: decided by the
-    input alone, so that a resume decides alike); otherwise the job as it is."""
+    (0: whole, whatever the size) and its input holds more than AUTO_WINDOW_ABOVE rows
+    (read.estimated_rows: decided by the input alone, so that a resume decides alike);
+    otherwise the job as it is."""
     if job.config.window_rows is not None:
         return job
     rows = estimated_rows(job.read)  # read with retries: a failure here fails the job, never flips it

@@ -3,12 +3,11 @@
 The job's driver (operators/stages/supervise.py, for a job from a spec and for the Python API
 alike) starts one `ReplicaGenerator` actor per replica and calls `run_item`: the actor takes
 units from the run's work queue (operators/stages/work_queue.py, in the job's actor:
-job_hub.py) as its engine has room, its own
-replica's first, then (run dry) the last unstarted ones of the busiest replica, and commits each
-part itself (to the output path, or to the sink). It hands the units to a ReplicaRunner, which
-every path shares (the streaming batch_generator.Generator too): it loads the engine of the
-configured backend (native or vLLM) once, feeds it the units' groups lazily and yields output
-blocks as requests finish.
+job_hub.py) as its engine has room, its own replica's first, then (run dry) the last unstarted
+ones of the busiest replica, and commits each part itself (to the output path, or to the
+sink). It hands the units to a ReplicaRunner, which every path shares (the streaming
+batch_generator.Generator too): it loads the engine of the configured backend (native or vLLM)
+once, feeds it the units' groups lazily and yields output blocks as requests finish.
 """
 
 from __future__ import annotations
@@ -92,8 +91,8 @@ class UnitFeed:
     """The units one engine runs, in the order it gets them, minus the rows not to run.
 
     queue: the run's work queue (operators/stages/job_hub.RunQueue), which hands out the units,
-    each with an object ref of its payload (operators/stages/plan.unit_payload_refs). skip: rows committed by an earlier run or
-    given up.
+    each with an object ref of its payload (operators/stages/plan.unit_payload_refs). skip:
+    rows committed by an earlier run or given up.
     Iterating yields UnitPayloads, or NOT_READY while the queue says WAIT (asking it again at
     most every WAIT_RETRY_S); `ran` tells the queue what share of each unit's rows has its
     output (the pace of work stealing), `committed` when every row of a unit is committed.

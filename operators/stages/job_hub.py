@@ -27,13 +27,14 @@ from prefixflow.operators.results.sink import MetricsSink
 from prefixflow.operators.stages.work_queue import DONE, Take, WorkQueue
 
 QUEUE = "queue"  # the queues' concurrency group: one thread, apart from the sink's
+# What an engine's call (RunQueue's) is answered for a run whose queue has ended (an engine
+# still asking after the driver stopped): an empty queue's answers.
+ENDED_ANSWERS: dict[str, Any] = {"take": Take(DONE), "ran": None, "finished": None, "held": []}
 
 
 class JobHub(MetricsSink):
     """A MetricsSink that also holds its job's work queues, one per run (a Python API
-    processor's sink outlives each run; two Datasets of one processor may run at once). A call
-    for a run whose queue has ended (an engine still asking after the driver stopped) is
-    answered as an empty queue would: DONE, nothing held."""
+    processor's sink outlives each run; two Datasets of one processor may run at once)."""
 
     def __init__(self, job: str = "prefixflow") -> None:
         super().__init__(job)
@@ -44,51 +45,13 @@ class JobHub(MetricsSink):
         self.queues[run] = WorkQueue(*args, **kwargs)
 
     @ray.method(concurrency_group=QUEUE)
-    def queue_take(self, run: str, replica: int, token: str) -> Take:
-        queue = self.queues.get(run)
-        return Take(DONE) if queue is None else queue.take(replica, token)
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_ran(self, run: str, token: str, shares: Mapping[int, float]) -> None:
-        if run in self.queues:
-            self.queues[run].ran(token, shares)
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_finished(self, run: str, unit: int, token: str) -> None:
-        if run in self.queues:
-            self.queues[run].finished(unit, token)
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_add(
-        self,
-        run: str,
-        unit_replica: Sequence[int],
-        unit_seconds: Sequence[float],
-        payloads: Sequence[Any],
-        rows_left: Mapping[int, Sequence[int]],
-        done_units: Iterable[int],
-    ) -> int:  # the driver's calls (add to counts) expect the run's queue: its absence is a bug
-        return self.queues[run].add(unit_replica, unit_seconds, payloads, rows_left, done_units)
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_close(self, run: str) -> None:
-        self.queues[run].close()
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_release(self, run: str, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> list[int]:
-        return self.queues[run].release(token, rows_left, replica)
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_drop(self, run: str, replica: int) -> list[int]:
-        return self.queues[run].drop(replica)
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_held(self, run: str, token: str) -> list[int]:
-        return self.queues[run].held(token) if run in self.queues else []
-
-    @ray.method(concurrency_group=QUEUE)
-    def queue_counts(self, run: str) -> dict:
-        return self.queues[run].counts()
+    def queue_call(self, run: str, method: str, *args: Any) -> Any:
+        """WorkQueue.<method>(*args) on the run's queue (RunQueue's calls). Where it has ended,
+        an engine's calls get ENDED_ANSWERS; the driver's own (add, close, release, drop,
+        counts) expect it: its absence is a bug."""
+        if run not in self.queues and method in ENDED_ANSWERS:
+            return ENDED_ANSWERS[method]
+        return getattr(self.queues[run], method)(*args)
 
     @ray.method(concurrency_group=QUEUE)
     def end_queue(self, run: str) -> dict:
@@ -111,35 +74,44 @@ class RunQueue:
         self.hub, self.run = hub, run
 
     def take(self, replica: int, token: str) -> Any:
-        return self.hub.queue_take.remote(self.run, replica, token)
+        return self._call("take", replica, token)
 
     def ran(self, token: str, shares: Mapping[int, float]) -> Any:
-        return self.hub.queue_ran.remote(self.run, token, shares)
+        return self._call("ran", token, shares)
 
     def finished(self, unit: int, token: str) -> Any:
-        return self.hub.queue_finished.remote(self.run, unit, token)
+        return self._call("finished", unit, token)
 
-    def add(self, *args: Any) -> Any:
-        """WorkQueue.add's arguments, all five."""
-        return self.hub.queue_add.remote(self.run, *args)
+    def add(
+        self,
+        unit_replica: Sequence[int],
+        unit_seconds: Sequence[float],
+        payloads: Sequence[Any],
+        rows_left: Mapping[int, Sequence[int]],
+        done_units: Iterable[int],
+    ) -> Any:
+        return self._call("add", unit_replica, unit_seconds, payloads, rows_left, done_units)
 
     def close(self) -> Any:
-        return self.hub.queue_close.remote(self.run)
+        return self._call("close")
 
     def release(self, token: str, rows_left: Mapping[int, Sequence[int]], replica: int) -> Any:
-        return self.hub.queue_release.remote(self.run, token, rows_left, replica)
+        return self._call("release", token, rows_left, replica)
 
     def drop(self, replica: int) -> Any:
-        return self.hub.queue_drop.remote(self.run, replica)
+        return self._call("drop", replica)
 
     def held(self, token: str) -> Any:
-        return self.hub.queue_held.remote(self.run, token)
+        return self._call("held", token)
 
     def counts(self) -> Any:
-        return self.hub.queue_counts.remote(self.run)
+        return self._call("counts")
 
     def end(self) -> Any:
         return self.hub.end_queue.remote(self.run)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.hub.queue_call.remote(self.run, method, *args)
 
 
 def open_queue(hub: Any, *args: Any, **kwargs: Any) -> RunQueue:
