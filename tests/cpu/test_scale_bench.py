@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
+from prefixflow.bench.scale_merge import merge
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 
 
@@ -129,3 +130,45 @@ def test_ray_keeps_the_faster_configuration_and_both_when_one_run_cannot_tell_th
     assert _ray_kept(found(256.1, 253.3), "model_decided", 4) == ["ray_llm_sorted_default", "ray_llm_sorted_ours"]
     assert _ray_kept(found(300.0, 253.3), "model_decided", 4) == ["ray_llm_sorted_ours"]
     assert _ray_kept({}, "model_decided", 4) == []
+
+
+def _result(n: int, ours_s: float, ray_s: float, documents: int = 245) -> dict:
+    """A scale_bench result holding one N's model-decided cells, as its run writes it."""
+    out = {1: [3, 4]}
+    runs = {
+        f"prefixflow_vllm/model_decided/{n}": cell_summary(
+            [_run(w, 10, 1000, [40, 42], [50, 50], out) for w in ours_s], out
+        ),
+        f"ray_llm_sorted_default/model_decided/{n}": cell_summary(
+            [_run(w, 5, 1100, [30, 60], [45, 70], out) for w in ray_s], out
+        ),
+    }
+    settings = {"rows": 2048, "workers": 3, "kv_cache_bytes": 1, "block_size": 32, "model": {}, "model_config": {}}
+    return {
+        "args": {**settings, "replicas": [n], "repeats": 3},
+        "workload": {"documents": documents, "floors": {"whole_block_floor": 990}},
+        "machine": {"cpus": 2},
+        "runs": runs,
+    }
+
+
+def test_cells_measured_apart_join_with_their_goals_per_n_and_no_per_row_detail():
+    joined = merge(
+        {"n2.json": _result(2, (60, 62, 70), (80, 85, 90)), "n4.json": _result(4, (40, 41, 42), (50, 51, 52))}
+    )
+    assert joined["args"]["replicas"] == [2, 4] and joined["args"]["workloads"] == ["model_decided"]
+    assert joined["cell_source"]["prefixflow_vllm/model_decided/4"] == "n4.json"
+    # Each N against Ray's cell of the same N, from the same file: 80/52 at N = 2, 46/31 at N = 4.
+    assert joined["acceptance"]["prefixflow_vllm/model_decided/2"]["speedup_vs_ray_best"] == pytest.approx(80 / 52)
+    assert joined["acceptance"]["prefixflow_vllm/model_decided/4"]["speedup_vs_ray_best"] == pytest.approx(46 / 31)
+    assert all("outputs" not in r for cell in joined["runs"].values() for r in cell["repeats"])
+    assert joined["runs"]["prefixflow_vllm/model_decided/2"]["outputs_equal"] == [1, 1, 1]
+
+
+def test_files_of_another_workload_or_the_same_cell_twice_are_refused():
+    with pytest.raises(ValueError, match="other.json: its workload differs"):
+        merge(
+            {"n2.json": _result(2, (1, 2, 3), (4, 5, 6)), "other.json": _result(4, (1, 2, 3), (4, 5, 6), documents=9)}
+        )
+    with pytest.raises(ValueError, match="is in a.json and in b.json"):
+        merge({"a.json": _result(2, (1, 2, 3), (4, 5, 6)), "b.json": _result(2, (1, 2, 3), (4, 5, 6))})

@@ -1,0 +1,119 @@
+"""scale_bench's cells measured apart, joined into one result (issue 38).
+
+A whole scale_bench (N = 1, 2, 4, both workloads, 3 repeats) is about 8 hours of a quiet 2-core
+machine, more than one sitting; it is run a cell group at a time (`--replicas 4 --workloads
+model_decided`, ...), each group side by side in one run as the bench does it. This joins those
+files:
+
+    .venv/bin/python -m prefixflow.bench.scale_merge bench/results/scale_bench_n4_model_decided.json \\
+        bench/results/scale_bench_n2_model_decided.json ... [--out bench/results/scale_bench.json]
+
+Every cell is taken as it was measured (its repeats, median, spread, load, outputs compared in its
+own run); the goals are recomputed per N with scale_bench's own rule over the joined cells, so a
+prefixflow cell is only ever compared with Ray's cells of the same N and workload, which ran in
+the same sitting. Refused: files of another workload (rows, documents, EOS, output lengths or
+prompt-token floors differ, or other engine settings) and a cell measured in two files (say which
+one counts by leaving the other out). The result keeps, for each cell, the file it came from,
+and leaves out the runs' per-row detail (one file given alone is trimmed so for the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from prefixflow.bench.scale_bench import RESULTS, SYSTEMS, acceptance, plot
+from prefixflow.bench.scale_workload import WORKLOADS
+
+# Per-row detail a run's record keeps, which the repository's copy leaves out (the work folder's
+# summary has it): outputs and their lengths, the row-to-block and row-to-engine maps.
+PER_ROW = ("outputs", "output_lengths", "block_row_ids", "row_block", "row_engine")
+# What must be equal for two files to have measured the same workload with the same engines.
+SAME_WORKLOAD = ("workload",)
+SAME_SETTINGS = ("rows", "workers", "kv_cache_bytes", "block_size", "model", "model_config")
+
+
+def _key_n(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+def check_same_job(results: dict[str, dict[str, Any]]) -> None:
+    """Raises ValueError naming the first file whose workload or engine settings differ."""
+    (first_name, first), *rest = results.items()
+    for name, result in rest:
+        for field in SAME_WORKLOAD:
+            if result[field] != first[field]:
+                raise ValueError(f"{name}: its {field} differs from {first_name}'s: not the same job")
+        for field in SAME_SETTINGS:
+            if result["args"].get(field) != first["args"].get(field):
+                raise ValueError(f"{name}: args.{field} differs from {first_name}'s: not the same job")
+
+
+def trimmed(cell: dict[str, Any]) -> dict[str, Any]:
+    """The cell without its runs' per-row detail (PER_ROW)."""
+    repeats = [{k: v for k, v in r.items() if k not in PER_ROW} for r in cell["repeats"]]
+    return {**cell, "repeats": repeats}
+
+
+def merge(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One result from scale_bench results keyed by their file names (see the module's doc)."""
+    check_same_job(results)
+    runs: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name, result in results.items():
+        for key, cell in result["runs"].items():
+            if key in runs:
+                raise ValueError(f"cell {key} is in {source[key]} and in {name}: leave one file out")
+            runs[key], source[key] = trimmed(cell), name
+    replicas = sorted({_key_n(k) for k in runs})
+    measured = {k.split("/")[0] for k in runs}
+    first = next(iter(results.values()))
+    floors = {w: first["workload"]["floors"] for w in WORKLOADS}  # the prompts are the same
+    accept: dict[str, Any] = {}
+    for n in replicas:
+        accept.update(acceptance(runs, n, floors))
+    return {
+        "bench": "scale_bench",
+        "merged_from": {
+            name: {
+                "cells": sorted(r["runs"]),
+                "repeats": r["args"]["repeats"],
+                "machine": r["machine"],
+                "note": r.get("note", ""),
+                "dispatch_check": r.get("dispatch_check"),
+            }
+            for name, r in results.items()
+        },
+        "args": {
+            **{f: first["args"][f] for f in SAME_SETTINGS},
+            "replicas": replicas,
+            "systems": [s for s in SYSTEMS if s in measured],
+            "ablation": sorted(measured - set(SYSTEMS)),
+            "workloads": [w for w in WORKLOADS if any(f"/{w}/" in k for k in runs)],
+            "repeats": min(r["args"]["repeats"] for r in results.values()),
+        },
+        "workload": first["workload"],
+        "cell_source": source,
+        "runs": runs,
+        "acceptance": accept,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("files", nargs="+", help="scale_bench result files (JSON)")
+    p.add_argument("--out", default=str(RESULTS / "scale_bench.json"))
+    args = p.parse_args(argv)
+    results = {Path(f).name: json.loads(Path(f).read_text()) for f in args.files}
+    result = merge(results)
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result["acceptance"], indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
