@@ -28,8 +28,9 @@ from prefixflow.bench.scale_bench import RESULTS, SYSTEMS, acceptance, plot
 from prefixflow.bench.scale_workload import WORKLOADS
 
 # Per-row detail a run's record keeps, which the repository's copy leaves out (the work folder's
-# summary has it): outputs and their lengths, the row-to-block and row-to-engine maps.
-PER_ROW = ("outputs", "output_lengths", "block_row_ids", "row_block", "row_engine")
+# summary has it): outputs and their lengths, the row-to-block, -batch and -engine maps and
+# Ray's sorted order (sim_dispatch_check's `--extract` keeps what its check reads of them).
+PER_ROW = ("outputs", "output_lengths", "block_row_ids", "row_block", "row_engine", "row_batch", "sorted_row_ids")
 # What must be equal for two files to have measured the same workload with the same engines.
 SAME_WORKLOAD = ("workload",)
 SAME_SETTINGS = ("rows", "workers", "kv_cache_bytes", "block_size", "model", "model_config")
@@ -57,16 +58,33 @@ def trimmed(cell: dict[str, Any]) -> dict[str, Any]:
     return {**cell, "repeats": repeats}
 
 
+def _sittings(name: str, result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The sittings a result holds (itself, or those it was joined from) and each cell's."""
+    if "merged_from" in result:
+        return result["merged_from"], result["cell_source"]
+    sitting = {
+        "cells": sorted(result["runs"]),
+        "repeats": result["args"]["repeats"],
+        "machine": result.get("machine"),
+        "note": result.get("note", ""),
+        "dispatch_check": result.get("dispatch_check"),
+    }
+    return {name: sitting}, dict.fromkeys(result["runs"], name)
+
+
 def merge(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One result from scale_bench results keyed by their file names (see the module's doc)."""
     check_same_job(results)
     runs: dict[str, Any] = {}
     source: dict[str, str] = {}
+    sittings: dict[str, Any] = {}
     for name, result in results.items():
+        held, cell_source = _sittings(name, result)
+        sittings.update(held)
         for key, cell in result["runs"].items():
             if key in runs:
-                raise ValueError(f"cell {key} is in {source[key]} and in {name}: leave one file out")
-            runs[key], source[key] = trimmed(cell), name
+                raise ValueError(f"cell {key} is in {source[key]} and in {cell_source[key]}: leave one file out")
+            runs[key], source[key] = trimmed(cell), cell_source[key]
     replicas = sorted({_key_n(k) for k in runs})
     measured = {k.split("/")[0] for k in runs}
     first = next(iter(results.values()))
@@ -76,16 +94,7 @@ def merge(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         accept.update(acceptance(runs, n, floors))
     return {
         "bench": "scale_bench",
-        "merged_from": {
-            name: {
-                "cells": sorted(r["runs"]),
-                "repeats": r["args"]["repeats"],
-                "machine": r["machine"],
-                "note": r.get("note", ""),
-                "dispatch_check": r.get("dispatch_check"),
-            }
-            for name, r in results.items()
-        },
+        "merged_from": sittings,
         "args": {
             **{f: first["args"][f] for f in SAME_SETTINGS},
             "replicas": replicas,

@@ -163,6 +163,11 @@ def test_cells_measured_apart_join_with_their_goals_per_n_and_no_per_row_detail(
     assert joined["acceptance"]["prefixflow_vllm/model_decided/4"]["speedup_vs_ray_best"] == pytest.approx(46 / 31)
     assert all("outputs" not in r for cell in joined["runs"].values() for r in cell["repeats"])
     assert joined["runs"]["prefixflow_vllm/model_decided/2"]["outputs_equal"] == [1, 1, 1]
+    # A joined file joins again, each cell still naming the sitting it was measured in.
+    again = merge({"joined.json": joined, "n1.json": _result(1, (90, 91, 92), (99, 99, 99))})
+    assert sorted(again["merged_from"]) == ["n1.json", "n2.json", "n4.json"]
+    assert again["cell_source"]["prefixflow_vllm/model_decided/4"] == "n4.json"
+    assert again["args"]["replicas"] == [1, 2, 4]
 
 
 def test_files_of_another_workload_or_the_same_cell_twice_are_refused():
