@@ -294,7 +294,7 @@ def _ray_record(
         "engine_end_s": [max(r["finished_at"] for r in rs) - t0 for rs in engines],
         "nodes": [rs[0]["node_id"] for rs in engines],
         "first_request_s": [min(r["arrival_time"] for r in rs) - t0 for rs in engines],
-        "startup": {"engine_first_request_s": [min(r["arrival_time"] for r in rs) - t0 for rs in engines]},
+        "startup": _ray_startup(engines, t0),
         "threads": {"num_cpus_per_replica": 1, "omp_num_threads": sorted({r["omp_threads"] for r in rows})},
         "row_engine": {int(r["id"]): pids.index(r["pid"]) for r in rows},
         "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
@@ -304,18 +304,40 @@ def _ray_record(
     }
 
 
+def _ray_startup(engines: list[list[dict[str, Any]]], t0: float) -> dict[str, Any]:
+    """Each engine's start-up: its vLLM engine built, and its first request; between them it
+    waited for its first block (read, tokenize and sort, which Ray runs while engines start)."""
+    first = [min(r["arrival_time"] for r in rs) - t0 for rs in engines]
+    ready = [rs[0].get("engine_ready_at") for rs in engines]
+    return {
+        "engine_ready_s": [None if at is None else at - t0 for at in ready],
+        "engine_first_request_s": first,
+        "waited_for_data_s": [None if at is None else f - (at - t0) for at, f in zip(ready, first)],
+    }
+
+
 def _engine_fields(row: dict[str, Any]) -> dict[str, Any]:
     m = row.get("metrics") or {}
-    return {k: m.get(k) for k in ("num_cached_tokens", "finished_at", "pid", "arrival_time", "node_id", "omp_threads")}
+    keys = ("num_cached_tokens", "finished_at", "pid", "arrival_time", "node_id", "omp_threads", "engine_ready_at")
+    return {k: m.get(k) for k in keys}
 
 
 def record_engine_fields() -> None:
     """A Ray worker setup hook for the ray.data.llm runs: each vLLM output row's `metrics` also
     gets the request's num_cached_tokens (prefix-cache hits), when it finished, which engine
-    process and node ran it and its OMP threads. Changes nothing else."""
+    process and node ran it, its OMP threads and when that process's engine was built (the stage
+    builds its vLLM engine in its constructor: the start-up's "engine ready"). Changes nothing else."""
     from ray.llm._internal.batch.stages import vllm_engine_stage as stage
 
     original = stage.vLLMOutputData.from_vllm_engine_output.__func__
+    build_engine = stage.vLLMEngineStageUDF.__init__
+    ready: dict[str, float] = {}
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        build_engine(self, *args, **kwargs)
+        ready["at"] = time.time()
+
+    stage.vLLMEngineStageUDF.__init__ = init
 
     def from_vllm_engine_output(cls: Any, output: Any) -> Any:
         import ray
@@ -328,6 +350,7 @@ def record_engine_fields() -> None:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+            "engine_ready_at": ready.get("at"),
         }
         return data
 
