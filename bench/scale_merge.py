@@ -1,7 +1,7 @@
 """scale_bench's cells measured apart, joined into one result (issue 38).
 
-A whole scale_bench (N = 1, 2, 4, both workloads, 3 repeats) is about 8 hours of a quiet 2-core
-machine, more than one sitting; it is run a cell group at a time (`--replicas 4 --workloads
+A whole scale_bench (N = 1, 2, 4, both workloads, 3 repeats) is about 5 hours of a quiet 2-core
+machine (N = 4, 4 engines on 2 cores, takes 3 of them), more than one sitting; it is run a cell group at a time (`--replicas 4 --workloads
 model_decided`, ...), each group side by side in one run as the bench does it. This joins those
 files:
 
@@ -31,8 +31,7 @@ from prefixflow.bench.scale_workload import WORKLOADS
 # summary has it): outputs and their lengths, the row-to-block, -batch and -engine maps and
 # Ray's sorted order (sim_dispatch_check's `--extract` keeps what its check reads of them).
 PER_ROW = ("outputs", "output_lengths", "block_row_ids", "row_block", "row_engine", "row_batch", "sorted_row_ids")
-# What must be equal for two files to have measured the same workload with the same engines.
-SAME_WORKLOAD = ("workload",)
+# Besides the workload, what must be equal for two files to have measured the same job.
 SAME_SETTINGS = ("rows", "workers", "kv_cache_bytes", "block_size", "model", "model_config")
 
 
@@ -44,9 +43,8 @@ def check_same_job(results: dict[str, dict[str, Any]]) -> None:
     """Raises ValueError naming the first file whose workload or engine settings differ."""
     (first_name, first), *rest = results.items()
     for name, result in rest:
-        for field in SAME_WORKLOAD:
-            if result[field] != first[field]:
-                raise ValueError(f"{name}: its {field} differs from {first_name}'s: not the same job")
+        if result["workload"] != first["workload"]:
+            raise ValueError(f"{name}: its workload differs from {first_name}'s: not the same job")
         for field in SAME_SETTINGS:
             if result["args"].get(field) != first["args"].get(field):
                 raise ValueError(f"{name}: args.{field} differs from {first_name}'s: not the same job")

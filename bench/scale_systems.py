@@ -274,6 +274,7 @@ def _ray_record(
     batches: dict[str, int] = {}
     for r in sorted(rows, key=lambda r: r["arrival_time"]):
         batches.setdefault(r["batch_uuid"], len(batches))
+    startup = _ray_startup(engines, t0)
     return {
         "system": system,
         "replicas": replicas,
@@ -293,8 +294,8 @@ def _ray_record(
         "engine_busy_s": [max(r["finished_at"] for r in rs) - min(r["arrival_time"] for r in rs) for rs in engines],
         "engine_end_s": [max(r["finished_at"] for r in rs) - t0 for rs in engines],
         "nodes": [rs[0]["node_id"] for rs in engines],
-        "first_request_s": [min(r["arrival_time"] for r in rs) - t0 for rs in engines],
-        "startup": _ray_startup(engines, t0),
+        "first_request_s": startup["engine_first_request_s"],
+        "startup": startup,
         "threads": {"num_cpus_per_replica": 1, "omp_num_threads": sorted({r["omp_threads"] for r in rows})},
         "row_engine": {int(r["id"]): pids.index(r["pid"]) for r in rows},
         "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
