@@ -65,7 +65,7 @@ def load(name: str, source: str, flags: list[str], signatures: dict[str, list]) 
         log.info("no C compiler: the CPU kernels run as torch code")
         return None
     key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{name}_{key}.so"
+    path = kernel_dir() / f"{name}_{key}.so"
     try:
         if not path.exists():
             _compile(cc, source, flags, path)
@@ -77,6 +77,11 @@ def load(name: str, source: str, flags: list[str], signatures: dict[str, list]) 
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = argtypes, None
     return lib
+
+
+def kernel_dir() -> Path:
+    """Where the built libraries are kept, one file per source, compiler, flags and CPU."""
+    return cache_root() / "kernels"
 
 
 def _compile(cc: str, source: str, flags: list[str], path: Path) -> None:

@@ -162,6 +162,12 @@ def _library() -> ctypes.CDLL | None:
     )
 
 
+def build() -> bool:
+    """Build the library now (`prefixflow prepare`; otherwise the first norm or rotary call
+    does); whether it is there."""
+    return _library() is not None
+
+
 def _is_f32_cpu(t: torch.Tensor) -> bool:
     return t.dtype is torch.float32 and t.is_cpu
 

@@ -523,6 +523,12 @@ def _library() -> ctypes.CDLL | None:
     )
 
 
+def build() -> bool:
+    """Build the library now (`prefixflow prepare`; otherwise the first attention call does);
+    whether it is there."""
+    return _library() is not None
+
+
 def available(*tensors: torch.Tensor) -> bool:
     """The library is built and every tensor is a float32 CPU one with unit stride in its
     last dim (what each kernel reads)."""

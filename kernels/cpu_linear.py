@@ -86,6 +86,12 @@ def _library(width: int) -> ctypes.CDLL | None:
     )
 
 
+def build() -> bool:
+    """Build the library for this CPU's width, the one blocked_weight lays weights out in, now
+    (`prefixflow prepare`; otherwise the first model load does); whether it is there."""
+    return _library(cpu_build.vector_floats()) is not None
+
+
 def blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] as the kernel reads it, [out / JB, in, JB] (zero-padded; JB this
     CPU's vector width); None where the kernel does not run (not a float32 CPU weight, no

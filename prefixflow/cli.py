@@ -4,6 +4,8 @@
     prefixflow run SPEC.yaml          run a job (--dry-run: plan only, no model loaded)
     prefixflow plan SPEC.yaml         print the plan (--out plan.parquet saves the plan table)
     prefixflow validate SPEC.yaml     check the spec and its paths; start nothing
+    prefixflow prepare                this machine's one-time work: convert the packaged model,
+                                      build the CPU kernels (`make install` runs it)
 
 Exit codes: 0 ok (bad rows are error records in the output), 2 invalid spec, input, output
 path or model, or storage that failed before generation (one line per problem; nothing
@@ -56,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec and its paths without starting anything")
     val.add_argument("spec")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser(
+        "prepare",
+        help="do this machine's one-time work now: convert the packaged model, build the CPU kernels",
+    )
     demo = sub.add_parser(
         "demo",
         help="run the demo job: SmolLM2-135M-Instruct answers questions about 12 passages (jobs/examples/demo.yaml)",
@@ -171,6 +177,12 @@ def _message(e: BaseException) -> str:
 def _dispatch(args: argparse.Namespace) -> int:
     """The command, its console quiet (console.py) unless --verbose: Ray's log lines go to a file
     under the prefixflow cache, named on stderr at the end."""
+    if args.command == "prepare":  # no job, no Ray
+        from prefixflow.prepare import prepare
+
+        for line in prepare():
+            print(f"prefixflow: {line}")
+        return 0
     if args.command == "validate" or args.verbose:
         return _command(args)
     from prefixflow.console import quiet_console  # lazy: `prefixflow --help` needs no threads or pipes
