@@ -11,6 +11,11 @@ matters for prefill-only work, embeddings, whose rows all finish in their step: 
 at those running, vLLM's steps held 16 rows of a 4,096-token budget and the embed bench's vLLM
 backend took 17.9 s where vLLM's own `embed` took 14.9 s.)
 
+Where vLLM's scheduler runs in this process, the vLLM engine also takes a group only while its
+KV cache keeps room for what the running rows are expected to grow to (OutputFraction, below:
+VllmEngine._kv_room): vLLM admits whatever fits now and preempts (recomputes) rows that outgrow
+the cache later. The native scheduler keeps the same room when it admits a group (reserve_growth).
+
 The iterable may yield NOT_READY: no group is ready now, ask again later (the work queue has
 nothing unstarted, while another replica may still hand work back). The engine goes on with
 what it has, and when it has nothing, sleeps IDLE_POLL_S before asking again.
@@ -61,3 +66,46 @@ def every_group(groups: Iterable[T | None]) -> Iterator[T]:
             time.sleep(IDLE_POLL_S)
             continue
         yield group
+
+
+class OutputFraction:
+    """The share of max_tokens that finished requests used (1 before any finished), kept as
+    an exact fraction: output lengths of one batch task sit in a narrow range (BatchLLM Fig. 5),
+    so a running request is expected to use as much of its remaining max_tokens. What an engine
+    keeps KV room for when it admits more work (the native scheduler's growth reserve, the vLLM
+    backend's intake)."""
+
+    def __init__(self) -> None:
+        self.used = 0  # output tokens of the finished requests
+        self.allowed = 0  # their max_tokens
+
+    @property
+    def numerator(self) -> int:
+        return self.used if self.allowed else 1
+
+    @property
+    def denominator(self) -> int:
+        return self.allowed or 1
+
+    def add(self, num_output_tokens: int, max_tokens: int) -> None:
+        self.used += min(num_output_tokens, max_tokens)
+        self.allowed += max(1, max_tokens)
+
+    def add_finished(
+        self, num_output_tokens: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int | None
+    ) -> None:
+        """A finished request, against what it could use: max_tokens, unless max_model_len
+        ends it sooner."""
+        usable = max_tokens if max_model_len is None else min(max_tokens, max_model_len - num_prompt_tokens)
+        self.add(num_output_tokens, usable)
+
+    def expected_length(
+        self, num_tokens: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int | None
+    ) -> int:
+        """The length (prompt and output) a request now `num_tokens` long is expected to end
+        at: its remaining max_tokens (ended at max_model_len) scaled by the fraction."""
+        final = num_prompt_tokens + max_tokens
+        if max_model_len is not None:
+            final = min(final, max_model_len)
+        remaining = max(0, final - num_tokens)
+        return num_tokens + -(-remaining * self.numerator // self.denominator)

@@ -18,6 +18,7 @@ import numpy as np
 from prefixflow.engine.native.alignedserve import DensityFirstBatcher
 from prefixflow.engine.native.block_manager import BlockManager
 from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.intake import OutputFraction
 from prefixflow.engine.native.sequence import GroupState, KVOwner, Sequence, SeqStatus
 from prefixflow.engine.native.step import KVCopy, SampledToken, SeqChunk, SharedPrefix, StepInput
 
@@ -343,12 +344,8 @@ class Scheduler:
         tokens allocated this step; all of them for a member not started): the rest of its
         prompt and its remaining max_tokens scaled by the fraction of max_tokens that finished
         requests used."""
-        final = seq.num_prompt_tokens + seq.params.max_tokens
-        if self.max_model_len is not None:
-            final = min(final, self.max_model_len)
-        remaining = max(0, final - len(seq.token_ids))
-        expected = len(seq.token_ids) + -(
-            -remaining * self.output_fraction.numerator // self.output_fraction.denominator
+        expected = self.output_fraction.expected_length(
+            len(seq.token_ids), seq.num_prompt_tokens, seq.params.max_tokens, self.max_model_len
         )
         held = max(len(seq.block_table), self.bm.blocks_for(seq.num_computed_tokens + scheduled))
         return max(0, self.bm.blocks_for(expected - seq.own_start) - held)
@@ -480,11 +477,9 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        # What it could use: max_tokens, unless max_model_len ends it sooner.
-        usable = seq.params.max_tokens
-        if self.max_model_len is not None:
-            usable = min(usable, self.max_model_len - seq.num_prompt_tokens)
-        self.output_fraction.add(seq.num_output_tokens, usable)
+        self.output_fraction.add_finished(
+            seq.num_output_tokens, seq.num_prompt_tokens, seq.params.max_tokens, self.max_model_len
+        )
         self.num_running -= 1
         group.running.remove(seq)
         if group.is_done:
@@ -514,25 +509,3 @@ def aligned_batcher(config: EngineConfig, block_size: int) -> DensityFirstBatche
         max_len=config.max_model_len or 65536,
         starvation_s=ALIGNED_STARVATION_STEPS,
     )
-
-
-class OutputFraction:
-    """The share of max_tokens that finished requests used (1 before any finished), kept as
-    an exact fraction: output lengths of one batch task sit in a narrow range (BatchLLM Fig. 5),
-    so a running request is expected to use as much of its remaining max_tokens."""
-
-    def __init__(self) -> None:
-        self.used = 0  # output tokens of the finished requests
-        self.allowed = 0  # their max_tokens
-
-    @property
-    def numerator(self) -> int:
-        return self.used if self.allowed else 1
-
-    @property
-    def denominator(self) -> int:
-        return self.allowed or 1
-
-    def add(self, num_output_tokens: int, max_tokens: int) -> None:
-        self.used += min(num_output_tokens, max_tokens)
-        self.allowed += max(1, max_tokens)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
-from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, group_rows, wants_more
+from prefixflow.engine.intake import IDLE_POLL_S, NOT_READY, OutputFraction, group_rows, wants_more
 from prefixflow.engine.outputs import (
     EngineTotals,
     RequestOutput,
@@ -154,7 +154,10 @@ class VllmEngine:
         self.stats: list[StepStats] = []
         self.totals: EngineTotals | None = None
         self._runs = itertools.count()
-        self._in_flight: set[str] = set()
+        # request id -> (vLLM's id for it, its group's prefix length); vLLM 0.32 adds a random
+        # suffix to the ids its scheduler knows requests by, and returns that id.
+        self._in_flight: dict[str, tuple[str, int]] = {}
+        self._output_fraction = OutputFraction()  # of finished requests: how long running ones get
         self._lora_requests = _lora_requests(lora)
 
     @property
@@ -272,21 +275,28 @@ class VllmEngine:
 
     def _execute(self, groups: Iterable[list[_Req] | None]) -> Iterator[tuple[Any, _Req]]:
         """Add the groups' members (priority = plan rank) as vLLM has room for them
-        (engine/intake.py: a group not taken yet stays the caller's), and step vLLM; yields
+        (engine/intake.py: a group not taken yet stays the caller's; one taken waits, `held`,
+        until the KV cache has room for it: _has_room), and step vLLM; yields
         (None, m) for a member that cannot run (m.error set) and (vLLM's output, m) as members
         finish. Fills `stats` and `totals`."""
         self.stats, start = [], time.perf_counter()
         run, reqs = next(self._runs), {}
         counts = dict(requests=0, prompt=0, cached=0, output=0)
         source, rank = iter(groups), 0
+        held: list[_Req] | None = None
         exhausted = completed = False
         try:
             while True:
-                while not exhausted and self._wants_more():
-                    members = next(source, _END)
-                    if members is _END or members is NOT_READY:
-                        exhausted = members is _END
+                while not exhausted:
+                    if held is None:
+                        taken = next(source, _END) if self._wants_more() else NOT_READY
+                        if taken is _END or taken is NOT_READY:
+                            exhausted = taken is _END
+                            break
+                        held = taken
+                    if not self._has_room(held):
                         break
+                    members, held = held, None
                     counts["requests"] += len(members)
                     for m in members:
                         rid = f"{run}-{m.row_id}"
@@ -303,10 +313,15 @@ class VllmEngine:
                     time.sleep(IDLE_POLL_S)  # the source has nothing ready now
                     continue
                 for out in self._step():
-                    self._in_flight.discard(out.request_id)
+                    self._in_flight.pop(out.request_id, None)
                     counts["cached"] += int(out.num_cached_tokens or 0)
-                    pooled = reqs[out.request_id].pooling_task is not None
-                    counts["output"] += 0 if pooled else sum(len(c.token_ids) for c in out.outputs)
+                    m = reqs[out.request_id]
+                    if m.pooling_task is None:
+                        counts["output"] += sum(len(c.token_ids) for c in out.outputs)
+                        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+                        self._output_fraction.add_finished(
+                            longest, len(m.prompt), m.params.max_tokens, self.max_model_len
+                        )
                     yield out, reqs.pop(out.request_id)
             completed = True
         finally:
@@ -325,10 +340,51 @@ class VllmEngine:
             unfinished = len(self._in_flight)
             running = min(unfinished, self.max_num_seqs)
             return wants_more(unfinished - running, 0, running, self.max_num_batched_tokens, self.max_num_seqs)
-        running = {id(r) for r in sched.running}
-        waiting = [r for r in sched.requests.values() if id(r) not in running]
+        running, waiting = _queues(sched)
         tokens = sum(r.num_prompt_tokens - r.num_computed_tokens for r in waiting)
         return wants_more(len(waiting), tokens, len(running), self.max_num_batched_tokens, self.max_num_seqs)
+
+    def _has_room(self, members: list[_Req]) -> bool:
+        """Whether vLLM's KV cache keeps room for a group's members besides the running and
+        waiting requests' (_kv_room); always with nothing running or waiting, and with the core
+        in a child process, whose cache is not read here."""
+        sched = self.scheduler
+        if sched is None:
+            return True
+        running, waiting = _queues(sched)
+        return not (running or waiting) or self._kv_room(sched, running, waiting) >= self._group_blocks(members)
+
+    def _group_blocks(self, members: list[_Req]) -> int:
+        """KV blocks a group's members are expected to take (OutputFraction), its prefix once."""
+        expect, need = self._output_fraction.expected_length, 0
+        for i, m in enumerate(m for m in members if m.error is None):
+            grows = 0 if m.pooling_task is not None else m.params.max_tokens
+            shared = m.prefix_len // self.block_size if i else 0
+            need += self._blocks(expect(len(m.prompt), len(m.prompt), grows, self.max_model_len)) - shared
+        return need
+
+    def _kv_room(self, sched: Any, running: list[Any], waiting: list[Any]) -> int:
+        """KV blocks still free once the running requests grow to the lengths they are expected
+        to reach (engine/intake.OutputFraction) and the waiting ones start (their group's
+        prefix blocks counted as shared). vLLM admits whatever fits now; rows that then outgrow
+        the cache preempt the latest admitted, whose prompts are computed again (at 4 replicas
+        of scale_bench's model-decided workload, 4% more prompt tokens than the plan's floor,
+        and rows admitted that another replica could have taken). The native scheduler keeps the
+        same room for new groups (its reserve_growth)."""
+        expect, mml = self._output_fraction.expected_length, self.max_model_len
+        room = int(sched.kv_cache_manager.block_pool.get_num_free_blocks())
+        for r in running:
+            room -= self._blocks(expect(r.num_tokens, r.num_prompt_tokens, r.max_tokens, mml)) - self._blocks(
+                r.num_computed_tokens
+            )
+        prefix_lens = dict(self._in_flight.values())
+        for r in waiting:
+            shared = prefix_lens.get(r.request_id, 0) // self.block_size
+            room -= self._blocks(expect(r.num_tokens, r.num_prompt_tokens, r.max_tokens, mml)) - shared
+        return room
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // int(self.block_size))
 
     def _add(self, request_id: str, m: _Req, rank: int) -> str | None:
         """Add one request of the group of this plan rank; an error message when it cannot run."""
@@ -341,7 +397,7 @@ class VllmEngine:
         try:
             params = _vllm_params(m) if m.pooling_task is None else _pooling_params(m.pooling_task)
             prompt = _prompt(m)  # ValueError for an image that does not decode
-            self.engine.add_request(
+            vllm_id = self.engine.add_request(
                 request_id,
                 prompt,
                 params,
@@ -352,7 +408,7 @@ class VllmEngine:
             if not _refused(e):
                 raise
             return f"vLLM refused the request: {e}"
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = (vllm_id if isinstance(vllm_id, str) else request_id, m.prefix_len)
         return None
 
     def _check_prompt(self, prompt: list[int]) -> str | None:
@@ -447,6 +503,14 @@ class VllmEngine:
             if c.max_model_len is not None:
                 kwargs["max_model_len"] = c.max_model_len
         return {**kwargs, **extra}
+
+
+def _queues(sched: Any) -> tuple[list[Any], list[Any]]:
+    """(running, waiting) requests of vLLM's scheduler: waiting are those not running (new,
+    preempted or paused)."""
+    running = list(sched.running)
+    ids = {id(r) for r in running}
+    return running, [r for r in sched.requests.values() if id(r) not in ids]
 
 
 def cpu_block_size(config: EngineConfig) -> int:

@@ -163,5 +163,12 @@ USED: dict[str, tuple[str, ...]] = {
     "KVCacheManager": ("block_pool",),
     "BlockPool": ("get_num_free_blocks", "num_gpu_blocks"),
     "SchedulerOutput": ("num_scheduled_tokens", "total_num_scheduled_tokens", "preempted_req_ids"),
-    "Request": ("num_output_tokens", "num_prompt_tokens", "num_computed_tokens"),
+    "Request": (
+        "request_id",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_tokens",
+        "max_tokens",
+    ),
 }

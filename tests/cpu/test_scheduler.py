@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixflow.engine.config import EngineConfig
 from prefixflow.engine.native.llm_engine import LLMEngine
-from prefixflow.engine.native.scheduler import OutputFraction, SchedulerOutput
+from prefixflow.engine.intake import OutputFraction
+from prefixflow.engine.native.scheduler import SchedulerOutput
 from prefixflow.engine.native.sequence import SeqStatus
 from prefixflow.engine.native.step import SampledToken, StepInput, StepOutput
 from prefixflow.requests import PrefixGroup, SamplingParams

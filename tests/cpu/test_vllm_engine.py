@@ -107,6 +107,21 @@ def test_greedy_outputs_equal_native_with_shared_prefixes(arch):
     assert max(s.num_used_blocks for s in vllm.stats) > 0 and vllm.totals.num_preemptions == 0
 
 
+def test_rows_that_outgrow_the_cache_are_not_admitted_to_be_preempted():
+    # 40 rows that each end at 4 blocks need 160 of the cache's 64: vLLM alone admits every
+    # prompt that fits now (1 block each) and preempts as they grow; the intake keeps room for
+    # what the running rows will still decode (engine/intake.OutputFraction), so none is.
+    vllm = engines("llama")[0]
+    rng = random.Random(5)
+    rows = [[rng.randrange(3, VOCAB) for _ in range(20)] for _ in range(40)]
+    outs = list(vllm.run(plan_groups(rows), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)))
+    assert sorted(o.row_id for o in outs) == list(range(40))
+    assert all(len(o.token_ids) == 100 and o.error is None for o in outs)
+    assert vllm.totals.num_preemptions == 0
+    assert max(s.num_running_seqs for s in vllm.stats) < 40  # and work was held back, not all admitted
+    assert max(s.num_used_blocks for s in vllm.stats) > 32  # while the cache was used
+
+
 def test_an_abandoned_run_aborts_its_requests_and_the_counting_scheduler_runs():
     vllm = engines("llama")[0]
     assert type(vllm.scheduler).__name__ == "CountingScheduler"
