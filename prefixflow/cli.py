@@ -178,7 +178,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     """The command, its console quiet (console.py) unless --verbose: Ray's log lines go to a file
     under the prefixflow cache, named on stderr at the end."""
     if args.command == "prepare":  # no job, no Ray
-        from prefixflow.prepare import prepare
+        from prefixflow.prepare import prepare  # lazy: it loads torch, which `prefixflow --help` needs not
 
         for line in prepare():
             print(f"prefixflow: {line}")

@@ -22,6 +22,7 @@ def prepare() -> list[str]:
 
 
 def _packaged_model() -> str:
+    # lazy: the conversion's modules (transformers, gguf) load only for this step
     from prefixflow.model_source import ModelError, resolve_model
 
     try:

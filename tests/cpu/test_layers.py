@@ -11,8 +11,8 @@ is stated over the `prefixflow.*` names. Layers, lowest first:
   2  engine/            one replica's engine
   3  operators/         the Ray Data stages
   4  jobs/              job runs from a spec
-  5  prefixflow, prefixflow.api, prefixflow.cli   the user's faces: the package, the Python
-                        API, the command line
+  5  prefixflow, prefixflow.api, prefixflow.cli, prefixflow.prepare   the user's faces: the
+                        package, the Python API, the command line and its one-time setup
   6  bench/             benchmarks (they may use everything)
 
 A module may import modules of its own layer and of lower layers, never of a higher or a
@@ -55,7 +55,7 @@ FOLDERS = {
     "bench": "prefixflow.bench",
 }
 RANKS = {"base": 0, "pipeline": 1, "kernels": 1, "engine": 2, "operators": 3, "jobs": 4, "face": 5, "bench": 6}
-FACES = ("prefixflow", "prefixflow.api", "prefixflow.cli")
+FACES = ("prefixflow", "prefixflow.api", "prefixflow.cli", "prefixflow.prepare")
 # engine/'s and operators/' rooms, and the rooms each may import besides its own (the module docstring)
 ENGINE_ROOMS = {
     "shared": set(),
