@@ -1,7 +1,8 @@
 """scale_bench's cells measured apart, joined into one result (issue 38).
 
-A whole scale_bench (N = 1, 2, 4, both workloads, 3 repeats) is about 5 hours of a quiet 2-core
-machine (N = 4, 4 engines on 2 cores, takes 3 of them), more than one sitting; it is run a cell group at a time (`--replicas 4 --workloads
+A whole scale_bench (N = 1, 2, 4, both workloads, 3 repeats) is about 3 hours of a quiet 2-core
+machine (35-45 minutes a workload at N = 4, 85 for N = 1 and 2 together, measured 2026-12-02),
+more than one sitting; it is run a cell group at a time (`--replicas 4 --workloads
 model_decided`, ...), each group side by side in one run as the bench does it. This joins those
 files:
 
