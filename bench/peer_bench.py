@@ -12,7 +12,8 @@ systems see the same machine load. The engines:
     (1) vllm_arrival   vLLM's stock scheduler, requests in arrival (row) order
     (2) vllm_sorted    vLLM's stock scheduler, requests sorted by their token ids
     (3) vllm_plan      vLLM's stock scheduler, requests in our plan order (groups adjacent)
-    (4) vllm_batchllm  our plan + group scheduling: priority = plan rank, no request cap
+    (4) vllm_batchllm  our plan + group scheduling: priority = plan rank, no request cap, groups
+                       added only while the KV cache keeps room for them (GroupScheduling)
     ablation rows      vllm_prio (plan + priority only), vllm_batchllm_mp (4) with vLLM's engine
                        core in a child process. (A third part, pinning a group's prefix blocks
                        until its last member finished, computed no fewer prompt tokens than plan
@@ -56,7 +57,7 @@ ENGINES: dict[str, tuple[str, str, dict | None, bool]] = {
     "vllm_arrival": ("vllm", "arrival", None, True),
     "vllm_sorted": ("vllm", "sorted", None, True),
     "vllm_plan": ("vllm", "plan", None, True),
-    "vllm_prio": ("vllm", "plan", dict(priority=True, no_cap=False), True),
+    "vllm_prio": ("vllm", "plan", dict(priority=True, no_cap=False, kv_room=False), True),
     "vllm_batchllm": ("vllm", "plan", dict(priority=True, no_cap=True), True),
     "vllm_batchllm_mp": ("vllm", "plan", dict(priority=True, no_cap=True), False),
     "native": ("native", "plan", None, True),
