@@ -158,6 +158,10 @@ def _prefixflow_record(
         "stolen_units_per_engine": [len(r.get("stolen_units") or []) for r in per],
         "steals": len(steals),
         "computed_per_engine": [t.get("num_computed_prompt_tokens", 0) for t in totals],
+        # What the plan expected each replica to compute before stealing moved units: the
+        # difference from computed_per_engine is what stealing and the engine's cache cost.
+        "planned_computed_per_replica": [r["computed_prompt_tokens"] for r in metrics["plan"]["replicas"]],
+        "steal_log": [{k: s[k] for k in ("unit", "from", "to", "seconds", "at_s")} for s in steals],
         "preemptions_per_engine": [t.get("num_preemptions", 0) for t in totals],
         "engine_busy_s": [r["run_seconds"] for r in per],
         "engine_end_s": [r["end_s"] - t0 for r in per],

@@ -39,6 +39,10 @@ from prefixflow.pipeline.prefix_tree import PrefixTree
 
 UNITS_PER_REPLICA = 32  # merged units are at most this share of a replica's work
 STICKY_CUT = 0.25  # a cut recomputing more than this share of a unit's cap joins its units
+# ... for engines that steal: stealing evens out the balance at the unit grain that the cut would
+# buy, so only cuts as cheap as a system prompt's stay (a document's prefix of 250 tokens and up
+# joins at scale_bench's grain; bench/results/scale_bench.json's notes).
+STICKY_CUT_STEALING = 0.02
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -262,6 +266,7 @@ def merged_units(
     num_replicas: int,
     cut_cost: np.ndarray | None = None,
     row_home: np.ndarray | None = None,
+    sticky: float = STICKY_CUT,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(unit starts in row_order plus n, family of each unit), module docstring step 3. A unit
     root is a node whose subtree costs at most cap (a replica's share / UNITS_PER_REPLICA)
@@ -270,8 +275,8 @@ def merged_units(
     group (it costs more than cap) are chunks of one family: the partition sorts a family as
     one, so its chunks stay next to each other and a replica's chunks form one run.
     cut_cost: [n] seconds row i recomputes when the row before it runs elsewhere (what it
-    shares with it); units whose cut would cost that much stay in one family (_costly_cuts),
-    unless their homes differ.
+    shares with it); units whose cut would cost more than `sticky` of the cap stay in one family
+    (_costly_cuts), unless their homes differ.
     row_home: [n] the replica holding each row's prefix from earlier windows, -1 for none (rows
     in row_order): units whose first rows have different homes are not merged."""
     n = len(row_cost)
@@ -303,14 +308,15 @@ def merged_units(
     starts = unit_start[new]
     if cut_cost is not None:
         homes = None if row_home is None else row_home[starts]
-        family = _costly_cuts(family, cut_cost[starts], cap, homes)
+        family = _costly_cuts(family, cut_cost[starts], sticky * cap, homes)
     return np.r_[starts, n].astype(np.int64), np.unique(family, return_inverse=True)[1].ravel()
 
 
-def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float, homes: np.ndarray | None = None) -> np.ndarray:
-    """Join a unit to the family before it when splitting them costs more than STICKY_CUT of a
-    unit's cap: scattered, it would recompute what it shares with the unit before (a chat's
-    history, when a job is so small that one chain spans several units). The cap is what the
+def _costly_cuts(family: np.ndarray, cost: np.ndarray, limit: float, homes: np.ndarray | None = None) -> np.ndarray:
+    """Join a unit to the family before it when splitting them costs more than `limit` seconds
+    (STICKY_CUT of a unit's cap; STICKY_CUT_STEALING for engines that steal): scattered, it
+    would recompute what it shares with the unit before (a chat's history, when a job is so
+    small that one chain spans several units; a document asked many questions). The cap is what the
     split buys (balance at that grain), so at cluster scale, where a unit holds thousands of
     prompts, only cuts below a system prompt happen and none is joined. Families stay contiguous
     stretches of units, scanned as one (partition.py cuts inside one only to fill a replica).
@@ -321,7 +327,7 @@ def _costly_cuts(family: np.ndarray, cost: np.ndarray, cap: float, homes: np.nda
     windowed job's first ones) every document's prefix costs more than STICKY_CUT of the cap,
     and joined families of documents from different replicas were most of what windows
     recomputed (bench/stream_bench.py)."""
-    joined = np.r_[False, (family[1:] == family[:-1]) | (cost[1:] > STICKY_CUT * cap)] if len(family) else family
+    joined = np.r_[False, (family[1:] == family[:-1]) | (cost[1:] > limit)] if len(family) else family
     out = np.zeros(len(family), dtype=np.int64)
     current, current_home = 0, -1  # the family being built, and its home (-1: none yet)
     for i in range(len(family)):
@@ -359,7 +365,8 @@ def plan_multi_level(
     comp[starts[:-1]] += owner
     cut_cost = cm.prefix_seconds((ng.prev_lcp // block_size) * block_size)
     home_s, row_home = _home_costs(cm, hits, order, ng.prev_lcp, block_size, comp)
-    units, family = merged_units(tree, ng, comp + mem, num_replicas, cut_cost, row_home)
+    sticky = STICKY_CUT_STEALING if stealing else STICKY_CUT
+    units, family = merged_units(tree, ng, comp + mem, num_replicas, cut_cost, row_home, sticky)
     unit_owner = _owners_to_units(comp, owner, starts, units)
     affinity = _affinity(units, family, home_s, hits, order, num_replicas) if hits is not None else None
     part = _partition_units(units, family, comp, mem, unit_owner, cut_cost, num_replicas, stealing, affinity)

@@ -11,9 +11,13 @@ A unit that would overfill a replica is cut at a member where the replica has ro
 places (and not cutting at all), the one that fills the most of the room less what the cut makes
 the job recompute (the prefix the member shares with the one before it, `row_cut_compute`). So a
 unit holding several documents is cut between two of them, and no document is cut to put two of
-its questions on the next replica; the room left is filled by the other end of the scan, the next
-replicas, or at run time by work stealing (operators/stages/work_queue.py). The rest of a cut unit stays
-at its end of the scan for the next replica. Each replica keeps the policy's order of its parts.
+its questions on the next replica. The piece is the unit's end next to what the replica took
+before from that end of the scan (a family's units are scanned forward from one end, backward
+from the other), so a family cut once is cut in one place, and taking nothing of a unit whose
+neighbour the replica holds counts as the cut it is. The room left is filled by the other end
+of the scan, the next replicas, or at run time by work stealing (operators/stages/work_queue.py).
+The rest of a cut unit stays at its end of the scan for the next replica. Each replica keeps the
+policy's order of its parts.
 
 Predicted time of a replica: max(sum T_comp, sum T_mem), BlendServe's T with compute and memory
 overlapped (Sec. 3.3); a part that is cut off pays its prefix's compute again.
@@ -205,6 +209,8 @@ class _Filler:
         compute to T*."""
         t_star = max(c_star, m_star)
         taken: list[tuple[int, int, int]] = []
+        took_to: set[int] = set()  # rows where the pieces taken end, and where they start
+        took_from: set[int] = set()
         open_ends = [True, True]
         while self.ends[0] <= self.ends[1] and any(open_ends):
             side = 0 if c_k / c_star <= m_k / m_star else 1
@@ -212,21 +218,25 @@ class _Filler:
             run, lo, hi = self.units[self.ends[side]]
             c, m = self.cost(run, lo, hi)
             cap_c, cap_m = (c_star, t_star) if side == 0 else (t_star, m_star)
-            cut = hi
+            a, b = lo, hi  # the piece taken: the whole unit, or its end nearest this side's scan
             if c_k + c > cap_c * (1.0 + CUT_TOLERANCE) or m_k + m > cap_m * (1.0 + CUT_TOLERANCE):
-                cut = self._cut(run, lo, hi, cap_c - c_k, cap_m - m_k)
-                if cut <= lo and (c_k or m_k):
-                    open_ends[side] = False  # not even one member fits
+                joined = (lo in took_to) if side == 0 else (hi in took_from)
+                k = self._cut(run, lo, hi, cap_c - c_k, cap_m - m_k, side, joined)
+                if k == 0 and (c_k or m_k):
+                    open_ends[side] = False  # not even one member fits, or none gains
                     continue
-                cut = max(cut, lo + 1)
-            c_piece, m_piece = self.cost(run, lo, cut)
-            taken.append((run, lo, cut))
+                a, b = (lo, lo + max(k, 1)) if side == 0 else (hi - max(k, 1), hi)
+            c_piece, m_piece = self.cost(run, a, b)
+            taken.append((run, a, b))
+            took_to.add(b)
+            took_from.add(a)
             c_k, m_k = c_k + c_piece, m_k + m_piece
             self.rest[0] -= c
             self.rest[1] -= m
-            if cut < hi:  # the rest of the unit stays at this end and computes its prefix again
-                self.units[self.ends[side]] = (run, cut, hi)
-                c_rest, m_rest = self.cost(run, cut, hi)
+            if (a, b) != (lo, hi):  # the rest of the unit stays at this end and computes its prefix again
+                rest = (run, b, hi) if side == 0 else (run, lo, a)
+                self.units[self.ends[side]] = rest
+                c_rest, m_rest = self.cost(*rest)
                 self.rest[0] += c_rest
                 self.rest[1] += m_rest
                 open_ends[side] = False
@@ -234,17 +244,28 @@ class _Filler:
                 self.ends[side] += 1 if side == 0 else -1
         return taken
 
-    def _cut(self, run: int, lo: int, hi: int, room_c: float, room_m: float) -> int:
-        """The row end `cut` in (lo, hi) whose piece lo..cut-1 fits both rooms and fills the most
-        compute less what row `cut` then recomputes; lo when no cut gains (or none fits)."""
-        c = self.cum_c[lo + 1 : hi + 1] - self.cum_c[lo] + self.prefix_c[run]
-        m = self.cum_m[lo + 1 : hi + 1] - self.cum_m[lo]
+    def _cut(self, run: int, lo: int, hi: int, room_c: float, room_m: float, side: int, joined: bool) -> int:
+        """How many rows k (0 .. hi - lo - 1) to take of a unit that overfills the rooms: the k
+        whose piece fits both rooms and fills the most compute less what it cuts, 0 unless that
+        beats taking nothing. The piece is the unit's end nearest the side's scan (its first rows
+        on side 0, its last on side 1: the scan of a family's units runs forward on side 0 and
+        backward on side 1), so it stays next to what the replica took of its neighbour; it cuts
+        where it ends (that row recomputes what it shares with the row beside it, `cut_c`).
+        Taking nothing cuts where the unit meets that neighbour when the replica `joined` it (a
+        family's units are scanned one after another): then any piece moves the cut, and fills."""
+        rows = np.arange(hi - lo)
+        edge = lo if side == 0 else hi
+        at = lo + rows if side == 0 else hi - rows  # where the piece of k rows ends (side 1: starts)
+        c = np.abs(self.cum_c[at] - self.cum_c[edge]) + np.where(rows > 0, self.prefix_c[run], 0.0)
+        m = np.abs(self.cum_m[at] - self.cum_m[edge])
+        cost = self.cut_c[at] * (rows > 0)
+        cost[0] = self.cut_c[edge] if joined else 0.0
         fits = int(np.count_nonzero((c <= room_c * (1 + 1e-9)) & (m <= room_m * (1 + 1e-9))))  # both grow
-        if fits == 0:
-            return lo
-        gain = c[:fits] - self.cut_c[lo + 1 : lo + 1 + fits]
-        best = int(np.argmax(gain[::-1]))  # the latest of equal gains
-        return lo + fits - best if gain[fits - 1 - best] > 0 else lo
+        if fits <= 1:
+            return 0
+        gain = c[:fits] - cost[:fits]
+        best = fits - 1 - int(np.argmax(gain[::-1]))  # the largest of equal gains
+        return best if gain[best] > gain[0] else 0
 
 
 def _place_at_home(run_c: np.ndarray, run_m: np.ndarray, affinity: Affinity, num_replicas: int) -> np.ndarray:

@@ -166,3 +166,42 @@ def test_a_plan_for_work_stealing_keeps_small_pieces_with_their_group():
         <= stealing.summary["predicted_seconds_max_over_mean"]
         <= static.summary["predicted_seconds_max_over_mean"] + 1 / 32
     )  # one unit of a replica's share
+
+
+def _documents_and_questions(num_rows: int, seed: int = 0) -> tuple[list[list[int]], np.ndarray]:
+    """scale_bench's shape in token ids: one system prompt, documents of 200-2,000 tokens asked
+    Zipf-many questions (the first about 30% of the rows). Returns (prompts, document of each)."""
+    from prefixflow.bench.scale_workload import zipf_counts
+
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 1000, 64).tolist()
+    prompts, docs = [], []
+    for d, count in enumerate(zipf_counts(num_rows, num_rows * 3 // 10, 1.3)):
+        document = rng.integers(0, 1000, int(np.exp(rng.uniform(np.log(200), np.log(2000))))).tolist()
+        for _ in range(count):
+            prompts.append(system + document + rng.integers(0, 1000, 24).tolist())
+            docs.append(d)
+    return prompts, np.asarray(docs)
+
+
+def test_planned_for_stealing_a_documents_units_stay_together(monkeypatch):
+    """Planned for engines that steal, the units of a document's questions are one family unless
+    their cut is as cheap as a system prompt's (multilevel.STICKY_CUT_STEALING): the balance the
+    cut would buy is stealing's to make at run time. Fewer documents are split across replicas
+    and fewer prompt tokens computed than with the static plan's rule."""
+    from prefixflow.pipeline import multilevel
+
+    prompts, docs = _documents_and_questions(1000)
+
+    def plan() -> tuple[int, int]:
+        p = build_plan(prompts, output_lens=[160] * len(prompts), num_replicas=4, stealing=True, min_prefix_len=32)
+        replica = p.table.column("replica").to_numpy()
+        doc = docs[p.table.column("row_id").to_numpy()]
+        assert sorted(p.table.column("row_id").to_pylist()) == list(range(len(prompts)))
+        splits = sum(len(np.unique(replica[doc == d])) - 1 for d in range(int(docs.max()) + 1))
+        return p.summary["computed_prompt_tokens"], splits
+
+    together = plan()
+    monkeypatch.setattr(multilevel, "STICKY_CUT_STEALING", multilevel.STICKY_CUT)
+    scattered = plan()
+    assert together[0] < scattered[0] and together[1] < scattered[1]
