@@ -411,6 +411,7 @@ def plan_multi_level(
         replica_runs,
         preds,
         int(home_hit.sum()),
+        prev_lcp,
     )
 
 

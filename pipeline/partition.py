@@ -69,7 +69,9 @@ class ReplicaRuns:
     run_computed: [num_runs] shared prefix and prompt tokens computed. run_replica: [num_runs].
     replica_runs: [R + 1] run boundaries of each replica. partition: predicted seconds and the
     saved tokens the split gave up, per replica. home_hit_tokens: prompt tokens the rows find in
-    their replica's cache from earlier windows (homes.py), not in run_computed.
+    their replica's cache from earlier windows (homes.py), not in run_computed. prev_lcp: [n]
+    tokens each plan row shares with the row before it on its replica (0 for a replica's first;
+    None where the order does not say: then a row continuing its run shares the run's prefix).
     """
 
     seq_index: np.ndarray
@@ -80,6 +82,7 @@ class ReplicaRuns:
     replica_runs: np.ndarray
     partition: Partition
     home_hit_tokens: int = 0
+    prev_lcp: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

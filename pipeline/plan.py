@@ -83,6 +83,10 @@ class Plan:
     # a replica that runs dry may take from another, whole (units(), operators/stages/work_queue.py).
     unit_starts: np.ndarray  # [num_units + 1] table-row boundaries of the units
     unit_seconds: np.ndarray  # [num_units] predicted seconds of each unit (cost_model.py)
+    # [num_units] prompt tokens each unit's first row shares with the row before it on its
+    # replica (the unit before it; 0 for a replica's first): what a thief that takes the unit
+    # computes again while the victim runs its neighbour (work_queue.py).
+    unit_shared: np.ndarray
     hashed: HashedPrompts | None = None
 
     @property
@@ -238,7 +242,16 @@ def build_plan(
     summary["num_units"] = int(len(unit_starts) - 1)
     summary["planning_seconds"] = time.perf_counter() - started
     return Plan(
-        table, summary, tokens, planned.seq_index, planned.run_starts, planned.replica_runs, unit_starts, unit_s, hashed
+        table,
+        summary,
+        tokens,
+        planned.seq_index,
+        planned.run_starts,
+        planned.replica_runs,
+        unit_starts,
+        unit_s,
+        _unit_shared(planned, unit_starts),
+        hashed,
     )
 
 
@@ -308,6 +321,18 @@ def _units(
     new[_unit_parts(parts, planned.partition.part_replica, cum, cap)] = True
     starts = np.r_[np.flatnonzero(new), n].astype(np.int64)
     return starts, np.maximum(np.add.reduceat(comp, starts[:-1]), np.add.reduceat(mem, starts[:-1]))
+
+
+def _unit_shared(planned: ReplicaRuns, unit_starts: np.ndarray) -> np.ndarray:
+    """[num_units] Plan.unit_shared: the order's prev_lcp at each unit's first row; where the
+    order gives none, a row continuing its run shares the run's prefix, any other row nothing."""
+    first = unit_starts[:-1]
+    if planned.prev_lcp is not None:
+        found: np.ndarray = planned.prev_lcp[first].astype(np.int64)
+        return found
+    run = np.searchsorted(planned.run_starts, first, side="right") - 1
+    shared: np.ndarray = np.where(first > planned.run_starts[run], planned.run_prefix[run], 0).astype(np.int64)
+    return shared
 
 
 def _unit_parts(parts: np.ndarray, part_replica: np.ndarray, cum: np.ndarray, cap: float) -> np.ndarray:

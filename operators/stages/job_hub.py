@@ -89,8 +89,9 @@ class RunQueue:
         payloads: Sequence[Any],
         rows_left: Mapping[int, Sequence[int]],
         done_units: Iterable[int],
+        unit_shared: Sequence[int] = (),
     ) -> Any:
-        return self._call("add", unit_replica, unit_seconds, payloads, rows_left, done_units)
+        return self._call("add", unit_replica, unit_seconds, payloads, rows_left, done_units, unit_shared)
 
     def close(self) -> Any:
         return self._call("close")

@@ -149,6 +149,7 @@ class Supervisor:
             self.config.work_stealing,
             [ref for refs in self.payloads for ref in refs],  # by unit id: replica by replica
             closed=self.windows is None,
+            unit_shared=planned.plan.unit_shared.tolist(),
         )
 
     def _take_window(self) -> None:
@@ -187,7 +188,7 @@ class Supervisor:
         self.extra_errors = {**self.extra_errors, **window.extra_errors}
         self.last_window_units = window.num_units
         flat = [ref for refs in payloads for ref in refs]
-        first = ray.get(self.queue.add(replica, seconds, flat, rows_left, done))
+        first = ray.get(self.queue.add(replica, seconds, flat, rows_left, done, window.plan.unit_shared.tolist()))
         if first != window.first_unit:  # unit ids are the windows' numbering: a bug, not a fault
             raise RuntimeError(f"window {window.window} starts at unit {window.first_unit}, the queue at {first}")
         if not self.config.work_stealing:

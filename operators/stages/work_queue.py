@@ -5,13 +5,17 @@ subtree, or a piece of a large group; nothing shared with the rest but its paren
 An engine takes its next unit when its scheduler has room (engine/intake.py):
 
   - from its own queue's front, in plan order, while it has any;
-  - else, having run dry, the LAST unstarted unit of the replica expected to finish last,
-    whole: the unit's shared prefix is computed once, on the thief. Taking from the back leaves
-    the victim its plan order, and the units it will reach last are the ones its cache is
-    least likely to help. Only if that brings the job's end closer: while the victim's engine
-    runs, the thief takes the unit only if it expects to have run it (after what it holds)
-    before the victim expects to be done; else WAIT and ask again (the victim may reach the
-    unit first). A victim with no engine at work (not started yet, or dead) is always robbed;
+  - else, having run dry, an unstarted unit of the replica expected to finish last, whole:
+    the unit's shared prefix is computed once, on the thief. Of the victim's queue, the unit
+    whose prefix costs the least to compute twice (prefix affinity, `_to_steal`): one that
+    shares nothing with its neighbours in the plan (a document wholly in it), or one next to a
+    unit the thief took (its prefix is in the thief's cache); of equals the LAST: taking from
+    the back leaves the victim its plan order, and the units it will reach last are the ones
+    its cache is least likely to help. Only if that brings the job's end closer: while the
+    victim's engine runs, the thief takes the unit only if it expects to have run it (after
+    what it holds) before the victim expects to be done; else WAIT and ask again (the victim
+    may reach the unit first). A victim with no engine at work (not started yet, or dead) is
+    always robbed;
   - else DONE: the engine finishes what it holds and ends.
 
 A replica is expected to finish when the predicted seconds of its queued and held units are
@@ -71,6 +75,7 @@ class _Unit:
     rows: tuple[int, ...] | None = None  # rows left to run; None: all
     holder: str | None = None  # the engine (run token) that took it
     taker: int = -1  # the replica of that engine
+    shared: int = 0  # prompt tokens it shares with the unit before it (Plan.unit_shared)
     credited: float = 0.0  # predicted seconds of it counted in the taker's pace (rows run)
     ran: bool = False  # every row of it has its output
     done: bool = False
@@ -93,13 +98,14 @@ class WorkQueue:
     closed: bool = True
     steals: list[dict] = field(default_factory=list)
     clock: Callable[[], float] = time.time
+    unit_shared: Sequence[int] = ()  # Plan.unit_shared (none: no unit shares with another)
 
     def __post_init__(self) -> None:
         self.units: list[_Unit] = []
         self.unit_payloads: list[Any] = []
         self.queues: list[deque[int]] = [deque() for _ in range(self.num_replicas)]
         self.seconds_left = [0.0] * self.num_replicas
-        self.add(self.unit_replica, self.unit_seconds, self.payloads, self.rows_left, self.done_units)
+        self.add(self.unit_replica, self.unit_seconds, self.payloads, self.rows_left, self.done_units, self.unit_shared)
         self.held_seconds = [0.0] * self.num_replicas  # predicted seconds of units held, by taker
         self.done_seconds = [0.0] * self.num_replicas  # ... of units run (`ran`), by taker
         self.engine_of: list[str | None] = [None] * self.num_replicas  # the engine at work, by replica
@@ -114,14 +120,17 @@ class WorkQueue:
         payloads: Sequence[Any] = (),
         rows_left: Mapping[int, Sequence[int]] | None = None,
         done_units: Iterable[int] = (),
+        unit_shared: Sequence[int] = (),
     ) -> int:
-        """Queue more units (the next window of the plan), numbered on from the last; rows_left
-        and done_units as in the constructor, by the units' new numbers. Returns the first."""
+        """Queue more units (the next window of the plan), numbered on from the last; rows_left,
+        done_units and unit_shared as in the constructor, by the units' new numbers. Returns the
+        first."""
         first = len(self.units)
         done = set(done_units)
         for k, (r, s) in enumerate(zip(unit_replica, unit_seconds)):
             u = first + k
-            self.units.append(_Unit(int(r), float(s), done=u in done))
+            shared = int(unit_shared[k]) if len(unit_shared) else 0
+            self.units.append(_Unit(int(r), float(s), shared=shared, done=u in done))
             self.unit_payloads.append(payloads[k] if len(payloads) and u not in done else None)
             if not self.units[u].done:
                 self.queues[int(r)].append(u)
@@ -149,24 +158,48 @@ class WorkQueue:
         if not victims:
             return self._done(replica) if self.closed else Take(WAIT)  # the next window may bring work
         victim = max(victims, key=lambda r: (left[r], -r))
-        unit = self.queues[victim][-1]
+        unit, again = self._to_steal(victim, replica)
         thief_expected = left[replica] + self.units[unit].seconds / paces[replica]
         if self.engine_of[victim] is not None and thief_expected >= left[victim]:
             self.waits[replica] += 1
             return Take(WAIT)
-        self.queues[victim].pop()
+        self.queues[victim].remove(unit)
         self.steals.append(
             {
                 "unit": unit,
                 "from": victim,
                 "to": replica,
                 "seconds": self.units[unit].seconds,
+                "shared_tokens_again": again,
                 "victim_expected_s": round(left[victim], 3),
                 "thief_expected_s": round(thief_expected, 3),
                 "at_s": self.clock() - self.started,
             }
         )
         return self._hand(unit, replica, token, victim)
+
+    def _to_steal(self, victim: int, thief: int) -> tuple[int, int]:
+        """(the unit of the victim's queue the thief takes, the prompt tokens it computes again)
+        (module docstring): the least of those tokens, the last of equals."""
+        best, least = -1, -1
+        for u in reversed(self.queues[victim]):
+            again = self._shared_elsewhere(u, thief)
+            if least < 0 or again < least:
+                best, least = u, again
+            if again == 0:
+                break
+        return best, least
+
+    def _shared_elsewhere(self, unit: int, thief: int) -> int:
+        """Tokens `unit` shares with its neighbours in the plan (the units before and after it),
+        which the thief computes again if it takes the unit: 0 if it shares nothing, or if the
+        thief took one of the neighbours it shares with (their prefix is in its cache)."""
+        after = unit + 1 < len(self.units) and self.units[unit + 1].shared
+        sharing = [(n, s) for n, s in ((unit - 1, self.units[unit].shared), (unit + 1, int(after))) if s > 0]
+        mine = (self.units[n] for n, _ in sharing)
+        if any(u.taker == thief and (u.holder is not None or u.ran or u.done) for u in mine):
+            return 0
+        return max((s for _, s in sharing), default=0)
 
     def _done(self, replica: int) -> Take:
         self.engine_of[replica] = None

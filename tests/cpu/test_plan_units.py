@@ -87,3 +87,27 @@ def test_parts_of_a_row_each_join_into_units_of_a_replicas_share(order):
     assert plan.unit_seconds.max() <= 2 * cap
     rows = [int(r) for k in range(2) for u in plan.units(k) for r in u.row_ids]
     assert sorted(rows) == list(range(3000))
+
+
+@pytest.mark.parametrize("order", ["batchllm", "dfs"])
+def test_a_units_shared_tokens_are_what_its_first_row_shares_with_the_row_before(order):
+    """Plan.unit_shared, what a thief computes again (work_queue.py): batchllm's order knows the
+    rows' shared tokens (its prev_lcp; under min_prefix_len, none); the other orders
+    count a run's prefix where a unit continues a run. Never more than the rows' common
+    prefix; 0 where a replica starts."""
+    prompts = zipf_docs(400)
+    plan = build_plan(prompts, order=order, num_replicas=3, min_prefix_len=16, stealing=True)
+    rows = plan.table.column("row_id").to_numpy()
+    replica = plan.table.column("replica").to_numpy()
+    starts = plan.unit_starts[:-1]
+    assert len(plan.unit_shared) == plan.num_units and plan.num_units > 3 * 4
+    for first, shared in zip(starts.tolist(), plan.unit_shared.tolist()):
+        if first == 0 or replica[first] != replica[first - 1]:
+            assert shared == 0
+            continue
+        a, b = prompts[rows[first - 1]], prompts[rows[first]]
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert shared <= common
+        if order == "batchllm":
+            assert shared == (common if common >= 16 else 0)
+    assert plan.unit_shared.max() > 3  # some units are pieces of a document

@@ -30,11 +30,25 @@ def test_a_replica_that_runs_dry_takes_the_last_unit_of_the_busiest_whole():
             "from": 1,
             "to": 2,
             "seconds": 5.0,
+            "shared_tokens_again": 0,
             "victim_expected_s": 7.0,
             "thief_expected_s": 6.0,
             "at_s": q.steals[0]["at_s"],
         }
     ]
+
+
+def test_a_thief_takes_the_unit_whose_prefix_it_computes_again_least():
+    """Replica 1's queue: units 1-3 are pieces of one document (each shares 900 tokens with the
+    one before it), unit 4 a document of its own, units 5-6 the two pieces of another (300).
+    The thief takes unit 4 first (it shares nothing), then from the back: unit 6 costs it the
+    300 tokens unit 5 has too, unit 5 then nothing (its neighbour is the thief's), and so on;
+    the victim keeps its order from the front."""
+    q = queue([0, 1, 1, 1, 1, 1, 1], unit_shared=[0, 0, 900, 900, 0, 0, 300])
+    assert q.take(0, "a").unit == 0
+    assert [q.take(0, "a").unit for _ in range(5)] == [4, 6, 5, 3, 2]
+    assert [s["shared_tokens_again"] for s in q.steals] == [0, 300, 0, 900, 0]
+    assert q.take(1, "b").unit == 1
 
 
 class Clock:
