@@ -161,7 +161,9 @@ def _prefixflow_record(
         # What the plan expected each replica to compute before stealing moved units: the
         # difference from computed_per_engine is what stealing and the engine's cache cost.
         "planned_computed_per_replica": [r["computed_prompt_tokens"] for r in metrics["plan"]["replicas"]],
-        "steal_log": [{k: s[k] for k in ("unit", "from", "to", "seconds", "at_s", "shared_tokens_again")} for s in steals],
+        "steal_log": [
+            {k: s[k] for k in ("unit", "from", "to", "seconds", "at_s", "shared_tokens_again")} for s in steals
+        ],
         "preemptions_per_engine": [t.get("num_preemptions", 0) for t in totals],
         "engine_busy_s": [r["run_seconds"] for r in per],
         "engine_end_s": [r["end_s"] - t0 for r in per],

@@ -694,7 +694,7 @@ class JobSpec(_Strict):
     ] = Field(default=_default("replicas"), description="data-parallel engine actors: a count, or {min, max}")
     work_stealing: StrictBool = Field(
         default=_default("work_stealing"),
-        description="a replica that runs dry takes the last unstarted plan units of the one expected to finish last",
+        description="a replica that runs dry takes unstarted plan units of the one expected to finish last (prefix-affine: those whose prefix it computes again least)",
     )
     window_rows: Annotated[int, _limited("window_rows")] | None = Field(
         default=_default("window_rows"),

@@ -239,7 +239,7 @@ class ProcessorConfig:
         that many).
     min_replicas: the fewest engines the cluster must hold when the job starts (None: replicas),
         as ray.data.llm's `concurrency=(min, max)`.
-    work_stealing: a replica that runs dry takes the last unstarted plan units of the one expected to finish last
+    work_stealing: a replica that runs dry takes unstarted plan units of the one expected to finish last
         (operators/stages/work_queue.py); False: each runs only its own partition (the static plan).
     window_rows: plan the job in windows of this many rows (the first ones smaller), each
         dispatched to the engines while the next is read and planned (pipeline/windows.py);

@@ -3,8 +3,8 @@
 The job's driver (operators/stages/supervise.py, for a job from a spec and for the Python API
 alike) starts one `ReplicaGenerator` actor per replica and calls `run_item`: the actor takes
 units from the run's work queue (operators/stages/work_queue.py, in the job's actor:
-job_hub.py) as its engine has room, its own replica's first, then (run dry) the last unstarted
-ones of the busiest replica, and commits each part itself (to the output path, or to the
+job_hub.py) as its engine has room, its own replica's first, then (run dry) unstarted ones of
+the busiest replica, and commits each part itself (to the output path, or to the
 sink). It hands the units to a ReplicaRunner, which every path shares (the streaming
 batch_generator.Generator too): it loads the engine of the configured backend (native or vLLM)
 once, feeds it the units' groups lazily and yields output blocks as requests finish.

@@ -6,7 +6,7 @@ work queue, each restarted alone when it dies.
 
 One actor per replica runs `ReplicaGenerator.run_item`, taking plan units from the run's
 work queue (operators/stages/work_queue.py, in the job's actor, job_hub.py: its own replica's
-in plan order, then, run dry, the last unstarted units of the busiest replica) and committing each part itself: to the output path
+in plan order, then, run dry, unstarted units of the busiest replica) and committing each part itself: to the output path
 (a job run from a spec, operators/results/commit.py), or, with no WriteOptions (the Python API,
 whose rows leave as a Dataset's blocks), to the job's MetricsSink, which keeps each committed
 block in the object store until the driver takes it (operators/results/sink.MetricsSink.commit_block).
