@@ -391,16 +391,7 @@ def plan_multi_level(
         home_hit = _found_at_home(hits, seq_index, replica, prev_lcp, block_size)
         run_computed = run_computed - (np.add.reduceat(home_hit, run_starts[:-1]) if n else 0)
         final_c -= _home_seconds(cm, home_hit, prev_lcp, block_size)
-    preds = Partition(
-        part.part_lo,
-        part.part_hi,
-        part.part_run,
-        part.part_replica,
-        part.replica_parts,
-        per(final_c),
-        per(final_m),
-        np.maximum(np.rint(lost), 0).astype(np.int64),
-    )
+    preds = _predicted(part, per(final_c), per(final_m), lost)
     replica_runs = np.searchsorted(run_replica, np.arange(num_replicas + 1)).astype(np.int64)
     return ReplicaRuns(
         seq_index,
@@ -412,6 +403,15 @@ def plan_multi_level(
         preds,
         int(home_hit.sum()),
         prev_lcp,
+    )
+
+
+def _predicted(part: Partition, seconds: np.ndarray, memory: np.ndarray, lost: np.ndarray) -> Partition:
+    """The scan's parts with each replica's predicted seconds and memory as placed in
+    depth-first order, and the saved tokens the split gave up (never below 0)."""
+    lost_tokens = np.maximum(np.rint(lost), 0).astype(np.int64)
+    return Partition(
+        part.part_lo, part.part_hi, part.part_run, part.part_replica, part.replica_parts, seconds, memory, lost_tokens
     )
 
 

@@ -215,12 +215,7 @@ def build_plan(
     source = prompts if isinstance(prompts, HashedPrompts) else RaggedTokens.from_sequences(prompts)
     hashed, tokens = (source, None) if isinstance(source, HashedPrompts) else (None, source)
     lengths = source.lengths
-    n = len(lengths)
-    ids = _check_row_ids(row_ids, n)
-    outs = _check_output_lens(output_lens, n)
-    require(order in ORDER_POLICIES, "build_plan", "order", order, one_of(ORDER_POLICIES))
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
+    ids, outs = _checked_args(len(lengths), row_ids, output_lens, order, num_replicas)
     tree = _prefix_tree(source)
     single = order != "batchllm" or tree.num_nodes <= SINGLE_LEVEL_METRIC_MAX_NODES
     grouping = maximize_reuse(tree, min_prefix_len) if single else None
@@ -253,6 +248,22 @@ def build_plan(
         _unit_shared(planned, unit_starts),
         hashed,
     )
+
+
+def _checked_args(
+    n: int,
+    row_ids: Sequence[int] | np.ndarray | None,
+    output_lens: Sequence[int] | np.ndarray | None,
+    order: str,
+    num_replicas: int,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """build_plan's row ids and output lengths as arrays, after checking every argument."""
+    ids = _check_row_ids(row_ids, n)
+    outs = _check_output_lens(output_lens, n)
+    require(order in ORDER_POLICIES, "build_plan", "order", order, one_of(ORDER_POLICIES))
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas} is invalid: use at least 1")
+    return ids, outs
 
 
 def _prefix_tree(source: HashedPrompts | RaggedTokens) -> PrefixTree:
