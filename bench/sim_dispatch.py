@@ -1,7 +1,8 @@
 """How requests reach the replicas, in simulated time: Ray Data's actor pool (tasks of whole
 blocks, pulled with a cap on tasks in flight) or a plan's units (each replica its own, in plan
 order; with stealing, a replica that runs dry takes the last unstarted unit of the replica with
-the most predicted work left). Numba-compiled for large runs (`kernel`).
+the most predicted work left: the engines' queue takes the one whose prefix it computes again
+least, work_queue.py, which this model leaves out). Numba-compiled for large runs (`kernel`).
 
 Time: a replica's clock is its busy time so far, max(sum T_comp, sum T_mem) over the requests it
 admitted (cost_model.py, BlendServe Sec. 4). A replica admits its requests in stream order (one

@@ -8,7 +8,10 @@ Policies (POLICIES, and plan_vllm for callers that ask):
               engine: each group's prefix computed once);
   plan_steal  the plan with work stealing: a replica that runs dry takes the last unstarted unit
               of the replica with the most predicted work left, whole; the unit's prefix is
-              computed on the thief (a hit only if the thief's cache holds it);
+              computed on the thief (a hit only if the thief's cache holds it). The engines'
+              queue (work_queue.py) picks, of the victim's unstarted units, the one whose
+              shared prefix the thief computes again least: the simulator does not model that
+              choice (its plan_steal may overstate what stealing computes again);
   plan_vllm   the static plan on prefixflow's vLLM backend (members as whole prompts in plan
               order, sharing only through vLLM's prefix cache);
   plan_steal_unjoined  stealing over the static plan (build_plan stealing=False: a small piece of
