@@ -112,11 +112,15 @@ def test_a_terminal_stays_a_terminal_of_its_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_good_job_prints_no_ray_log_line(tiny_model, tmp_path):
+def test_a_good_job_prints_no_ray_log_line(ray_local, tiny_model, tmp_path):
     """`prefixflow run` of a small job (two replicas) on a local Ray it starts: the console has
     our plan, progress and summary and not one of Ray's log lines; the file named at the end has
     them, and not the core's constructor-arguments error line, whose cause (an actor pool for the
-    tokenize stage) is gone."""
+    tokenize stage) is gone. Without an address the run starts its own cluster, never joining
+    one that happens to run on the machine (the session's, here), and says so (issue 27)."""
+    import ray._private.state
+
+    drivers_before = len(ray._private.state.jobs())
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(8)))
     spec = {
         "model": str(tiny_model),
@@ -135,6 +139,10 @@ def test_a_good_job_prints_no_ray_log_line(tiny_model, tmp_path):
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     assert "plan: 8 rows" in console and "done: 8 rows" in console, console[-4000:]
+    assert "Ray: started a local cluster for this run" in console, console[-4000:]
+    # The run did not join the session's cluster. (A run given RAY_ADDRESS joins that cluster
+    # and says so: every `start_driver` job does, and test_resume_safety's lock test asserts it.)
+    assert len(ray._private.state.jobs()) == drivers_before
     ray_lines = [line for line in console.splitlines() if re.match(r"(\(.*\) )?\[?\d{4}-\d\d-\d\d ", line)]
     assert not ray_lines, ray_lines
     assert not [line for line in console.splitlines() if re.match(r"\[\S+ \S+ E ", line)]

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
+from support.native import native_tokens
 
 from prefixflow.bench.fault_bench import local_records
 from prefixflow.jobs.demo import demo_rows
@@ -309,27 +310,24 @@ def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_l
     # for the second window's, and must not write the first's again).
     rows[5]["document"] = rows[20]["document"] = None
 
-    def run(window_rows: int | None) -> tuple[list[dict], dict]:
-        config = prefixflow.ProcessorConfig(
-            model=str(tiny_model),
-            prompt={"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
-            sampling={"temperature": 0, "max_tokens": 6},
-            engine={"device": "cpu", "kv_cache_bytes": 16 << 20},
-            replicas=2,
-            tokenize_batch_size=4,
-            window_rows=window_rows,
-        )
-        processor = prefixflow.build_processor(config)
-        out = processor(ray_local.data.from_items(rows, override_num_blocks=6)).take_all()
-        return sorted(out, key=lambda r: r["id"]), processor.plan_summary()
-
-    windowed, summary = run(16)
-    whole, _ = run(None)
+    spec = {
+        "model": str(tiny_model),
+        "prompt": {"template": "Document: {{ document }}\nQuestion: {{ question }}\nAnswer:"},
+        "sampling": {"temperature": 0, "max_tokens": 6},
+        "engine": {"device": "cpu", "kv_cache_bytes": 16 << 20},
+    }
+    config = prefixflow.ProcessorConfig(**spec, replicas=2, tokenize_batch_size=4, window_rows=16)
+    processor = prefixflow.build_processor(config)
+    out = processor(ray_local.data.from_items(rows, override_num_blocks=6)).take_all()
+    windowed, summary = sorted(out, key=lambda r: r["id"]), processor.plan_summary()
     assert [r["id"] for r in windowed] == sorted(r["id"] for r in rows)  # every row once
     assert summary["num_windows"] >= 3 and sum(summary["window_rows"]) == 22
     bad = {rows[5]["id"], rows[20]["id"]}
     assert [r["error"] is not None for r in windowed] == [r["id"] in bad for r in windowed]
-    assert [list(r["generated_tokens"]) for r in windowed] == [list(r["generated_tokens"]) for r in whole]
+    # The answers of one plan: greedy outputs as the same engine gives them for the whole job at
+    # once (the replica runner in this process: cheaper than a second whole job).
+    whole = native_tokens(spec, [r for r in rows if r["id"] not in bad])
+    assert {r["id"]: list(r["generated_tokens"]) for r in windowed if r["id"] not in bad} == whole
 
 
 def _job(root: Path, model: Path, rows: list[dict], files: int, window_rows: int | None = 32) -> Path:
