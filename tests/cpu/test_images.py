@@ -348,7 +348,8 @@ def test_image_job_on_vllm_killed_once_equals_transformers(ray_local, vlm, tmp_p
     for k in range(3):
         (pics / f"{k}.png").write_bytes(png_bytes(10 + k))
     (pics / "broken.png").write_bytes(b"not a picture")
-    questions = ("What is it?", "Which colours?", "Where is it?", "Is it day?", "Count the shapes.", "Why?", "How?")
+    # 13 good rows, two at a time: the engine is killed after its first part of 2 with rows to go.
+    questions = ("What is it?", "Which colours?", "Where is it?", "Count the shapes.")
     good = [
         [SYSTEM, image_message(q, f"{k}.png" if k else data_url(png_bytes(10)))] for q in questions for k in range(3)
     ]
