@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
-from support.native import native_tokens
 
 from prefixflow.bench.fault_bench import local_records
 from prefixflow.jobs.demo import demo_rows
@@ -303,6 +302,10 @@ def test_a_block_that_fails_to_read_fails_the_windows(ray_local):
 
 @pytest.mark.slow
 def test_the_python_api_runs_a_job_in_windows_with_the_answers_of_one_plan(ray_local, tiny_model):
+    # Imported here: Ray's workers unpickle this module's functions (_block_held_until) by
+    # importing it, and the tests' `support` package is not on their path.
+    from support.native import native_tokens
+
     import prefixflow
 
     rows = demo_rows(num_docs=6, questions_per_doc=4, sentences_per_doc=3, seed=2)  # 24 rows
