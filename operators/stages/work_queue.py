@@ -4,7 +4,7 @@ The plan gives each replica an ordered queue of whole units (pipeline/plan.py Pl
 subtree, or a piece of a large group; nothing shared with the rest but its parents' prefixes).
 An engine takes its next unit when its scheduler has room (engine/intake.py):
 
-  - from its own queue's front, in plan order, while it has any;
+  - from its own queue's front, in plan order, while it has any; its loose units last (below);
   - else, having run dry, an unstarted unit of the replica expected to finish last, whole:
     the unit's shared prefix is computed once, on the thief. Of the victim's queue, the unit
     whose prefix costs the least to compute twice (prefix affinity, `_to_steal`): one that
@@ -17,6 +17,15 @@ An engine takes its next unit when its scheduler has room (engine/intake.py):
     may reach the unit first). A victim with no engine at work (not started yet, or dead) is
     always robbed;
   - else DONE: the engine finishes what it holds and ends.
+
+Loose units are kept for the end (work first, steal-friendly deque): a unit that shares
+nothing with the units next to it in the plan beyond what every unit of its window shares (the
+least any unit shares with the one before it on its replica: a system prompt, which every
+replica computes once anyway) is taken by its own engine after the others. Its engine loses no
+reuse by that, and a thief that comes finds it at the end, where it costs no prefix computed
+twice: in scale_bench's N = 4 job a replica ran its document-less rows first and its two large
+documents last, so the thieves, coming late, could only split a document and compute its
+1,950-token prefix again, once each. Without stealing the plan's order is kept as it is.
 
 A replica is expected to finish when the predicted seconds of its queued and held units are
 done at its pace: the predicted seconds its engine ran per second since it first took a unit
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import chain
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +85,7 @@ class _Unit:
     rows: tuple[int, ...] | None = None  # rows left to run; None: all
     holder: str | None = None  # the engine (run token) that took it
     taker: int = -1  # the replica of that engine
-    shared: int = 0  # prompt tokens it shares with the unit before it (Plan.unit_shared)
+    shared: int = 0  # prompt tokens it shares with the unit before it beyond its window's floor (`add`)
     credited: float = 0.0  # predicted seconds of it counted in the taker's pace (rows run)
     ran: bool = False  # every row of it has its output
     done: bool = False
@@ -104,6 +114,7 @@ class WorkQueue:
         self.units: list[_Unit] = []
         self.unit_payloads: list[Any] = []
         self.queues: list[deque[int]] = [deque() for _ in range(self.num_replicas)]
+        self.loose: list[deque[int]] = [deque() for _ in range(self.num_replicas)]  # taken after queues
         self.seconds_left = [0.0] * self.num_replicas
         self.add(self.unit_replica, self.unit_seconds, self.payloads, self.rows_left, self.done_units, self.unit_shared)
         self.held_seconds = [0.0] * self.num_replicas  # predicted seconds of units held, by taker
@@ -123,18 +134,23 @@ class WorkQueue:
         unit_shared: Sequence[int] = (),
     ) -> int:
         """Queue more units (the next window of the plan), numbered on from the last; rows_left,
-        done_units and unit_shared as in the constructor, by the units' new numbers. Returns the
-        first."""
+        done_units and unit_shared as in the constructor, by the units' new numbers. A unit's
+        shared tokens count beyond the window's floor: the least a unit shares with the unit
+        before it on its replica (module docstring). Returns the first."""
         first = len(self.units)
         done = set(done_units)
+        shared = [int(s) for s in unit_shared] if len(unit_shared) else [0] * len(unit_replica)
+        floor = min((s for k, s in enumerate(shared) if k and unit_replica[k] == unit_replica[k - 1]), default=0)
         for k, (r, s) in enumerate(zip(unit_replica, unit_seconds)):
             u = first + k
-            shared = int(unit_shared[k]) if len(unit_shared) else 0
-            self.units.append(_Unit(int(r), float(s), shared=shared, done=u in done))
+            self.units.append(_Unit(int(r), float(s), shared=max(shared[k] - floor, 0), done=u in done))
             self.unit_payloads.append(payloads[k] if len(payloads) and u not in done else None)
+        for k, r in enumerate(unit_replica):
+            u = first + k
             if not self.units[u].done:
-                self.queues[int(r)].append(u)
-                self.seconds_left[int(r)] += float(s)
+                beyond = max(self.units[u].shared, self.units[u + 1].shared if k + 1 < len(shared) else 0)
+                (self.loose if self.steal and beyond == 0 else self.queues)[int(r)].append(u)
+                self.seconds_left[int(r)] += self.units[u].seconds
         for u, rows in (rows_left or {}).items():
             self.units[int(u)].rows = tuple(int(r) for r in rows)
         return first
@@ -148,13 +164,14 @@ class WorkQueue:
         if self.first_take[replica] is None:
             self.first_take[replica] = self.clock()
         self.engine_of[replica] = token
-        if self.queues[replica]:
-            return self._hand(self.queues[replica].popleft(), replica, token, -1)
+        own = self.queues[replica] or self.loose[replica]
+        if own:
+            return self._hand(own.popleft(), replica, token, -1)
         if not self.steal:
             return self._done(replica) if self.closed else Take(WAIT)
         paces = self.paces_or_mean()
         left = self.expected_seconds_left(paces)
-        victims = [r for r in range(self.num_replicas) if self.queues[r]]
+        victims = [r for r in range(self.num_replicas) if self.queues[r] or self.loose[r]]
         if not victims:
             return self._done(replica) if self.closed else Take(WAIT)  # the next window may bring work
         victim = max(victims, key=lambda r: (left[r], -r))
@@ -163,7 +180,7 @@ class WorkQueue:
         if self.engine_of[victim] is not None and thief_expected >= left[victim]:
             self.waits[replica] += 1
             return Take(WAIT)
-        self.queues[victim].remove(unit)
+        (self.loose if unit in self.loose[victim] else self.queues)[victim].remove(unit)
         self.steals.append(
             {
                 "unit": unit,
@@ -180,9 +197,10 @@ class WorkQueue:
 
     def _to_steal(self, victim: int, thief: int) -> tuple[int, int]:
         """(the unit of the victim's queue the thief takes, the prompt tokens it computes again)
-        (module docstring): the least of those tokens, the last of equals."""
+        (module docstring): the least of those tokens, the last of equals (the loose units
+        are the queue's end)."""
         best, least = -1, -1
-        for u in reversed(self.queues[victim]):
+        for u in chain(reversed(self.loose[victim]), reversed(self.queues[victim])):
             again = self._shared_elsewhere(u, thief)
             if least < 0 or again < least:
                 best, least = u, again
@@ -288,8 +306,9 @@ class WorkQueue:
     def drop(self, replica: int) -> list[int]:
         """Take every unit still queued for `replica` out of the queue (its rows are given up,
         with no replica left to take them: the static plan); returns them."""
-        units = list(self.queues[replica])
+        units = [*self.queues[replica], *self.loose[replica]]
         self.queues[replica].clear()
+        self.loose[replica].clear()
         self.seconds_left[replica] = 0.0
         for u in units:
             self.units[u].done = True
@@ -303,8 +322,8 @@ class WorkQueue:
     def counts(self) -> dict:
         """Units queued per replica (and in all), held, done; whether every unit is done."""
         return {
-            "queued": [len(q) for q in self.queues],
-            "num_queued": sum(len(q) for q in self.queues),
+            "queued": [len(q) + len(loose) for q, loose in zip(self.queues, self.loose)],
+            "num_queued": sum(len(q) + len(loose) for q, loose in zip(self.queues, self.loose)),
             "held": sum(u.holder is not None for u in self.units),
             "done": sum(u.done for u in self.units),
             "units": len(self.units),

@@ -51,6 +51,23 @@ def test_a_thief_takes_the_unit_whose_prefix_it_computes_again_least():
     assert q.take(1, "b").unit == 1
 
 
+def test_loose_units_go_last_so_a_thief_finds_them_and_computes_no_prefix_twice():
+    """Replica 0's plan (scale_bench's N = 4 shape): units 0-2 are documents asked once (each
+    shares only the 64-token system prompt with its neighbours: the window's floor), units 3-5
+    the pieces of one document (1,952 tokens shared). Its engine takes the document first and
+    the loose units last; a thief that comes takes a loose unit, not a piece of the document.
+    Without stealing the plan's order stays."""
+    shape = dict(unit_shared=[0, 64, 64, 64, 1952, 1952, 0])
+    q = queue([0, 0, 0, 0, 0, 0, 1], **shape)
+    assert [q.take(0, "a").unit for _ in range(2)] == [3, 4]
+    assert q.take(1, "b").unit == 6
+    stolen = q.take(1, "b")
+    assert (stolen.unit, stolen.stolen_from, q.steals[-1]["shared_tokens_again"]) == (2, 0, 0)
+    assert [q.take(0, "a").unit for _ in range(3)] == [5, 0, 1]
+    static = queue([0, 0, 0, 0, 0, 0, 1], steal=False, **shape)
+    assert [static.take(0, "a").unit for _ in range(6)] == [0, 1, 2, 3, 4, 5]
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
