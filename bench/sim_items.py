@@ -85,12 +85,14 @@ def plain_items(w: Workload, order: np.ndarray, outs: np.ndarray | None = None) 
 class PlanStream:
     """A plan's requests in plan order (replica by replica), cut into its units: unit_starts
     [num_units + 1] item boundaries, unit_owner [num_units] the replica the plan gave each,
-    unit_seconds [num_units] its predicted time (from the caps)."""
+    unit_seconds [num_units] its predicted time (from the caps), unit_shared [num_units] the
+    prompt tokens it shares with the unit before it (Plan.unit_shared)."""
 
     items: _Items
     unit_starts: np.ndarray
     unit_owner: np.ndarray
     unit_seconds: np.ndarray
+    unit_shared: np.ndarray
 
 
 def _no_hashes(seqs: np.ndarray, depth: int, width: int) -> np.ndarray:
@@ -264,7 +266,8 @@ def plan_stream(w: Workload, plan: Any, outs: np.ndarray | None = None, cut_unit
     u = unit_starts[:-1]  # uncut, a replica with no rows is an empty unit (at n possibly)
     starts = np.r_[np.r_[pos, n_items][u] - np.r_[first, False][u], n_items].astype(np.int64)
     owner = rep[u] if cut_units else np.arange(plan.num_replicas, dtype=np.int64)
-    return PlanStream(_Items(kind, node, anc, replica, out, row), starts, owner, unit_seconds)
+    unit_shared = plan.unit_shared if cut_units else np.zeros(plan.num_replicas, np.int64)
+    return PlanStream(_Items(kind, node, anc, replica, out, row), starts, owner, unit_seconds, unit_shared)
 
 
 def _sliced_stream(w: Workload, plan: SlicedPlan, outs: np.ndarray, cut_units: bool) -> PlanStream:
@@ -279,4 +282,5 @@ def _sliced_stream(w: Workload, plan: SlicedPlan, outs: np.ndarray, cut_units: b
         starts,
         np.concatenate([p.unit_owner for p in parts]),
         np.concatenate([p.unit_seconds for p in parts]),
+        np.concatenate([p.unit_shared for p in parts]),
     )

@@ -33,6 +33,7 @@ from prefixflow.bench.sim_run import (
 from prefixflow.bench.sim_startup import (
     REPLICAS_PER_NODE,
     TEXT_BYTES_PER_TOKEN,
+    gpu_wait,
     plan_stage_bytes,
     rates_record,
     sort_bytes,
@@ -222,8 +223,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
-# The fair scale bench's Ray runs as validate_dispatch reads them (sim_dispatch_check.py --extract).
-SCALE_BENCH = Path(__file__).parent / "results" / "scale_bench_dispatch.json.gz"
+# The judged sitting of the fair scale bench (N = 4, model-decided, commit 7cf2716): its Ray runs
+# as validate_dispatch reads them (sim_dispatch_check.py --extract).
+SCALE_BENCH = Path(__file__).parent / "results" / "scale_bench_dispatch_loose_last.json.gz"
 
 
 def dispatch_validation(scale_bench: Path | None) -> dict[str, Any]:
@@ -336,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = Path(args.out or f"bench/results/cluster_sim{'_quick' if args.quick else ''}.json")
     command = "python -m prefixflow.bench.cluster_sim " + " ".join(sys.argv[1:] if argv is None else argv)
     report = run_all(prompts, replicas, validate_engines, ray, command.strip(), Path(args.scale_bench))
+    report["gpu_wait_before_first_work"] = gpu_wait(report)  # sim_startup's closed form on the result
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     drew = plot(report, out.with_suffix(".png"))

@@ -10,8 +10,11 @@ Policies (POLICIES, and plan_vllm for callers that ask):
               of the replica with the most predicted work left, whole; the unit's prefix is
               computed on the thief (a hit only if the thief's cache holds it). The engines'
               queue (work_queue.py) picks, of the victim's unstarted units, the one whose
-              shared prefix the thief computes again least: the simulator does not model that
-              choice (its plan_steal may overstate what stealing computes again);
+              shared prefix the thief computes again least, and each engine runs its loose
+              units (sharing nothing past the system prompt with their neighbours) last, where
+              thieves find them: the simulator runs the loose units last (plan_units), so its
+              thieves take them first, but not the choice among the others (its plan_steal may
+              overstate what stealing computes again);
   plan_vllm   the static plan on prefixflow's vLLM backend (members as whole prompts in plan
               order, sharing only through vLLM's prefix cache);
   plan_steal_unjoined  stealing over the static plan (build_plan stealing=False: a small piece of
@@ -28,6 +31,7 @@ import numpy as np
 from prefixflow.bench import sim_dispatch as dispatch
 from prefixflow.bench.sim_items import BLOCK_SIZE, OWNER, PlanStream, _Items, plain_items, plan_stream, plan_workload
 from prefixflow.bench.sim_workloads import Workload, levels
+from prefixflow.operators.stages.work_queue import loose_units, shared_beyond_floor
 from prefixflow.pipeline.cost_model import CostModel
 
 MAX_NUM_SEQS = 256  # vLLM's default request cap (every system gets the same)
@@ -119,12 +123,15 @@ class Tasks:
 @dataclass(frozen=True, slots=True, eq=False)
 class Units:
     """A plan's dispatch: units of the stream (starts [num_units + 1]), each owned by a replica
-    and predicted to take `seconds`; steal: a replica that runs dry takes others' units."""
+    and predicted to take `seconds`; steal: a replica that runs dry takes others' units; last
+    (None: none): the units each replica runs after its others, in plan order (its loose
+    units, where a thief takes from first: work_queue.loose_units)."""
 
     starts: np.ndarray
     owner: np.ndarray
     seconds: np.ndarray
     steal: bool = False
+    last: np.ndarray | None = None
 
 
 def h100_cluster(num_replicas: int, cost_model: CostModel | None = None) -> Cluster:
@@ -189,7 +196,7 @@ def simulate(
     pool = R * (cluster.cache_blocks + seqs * (max_chain + 2) + 4)
     st, buf = dispatch.new_state(R, seqs, pool, max_chain)
     n = len(items.kind)
-    out = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(R), np.zeros(R))
+    out = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1.0), np.zeros(R), np.zeros(R))
     it = tuple(np.ascontiguousarray(a, np.int64) for a in (items.kind, items.node, items.anchor, items.output_len))
     args = (
         st,
@@ -208,12 +215,13 @@ def simulate(
                 raise ValueError(f"simulate: Tasks.ready_s must give each of the {R} actors a time >= 0")
             grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready)
         else:
-            order = np.argsort(how.owner, kind="stable")
+            last = np.zeros(len(how.owner), bool) if how.last is None else np.asarray(how.last, bool)
+            order = np.lexsort((last, how.owner))  # by owner, its loose units last, else plan order
             own_starts = np.searchsorted(how.owner[order], np.arange(R + 1)).astype(np.int64)
             grain, when = dispatch.kernel("_dispatch_units", n)(
                 *args, order.astype(np.int64), own_starts, how.seconds.astype(np.float64), bool(how.steal)
             )
-    return Run(items, out[0], out[1], out[2], out[3], how, grain, when)
+    return Run(items, out[0], out[1], out[3], out[4], how, grain, when)
 
 
 def fixed_units(replica: np.ndarray) -> Units:
@@ -249,7 +257,12 @@ def joins_pieces(policy: str) -> bool:
 
 
 def plan_units(stream: PlanStream, steal: bool) -> Units:
-    return Units(stream.unit_starts, stream.unit_owner, stream.unit_seconds, steal)
+    """The plan's units as its engines' queue (work_queue.py) holds them: with stealing each
+    replica runs its loose units last (where thieves take first), without it in plan order."""
+    loose = loose_units(shared_beyond_floor(stream.unit_owner.tolist(), stream.unit_shared.tolist()))
+    return Units(
+        stream.unit_starts, stream.unit_owner, stream.unit_seconds, steal, np.asarray(loose) if steal else None
+    )
 
 
 def policy_stream(

@@ -64,6 +64,21 @@ from typing import Any
 UNIT, WAIT, DONE = "unit", "wait", "done"
 
 
+def shared_beyond_floor(unit_replica: Sequence[int], unit_shared: Sequence[int]) -> list[int]:
+    """What each unit shares with the unit before it (Plan.unit_shared; none given: nothing)
+    beyond the floor: the least any unit shares with the unit before it on its replica (what
+    every unit of the window shares: a system prompt, which every replica computes once)."""
+    shared = [int(s) for s in unit_shared] if len(unit_shared) else [0] * len(unit_replica)
+    floor = min((s for k, s in enumerate(shared) if k and unit_replica[k] == unit_replica[k - 1]), default=0)
+    return [max(s - floor, 0) for s in shared]
+
+
+def loose_units(beyond: Sequence[int]) -> list[bool]:
+    """Whether each unit is loose (module docstring): it shares nothing beyond the floor
+    (`shared_beyond_floor`) with the unit before it or the unit after it."""
+    return [b == 0 and (k + 1 == len(beyond) or beyond[k + 1] == 0) for k, b in enumerate(beyond)]
+
+
 @dataclass(frozen=True, slots=True)
 class Take:
     """What `WorkQueue.take` hands an engine: a unit (kind UNIT) with the rows of it to run
@@ -139,18 +154,15 @@ class WorkQueue:
         before it on its replica (module docstring). Returns the first."""
         first = len(self.units)
         done = set(done_units)
-        shared = [int(s) for s in unit_shared] if len(unit_shared) else [0] * len(unit_replica)
-        floor = min((s for k, s in enumerate(shared) if k and unit_replica[k] == unit_replica[k - 1]), default=0)
+        beyond = shared_beyond_floor(unit_replica, unit_shared)
+        loose = loose_units(beyond)
         for k, (r, s) in enumerate(zip(unit_replica, unit_seconds)):
             u = first + k
-            self.units.append(_Unit(int(r), float(s), shared=max(shared[k] - floor, 0), done=u in done))
+            self.units.append(_Unit(int(r), float(s), shared=beyond[k], done=u in done))
             self.unit_payloads.append(payloads[k] if len(payloads) and u not in done else None)
-        for k, r in enumerate(unit_replica):
-            u = first + k
-            if not self.units[u].done:
-                beyond = max(self.units[u].shared, self.units[u + 1].shared if k + 1 < len(shared) else 0)
-                (self.loose if self.steal and beyond == 0 else self.queues)[int(r)].append(u)
-                self.seconds_left[int(r)] += self.units[u].seconds
+            if u not in done:
+                (self.loose if self.steal and loose[k] else self.queues)[int(r)].append(u)
+                self.seconds_left[int(r)] += float(s)
         for u, rows in (rows_left or {}).items():
             self.units[int(u)].rows = tuple(int(r) for r in rows)
         return first

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from prefixflow.bench import cluster_sim as cs
-from prefixflow.bench import sim_items, sim_report
+from prefixflow.bench import sim_items, sim_report, sim_run
 from prefixflow.bench.sim_dispatch_check import bench_cost_model
 from prefixflow.bench.sim_workloads import families
 from prefixflow.pipeline import build_plan
@@ -126,6 +126,7 @@ class Reference:
         self.coef = cs.cost_coefficients(CM)
         self.comp, self.mem = np.zeros(cluster.num_replicas), np.zeros(cluster.num_replicas)
         self.starts, self.where = np.zeros(len(items.kind), np.int64), np.zeros(len(items.kind), np.int64)
+        self.left = {}  # item -> its replica's clock when it left the running batch
 
     def clock(self, r):
         return max(self.comp[r], self.mem[r])
@@ -147,12 +148,14 @@ class Reference:
             held = rep.used - len(rep.queue)
             if len(rep.running) < self.cluster.max_num_seqs and (not rep.running or held + need + watermark <= cap):
                 break
-            rep.drop(*rep.running.pop(0))
+            j, *held = rep.running.pop(0)
+            rep.drop(*held)
+            self.left[j] = self.clock(r)
         rep.hold(pinned + counted, hashed + partial)
         if items.kind[i] == cs.OWNER:
             rep.drop(pinned + counted, 0, 0)
         else:
-            rep.running.append((pinned + counted, hashed, partial))
+            rep.running.append((i, pinned + counted, hashed, partial))
         s = base + hit * bs
         p, d = float(self.w.depth[items.node[i]]), float(items.output_len[i])
         self.comp[r] += self.coef[0] * (p - s + d) + self.coef[1] * d + self.coef[2] * (p * p - float(s) * s)
@@ -164,21 +167,31 @@ class Reference:
             self.run_item(i, r)
 
     def tasks(self, how):
-        """Ray Data: fewest in flight first (lowest index), else the first task to finish."""
-        flights = [[] for _ in self.reps]
+        """Ray Data: fewest in flight first (lowest index); when every actor is full, time moves
+        to the first end of a task (its last row left the batch, else its actor ran all it
+        holds) and every task ended by then leaves."""
+        flights = [[] for _ in self.reps]  # each actor's tasks in flight, by their last item
+        end = lambda r, last: self.left.get(last, self.clock(r))  # noqa: E731
+        now = 0.0
         for t in range(len(how.starts) - 1):
-            counts = [len(f) for f in flights]
-            r = counts.index(min(counts))
-            if counts[r] >= how.max_in_flight:
-                heads = [f[0] for f in flights]
-                r = heads.index(min(heads))
-                flights[r].pop(0)
+            while True:
+                for q, f in enumerate(flights):
+                    while f and end(q, f[0]) <= now:
+                        f.pop(0)
+                counts = [len(f) for f in flights]
+                r = counts.index(min(counts))
+                if counts[r] < how.max_in_flight:
+                    break
+                now = min(end(q, f[0]) for q, f in enumerate(flights))
             self.run_range(how.starts[t], how.starts[t + 1], r)
-            flights[r].append(self.clock(r))
+            flights[r].append(how.starts[t + 1] - 1)
 
     def units(self, how):
-        """Plan units: the lowest clock goes next; a dry replica steals the busiest's last unit."""
-        own = [[u for u in range(len(how.owner)) if how.owner[u] == r] for r in range(len(self.reps))]
+        """Plan units: the lowest clock goes next, each replica's `last` units after its others; a
+        dry replica steals the busiest's last unit."""
+        last = np.zeros(len(how.owner), bool) if how.last is None else how.last
+        by_order = sorted(range(len(how.owner)), key=lambda u: (bool(last[u]), u))
+        own = [[u for u in by_order if how.owner[u] == r] for r in range(len(self.reps))]
         active = set(range(len(self.reps)))
         while active:
             r = min(active, key=lambda q: (self.clock(q), q))
@@ -248,13 +261,35 @@ def test_a_task_goes_to_the_fewest_in_flight_then_to_the_first_actor_to_finish(i
     """Two actors, one-row tasks: a long prompt first, then short ones. With 2 in flight the
     third task goes to actor 0 although it is busier (fewest in flight, ties to the lowest
     index: Ray ranks actors by tasks in flight, not by work); once both are full every task
-    waits for the first to finish, always actor 1's. With 1 in flight actor 1 pulls them all."""
+    waits for the first to finish, always actor 1's. With 1 in flight actor 1 pulls them all.
+    Tasks an actor holds at once run in one batch and end together."""
     w = cs.workload_from_tokens(distinct_prompts([2000] + [100] * 6), 16)
     how = cs.ray_tasks(7, cs.RayData(7, 1, in_flight), 2)
     run = cs.simulate(w, cs.plain_items(w, np.arange(7)), cs.Cluster(2, 1 << 20), CM, how)
     assert run.grain_replica.tolist() == expected
     on_1 = np.flatnonzero(run.grain_replica == 1)
-    assert np.all(np.diff(run.grain_time_s[on_1]) > 0) and run.grain_time_s[on_1[-1]] < run.grain_time_s[0]
+    assert np.all(np.diff(run.grain_time_s[on_1]) >= 0) and run.grain_time_s[on_1[-1]] < run.grain_time_s[0]
+    if in_flight == 2:
+        assert run.grain_time_s[1] == run.grain_time_s[3] < run.grain_time_s[4] == run.grain_time_s[5]
+
+
+def test_tasks_held_at_once_run_as_one_batch_and_end_when_their_rows_leave_it():
+    """4 engines up 1-3 tasks' work apart, 64 tasks of 2 rows, 16 in flight. With room for all
+    they hold in one batch (vLLM with max_num_seqs 256), no task ends before its engine has run
+    all 16, so each engine, however late (within that), gets a contiguous quarter, as every
+    measured ray.data.llm run at N = 4 did. With one row at a time (max_num_seqs 1) a task
+    ends after its own rows: the first engine takes a 17th task before the last one is up."""
+    w = cs.workload_from_tokens(distinct_prompts([100] * 128), 16)
+    items = cs.plain_items(w, np.arange(128))
+    two = cs.plain_items(w, np.arange(2))
+    one = cs.simulate(w, two, cs.Cluster(1, 1 << 20), CM, cs.ray_tasks(2, cs.RayData(1, 2, 16), 1)).busy_s[0]
+    tasks = cs.ray_tasks(128, cs.RayData(64, 2, 16), 4, ready_s=np.array([0.0, 1.0, 2.0, 3.0]) * one)
+    batched = cs.simulate(w, items, cs.Cluster(4, 1 << 20, max_num_seqs=256), CM, tasks)
+    assert batched.grain_replica.tolist() == [t // 16 for t in range(64)]
+    assert np.unique(batched.grain_time_s[:16]).size == 1  # one batch: its tasks end together
+    serial = cs.simulate(w, items, cs.Cluster(4, 1 << 20, max_num_seqs=1), CM, tasks)
+    assert np.bincount(serial.grain_replica, minlength=4)[0] > 16
+    assert np.all(np.diff(serial.grain_time_s[serial.grain_replica == 0]) > 0)
 
 
 def test_with_no_more_tasks_than_slots_every_actor_gets_its_share_at_once():
@@ -313,6 +348,26 @@ def test_a_replica_that_runs_dry_takes_the_last_units_of_the_busiest_whole():
     assert sorted(run.items.row[np.argsort(run.item_replica, kind="stable")].tolist()) == list(range(61))
     assert run.busy_s.sum() == pytest.approx(static.busy_s.sum(), rel=1e-12)  # the same work, moved
     assert run.busy_s.max() < 0.6 * static.busy_s.max()
+
+
+def test_loose_units_run_last_where_a_thief_takes_them_first():
+    """As the engines' queue holds them (work_queue.py): replica 0 runs units 0, 2, 3 while
+    replica 1, dry after its row, takes the loose units 4 and 1 from the back, then 5.
+    plan_units marks as loose, with stealing only, the units work_queue.loose_units does:
+    nothing shared beyond the floor (10: the least shared between neighbours on a replica)
+    with the unit before or after."""
+    w = cs.workload_from_tokens(distinct_prompts([200] * 61), 16)
+    last = np.array([0, 1, 0, 0, 1, 0, 0], bool)
+    how = cs.Units(np.array([0, 10, 20, 30, 40, 50, 60, 61]), np.array([0] * 6 + [1]), np.ones(7), True, last)
+    run = cs.simulate(w, cs.plain_items(w, np.arange(61)), cs.Cluster(2, 1 << 20), CM, how)
+    assert run.grain_replica.tolist() == [0, 1, 0, 0, 1, 1, 1]
+    assert run.grain_time_s[4] < run.grain_time_s[1] < run.grain_time_s[5]
+    assert_whole_units(run)
+    stream = sim_items.PlanStream(
+        run.items, np.arange(6), np.array([0, 0, 0, 1, 1]), np.ones(5), np.array([0, 50, 10, 0, 10])
+    )
+    assert sim_run.plan_units(stream, steal=True).last.tolist() == [False, False, True, True, True]
+    assert sim_run.plan_units(stream, steal=False).last is None
 
 
 def test_the_victim_is_the_replica_with_the_most_predicted_work_left():
