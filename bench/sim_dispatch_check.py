@@ -12,14 +12,16 @@ optionally "hardware_profile" {"peak_flops", "mem_bandwidth"} (else CPU_PROFILE)
 "max_tasks_in_flight_per_actor", "max_num_seqs", "num_gpu_blocks", "rows_per_engine",
 "engine_busy_s", "first_request_s", "computed_prompt_tokens", "row_engine", "row_block", and optionally
 "block_row_ids" (each block's row ids in the order the block holds them; without it: row id
-order, or token order for a sorted run).
+order, or token order for a sorted run) and "startup": {"engine_ready_s"} (each engine's vLLM
+engine built).
 
-What the model is given and what it decides: each engine's first request time, less the
-earliest (engines are numbered in that order), is when its actor can take work, the data ready
-at 0, in the model's clock (scaled by the model's total busy time over the measured one: the
-cost model's seconds are a GPU-like engine's, the bench's are 4 engines sharing 2 cores); the
-model decides which task each actor gets, so row placement, computed tokens and busy
-shares are its predictions. On the bench's cluster the sorted data is ready before the engines
+What the model is given and what it decides: when each engine's actor can take work, the data
+ready at 0: its engine's ready time (startup.engine_ready_s: the actor's constructor done, when
+Ray may hand it a task; files before it: its first request, which comes 0.2-1.4 s later, and
+not always in the same order), less the earliest, in the model's clock (scaled by the model's
+total busy time over the measured one: the cost model's seconds are a GPU-like engine's, the
+bench's are 4 engines sharing 2 cores); the model decides which task each actor gets, so row
+placement, computed tokens and busy shares are its predictions. On the bench's cluster the sorted data is ready before the engines
 come up one by one, and the first engine up fills its 16 task slots first (Ray 2.60's
 select_actors takes the least busy *ready* actor): 4 engines, 64 tasks, one contiguous quarter
 of the sorted rows each. A run whose data arrives after every engine is up is dealt round robin.
@@ -59,6 +61,7 @@ RUN_FIELDS = (
     "rows_per_engine",
     "engine_busy_s",
     "first_request_s",
+    "startup",
     "computed_prompt_tokens",
     "row_engine",
     "row_block",
@@ -226,16 +229,18 @@ def replay_run(
         block_size,
         int(_field(rec, "max_num_seqs", where)),
     )  # vLLM keeps one block as its null block
-    first = np.asarray(_field(rec, "first_request_s", where), float)
-    if first.shape != (R,):
-        raise ValueError(f"{where}: first_request_s must give each of the {R} engines its first request's time")
+    startup = rec.get("startup") or {}
+    ready_from = "engine_ready_s" if "engine_ready_s" in startup else "first_request_s"
+    up = np.asarray(startup[ready_from] if ready_from in startup else _field(rec, ready_from, where), float)
+    if up.shape != (R,):
+        raise ValueError(f"{where}: {ready_from} must give each of the {R} engines its time")
     measured_busy = np.asarray(_field(rec, "engine_busy_s", where), float)
     items = plain_items(w, order, outs)
     # The cost model's seconds are not the bench machine's (its engines share 2 cores): the ready
     # times enter the model's clock scaled by its total busy time over the measured one.
     probe = simulate(w, items, cluster, cm, ray_tasks(len(order), ray, R, block_rows))
     clock_scale = float(probe.busy_s.sum() / measured_busy.sum())
-    ready = (first - first.min()) * clock_scale
+    ready = (up - up.min()) * clock_scale
     run = simulate(w, items, cluster, cm, ray_tasks(len(order), ray, R, block_rows, ready_s=ready))
     measured_rows = np.asarray(_field(rec, "rows_per_engine", where), float)
     measured_computed = int(_field(rec, "computed_prompt_tokens", where))
@@ -246,7 +251,8 @@ def replay_run(
     agree = float(np.mean([row_engine[int(r)] == int(e) for r, e in zip(order, run.item_replica)]))
     rows_error = np.abs(pred_rows - measured_rows).max() / measured_rows.mean()
     return {
-        "ready_s": np.round(first - first.min(), 2).tolist(),
+        "ready_s": np.round(up - up.min(), 2).tolist(),
+        "ready_from": ready_from,
         "clock_scale": round(clock_scale, 6),
         "num_tasks": int(len(run.grain_replica)),
         "row_engine_agreement": round(agree, 4),

@@ -513,6 +513,35 @@ def test_validate_dispatch_finds_no_error_in_the_simulators_own_replay(tmp_path)
     assert run["num_tasks"] < 40
 
 
+def test_validate_dispatch_takes_the_engines_ready_times_over_their_first_requests(tmp_path):
+    """A run that records when each engine was built (startup.engine_ready_s) is replayed from
+    those times: here the engines were built in the order 0, 1, 2 (as the replay), while their
+    first requests came in another order, which alone would put rows on other engines."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+
+    def tweak(rec):
+        rec["startup"] = {"engine_ready_s": list(rec["first_request_s"])}
+        rec["first_request_s"] = rec["first_request_s"][::-1]
+
+    out = cs.validate_dispatch(bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0, 0.3, 0.7], tweak))
+    run = out["runs"]["ray_llm_arrival/3#0"]
+    assert run["ready_from"] == "engine_ready_s" and run["errors"]["placement"] == 0.0
+    without = cs.validate_dispatch(
+        bench_file(
+            tmp_path / "f.json",
+            tokens,
+            blocks,
+            8,
+            2,
+            3,
+            [0.0, 0.3, 0.7],
+            lambda r: r.update(first_request_s=r["first_request_s"][::-1]),
+        )
+    )
+    assert without["runs"]["ray_llm_arrival/3#0"]["errors"]["placement"] > 0.05
+
+
 def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
     """4 engines, 64 equal blocks of 4 rows, 16 in flight: 16 blocks (64 rows) each. A
     measurement with 68 / 60 rows on two engines is off by 4 / 64 = 6.25%; 10% more computed
@@ -528,6 +557,7 @@ def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
     run = out["runs"]["ray_llm_arrival/4#0"]
     assert run["predicted"]["rows_per_engine"] == [64] * 4 and run["predicted"]["computed_prompt_tokens"] == 256 * 40
     assert run["errors"]["rows_per_engine"] == 0.0625 and run["busy_share_error"] == 0.0
+    assert run["ready_from"] == "first_request_s"
     assert run["errors"]["computed_prompt_tokens"] == pytest.approx(-1 / 11, abs=1e-5)
     assert out["max_abs_error"] == pytest.approx(1 / 11, abs=1e-5)
     assert not out["within_goal"]
