@@ -201,6 +201,16 @@ def _int_map(rec: dict[str, Any], name: str, where: str) -> dict[int, int]:
     return {int(k): int(v) for k, v in _field(rec, name, where).items()}  # JSON keys are strings
 
 
+def _engines_up(rec: dict[str, Any], R: int, where: str) -> tuple[np.ndarray, str]:
+    """When each engine's actor could take work (module doc), and the field it came from."""
+    startup = rec.get("startup") or {}
+    ready_from = "engine_ready_s" if "engine_ready_s" in startup else "first_request_s"
+    up = np.asarray(startup[ready_from] if ready_from in startup else _field(rec, ready_from, where), float)
+    if up.shape != (R,):
+        raise ValueError(f"{where}: {ready_from} must give each of the {R} engines its time")
+    return up, ready_from
+
+
 def replay_run(
     w: Workload,
     rows: list[dict[str, Any]],
@@ -229,11 +239,7 @@ def replay_run(
         block_size,
         int(_field(rec, "max_num_seqs", where)),
     )  # vLLM keeps one block as its null block
-    startup = rec.get("startup") or {}
-    ready_from = "engine_ready_s" if "engine_ready_s" in startup else "first_request_s"
-    up = np.asarray(startup[ready_from] if ready_from in startup else _field(rec, ready_from, where), float)
-    if up.shape != (R,):
-        raise ValueError(f"{where}: {ready_from} must give each of the {R} engines its time")
+    up, ready_from = _engines_up(rec, R, where)
     measured_busy = np.asarray(_field(rec, "engine_busy_s", where), float)
     items = plain_items(w, order, outs)
     # The cost model's seconds are not the bench machine's (its engines share 2 cores): the ready
