@@ -104,13 +104,14 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     head = np.zeros(R, np.int64)
     held = np.zeros((R, max_in_flight), np.int64)  # each actor's tasks in flight, a FIFO ring
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
+    last_item = np.maximum(task_starts[1:] - 1, 0)  # each task's last item, which ends it
     now = 0.0
     for t in range(n + 1):
         while True:
             for q in range(R):  # tasks ended by now leave their actor (all of them, at the end)
                 while inflight[q] > 0:
                     k = held[q, head[q]]
-                    end = _task_end(q, max(task_starts[k + 1] - 1, 0), left, comp, mem, ready_s)
+                    end = _task_end(q, last_item[k], left, comp, mem, ready_s)
                     if t < n and end > now:
                         break
                     finish[k] = end
@@ -130,7 +131,7 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
                     nxt = min(nxt, ready_s[q])
                 elif inflight[q] > 0:
                     k = held[q, head[q]]
-                    nxt = min(nxt, _task_end(q, max(task_starts[k + 1] - 1, 0), left, comp, mem, ready_s))
+                    nxt = min(nxt, _task_end(q, last_item[k], left, comp, mem, ready_s))
             now = nxt
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
         held[r, (head[r] + inflight[r]) % max_in_flight] = t

@@ -1,8 +1,8 @@
 """The dispatch model against measured ray.data.llm runs: `validate_dispatch` replays each run
 that scale_bench.json records (its blocks in dispatch order, batch_size, tasks in flight,
 engines, each row's measured output length and prompt) through sim_run.py's Ray hand-out and
-compares rows per engine, which engine each row ran on, computed prompt tokens and engine busy-time
-shares with the measured ones (issue 38: goal within 5%).
+compares rows per engine, which engine each row ran on, computed prompt tokens and engine
+busy-time shares with the measured ones (issue 38: goal within 5%).
 
 What it reads (scale_bench.json): top-level "rows" [{"id", "prompt_tokens", "max_tokens",
 "output_tokens": {workload: length}}], "token_rows" (each prompt's token ids, in row id order),
@@ -10,22 +10,21 @@ What it reads (scale_bench.json): top-level "rows" [{"id", "prompt_tokens", "max
 optionally "hardware_profile" {"peak_flops", "mem_bandwidth"} (else CPU_PROFILE); per run under
 "runs" -> key -> "repeats": "system", "replicas", "workload", "block_rows", "batch_size",
 "max_tasks_in_flight_per_actor", "max_num_seqs", "num_gpu_blocks", "rows_per_engine",
-"engine_busy_s", "first_request_s", "computed_prompt_tokens", "row_engine", "row_block", and optionally
-"block_row_ids" (each block's row ids in the order the block holds them; without it: row id
-order, or token order for a sorted run) and "startup": {"engine_ready_s"} (each engine's vLLM
+"engine_busy_s", "first_request_s", "computed_prompt_tokens", "row_engine", "row_block", and
+optionally "block_row_ids" (each block's row ids in the order the block holds them; without it: row
+id order, or token order for a sorted run) and "startup": {"engine_ready_s"} (each engine's vLLM
 engine built).
 
-What the model is given and what it decides: when each engine's actor can take work, the data
-ready at 0: its engine's ready time (startup.engine_ready_s: the actor's constructor done, when
-Ray may hand it a task; files before it: its first request, which comes 0.2-1.4 s later, and
-not always in the same order), less the earliest, in the model's clock (scaled by the model's
-total busy time over the measured one: the cost model's seconds are a GPU-like engine's, the
-bench's are 4 engines sharing 2 cores); the model decides which task each actor gets, so row
-placement, computed tokens and busy shares are its predictions. On the bench's cluster the sorted data is ready before the engines
-come up one by one, and the first engine up fills its 16 task slots first (Ray 2.60's
-select_actors takes the least busy *ready* actor): 4 engines, 64 tasks, one contiguous quarter
-of the sorted rows each. A run whose data arrives after every engine is up is dealt round robin.
-"""
+What the model is given and what it decides: when each engine's actor can take work, the data ready
+at 0: its engine's ready time (startup.engine_ready_s: the actor's constructor done, when Ray may
+hand it a task; files before it: its first request, which comes 0.2-1.4 s later, and not always in
+the same order), less the earliest, in the model's clock (scaled by the model's total busy time
+over the measured one: the cost model's seconds are a GPU-like engine's, the bench's are 4 engines
+sharing 2 cores); the model decides which task each actor gets, so row placement, computed tokens
+and busy shares are its predictions. On the bench's cluster the sorted data is ready before the
+engines come up one by one, and the first engine up fills its 16 task slots first (Ray 2.60's
+select_actors takes the least busy *ready* actor): 4 engines, 64 tasks, one contiguous quarter of
+the sorted rows each. A run whose data arrives after every engine is up is dealt round robin."""
 
 from __future__ import annotations
 

@@ -259,10 +259,10 @@ def joins_pieces(policy: str) -> bool:
 def plan_units(stream: PlanStream, steal: bool) -> Units:
     """The plan's units as its engines' queue (work_queue.py) holds them: with stealing each
     replica runs its loose units last (where thieves take first), without it in plan order."""
-    loose = loose_units(shared_beyond_floor(stream.unit_owner.tolist(), stream.unit_shared.tolist()))
-    return Units(
-        stream.unit_starts, stream.unit_owner, stream.unit_seconds, steal, np.asarray(loose) if steal else None
-    )
+    last = None
+    if steal:
+        last = np.asarray(loose_units(shared_beyond_floor(stream.unit_owner.tolist(), stream.unit_shared.tolist())))
+    return Units(stream.unit_starts, stream.unit_owner, stream.unit_seconds, steal, last)
 
 
 def policy_stream(
