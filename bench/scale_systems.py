@@ -277,9 +277,12 @@ def _ray_record(
     engines = [by_pid[p] for p in pids]
     # Ray's sort and repartition (no shuffle) cut the sorted rows into equal blocks, in order.
     order = sorted(rows, key=lambda r: r["prompt_text"]) if rows and "prompt_text" in rows[0] else None
-    batches: dict[str, int] = {}
+    batches: dict[str, int] = {}  # each task (one engine call, its batch_uuid), in hand-out order
+    handed_out: list[float] = []  # ... and its first request (the engine had the task by then)
     for r in sorted(rows, key=lambda r: r["arrival_time"]):
-        batches.setdefault(r["batch_uuid"], len(batches))
+        if r["batch_uuid"] not in batches:
+            batches[r["batch_uuid"]] = len(batches)
+            handed_out.append(r["arrival_time"] - t0)
     startup = _ray_startup(engines, t0)
     return {
         "system": system,
@@ -306,6 +309,10 @@ def _ray_record(
         "row_engine": {int(r["id"]): pids.index(r["pid"]) for r in rows},
         "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
         "batch_rows": [sum(1 for r in rows if batches[r["batch_uuid"]] == b) for b in range(len(batches))],
+        # When each task reached its engine: tasks dealt while the sorted blocks still came in
+        # alternate between engines already up, which the dispatch model (data ready at once)
+        # cannot tell from its own errors without these.
+        "batch_first_request_s": handed_out,
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
         "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},
     }

@@ -47,7 +47,9 @@ GOAL = 0.05
 # GB/s (copy). Only the busy-time shares depend on it, through the balance of compute and
 # memory time; the bench should record its own ("hardware_profile").
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
-# What validate_dispatch reads of a Ray run's record (module doc); `extract` keeps only these.
+# What validate_dispatch reads of a Ray run's record (module doc), and when each task reached its
+# engine (row_batch, batch_first_request_s: recorded from the next sitting on, not read yet);
+# `extract` keeps only these.
 RUN_FIELDS = (
     "system",
     "replicas",
@@ -65,6 +67,8 @@ RUN_FIELDS = (
     "row_engine",
     "row_block",
     "block_row_ids",
+    "row_batch",
+    "batch_first_request_s",
 )
 
 

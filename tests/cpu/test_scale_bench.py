@@ -9,6 +9,8 @@ import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_merge import merge
+from prefixflow.bench.scale_systems import _ray_record
+from prefixflow.bench.sim_dispatch_check import extract
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 
 
@@ -72,6 +74,29 @@ def test_ray_blocks_are_equal_stretches_of_the_sorted_rows():
     assert record["block_row_ids"] == [[5, 2], [7, 1], [0, 3], [6, 4]]
     assert record["row_block"][3] == 2
     assert _with_blocks({"wall_s": 1.0}, [0, 1]) == {"wall_s": 1.0}  # prefixflow: no blocks
+
+
+def test_a_ray_run_records_when_each_task_reached_its_engine_and_the_extract_keeps_it():
+    from types import SimpleNamespace
+
+    # Two engines (pids 7, 9), three tasks: "a" and "c" on engine 7, "b" on engine 9, each task's
+    # rows reaching vLLM a little apart; t0 = 100.
+    def row(i, pid, task, arrival):
+        return dict(
+            id=i, pid=pid, batch_uuid=task, arrival_time=arrival, finished_at=arrival + 5, num_input_tokens=10,
+            num_cached_tokens=4, node_id="n", omp_threads="1", engine_ready_at=99.0, generated_tokens=[1],
+        )  # fmt: skip
+
+    rows = [row(0, 7, "a", 101.0), row(1, 7, "a", 101.2), row(2, 9, "b", 101.5), row(3, 7, "c", 103.0)]
+    config = SimpleNamespace(batch_size=2, max_concurrent_batches=8)
+    rec = _ray_record("ray_llm_sorted_default", 2, rows, config, {}, 2, 64, t0=100.0)
+    assert rec["row_batch"] == {0: 0, 1: 0, 2: 1, 3: 2} and rec["batch_rows"] == [2, 1, 1]
+    assert rec["batch_first_request_s"] == pytest.approx([1.0, 1.5, 3.0])
+    assert rec["row_engine"] == {0: 0, 1: 0, 2: 1, 3: 0} and rec["rows_per_engine"] == [3, 1]
+    rec["workload"] = "model_decided"
+    kept = extract({"runs": {"ray_llm_sorted_default/model_decided/2": {"repeats": [rec]}}})
+    (only,) = kept["runs"]["ray_llm_sorted_default/model_decided/2"]["repeats"]
+    assert only["batch_first_request_s"] == rec["batch_first_request_s"] and "outputs" not in only
 
 
 def _run(wall, first, computed, busy, ends, outputs):
