@@ -278,9 +278,10 @@ def _ray_record(
     # Ray's sort and repartition (no shuffle) cut the sorted rows into equal blocks, in order.
     order = sorted(rows, key=lambda r: r["prompt_text"]) if rows and "prompt_text" in rows[0] else None
     batches: dict[str, int] = {}  # each task (one engine call, its batch_uuid), by its first request
-    # ... and its first request: the engine had the task by then. Ray's stage lets at most
-    # ceil(1.1 x max_num_seqs) requests into vLLM at once (max_pending_requests), so at vLLM's
-    # default 128 a task held behind 4 others starts when their rows finish, later than its hand-out.
+    # ... and its first request: when it began on its engine, not when Ray handed it out. An
+    # engine holds up to 16 tasks but runs max_concurrent_batches (8) at once, and Ray's stage
+    # lets ceil(1.1 x max_num_seqs) requests into vLLM (max_pending_requests: at vLLM's default
+    # 128, about 4 tasks); a task held back begins as earlier rows finish.
     handed_out: list[float] = []
     for r in sorted(rows, key=lambda r: r["arrival_time"]):
         if r["batch_uuid"] not in batches:
@@ -312,9 +313,8 @@ def _ray_record(
         "row_engine": {int(r["id"]): pids.index(r["pid"]) for r in rows},
         "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
         "batch_rows": [sum(1 for r in rows if batches[r["batch_uuid"]] == b) for b in range(len(batches))],
-        # When each task's rows first reached vLLM (see handed_out): at our max_num_seqs, its
-        # hand-out; tasks dealt while the sorted blocks still came in alternate between engines
-        # already up, which the dispatch model (data ready at once) cannot tell from its own error.
+        # When each task began on its engine (see handed_out): the engines' first tasks show
+        # how fast the sorted blocks came in, the others when the engine made room for them.
         "batch_first_request_s": handed_out,
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
         "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},

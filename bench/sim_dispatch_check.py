@@ -47,8 +47,8 @@ GOAL = 0.05
 # GB/s (copy). Only the busy-time shares depend on it, through the balance of compute and
 # memory time; the bench should record its own ("hardware_profile").
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
-# What validate_dispatch reads of a Ray run's record (module doc), and when each task reached its
-# engine (row_batch, batch_first_request_s: recorded from the next sitting on, not read yet);
+# What validate_dispatch reads of a Ray run's record (module doc), and when each task began on its
+# engine (row_batch, batch_first_request_s: recorded since commit 262c84a, not read by the model);
 # `extract` keeps only these.
 RUN_FIELDS = (
     "system",
