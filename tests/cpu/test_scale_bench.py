@@ -76,7 +76,7 @@ def test_ray_blocks_are_equal_stretches_of_the_sorted_rows():
     assert _with_blocks({"wall_s": 1.0}, [0, 1]) == {"wall_s": 1.0}  # prefixflow: no blocks
 
 
-def test_a_ray_run_records_when_each_task_reached_its_engine_and_the_extract_keeps_it():
+def test_a_ray_run_records_when_each_task_began_on_its_engine_and_the_extract_keeps_it():
     from types import SimpleNamespace
 
     # Two engines (pids 7, 9), three tasks: "a" and "c" on engine 7, "b" on engine 9, each task's
