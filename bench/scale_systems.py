@@ -282,11 +282,11 @@ def _ray_record(
     # engine holds up to 16 tasks but runs max_concurrent_batches (8) at once, and Ray's stage
     # lets ceil(1.1 x max_num_seqs) requests into vLLM (max_pending_requests: at vLLM's default
     # 128, about 4 tasks); a task held back begins as earlier rows finish.
-    handed_out: list[float] = []
+    began: list[float] = []
     for r in sorted(rows, key=lambda r: r["arrival_time"]):
         if r["batch_uuid"] not in batches:
             batches[r["batch_uuid"]] = len(batches)
-            handed_out.append(r["arrival_time"] - t0)
+            began.append(r["arrival_time"] - t0)
     startup = _ray_startup(engines, t0)
     return {
         "system": system,
@@ -313,9 +313,9 @@ def _ray_record(
         "row_engine": {int(r["id"]): pids.index(r["pid"]) for r in rows},
         "row_batch": {int(r["id"]): batches[r["batch_uuid"]] for r in rows},
         "batch_rows": [sum(1 for r in rows if batches[r["batch_uuid"]] == b) for b in range(len(batches))],
-        # When each task began on its engine (see handed_out): the engines' first tasks show
+        # When each task began on its engine (see began): the engines' first tasks show
         # how fast the sorted blocks came in, the others when the engine made room for them.
-        "batch_first_request_s": handed_out,
+        "batch_first_request_s": began,
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
         "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},
     }

@@ -10,8 +10,8 @@ import pytest
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_merge import merge
 from prefixflow.bench.scale_systems import _ray_record
-from prefixflow.bench.sim_dispatch_check import extract
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
+from prefixflow.bench.sim_dispatch_check import extract
 
 
 def test_question_counts_follow_a_zipf_law():
