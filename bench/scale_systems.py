@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,8 +256,10 @@ def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float)
         ChatTokenize, fn_constructor_kwargs={"model": str(model)}, concurrency=1, batch_size=256
     )
     ds = ds.sort("prompt_text").repartition(num_blocks)
+    handed_out = record_dispatch()
     rows = processor(ds).take_all()
-    return _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
+    record = _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
+    return {**record, **task_handouts(rows, record["row_batch"], handed_out, t0)}
 
 
 def _ray_record(
@@ -321,6 +324,77 @@ def _ray_record(
     }
 
 
+def task_handouts(
+    rows: list[dict[str, Any]], row_batch: dict[int, int], handed_out: list[dict[str, Any]], t0: float
+) -> dict[str, Any]:
+    """When Ray Data handed each task to its engine actor and when the task's blocks had reached
+    the engine stage (the driver's log, record_dispatch), per task in row_batch's numbering
+    (None where the log cannot be matched). The log does not name tasks, but an actor starts the
+    tasks it is handed in that order: its k-th hand-out is the k-th task that started on it."""
+    unmatched = {"dispatch_log_matched": False, "batch_handout_s": None, "batch_arrive_s": None}
+    if any(r.get("actor_id") is None or r.get("task_started_at") is None for r in rows):
+        return unmatched  # a run recorded before these fields
+    started: dict[int, tuple[str, float]] = {}  # task -> (its actor, when it started there)
+    for r in rows:
+        started.setdefault(row_batch[int(r["id"])], (r["actor_id"], r["task_started_at"]))
+    rows_in = Counter(row_batch.values())
+    by_actor: dict[str, list[tuple[float, int]]] = {}
+    for task, (actor, at) in started.items():
+        by_actor.setdefault(actor, []).append((at, task))
+    handout: list[float | None] = [None] * len(started)
+    arrive: list[float | None] = [None] * len(started)
+    matched = sum(len(v) for v in by_actor.values()) == len(handed_out)
+    for actor, tasks in by_actor.items():
+        given = sorted((e for e in handed_out if e["actor"] == actor), key=lambda e: e["at"])
+        pairs = list(zip(sorted(tasks), given))
+        matched = matched and len(given) == len(tasks) and all(rows_in[t] == e["rows"] for (_, t), e in pairs)
+        for (_, task), e in pairs:
+            handout[task] = e["at"] - t0
+            arrive[task] = None if e["arrived_at"] is None else e["arrived_at"] - t0
+    return (
+        {"dispatch_log_matched": True, "batch_handout_s": handout, "batch_arrive_s": arrive} if matched else unmatched
+    )
+
+
+def record_dispatch(stage: str = "vLLMEngineStage") -> list[dict[str, Any]]:
+    """Records, in this driver (where Ray Data's executor runs), each task Ray Data hands to an
+    actor of the operator named `stage`: when, to which actor, its rows, and when the last of its
+    blocks had reached that operator's input (an upstream operator's output queue). Returns the
+    list it fills. Patches Ray Data 2.60's executor (OpState.add_output, MapOperator.
+    _submit_data_task) to read the time only; changes nothing else."""
+    from ray.data._internal.execution.operators.map_operator import MapOperator
+    from ray.data._internal.execution.streaming_executor_state import OpState
+
+    arrived: dict[str, float] = {}  # block ref -> when an operator's output queue got it
+    log: list[dict[str, Any]] = []
+    add_output, submit = OpState.add_output, MapOperator._submit_data_task
+
+    def stamped_add_output(self: Any, ref: Any) -> None:
+        now = time.time()
+        for entry in ref.blocks:
+            arrived[entry.ref.hex()] = now
+        add_output(self, ref)
+
+    def logged_submit(self: Any, gen: Any, inputs: Any, task_done_callback: Any = None) -> None:
+        actor = getattr(task_done_callback, "keywords", {}).get("actor_to_return")
+        if stage in self.name and actor is not None:
+            stamps = [arrived[entry.ref.hex()] for entry in inputs.blocks if entry.ref.hex() in arrived]
+            log.append(
+                {
+                    "at": time.time(),
+                    "actor": actor._actor_id.hex(),
+                    "rows": inputs.num_rows(),
+                    # None: a block that no operator's output queue stamped
+                    "arrived_at": max(stamps) if len(stamps) == len(inputs.blocks) else None,
+                }
+            )
+        submit(self, gen, inputs, task_done_callback)
+
+    OpState.add_output = stamped_add_output
+    MapOperator._submit_data_task = logged_submit
+    return log
+
+
 def _ray_startup(engines: list[list[dict[str, Any]]], t0: float) -> dict[str, Any]:
     """Each engine's start-up: its vLLM engine built, and its first request; between them it
     waited for its first block (read, tokenize and sort, which Ray runs while engines start)."""
@@ -335,26 +409,45 @@ def _ray_startup(engines: list[list[dict[str, Any]]], t0: float) -> dict[str, An
 
 def _engine_fields(row: dict[str, Any]) -> dict[str, Any]:
     m = row.get("metrics") or {}
-    keys = ("num_cached_tokens", "finished_at", "pid", "arrival_time", "node_id", "omp_threads", "engine_ready_at")
+    keys = (
+        "num_cached_tokens",
+        "finished_at",
+        "pid",
+        "arrival_time",
+        "node_id",
+        "omp_threads",
+        "engine_ready_at",
+        "actor_id",
+        "task_started_at",
+    )
     return {k: m.get(k) for k in keys}
 
 
 def record_engine_fields() -> None:
     """A Ray worker setup hook for the ray.data.llm runs: each vLLM output row's `metrics` also
     gets the request's num_cached_tokens (prefix-cache hits), when it finished, which engine
-    process and node ran it, its OMP threads and when that process's engine was built (the stage
-    builds its vLLM engine in its constructor: the start-up's "engine ready"). Changes nothing else."""
+    process, actor and node ran it, its OMP threads, when that process's engine was built (the stage
+    builds its vLLM engine in its constructor: the start-up's "engine ready") and when its task
+    started on the actor (the stage's `udf` called). Changes nothing else."""
     from ray.llm._internal.batch.stages import vllm_engine_stage as stage
 
     original = stage.vLLMOutputData.from_vllm_engine_output.__func__
-    build_engine = stage.vLLMEngineStageUDF.__init__
+    build_engine, run_task = stage.vLLMEngineStageUDF.__init__, stage.vLLMEngineStageUDF.udf
     ready: dict[str, float] = {}
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         build_engine(self, *args, **kwargs)
         ready["at"] = time.time()
 
+    async def udf(self: Any, batch: list[dict[str, Any]]) -> Any:
+        started = time.time()
+        async for row in run_task(self, batch):
+            if isinstance(row.get("metrics"), dict):
+                row["metrics"] = {**row["metrics"], "task_started_at": started}
+            yield row
+
     stage.vLLMEngineStageUDF.__init__ = init
+    stage.vLLMEngineStageUDF.udf = udf
 
     def from_vllm_engine_output(cls: Any, output: Any) -> Any:
         import ray
@@ -368,6 +461,7 @@ def record_engine_fields() -> None:
             "node_id": ray.get_runtime_context().get_node_id(),
             "omp_threads": os.environ.get("OMP_NUM_THREADS"),
             "engine_ready_at": ready.get("at"),
+            "actor_id": ray.get_runtime_context().get_actor_id(),
         }
         return data
 

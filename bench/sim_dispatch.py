@@ -83,20 +83,22 @@ def _run_range(st, buf, lo, hi, r, it, tree, cfg, coef, out):
         start[i], where[i] = s, r
 
 
-def _task_end(q, last, left, comp, mem, ready_s):
+def _task_end(q, last, left, comp, mem, origin):
     """When actor q's task whose last item is `last` ends: that item's leave time, or while it
-    is still in the running batch, the end of everything q admitted (module doc)."""
-    return ready_s[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
+    is still in the running batch, the end of everything q admitted (module doc); origin[q]:
+    when q's clock read 0."""
+    return origin[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
 
 
-def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s):
-    """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks, all available at
-    time 0, in order, each to the ready actor with the fewest tasks in flight (ties: the lowest
-    index), at most max_in_flight each; when no ready actor has room, time moves on to the next
-    end of a task (`_task_end`) or the next actor's ready time. ready_s: [R] when each actor can
-    take its first task (0: ready when the data is; an engine that comes up after the data
-    fills its room first). An actor's clock starts at its ready time. Returns per task its
-    actor and the time it ended."""
+def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s):
+    """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks in order, each from
+    its arrival (arrive_s: when its blocks reached the stage; 0: all there at once) to the ready
+    actor with the fewest tasks in flight (ties: the lowest index), at most max_in_flight each;
+    when no ready actor has room, time moves on to the next end of a task (`_task_end`) or the
+    next actor's ready time. ready_s: [R] when each actor can take its first task (0: ready when
+    the data is; an engine that comes up after the data fills its room first). An actor's clock
+    starts at its ready time, and one that ran dry waiting for data resumes at the arrival.
+    Returns per task its actor and the time it ended."""
     R = cfg[0]
     left, comp, mem = out[2], out[3], out[4]
     n = len(task_starts) - 1
@@ -105,13 +107,16 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     held = np.zeros((R, max_in_flight), np.int64)  # each actor's tasks in flight, a FIFO ring
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
     last_item = np.maximum(task_starts[1:] - 1, 0)  # each task's last item, which ends it
+    origin = ready_s.copy()  # when each actor's clock read 0
     now = 0.0
     for t in range(n + 1):
+        if t < n:
+            now = max(now, arrive_s[t])
         while True:
             for q in range(R):  # tasks ended by now leave their actor (all of them, at the end)
                 while inflight[q] > 0:
                     k = held[q, head[q]]
-                    end = _task_end(q, last_item[k], left, comp, mem, ready_s)
+                    end = _task_end(q, last_item[k], left, comp, mem, origin)
                     if t < n and end > now:
                         break
                     finish[k] = end
@@ -131,8 +136,10 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
                     nxt = min(nxt, ready_s[q])
                 elif inflight[q] > 0:
                     k = held[q, head[q]]
-                    nxt = min(nxt, _task_end(q, last_item[k], left, comp, mem, ready_s))
+                    nxt = min(nxt, _task_end(q, last_item[k], left, comp, mem, origin))
             now = nxt
+        if inflight[r] == 0:  # idle since its last task: its clock resumes now
+            origin[r] = max(origin[r], now - max(comp[r], mem[r]))
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
         held[r, (head[r] + inflight[r]) % max_in_flight] = t
         inflight[r] += 1

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from prefixflow.bench.sim_items import plain_items
-from prefixflow.bench.sim_run import Cluster, RayData, ray_tasks, simulate
+from prefixflow.bench.sim_run import Cluster, RayData, Tasks, ray_tasks, simulate
 from prefixflow.bench.sim_workloads import Workload, workload_from_tokens
 from prefixflow.pipeline.cost_model import GIB, CostModel, HardwareProfile, ModelShape
 
@@ -47,9 +47,10 @@ GOAL = 0.05
 # GB/s (copy). Only the busy-time shares depend on it, through the balance of compute and
 # memory time; the bench should record its own ("hardware_profile").
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
-# What validate_dispatch reads of a Ray run's record (module doc), and when each task began on its
-# engine (row_batch, batch_first_request_s: recorded since commit 262c84a, not read by the model);
-# `extract` keeps only these.
+# What validate_dispatch reads of a Ray run's record (module doc), when each task began on its
+# engine (batch_first_request_s: recorded since commit 262c84a, not read by the model) and when
+# Ray handed it out (batch_handout_s: the driver's log, not read by the model); `extract` keeps
+# only these.
 RUN_FIELDS = (
     "system",
     "replicas",
@@ -69,6 +70,8 @@ RUN_FIELDS = (
     "block_row_ids",
     "row_batch",
     "batch_first_request_s",
+    "batch_handout_s",
+    "batch_arrive_s",
 )
 
 
@@ -205,13 +208,54 @@ def _int_map(rec: dict[str, Any], name: str, where: str) -> dict[int, int]:
 
 
 def _engines_up(rec: dict[str, Any], R: int, where: str) -> tuple[np.ndarray, str]:
-    """When each engine's actor could take work (module doc), and the field it came from."""
+    """When each engine's actor could take work (module doc), and the field it came from. The
+    engines that ran no row have no time there (the record lists them last, with 0 rows): they
+    are never up in the model (inf), as Ray handed them nothing before the work ran out."""
     startup = rec.get("startup") or {}
     ready_from = "engine_ready_s" if "engine_ready_s" in startup else "first_request_s"
     up = np.asarray(startup[ready_from] if ready_from in startup else _field(rec, ready_from, where), float)
-    if up.shape != (R,):
-        raise ValueError(f"{where}: {ready_from} must give each of the {R} engines its time")
-    return up, ready_from
+    idle = list(rec.get("rows_per_engine", []))[len(up) :]
+    if up.ndim != 1 or len(up) + len(idle) != R or any(idle) or not len(up):
+        raise ValueError(f"{where}: {ready_from} must give each of the {R} engines that ran rows its time")
+    return np.r_[up, [np.inf] * len(idle)], ready_from
+
+
+def _replay_tasks(
+    rec: dict[str, Any], row_block: dict[int, int], tokens: list[list[int]], R: int, where: str
+) -> tuple[np.ndarray, Tasks, np.ndarray | None]:
+    """The rows in dispatch order, the run's tasks over them (without times) and each task's
+    arrival at the engine stage in seconds of the run (None where the run does not record them:
+    the blocks, bundled as Ray does, all there at 0)."""
+    order, block_rows = _dispatch_order(rec, row_block, tokens, where)
+    ray = RayData(
+        len(block_rows), int(_field(rec, "batch_size", where)), int(_field(rec, "max_tasks_in_flight_per_actor", where))
+    )
+    arrived = _arrived_tasks(rec, order, where)
+    if arrived is None:
+        return order, ray_tasks(len(order), ray, R, block_rows), None
+    return arrived[0], Tasks(arrived[1], ray.max_tasks_in_flight_per_actor), arrived[2]
+
+
+def _arrived_tasks(
+    rec: dict[str, Any], order: np.ndarray, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The run's tasks as Ray handed them out (row_batch, batch_handout_s: the driver's log) and
+    when each one's blocks reached the engine stage (batch_arrive_s), for a run that records them
+    (else None: the blocks are bundled into tasks and all there at 0). Returns (row ids task by
+    task, each task's rows in block order; task boundaries; arrivals in seconds of the run)."""
+    handout, arrive = rec.get("batch_handout_s"), rec.get("batch_arrive_s")
+    if handout is None or arrive is None or None in handout or None in arrive:
+        return None
+    row_batch = _int_map(rec, "row_batch", where)
+    if len(handout) != len(arrive) or set(row_batch.values()) != set(range(len(handout))):
+        raise ValueError(f"{where}: batch_handout_s and batch_arrive_s must give each task of row_batch its time")
+    rank = np.argsort(handout, kind="stable")  # tasks in the order Ray handed them out
+    rows_of: list[list[int]] = [[] for _ in handout]
+    for r in order:  # block order within each task
+        rows_of[row_batch[int(r)]].append(int(r))
+    by_task = [rows_of[t] for t in rank]
+    starts = np.r_[0, np.cumsum([len(rows) for rows in by_task])].astype(np.int64)
+    return np.asarray([r for rows in by_task for r in rows], np.int64), starts, np.asarray(arrive, float)[rank]
 
 
 def replay_run(
@@ -231,11 +275,8 @@ def replay_run(
     row_block, row_engine = _int_map(rec, "row_block", where), _int_map(rec, "row_engine", where)
     if sorted(row_engine) != list(range(len(rows))):
         raise ValueError(f"{where}: row_engine must give each of the {len(rows)} rows its engine")
-    order, block_rows = _dispatch_order(rec, row_block, tokens, where)
     R = int(_field(rec, "replicas", where))
-    ray = RayData(
-        len(block_rows), int(_field(rec, "batch_size", where)), int(_field(rec, "max_tasks_in_flight_per_actor", where))
-    )
+    order, tasks, arrived = _replay_tasks(rec, row_block, tokens, R, where)
     cluster = Cluster(
         R,
         (int(_field(rec, "num_gpu_blocks", where)) - 1) * block_size,
@@ -247,10 +288,12 @@ def replay_run(
     items = plain_items(w, order, outs)
     # The cost model's seconds are not the bench machine's (its engines share 2 cores): the ready
     # times enter the model's clock scaled by its total busy time over the measured one.
-    probe = simulate(w, items, cluster, cm, ray_tasks(len(order), ray, R, block_rows))
+    probe = simulate(w, items, cluster, cm, tasks)
     clock_scale = float(probe.busy_s.sum() / measured_busy.sum())
-    ready = (up - up.min()) * clock_scale
-    run = simulate(w, items, cluster, cm, ray_tasks(len(order), ray, R, block_rows, ready_s=ready))
+    # ... and so do each task's arrival at the engine stage, where the run records them
+    arrive = None if arrived is None else np.maximum(arrived - up.min(), 0.0) * clock_scale
+    tasks = Tasks(tasks.starts, tasks.max_in_flight, (up - up.min()) * clock_scale, arrive)
+    run = simulate(w, items, cluster, cm, tasks)
     measured_rows = np.asarray(_field(rec, "rows_per_engine", where), float)
     measured_computed = int(_field(rec, "computed_prompt_tokens", where))
     # simulated actor e stands for engine e: it was given engine e's ready time
@@ -260,8 +303,9 @@ def replay_run(
     agree = float(np.mean([row_engine[int(r)] == int(e) for r, e in zip(order, run.item_replica)]))
     rows_error = np.abs(pred_rows - measured_rows).max() / measured_rows.mean()
     return {
-        "ready_s": np.round(up - up.min(), 2).tolist(),
+        "ready_s": [round(float(t), 2) if np.isfinite(t) else None for t in up - up.min()],
         "ready_from": ready_from,
+        "tasks_from": "blocks, all at 0" if arrived is None else "batch_arrive_s",
         "clock_scale": round(clock_scale, 6),
         "num_tasks": int(len(run.grain_replica)),
         "row_engine_agreement": round(agree, 4),

@@ -112,12 +112,14 @@ def bundle_blocks(block_rows: np.ndarray, batch_size: int) -> np.ndarray:
 @dataclass(frozen=True, slots=True, eq=False)
 class Tasks:
     """Ray Data's dispatch of a stream: starts [num_tasks + 1] item boundaries of its tasks;
-    ready_s: [num_replicas] when each engine actor takes its first task, the data being ready at
-    0 (None: every actor ready then)."""
+    ready_s: [num_replicas] when each engine actor takes its first task (None: every actor ready
+    at 0); arrive_s: [num_tasks] when each task's blocks reach the engine stage (None: all at 0,
+    the data ready before the engines)."""
 
     starts: np.ndarray
     max_in_flight: int
     ready_s: np.ndarray | None = None
+    arrive_s: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -210,10 +212,9 @@ def simulate(
     )
     with np.errstate(over="ignore"):  # cache._home's multiplicative hash wraps on purpose (as in numba)
         if isinstance(how, Tasks):
-            ready = np.zeros(R) if how.ready_s is None else np.asarray(how.ready_s, np.float64)
-            if ready.shape != (R,) or np.any(ready < 0):
-                raise ValueError(f"simulate: Tasks.ready_s must give each of the {R} actors a time >= 0")
-            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready)
+            ready = _times(how.ready_s, R, "ready_s", "actors")
+            arrive = _times(how.arrive_s, len(how.starts) - 1, "arrive_s", "tasks")
+            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready, arrive)
         else:
             last = np.zeros(len(how.owner), bool) if how.last is None else np.asarray(how.last, bool)
             order = np.lexsort((last, how.owner))  # by owner, its loose units last, else plan order
@@ -222,6 +223,14 @@ def simulate(
                 *args, order.astype(np.int64), own_starts, how.seconds.astype(np.float64), bool(how.steal)
             )
     return Run(items, out[0], out[1], out[3], out[4], how, grain, when)
+
+
+def _times(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray:
+    """A Tasks time field as the kernel takes it: [n] seconds >= 0 (None: all 0)."""
+    times = np.zeros(n) if given is None else np.asarray(given, np.float64)
+    if times.shape != (n,) or np.any(times < 0):
+        raise ValueError(f"simulate: Tasks.{name} must give each of the {n} {what} a time >= 0")
+    return times
 
 
 def fixed_units(replica: np.ndarray) -> Units:
@@ -238,16 +247,17 @@ def ray_tasks(
     num_replicas: int,
     block_rows: np.ndarray | None = None,
     ready_s: np.ndarray | None = None,
+    arrive_s: np.ndarray | None = None,
 ) -> Tasks:
     """Ray Data's tasks over a stream of rows: its blocks (given, or RayData's), bundled;
-    ready_s: Tasks'."""
+    ready_s, arrive_s: Tasks'."""
     blocks = ray.block_rows(num_items, num_replicas) if block_rows is None else np.asarray(block_rows, np.int64)
     if int(blocks.sum()) != num_items:
         raise ValueError(
             f"block_rows sum to {int(blocks.sum())} rows for a stream of {num_items}: give every row a block"
         )
     edges = np.r_[0, np.cumsum(blocks)].astype(np.int64)
-    return Tasks(edges[bundle_blocks(blocks, ray.batch_size)], ray.max_tasks_in_flight_per_actor, ready_s)
+    return Tasks(edges[bundle_blocks(blocks, ray.batch_size)], ray.max_tasks_in_flight_per_actor, ready_s, arrive_s)
 
 
 def joins_pieces(policy: str) -> bool:

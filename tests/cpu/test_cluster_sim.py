@@ -321,6 +321,26 @@ def test_engines_up_after_the_data_fill_their_slots_in_the_order_they_come_up():
         cs.simulate(w, items, cs.Cluster(2, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 2, ready_s=[0.0]))
 
 
+def test_tasks_arriving_one_by_one_go_where_there_is_room_when_they_arrive():
+    """Two actors, 8 tasks of 2 rows. All there at once, they alternate (the fewest in flight).
+    Arriving each well after the last one ended, each finds both actors idle and goes to the
+    first; an actor that ran dry resumes its clock at the arrival, so no task ends before it
+    arrived and its own work is done."""
+    w = cs.workload_from_tokens(distinct_prompts([100] * 16), 16)
+    items, cluster = cs.plain_items(w, np.arange(16)), cs.Cluster(2, 1 << 20)
+    at_once = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2))
+    assert at_once.grain_replica.tolist() == [0, 1] * 4
+    one = cs.simulate(
+        w, cs.plain_items(w, np.arange(2)), cs.Cluster(1, 1 << 20), CM, cs.ray_tasks(2, cs.RayData(1, 2, 16), 1)
+    )
+    arrive = np.arange(8) * 10 * one.busy_s[0]
+    spaced = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive))
+    assert spaced.grain_replica.tolist() == [0] * 8
+    assert np.allclose(spaced.grain_time_s, arrive + one.busy_s[0])
+    with pytest.raises(ValueError, match="arrive_s"):
+        cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive[:3]))
+
+
 # ---- plan units and stealing -------------------------------------------------------------------
 
 
@@ -441,11 +461,12 @@ MODEL_CONFIG = dict(
 )
 
 
-def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_s, tweak=None):
+def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_s, tweak=None, arrive_s=None):
     """A scale_bench.json whose one ray_llm run is the simulator's own replay, its engines up at
     ready_s (model seconds; the bench records first requests, numbered in their order, in its own
     clock: here the model's total busy time with every engine ready at once is 1/7 of the run's);
-    tweak(record) edits the measurement."""
+    tweak(record) edits the measurement; arrive_s: when each task reached the engines (model
+    seconds; recorded with each task's rows and hand-out, as the driver's log gives them)."""
     rng = np.random.default_rng(2)
     caps = rng.integers(8, 40, len(tokens))
     decided = rng.integers(1, caps + 1)
@@ -463,11 +484,11 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_
     ray = cs.RayData(len(block_rows), batch_size, in_flight)
     items, cluster = cs.plain_items(w, np.arange(len(tokens)), decided), cs.Cluster(replicas, 63 * 16, 16, 8)
 
-    def replay(ready):
-        tasks = cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready)
+    def replay(ready, arrive=None):
+        tasks = cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready, arrive_s=arrive)
         return cs.simulate(w, items, cluster, bench_cost_model(data, path), tasks)
 
-    run, probe = replay(np.array(ready_s)), replay(None)
+    run, probe = replay(np.array(ready_s), arrive_s), replay(None)
     seconds = 7 * run.busy_s.sum() / probe.busy_s.sum()  # validate_dispatch scales back by 1 / this
     rec = {
         "system": "ray_llm_arrival",
@@ -486,6 +507,13 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_
         "row_engine": {str(i): int(r) for i, r in enumerate(run.item_replica)},
         "row_block": {str(i): int(b) for i, b in enumerate(np.repeat(np.arange(len(block_rows)), block_rows))},
     }
+    if arrive_s is not None:
+        starts = run.dispatch.starts
+        rec["row_batch"] = {
+            str(i): int(t) for i, t in enumerate(np.repeat(np.arange(len(starts) - 1), np.diff(starts)))
+        }
+        rec["batch_arrive_s"] = (40.0 + np.array(arrive_s) * seconds).tolist()
+        rec["batch_handout_s"] = rec["batch_arrive_s"]  # in the same order (the model does not read it)
     (tweak or (lambda r: None))(rec)
     data["runs"] = {
         f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
@@ -540,6 +568,46 @@ def test_validate_dispatch_takes_the_engines_ready_times_over_their_first_reques
         )
     )
     assert without["runs"]["ray_llm_arrival/3#0"]["errors"]["placement"] > 0.05
+
+
+def test_validate_dispatch_replays_tasks_as_they_arrived_where_the_run_records_it(tmp_path):
+    """A run whose tasks reached the engines over time (the sorted data still coming in while
+    the engines were up) and that records each task's rows, hand-out and arrival (the bench's
+    dispatch log): replayed from those, every error is zero; the same run replayed as if its
+    data had all been there at once puts rows on other engines."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
+    arrive = np.arange(num_tasks) * 0.5  # model seconds: each after the last has ended (~0.02 s of work)
+    out = cs.validate_dispatch(
+        bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0, 0.0, 0.0], arrive_s=arrive)
+    )
+    run = out["runs"]["ray_llm_arrival/3#0"]
+    assert run["tasks_from"] == "batch_arrive_s" and run["num_tasks"] == num_tasks
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+    assert run["measured"]["rows_per_engine"] == [len(tokens), 0, 0]  # each found every engine idle
+
+    def at_once(rec):
+        del rec["batch_arrive_s"]
+
+    path = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0, 0.0, 0.0], at_once, arrive_s=arrive)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["tasks_from"] == "blocks, all at 0" and run["errors"]["placement"] > 0.05
+
+
+def test_validate_dispatch_replays_an_engine_that_ran_no_row_as_never_up(tmp_path):
+    """The bench records start-up times only for engines that ran rows (the others last, with 0
+    rows): such an engine is never up in the replay, and the errors stay zero."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+
+    def recorded(rec):
+        assert rec["rows_per_engine"][2] == 0
+        rec["first_request_s"] = rec["first_request_s"][:2]
+
+    path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0, 0.3, 1e6], recorded)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["ready_s"][2] is None and max(abs(e) for e in run["errors"].values()) == 0.0
 
 
 def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_merge import merge
-from prefixflow.bench.scale_systems import _ray_record
+from prefixflow.bench.scale_systems import _ray_record, task_handouts
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 from prefixflow.bench.sim_dispatch_check import extract
 
@@ -97,6 +97,37 @@ def test_a_ray_run_records_when_each_task_began_on_its_engine_and_the_extract_ke
     kept = extract({"runs": {"ray_llm_sorted_default/model_decided/2": {"repeats": [rec]}}})
     (only,) = kept["runs"]["ray_llm_sorted_default/model_decided/2"]["repeats"]
     assert only["batch_first_request_s"] == rec["batch_first_request_s"] and "outputs" not in only
+
+
+def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_its_actor():
+    """The driver's log names actors, not tasks: actor "A" was handed two tasks (at 1.0 and
+    2.0 s, their blocks there at 0.5 and 1.5 s), "B" one. On A the task with rows 2-3 started
+    first, so it is the one handed out at 1.0 s, whatever the tasks' numbering (t0 = 100)."""
+
+    def row(i, actor, started):
+        return {"id": i, "actor_id": actor, "task_started_at": started}
+
+    rows = [row(0, "A", 103.0), row(1, "A", 103.0), row(2, "A", 101.5), row(3, "A", 101.5), row(4, "B", 101.2)]
+    row_batch = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    log = [
+        {"at": 101.0, "actor": "A", "rows": 2, "arrived_at": 100.5},
+        {"at": 101.1, "actor": "B", "rows": 1, "arrived_at": 100.4},
+        {"at": 102.0, "actor": "A", "rows": 2, "arrived_at": 101.5},
+    ]
+    got = task_handouts(rows, row_batch, log, t0=100.0)
+    assert got["dispatch_log_matched"]
+    assert got["batch_handout_s"] == pytest.approx([2.0, 1.0, 1.1])
+    assert got["batch_arrive_s"] == pytest.approx([1.5, 0.5, 0.4])
+    # A log that does not fit the tasks (a hand-out missing, or of other sizes) is not used
+    for bad in (log[:2], [{**e, "rows": 3} for e in log]):
+        assert task_handouts(rows, row_batch, bad, 100.0) == {
+            "dispatch_log_matched": False,
+            "batch_handout_s": None,
+            "batch_arrive_s": None,
+        }
+    assert not task_handouts([{**r, "actor_id": None} for r in rows], row_batch, log, 100.0)["dispatch_log_matched"]
+    kept = extract({"runs": {"k": {"repeats": [{"system": "ray_llm_sorted_ours", **got}]}}})
+    assert kept["runs"]["k"]["repeats"][0]["batch_arrive_s"] == got["batch_arrive_s"]
 
 
 def _run(wall, first, computed, busy, ends, outputs):
