@@ -331,7 +331,12 @@ def task_handouts(
     the engine stage (the driver's log, record_dispatch), per task in row_batch's numbering
     (None where the log cannot be matched). The log does not name tasks, but an actor starts the
     tasks it is handed in that order: its k-th hand-out is the k-th task that started on it."""
-    unmatched = {"dispatch_log_matched": False, "batch_handout_s": None, "batch_arrive_s": None}
+    unmatched = {
+        "dispatch_log_matched": False,
+        "batch_handout_s": None,
+        "batch_arrive_s": None,
+        "batch_data_node": None,
+    }
     if any(r.get("actor_id") is None or r.get("task_started_at") is None for r in rows):
         return unmatched  # a run recorded before these fields
     started: dict[int, tuple[str, float]] = {}  # task -> (its actor, when it started there)
@@ -343,6 +348,7 @@ def task_handouts(
         by_actor.setdefault(actor, []).append((at, task))
     handout: list[float | None] = [None] * len(started)
     arrive: list[float | None] = [None] * len(started)
+    data_node: list[str | None] = [None] * len(started)  # the node holding most of its blocks' bytes
     matched = sum(len(v) for v in by_actor.values()) == len(handed_out)
     for actor, tasks in by_actor.items():
         given = sorted((e for e in handed_out if e["actor"] == actor), key=lambda e: e["at"])
@@ -351,8 +357,16 @@ def task_handouts(
         for (_, task), e in pairs:
             handout[task] = e["at"] - t0
             arrive[task] = None if e["arrived_at"] is None else e["arrived_at"] - t0
+            data_node[task] = e.get("data_node")
     return (
-        {"dispatch_log_matched": True, "batch_handout_s": handout, "batch_arrive_s": arrive} if matched else unmatched
+        {
+            "dispatch_log_matched": True,
+            "batch_handout_s": handout,
+            "batch_arrive_s": arrive,
+            "batch_data_node": data_node,
+        }
+        if matched
+        else unmatched
     )
 
 
@@ -379,6 +393,7 @@ def record_dispatch(stage: str = "vLLMEngineStage") -> list[dict[str, Any]]:
         actor = getattr(task_done_callback, "keywords", {}).get("actor_to_return")
         if stage in self.name and actor is not None:
             stamps = [arrived[entry.ref.hex()] for entry in inputs.blocks if entry.ref.hex() in arrived]
+            where = inputs.get_preferred_object_locations()  # node -> bytes, what Ray's locality reads
             log.append(
                 {
                     "at": time.time(),
@@ -386,6 +401,7 @@ def record_dispatch(stage: str = "vLLMEngineStage") -> list[dict[str, Any]]:
                     "rows": inputs.num_rows(),
                     # None: a block that no operator's output queue stamped
                     "arrived_at": max(stamps) if len(stamps) == len(inputs.blocks) else None,
+                    "data_node": max(where, key=where.get) if where else None,
                 }
             )
         submit(self, gen, inputs, task_done_callback)

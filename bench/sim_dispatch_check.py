@@ -48,9 +48,9 @@ GOAL = 0.05
 # memory time; the bench should record its own ("hardware_profile").
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
 # What validate_dispatch reads of a Ray run's record (module doc), when each task began on its
-# engine (batch_first_request_s: recorded since commit 262c84a, not read by the model) and when
-# Ray handed it out (batch_handout_s: the driver's log, not read by the model); `extract` keeps
-# only these.
+# engine (batch_first_request_s: recorded since commit 262c84a, not read by the model), when Ray
+# handed it out and where its data was (batch_handout_s, batch_data_node: the driver's log, not
+# read by the model; `nodes`: each engine's); `extract` keeps only these.
 RUN_FIELDS = (
     "system",
     "replicas",
@@ -72,6 +72,8 @@ RUN_FIELDS = (
     "batch_first_request_s",
     "batch_handout_s",
     "batch_arrive_s",
+    "batch_data_node",
+    "nodes",
 )
 
 

@@ -110,20 +110,21 @@ def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_
     rows = [row(0, "A", 103.0), row(1, "A", 103.0), row(2, "A", 101.5), row(3, "A", 101.5), row(4, "B", 101.2)]
     row_batch = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
     log = [
-        {"at": 101.0, "actor": "A", "rows": 2, "arrived_at": 100.5},
-        {"at": 101.1, "actor": "B", "rows": 1, "arrived_at": 100.4},
-        {"at": 102.0, "actor": "A", "rows": 2, "arrived_at": 101.5},
+        {"at": 101.0, "actor": "A", "rows": 2, "arrived_at": 100.5, "data_node": "n1"},
+        {"at": 101.1, "actor": "B", "rows": 1, "arrived_at": 100.4, "data_node": "n2"},
+        {"at": 102.0, "actor": "A", "rows": 2, "arrived_at": 101.5, "data_node": "n2"},
     ]
     got = task_handouts(rows, row_batch, log, t0=100.0)
     assert got["dispatch_log_matched"]
     assert got["batch_handout_s"] == pytest.approx([2.0, 1.0, 1.1])
-    assert got["batch_arrive_s"] == pytest.approx([1.5, 0.5, 0.4])
+    assert got["batch_arrive_s"] == pytest.approx([1.5, 0.5, 0.4]) and got["batch_data_node"] == ["n2", "n1", "n2"]
     # A log that does not fit the tasks (a hand-out missing, or of other sizes) is not used
     for bad in (log[:2], [{**e, "rows": 3} for e in log]):
         assert task_handouts(rows, row_batch, bad, 100.0) == {
             "dispatch_log_matched": False,
             "batch_handout_s": None,
             "batch_arrive_s": None,
+            "batch_data_node": None,
         }
     assert not task_handouts([{**r, "actor_id": None} for r in rows], row_batch, log, 100.0)["dispatch_log_matched"]
     kept = extract({"runs": {"k": {"repeats": [{"system": "ray_llm_sorted_ours", **got}]}}})
