@@ -610,6 +610,23 @@ def test_validate_dispatch_replays_an_engine_that_ran_no_row_as_never_up(tmp_pat
     assert run["ready_s"][2] is None and max(abs(e) for e in run["errors"].values()) == 0.0
 
 
+def test_the_dispatch_check_reads_several_files_and_extracts_one(tmp_path, capsys):
+    from prefixflow.bench.sim_dispatch_check import load_bench, main
+
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    a = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0, 0.3, 0.7])
+    num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
+    b = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=np.arange(num_tasks) * 0.5)
+    main([str(a), str(b)])
+    assert capsys.readouterr().out.splitlines()[-1] == "runs within the goal: 2 of 2"
+    with pytest.raises(SystemExit):
+        main([str(a), str(b), "--extract", str(tmp_path / "x.json.gz")])
+    main([str(b), "--extract", str(tmp_path / "x.json.gz")])
+    (run,) = load_bench(tmp_path / "x.json.gz")["runs"]["ray_llm_arrival/3"]["repeats"]
+    assert len(run["batch_arrive_s"]) == num_tasks
+
+
 def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
     """4 engines, 64 equal blocks of 4 rows, 16 in flight: 16 blocks (64 rows) each. A
     measurement with 68 / 60 rows on two engines is off by 4 / 64 = 6.25%; 10% more computed
