@@ -329,8 +329,11 @@ def task_handouts(
 ) -> dict[str, Any]:
     """When Ray Data handed each task to its engine actor and when the task's blocks had reached
     the engine stage (the driver's log, record_dispatch), per task in row_batch's numbering
-    (None where the log cannot be matched). The log does not name tasks, but an actor starts the
-    tasks it is handed in that order: its k-th hand-out is the k-th task that started on it."""
+    (None where the log cannot be matched). The log does not name tasks: an actor's k-th
+    hand-out is taken as the k-th task that started on it. Ray may start a threaded actor's tasks
+    (max_concurrency 8 here) out of order, so two tasks handed to one actor milliseconds apart can
+    be swapped; a match that puts a hand-out after the start of its task is refused (the bench's
+    nodes share one clock)."""
     unmatched = {
         "dispatch_log_matched": False,
         "batch_handout_s": None,
@@ -354,6 +357,7 @@ def task_handouts(
         given = sorted((e for e in handed_out if e["actor"] == actor), key=lambda e: e["at"])
         pairs = list(zip(sorted(tasks), given))
         matched = matched and len(given) == len(tasks) and all(rows_in[t] == e["rows"] for (_, t), e in pairs)
+        matched = matched and all(e["at"] <= at for (at, _), e in pairs)
         for (_, task), e in pairs:
             handout[task] = e["at"] - t0
             arrive[task] = None if e["arrived_at"] is None else e["arrived_at"] - t0

@@ -138,8 +138,8 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
                     k = held[q, head[q]]
                     nxt = min(nxt, _task_end(q, last_item[k], left, comp, mem, origin))
             now = nxt
-        if inflight[r] == 0:  # idle since its last task: its clock resumes now
-            origin[r] = max(origin[r], now - max(comp[r], mem[r]))
+        if inflight[r] == 0 and now > origin[r] + max(comp[r], mem[r]):  # idle: its clock resumes now
+            origin[r] = now - max(comp[r], mem[r])
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
         held[r, (head[r] + inflight[r]) % max_in_flight] = t
         inflight[r] += 1

@@ -24,13 +24,14 @@ same order), less the earliest; the data, all there at 0, or where the run recor
 tasks as Ray handed them out, each from when its blocks reached the engine stage. Times enter
 the model's clock scaled by its total busy time over the measured one (the cost model's seconds
 are a GPU-like engine's, the bench's are 4 engines sharing 2 cores). The model decides which
-task each actor gets, so row placement, computed tokens and busy shares are its predictions; it
-hands tasks out at once (Ray's executor takes 13-17 ms a task on the bench's machine and sees
-engines come up only between its scheduling steps: jobs/README.md). On the bench's cluster the
-sorted data is ready before the engines come up one by one, and the first engine up fills its
-16 task slots first (Ray 2.60's select_actors takes the least busy *ready* actor): 4 engines,
-64 tasks, one contiguous quarter of the sorted rows each. A run whose data arrives after every
-engine is up is dealt round robin."""
+task each actor gets, so row placement, computed tokens and busy shares are its predictions.
+It hands tasks out at once, each to the least busy actor up (Ray 2.60's select_actors): where
+the sorted data is ready before the engines come up one by one, as on the bench's cluster, it
+predicts that the first engine up fills its 16 task slots first, one contiguous quarter of the
+sorted rows per engine, and a run whose data arrives after every engine is up is dealt round
+robin. Ray's executor takes 13-17 ms a task on the bench's machine and sees engines come up
+only between its scheduling steps, so engines up within a step share tasks in alternating runs
+(measured: jobs/README.md)."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def simulate(
 def _times(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray:
     """A Tasks time field as the kernel takes it: [n] seconds >= 0 (None: all 0)."""
     times = np.zeros(n) if given is None else np.asarray(given, np.float64)
-    if times.shape != (n,) or np.any(times < 0):
+    if times.shape != (n,) or not np.all(times >= 0):  # NaN too
         raise ValueError(f"simulate: Tasks.{name} must give each of the {n} {what} a time >= 0")
     return times
 

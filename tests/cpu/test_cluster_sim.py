@@ -337,6 +337,14 @@ def test_tasks_arriving_one_by_one_go_where_there_is_room_when_they_arrive():
     spaced = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive))
     assert spaced.grain_replica.tolist() == [0] * 8
     assert np.allclose(spaced.grain_time_s, arrive + one.busy_s[0])
+    # each arriving while the other actor still runs the last one: they alternate, each task
+    # ending its own work after it arrived
+    overlap = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive * 0.06))
+    assert overlap.grain_replica.tolist() == [0, 1] * 4
+    assert np.allclose(overlap.grain_time_s, arrive * 0.06 + one.busy_s[0])
+    # all arriving at 0 is the data all there at once, to the last bit
+    zero = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=np.zeros(8)))
+    assert np.array_equal(zero.grain_time_s, at_once.grain_time_s) and np.array_equal(zero.busy_s, at_once.busy_s)
     with pytest.raises(ValueError, match="arrive_s"):
         cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive[:3]))
 
@@ -584,6 +592,16 @@ def test_validate_dispatch_replays_tasks_as_they_arrived_where_the_run_records_i
     )
     run = out["runs"]["ray_llm_arrival/3#0"]
     assert run["tasks_from"] == "batch_arrive_s" and run["num_tasks"] == num_tasks
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+
+    def numbered_otherwise(rec):  # the bench numbers tasks by their first request, not hand-out
+        new = np.arange(num_tasks)[::-1]
+        rec["row_batch"] = {i: int(new[t]) for i, t in rec["row_batch"].items()}
+        for key in ("batch_arrive_s", "batch_handout_s"):
+            rec[key] = [rec[key][t] for t in new]  # new is its own inverse
+
+    path = bench_file(tmp_path / "n.json", tokens, blocks, 8, 2, 3, [0.0] * 3, numbered_otherwise, arrive_s=arrive)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
     assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
     assert run["measured"]["rows_per_engine"] == [len(tokens), 0, 0]  # each found every engine idle
 

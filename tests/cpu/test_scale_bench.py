@@ -118,8 +118,9 @@ def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_
     assert got["dispatch_log_matched"]
     assert got["batch_handout_s"] == pytest.approx([2.0, 1.0, 1.1])
     assert got["batch_arrive_s"] == pytest.approx([1.5, 0.5, 0.4]) and got["batch_data_node"] == ["n2", "n1", "n2"]
-    # A log that does not fit the tasks (a hand-out missing, or of other sizes) is not used
-    for bad in (log[:2], [{**e, "rows": 3} for e in log]):
+    # A log that does not fit the tasks (a hand-out missing, or of other sizes) is not used,
+    # ... nor one that hands a task out after it started (two tasks on one actor swapped)
+    for bad in (log[:2], [{**e, "rows": 3} for e in log], [{**log[0], "at": 101.8}, *log[1:]]):
         assert task_handouts(rows, row_batch, bad, 100.0) == {
             "dispatch_log_matched": False,
             "batch_handout_s": None,
@@ -129,6 +130,19 @@ def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_
     assert not task_handouts([{**r, "actor_id": None} for r in rows], row_batch, log, 100.0)["dispatch_log_matched"]
     kept = extract({"runs": {"k": {"repeats": [{"system": "ray_llm_sorted_ours", **got}]}}})
     assert kept["runs"]["k"]["repeats"][0]["batch_arrive_s"] == got["batch_arrive_s"]
+
+
+def test_the_ray_data_methods_the_dispatch_log_wraps_take_what_it_passes():
+    """record_dispatch wraps these two of Ray Data's executor by their parameters: a Ray that
+    changed them would leave the log empty (the run recorded as unmatched), so say so here."""
+    import inspect
+
+    from ray.data._internal.execution.operators.map_operator import MapOperator
+    from ray.data._internal.execution.streaming_executor_state import OpState
+
+    submit = ["self", "gen", "inputs", "task_done_callback"]
+    assert list(inspect.signature(MapOperator._submit_data_task).parameters) == submit
+    assert list(inspect.signature(OpState.add_output).parameters) == ["self", "ref"]
 
 
 def _run(wall, first, computed, busy, ends, outputs):
