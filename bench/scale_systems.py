@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -259,7 +258,7 @@ def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float)
     handed_out = record_dispatch()
     rows = processor(ds).take_all()
     record = _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
-    return {**record, **task_handouts(rows, record["row_batch"], handed_out, t0)}
+    return {**record, **task_handouts(rows, record["row_batch"], record["batch_rows"], handed_out, t0)}
 
 
 def _ray_record(
@@ -325,11 +324,15 @@ def _ray_record(
 
 
 def task_handouts(
-    rows: list[dict[str, Any]], row_batch: dict[int, int], handed_out: list[dict[str, Any]], t0: float
+    rows: list[dict[str, Any]],
+    row_batch: dict[int, int],
+    batch_rows: list[int],
+    handed_out: list[dict[str, Any]],
+    t0: float,
 ) -> dict[str, Any]:
     """When Ray Data handed each task to its engine actor and when the task's blocks had reached
     the engine stage (the driver's log, record_dispatch), per task in row_batch's numbering
-    (None where the log cannot be matched). The log does not name tasks: an actor's k-th
+    (batch_rows: each task's rows; None where the log cannot be matched). The log does not name tasks: an actor's k-th
     hand-out is taken as the k-th task that started on it. Ray may start a threaded actor's tasks
     (max_concurrency 8 here) out of order, so two tasks handed to one actor milliseconds apart can
     be swapped; a match that puts a hand-out after the start of its task is refused (the bench's
@@ -345,7 +348,6 @@ def task_handouts(
     started: dict[int, tuple[str, float]] = {}  # task -> (its actor, when it started there)
     for r in rows:
         started.setdefault(row_batch[int(r["id"])], (r["actor_id"], r["task_started_at"]))
-    rows_in = Counter(row_batch.values())
     by_actor: dict[str, list[tuple[float, int]]] = {}
     for task, (actor, at) in started.items():
         by_actor.setdefault(actor, []).append((at, task))
@@ -356,7 +358,7 @@ def task_handouts(
     for actor, tasks in by_actor.items():
         given = sorted((e for e in handed_out if e["actor"] == actor), key=lambda e: e["at"])
         pairs = list(zip(sorted(tasks), given))
-        matched = matched and len(given) == len(tasks) and all(rows_in[t] == e["rows"] for (_, t), e in pairs)
+        matched = matched and len(given) == len(tasks) and all(batch_rows[t] == e["rows"] for (_, t), e in pairs)
         matched = matched and all(e["at"] <= at for (at, _), e in pairs)
         for (_, task), e in pairs:
             handout[task] = e["at"] - t0

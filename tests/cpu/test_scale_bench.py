@@ -114,20 +114,22 @@ def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_
         {"at": 101.1, "actor": "B", "rows": 1, "arrived_at": 100.4, "data_node": "n2"},
         {"at": 102.0, "actor": "A", "rows": 2, "arrived_at": 101.5, "data_node": "n2"},
     ]
-    got = task_handouts(rows, row_batch, log, t0=100.0)
+    got = task_handouts(rows, row_batch, [2, 2, 1], log, t0=100.0)
     assert got["dispatch_log_matched"]
     assert got["batch_handout_s"] == pytest.approx([2.0, 1.0, 1.1])
     assert got["batch_arrive_s"] == pytest.approx([1.5, 0.5, 0.4]) and got["batch_data_node"] == ["n2", "n1", "n2"]
     # A log that does not fit the tasks (a hand-out missing, or of other sizes) is not used,
     # ... nor one that hands a task out after it started (two tasks on one actor swapped)
     for bad in (log[:2], [{**e, "rows": 3} for e in log], [{**log[0], "at": 101.8}, *log[1:]]):
-        assert task_handouts(rows, row_batch, bad, 100.0) == {
+        assert task_handouts(rows, row_batch, [2, 2, 1], bad, 100.0) == {
             "dispatch_log_matched": False,
             "batch_handout_s": None,
             "batch_arrive_s": None,
             "batch_data_node": None,
         }
-    assert not task_handouts([{**r, "actor_id": None} for r in rows], row_batch, log, 100.0)["dispatch_log_matched"]
+    assert not task_handouts([{**r, "actor_id": None} for r in rows], row_batch, [2, 2, 1], log, 100.0)[
+        "dispatch_log_matched"
+    ]
     kept = extract({"runs": {"k": {"repeats": [{"system": "ray_llm_sorted_ours", **got}]}}})
     assert kept["runs"]["k"]["repeats"][0]["batch_arrive_s"] == got["batch_arrive_s"]
 
