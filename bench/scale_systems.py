@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,8 +257,8 @@ def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float)
         ChatTokenize, fn_constructor_kwargs={"model": str(model)}, concurrency=1, batch_size=256
     )
     ds = ds.sort("prompt_text").repartition(num_blocks)
-    handed_out = record_dispatch()
-    rows = processor(ds).take_all()
+    with record_dispatch() as handed_out:
+        rows = processor(ds).take_all()
     record = _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
     return {**record, **task_handouts(rows, record["row_batch"], record["batch_rows"], handed_out, t0)}
 
@@ -376,12 +378,14 @@ def task_handouts(
     )
 
 
-def record_dispatch(stage: str = "vLLMEngineStage") -> list[dict[str, Any]]:
+@contextmanager
+def record_dispatch(stage: str = "vLLMEngineStage") -> Iterator[list[dict[str, Any]]]:
     """Records, in this driver (where Ray Data's executor runs), each task Ray Data hands to an
-    actor of the operator named `stage`: when, to which actor, its rows, and when the last of its
-    blocks had reached that operator's input (an upstream operator's output queue). Returns the
-    list it fills. Patches Ray Data 2.60's executor (OpState.add_output, MapOperator.
-    _submit_data_task) to read the time only; changes nothing else."""
+    actor of the operator named `stage` inside the block: when, to which actor, its rows, and when
+    the last of its blocks had reached that operator's input (an upstream operator's output
+    queue). Yields the list it fills. Patches Ray Data 2.60's executor (OpState.add_output,
+    MapOperator._submit_data_task) to read the time only, and puts both back when the block ends
+    (so a second use in one process logs each task once)."""
     from ray.data._internal.execution.operators.map_operator import MapOperator
     from ray.data._internal.execution.streaming_executor_state import OpState
 
@@ -414,7 +418,10 @@ def record_dispatch(stage: str = "vLLMEngineStage") -> list[dict[str, Any]]:
 
     OpState.add_output = stamped_add_output
     MapOperator._submit_data_task = logged_submit
-    return log
+    try:
+        yield log
+    finally:
+        OpState.add_output, MapOperator._submit_data_task = add_output, submit
 
 
 def _ray_startup(engines: list[list[dict[str, Any]]], t0: float) -> dict[str, Any]:

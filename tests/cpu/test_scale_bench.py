@@ -9,7 +9,7 @@ import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_merge import merge
-from prefixflow.bench.scale_systems import _ray_record, task_handouts
+from prefixflow.bench.scale_systems import _ray_record, record_dispatch, task_handouts
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 from prefixflow.bench.sim_dispatch_check import extract
 
@@ -145,6 +145,23 @@ def test_the_ray_data_methods_the_dispatch_log_wraps_take_what_it_passes():
     submit = ["self", "gen", "inputs", "task_done_callback"]
     assert list(inspect.signature(MapOperator._submit_data_task).parameters) == submit
     assert list(inspect.signature(OpState.add_output).parameters) == ["self", "ref"]
+
+
+def test_the_dispatch_log_puts_ray_datas_methods_back_when_its_block_ends():
+    """A second run in one driver logs each task once: the wrappers go when the block ends,
+    also when it raises."""
+    from ray.data._internal.execution.operators.map_operator import MapOperator
+    from ray.data._internal.execution.streaming_executor_state import OpState
+
+    originals = (OpState.add_output, MapOperator._submit_data_task)
+    with pytest.raises(RuntimeError), record_dispatch():
+        assert (OpState.add_output, MapOperator._submit_data_task) != originals
+        raise RuntimeError("the run failed")
+    assert (OpState.add_output, MapOperator._submit_data_task) == originals
+    with record_dispatch() as log:
+        wrapped = MapOperator._submit_data_task
+        assert wrapped.__closure__ is not None and originals[1] in [c.cell_contents for c in wrapped.__closure__]
+    assert (OpState.add_output, MapOperator._submit_data_task) == originals and log == []
 
 
 def _run(wall, first, computed, busy, ends, outputs):
