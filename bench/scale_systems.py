@@ -334,8 +334,8 @@ def task_handouts(
 ) -> dict[str, Any]:
     """When Ray Data handed each task to its engine actor and when the task's blocks had reached
     the engine stage (the driver's log, record_dispatch), per task in row_batch's numbering
-    (batch_rows: each task's rows; None where the log cannot be matched). The log does not name tasks: an actor's k-th
-    hand-out is taken as the k-th task that started on it. Ray may start a threaded actor's tasks
+    (batch_rows: each task's rows; None where the log cannot be matched). The log does not name
+    tasks: an actor's k-th hand-out is taken as the k-th task that started on it. Ray may start a threaded actor's tasks
     (max_concurrency 8 here) out of order, so two tasks handed to one actor milliseconds apart can
     be swapped; a match that puts a hand-out after the start of its task is refused (the bench's
     nodes share one clock)."""
