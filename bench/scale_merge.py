@@ -14,14 +14,17 @@ own run); the goals are recomputed per N with scale_bench's own rule over the jo
 prefixflow cell is only ever compared with Ray's cells of the same N and workload, which ran in
 the same sitting. Refused: files of another workload (rows, documents, EOS, output lengths or
 prompt-token floors differ, or other engine settings) and a cell measured in two files (say which
-one counts by leaving the other out). The result keeps, for each cell, the file it came from,
-and leaves out the runs' per-row detail (one file given alone is trimmed so for the repository).
+one counts by leaving the other out, or by taking only some N of a file: `FILE:1` takes its
+N = 1 cells, where a later sitting measured its N = 2 again). The result keeps, for each cell,
+the file it came from, and leaves out the runs' per-row detail (one file given alone is trimmed
+so for the repository).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,46 @@ def check_same_job(results: dict[str, dict[str, Any]]) -> None:
         for field in SAME_SETTINGS:
             if result["args"].get(field) != first["args"].get(field):
                 raise ValueError(f"{name}: args.{field} differs from {first_name}'s: not the same job")
+
+
+def _only_checks(part: dict[str, Any], replicas: set[int]) -> dict[str, Any]:
+    """A sitting's (or a result's) dispatch check and note, for only its cells of those N."""
+    taken = ", ".join(str(n) for n in sorted(replicas))
+    out = {**part, "note": " ".join(filter(None, [part.get("note"), f"only its N = {taken} cells taken"]))}
+    check = part.get("dispatch_check")
+    if check and "runs" in check:  # not a skipped check
+        kept = {k: v for k, v in check["runs"].items() if _key_n(k.split("#")[0]) in replicas}
+        worst = max((abs(e) for errors in kept.values() for e in errors.values()), default=0.0)
+        out["dispatch_check"] = {**check, "runs": kept, "max_abs_error": worst, "within_goal": worst <= check["goal"]}
+    return out
+
+
+def only_replicas(name: str, result: dict[str, Any], replicas: set[int]) -> dict[str, Any]:
+    """A result (a sitting's, or a joined one) with only its cells of those N, and of its
+    sittings' dispatch checks only those cells' runs."""
+    runs = {k: v for k, v in result["runs"].items() if _key_n(k) in replicas}
+    if not runs:
+        raise ValueError(f"{name}: no cell with N in {sorted(replicas)}")
+    if "merged_from" not in result:
+        return {**_only_checks(result, replicas), "runs": runs}
+    source = {k: v for k, v in result["cell_source"].items() if k in runs}
+    sittings = {
+        s: {**_only_checks(sitting, replicas), "cells": [c for c in sitting["cells"] if c in runs]}
+        for s, sitting in result["merged_from"].items()
+        if s in source.values()
+    }
+    return {**result, "runs": runs, "cell_source": source, "merged_from": sittings}
+
+
+def read_file_arg(arg: str) -> tuple[str, dict[str, Any]]:
+    """`PATH` or `PATH:N[,N...]` (only those N's cells): the file's name and its result."""
+    selector = re.fullmatch(r"(.+):(\d+(?:,\d+)*)", arg)
+    path = selector.group(1) if selector else arg
+    result = json.loads(Path(path).read_text())
+    name = Path(path).name
+    if selector:
+        result = only_replicas(name, result, {int(n) for n in selector.group(2).split(",")})
+    return name, result
 
 
 def trimmed(cell: dict[str, Any]) -> dict[str, Any]:
@@ -111,10 +154,10 @@ def merge(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("files", nargs="+", help="scale_bench result files (JSON)")
+    p.add_argument("files", nargs="+", help="scale_bench result files (JSON), PATH or PATH:N[,N...]")
     p.add_argument("--out", default=str(RESULTS / "scale_bench.json"))
     args = p.parse_args(argv)
-    results = {Path(f).name: json.loads(Path(f).read_text()) for f in args.files}
+    results = dict(read_file_arg(f) for f in args.files)
     result = merge(results)
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -3,12 +3,13 @@ quiet machine and a multi-node cluster: it is run by hand, `python -m prefixflow
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
-from prefixflow.bench.scale_merge import merge
+from prefixflow.bench.scale_merge import merge, read_file_arg
 from prefixflow.bench.scale_systems import _ray_record, record_dispatch, task_handouts
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 from prefixflow.bench.sim_dispatch_check import extract
@@ -258,6 +259,46 @@ def test_cells_measured_apart_join_with_their_goals_per_n_and_no_per_row_detail(
     assert sorted(again["merged_from"]) == ["n1.json", "n2.json", "n4.json"]
     assert again["cell_source"]["prefixflow_vllm/model_decided/4"] == "n4.json"
     assert again["args"]["replicas"] == [1, 2, 4]
+
+
+def test_some_n_of_a_sitting_are_taken_where_a_later_sitting_measured_the_others_again(tmp_path):
+    old = _result(1, (90, 91, 92), (99, 99, 99))
+    old["runs"].update(_result(2, (60, 62, 70), (80, 85, 90))["runs"])
+    old["dispatch_check"] = {
+        "max_abs_error": 0.25,
+        "within_goal": False,
+        "goal": 0.05,
+        "runs": {
+            "ray_llm_sorted_default/model_decided/1#0": {"placement": 0.0},
+            "ray_llm_sorted_default/model_decided/2#0": {"placement": 0.25},
+        },
+    }
+    (tmp_path / "n12.json").write_text(json.dumps(old))
+    name, n1 = read_file_arg(f"{tmp_path / 'n12.json'}:1")
+    assert name == "n12.json" and sorted(n1["runs"]) == [
+        f"{s}/model_decided/1" for s in ("prefixflow_vllm", "ray_llm_sorted_default")
+    ]
+    # its dispatch check keeps only the N = 1 runs, and the sitting says what was taken
+    assert n1["dispatch_check"]["runs"] == {"ray_llm_sorted_default/model_decided/1#0": {"placement": 0.0}}
+    assert n1["dispatch_check"]["within_goal"] and n1["note"] == "only its N = 1 cells taken"
+    joined = merge({name: n1, "n2.json": _result(2, (50, 51, 52), (70, 71, 72))})
+    assert joined["cell_source"]["prefixflow_vllm/model_decided/1"] == "n12.json"
+    assert joined["cell_source"]["prefixflow_vllm/model_decided/2"] == "n2.json"
+    assert joined["merged_from"]["n12.json"]["cells"] == sorted(n1["runs"])
+    # the repository keeps a sitting as scale_merge wrote it (joined form): the same cells taken
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "n12.json").write_text(json.dumps(merge({"n12.json": old})))
+    _, kept = read_file_arg(f"{tmp_path / 'kept' / 'n12.json'}:1")
+    again = merge({"n12.json": kept, "n2.json": _result(2, (50, 51, 52), (70, 71, 72))})
+    assert again["cell_source"] == joined["cell_source"] and again["merged_from"]["n12.json"]["cells"] == sorted(
+        n1["runs"]
+    )
+    assert again["merged_from"]["n12.json"]["dispatch_check"]["runs"] == n1["dispatch_check"]["runs"]
+    # without the selector the same cell would be in both files
+    with pytest.raises(ValueError, match="is in n12.json and in n2.json"):
+        merge({"n12.json": read_file_arg(str(tmp_path / "n12.json"))[1], "n2.json": _result(2, (1, 2, 3), (4, 5, 6))})
+    with pytest.raises(ValueError, match="no cell with N in \\[4\\]"):
+        read_file_arg(f"{tmp_path / 'n12.json'}:4")
 
 
 def test_files_of_another_workload_or_the_same_cell_twice_are_refused():
