@@ -1,6 +1,7 @@
 """How requests reach the replicas, in simulated time: Ray Data's actor pool (tasks of whole
-blocks, pulled with a cap on tasks in flight) or a plan's units (each replica its own, in plan
-order, its loose units last: sim_run.plan_units; with stealing, a replica that runs dry takes
+blocks, pulled with a cap on tasks in flight, first by an actor on the node holding the data)
+or a plan's units (each replica its own, in plan order, its loose units last:
+sim_run.plan_units; with stealing, a replica that runs dry takes
 the last unstarted unit of the replica with the most predicted work left: the engines' queue
 takes the one whose prefix it computes again least, work_queue.py, which this model leaves out).
 Numba-compiled for large runs (`kernel`).
@@ -90,12 +91,13 @@ def _task_end(q, last, left, comp, mem, origin):
     return origin[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
 
 
-def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s):
+def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s, nodes):
     """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks in order, each from
     its arrival (arrive_s: when its blocks reached the stage; 0: all there at once) to the ready
-    actor with the fewest tasks in flight (ties: the lowest index), at most max_in_flight each;
-    when no ready actor has room, time moves on to the next end of a task (`_task_end`) or the
-    next actor's ready time. ready_s: [R] when each actor can take its first task (0: ready when
+    actor with the fewest tasks in flight on the node holding its data where one there has room
+    (Ray's actor locality, on by default; nodes: (each task's data node, each actor's node), -1:
+    not known), else anywhere (ties: the lowest index), at most max_in_flight each; when no ready actor has room,
+    time moves on to the next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R] when each actor can take its first task (0: ready when
     the data is; an engine that comes up after the data fills its room first). An actor's clock
     starts at its ready time, and one that ran dry waiting for data resumes at the arrival.
     Returns per task its actor and the time it ended."""
@@ -125,9 +127,14 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
             if t == n:
                 return actor, finish
             r = -1
-            for q in range(R):
-                if ready_s[q] <= now and inflight[q] < max_in_flight and (r < 0 or inflight[q] < inflight[r]):
-                    r = q
+            for local in (True, False):  # first the actors on the node holding its data
+                for q in range(R):
+                    here = nodes[0][t] >= 0 and nodes[1][q] == nodes[0][t]
+                    if (here or not local) and ready_s[q] <= now and inflight[q] < max_in_flight:
+                        if r < 0 or inflight[q] < inflight[r]:
+                            r = q
+                if r >= 0:
+                    break
             if r >= 0:
                 break
             nxt = np.inf

@@ -114,12 +114,17 @@ class Tasks:
     """Ray Data's dispatch of a stream: starts [num_tasks + 1] item boundaries of its tasks;
     ready_s: [num_replicas] when each engine actor takes its first task (None: every actor ready
     at 0); arrive_s: [num_tasks] when each task's blocks reach the engine stage (None: all at 0,
-    the data ready before the engines)."""
+    the data ready before the engines); data_node: [num_tasks] the node holding most of each
+    task's blocks' bytes and actor_node: [num_replicas] each actor's node (node numbers, -1: not
+    known; None: all -1): an actor up with room on a task's data node takes it first (Ray Data's
+    actor locality, on by default)."""
 
     starts: np.ndarray
     max_in_flight: int
     ready_s: np.ndarray | None = None
     arrive_s: np.ndarray | None = None
+    data_node: np.ndarray | None = None
+    actor_node: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -214,7 +219,11 @@ def simulate(
         if isinstance(how, Tasks):
             ready = _times(how.ready_s, R, "ready_s", "actors")
             arrive = _times(how.arrive_s, len(how.starts) - 1, "arrive_s", "tasks")
-            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready, arrive)
+            nodes = (
+                _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks"),
+                _nodes(how.actor_node, R, "actor_node", "actors"),
+            )
+            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready, arrive, nodes)
         else:
             last = np.zeros(len(how.owner), bool) if how.last is None else np.asarray(how.last, bool)
             order = np.lexsort((last, how.owner))  # by owner, its loose units last, else plan order
@@ -231,6 +240,14 @@ def _times(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray
     if times.shape != (n,) or not np.all(times >= 0):  # NaN too
         raise ValueError(f"simulate: Tasks.{name} must give each of the {n} {what} a time >= 0")
     return times
+
+
+def _nodes(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray:
+    """A Tasks node field as the kernel takes it: [n] node numbers >= 0, or -1 (None: all -1)."""
+    nodes = np.full(n, -1, np.int64) if given is None else np.asarray(given, np.int64)
+    if nodes.shape != (n,) or not np.all(nodes >= -1):
+        raise ValueError(f"simulate: Tasks.{name} must give each of the {n} {what} a node number, or -1")
+    return nodes
 
 
 def fixed_units(replica: np.ndarray) -> Units:

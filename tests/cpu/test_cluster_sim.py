@@ -349,6 +349,24 @@ def test_tasks_arriving_one_by_one_go_where_there_is_room_when_they_arrive():
         cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive[:3]))
 
 
+def test_a_task_goes_first_to_an_actor_on_the_node_holding_its_data():
+    """Ray Data's actor locality (on by default): of the actors up with room, one on the node
+    holding a task's data takes it, whatever the others hold; when those are full, or the node
+    runs no actor or is not known (-1), the least busy anywhere does. Two actors on nodes 5
+    and 7, 3 tasks each in flight, all data there at once."""
+    w = cs.workload_from_tokens(distinct_prompts([100] * 12), 16)
+    items, cluster = cs.plain_items(w, np.arange(12)), cs.Cluster(2, 1 << 20)
+    tasks = cs.ray_tasks(12, cs.RayData(6, 2, 3), 2)
+    local = cs.Tasks(tasks.starts, 3, data_node=np.array([7, 7, 7, 7, 5, -1]), actor_node=np.array([5, 7]))
+    run = cs.simulate(w, items, cluster, CM, local)
+    assert run.grain_replica.tolist() == [1, 1, 1, 0, 0, 0]  # the 4th: node 7's actor is full
+    assert cs.simulate(w, items, cluster, CM, tasks).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
+    elsewhere = cs.Tasks(tasks.starts, 3, data_node=np.array([9] * 6), actor_node=np.array([5, 7]))
+    assert cs.simulate(w, items, cluster, CM, elsewhere).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
+    with pytest.raises(ValueError, match="data_node"):
+        cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 3, data_node=np.array([7, 7])))
+
+
 # ---- plan units and stealing -------------------------------------------------------------------
 
 
@@ -469,12 +487,15 @@ MODEL_CONFIG = dict(
 )
 
 
-def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_s, tweak=None, arrive_s=None):
+def bench_file(
+    path, tokens, block_rows, batch_size, in_flight, replicas, ready_s, tweak=None, arrive_s=None, nodes=None
+):
     """A scale_bench.json whose one ray_llm run is the simulator's own replay, its engines up at
     ready_s (model seconds; the bench records first requests, numbered in their order, in its own
     clock: here the model's total busy time with every engine ready at once is 1/7 of the run's);
     tweak(record) edits the measurement; arrive_s: when each task reached the engines (model
-    seconds; recorded with each task's rows and hand-out, as the driver's log gives them)."""
+    seconds; recorded with each task's rows and hand-out, as the driver's log gives them);
+    nodes: (each task's data node, each engine's node), names, recorded with arrive_s."""
     rng = np.random.default_rng(2)
     caps = rng.integers(8, 40, len(tokens))
     decided = rng.integers(1, caps + 1)
@@ -494,6 +515,10 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_
 
     def replay(ready, arrive=None):
         tasks = cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready, arrive_s=arrive)
+        if nodes is not None:
+            number = {name: i for i, name in enumerate(sorted(set(nodes[1])))}
+            data_node = np.array([number.get(name, -1) for name in nodes[0]])
+            tasks = cs.Tasks(tasks.starts, in_flight, ready, arrive, data_node, np.arange(replicas))
         return cs.simulate(w, items, cluster, bench_cost_model(data, path), tasks)
 
     run, probe = replay(np.array(ready_s), arrive_s), replay(None)
@@ -522,6 +547,8 @@ def bench_file(path, tokens, block_rows, batch_size, in_flight, replicas, ready_
         }
         rec["batch_arrive_s"] = (40.0 + np.array(arrive_s) * seconds).tolist()
         rec["batch_handout_s"] = rec["batch_arrive_s"]  # in the same order (the model does not read it)
+        if nodes is not None:
+            rec["batch_data_node"], rec["nodes"] = list(nodes[0]), sorted(set(nodes[1]))
     (tweak or (lambda r: None))(rec)
     data["runs"] = {
         f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
@@ -543,6 +570,7 @@ def test_validate_dispatch_finds_no_error_in_the_simulators_own_replay(tmp_path)
     assert list(out["runs"]) == ["ray_llm_arrival/3#0"] and run["ready_s"][0] == 0.0 < run["ready_s"][1]
     assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
     assert run["busy_share_error"] == 0.0 and out["runs_within_goal"] == "1 of 1"
+    assert out["rows_per_engine_within_goal"] == "1 of 1"
     first, _, last = run["predicted"]["rows_per_engine"]
     assert first > last  # the first engine up took more
     assert run["row_engine_agreement"] == 1.0 and out["max_abs_error"] == 0.0 and out["within_goal"]
@@ -613,6 +641,29 @@ def test_validate_dispatch_replays_tasks_as_they_arrived_where_the_run_records_i
     assert run["tasks_from"] == "blocks, all at 0" and run["errors"]["placement"] > 0.05
 
 
+def test_validate_dispatch_reads_where_each_tasks_data_was_where_the_run_records_it(tmp_path):
+    """A run that records the node holding each task's blocks and each engine's node (the bench's
+    dispatch log), its engines each on a node of their own, 2 tasks in flight: replayed with
+    Ray's actor locality, every error is zero; the same run without the nodes recorded is
+    replayed as if every task went to the least busy engine, and puts rows elsewhere."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
+    where = (["c", "c", None, "x", "b", "c"] * num_tasks)[:num_tasks], ["a", "b", "c"]
+    at_zero = np.zeros(num_tasks)
+    path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=at_zero, nodes=where)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["locality_from"] == "batch_data_node"
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+
+    def unrecorded(rec):
+        del rec["batch_data_node"]
+
+    path = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, unrecorded, at_zero, where)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["locality_from"] is None and run["errors"]["placement"] > 0.05
+
+
 def test_validate_dispatch_replays_an_engine_that_ran_no_row_as_never_up(tmp_path):
     """The bench records start-up times only for engines that ran rows (the others last, with 0
     rows): such an engine is never up in the replay, and the errors stay zero."""
@@ -637,7 +688,7 @@ def test_the_dispatch_check_reads_several_files_and_extracts_one(tmp_path, capsy
     num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
     b = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=np.arange(num_tasks) * 0.5)
     main([str(a), str(b)])
-    assert capsys.readouterr().out.splitlines()[-1] == "runs within the goal: 2 of 2"
+    assert capsys.readouterr().out.splitlines()[-1] == "runs within the goal: 2 of 2; in rows per engine: 2 of 2"
     with pytest.raises(SystemExit):
         main([str(a), str(b), "--extract", str(tmp_path / "x.json.gz")])
     main([str(b), "--extract", str(tmp_path / "x.json.gz")])

@@ -264,13 +264,14 @@ def test_cells_measured_apart_join_with_their_goals_per_n_and_no_per_row_detail(
 def test_some_n_of_a_sitting_are_taken_where_a_later_sitting_measured_the_others_again(tmp_path):
     old = _result(1, (90, 91, 92), (99, 99, 99))
     old["runs"].update(_result(2, (60, 62, 70), (80, 85, 90))["runs"])
+    no_error = {"rows_per_engine": 0.0, "computed_prompt_tokens": 0.0}
     old["dispatch_check"] = {
         "max_abs_error": 0.25,
         "within_goal": False,
         "goal": 0.05,
         "runs": {
-            "ray_llm_sorted_default/model_decided/1#0": {"placement": 0.0},
-            "ray_llm_sorted_default/model_decided/2#0": {"placement": 0.25},
+            "ray_llm_sorted_default/model_decided/1#0": {**no_error, "placement": 0.0},
+            "ray_llm_sorted_default/model_decided/2#0": {**no_error, "placement": 0.25},
         },
     }
     (tmp_path / "n12.json").write_text(json.dumps(old))
@@ -279,7 +280,7 @@ def test_some_n_of_a_sitting_are_taken_where_a_later_sitting_measured_the_others
         f"{s}/model_decided/1" for s in ("prefixflow_vllm", "ray_llm_sorted_default")
     ]
     # its dispatch check keeps only the N = 1 runs, and the sitting says what was taken
-    assert n1["dispatch_check"]["runs"] == {"ray_llm_sorted_default/model_decided/1#0": {"placement": 0.0}}
+    assert n1["dispatch_check"]["runs"] == {"ray_llm_sorted_default/model_decided/1#0": {**no_error, "placement": 0.0}}
     assert n1["dispatch_check"]["within_goal"] and n1["note"] == "only its N = 1 cells taken"
     joined = merge({name: n1, "n2.json": _result(2, (50, 51, 52), (70, 71, 72))})
     assert joined["cell_source"]["prefixflow_vllm/model_decided/1"] == "n12.json"
