@@ -66,8 +66,11 @@ demo: $(STAMP)
 # tests/typecheck.py; all configured in pyproject.toml), the whole suite, then its fast part
 # again in the floor venv (below): CI runs all of them. Two workers (pytest-xdist), each test file whole on one
 # of them: a file's tests share its fixtures (one multi-node cluster, one S3 bucket), and each
-# worker has its own local Ray.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
+# worker has its own local Ray. A worker that dies (no Python traceback: a signal, os._exit)
+# fails the run at once, naming its test: pytest-xdist 3.8 replacing it under --dist loadfile
+# can leave every worker waiting for work that never comes (pytest-dev/pytest-xdist#1313,
+# #1378; a suite here hung so, at 97%, its worker lost at 65%, 2026-12-04).
+PYTEST_WORKERS ?= -n 2 --dist loadfile --max-worker-restart=0
 test: $(STAMP) $(FLOOR_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
