@@ -117,7 +117,8 @@ class Tasks:
     the data ready before the engines); data_node: [num_tasks] the node holding most of each
     task's blocks' bytes and actor_node: [num_replicas] each actor's node (node numbers, -1: not
     known; None: all -1): an actor up with room on a task's data node takes it first (Ray Data's
-    actor locality, on by default)."""
+    actor locality, on by default; Ray then tries the other nodes holding some of its blocks, by
+    bytes, which this leaves out: the bench's log records the first)."""
 
     starts: np.ndarray
     max_in_flight: int

@@ -363,6 +363,8 @@ def test_a_task_goes_first_to_an_actor_on_the_node_holding_its_data():
     assert cs.simulate(w, items, cluster, CM, tasks).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
     elsewhere = cs.Tasks(tasks.starts, 3, data_node=np.array([9] * 6), actor_node=np.array([5, 7]))
     assert cs.simulate(w, items, cluster, CM, elsewhere).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
+    unknown = cs.Tasks(tasks.starts, 3, data_node=np.full(6, -1), actor_node=np.array([-1, 7]))
+    assert cs.simulate(w, items, cluster, CM, unknown).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
     with pytest.raises(ValueError, match="data_node"):
         cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 3, data_node=np.array([7, 7])))
 
@@ -654,6 +656,17 @@ def test_validate_dispatch_reads_where_each_tasks_data_was_where_the_run_records
     path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=at_zero, nodes=where)
     run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
     assert run["locality_from"] == "batch_data_node"
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+
+    def numbered_otherwise(rec):  # the bench numbers tasks by their first request, not hand-out
+        new = np.arange(num_tasks)[::-1]
+        rec["row_batch"] = {i: int(new[t]) for i, t in rec["row_batch"].items()}
+        for key in ("batch_arrive_s", "batch_handout_s", "batch_data_node"):
+            rec[key] = [rec[key][t] for t in new]  # new is its own inverse
+        rec["batch_handout_s"] = [40.0 + t for t in new]  # handed out in task order, as recorded
+
+    path = bench_file(tmp_path / "n.json", tokens, blocks, 8, 2, 3, [0.0] * 3, numbered_otherwise, at_zero, where)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
     assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
 
     def unrecorded(rec):
