@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -728,8 +729,12 @@ def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
     assert run["errors"]["computed_prompt_tokens"] == pytest.approx(-1 / 11, abs=1e-5)
     assert out["max_abs_error"] == pytest.approx(1 / 11, abs=1e-5)
     assert not out["within_goal"]
-    assert sim_report.dispatch_validation(path)["runs"] == out["runs"]
-    assert "skipped" in sim_report.dispatch_validation(sim_report.SCALE_BENCH.with_name("none.json"))
+    missing = sim_report.SCALE_BENCHES[0].with_name("none.json")
+    report = sim_report.dispatch_validation([path, missing])
+    assert report["files"][os.path.relpath(path)]["runs"] == out["runs"]
+    assert "skipped" in report["files"][os.path.relpath(missing)]
+    assert report["max_abs_error"] == out["max_abs_error"] and report["runs_within_goal"] == "0 of 1"
+    assert all(p.exists() for p in sim_report.SCALE_BENCHES)
     bad = json.loads(path.read_text())
     del bad["runs"]["ray_llm_arrival/4"]["repeats"][0]["block_rows"]
     path.write_text(json.dumps(bad))
