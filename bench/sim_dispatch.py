@@ -1,9 +1,9 @@
 """How requests reach the replicas, in simulated time: Ray Data's actor pool (tasks of whole
 blocks, pulled with a cap on tasks in flight, first by an actor on the node holding the data)
 or a plan's units (each replica its own, in plan order, its loose units last:
-sim_run.plan_units; with stealing, a replica that runs dry takes
-the last unstarted unit of the replica with the most predicted work left: the engines' queue
-takes the one whose prefix it computes again least, work_queue.py, which this model leaves out).
+sim_run.plan_units; with stealing, a replica that runs dry takes the last unstarted unit of the
+replica with the most predicted work left: the engines' queue takes the one whose prefix it
+computes again least, work_queue.py, which this model leaves out).
 Numba-compiled for large runs (`kernel`).
 
 Time: a replica's clock is its busy time so far, max(sum T_comp, sum T_mem) over the requests it
@@ -93,14 +93,14 @@ def _task_end(q, last, left, comp, mem, origin):
 
 def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s, nodes):
     """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks in order, each from
-    its arrival (arrive_s: when its blocks reached the stage; 0: all there at once) to the ready
-    actor with the fewest tasks in flight on the node holding its data where one there has room
-    (Ray's actor locality, on by default; nodes: (each task's data node, each actor's node), -1:
-    not known), else anywhere (ties: the lowest index), at most max_in_flight each; when no ready actor has room,
-    time moves on to the next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R] when each actor can take its first task (0: ready when
-    the data is; an engine that comes up after the data fills its room first). An actor's clock
-    starts at its ready time, and one that ran dry waiting for data resumes at the arrival.
-    Returns per task its actor and the time it ended."""
+    its arrival (arrive_s; 0: all there at once) to the ready actor with the fewest tasks in
+    flight on the node holding its data where one there has room (Ray's actor locality, on by
+    default; nodes: (each task's data node, each actor's node), -1: not known), else anywhere
+    (ties: the lowest index), at most max_in_flight each; when no ready actor has room, time
+    moves on to the next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R]
+    when each actor can take its first task (0: ready when the data is; an engine that comes up
+    after the data fills its room first). An actor's clock starts at its ready time; one that
+    ran dry waiting for data resumes at the arrival. Returns per task its actor and its end."""
     R = cfg[0]
     left, comp, mem = out[2], out[3], out[4]
     n = len(task_starts) - 1

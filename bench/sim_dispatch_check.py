@@ -31,9 +31,10 @@ one there has room, else to the least busy actor up (Ray 2.60's select_actors, w
 locality Ray Data turns on by default): where the sorted data is ready before the engines come
 up one by one, as on the bench's cluster, it predicts that the first engine up fills its 16 task
 slots first, one contiguous quarter of the sorted rows per engine, and a run whose data arrives
-after every engine is up is dealt by where its blocks are, else round robin. Ray's executor takes 13-17 ms a task on the bench's machine and sees engines come up
-only between its scheduling steps, so engines up within a step share tasks in alternating runs
-(measured: jobs/README.md)."""
+after every engine is up is dealt by where its blocks are, else round robin. Ray's executor
+takes 13-17 ms a task on the bench's machine and sees engines come up only between its
+scheduling steps, so engines up within a step share tasks in alternating runs (measured:
+jobs/README.md)."""
 
 from __future__ import annotations
 

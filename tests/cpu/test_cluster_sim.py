@@ -498,7 +498,8 @@ def bench_file(
     clock: here the model's total busy time with every engine ready at once is 1/7 of the run's);
     tweak(record) edits the measurement; arrive_s: when each task reached the engines (model
     seconds; recorded with each task's rows and hand-out, as the driver's log gives them);
-    nodes: (each task's data node, each engine's node), names, recorded with arrive_s."""
+    nodes: (each task's data node, each engine's node in engine order), names, recorded with
+    arrive_s."""
     rng = np.random.default_rng(2)
     caps = rng.integers(8, 40, len(tokens))
     decided = rng.integers(1, caps + 1)
@@ -519,7 +520,7 @@ def bench_file(
     def replay(ready, arrive=None):
         tasks = cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready, arrive_s=arrive)
         if nodes is not None:
-            number = {name: i for i, name in enumerate(sorted(set(nodes[1])))}
+            number = {name: engine for engine, name in enumerate(nodes[1])}
             data_node = np.array([number.get(name, -1) for name in nodes[0]])
             tasks = cs.Tasks(tasks.starts, in_flight, ready, arrive, data_node, np.arange(replicas))
         return cs.simulate(w, items, cluster, bench_cost_model(data, path), tasks)
@@ -551,7 +552,7 @@ def bench_file(
         rec["batch_arrive_s"] = (40.0 + np.array(arrive_s) * seconds).tolist()
         rec["batch_handout_s"] = rec["batch_arrive_s"]  # in the same order (the model does not read it)
         if nodes is not None:
-            rec["batch_data_node"], rec["nodes"] = list(nodes[0]), sorted(set(nodes[1]))
+            rec["batch_data_node"], rec["nodes"] = list(nodes[0]), list(nodes[1])
     (tweak or (lambda r: None))(rec)
     data["runs"] = {
         f"ray_llm_arrival/{replicas}": {"repeats": [rec]},
