@@ -41,9 +41,10 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -147,6 +148,16 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
             "peak_flops": cm.hardware.peak_flops,
             "mem_bandwidth": cm.hardware.mem_bandwidth,
         },
+    }
+
+
+def validate_files(paths: Sequence[Path]) -> dict[str, Any]:
+    """validate_dispatch on each file (by its path relative to here) and the goal held over all
+    their runs (goal_summary)."""
+    files = {os.path.relpath(path): validate_dispatch(Path(path)) for path in paths}
+    return {
+        **goal_summary([run["errors"] for report in files.values() for run in report["runs"].values()]),
+        "files": files,
     }
 
 
@@ -398,14 +409,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         print(f"wrote {out}")
-    errors = []
-    for path in args.scale_bench:
-        report = validate_dispatch(Path(path))
+    held = validate_files([Path(p) for p in args.scale_bench])
+    for path, report in held["files"].items():
         for key, run in report["runs"].items():
             print(path, key, json.dumps({k: run[k] for k in ("ready_s", "errors", "busy_share_error")}))
-            errors.append(run["errors"])
         print(f"{path}: max_abs_error {report['max_abs_error']} (goal {report['goal']})")
-    held = goal_summary(errors)
     print(
         f"runs within the goal: {held['runs_within_goal']}; in rows per engine: {held['rows_per_engine_within_goal']}"
     )
