@@ -291,6 +291,12 @@ def _ray_record(
         if r["batch_uuid"] not in batches:
             batches[r["batch_uuid"]] = len(batches)
             began.append(r["arrival_time"] - t0)
+    # ... and when its last row finished: the task's end as its engine ran it (Ray frees the
+    # actor's slot once the stage has returned the rows), what the dispatch model predicts
+    finished = [0.0] * len(batches)
+    for r in rows:
+        b = batches[r["batch_uuid"]]
+        finished[b] = max(finished[b], r["finished_at"] - t0)
     startup = _ray_startup(engines, t0)
     return {
         "system": system,
@@ -320,6 +326,7 @@ def _ray_record(
         # When each task began on its engine (see began): the engines' first tasks show
         # how fast the sorted blocks came in, the others when the engine made room for them.
         "batch_first_request_s": began,
+        "batch_finished_s": finished,
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
         "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},
     }
@@ -344,6 +351,7 @@ def task_handouts(
         "batch_handout_s": None,
         "batch_arrive_s": None,
         "batch_data_node": None,
+        "batch_data_nodes": None,
     }
     if any(r.get("actor_id") is None or r.get("task_started_at") is None for r in rows):
         return unmatched  # a run recorded before these fields
@@ -356,6 +364,7 @@ def task_handouts(
     handout: list[float | None] = [None] * len(started)
     arrive: list[float | None] = [None] * len(started)
     data_node: list[str | None] = [None] * len(started)  # the node holding most of its blocks' bytes
+    data_nodes: list[list[str] | None] = [None] * len(started)  # every node holding some, by bytes
     matched = sum(len(v) for v in by_actor.values()) == len(handed_out)
     for actor, tasks in by_actor.items():
         given = sorted((e for e in handed_out if e["actor"] == actor), key=lambda e: e["at"])
@@ -365,17 +374,26 @@ def task_handouts(
         for (_, task), e in pairs:
             handout[task] = e["at"] - t0
             arrive[task] = None if e["arrived_at"] is None else e["arrived_at"] - t0
-            data_node[task] = e.get("data_node")
+            nodes = e.get("data_nodes")
+            data_node[task], data_nodes[task] = (nodes[0] if nodes else None), nodes
     return (
         {
             "dispatch_log_matched": True,
             "batch_handout_s": handout,
             "batch_arrive_s": arrive,
             "batch_data_node": data_node,
+            "batch_data_nodes": data_nodes,
         }
         if matched
         else unmatched
     )
+
+
+def locality_order(where: dict[str, int]) -> list[str]:
+    """The nodes holding a task's blocks (node -> bytes) in the order Ray Data 2.60's actor
+    locality visits them for an actor with room (`_ActorPool._find_actor_with_locality`): most
+    bytes first, ties by node id."""
+    return sorted(where, key=lambda node: (-where[node], node))
 
 
 @contextmanager
@@ -411,7 +429,7 @@ def record_dispatch(stage: str = "vLLMEngineStage") -> Iterator[list[dict[str, A
                     "rows": inputs.num_rows(),
                     # None: a block that no operator's output queue stamped
                     "arrived_at": max(stamps) if len(stamps) == len(inputs.blocks) else None,
-                    "data_node": max(where, key=where.get) if where else None,
+                    "data_nodes": locality_order(where),
                 }
             )
         submit(self, gen, inputs, task_done_callback)

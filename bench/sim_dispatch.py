@@ -35,7 +35,7 @@ from prefixflow.bench.sim_items import OWNER
 # test suite runs vLLM in the same process as the small cases. Small runs, and every run without
 # numba, use the same functions as plain Python.
 NUMBA_MIN_ITEMS = 100_000
-KERNELS = ("_run_range", "_task_end", "_dispatch_tasks", "_dispatch_units")
+KERNELS = ("_run_range", "_task_end", "_pick_actor", "_dispatch_tasks", "_dispatch_units")
 _COMPILED: list[bool] = []
 
 
@@ -91,12 +91,30 @@ def _task_end(q, last, left, comp, mem, origin):
     return origin[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
 
 
+def _pick_actor(data_nodes, actor_node, ready_s, inflight, max_in_flight, now):
+    """The actor a task goes to now (-1: none up has room): the least busy up with room on the
+    first of its data_nodes (most bytes first, -1: none) that has one, else anywhere."""
+    r = -1
+    for j in range(len(data_nodes) + 1):
+        node = data_nodes[j] if j < len(data_nodes) else -1
+        if j < len(data_nodes) and node < 0:
+            continue
+        for q in range(len(actor_node)):
+            if (node < 0 or actor_node[q] == node) and ready_s[q] <= now and inflight[q] < max_in_flight:
+                if r < 0 or inflight[q] < inflight[r]:
+                    r = q
+        if r >= 0:
+            return r
+    return r
+
+
 def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s, nodes):
     """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks in order, each from
     its arrival (arrive_s; 0: all there at once) to the ready actor with the fewest tasks in
-    flight on the node holding its data where one there has room (Ray's actor locality, on by
-    default; nodes: (each task's data node, each actor's node), -1: not known), else anywhere
-    (ties: the lowest index), at most max_in_flight each; when no ready actor has room, time
+    flight on the first node holding its data where one there has room (Ray's actor locality, on
+    by default; nodes: ([num_tasks, K] the nodes holding each task's data, most bytes first, and
+    [R] each actor's node), -1: none or not known), else anywhere (ties: the lowest index), at
+    most max_in_flight each; when no ready actor has room, time
     moves on to the next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R]
     when each actor can take its first task (0: ready when the data is; an engine that comes up
     after the data fills its room first). An actor's clock starts at its ready time; one that
@@ -126,15 +144,7 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
                     inflight[q] -= 1
             if t == n:
                 return actor, finish
-            r = -1
-            for local in (True, False):  # first the actors on the node holding its data
-                for q in range(R):
-                    here = nodes[0][t] >= 0 and nodes[1][q] == nodes[0][t]
-                    if (here or not local) and ready_s[q] <= now and inflight[q] < max_in_flight:
-                        if r < 0 or inflight[q] < inflight[r]:
-                            r = q
-                if r >= 0:
-                    break
+            r = _pick_actor(nodes[0][t], nodes[1], ready_s, inflight, max_in_flight, now)
             if r >= 0:
                 break
             nxt = np.inf

@@ -22,12 +22,13 @@ engine's ready time (startup.engine_ready_s: the actor's constructor done, when 
 a task; files before it: its first request, which comes 0.2-1.4 s later, and not always in the
 same order), less the earliest; the data, all there at 0, or where the run records them its
 tasks as Ray handed them out, each from when its blocks reached the engine stage, and where it
-records them the node that held each task's blocks and each engine's node. Times enter
+records them the nodes that held each task's blocks (by bytes; the first only in runs before
+batch_data_nodes) and each engine's node. Times enter
 the model's clock scaled by its total busy time over the measured one (the cost model's seconds
 are a GPU-like engine's, the bench's are 4 engines sharing 2 cores). The model decides which
 task each actor gets, so row placement, computed tokens and busy shares are its predictions.
-It hands tasks out at once, each to the least busy actor up on the node holding its data if
-one there has room, else to the least busy actor up (Ray 2.60's select_actors, with the actor
+It hands tasks out at once, each to the least busy actor up on the first node holding its data
+where one there has room, else to the least busy actor up (Ray 2.60's select_actors, with the actor
 locality Ray Data turns on by default): where the sorted data is ready before the engines come
 up one by one, as on the bench's cluster, it predicts that the first engine up fills its 16 task
 slots first, one contiguous quarter of the sorted rows per engine, and a run whose data arrives
@@ -60,10 +61,12 @@ GOAL = 0.05
 # memory time; the bench should record its own ("hardware_profile").
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
 # What validate_dispatch reads of a Ray run's record (module doc), when each task began on its
-# engine (batch_first_request_s: recorded since commit 262c84a, not read by the model), when Ray
+# engine and when its last row finished there (batch_first_request_s: recorded since commit
+# 262c84a; batch_finished_s, since batch_data_nodes: neither read by the model), when Ray
 # handed it out (batch_handout_s: the driver's log, not read by the model) and where its data
-# was (batch_data_node, the log's too, and `nodes`: each engine's; read for Ray's actor
-# locality); `extract` keeps only these.
+# was (batch_data_nodes, every node holding some by bytes, or batch_data_node, the first: the
+# log's too, and `nodes`: each engine's; read for Ray's actor locality); `extract` keeps only
+# these.
 RUN_FIELDS = (
     "system",
     "replicas",
@@ -83,9 +86,11 @@ RUN_FIELDS = (
     "block_row_ids",
     "row_batch",
     "batch_first_request_s",
+    "batch_finished_s",
     "batch_handout_s",
     "batch_arrive_s",
     "batch_data_node",
+    "batch_data_nodes",
     "nodes",
 )
 
@@ -140,9 +145,12 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
         for k, rec in enumerate(cell.get("repeats", [])):
             if str(rec.get("system", key)).startswith("ray_llm"):
                 runs[f"{key}#{k}"] = replay_run(w, rows, tokens, rec, block_size, cm, f"{path}: runs[{key}][{k}]")
+    cells = cell_errors(runs)
     return {
         "runs": runs,
         **goal_summary([r["errors"] for r in runs.values()]),
+        "cells": cells,
+        **cell_goal(list(cells.values())),
         "cost_model": {
             "hardware": cm.hardware.name,
             "peak_flops": cm.hardware.peak_flops,
@@ -157,6 +165,7 @@ def validate_files(paths: Sequence[Path]) -> dict[str, Any]:
     files = {os.path.relpath(path): validate_dispatch(Path(path)) for path in paths}
     return {
         **goal_summary([run["errors"] for report in files.values() for run in report["runs"].values()]),
+        **cell_goal([cell for report in files.values() for cell in report["cells"].values()]),
         "files": files,
     }
 
@@ -180,6 +189,49 @@ def goal_summary(errors: list[dict[str, float]], goal: float = GOAL) -> dict[str
         "within_goal": worst is not None and worst <= goal,
         "runs_within_goal": f"{sum(e <= goal for e in per_run)} of {len(per_run)}",
         "rows_per_engine_within_goal": f"{sum(e <= goal for e in rows)} of {len(rows)}",
+    }
+
+
+def cell_errors(runs: dict[str, Any]) -> dict[str, Any]:
+    """Each cell's replayed runs (keys "cell#k") taken together, as the bench reports a cell: the
+    medians over its repeats, predicted and measured, of the rows per engine ranked from the most
+    (which engine is which is not comparable between runs: each numbers its engines as they come
+    up, on other nodes) and of the computed prompt tokens; their errors, and the measured spread
+    (the most one rank's rows differ between repeats, over the mean), which is how far Ray's own
+    runs of one cell are from each other: the noise no replay of a run's recorded inputs can
+    follow (which engine ends a task first, on the bench's shared cores)."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for key, run in runs.items():
+        grouped.setdefault(key.rsplit("#", 1)[0], []).append(run)
+    cells = {}
+    for cell, reps in grouped.items():
+        ranked = {
+            side: np.array([sorted(r[side]["rows_per_engine"], reverse=True) for r in reps], float)
+            for side in ("predicted", "measured")
+        }
+        tokens = {side: float(np.median([r[side]["computed_prompt_tokens"] for r in reps])) for side in ranked}
+        pred, meas = np.median(ranked["predicted"], 0), np.median(ranked["measured"], 0)
+        mean = ranked["measured"].mean()
+        cells[cell] = {
+            "repeats": len(reps),
+            "predicted": {"rows_per_engine": pred.tolist(), "computed_prompt_tokens": tokens["predicted"]},
+            "measured": {"rows_per_engine": meas.tolist(), "computed_prompt_tokens": tokens["measured"]},
+            "measured_spread": round(float(np.ptp(ranked["measured"], 0).max() / mean), 5),
+            "errors": {
+                "rows_per_engine": round(float(np.abs(pred - meas).max() / mean), 5),
+                "computed_prompt_tokens": round(tokens["predicted"] / tokens["measured"] - 1, 5),
+            },
+        }
+    return cells
+
+
+def cell_goal(cells: list[dict[str, Any]], goal: float = GOAL) -> dict[str, Any]:
+    """The goal held over cells (cell_errors): the worst cell's error and how many cells are
+    within the goal in both of their errors."""
+    per_cell = [worst_error(c["errors"]) for c in cells]
+    return {
+        "max_abs_cell_error": max(per_cell, default=None),
+        "cells_within_goal": f"{sum(e <= goal for e in per_cell)} of {len(per_cell)}",
     }
 
 
@@ -303,22 +355,31 @@ def _arrived_tasks(
     return rows, starts, np.asarray(arrive, float)[rank], rank
 
 
+def _locality_field(rec: dict[str, Any]) -> str:
+    """Where a run records the nodes holding each task's blocks: all of them, most bytes first
+    (batch_data_nodes), or in runs before that field the first only (batch_data_node)."""
+    return "batch_data_nodes" if rec.get("batch_data_nodes") is not None else "batch_data_node"
+
+
 def _data_nodes(
     rec: dict[str, Any], rank: np.ndarray, R: int, where: str
 ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
-    """Tasks' data_node (per task in hand-out order, the node that held most of its blocks' bytes
-    when Ray handed it out: batch_data_node) and actor_node (each engine's: `nodes`), numbered,
-    which Ray's actor locality reads; None where the run does not record them."""
-    data_node, nodes = rec.get("batch_data_node"), rec.get("nodes")
-    if data_node is None or nodes is None:
+    """Tasks' data_node ([num_tasks, K] in hand-out order: the nodes that held each one's blocks
+    when Ray handed it out, most bytes first, -1 after the last; _locality_field) and actor_node
+    (each engine's: `nodes`), numbered, which Ray's actor locality reads; None where the run does
+    not record them."""
+    field, nodes = _locality_field(rec), rec.get("nodes")
+    if rec.get(field) is None or nodes is None:
         return None, None
-    if len(data_node) != len(rank) or len(nodes) > R:
-        raise ValueError(f"{where}: batch_data_node must give each task its node, and nodes each engine's")
-    number = {node: i for i, node in enumerate(dict.fromkeys(n for n in [*nodes, *data_node] if n is not None))}
-    return (
-        np.asarray([number.get(data_node[t], -1) for t in rank], np.int64),
-        np.asarray([number.get(n, -1) for n in nodes] + [-1] * (R - len(nodes)), np.int64),
-    )
+    listed = [[] if ns is None else [ns] if field == "batch_data_node" else ns for ns in rec[field]]
+    if len(listed) != len(rank) or len(nodes) > R:
+        raise ValueError(f"{where}: {field} must give each task its nodes, and nodes each engine's")
+    known = (n for n in [*nodes, *(n for ns in listed for n in ns)] if n is not None)
+    number = {node: i for i, node in enumerate(dict.fromkeys(known))}
+    data_node = np.full((len(rank), max([1, *map(len, listed)])), -1, np.int64)
+    for i, t in enumerate(rank):
+        data_node[i, : len(listed[t])] = [number[n] for n in listed[t]]
+    return data_node, np.asarray([number.get(n, -1) for n in nodes] + [-1] * (R - len(nodes)), np.int64)
 
 
 def replay_run(
@@ -369,7 +430,7 @@ def replay_run(
         "ready_s": [round(float(t), 2) if np.isfinite(t) else None for t in up - up.min()],
         "ready_from": ready_from,
         "tasks_from": "blocks, all at 0" if arrived is None else "batch_arrive_s",
-        "locality_from": "batch_data_node" if tasks.data_node is not None else None,
+        "locality_from": _locality_field(rec) if tasks.data_node is not None else None,
         "clock_scale": round(clock_scale, 6),
         "num_tasks": int(len(run.grain_replica)),
         "row_engine_agreement": round(agree, 4),
@@ -414,9 +475,13 @@ def main(argv: list[str] | None = None) -> None:
         for key, run in report["runs"].items():
             print(path, key, json.dumps({k: run[k] for k in ("ready_s", "errors", "busy_share_error")}))
         print(f"{path}: max_abs_error {report['max_abs_error']} (goal {report['goal']})")
+    for path, report in held["files"].items():
+        for key, cell in report["cells"].items():
+            print(path, key, json.dumps({k: cell[k] for k in ("repeats", "errors", "measured_spread")}))
     print(
         f"runs within the goal: {held['runs_within_goal']}; in rows per engine: {held['rows_per_engine_within_goal']}"
     )
+    print(f"cells within the goal (medians of their repeats): {held['cells_within_goal']}")
 
 
 if __name__ == "__main__":

@@ -114,11 +114,11 @@ class Tasks:
     """Ray Data's dispatch of a stream: starts [num_tasks + 1] item boundaries of its tasks;
     ready_s: [num_replicas] when each engine actor takes its first task (None: every actor ready
     at 0); arrive_s: [num_tasks] when each task's blocks reach the engine stage (None: all at 0,
-    the data ready before the engines); data_node: [num_tasks] the node holding most of each
-    task's blocks' bytes and actor_node: [num_replicas] each actor's node (node numbers, -1: not
-    known; None: all -1): an actor up with room on a task's data node takes it first (Ray Data's
-    actor locality, on by default; Ray then tries the other nodes holding some of its blocks, by
-    bytes, which this leaves out: the bench's log records the first)."""
+    the data ready before the engines); data_node: [num_tasks, K] the nodes holding each task's
+    blocks, most bytes first (-1 after the last; [num_tasks]: one each, the node holding most)
+    and actor_node: [num_replicas] each actor's node (node numbers, -1: not known; None: all
+    -1): an actor up with room on the first of a task's data nodes that has one takes it (Ray
+    Data's actor locality, on by default), else the least busy actor up anywhere."""
 
     starts: np.ndarray
     max_in_flight: int
@@ -221,7 +221,7 @@ def simulate(
             ready = _times(how.ready_s, R, "ready_s", "actors")
             arrive = _times(how.arrive_s, len(how.starts) - 1, "arrive_s", "tasks")
             nodes = (
-                _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks"),
+                _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks", per_item=2),
                 _nodes(how.actor_node, R, "actor_node", "actors"),
             )
             grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready, arrive, nodes)
@@ -243,10 +243,13 @@ def _times(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray
     return times
 
 
-def _nodes(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray:
-    """A Tasks node field as the kernel takes it: [n] node numbers >= 0, or -1 (None: all -1)."""
+def _nodes(given: np.ndarray | None, n: int, name: str, what: str, per_item: int = 1) -> np.ndarray:
+    """A Tasks node field as the kernel takes it: [n] node numbers >= 0, or -1 (None: all -1);
+    per_item=2: [n, K], K nodes each in order ([n] given: one each)."""
     nodes = np.full(n, -1, np.int64) if given is None else np.asarray(given, np.int64)
-    if nodes.shape != (n,) or not np.all(nodes >= -1):
+    if per_item == 2 and nodes.ndim == 1:
+        nodes = nodes[:, None]
+    if nodes.ndim != per_item or len(nodes) != n or not np.all(nodes >= -1):
         raise ValueError(f"simulate: Tasks.{name} must give each of the {n} {what} a node number, or -1")
     return nodes
 

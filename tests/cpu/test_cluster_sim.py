@@ -17,7 +17,7 @@ import pytest
 
 from prefixflow.bench import cluster_sim as cs
 from prefixflow.bench import sim_items, sim_report, sim_run
-from prefixflow.bench.sim_dispatch_check import bench_cost_model
+from prefixflow.bench.sim_dispatch_check import bench_cost_model, cell_errors, cell_goal
 from prefixflow.bench.sim_workloads import families
 from prefixflow.pipeline import build_plan
 from prefixflow.pipeline.cost_model import CostModel
@@ -370,6 +370,25 @@ def test_a_task_goes_first_to_an_actor_on_the_node_holding_its_data():
         cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 3, data_node=np.array([7, 7])))
 
 
+def test_a_task_whose_first_data_node_is_full_tries_the_next_node_holding_its_data():
+    """Ray visits the nodes holding a task's blocks by bytes before the least busy anywhere:
+    three actors on nodes 5, 7 and 9, 3 tasks each in flight, every task's data mostly on 7 and
+    the rest on 9. Node 7's actor takes 3, then node 9's 3 (though node 5's holds none), then
+    node 5's. Told only the first node, the tasks after node 7's 3 go to the least busy."""
+    w = cs.workload_from_tokens(distinct_prompts([100] * 18), 16)
+    items, cluster = cs.plain_items(w, np.arange(18)), cs.Cluster(3, 1 << 20)
+    tasks = cs.ray_tasks(18, cs.RayData(9, 2, 3), 3)
+    actors = np.array([5, 7, 9])
+    both = cs.Tasks(tasks.starts, 3, data_node=np.array([[7, 9]] * 9), actor_node=actors)
+    assert cs.simulate(w, items, cluster, CM, both).grain_replica.tolist() == [1, 1, 1, 2, 2, 2, 0, 0, 0]
+    first = cs.Tasks(tasks.starts, 3, data_node=np.full(9, 7), actor_node=actors)
+    assert cs.simulate(w, items, cluster, CM, first).grain_replica.tolist() == [1, 1, 1, 0, 2, 0, 2, 0, 2]
+    padded = cs.Tasks(tasks.starts, 3, data_node=np.array([[7, -1]] * 9), actor_node=actors)
+    assert cs.simulate(w, items, cluster, CM, padded).grain_replica.tolist() == [1, 1, 1, 0, 2, 0, 2, 0, 2]
+    with pytest.raises(ValueError, match="data_node"):
+        cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 3, data_node=np.full((9, 2, 1), 7)))
+
+
 # ---- plan units and stealing -------------------------------------------------------------------
 
 
@@ -498,8 +517,8 @@ def bench_file(
     clock: here the model's total busy time with every engine ready at once is 1/7 of the run's);
     tweak(record) edits the measurement; arrive_s: when each task reached the engines (model
     seconds; recorded with each task's rows and hand-out, as the driver's log gives them);
-    nodes: (each task's data node, each engine's node in engine order), names, recorded with
-    arrive_s."""
+    nodes: (each task's data node, or list of them by bytes, each engine's node in engine
+    order), names, recorded with arrive_s."""
     rng = np.random.default_rng(2)
     caps = rng.integers(8, 40, len(tokens))
     decided = rng.integers(1, caps + 1)
@@ -521,7 +540,10 @@ def bench_file(
         tasks = cs.ray_tasks(len(tokens), ray, replicas, np.array(block_rows), ready_s=ready, arrive_s=arrive)
         if nodes is not None:
             number = {name: engine for engine, name in enumerate(nodes[1])}
-            data_node = np.array([number.get(name, -1) for name in nodes[0]])
+            listed = [names if isinstance(names, list) else [names] for names in nodes[0]]
+            data_node = np.full((len(listed), max(map(len, listed))), -1)
+            for t, names in enumerate(listed):
+                data_node[t, : len(names)] = [number.get(name, -1) for name in names]
             tasks = cs.Tasks(tasks.starts, in_flight, ready, arrive, data_node, np.arange(replicas))
         return cs.simulate(w, items, cluster, bench_cost_model(data, path), tasks)
 
@@ -551,7 +573,11 @@ def bench_file(
         }
         rec["batch_arrive_s"] = (40.0 + np.array(arrive_s) * seconds).tolist()
         rec["batch_handout_s"] = rec["batch_arrive_s"]  # in the same order (the model does not read it)
-        if nodes is not None:
+        if nodes is not None and any(isinstance(names, list) for names in nodes[0]):
+            rec["batch_data_nodes"] = list(nodes[0])
+            rec["batch_data_node"] = [names[0] if names else None for names in nodes[0]]
+            rec["nodes"] = list(nodes[1])
+        elif nodes is not None:
             rec["batch_data_node"], rec["nodes"] = list(nodes[0]), list(nodes[1])
     (tweak or (lambda r: None))(rec)
     data["runs"] = {
@@ -679,6 +705,30 @@ def test_validate_dispatch_reads_where_each_tasks_data_was_where_the_run_records
     assert run["locality_from"] is None and run["errors"]["placement"] > 0.05
 
 
+def test_validate_dispatch_reads_every_node_holding_a_tasks_data_where_the_run_records_them(tmp_path):
+    """A run that records all the nodes holding each task's blocks, most bytes first
+    (batch_data_nodes): replayed from them, every error is zero; from the first of each alone
+    (what runs before that field record), a task whose first node's engine is full goes to the
+    least busy engine instead of to the next node's (the 4th: to c's, idle, not b's, holding
+    one), and rows land elsewhere."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
+    where = ([["a"], ["a"], ["b"], ["a", "b"], [], ["c", "a"]] * num_tasks)[:num_tasks], ["a", "b", "c"]
+    at_zero = np.zeros(num_tasks)
+    path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=at_zero, nodes=where)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["locality_from"] == "batch_data_nodes"
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+
+    def first_only(rec):
+        del rec["batch_data_nodes"]
+
+    path = bench_file(tmp_path / "f.json", tokens, blocks, 8, 2, 3, [0.0] * 3, first_only, at_zero, where)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["locality_from"] == "batch_data_node" and run["errors"]["placement"] > 0.05
+
+
 def test_validate_dispatch_replays_an_engine_that_ran_no_row_as_never_up(tmp_path):
     """The bench records start-up times only for engines that ran rows (the others last, with 0
     rows): such an engine is never up in the replay, and the errors stay zero."""
@@ -703,12 +753,44 @@ def test_the_dispatch_check_reads_several_files_and_extracts_one(tmp_path, capsy
     num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
     b = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=np.arange(num_tasks) * 0.5)
     main([str(a), str(b)])
-    assert capsys.readouterr().out.splitlines()[-1] == "runs within the goal: 2 of 2; in rows per engine: 2 of 2"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [
+        "runs within the goal: 2 of 2; in rows per engine: 2 of 2",
+        "cells within the goal (medians of their repeats): 2 of 2",
+    ]
     with pytest.raises(SystemExit):
         main([str(a), str(b), "--extract", str(tmp_path / "x.json.gz")])
     main([str(b), "--extract", str(tmp_path / "x.json.gz")])
     (run,) = load_bench(tmp_path / "x.json.gz")["runs"]["ray_llm_arrival/3"]["repeats"]
     assert len(run["batch_arrive_s"]) == num_tasks
+
+
+def test_a_cell_is_judged_on_the_medians_of_its_repeats_with_engines_ranked():
+    """Three repeats of one cell, each run off by 4-8 of 64 rows (one with its engines the other
+    way round), whose ranked medians agree exactly; Ray's own repeats differ by 8 rows in each
+    rank (spread 8 / 64); a one-run cell 6 rows off (6 / 64) is the one outside the goal."""
+
+    def run(pred, meas, pred_tokens=100, meas_tokens=100):
+        return {
+            "predicted": {"rows_per_engine": pred, "computed_prompt_tokens": pred_tokens},
+            "measured": {"rows_per_engine": meas, "computed_prompt_tokens": meas_tokens},
+        }
+
+    cells = cell_errors(
+        {
+            "c/2#0": run([60, 68], [64, 64]),
+            "c/2#1": run([64, 64], [72, 56], meas_tokens=110),
+            "c/2#2": run([68, 60], [60, 68], meas_tokens=90),
+            "d/2#0": run([70, 58], [64, 64], 102),
+        }
+    )
+    assert list(cells) == ["c/2", "d/2"] and cells["c/2"]["repeats"] == 3
+    assert cells["c/2"]["predicted"]["rows_per_engine"] == cells["c/2"]["measured"]["rows_per_engine"] == [68, 60]
+    assert cells["c/2"]["errors"] == {"rows_per_engine": 0.0, "computed_prompt_tokens": 0.0}
+    assert cells["c/2"]["measured_spread"] == 0.125
+    assert cells["d/2"]["errors"] == {"rows_per_engine": 0.09375, "computed_prompt_tokens": 0.02}
+    assert cells["d/2"]["measured_spread"] == 0.0
+    assert cell_goal(list(cells.values())) == {"max_abs_cell_error": 0.09375, "cells_within_goal": "1 of 2"}
 
 
 def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
@@ -735,6 +817,7 @@ def test_validate_dispatch_on_a_hand_checkable_case(tmp_path):
     assert report["files"][os.path.relpath(path)]["runs"] == out["runs"]
     assert "skipped" in report["files"][os.path.relpath(missing)]
     assert report["max_abs_error"] == out["max_abs_error"] and report["runs_within_goal"] == "0 of 1"
+    assert report["cells_within_goal"] == "0 of 1" and out["cells"]["ray_llm_arrival/4"]["measured_spread"] == 0.0
     assert all(p.exists() for p in sim_report.SCALE_BENCHES)
     bad = json.loads(path.read_text())
     del bad["runs"]["ray_llm_arrival/4"]["repeats"][0]["block_rows"]

@@ -10,7 +10,7 @@ import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_merge import merge, read_file_arg
-from prefixflow.bench.scale_systems import _ray_record, record_dispatch, task_handouts
+from prefixflow.bench.scale_systems import _ray_record, locality_order, record_dispatch, task_handouts
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 from prefixflow.bench.sim_dispatch_check import extract
 
@@ -93,11 +93,13 @@ def test_a_ray_run_records_when_each_task_began_on_its_engine_and_the_extract_ke
     rec = _ray_record("ray_llm_sorted_default", 2, rows, config, {}, 2, 64, t0=100.0)
     assert rec["row_batch"] == {0: 0, 1: 0, 2: 1, 3: 2} and rec["batch_rows"] == [2, 1, 1]
     assert rec["batch_first_request_s"] == pytest.approx([1.0, 1.5, 3.0])
+    assert rec["batch_finished_s"] == pytest.approx([6.2, 6.5, 8.0])  # each task's last row, 5 s after it came
     assert rec["row_engine"] == {0: 0, 1: 0, 2: 1, 3: 0} and rec["rows_per_engine"] == [3, 1]
     rec["workload"] = "model_decided"
     kept = extract({"runs": {"ray_llm_sorted_default/model_decided/2": {"repeats": [rec]}}})
     (only,) = kept["runs"]["ray_llm_sorted_default/model_decided/2"]["repeats"]
     assert only["batch_first_request_s"] == rec["batch_first_request_s"] and "outputs" not in only
+    assert only["batch_finished_s"] == rec["batch_finished_s"]
 
 
 def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_its_actor():
@@ -111,14 +113,15 @@ def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_
     rows = [row(0, "A", 103.0), row(1, "A", 103.0), row(2, "A", 101.5), row(3, "A", 101.5), row(4, "B", 101.2)]
     row_batch = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
     log = [
-        {"at": 101.0, "actor": "A", "rows": 2, "arrived_at": 100.5, "data_node": "n1"},
-        {"at": 101.1, "actor": "B", "rows": 1, "arrived_at": 100.4, "data_node": "n2"},
-        {"at": 102.0, "actor": "A", "rows": 2, "arrived_at": 101.5, "data_node": "n2"},
+        {"at": 101.0, "actor": "A", "rows": 2, "arrived_at": 100.5, "data_nodes": ["n1", "n2"]},
+        {"at": 101.1, "actor": "B", "rows": 1, "arrived_at": 100.4, "data_nodes": ["n2"]},
+        {"at": 102.0, "actor": "A", "rows": 2, "arrived_at": 101.5, "data_nodes": ["n2", "n3", "n1"]},
     ]
     got = task_handouts(rows, row_batch, [2, 2, 1], log, t0=100.0)
     assert got["dispatch_log_matched"]
     assert got["batch_handout_s"] == pytest.approx([2.0, 1.0, 1.1])
     assert got["batch_arrive_s"] == pytest.approx([1.5, 0.5, 0.4]) and got["batch_data_node"] == ["n2", "n1", "n2"]
+    assert got["batch_data_nodes"] == [["n2", "n3", "n1"], ["n1", "n2"], ["n2"]]
     # A log that does not fit the tasks (a hand-out missing, or of other sizes) is not used,
     # ... nor one that hands a task out after it started (two tasks on one actor swapped)
     for bad in (log[:2], [{**e, "rows": 3} for e in log], [{**log[0], "at": 101.8}, *log[1:]]):
@@ -127,12 +130,19 @@ def test_each_ray_task_is_matched_to_its_hand_out_by_the_order_tasks_started_on_
             "batch_handout_s": None,
             "batch_arrive_s": None,
             "batch_data_node": None,
+            "batch_data_nodes": None,
         }
     assert not task_handouts([{**r, "actor_id": None} for r in rows], row_batch, [2, 2, 1], log, 100.0)[
         "dispatch_log_matched"
     ]
     kept = extract({"runs": {"k": {"repeats": [{"system": "ray_llm_sorted_ours", **got}]}}})
     assert kept["runs"]["k"]["repeats"][0]["batch_arrive_s"] == got["batch_arrive_s"]
+
+
+def test_a_tasks_data_nodes_are_logged_in_the_order_rays_actor_locality_visits_them():
+    """Most bytes first, ties by node id (Ray Data 2.60's _find_actor_with_locality), the order
+    in which an actor with room is looked for before the least busy anywhere."""
+    assert locality_order({"b": 10, "a": 10, "c": 30}) == ["c", "a", "b"] and locality_order({}) == []
 
 
 def test_the_ray_data_methods_the_dispatch_log_wraps_take_what_it_passes():
