@@ -315,20 +315,24 @@ def _engines_up(rec: dict[str, Any], R: int, where: str) -> tuple[np.ndarray, st
 
 def _replay_tasks(
     rec: dict[str, Any], row_block: dict[int, int], tokens: list[list[int]], R: int, where: str
-) -> tuple[np.ndarray, Tasks, np.ndarray | None]:
-    """The rows in dispatch order, the run's tasks over them (without times) and each task's
+) -> tuple[np.ndarray, Tasks, np.ndarray | None, np.ndarray | None]:
+    """The rows in dispatch order, the run's tasks over them (without times), each task's
     arrival at the engine stage in seconds of the run (None where the run does not record them:
-    the blocks, bundled as Ray does, all there at 0)."""
+    the blocks, bundled as Ray does, all there at 0) and when its last row finished
+    (batch_finished_s; None where not recorded)."""
     order, block_rows = _dispatch_order(rec, row_block, tokens, where)
     ray = RayData(
         len(block_rows), int(_field(rec, "batch_size", where)), int(_field(rec, "max_tasks_in_flight_per_actor", where))
     )
     arrived = _arrived_tasks(rec, order, where)
     if arrived is None:
-        return order, ray_tasks(len(order), ray, R, block_rows), None
+        return order, ray_tasks(len(order), ray, R, block_rows), None, None
     rows, starts, arrive, rank = arrived
     data_node, actor_node = _data_nodes(rec, rank, R, where)
-    return rows, Tasks(starts, ray.max_tasks_in_flight_per_actor, data_node=data_node, actor_node=actor_node), arrive
+    finished = rec.get("batch_finished_s")
+    finished = None if finished is None or len(finished) != len(rank) else np.asarray(finished, float)[rank]
+    tasks = Tasks(starts, ray.max_tasks_in_flight_per_actor, data_node=data_node, actor_node=actor_node)
+    return rows, tasks, arrive, finished
 
 
 def _arrived_tasks(
@@ -392,15 +396,9 @@ def replay_run(
     where: str,
 ) -> dict[str, Any]:
     """One measured run replayed through the dispatch model; its predictions, measurements, errors."""
-    workload = _field(rec, "workload", where)
-    if any(workload not in r.get("output_tokens", {}) for r in rows):
-        raise ValueError(f"{where}: workload={workload!r}, but not every row records output_tokens[{workload!r}]")
-    outs = np.array([int(r["output_tokens"][workload]) for r in rows], np.int64)
-    row_block, row_engine = _int_map(rec, "row_block", where), _int_map(rec, "row_engine", where)
-    if sorted(row_engine) != list(range(len(rows))):
-        raise ValueError(f"{where}: row_engine must give each of the {len(rows)} rows its engine")
+    outs, row_block, row_engine = _run_rows(rec, rows, where)
     R = int(_field(rec, "replicas", where))
-    order, tasks, arrived = _replay_tasks(rec, row_block, tokens, R, where)
+    order, tasks, arrived, finished = _replay_tasks(rec, row_block, tokens, R, where)
     cluster = Cluster(
         R,
         (int(_field(rec, "num_gpu_blocks", where)) - 1) * block_size,
@@ -450,6 +448,48 @@ def replay_run(
             "computed_prompt_tokens": round(pred_computed / measured_computed - 1, 5),
         },
         "busy_share_error": round(float(np.abs(pred_share - measured_share).max() * R), 5),
+        "task_ends": None if finished is None else _task_ends(run, order, row_engine, finished - up.min(), clock_scale),
+    }
+
+
+def _run_rows(rec: dict[str, Any], rows: list[dict[str, Any]], where: str) -> tuple[np.ndarray, dict, dict]:
+    """A run's rows' output lengths (its workload's), and each row's block and engine."""
+    workload = _field(rec, "workload", where)
+    if any(workload not in r.get("output_tokens", {}) for r in rows):
+        raise ValueError(f"{where}: workload={workload!r}, but not every row records output_tokens[{workload!r}]")
+    outs = np.array([int(r["output_tokens"][workload]) for r in rows], np.int64)
+    row_block, row_engine = _int_map(rec, "row_block", where), _int_map(rec, "row_engine", where)
+    if sorted(row_engine) != list(range(len(rows))):
+        raise ValueError(f"{where}: row_engine must give each of the {len(rows)} rows its engine")
+    return outs, row_block, row_engine
+
+
+def _task_ends(
+    run: Any, order: np.ndarray, row_engine: dict[int, int], measured: np.ndarray, clock_scale: float
+) -> dict:
+    """The model's task ends against the measured ones (batch_finished_s: each task's last row
+    done; here in seconds from the first engine up, tasks in hand-out order), over the tasks the
+    model put on the engine that ran them: the median error and the median absolute error, and
+    per engine how far apart its first five tasks ended, measured and predicted (vLLM runs the
+    rows it admits at once in one batch, and fixed-length rows admitted together end together;
+    the model's clock, an engine's admitted work, ends them one after another)."""
+    predicted = run.grain_time_s / clock_scale
+    engine = np.array([row_engine[int(order[s])] for s in run.dispatch.starts[:-1]])
+    same = engine == run.grain_replica
+    error = predicted[same] - measured[same]
+
+    def first_five(ends: np.ndarray, on: np.ndarray) -> list[float | None]:
+        spans = [np.sort(ends[on == e])[:5] for e in range(len(run.busy_s))]
+        return [round(float(np.ptp(x)), 2) if len(x) else None for x in spans]
+
+    return {
+        "same_engine_tasks": int(same.sum()),
+        "median_error_s": round(float(np.median(error)), 2) if len(error) else None,
+        "median_abs_error_s": round(float(np.median(np.abs(error))), 2) if len(error) else None,
+        "first_five_span_s": {
+            "measured": first_five(measured, engine),
+            "predicted": first_five(predicted, run.grain_replica),
+        },
     }
 
 

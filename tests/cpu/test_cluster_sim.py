@@ -573,6 +573,7 @@ def bench_file(
         }
         rec["batch_arrive_s"] = (40.0 + np.array(arrive_s) * seconds).tolist()
         rec["batch_handout_s"] = rec["batch_arrive_s"]  # in the same order (the model does not read it)
+        rec["batch_finished_s"] = (40.0 + run.grain_time_s * seconds).tolist()
         if nodes is not None and any(isinstance(names, list) for names in nodes[0]):
             rec["batch_data_nodes"] = list(nodes[0])
             rec["batch_data_node"] = [names[0] if names else None for names in nodes[0]]
@@ -720,6 +721,11 @@ def test_validate_dispatch_reads_every_node_holding_a_tasks_data_where_the_run_r
     run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
     assert run["locality_from"] == "batch_data_nodes"
     assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+    # each task's end (batch_finished_s, the simulator's own here) is where the replay puts it
+    ends = run["task_ends"]
+    assert ends["same_engine_tasks"] == num_tasks and ends["median_abs_error_s"] == 0.0
+    assert ends["first_five_span_s"]["measured"] == ends["first_five_span_s"]["predicted"]
+    assert all(span > 0 for span in ends["first_five_span_s"]["measured"])
 
     def first_only(rec):
         del rec["batch_data_nodes"]
