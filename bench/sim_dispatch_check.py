@@ -62,7 +62,7 @@ GOAL = 0.05
 CPU_PROFILE = HardwareProfile("scale_bench_cpu", 16e9, 3.5e9, 16 * GIB)
 # What validate_dispatch reads of a Ray run's record (module doc), when each task began on its
 # engine and when its last row finished there (batch_first_request_s: recorded since commit
-# 262c84a; batch_finished_s, since batch_data_nodes: neither read by the model), when Ray
+# 262c84a; batch_finished_s, since 0ffc176: neither read by the model), when Ray
 # handed it out (batch_handout_s: the driver's log, not read by the model) and where its data
 # was (batch_data_nodes, every node holding some by bytes, or batch_data_node, the first: the
 # log's too, and `nodes`: each engine's; read for Ray's actor locality); `extract` keeps only
@@ -195,8 +195,8 @@ def goal_summary(errors: list[dict[str, float]], goal: float = GOAL) -> dict[str
 def cell_errors(runs: dict[str, Any]) -> dict[str, Any]:
     """Each cell's replayed runs (keys "cell#k") taken together, as the bench reports a cell: the
     medians over its repeats, predicted and measured, of the rows per engine ranked from the most
-    (which engine is which is not comparable between runs: each numbers its engines as they come
-    up, on other nodes) and of the computed prompt tokens; their errors, and the measured spread
+    (which engine is which is not comparable between runs: each numbers its engines by their
+    first request, on other nodes) and of the computed prompt tokens; their errors, and the measured spread
     (the most one rank's rows differ between repeats, over the mean), which is how far Ray's own
     runs of one cell are from each other: the noise no replay of a run's recorded inputs can
     follow (which engine ends a task first, on the bench's shared cores)."""
@@ -467,29 +467,28 @@ def _run_rows(rec: dict[str, Any], rows: list[dict[str, Any]], where: str) -> tu
 def _task_ends(
     run: Any, order: np.ndarray, row_engine: dict[int, int], measured: np.ndarray, clock_scale: float
 ) -> dict:
-    """The model's task ends against the measured ones (batch_finished_s: each task's last row
-    done; here in seconds from the first engine up, tasks in hand-out order), over the tasks the
-    model put on the engine that ran them: the median error and the median absolute error, and
-    per engine how far apart its first five tasks ended, measured and predicted (vLLM runs the
-    rows it admits at once in one batch, and fixed-length rows admitted together end together;
-    the model's clock, an engine's admitted work, ends them one after another)."""
+    """The model's task ends against the measured ones (batch_finished_s: when each task's last
+    row finished in vLLM, a little before Ray frees the task's slot, when the stage has returned
+    its rows; here in seconds from the first engine up, tasks in hand-out order), over the tasks
+    the model put on the engine that ran them: the median error and the median absolute error,
+    and per engine how far apart the first five of those tasks it was handed ended, measured and
+    predicted (vLLM runs the rows it admits at once in one batch, and fixed-length rows admitted
+    together end together; the model's clock, an engine's admitted work, ends them one after
+    another)."""
     predicted = run.grain_time_s / clock_scale
     engine = np.array([row_engine[int(order[s])] for s in run.dispatch.starts[:-1]])
     same = engine == run.grain_replica
     error = predicted[same] - measured[same]
 
-    def first_five(ends: np.ndarray, on: np.ndarray) -> list[float | None]:
-        spans = [np.sort(ends[on == e])[:5] for e in range(len(run.busy_s))]
+    def first_five(ends: np.ndarray) -> list[float | None]:
+        spans = [ends[same & (engine == e)][:5] for e in range(len(run.busy_s))]
         return [round(float(np.ptp(x)), 2) if len(x) else None for x in spans]
 
     return {
         "same_engine_tasks": int(same.sum()),
         "median_error_s": round(float(np.median(error)), 2) if len(error) else None,
         "median_abs_error_s": round(float(np.median(np.abs(error))), 2) if len(error) else None,
-        "first_five_span_s": {
-            "measured": first_five(measured, engine),
-            "predicted": first_five(predicted, run.grain_replica),
-        },
+        "first_five_span_s": {"measured": first_five(measured), "predicted": first_five(predicted)},
     }
 
 

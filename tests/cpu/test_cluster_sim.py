@@ -727,6 +727,19 @@ def test_validate_dispatch_reads_every_node_holding_a_tasks_data_where_the_run_r
     assert ends["first_five_span_s"]["measured"] == ends["first_five_span_s"]["predicted"]
     assert all(span > 0 for span in ends["first_five_span_s"]["measured"])
 
+    def numbered_otherwise(rec):  # tasks numbered by first request, not hand-out; engines up apart
+        new = np.arange(num_tasks)[::-1]
+        rec["row_batch"] = {i: int(new[t]) for i, t in rec["row_batch"].items()}
+        for key in ("batch_arrive_s", "batch_finished_s", "batch_data_nodes", "batch_data_node"):
+            rec[key] = [rec[key][t] for t in new]  # new is its own inverse
+        rec["batch_handout_s"] = [40.0 + t for t in new]
+
+    ready = [0.0, 0.3, 0.7]
+    path = bench_file(tmp_path / "n.json", tokens, blocks, 8, 2, 3, ready, numbered_otherwise, at_zero, where)
+    run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
+    assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
+    assert run["task_ends"]["same_engine_tasks"] == num_tasks and run["task_ends"]["median_abs_error_s"] == 0.0
+
     def first_only(rec):
         del rec["batch_data_nodes"]
 
