@@ -114,10 +114,10 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     flight on the first node holding its data where one there has room (Ray's actor locality, on
     by default; nodes: ([num_tasks, K] the nodes holding each task's data, most bytes first, and
     [R] each actor's node), -1: none or not known), else anywhere (ties: the lowest index), at
-    most max_in_flight each; when no ready actor has room, time
-    moves on to the next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R]
-    when each actor can take its first task (0: ready when the data is; an engine that comes up
-    after the data fills its room first). An actor's clock starts at its ready time; one that
+    most max_in_flight each (`_pick_actor`); when no ready actor has room, time moves on to the
+    next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R] when each
+    actor can take its first task (0: ready when the data is; an engine that comes up after the
+    data fills its room first). An actor's clock starts at its ready time; one that
     ran dry waiting for data resumes at the arrival. Returns per task its actor and its end."""
     R = cfg[0]
     left, comp, mem = out[2], out[3], out[4]

@@ -221,7 +221,7 @@ def simulate(
             ready = _times(how.ready_s, R, "ready_s", "actors")
             arrive = _times(how.arrive_s, len(how.starts) - 1, "arrive_s", "tasks")
             nodes = (
-                _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks", per_item=2),
+                _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks", ndim=2),
                 _nodes(how.actor_node, R, "actor_node", "actors"),
             )
             grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready, arrive, nodes)
@@ -243,13 +243,13 @@ def _times(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray
     return times
 
 
-def _nodes(given: np.ndarray | None, n: int, name: str, what: str, per_item: int = 1) -> np.ndarray:
+def _nodes(given: np.ndarray | None, n: int, name: str, what: str, ndim: int = 1) -> np.ndarray:
     """A Tasks node field as the kernel takes it: [n] node numbers >= 0, or -1 (None: all -1);
-    per_item=2: [n, K], K nodes each in order ([n] given: one each)."""
+    ndim=2: [n, K], K nodes each in order ([n] given: one each)."""
     nodes = np.full(n, -1, np.int64) if given is None else np.asarray(given, np.int64)
-    if per_item == 2 and nodes.ndim == 1:
+    if ndim == 2 and nodes.ndim == 1:
         nodes = nodes[:, None]
-    if nodes.ndim != per_item or len(nodes) != n or not np.all(nodes >= -1):
+    if nodes.ndim != ndim or len(nodes) != n or not np.all(nodes >= -1):
         raise ValueError(f"simulate: Tasks.{name} must give each of the {n} {what} a node number, or -1")
     return nodes
 
