@@ -4,10 +4,10 @@ the engine's section.
     .venv/bin/python -m prefixflow.bench.gpu_suite [--quick] [--dry-run] [--out FILE]
 
 Runs `pytest tests/gpu` in a subprocess (JUnit XML parsed for the counts and failures), then
-`kernel_bench`, then `gpu_engine` (parity with transformers, the 1B-shape decode step beside its
-weights floor, device busy share, kernels per step, warm-up), and writes
-bench/results/gpu_suite_<gpu>.json (kernel_bench also writes its own file). Exits non-zero when a
-GPU test fails. Without CUDA it prints why and writes nothing.
+`gpu_engine` (parity with transformers, the 1B-shape decode step beside its weights floor, device
+busy share, kernels per step, warm-up), then `kernel_bench`, and writes
+bench/results/gpu_suite_<gpu>.json after each section, so a run cut short keeps what it got
+(kernel_bench also writes its own file). Exits non-zero when a GPU test fails. Without CUDA it prints why and writes nothing.
 
 --dry-run runs every section on the CPU at tiny shapes (Triton's kernels under its interpreter;
 the GPU tests skip themselves): a check, before a GPU session spends its minutes, that the suite
@@ -81,22 +81,32 @@ def main() -> None:
         sys.exit(1)
     from prefixflow.bench import gpu_engine, kernel_bench
 
-    tests = run_gpu_tests()
-    print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }", flush=True)
-    bench = kernel_bench.run(args.quick, dry_run=args.dry_run)
-    print(f"kernel_bench goals: {bench['goals']}", flush=True)
-    engine = gpu_engine.run(args.dry_run)
-    print(f"gpu_engine goals: {engine['goals']}", flush=True)
-    report = json.dumps(dict(gpu_tests=tests, kernel_bench=bench, engine=engine), indent=2)
     paths = [Path(args.out)] if args.out else []
     if not args.dry_run:
-        results = kernel_bench.RESULTS_DIR
         slug = kernel_bench.gpu_slug()
-        (results / f"kernel_bench_{slug}.json").write_text(json.dumps(bench, indent=2))
-        paths.append(results / f"gpu_suite_{slug}.json")
+        paths.append(kernel_bench.RESULTS_DIR / f"gpu_suite_{slug}.json")
+    report: dict = {}
+
+    def write(section: str, result: dict) -> None:
+        """The report so far, after each section: a run cut short by the GPU's time keeps what it got."""
+        report[section] = result
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2))
+
+    tests = run_gpu_tests()
+    print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }", flush=True)
+    write("gpu_tests", tests)
+    # The engine's section before the kernels': it holds the issue's goals.
+    engine = gpu_engine.run(args.dry_run)
+    print(f"gpu_engine goals: {engine['goals']}", flush=True)
+    write("engine", engine)
+    bench = kernel_bench.run(args.quick, dry_run=args.dry_run)
+    print(f"kernel_bench goals: {bench['goals']}", flush=True)
+    write("kernel_bench", bench)
+    if not args.dry_run:
+        (kernel_bench.RESULTS_DIR / f"kernel_bench_{slug}.json").write_text(json.dumps(bench, indent=2))
     for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report)
         print(f"wrote {path}")
     sys.exit(0 if tests.get("returncode") == 0 else 1)
 

@@ -55,8 +55,10 @@ class EngineConfig:
         jobs whose rows set their own max_tokens. Both backends.
     cuda_graphs: decode steps on persistent buffers padded to a ladder of batch sizes,
         captured as one CUDA graph per size at engine start and replayed each step
-        (engine/native/static_step.py). Off by default until a GPU run verifies it (README);
-        on a CPU it runs the same buffers without graphs (what the tests check). Native
+        (engine/native/static_step.py). Unset (None): on where they can be captured, a CUDA
+        device running the Triton kernels of the model's head size (verified on an H200,
+        README), off elsewhere; false: off; true: on, refused on CUDA where they cannot be
+        captured, and on a CPU the same buffers without graphs (what the tests check). Native
         engine only: vLLM captures its own unless engine.vllm sets enforce_eager.
     """
 
@@ -75,7 +77,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     seed: int = 0
     max_tokens_cap: int | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_model_and_memory()

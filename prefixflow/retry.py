@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-import tenacity
+if TYPE_CHECKING:
+    import tenacity
 
 T = TypeVar("T")
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -27,7 +28,11 @@ class RetryPolicy:
 
     def retrying(self, sleep: Callable[[float], None] = time.sleep) -> tenacity.Retrying:
         """tenacity's loop for this policy: transient errors only, full-jitter backoff
-        (AWS's "Full Jitter": uniform in [0, min(max, base * 2**k)] before try k + 2)."""
+        (AWS's "Full Jitter": uniform in [0, min(max, base * 2**k)] before try k + 2).
+        tenacity is imported here, not with the module: the engine reaches this module through
+        model_source, and the GPU machine runs the engine without tenacity installed."""
+        import tenacity
+
         return tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.max_attempts),
             wait=tenacity.wait_random_exponential(multiplier=self.base_delay_s, max=self.max_delay_s),
@@ -45,6 +50,8 @@ def with_retries(
 ) -> T:
     """Call fn until it succeeds, a permanent error occurs (raised as it is), or the attempts
     run out (an OSError naming `what`, the attempts and the last error)."""
+    import tenacity
+
     try:
         return policy.retrying(sleep)(fn)
     except tenacity.RetryError as e:

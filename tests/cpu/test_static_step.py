@@ -265,3 +265,23 @@ def test_the_switch_is_the_native_engines():
     http = setting_problems({"backend": "http", "cuda_graphs": True}, "generate", None, "batchllm")
     assert "engine.cuda_graphs" in [p[0] for p in http]
     assert not setting_problems({"backend": "native", "cuda_graphs": True}, "generate", None, "batchllm")
+
+
+def test_unset_the_graphs_are_on_where_they_can_be_captured(tiny_model, monkeypatch):
+    """engine.cuda_graphs unset: on for a CUDA device running the Triton kernels of the model's
+    head size (verified on an H200), off on a CPU and for head sizes the kernels do not take;
+    set, as set (true on a CUDA device that cannot capture is refused by the runner)."""
+    from prefixflow.engine.native import model_runner
+    from prefixflow.engine.native.model_runner import ModelRunner, static_decode_wanted
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(model_runner, "triton_available", lambda: True)
+    assert static_decode_wanted(None, cuda, 64) and static_decode_wanted(None, cuda, 128)
+    assert not static_decode_wanted(None, cuda, 80)  # the torch fallback: a host sync, no capture
+    assert not static_decode_wanted(None, cpu, 64)  # buffers that only pad, no graph
+    assert static_decode_wanted(True, cpu, 64) and not static_decode_wanted(False, cuda, 64)
+    monkeypatch.setattr(model_runner, "triton_available", lambda: False)
+    assert not static_decode_wanted(None, cuda, 64)
+    # The engine's default on this CPU: no static buffers.
+    runner = ModelRunner(EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", kv_cache_bytes=8 << 20))
+    assert runner.static is None and runner.cuda_graphs is False
