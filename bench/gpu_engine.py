@@ -12,7 +12,9 @@
   tell S decode steps apart (the difference of their median walls over S). Beside the step: the
   weights floor (the weights' bytes read once at the device's measured copy bandwidth), and from
   torch's profiler over the same two runs, the device's busy share of the decode steps (the union
-  of its kernels' intervals over the wall) and the kernels launched per decode step.
+  of its kernels' intervals over the wall), the kernels launched per decode step, and the host's
+  time per decode step by phase (the runner's prefixflow.* profiler ranges, engine/native/step.py;
+  the rest is the scheduler's and the engine's).
 - warmup: a fresh process builds the engine and runs a first step, twice: with empty kernel
   caches (PREFIXFLOW_CACHE for the C kernels, TRITON_CACHE_DIR for Triton's), then with the
   caches the first one filled (the issue's goals: at most 60 s, and 5 s when cached).
@@ -49,6 +51,7 @@ SHAPE_DRY = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
 PREFIX, OWN, BLOCK = 512, 16, 16
+HOST_PHASES = ("prefixflow.prepare", "prefixflow.forward", "prefixflow.sample")  # engine/native/step.py
 # The issue's goals on a GPU: a 64-request decode step of the 1B shape, device busy share.
 GOAL_STEP_64_S, GOAL_BUSY = 2.0e-3, 0.85
 
@@ -190,6 +193,7 @@ def decode_batch(
         if full["device_kernels"]
         else None,
         "torch_ops_per_decode_step": (full["torch_ops"] - first["torch_ops"]) / decode_steps,
+        "host_ms_per_decode_step": host_phases_ms(first, full, decode_steps),
         "runs": {"first_token": first, "with_decode": full},
     }
 
@@ -211,6 +215,10 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    phases = {name: 0.0 for name in HOST_PHASES}
+    for avg in prof.key_averages():
+        if avg.key in phases:
+            phases[avg.key] += avg.cpu_time_total / 1e6
     return {
         "wall_s": statistics.median(walls),
         "walls_s": walls,
@@ -218,9 +226,26 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         "device_kernels": len(kernels),
         "device_busy_s": _union_s([(e.time_range.start, e.time_range.end) for e in kernels]),
         "torch_ops": sum(1 for e in prof.events() if e.device_type != torch.autograd.DeviceType.CUDA),
+        "host_phases_s": phases,
         "outputs_sha": result["outputs_sha"],
         "steps": result["steps"],
     }
+
+
+def host_phases_ms(first: dict[str, Any], full: dict[str, Any], decode_steps: int) -> dict[str, float]:
+    """Where a decode step's host time goes, in the profiled runs (the profiler's own cost
+    included): the runner's phases (step.py's PHASE_*: sampling holds the wait for the device),
+    and the rest of the step, the scheduler's and the engine's own work."""
+    per_step = {
+        name.removeprefix("prefixflow."): 1e3
+        * (full["host_phases_s"][name] - first["host_phases_s"][name])
+        / decode_steps
+        for name in HOST_PHASES
+    }
+    step = 1e3 * (full["profiled_wall_s"] - first["profiled_wall_s"]) / decode_steps
+    per_step["scheduler_and_engine"] = step - sum(per_step.values())
+    per_step["step"] = step
+    return {k: round(v, 3) for k, v in per_step.items()}
 
 
 def _union_s(intervals_us: list[tuple[float, float]]) -> float:
@@ -361,11 +386,11 @@ def _guarded(part: Any) -> dict[str, Any]:
 
 
 def _brief(result: dict[str, Any]) -> str:
-    """One line for the log: the error, or each batch's decode step and busy share."""
+    """One line for the log: the error, or each batch's decode step, busy share and host phases."""
     if "error" in result:
         return f"FAILED {result['error'][:300]}"
     steps = {
-        k: (v["decode_step_s"], v["device_busy_share"])
+        k: (v["decode_step_s"], v["device_busy_share"], v["host_ms_per_decode_step"])
         for k, v in result.items()
         if isinstance(v, dict) and "decode_step_s" in v
     }

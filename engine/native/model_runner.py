@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.models.layers.attention import AttentionMetadata
@@ -55,7 +56,15 @@ from prefixflow.engine.models.loader import (
 from prefixflow.engine.models.model_args import read_model_args, require_lm_head
 from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.static_step import MAX_LADDER_BATCH, StaticDecode
-from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
+from prefixflow.engine.native.step import (
+    PHASE_FORWARD,
+    PHASE_PREPARE,
+    PHASE_SAMPLE,
+    SampledToken,
+    SeqChunk,
+    StepInput,
+    StepOutput,
+)
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
 from prefixflow.kernels import TRITON_HEAD_DIMS, triton_available
 from prefixflow.requests import SamplingParams
@@ -117,9 +126,10 @@ class ModelRunner:
             return StepOutput(sampled=())
         params = [c.sampling_params for c in sampling if c.sampling_params is not None]
         assert len(params) == len(sampling), "build_step_batch lets no sampled chunk lack sampling_params"
-        out = self.sampler.sample(
-            logits, params, [c.num_generated for c in sampling], [list(c.history) for c in sampling]
-        )
+        with record_function(PHASE_SAMPLE):
+            out = self.sampler.sample(
+                logits, params, [c.num_generated for c in sampling], [list(c.history) for c in sampling]
+            )
         return StepOutput(
             sampled=tuple(
                 SampledToken(
@@ -136,10 +146,11 @@ class ModelRunner:
     def execute_logits(self, step: StepInput) -> torch.Tensor:
         """Run one step; raw next-token logits [num_sampled, vocab] fp32 of the chunks with
         sample=True, in chunk order."""
-        batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
-        for copy in step.copies:  # [layers, K/V, blocks, slots, ...]: every layer's slots at once
-            self.kv_cache[:, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, copy.src, : copy.num_tokens]
-        rung = self.static.rung_for(batch) if self.static is not None else None
+        with record_function(PHASE_PREPARE):
+            batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
+            for copy in step.copies:  # [layers, K/V, blocks, slots, ...]: every layer's slots at once
+                self.kv_cache[:, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, copy.src, : copy.num_tokens]
+            rung = self.static.rung_for(batch) if self.static is not None else None
         with _cpu_threads(
             1
             if self.device.type == "cpu" and batch.num_tokens <= SINGLE_THREAD_MAX_TOKENS and cpu_oversubscribed()
@@ -147,8 +158,10 @@ class ModelRunner:
         ):
             if rung is not None and self.static is not None:
                 return self.static.run(batch, rung)
-            ids, positions, meta, logits_indices = self._to_device(batch)
-            logits: torch.Tensor = self.model(ids, positions, meta, logits_indices)
+            with record_function(PHASE_PREPARE):
+                ids, positions, meta, logits_indices = self._to_device(batch)
+            with record_function(PHASE_FORWARD):
+                logits: torch.Tensor = self.model(ids, positions, meta, logits_indices)
             return logits
 
     # ------------------------------------------------------------------ internals

@@ -34,8 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from prefixflow.engine.models.layers.attention import AttentionMetadata
+from prefixflow.engine.native.step import PHASE_FORWARD, PHASE_PREPARE
 from prefixflow.engine.native.step_batch import StepBatch
 
 PAD_SLOT = -1  # write_kv_cache skips it
@@ -131,16 +133,18 @@ class StaticDecode:
     def run(self, batch: StepBatch, rung: Rung) -> torch.Tensor:
         """The step's logits [S, V] fp32 in the batch's sampled order (a copy: the graph's
         output is overwritten by the next replay)."""
-        self._fill(batch, rung)
-        graph = self.graphs.get((rung.size, rung.grouped))
-        if graph is None:
-            logits = self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)
-        else:
-            assert self.logits is not None, "capture() sets the graphs' logits buffer"
-            graph.replay()
-            logits = self.logits[: rung.size]
-        order = torch.from_numpy(batch.int64_buffer[3 * batch.num_tokens :]).to(logits.device, non_blocking=True)
-        return logits.index_select(0, order)
+        with record_function(PHASE_PREPARE):
+            self._fill(batch, rung)
+        with record_function(PHASE_FORWARD):
+            graph = self.graphs.get((rung.size, rung.grouped))
+            if graph is None:
+                logits = self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)
+            else:
+                assert self.logits is not None, "capture() sets the graphs' logits buffer"
+                graph.replay()
+                logits = self.logits[: rung.size]
+            order = torch.from_numpy(batch.int64_buffer[3 * batch.num_tokens :]).to(logits.device, non_blocking=True)
+            return logits.index_select(0, order)
 
     def _fill(self, batch: StepBatch, rung: Rung) -> None:
         """Copy the step's arrays into the rung's buffers; pad the rows and groups past the step's."""

@@ -70,6 +70,11 @@ def test_the_gpu_suite_runs_to_its_end_on_the_cpu(tmp_path):
         # The run asking for more tokens took more steps: its decode steps.
         assert got["runs"]["first_token"]["steps"] < got["runs"]["with_decode"]["steps"]
         assert got["device_busy_share"] is None  # nothing on a device to measure
+        # The runner's phases were profiled (engine/native/step.py); per decode step they are a
+        # difference of two runs, whose sign is noise as above: the runs' own totals are checked.
+        phases = got["runs"]["with_decode"]["host_phases_s"]
+        assert all(phases[name] > 0 for name in ("prefixflow.prepare", "prefixflow.forward", "prefixflow.sample"))
+        assert set(got["host_ms_per_decode_step"]) >= {"prepare", "forward", "sample", "scheduler_and_engine"}
     assert decode["weights_floor_s"] > 0
     warm = engine["warmup"]
     assert warm["cold"]["total_s"] > 0 and warm["cached"]["total_s"] > 0, warm
