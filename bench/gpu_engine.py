@@ -13,7 +13,7 @@
   weights floor (the weights' bytes read once at the device's measured copy bandwidth), and from
   torch's profiler over the same two runs, the device's busy share of the decode steps (the union
   of its kernels' intervals over the wall), the kernels launched per decode step, and the host's
-  time per decode step by phase (the runner's prefixflow.* profiler ranges, engine/native/step.py;
+  time per decode step by phase (the runner's profiler ranges, engine/native/phases.py;
   the rest is the scheduler's and the engine's).
 - warmup: a fresh process builds the engine and runs a first step, twice: with empty kernel
   caches (PREFIXFLOW_CACHE for the C kernels, TRITON_CACHE_DIR for Triton's), then with the
@@ -51,7 +51,6 @@ SHAPE_DRY = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
 PREFIX, OWN, BLOCK = 512, 16, 16
-HOST_PHASES = ("prefixflow.prepare", "prefixflow.forward", "prefixflow.sample")  # engine/native/step.py
 # The issue's goals on a GPU: a 64-request decode step of the 1B shape, device busy share.
 GOAL_STEP_64_S, GOAL_BUSY = 2.0e-3, 0.85
 
@@ -204,6 +203,7 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
 
     from prefixflow.bench import peer_bench as pb
+    from prefixflow.engine.native.phases import PHASES
 
     cuda = engine.runner.device.type == "cuda"
     walls = [pb.run_engine(engine, load, "plan")[0]["wall_s"] for _ in range(3)]
@@ -215,10 +215,10 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    phases = {name: 0.0 for name in HOST_PHASES}
+    host = {name: 0.0 for name in PHASES}
     for avg in prof.key_averages():
-        if avg.key in phases:
-            phases[avg.key] += avg.cpu_time_total / 1e6
+        if avg.key in host:
+            host[avg.key] += avg.cpu_time_total / 1e6
     return {
         "wall_s": statistics.median(walls),
         "walls_s": walls,
@@ -226,7 +226,7 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         "device_kernels": len(kernels),
         "device_busy_s": _union_s([(e.time_range.start, e.time_range.end) for e in kernels]),
         "torch_ops": sum(1 for e in prof.events() if e.device_type != torch.autograd.DeviceType.CUDA),
-        "host_phases_s": phases,
+        "host_phases_s": host,
         "outputs_sha": result["outputs_sha"],
         "steps": result["steps"],
     }
@@ -234,13 +234,15 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
 
 def host_phases_ms(first: dict[str, Any], full: dict[str, Any], decode_steps: int) -> dict[str, float]:
     """Where a decode step's host time goes, in the profiled runs (the profiler's own cost
-    included): the runner's phases (step.py's PHASE_*: sampling holds the wait for the device),
+    included): the runner's phases (engine/native/phases.py: sampling holds the wait for the device),
     and the rest of the step, the scheduler's and the engine's own work."""
+    from prefixflow.engine.native.phases import PHASES
+
     per_step = {
         name.removeprefix("prefixflow."): 1e3
         * (full["host_phases_s"][name] - first["host_phases_s"][name])
         / decode_steps
-        for name in HOST_PHASES
+        for name in PHASES
     }
     step = 1e3 * (full["profiled_wall_s"] - first["profiled_wall_s"]) / decode_steps
     per_step["scheduler_and_engine"] = step - sum(per_step.values())

@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.models.layers.attention import AttentionMetadata
+from prefixflow.engine.native.phases import FORWARD, PREPARE, SAMPLE, phase
 from prefixflow.engine.models.loader import (
     load_model,
     load_tokenizer,
@@ -57,9 +57,6 @@ from prefixflow.engine.models.model_args import read_model_args, require_lm_head
 from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.static_step import MAX_LADDER_BATCH, StaticDecode
 from prefixflow.engine.native.step import (
-    PHASE_FORWARD,
-    PHASE_PREPARE,
-    PHASE_SAMPLE,
     SampledToken,
     SeqChunk,
     StepInput,
@@ -126,7 +123,7 @@ class ModelRunner:
             return StepOutput(sampled=())
         params = [c.sampling_params for c in sampling if c.sampling_params is not None]
         assert len(params) == len(sampling), "build_step_batch lets no sampled chunk lack sampling_params"
-        with record_function(PHASE_SAMPLE):
+        with phase(SAMPLE):
             out = self.sampler.sample(
                 logits, params, [c.num_generated for c in sampling], [list(c.history) for c in sampling]
             )
@@ -146,7 +143,7 @@ class ModelRunner:
     def execute_logits(self, step: StepInput) -> torch.Tensor:
         """Run one step; raw next-token logits [num_sampled, vocab] fp32 of the chunks with
         sample=True, in chunk order."""
-        with record_function(PHASE_PREPARE):
+        with phase(PREPARE):
             batch = build_step_batch(step, self.block_size, self.max_model_len, self.kv_cache.shape[2])
             for copy in step.copies:  # [layers, K/V, blocks, slots, ...]: every layer's slots at once
                 self.kv_cache[:, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, copy.src, : copy.num_tokens]
@@ -158,9 +155,9 @@ class ModelRunner:
         ):
             if rung is not None and self.static is not None:
                 return self.static.run(batch, rung)
-            with record_function(PHASE_PREPARE):
+            with phase(PREPARE):
                 ids, positions, meta, logits_indices = self._to_device(batch)
-            with record_function(PHASE_FORWARD):
+            with phase(FORWARD):
                 logits: torch.Tensor = self.model(ids, positions, meta, logits_indices)
             return logits
 

@@ -34,10 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from prefixflow.engine.models.layers.attention import AttentionMetadata
-from prefixflow.engine.native.step import PHASE_FORWARD, PHASE_PREPARE
+from prefixflow.engine.native.phases import FORWARD, PREPARE, phase
 from prefixflow.engine.native.step_batch import StepBatch
 
 PAD_SLOT = -1  # write_kv_cache skips it
@@ -133,9 +132,9 @@ class StaticDecode:
     def run(self, batch: StepBatch, rung: Rung) -> torch.Tensor:
         """The step's logits [S, V] fp32 in the batch's sampled order (a copy: the graph's
         output is overwritten by the next replay)."""
-        with record_function(PHASE_PREPARE):
+        with phase(PREPARE):
             self._fill(batch, rung)
-        with record_function(PHASE_FORWARD):
+        with phase(FORWARD):
             graph = self.graphs.get((rung.size, rung.grouped))
             if graph is None:
                 logits = self.forward(rung.ids, rung.positions, rung.meta, rung.logits_indices)

@@ -31,12 +31,6 @@ from dataclasses import dataclass
 from prefixflow.requests import SamplingParams
 
 
-# A step's host phases, named for torch's profiler (gpu_engine reads them per decode step): the
-# step's arrays built and copied in, the forward (launched, or a graph replayed; on a GPU the
-# host does not wait for it here), and sampling (which waits for the device: the ids' copy).
-PHASE_PREPARE, PHASE_FORWARD, PHASE_SAMPLE = "prefixflow.prepare", "prefixflow.forward", "prefixflow.sample"
-
-
 @dataclass(frozen=True, slots=True)
 class SharedPrefix:
     """A group's shared prefix KV (complete once the step's K/V are written), attended
