@@ -16,8 +16,10 @@ mkdir -p "$PKG"
 [ -d prefixflow ] && mv prefixflow prefixflow_src
 for f in prefixflow_src/*; do ln -s "$ROOT/$f" "$PKG/"; done
 for d in pipeline engine kernels operators jobs bench; do ln -s "$ROOT/$d" "$PKG/$d"; done
-export PYTHONPATH=$(dirname "$PKG"):$ROOT/tests
-python3 -c "import prefixflow.bench.gpu_suite as m, torch; print(m.__file__, torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/imports.txt"
+export PYTHONPATH=$(dirname "$PKG"):$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}
+# Which package runs (the links', not an install) and on what: a check that costs a second.
+python3 -c "import prefixflow.bench.gpu_suite as m, torch; print(m.__file__, torch.__version__,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" | tee "$OUT/imports.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/nvidia_smi.csv" 2>&1
 timeout "${GPU_SUITE_TIMEOUT:-540}" python3 -u -m prefixflow.bench.gpu_suite --out "$OUT/gpu_suite.json" "$@" 2>&1 | grep -v '^USDT:' | tee "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}

@@ -1,12 +1,16 @@
 """`gpu_suite --dry-run` on the CPU (issue 42): every section of what a GPU session runs, at tiny
-shapes, to its end, so that a lent GPU's 15 minutes are not spent on a crash."""
+shapes, to its end, so that a lent GPU's 15 minutes are not spent on a crash. It runs as the GPU
+machine runs it: through bench/gpu_device.sh, in a copy of the checkout, with `python3` as the
+interpreter and without the modules that machine lacks."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,24 +22,49 @@ pytestmark = pytest.mark.slow
 NOT_ON_THE_GPU_MACHINE = ("ray", "pydantic", "vllm", "tenacity", "fsspec", "s3fs", "boto3", "botocore", "numba", "moto")
 
 
+REPO = Path(__file__).resolve().parents[2]
+# What gpu_device.sh needs of the checkout: the package's folders (pyproject's package-dir) and the
+# tests (tests/gpu, and tests/ on the path).
+CHECKOUT = ("prefixflow", "pipeline", "engine", "kernels", "operators", "jobs", "bench", "tests")
+
+
 def test_the_gpu_suite_runs_to_its_end_on_the_cpu(tmp_path):
-    out = tmp_path / "suite.json"
-    # A sitecustomize that makes importing those modules fail, in this process's children too.
-    blocker = tmp_path / "blocker"
+    checkout, out = tmp_path / "checkout", tmp_path / "out"
+    skip = shutil.ignore_patterns("__pycache__", "results", "*.pyc")
+    for folder in CHECKOUT:
+        shutil.copytree(REPO / folder, checkout / folder, ignore=skip)
+    # A sitecustomize that makes importing those modules fail, in every process the script starts,
+    # and `python3` the interpreter running this test (the script calls python3, as there).
+    blocker, bin_dir = tmp_path / "blocker", tmp_path / "bin"
     blocker.mkdir()
+    bin_dir.mkdir()
     (blocker / "sitecustomize.py").write_text(
         f"import sys\nfor _m in {NOT_ON_THE_GPU_MACHINE!r}:\n    sys.modules[_m] = None\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+    python3 = bin_dir / "python3"  # a script, not a link: a venv's python finds its venv by its own path
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(blocker),
+        "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"]]),
+        "OUT": str(out),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "prefixflow.bench.gpu_suite", "--dry-run", "--out", str(out)],
+        ["bash", str(REPO / "bench" / "gpu_device.sh"), "--dry-run"],
+        cwd=checkout,
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    # The package the script assembled ran, not this checkout's install, and the checkout's own
+    # prefixflow/ is back where it was.
+    imported = (out / "imports.txt").read_text()
+    assert "prefixflow/bench/gpu_suite.py" in imported and str(REPO) not in imported, imported
+    assert (checkout / "prefixflow" / "__init__.py").exists() and not (checkout / "prefixflow_src").exists()
+    report = json.loads((out / "gpu_suite.json").read_text())
     # The GPU tests were collected and each skipped itself (no CUDA), none failed.
     tests = report["gpu_tests"]
     assert tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 0, tests
