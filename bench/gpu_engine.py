@@ -11,10 +11,14 @@
   together; a run asking for 1 token (prefill and first sample) and one asking for 1 + S tokens
   tell S decode steps apart (the difference of their median walls over S). Beside the step: the
   weights floor (the weights' bytes read once at the device's measured copy bandwidth), and from
-  torch's profiler over the same two runs, the device's busy share of the decode steps (the union
-  of its kernels' intervals over the wall), the kernels launched per decode step, and the host's
-  time per decode step by phase (the runner's profiler ranges, engine/native/phases.py;
-  the rest is the scheduler's and the engine's).
+  torch's profiler over the same two runs, the device's busy time per decode step (the union of
+  its kernels' intervals; the host's named ranges left out) and its share of the step timed
+  without the profiler, the kernels launched per decode step, how many steps ran on the static
+  buffers and replayed a graph, and the host's time per decode step by phase (the runner's
+  profiler ranges, engine/native/phases.py; the rest is the scheduler's and the engine's).
+- default_budget: the engine with graphs as a job builds it (the KV budget from
+  gpu_memory_utilization, graphs captured after the cache), decoding at the top rung: what
+  model_runner.GRAPHS_BY_DEFAULT waits for.
 - warmup: a fresh process builds the engine and runs a first step, twice: with empty kernel
   caches (PREFIXFLOW_CACHE for the C kernels, TRITON_CACHE_DIR for Triton's), then with the
   caches the first one filled (the issue's goals: at most 60 s, and 5 s when cached).
@@ -87,11 +91,22 @@ def parity(device: str, max_new: int = 16, cuda_graphs: bool = False) -> dict[st
             tokens, ref_lp = hf_greedy(hf, prompt, max_new, device)
             same += list(got.token_ids) == tokens
             gap = max([gap] + [abs(a.logprob - b) for a, b in zip(got.logprobs, ref_lp)])
-        out[arch] = {"rows": len(prompts), "rows_identical": same, "max_logprob_gap": gap}
+        out[arch] = {"rows": len(prompts), "rows_identical": same, "max_logprob_gap": gap, **_static_counts(engine)}
         del hf, engine
         _free(device)
     out["exact"] = all(v["rows_identical"] == v["rows"] for v in out.values())
     return out
+
+
+def _static_counts(engine: Any) -> dict[str, int | None]:
+    """How many decode steps ran on the static buffers, and how many of them replayed a CUDA graph
+    (None: the engine has no static buffers): what says the graphs, not the eager steps, were
+    measured."""
+    static = engine.runner.static
+    return {
+        "static_steps": None if static is None else static.steps_run,
+        "graph_replays": None if static is None else static.graph_replays,
+    }
 
 
 def hf_greedy(hf: Any, prompt: list[int], max_new: int, device: str = "cpu") -> tuple[list[int], list[float]]:
@@ -157,9 +172,7 @@ def decode_batch(
     from prefixflow.engine.config import EngineConfig
     from prefixflow.engine.native.llm_engine import LLMEngine
 
-    rng = random.Random(batch)
-    prefix = [rng.randrange(3, pb.VOCAB) for _ in range(PREFIX)]
-    prompts = [prefix + [rng.randrange(3, pb.VOCAB) for _ in range(OWN)] for _ in range(batch)]
+    prompts = _decode_prompts(batch)
     per_row = -(-(OWN + decode_steps + 1) // BLOCK) * BLOCK
     engine = LLMEngine(
         EngineConfig(
@@ -178,16 +191,21 @@ def decode_batch(
     capture_s = static.capture_s if static is not None else None
     first = _runs(engine, pb.Workload("first", prompts, 1))
     full = _runs(engine, pb.Workload("decode", prompts, 1 + decode_steps))
+    counts = _static_counts(engine)
     del engine
     _free(device)
-    busy = full["device_busy_s"] - first["device_busy_s"]
-    wall = full["profiled_wall_s"] - first["profiled_wall_s"]
+    # The device's busy time per decode step, over the step timed without the profiler (the
+    # profiled step is slower by the profiler's own host work; the device's kernels are not).
+    busy = (full["device_busy_s"] - first["device_busy_s"]) / decode_steps
+    step = (full["wall_s"] - first["wall_s"]) / decode_steps
     return {
         "batch": batch,
         "decode_steps": decode_steps,
         "graph_capture_s": capture_s,
-        "decode_step_s": (full["wall_s"] - first["wall_s"]) / decode_steps,
-        "device_busy_share": round(busy / wall, 3) if full["device_kernels"] else None,
+        **counts,
+        "decode_step_s": step,
+        "device_busy_s_per_decode_step": busy if full["device_kernels"] else None,
+        "device_busy_share": round(busy / step, 3) if full["device_kernels"] and step > 0 else None,
         "kernels_per_decode_step": (full["device_kernels"] - first["device_kernels"]) / decode_steps
         if full["device_kernels"]
         else None,
@@ -195,6 +213,62 @@ def decode_batch(
         "host_ms_per_decode_step": host_phases_ms(first, full, decode_steps),
         "runs": {"first_token": first, "with_decode": full},
     }
+
+
+def _decode_prompts(batch: int) -> list[list[int]]:
+    """`batch` prompts sharing a PREFIX-token prefix, OWN tokens of their own each."""
+    from prefixflow.bench import peer_bench as pb
+
+    rng = random.Random(batch)
+    prefix = [rng.randrange(3, pb.VOCAB) for _ in range(PREFIX)]
+    return [prefix + [rng.randrange(3, pb.VOCAB) for _ in range(OWN)] for _ in range(batch)]
+
+
+def default_budget(device: str, dtype: DType, path: str, batch: int, decode_steps: int) -> dict[str, Any]:
+    """The engine with graphs as a job builds it: no kv_cache_bytes on CUDA (the KV budget from
+    gpu_memory_utilization, less the graphs' pool and logits), the graphs captured after the cache
+    took its share of the device, then `batch` requests decoded (the top rung of the ladder). What
+    model_runner.GRAPHS_BY_DEFAULT waits for. On a CPU (the dry run) a small cache instead."""
+    import torch
+
+    from prefixflow.bench import peer_bench as pb
+    from prefixflow.engine.config import EngineConfig
+    from prefixflow.engine.native.llm_engine import LLMEngine
+
+    cuda = device.startswith("cuda")
+    engine = LLMEngine(
+        EngineConfig(
+            model=path,
+            device=device,
+            dtype=dtype,
+            block_size=BLOCK,
+            kv_cache_bytes=None if cuda else 64 << 20,
+            max_num_seqs=batch,
+            max_model_len=2048,
+            cuda_graphs=True,
+        )
+    )
+    started = time.perf_counter()
+    result, _ = pb.run_engine(engine, pb.Workload("decode", _decode_prompts(batch), 1 + decode_steps), "plan")
+    _sync(device)
+    out: dict[str, Any] = {
+        "batch": batch,
+        "num_kv_blocks": engine.runner.num_kv_blocks,
+        "graph_capture_s": engine.runner.static.capture_s if engine.runner.static is not None else None,
+        "wall_s": round(time.perf_counter() - started, 3),
+        "steps": result["steps"],
+        **_static_counts(engine),
+    }
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        out["device_memory"] = {
+            "total_bytes": total,
+            "free_bytes": free,
+            "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        }
+    del engine
+    _free(device)
+    return out
 
 
 def _runs(engine: Any, load: Any) -> dict[str, Any]:
@@ -214,7 +288,7 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_kernels(prof.events())
     host = {name: 0.0 for name in PHASES}
     for avg in prof.key_averages():
         if avg.key in host:
@@ -230,6 +304,16 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         "outputs_sha": result["outputs_sha"],
         "steps": result["steps"],
     }
+
+
+def device_kernels(events: Any) -> list[Any]:
+    """The profiler's device events that are work on the device: not the host's named ranges,
+    which torch's profiler also lists as CUDA events (gpu_user_annotation, spanning from a range's
+    first kernel to its last, gaps included)."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
 def host_phases_ms(first: dict[str, Any], full: dict[str, Any], decode_steps: int) -> dict[str, float]:
@@ -349,16 +433,20 @@ def run(dry_run: bool) -> dict[str, Any]:
     shape, batches, steps = (SHAPE_DRY, [2, 4], 4) if dry_run else (SHAPE_1B, [64, 256], 32)
     started = time.perf_counter()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if not dry_run else "cpu (dry run)"}
+
     # Eager steps, then the same with the decode steps as CUDA graphs (engine.cuda_graphs; on a
     # CPU its static buffers): the goals are the graphs'.
-    checkpoint = str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **shape))
+    def checkpoint() -> str:  # made on first use, inside a part: its failure is that part's
+        return str(tiny_checkpoint_cached("llama", seed=0, llama3_rope=False, **shape))
+
     parts = {
         "parity": lambda: parity(device),
         "parity_cuda_graphs": lambda: parity(device, cuda_graphs=True),
         "decode": lambda: decode(device, dtype, shape, batches, steps),
         "decode_cuda_graphs": lambda: decode(device, dtype, shape, batches, steps, cuda_graphs=True),
-        "warmup": lambda: warmup(device, dtype, checkpoint),
-        "warmup_cuda_graphs": lambda: warmup(device, dtype, checkpoint, cuda_graphs=True),
+        "default_budget": lambda: default_budget(device, dtype, checkpoint(), batches[-1], steps),
+        "warmup": lambda: warmup(device, dtype, checkpoint()),
+        "warmup_cuda_graphs": lambda: warmup(device, dtype, checkpoint(), cuda_graphs=True),
     }
     for name, part in parts.items():
         out[name] = _guarded(part)
@@ -409,6 +497,8 @@ def goals(out: dict[str, Any]) -> dict[str, bool]:
         "device_busy_at_least_85pct": (step_64.get("device_busy_share") or 0.0) >= GOAL_BUSY,
         "warmup_at_most_60s": "error" not in warm and warm["cold"]["total_s"] <= 60,
         "warmup_cached_at_most_5s": "error" not in warm and warm["cached"]["total_s"] <= 5,
+        # not the issue's: whether model_runner.GRAPHS_BY_DEFAULT may be turned on
+        "default_engine_replayed_graphs": (out["default_budget"].get("graph_replays") or 0) > 0,
     }
 
 

@@ -80,14 +80,22 @@ SINGLE_THREAD_MAX_TOKENS = 128
 OVERSUBSCRIBED_LOAD_PER_CORE = 1.5
 
 
+# Whether engine.cuda_graphs, unset, turns the graphs on where they can be captured. Off until a
+# GPU run verifies the default engine with them: the KV budget that keeps their pool and logits
+# out (`_kv_budget_bytes`) and a capture after the cache has taken its share of the device
+# (gpu_engine's default_budget part). An H200 verified the graphs themselves (README).
+GRAPHS_BY_DEFAULT = False
+
+
 def static_decode_wanted(setting: bool | None, device: torch.device, head_dim: int) -> bool:
     """Whether decode steps run on static buffers (as CUDA graphs on CUDA): as set, or, unset,
-    where the graphs can be captured: a CUDA device running the Triton kernels of this head size
-    (an H200 run of gpu_suite: float32 parity exact, a 1B-shape decode step 4.3x faster). On a
-    CPU the buffers only pad a step, so unset means off there; set true, they run (the tests)."""
+    where the graphs can be captured (a CUDA device, not ROCm's, running the Triton kernels of
+    this head size) once GRAPHS_BY_DEFAULT says so. On a CPU the buffers only pad a step, so
+    unset means off there; set true, they run (the tests)."""
     if setting is not None:
         return setting
-    return device.type == "cuda" and triton_available() and head_dim in TRITON_HEAD_DIMS
+    capturable = device.type == "cuda" and torch.version.hip is None and head_dim in TRITON_HEAD_DIMS
+    return GRAPHS_BY_DEFAULT and capturable and triton_available()
 
 
 class ModelRunner:

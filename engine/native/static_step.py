@@ -18,8 +18,9 @@ and with them (the prefix-shared kernel); each is a graph of its own.
 
 On a CPU, or on CUDA before a capture, the same buffers run the model eagerly: the path the CPU
 tests check against the step built afresh (engine/native/model_runner.py). The capture code
-(`capture`) is the only CUDA-only code; `gpu_suite` verified it on an H200 (README), and it is
-on by default where it can capture (`model_runner.static_decode_wanted`). Memory: the graphs
+(`capture`) is the only CUDA-only code; `gpu_suite` verified it on an H200 (README); it is off
+by default until a GPU run also verifies the engine a job builds with it
+(`model_runner.GRAPHS_BY_DEFAULT`). Memory: the graphs
 share one pool, whose peak is a decode step of the top rung (the model runner keeps that much
 more out of the KV budget), and write their logits into one [top rung, vocab] buffer. A step of S rows on rung R reads every block table as wide
 as max_model_len: the kernels pick their split-K counts from that width, so short contexts run
@@ -88,6 +89,8 @@ class StaticDecode:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # what the graphs write: [top rung, vocab] fp32
         self.capture_s = 0.0
+        self.steps_run = 0  # decode steps run on the buffers, and how many of them replayed a graph
+        self.graph_replays = 0
         b, i64, i32 = self.max_batch, torch.int64, torch.int32
         with torch.inference_mode(False):  # normal tensors: their versions count the fills
             self.ids = torch.zeros(b, dtype=i64, device=device)
@@ -134,6 +137,8 @@ class StaticDecode:
         output is overwritten by the next replay)."""
         with phase(PREPARE):
             self._fill(batch, rung)
+            order = torch.from_numpy(batch.int64_buffer[3 * batch.num_tokens :]).to(self.device, non_blocking=True)
+        self.steps_run += 1
         with phase(FORWARD):
             graph = self.graphs.get((rung.size, rung.grouped))
             if graph is None:
@@ -141,8 +146,8 @@ class StaticDecode:
             else:
                 assert self.logits is not None, "capture() sets the graphs' logits buffer"
                 graph.replay()
+                self.graph_replays += 1
                 logits = self.logits[: rung.size]
-            order = torch.from_numpy(batch.int64_buffer[3 * batch.num_tokens :]).to(logits.device, non_blocking=True)
             return logits.index_select(0, order)
 
     def _fill(self, batch: StepBatch, rung: Rung) -> None:

@@ -99,12 +99,42 @@ def test_the_gpu_suite_runs_to_its_end_on_the_cpu(tmp_path):
         # The run asking for more tokens took more steps: its decode steps.
         assert got["runs"]["first_token"]["steps"] < got["runs"]["with_decode"]["steps"]
         assert got["device_busy_share"] is None  # nothing on a device to measure
-        # The runner's phases were profiled (engine/native/step.py); per decode step they are a
+        # The graphs' run took its decode steps on the static buffers (no graph on a CPU); eager's did not.
+        graphs = engine["decode_cuda_graphs"][batch]
+        assert graphs["static_steps"] >= 4 and graphs["graph_replays"] == 0, graphs
+        assert got["static_steps"] is None, got
+        # The runner's phases were profiled (engine/native/phases.py); per decode step they are a
         # difference of two runs, whose sign is noise as above: the runs' own totals are checked.
         phases = got["runs"]["with_decode"]["host_phases_s"]
         assert all(phases[name] > 0 for name in ("prefixflow.prepare", "prefixflow.forward", "prefixflow.sample"))
         assert set(got["host_ms_per_decode_step"]) >= {"prepare", "forward", "sample", "scheduler_and_engine"}
     assert decode["weights_floor_s"] > 0
+    assert all(engine["parity_cuda_graphs"][arch]["static_steps"] > 0 for arch in ("llama", "qwen2"))
+    # The engine with graphs as a job builds it decoded at the top rung on its buffers.
+    budget = engine["default_budget"]
+    assert budget["batch"] == 4 and budget["static_steps"] >= 4 and budget["num_kv_blocks"] > 0, budget
     warm = engine["warmup"]
     assert warm["cold"]["total_s"] > 0 and warm["cached"]["total_s"] > 0, warm
     assert set(engine["goals"]) >= {"float32_parity_exact", "decode_step_64_at_most_2ms", "warmup_cached_at_most_5s"}
+
+
+def test_the_busy_share_counts_device_work_not_the_hosts_named_ranges():
+    """torch's profiler lists a host range (engine/native/phases.py) on CUDA as a device event too,
+    spanning its first kernel to its last: counted, it would fill the gaps it spans."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from prefixflow.bench.gpu_engine import _union_s, device_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(start, end, device=cuda, annotation=False):
+        return SimpleNamespace(
+            device_type=device, is_user_annotation=annotation, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [event(0, 10), event(30, 40), event(0, 40, annotation=True), event(0, 100, device=cpu)]
+    kernels = device_kernels(events)
+    assert kernels == events[:2]
+    assert _union_s([(e.time_range.start, e.time_range.end) for e in kernels]) == 20e-6

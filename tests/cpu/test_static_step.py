@@ -253,7 +253,9 @@ def test_greedy_outputs_equal_with_the_switch_on_and_off(tiny_model):
         engine = LLMEngine(config)
         outs.append([list(o.token_ids) for o in engine.generate(prompts, params)])
         if graphs:
-            assert engine.runner.static is not None and not engine.runner.static.graphs  # no capture on a CPU
+            static = engine.runner.static
+            assert static is not None and not static.graphs  # no capture on a CPU
+            assert static.steps_run > 0 and static.graph_replays == 0  # its decode steps took the buffers
     assert outs[0] == outs[1]
 
 
@@ -267,21 +269,28 @@ def test_the_switch_is_the_native_engines():
     assert not setting_problems({"backend": "native", "cuda_graphs": True}, "generate", None, "batchllm")
 
 
-def test_unset_the_graphs_are_on_where_they_can_be_captured(tiny_model, monkeypatch):
-    """engine.cuda_graphs unset: on for a CUDA device running the Triton kernels of the model's
-    head size (verified on an H200), off on a CPU and for head sizes the kernels do not take;
-    set, as set (true on a CUDA device that cannot capture is refused by the runner)."""
+def test_unset_the_graphs_follow_the_switch_where_they_can_be_captured(tiny_model, monkeypatch):
+    """engine.cuda_graphs unset: off while GRAPHS_BY_DEFAULT is (until a GPU verifies the default
+    engine with graphs); with it on, on for a CUDA device running the Triton kernels of the
+    model's head size, off on a CPU, on ROCm and for head sizes the kernels do not take; set, as
+    set (true on a CUDA device that cannot capture is refused by the runner)."""
     from prefixflow.engine.native import model_runner
     from prefixflow.engine.native.model_runner import ModelRunner, static_decode_wanted
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(model_runner, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert not model_runner.GRAPHS_BY_DEFAULT and not static_decode_wanted(None, cuda, 64)
+    monkeypatch.setattr(model_runner, "GRAPHS_BY_DEFAULT", True)
     assert static_decode_wanted(None, cuda, 64) and static_decode_wanted(None, cuda, 128)
     assert not static_decode_wanted(None, cuda, 80)  # the torch fallback: a host sync, no capture
     assert not static_decode_wanted(None, cpu, 64)  # buffers that only pad, no graph
     assert static_decode_wanted(True, cpu, 64) and not static_decode_wanted(False, cuda, 64)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: no graph of ours has run there
+    assert not static_decode_wanted(None, cuda, 64) and static_decode_wanted(True, cuda, 64)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(model_runner, "triton_available", lambda: False)
     assert not static_decode_wanted(None, cuda, 64)
-    # The engine's default on this CPU: no static buffers.
+    # The engine's default on this CPU, the switch on or off: no static buffers.
     runner = ModelRunner(EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", kv_cache_bytes=8 << 20))
     assert runner.static is None and runner.cuda_graphs is False
