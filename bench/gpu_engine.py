@@ -13,7 +13,8 @@
   weights floor (the weights' bytes read once at the device's measured copy bandwidth), and from
   torch's profiler over the same two runs, the device's busy time per decode step (the union of
   its kernels' intervals; the host's named ranges left out) and its share of the step timed
-  without the profiler, the kernels launched per decode step, how many steps ran on the static
+  without the profiler, the kernels launched per decode step and the largest kernels' device
+  time per decode step, how many steps ran on the static
   buffers and replayed a graph, and the host's time per decode step by phase (the runner's
   profiler ranges, engine/native/phases.py; the rest is the scheduler's and the engine's).
 - default_budget: the engine with graphs as a job builds it (the KV budget from
@@ -211,6 +212,7 @@ def decode_batch(
         else None,
         "torch_ops_per_decode_step": (full["torch_ops"] - first["torch_ops"]) / decode_steps,
         "host_ms_per_decode_step": host_phases_ms(first, full, decode_steps),
+        "device_ms_per_decode_step_by_kernel": _kernels_per_step(first, full, decode_steps),
         "runs": {"first_token": first, "with_decode": full},
     }
 
@@ -301,6 +303,7 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         "device_busy_s": _union_s([(e.time_range.start, e.time_range.end) for e in kernels]),
         "torch_ops": sum(1 for e in prof.events() if e.device_type != torch.autograd.DeviceType.CUDA),
         "host_phases_s": host,
+        "device_s_by_kernel": _by_kernel(kernels),
         "outputs_sha": result["outputs_sha"],
         "steps": result["steps"],
     }
@@ -314,6 +317,27 @@ def device_kernels(events: Any) -> list[Any]:
 
     cuda = torch.autograd.DeviceType.CUDA
     return [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
+def _by_kernel(kernels: list[Any]) -> dict[str, float]:
+    """Device seconds per kernel name (summed over its launches)."""
+    seconds: dict[str, float] = {}
+    for e in kernels:
+        seconds[e.name] = seconds.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
+    return seconds
+
+
+def _kernels_per_step(
+    first: dict[str, Any], full: dict[str, Any], decode_steps: int, top: int = 15
+) -> dict[str, float]:
+    """The device's milliseconds per decode step by kernel name, the `top` largest (names cut to
+    120 characters): where the step's device time goes, beside the weights' floor."""
+    per_step = {
+        name: 1e3 * (full["device_s_by_kernel"][name] - first["device_s_by_kernel"].get(name, 0.0)) / decode_steps
+        for name in full["device_s_by_kernel"]
+    }
+    largest = sorted(per_step.items(), key=lambda kv: -kv[1])[:top]
+    return {name[:120]: round(ms, 4) for name, ms in largest}
 
 
 def host_phases_ms(first: dict[str, Any], full: dict[str, Any], decode_steps: int) -> dict[str, float]:

@@ -103,6 +103,7 @@ def test_the_gpu_suite_runs_to_its_end_on_the_cpu(tmp_path):
         graphs = engine["decode_cuda_graphs"][batch]
         assert graphs["static_steps"] >= 4 and graphs["graph_replays"] == 0, graphs
         assert got["static_steps"] is None, got
+        assert got["device_ms_per_decode_step_by_kernel"] == {}  # no device kernels on a CPU
         # The runner's phases were profiled (engine/native/phases.py); per decode step they are a
         # difference of two runs, whose sign is noise as above: the runs' own totals are checked.
         phases = got["runs"]["with_decode"]["host_phases_s"]
@@ -125,7 +126,7 @@ def test_the_busy_share_counts_device_work_not_the_hosts_named_ranges():
 
     import torch
 
-    from prefixflow.bench.gpu_engine import _union_s, device_kernels
+    from prefixflow.bench.gpu_engine import _by_kernel, _kernels_per_step, _union_s, device_kernels
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -138,3 +139,9 @@ def test_the_busy_share_counts_device_work_not_the_hosts_named_ranges():
     kernels = device_kernels(events)
     assert kernels == events[:2]
     assert _union_s([(e.time_range.start, e.time_range.end) for e in kernels]) == 20e-6
+    # and by kernel name, per decode step: the run with 2 decode steps less the run with none
+    for e, name in zip(kernels, ("gemm", "attention")):
+        e.name = name
+    first = {"device_s_by_kernel": _by_kernel(kernels[:1])}
+    full = {"device_s_by_kernel": _by_kernel(kernels + kernels)}
+    assert _kernels_per_step(first, full, 2) == {"attention": 0.01, "gemm": 0.005}
