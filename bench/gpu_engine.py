@@ -170,24 +170,11 @@ def decode_batch(
     path: str, device: str, dtype: DType, batch: int, decode_steps: int, cuda_graphs: bool = False
 ) -> dict[str, Any]:
     from prefixflow.bench import peer_bench as pb
-    from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.native.llm_engine import LLMEngine
 
     prompts = _decode_prompts(batch)
     per_row = -(-(OWN + decode_steps + 1) // BLOCK) * BLOCK
-    engine = LLMEngine(
-        EngineConfig(
-            model=path,
-            device=device,
-            dtype=dtype,
-            block_size=BLOCK,
-            kv_cache_bytes=2 * (PREFIX + batch * per_row + 64 * BLOCK) * _kv_bytes_per_token(path, dtype),
-            max_num_seqs=batch,
-            max_num_batched_tokens=max(2048, PREFIX + batch * OWN),
-            max_model_len=2048,
-            cuda_graphs=cuda_graphs,
-        )
-    )
+    kv_bytes = 2 * (PREFIX + batch * per_row + 64 * BLOCK) * _kv_bytes_per_token(path, dtype)
+    engine = _decode_engine(path, device, dtype, batch, cuda_graphs, kv_bytes)
     static = engine.runner.static
     capture_s = static.capture_s if static is not None else None
     first = _runs(engine, pb.Workload("first", prompts, 1))
@@ -217,6 +204,29 @@ def decode_batch(
     }
 
 
+def _decode_engine(
+    path: str, device: str, dtype: DType, batch: int, cuda_graphs: bool, kv_cache_bytes: int | None
+) -> Any:
+    """The native engine the decode parts measure: `batch` requests at once, each prompt's
+    prefill in one step (kv_cache_bytes None: the budget from gpu_memory_utilization)."""
+    from prefixflow.engine.config import EngineConfig
+    from prefixflow.engine.native.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=path,
+            device=device,
+            dtype=dtype,
+            block_size=BLOCK,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(2048, PREFIX + batch * OWN),
+            max_model_len=2048,
+            cuda_graphs=cuda_graphs,
+        )
+    )
+
+
 def _decode_prompts(batch: int) -> list[list[int]]:
     """`batch` prompts sharing a PREFIX-token prefix, OWN tokens of their own each."""
     from prefixflow.bench import peer_bench as pb
@@ -234,22 +244,9 @@ def default_budget(device: str, dtype: DType, path: str, batch: int, decode_step
     import torch
 
     from prefixflow.bench import peer_bench as pb
-    from prefixflow.engine.config import EngineConfig
-    from prefixflow.engine.native.llm_engine import LLMEngine
 
     cuda = device.startswith("cuda")
-    engine = LLMEngine(
-        EngineConfig(
-            model=path,
-            device=device,
-            dtype=dtype,
-            block_size=BLOCK,
-            kv_cache_bytes=None if cuda else 64 << 20,
-            max_num_seqs=batch,
-            max_model_len=2048,
-            cuda_graphs=True,
-        )
-    )
+    engine = _decode_engine(path, device, dtype, batch, True, None if cuda else 64 << 20)
     started = time.perf_counter()
     result, _ = pb.run_engine(engine, pb.Workload("decode", _decode_prompts(batch), 1 + decode_steps), "plan")
     _sync(device)
