@@ -7,7 +7,8 @@ Runs `pytest tests/gpu` in a subprocess (JUnit XML parsed for the counts and fai
 `gpu_engine` (parity with transformers, the 1B-shape decode step beside its weights floor, device
 busy share, kernels per step, warm-up), then `kernel_bench`, and writes
 bench/results/gpu_suite_<gpu>.json after each section, so a run cut short keeps what it got
-(kernel_bench also writes its own file). Exits non-zero when a GPU test fails. Without CUDA it prints why and writes nothing.
+(kernel_bench also writes its own file). Exits non-zero when a GPU test fails. Without CUDA it
+prints why and writes nothing.
 
 --dry-run runs every section on the CPU at tiny shapes (Triton's kernels under its interpreter;
 the GPU tests skip themselves): a check, before a GPU session spends its minutes, that the suite

@@ -196,10 +196,10 @@ def cell_errors(runs: dict[str, Any]) -> dict[str, Any]:
     """Each cell's replayed runs (keys "cell#k") taken together, as the bench reports a cell: the
     medians over its repeats, predicted and measured, of the rows per engine ranked from the most
     (which engine is which is not comparable between runs: each numbers its engines by their
-    first request, on other nodes) and of the computed prompt tokens; their errors, and the measured spread
-    (the most one rank's rows differ between repeats, over the mean), which is how far Ray's own
-    runs of one cell are from each other: the noise no replay of a run's recorded inputs can
-    follow (which engine ends a task first, on the bench's shared cores)."""
+    first request, on other nodes) and of the computed prompt tokens; their errors, and the
+    measured spread (the most one rank's rows differ between repeats, over the mean), which is
+    how far Ray's own runs of one cell are from each other: the noise no replay of a run's
+    recorded inputs can follow (which engine ends a task first, on the bench's shared cores)."""
     grouped: dict[str, list[dict[str, Any]]] = {}
     for key, run in runs.items():
         grouped.setdefault(key.rsplit("#", 1)[0], []).append(run)

@@ -228,8 +228,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 # sittings with the driver's dispatch log at N = 2 and 4, the fbaa066 N = 2 sitting and three
 # sittings of Ray's N = 4 fixed-length cell, 2026-12-04 (at 8454e67, each task's first data node
 # logged; then with every node holding its blocks, batch_data_nodes; then at 0ffc176 also with
-# each task's end, batch_finished_s). Left out: 28c84c3's (before the fair setup's blocks) and 2ad78dd's
-# (each engine's first request only).
+# each task's end, batch_finished_s). Left out: 28c84c3's (before the fair setup's blocks) and
+# 2ad78dd's (each engine's first request only).
 SCALE_BENCHES = tuple(
     Path(__file__).parent / "results" / f"scale_bench_{name}.json.gz"
     for name in (

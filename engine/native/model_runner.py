@@ -44,7 +44,6 @@ import torch
 
 from prefixflow.engine.config import CPU_KV_CACHE_BYTES, VLLM_SEQS_CAP, EngineConfig
 from prefixflow.engine.models.layers.attention import AttentionMetadata
-from prefixflow.engine.native.phases import FORWARD, PREPARE, SAMPLE, phase
 from prefixflow.engine.models.loader import (
     load_model,
     load_tokenizer,
@@ -54,14 +53,10 @@ from prefixflow.engine.models.loader import (
     torch_dtype,
 )
 from prefixflow.engine.models.model_args import read_model_args, require_lm_head
+from prefixflow.engine.native.phases import FORWARD, PREPARE, SAMPLE, phase
 from prefixflow.engine.native.sampler import Sampler
 from prefixflow.engine.native.static_step import MAX_LADDER_BATCH, StaticDecode
-from prefixflow.engine.native.step import (
-    SampledToken,
-    SeqChunk,
-    StepInput,
-    StepOutput,
-)
+from prefixflow.engine.native.step import SampledToken, SeqChunk, StepInput, StepOutput
 from prefixflow.engine.native.step_batch import StepBatch, build_step_batch
 from prefixflow.kernels import TRITON_HEAD_DIMS, triton_available
 from prefixflow.requests import SamplingParams
@@ -94,8 +89,14 @@ def static_decode_wanted(setting: bool | None, device: torch.device, head_dim: i
     unset means off there; set true, they run (the tests)."""
     if setting is not None:
         return setting
-    capturable = device.type == "cuda" and torch.version.hip is None and head_dim in TRITON_HEAD_DIMS
-    return GRAPHS_BY_DEFAULT and capturable and triton_available()
+    return GRAPHS_BY_DEFAULT and device.type == "cuda" and torch.version.hip is None and graphs_capturable(head_dim)
+
+
+def graphs_capturable(head_dim: int) -> bool:
+    """Whether a CUDA graph can hold this model's decode step: only with the Triton kernels, which
+    take these head sizes (the torch fallbacks of others read values on the host, a sync, which a
+    capture refuses)."""
+    return head_dim in TRITON_HEAD_DIMS and triton_available()
 
 
 class ModelRunner:
@@ -177,9 +178,7 @@ class ModelRunner:
         the step's token budget, block tables as wide as max_model_len needs."""
         static = StaticDecode(self.model, self._ladder_top(), -(-self.max_model_len // self.block_size), self.device)
         if self.device.type == "cuda":
-            # A graph holds only device work: the torch fallbacks of other head sizes read
-            # values on the host (a sync), which a capture refuses.
-            if not triton_available() or self.args.head_dim not in TRITON_HEAD_DIMS:
+            if not graphs_capturable(self.args.head_dim):
                 raise ValueError(
                     f"EngineConfig.cuda_graphs captures the Triton kernels, which take head_dim in "
                     f"{TRITON_HEAD_DIMS} (with triton installed); this model's is {self.args.head_dim}: "

@@ -20,11 +20,11 @@ On a CPU, or on CUDA before a capture, the same buffers run the model eagerly: t
 tests check against the step built afresh (engine/native/model_runner.py). The capture code
 (`capture`) is the only CUDA-only code; `gpu_suite` verified it on an H200 (README); it is off
 by default until a GPU run also verifies the engine a job builds with it
-(`model_runner.GRAPHS_BY_DEFAULT`). Memory: the graphs
-share one pool, whose peak is a decode step of the top rung (the model runner keeps that much
-more out of the KV budget), and write their logits into one [top rung, vocab] buffer. A step of S rows on rung R reads every block table as wide
-as max_model_len: the kernels pick their split-K counts from that width, so short contexts run
-the most splits (correct, and cheap beside the launches a graph saves). On a CPU the static
+(`model_runner.GRAPHS_BY_DEFAULT`). Memory: the graphs share one pool, whose peak is a decode
+step of the top rung (the model runner keeps that much more out of the KV budget), and write
+their logits into one [top rung, vocab] buffer. A step of S rows on rung R reads every block
+table as wide as max_model_len: the kernels pick their split-K counts from that width, so short
+contexts run the most splits (correct, and cheap beside the launches a graph saves). On a CPU the static
 buffers are for testing: no graph, and padding rows computed for nothing.
 """
 
