@@ -1,9 +1,10 @@
 """How requests reach the replicas, in simulated time: Ray Data's actor pool (tasks of whole
-blocks, pulled with a cap on tasks in flight, first by an actor on the node holding the data)
-or a plan's units (each replica its own, in plan order, its loose units last:
-sim_run.plan_units; with stealing, a replica that runs dry takes the last unstarted unit of the
-replica with the most predicted work left: the engines' queue takes the one whose prefix it
-computes again least, work_queue.py, which this model leaves out).
+blocks, pulled with a cap on tasks in flight, first by an actor on the node holding the data,
+actors ranked by tasks in flight in Ray's own heap order: `rank_actor`) or a plan's units (each
+replica its own, in plan order, its loose units last: sim_run.plan_units; with stealing, a
+replica that runs dry takes the last unstarted unit of the replica with the most predicted work
+left: the engines' queue takes the one whose prefix it computes again least, work_queue.py,
+which this model leaves out).
 Numba-compiled for large runs (`kernel`).
 
 Time: a replica's clock is its busy time so far, max(sum T_comp, sum T_mem) over the requests it
@@ -35,7 +36,18 @@ from prefixflow.bench.sim_items import OWNER
 # test suite runs vLLM in the same process as the small cases. Small runs, and every run without
 # numba, use the same functions as plain Python.
 NUMBA_MIN_ITEMS = 100_000
-KERNELS = ("_run_range", "_task_end", "_pick_actor", "_dispatch_tasks", "_dispatch_units")
+KERNELS = (
+    "_run_range",
+    "_task_end",
+    "_swap",
+    "_sift_down",
+    "_heap_set",
+    "new_heaps",
+    "pick_actor",
+    "rank_actor",
+    "_dispatch_tasks",
+    "_dispatch_units",
+)
 _COMPILED: list[bool] = []
 
 
@@ -91,33 +103,86 @@ def _task_end(q, last, left, comp, mem, origin):
     return origin[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
 
 
-def _pick_actor(data_nodes, actor_node, ready_s, inflight, max_in_flight, now):
-    """The actor a task goes to now (-1: none up has room): the least busy up with room on the
-    first of its data_nodes (most bytes first, -1: none) that has one, else anywhere."""
-    r = -1
-    for j in range(len(data_nodes) + 1):
-        node = data_nodes[j] if j < len(data_nodes) else -1
-        if j < len(data_nodes) and node < 0:
-            continue
-        for q in range(len(actor_node)):
-            if (node < 0 or actor_node[q] == node) and ready_s[q] <= now and inflight[q] < max_in_flight:
-                if r < 0 or inflight[q] < inflight[r]:
-                    r = q
-        if r >= 0:
-            return r
-    return r
+def _swap(heap, pos, h, i, j):
+    a, b = heap[h, i], heap[h, j]
+    heap[h, i], heap[h, j] = b, a
+    pos[h, b], pos[h, a] = i, j
+
+
+def _sift_down(heap, size, pos, h, i, rank):
+    while True:
+        lo, left, right = i, 2 * i + 1, 2 * i + 2
+        if left < size[h] and rank[heap[h, left]] < rank[heap[h, i]]:
+            lo = left
+        if right < size[h] and rank[heap[h, right]] < rank[heap[h, lo]]:
+            lo = right
+        if lo == i:
+            return
+        _swap(heap, pos, h, i, lo)
+        i = lo
+
+
+def _heap_set(heap, size, pos, h, a, rank):
+    """Actor a (re)ranked in heap h as Ray Data's actor pool ranks it: its vendored heapdict,
+    keyed by tasks in flight (rank[a], already updated), where setting a key takes it out (up to
+    the root, then the root's removal) and pushes it again. A pushed actor rises past equal
+    ranks, so among actors with as few tasks in flight the one changed last is first: the
+    tie-break that decides which of several idle engines gets the next task."""
+    if pos[h, a] >= 0:
+        i = pos[h, a]
+        while i > 0:
+            _swap(heap, pos, h, i, (i - 1) // 2)
+            i = (i - 1) // 2
+        size[h] -= 1
+        if size[h] > 0:
+            _swap(heap, pos, h, 0, size[h])
+            _sift_down(heap, size, pos, h, 0, rank)
+    i = size[h]
+    heap[h, i], pos[h, a] = a, i
+    size[h] += 1
+    while i > 0 and not rank[heap[h, (i - 1) // 2]] < rank[heap[h, i]]:
+        _swap(heap, pos, h, i, (i - 1) // 2)
+        i = (i - 1) // 2
+
+
+def pick_actor(data_nodes, heap, size, rank, max_in_flight):
+    """The actor a task goes to (-1: none up has room), as Ray 2.60's select_actors: the first
+    actor of the heap of the first of the task's data_nodes (most bytes first, -1: none) whose
+    first has room, else the first of all (heap 0; node n's heap is 1 + n)."""
+    if size[0] == 0 or rank[heap[0, 0]] >= max_in_flight:
+        return -1
+    for j in range(len(data_nodes)):
+        h = 1 + data_nodes[j]
+        if data_nodes[j] >= 0 and h < len(size) and size[h] > 0 and rank[heap[h, 0]] < max_in_flight:
+            return heap[h, 0]
+    return heap[0, 0]
+
+
+def new_heaps(R, max_node):
+    """Empty actor heaps for R actors on nodes 0..max_node (-1: none known): heap 0 holds all
+    actors, heap 1 + n those on node n (Ray's per-node heaps); each a row of actor ids, its
+    size, and each actor's position in it (-1: not in it)."""
+    num_heaps = 2 + max(max_node, -1)
+    return np.zeros((num_heaps, R), np.int64), np.zeros(num_heaps, np.int64), np.full((num_heaps, R), -1, np.int64)
+
+
+def rank_actor(heap, size, pos, node, a, rank):
+    """a's tasks in flight changed (or a came up): re-set it in the heap of all and its node's."""
+    _heap_set(heap, size, pos, 0, a, rank)
+    if node >= 0:
+        _heap_set(heap, size, pos, 1 + node, a, rank)
 
 
 def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s, nodes):
     """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks in order, each from
-    its arrival (arrive_s; 0: all there at once) to the ready actor with the fewest tasks in
-    flight on the first node holding its data where one there has room (Ray's actor locality, on
-    by default; nodes: ([num_tasks, K] the nodes holding each task's data, most bytes first, and
-    [R] each actor's node), -1: none or not known), else anywhere (ties: the lowest index), at
-    most max_in_flight each (`_pick_actor`); when no ready actor has room, time moves on to the
-    next end of a task (`_task_end`) or the next actor's ready time. ready_s: [R] when each
-    actor can take its first task (0: ready when the data is; an engine that comes up after the
-    data fills its room first). An actor's clock starts at its ready time; one that
+    its arrival (arrive_s; 0: all there at once) to the first actor of the pool's heaps that has
+    room (`pick_actor`: on the first node holding its data where one there has room, Ray's actor
+    locality, on by default, else anywhere; nodes: ([num_tasks, K] the nodes holding each task's
+    data, most bytes first, and [R] each actor's node), -1: none or not known), at most
+    max_in_flight each. Actors join the heaps at their ready time (ready_s: [R]; 0: ready when
+    the data is), and each task handed out or ended re-ranks its actor (`_heap_set`), in the
+    order of those events; when no actor up has room, time moves on to the next task end
+    (`_task_end`) or the next ready time. An actor's clock starts at its ready time; one that
     ran dry waiting for data resumes at the arrival. Returns per task its actor and its end."""
     R = cfg[0]
     left, comp, mem = out[2], out[3], out[4]
@@ -128,39 +193,43 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
     last_item = np.maximum(task_starts[1:] - 1, 0)  # each task's last item, which ends it
     origin = ready_s.copy()  # when each actor's clock read 0
+    heap, size, pos = new_heaps(R, max(nodes[0].max(), nodes[1].max()))
+    up = np.zeros(R, np.bool_)
     now = 0.0
     for t in range(n + 1):
         if t < n:
             now = max(now, arrive_s[t])
         while True:
-            for q in range(R):  # tasks ended by now leave their actor (all of them, at the end)
-                while inflight[q] > 0:
-                    k = held[q, head[q]]
-                    end = _task_end(q, last_item[k], left, comp, mem, origin)
-                    if t < n and end > now:
-                        break
-                    finish[k] = end
+            while True:  # actors coming up and tasks ending by now, in time order (all, at the end)
+                q, when, ends = -1, np.inf, False
+                for a in range(R):
+                    if not up[a] and ready_s[a] < when:
+                        q, when, ends = a, ready_s[a], False
+                    if inflight[a] > 0:
+                        end = _task_end(a, last_item[held[a, head[a]]], left, comp, mem, origin)
+                        if end < when:
+                            q, when, ends = a, end, True
+                if q < 0 or (t < n and when > now):
+                    break
+                if ends:
+                    finish[held[q, head[q]]] = when
                     head[q] = (head[q] + 1) % max_in_flight
                     inflight[q] -= 1
+                up[q] = True
+                rank_actor(heap, size, pos, nodes[1][q], q, inflight)
             if t == n:
                 return actor, finish
-            r = _pick_actor(nodes[0][t], nodes[1], ready_s, inflight, max_in_flight, now)
+            r = pick_actor(nodes[0][t], heap, size, inflight, max_in_flight)
             if r >= 0:
                 break
-            nxt = np.inf
-            for q in range(R):
-                if ready_s[q] > now:
-                    nxt = min(nxt, ready_s[q])
-                elif inflight[q] > 0:
-                    k = held[q, head[q]]
-                    nxt = min(nxt, _task_end(q, last_item[k], left, comp, mem, origin))
-            now = nxt
+            now = when
         if inflight[r] == 0 and now > origin[r] + max(comp[r], mem[r]):  # idle: its clock resumes now
             origin[r] = now - max(comp[r], mem[r])
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
         held[r, (head[r] + inflight[r]) % max_in_flight] = t
         inflight[r] += 1
         actor[t] = r
+        rank_actor(heap, size, pos, nodes[1][r], r, inflight)
     return actor, finish
 
 

@@ -29,13 +29,15 @@ are a GPU-like engine's, the bench's are 4 engines sharing 2 cores). The model d
 task each actor gets, so row placement, computed tokens and busy shares are its predictions.
 It hands tasks out at once, each to the least busy actor up on the first node holding its data
 where one there has room, else to the least busy actor up (Ray 2.60's select_actors, with the actor
-locality Ray Data turns on by default): where the sorted data is ready before the engines come
+locality Ray Data turns on by default), among actors as busy the one Ray's actor heap puts first
+(the one whose tasks in flight changed last): where the sorted data is ready before the engines come
 up one by one, as on the bench's cluster, it predicts that the first engine up fills its 16 task
 slots first, one contiguous quarter of the sorted rows per engine, and a run whose data arrives
-after every engine is up is dealt by where its blocks are, else round robin. Ray's executor
+after every engine is up is dealt by where its blocks are, else in the heap's order. Ray's executor
 takes 13-17 ms a task on the bench's machine and sees engines come up only between its
-scheduling steps, so engines up within a step share tasks in alternating runs (measured:
-jobs/README.md)."""
+scheduling steps (measured: jobs/README.md). Where a run records each task's end, `rule_check`
+replays Ray's pick alone over its measured hand-outs and task ends: what the rule gets right
+without the model's clock."""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from prefixflow.bench import sim_dispatch as dispatch
 from prefixflow.bench.sim_items import plain_items
 from prefixflow.bench.sim_run import Cluster, RayData, Tasks, ray_tasks, simulate
 from prefixflow.bench.sim_workloads import Workload, workload_from_tokens
@@ -151,6 +154,7 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
         **goal_summary([r["errors"] for r in runs.values()]),
         "cells": cells,
         **cell_goal(list(cells.values())),
+        "rule_with_measured_ends": rule_summary(list(runs.values())),
         "cost_model": {
             "hardware": cm.hardware.name,
             "peak_flops": cm.hardware.peak_flops,
@@ -166,6 +170,7 @@ def validate_files(paths: Sequence[Path]) -> dict[str, Any]:
     return {
         **goal_summary([run["errors"] for report in files.values() for run in report["runs"].values()]),
         **cell_goal([cell for report in files.values() for cell in report["cells"].values()]),
+        "rule_with_measured_ends": rule_summary([run for report in files.values() for run in report["runs"].values()]),
         "files": files,
     }
 
@@ -233,6 +238,15 @@ def cell_goal(cells: list[dict[str, Any]], goal: float = GOAL) -> dict[str, Any]
         "max_abs_cell_error": max(per_cell, default=None),
         "cells_within_goal": f"{sum(e <= goal for e in per_cell)} of {len(per_cell)}",
     }
+
+
+def rule_summary(runs: list[dict[str, Any]]) -> str | None:
+    """How many of Ray's hand-outs the rule alone gives (`rule_check`), over the runs that
+    record their task ends (None: none does)."""
+    checks = [run["rule_with_measured_ends"] for run in runs if run.get("rule_with_measured_ends")]
+    if not checks:
+        return None
+    return f"{sum(c['as_ray'] for c in checks)} of {sum(c['handouts'] for c in checks)} hand-outs"
 
 
 def bench_cost_model(data: dict[str, Any], path: Path) -> CostModel:
@@ -449,6 +463,15 @@ def replay_run(
         },
         "busy_share_error": round(float(np.abs(pred_share - measured_share).max() * R), 5),
         "task_ends": None if finished is None else _task_ends(run, order, row_engine, finished - up.min(), clock_scale),
+        "rule_with_measured_ends": None
+        if finished is None
+        else rule_check(
+            tasks,
+            np.array([row_engine[int(order[s])] for s in tasks.starts[:-1]]),
+            np.sort(np.asarray(rec["batch_handout_s"], float), kind="stable"),
+            finished,
+            up,
+        ),
     }
 
 
@@ -492,6 +515,37 @@ def _task_ends(
     }
 
 
+def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: np.ndarray, up: np.ndarray) -> dict:
+    """Ray's pick alone, replayed over a run's own hand-outs (tasks, engine: the one Ray gave
+    each, handout and finished: when Ray handed each out and when its last row finished, all in
+    hand-out order; batch_handout_s, batch_finished_s) with its measured task ends: the engines
+    join Ray's heaps at their ready times (up), each task handed out or ended re-ranks its
+    engine, in time order, and at each hand-out `pick_actor` names an engine, against Ray's.
+    The model's errors are its rule's and its clock's (when tasks end, on the bench's shared
+    cores); this measures the rule without the clock."""
+    n, R = len(handout), len(up)
+    data_node = np.full((n, 1), -1, np.int64) if tasks.data_node is None else np.asarray(tasks.data_node, np.int64)
+    data_node = data_node[:, None] if data_node.ndim == 1 else data_node
+    actor_node = np.full(R, -1, np.int64) if tasks.actor_node is None else np.asarray(tasks.actor_node, np.int64)
+    heap, size, pos = dispatch.new_heaps(R, int(max(data_node.max(), actor_node.max())))
+    inflight = np.zeros(R, np.int64)
+    joins = [(float(up[e]), -1, e) for e in range(R) if np.isfinite(up[e])]
+    events = sorted(joins + [(float(finished[t]), t, int(engine[t])) for t in range(n)])
+    k, misses = 0, []
+    for i in range(n):
+        while k < len(events) and events[k][0] <= handout[i]:
+            _, task, e = events[k]
+            inflight[e] -= task >= 0
+            dispatch.rank_actor(heap, size, pos, actor_node[e], e, inflight)
+            k += 1
+        picked = int(dispatch.pick_actor(data_node[i], heap, size, inflight, tasks.max_in_flight))
+        if picked != engine[i]:
+            misses.append({"handout": i, "in_flight": inflight.tolist(), "rule": picked, "ray": int(engine[i])})
+        inflight[engine[i]] += 1
+        dispatch.rank_actor(heap, size, pos, actor_node[engine[i]], engine[i], inflight)
+    return {"handouts": n, "as_ray": n - len(misses), "misses": misses}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="The dispatch model against scale_bench files' ray.data.llm runs.")
     ap.add_argument("scale_bench", nargs="+", help="scale_bench.json files (or extracts, .json.gz)")
@@ -521,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
         f"runs within the goal: {held['runs_within_goal']}; in rows per engine: {held['rows_per_engine_within_goal']}"
     )
     print(f"cells within the goal (medians of their repeats): {held['cells_within_goal']}")
+    if held["rule_with_measured_ends"]:
+        print(f"Ray's pick given the measured task ends: {held['rule_with_measured_ends']} as Ray made them")
 
 
 if __name__ == "__main__":

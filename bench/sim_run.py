@@ -118,7 +118,8 @@ class Tasks:
     blocks, most bytes first (-1 after the last; [num_tasks]: one each, the node holding most)
     and actor_node: [num_replicas] each actor's node (node numbers, -1: not known; None: all
     -1): an actor up with room on the first of a task's data nodes that has one takes it (Ray
-    Data's actor locality, on by default), else the least busy actor up anywhere."""
+    Data's actor locality, on by default), else the least busy actor up anywhere; among actors
+    as busy, the one whose tasks in flight changed last (Ray's actor heap: sim_dispatch.rank_actor)."""
 
     starts: np.ndarray
     max_in_flight: int

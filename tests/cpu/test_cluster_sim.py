@@ -17,7 +17,7 @@ import pytest
 
 from prefixflow.bench import cluster_sim as cs
 from prefixflow.bench import sim_items, sim_report, sim_run
-from prefixflow.bench.sim_dispatch_check import bench_cost_model, cell_errors, cell_goal
+from prefixflow.bench.sim_dispatch_check import bench_cost_model, cell_errors, cell_goal, rule_check
 from prefixflow.bench.sim_workloads import families
 from prefixflow.pipeline import build_plan
 from prefixflow.pipeline.cost_model import CostModel
@@ -168,24 +168,32 @@ class Reference:
             self.run_item(i, r)
 
     def tasks(self, how):
-        """Ray Data: fewest in flight first (lowest index); when every actor is full, time moves
-        to the first end of a task (its last row left the batch, else its actor ran all it
-        holds) and every task ended by then leaves."""
+        """Ray Data 2.60's pull, written out with Ray's own actor heap (its vendored heapdict,
+        keyed by tasks in flight; the actors join it in index order): each task goes to the
+        heap's first when it has room; when none has, time moves to the first end of a task (its
+        last row left the batch, else its actor ran all it holds), and the tasks ended by then
+        leave in the order they ended, each re-ranking its actor."""
+        from ray.data._internal.utils.heapdict import heapdict
+
+        heap = heapdict()
+        for q in range(len(self.reps)):
+            heap[q] = 0
         flights = [[] for _ in self.reps]  # each actor's tasks in flight, by their last item
         end = lambda r, last: self.left.get(last, self.clock(r))  # noqa: E731
         now = 0.0
         for t in range(len(how.starts) - 1):
             while True:
-                for q, f in enumerate(flights):
-                    while f and end(q, f[0]) <= now:
-                        f.pop(0)
-                counts = [len(f) for f in flights]
-                r = counts.index(min(counts))
-                if counts[r] < how.max_in_flight:
+                while any(f and end(q, f[0]) <= now for q, f in enumerate(flights)):
+                    q = min((q for q, f in enumerate(flights) if f), key=lambda q: (end(q, flights[q][0]), q))
+                    flights[q].pop(0)
+                    heap[q] = len(flights[q])
+                r, rank = heap.peekitem()
+                if rank < how.max_in_flight:
                     break
-                now = min(end(q, f[0]) for q, f in enumerate(flights))
+                now = min(end(q, f[0]) for q, f in enumerate(flights) if f)
             self.run_range(how.starts[t], how.starts[t + 1], r)
             flights[r].append(how.starts[t + 1] - 1)
+            heap[r] = len(flights[r])
 
     def units(self, how):
         """Plan units: the lowest clock goes next, each replica's `last` units after its others; a
@@ -257,21 +265,26 @@ def test_blocks_are_split_evenly_and_bundled_whole_up_to_batch_size():
         cs.ray_tasks(10, cs.RayData(), 2, np.array([4, 4]))
 
 
-@pytest.mark.parametrize("in_flight,expected", [(2, [0, 1, 0, 1, 1, 1, 1]), (1, [0, 1, 1, 1, 1, 1, 1])])
+@pytest.mark.parametrize("in_flight,expected", [(2, "LSSLSSS"), (1, "LSSSSSS")])
 def test_a_task_goes_to_the_fewest_in_flight_then_to_the_first_actor_to_finish(in_flight, expected):
-    """Two actors, one-row tasks: a long prompt first, then short ones. With 2 in flight the
-    third task goes to actor 0 although it is busier (fewest in flight, ties to the lowest
-    index: Ray ranks actors by tasks in flight, not by work); once both are full every task
-    waits for the first to finish, always actor 1's. With 1 in flight actor 1 pulls them all.
-    Tasks an actor holds at once run in one batch and end together."""
+    """Two actors, one-row tasks: a long prompt first (to L), then short ones (S: the other).
+    Ray's actor heap ranks actors by tasks in flight, not by work, and among equals puts first
+    the one re-ranked last (the first task goes to the actor that joined last): with 2 in
+    flight the third task goes to S (1 each, S re-ranked last), the fourth to L although it is
+    busier (fewest in flight); once both are full every task waits for the first to finish,
+    always S's. With 1 in flight S pulls them all. Tasks an actor holds at once run in one
+    batch and end together."""
     w = cs.workload_from_tokens(distinct_prompts([2000] + [100] * 6), 16)
     how = cs.ray_tasks(7, cs.RayData(7, 1, in_flight), 2)
     run = cs.simulate(w, cs.plain_items(w, np.arange(7)), cs.Cluster(2, 1 << 20), CM, how)
-    assert run.grain_replica.tolist() == expected
-    on_1 = np.flatnonzero(run.grain_replica == 1)
-    assert np.all(np.diff(run.grain_time_s[on_1]) >= 0) and run.grain_time_s[on_1[-1]] < run.grain_time_s[0]
+    assert run.grain_replica[0] == 1  # the last to join Ray's heap is its first
+    long = run.grain_replica[0]
+    assert "".join("L" if r == long else "S" for r in run.grain_replica) == expected
+    on_short = np.flatnonzero(run.grain_replica != long)
+    assert np.all(np.diff(run.grain_time_s[on_short]) >= 0)
+    assert run.grain_time_s[on_short[-1]] < run.grain_time_s[0]
     if in_flight == 2:
-        assert run.grain_time_s[1] == run.grain_time_s[3] < run.grain_time_s[4] == run.grain_time_s[5]
+        assert run.grain_time_s[1] == run.grain_time_s[2] < run.grain_time_s[4] == run.grain_time_s[5]
 
 
 def test_tasks_held_at_once_run_as_one_batch_and_end_when_their_rows_leave_it():
@@ -294,13 +307,15 @@ def test_tasks_held_at_once_run_as_one_batch_and_end_when_their_rows_leave_it():
 
 
 def test_with_no_more_tasks_than_slots_every_actor_gets_its_share_at_once():
-    """4 engines, 64 equal blocks, 16 in flight: the first fill places them all, round robin:
+    """4 engines, 64 equal blocks, 16 in flight: the first fill places them all, in the order of
+    Ray's actor heap (each task to the fewest in flight, among equals the one re-ranked last):
     16 blocks each, whatever the blocks cost."""
     w = cs.workload_from_tokens(distinct_prompts(list(range(50, 50 + 128))), 16)
     run = cs.simulate(
         w, cs.plain_items(w, np.arange(128)), cs.Cluster(4, 1 << 20), CM, cs.ray_tasks(128, cs.RayData(64, 2, 16), 4)
     )
-    assert run.grain_replica.tolist() == [t % 4 for t in range(64)]
+    assert sorted(run.grain_replica[:4]) == [0, 1, 2, 3] and run.grain_replica[0] == 3
+    assert np.bincount(run.grain_replica).tolist() == [16] * 4
     assert np.bincount(run.item_replica).tolist() == [32] * 4
 
 
@@ -323,25 +338,26 @@ def test_engines_up_after_the_data_fill_their_slots_in_the_order_they_come_up():
 
 
 def test_tasks_arriving_one_by_one_go_where_there_is_room_when_they_arrive():
-    """Two actors, 8 tasks of 2 rows. All there at once, they alternate (the fewest in flight).
-    Arriving each well after the last one ended, each finds both actors idle and goes to the
-    first; an actor that ran dry resumes its clock at the arrival, so no task ends before it
+    """Two actors, 8 tasks of 2 rows. All there at once, they alternate in pairs (the fewest in
+    flight; among equals the actor re-ranked last: Ray's heap). Arriving each well after the
+    last one ended, each finds both actors idle and goes to the one whose task ended last; an
+    actor that ran dry resumes its clock at the arrival, so no task ends before it
     arrived and its own work is done."""
     w = cs.workload_from_tokens(distinct_prompts([100] * 16), 16)
     items, cluster = cs.plain_items(w, np.arange(16)), cs.Cluster(2, 1 << 20)
     at_once = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2))
-    assert at_once.grain_replica.tolist() == [0, 1] * 4
+    assert at_once.grain_replica.tolist() == [1, 0, 0, 1] * 2
     one = cs.simulate(
         w, cs.plain_items(w, np.arange(2)), cs.Cluster(1, 1 << 20), CM, cs.ray_tasks(2, cs.RayData(1, 2, 16), 1)
     )
     arrive = np.arange(8) * 10 * one.busy_s[0]
     spaced = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive))
-    assert spaced.grain_replica.tolist() == [0] * 8
+    assert spaced.grain_replica.tolist() == [1] * 8
     assert np.allclose(spaced.grain_time_s, arrive + one.busy_s[0])
     # each arriving while the other actor still runs the last one: they alternate, each task
     # ending its own work after it arrived
     overlap = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive * 0.06))
-    assert overlap.grain_replica.tolist() == [0, 1] * 4
+    assert overlap.grain_replica.tolist() == [1, 0] * 4
     assert np.allclose(overlap.grain_time_s, arrive * 0.06 + one.busy_s[0])
     # all arriving at 0 is the data all there at once, to the last bit
     zero = cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=np.zeros(8)))
@@ -361,11 +377,12 @@ def test_a_task_goes_first_to_an_actor_on_the_node_holding_its_data():
     local = cs.Tasks(tasks.starts, 3, data_node=np.array([7, 7, 7, 7, 5, -1]), actor_node=np.array([5, 7]))
     run = cs.simulate(w, items, cluster, CM, local)
     assert run.grain_replica.tolist() == [1, 1, 1, 0, 0, 0]  # the 4th: node 7's actor is full
-    assert cs.simulate(w, items, cluster, CM, tasks).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
+    pulled = [1, 0, 0, 1, 1, 0]  # without locality: Ray's heap (the fewest in flight, then the last re-ranked)
+    assert cs.simulate(w, items, cluster, CM, tasks).grain_replica.tolist() == pulled
     elsewhere = cs.Tasks(tasks.starts, 3, data_node=np.array([9] * 6), actor_node=np.array([5, 7]))
-    assert cs.simulate(w, items, cluster, CM, elsewhere).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
+    assert cs.simulate(w, items, cluster, CM, elsewhere).grain_replica.tolist() == pulled
     unknown = cs.Tasks(tasks.starts, 3, data_node=np.full(6, -1), actor_node=np.array([-1, 7]))
-    assert cs.simulate(w, items, cluster, CM, unknown).grain_replica.tolist() == [0, 1, 0, 1, 0, 1]
+    assert cs.simulate(w, items, cluster, CM, unknown).grain_replica.tolist() == pulled
     with pytest.raises(ValueError, match="data_node"):
         cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 3, data_node=np.array([7, 7])))
 
@@ -382,9 +399,9 @@ def test_a_task_whose_first_data_node_is_full_tries_the_next_node_holding_its_da
     both = cs.Tasks(tasks.starts, 3, data_node=np.array([[7, 9]] * 9), actor_node=actors)
     assert cs.simulate(w, items, cluster, CM, both).grain_replica.tolist() == [1, 1, 1, 2, 2, 2, 0, 0, 0]
     first = cs.Tasks(tasks.starts, 3, data_node=np.full(9, 7), actor_node=actors)
-    assert cs.simulate(w, items, cluster, CM, first).grain_replica.tolist() == [1, 1, 1, 0, 2, 0, 2, 0, 2]
+    assert cs.simulate(w, items, cluster, CM, first).grain_replica.tolist() == [1, 1, 1, 2, 0, 0, 2, 2, 0]
     padded = cs.Tasks(tasks.starts, 3, data_node=np.array([[7, -1]] * 9), actor_node=actors)
-    assert cs.simulate(w, items, cluster, CM, padded).grain_replica.tolist() == [1, 1, 1, 0, 2, 0, 2, 0, 2]
+    assert cs.simulate(w, items, cluster, CM, padded).grain_replica.tolist() == [1, 1, 1, 2, 0, 0, 2, 2, 0]
     with pytest.raises(ValueError, match="data_node"):
         cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 3, data_node=np.full((9, 2, 1), 7)))
 
@@ -662,7 +679,8 @@ def test_validate_dispatch_replays_tasks_as_they_arrived_where_the_run_records_i
     path = bench_file(tmp_path / "n.json", tokens, blocks, 8, 2, 3, [0.0] * 3, numbered_otherwise, arrive_s=arrive)
     run = cs.validate_dispatch(path)["runs"]["ray_llm_arrival/3#0"]
     assert run["errors"] == {"rows_per_engine": 0.0, "placement": 0.0, "computed_prompt_tokens": 0.0}
-    assert run["measured"]["rows_per_engine"] == [len(tokens), 0, 0]  # each found every engine idle
+    # each found every engine idle and went to the one re-ranked last (Ray's heap)
+    assert run["measured"]["rows_per_engine"] == [0, 0, len(tokens)]
 
     def at_once(rec):
         del rec["batch_arrive_s"]
@@ -748,6 +766,26 @@ def test_validate_dispatch_reads_every_node_holding_a_tasks_data_where_the_run_r
     assert run["locality_from"] == "batch_data_node" and run["errors"]["placement"] > 0.05
 
 
+def test_rule_check_replays_rays_pick_over_the_measured_hand_outs_and_task_ends():
+    """Ray's pick without the model's clock: two engines up at 0 (joining Ray's heap in that
+    order), 2 tasks in flight each, hand-outs and task ends as measured. The rule gives each
+    hand-out as Ray's heap does: the first to engine 1 (the last to join), the third to engine
+    0 (as busy as 1, re-ranked last), the fifth to 0 (its task ended at 0.5), the sixth to 1
+    (its first ended at 1.05), the seventh to 1's node's data while it has room. Hand-outs that
+    a lowest-index tie-break would give (0, 1, 0, 1, ...) are misses, each with the counts then."""
+    tasks = cs.Tasks(np.arange(8), 2, data_node=np.array([-1, -1, -1, -1, -1, -1, 8]), actor_node=np.array([5, 8]))
+    handout = np.array([0.0, 0.1, 0.2, 0.3, 1.0, 1.1, 2.5])
+    finished = np.array([1.05, 0.5, 2.4, 2.1, 2.2, 2.3, 3.0])
+    up = np.array([0.0, 0.0])
+    as_ray = rule_check(tasks, np.array([1, 0, 0, 1, 0, 1, 1]), handout, finished, up)
+    assert as_ray == {"handouts": 7, "as_ray": 7, "misses": []}
+    lowest = rule_check(tasks, np.array([0, 1, 0, 1, 0, 1, 1]), handout, finished, up)
+    assert lowest["as_ray"] < 7
+    assert lowest["misses"][0] == {"handout": 0, "in_flight": [0, 0], "rule": 1, "ray": 0}
+    late = rule_check(tasks, np.array([1, 0, 0, 1, 0, 1, 1]), handout, finished, np.array([0.0, np.inf]))
+    assert late["misses"][0] == {"handout": 0, "in_flight": [0, 0], "rule": 0, "ray": 1}  # never up
+
+
 def test_validate_dispatch_replays_an_engine_that_ran_no_row_as_never_up(tmp_path):
     """The bench records start-up times only for engines that ran rows (the others last, with 0
     rows): such an engine is never up in the replay, and the errors stay zero."""
@@ -773,9 +811,10 @@ def test_the_dispatch_check_reads_several_files_and_extracts_one(tmp_path, capsy
     b = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=np.arange(num_tasks) * 0.5)
     main([str(a), str(b)])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2:] == [
+    assert lines[-3:] == [
         "runs within the goal: 2 of 2; in rows per engine: 2 of 2",
         "cells within the goal (medians of their repeats): 2 of 2",
+        f"Ray's pick given the measured task ends: {num_tasks} of {num_tasks} hand-outs as Ray made them",  # b's
     ]
     with pytest.raises(SystemExit):
         main([str(a), str(b), "--extract", str(tmp_path / "x.json.gz")])
