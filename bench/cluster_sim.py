@@ -30,8 +30,9 @@ ray/llm/_internal/batch/processor/base.py and vllm_engine_proc.py):
   what is left is one last task. ray.data.llm's batch_size: 32.
 - each engine actor holds at most max_tasks_in_flight_per_actor tasks (the ProcessorConfig's,
   else the DataContext's, else 2 x max_concurrent_batches = 16); a task goes to the actor with
-  the fewest tasks in flight (a heap: ties to the lowest index here), and when every actor is
-  full the next task waits for the first task to finish and goes to that actor (the pull).
+  the fewest tasks in flight (Ray's heap, copied with its tie-break: among equals the actor
+  re-ranked last; sim_dispatch.rank_actor), and when every actor is full the next task waits
+  for the first task to finish and goes to that actor (the pull).
 - within an actor the rows of its tasks in flight run as one continuous batch in the order the
   tasks came (FIFO admission, sim_cache.py), with the same engine settings as prefixflow's
   (max_num_seqs 256, one H100's KV cache, prefix caching).

@@ -495,9 +495,9 @@ def _task_ends(
     its rows; here in seconds from the first engine up, tasks in hand-out order), over the tasks
     the model put on the engine that ran them: the median error and the median absolute error,
     and per engine how far apart the first five of those tasks it was handed ended, measured and
-    predicted (vLLM runs the rows it admits at once in one batch, and fixed-length rows admitted
-    together end together; the model's clock, an engine's admitted work, ends them one after
-    another)."""
+    predicted (vLLM runs the rows it admits at once in one batch, and tasks admitted together
+    end about together, each when its longest row does; the model's clock, an engine's admitted
+    work, ends them one after another)."""
     predicted = run.grain_time_s / clock_scale
     engine = np.array([row_engine[int(order[s])] for s in run.dispatch.starts[:-1]])
     same = engine == run.grain_replica
