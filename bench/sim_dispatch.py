@@ -96,11 +96,11 @@ def _run_range(st, buf, lo, hi, r, it, tree, cfg, coef, out):
         start[i], where[i] = s, r
 
 
-def _task_end(q, last, left, comp, mem, origin):
+def _task_end(q, last, left, comp, mem, origin, speed):
     """When actor q's task whose last item is `last` ends: that item's leave time, or while it
     is still in the running batch, the end of everything q admitted (module doc); origin[q]:
-    when q's clock read 0."""
-    return origin[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q]))
+    when q's clock read 0; speed[q]: q's clock seconds per second."""
+    return origin[q] + (left[last] if left[last] >= 0.0 else max(comp[q], mem[q])) / speed[q]
 
 
 def _swap(heap, pos, h, i, j):
@@ -173,7 +173,7 @@ def rank_actor(heap, size, pos, node, a, rank):
         _heap_set(heap, size, pos, 1 + node, a, rank)
 
 
-def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s, nodes):
+def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_flight, ready_s, arrive_s, nodes, speed):
     """Ray Data's actor pool (Ray 2.60 `_ActorPool.select_actors`): the tasks in order, each from
     its arrival (arrive_s; 0: all there at once) to the first actor of the pool's heaps that has
     room (`pick_actor`: on the first node holding its data where one there has room, Ray's actor
@@ -182,8 +182,9 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     max_in_flight each. Actors join the heaps at their ready time (ready_s: [R]; 0: ready when
     the data is), and each task handed out or ended re-ranks its actor (`_heap_set`), in the
     order of those events; when no actor up has room, time moves on to the next task end
-    (`_task_end`) or the next ready time. An actor's clock starts at its ready time; one that
-    ran dry waiting for data resumes at the arrival. Returns per task its actor and its end."""
+    (`_task_end`) or the next ready time. An actor's clock starts at its ready time and runs at
+    its speed (speed: [R], its work's seconds per second); one that ran dry waiting for data
+    resumes at the arrival. Returns per task its actor and its end."""
     R = cfg[0]
     left, comp, mem = out[2], out[3], out[4]
     n = len(task_starts) - 1
@@ -206,7 +207,7 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
                     if not up[a] and ready_s[a] < when:
                         q, when, ends = a, ready_s[a], False
                     if inflight[a] > 0:
-                        end = _task_end(a, last_item[held[a, head[a]]], left, comp, mem, origin)
+                        end = _task_end(a, last_item[held[a, head[a]]], left, comp, mem, origin, speed)
                         if end < when:
                             q, when, ends = a, end, True
                 if q < 0 or (t < n and when > now):
@@ -223,8 +224,8 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
             if r >= 0:
                 break
             now = when
-        if inflight[r] == 0 and now > origin[r] + max(comp[r], mem[r]):  # idle: its clock resumes now
-            origin[r] = now - max(comp[r], mem[r])
+        if inflight[r] == 0 and now > origin[r] + max(comp[r], mem[r]) / speed[r]:  # idle: resumes now
+            origin[r] = now - max(comp[r], mem[r]) / speed[r]
         _run_range(st, buf, task_starts[t], task_starts[t + 1], r, it, tree, cfg, coef, out)
         held[r, (head[r] + inflight[r]) % max_in_flight] = t
         inflight[r] += 1

@@ -37,7 +37,8 @@ after every engine is up is dealt by where its blocks are, else in the heap's or
 takes 13-17 ms a task on the bench's machine and sees engines come up only between its
 scheduling steps (measured: jobs/README.md). Where a run records each task's end, `rule_check`
 replays Ray's pick alone over its measured hand-outs and task ends: what the rule gets right
-without the model's clock."""
+without the model's clock; `speed_noise` (--speed-noise) how far the replays move when each
+engine's pace is a few percent off, which the bench's shared cores make it."""
 
 from __future__ import annotations
 
@@ -138,16 +139,8 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
     machine, where 4 engines share 2 cores and one that finishes early speeds up the others."""
     path = Path(scale_bench_json)
     data = load_bench(path)
-    rows, tokens = _rows(data, path)
     cm = cost_model or bench_cost_model(data, path)
-    block_size = int(_field(data.get("args", {}), "block_size", f"{path}: args"))
-    caps = np.array([int(r["max_tokens"]) for r in rows], np.int64)
-    w = workload_from_tokens(tokens, caps)
-    runs: dict[str, Any] = {}
-    for key, cell in data.get("runs", {}).items():
-        for k, rec in enumerate(cell.get("repeats", [])):
-            if str(rec.get("system", key)).startswith("ray_llm"):
-                runs[f"{key}#{k}"] = replay_run(w, rows, tokens, rec, block_size, cm, f"{path}: runs[{key}][{k}]")
+    runs = {key: replay(None) for key, replay in _ray_replays(path, data, cm)}
     cells = cell_errors(runs)
     return {
         "runs": runs,
@@ -160,6 +153,51 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
             "peak_flops": cm.hardware.peak_flops,
             "mem_bandwidth": cm.hardware.mem_bandwidth,
         },
+    }
+
+
+def _ray_replays(path: Path, data: dict[str, Any], cm: CostModel) -> Any:
+    """Each ray.data.llm run of a loaded file: its key ("cell#k") and replay_run on it as a
+    function of the engines' speeds (None: all 1)."""
+    rows, tokens = _rows(data, path)
+    block_size = int(_field(data.get("args", {}), "block_size", f"{path}: args"))
+    w = workload_from_tokens(tokens, np.array([int(r["max_tokens"]) for r in rows], np.int64))
+    for key, cell in data.get("runs", {}).items():
+        for k, rec in enumerate(cell.get("repeats", [])):
+            if str(rec.get("system", key)).startswith("ray_llm"):
+                where = f"{path}: runs[{key}][{k}]"
+                yield (
+                    f"{key}#{k}",
+                    lambda speed, rec=rec, where=where: replay_run(w, rows, tokens, rec, block_size, cm, where, speed),
+                )
+
+
+def speed_noise(paths: Sequence[Path], noise: float, draws: int, seed: int = 0) -> dict[str, Any]:
+    """How much each replay hangs on the engines' paces: every ray.data.llm run of the files
+    replayed `draws` more times, each engine's speed drawn uniformly in 1 +- noise
+    (sim_run.Tasks.speed); per run, how many draws put rows per engine more than the goal from
+    the replay at equal speeds (`moved`), and how many within the goal of the measured rows
+    (`within_goal`). The model gives a run's engines one pace; on the bench's machine, where 4
+    engines share 2 cores, they ran 1.2-2.5x apart in busy time per row."""
+    rng = np.random.default_rng(seed)
+    runs: dict[str, Any] = {}
+    for path in paths:
+        data = load_bench(Path(path))
+        for key, replay in _ray_replays(Path(path), data, bench_cost_model(data, Path(path))):
+            base = replay(None)
+            even, measured = (np.array(base[side]["rows_per_engine"], float) for side in ("predicted", "measured"))
+            moved = within = 0
+            for _ in range(draws):
+                rows = np.array(replay(rng.uniform(1 - noise, 1 + noise, len(even)))["predicted"]["rows_per_engine"])
+                moved += bool(np.abs(rows - even).max() / even.mean() > GOAL)
+                within += bool(np.abs(rows - measured).max() / measured.mean() <= GOAL)
+            runs[f"{os.path.relpath(path)}: {key}"] = {"moved": moved, "within_goal": within}
+    return {
+        "noise": noise,
+        "draws": draws,
+        "runs": runs,
+        "moved": f"{sum(r['moved'] for r in runs.values())} of {draws * len(runs)} draws",
+        "within_goal": f"{sum(r['within_goal'] for r in runs.values())} of {draws * len(runs)} draws",
     }
 
 
@@ -408,8 +446,10 @@ def replay_run(
     block_size: int,
     cm: CostModel,
     where: str,
+    speed: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """One measured run replayed through the dispatch model; its predictions, measurements, errors."""
+    """One measured run replayed through the dispatch model (speed: each engine's pace,
+    sim_run.Tasks.speed; None: all 1); its predictions, measurements, errors."""
     outs, row_block, row_engine = _run_rows(rec, rows, where)
     R = int(_field(rec, "replicas", where))
     order, tasks, arrived, finished = _replay_tasks(rec, row_block, tokens, R, where)
@@ -428,7 +468,7 @@ def replay_run(
     clock_scale = float(probe.busy_s.sum() / measured_busy.sum())
     # ... and so do each task's arrival at the engine stage, where the run records them
     arrive = None if arrived is None else np.maximum(arrived - up.min(), 0.0) * clock_scale
-    tasks = replace(tasks, ready_s=(up - up.min()) * clock_scale, arrive_s=arrive)
+    tasks = replace(tasks, ready_s=(up - up.min()) * clock_scale, arrive_s=arrive, speed=speed)
     run = simulate(w, items, cluster, cm, tasks)
     measured_rows = np.asarray(_field(rec, "rows_per_engine", where), float)
     measured_computed = int(_field(rec, "computed_prompt_tokens", where))
@@ -552,7 +592,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--extract", default=None, help="also write what the validation reads of the one file here (.json.gz)"
     )
+    ap.add_argument(
+        "--speed-noise",
+        type=float,
+        default=None,
+        help="also replay each run --draws times with each engine's pace drawn in 1 +- this (speed_noise)",
+    )
+    ap.add_argument("--draws", type=int, default=10, help="replays per run for --speed-noise")
     args = ap.parse_args(argv)
+    if args.speed_noise is not None:
+        noisy = speed_noise([Path(p) for p in args.scale_bench], args.speed_noise, args.draws)
+        for key, run in noisy["runs"].items():
+            print(key, json.dumps(run))
+        print(f"engines' paces within 1 +- {args.speed_noise}: rows per engine moved more than {GOAL} from the")
+        print(f"even-paced replay in {noisy['moved']}, within {GOAL} of the measured in {noisy['within_goal']}")
+        return
     if args.extract:
         if len(args.scale_bench) != 1:
             ap.error("--extract takes one scale_bench file")

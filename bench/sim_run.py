@@ -119,7 +119,9 @@ class Tasks:
     and actor_node: [num_replicas] each actor's node (node numbers, -1: not known; None: all
     -1): an actor up with room on the first of a task's data nodes that has one takes it (Ray
     Data's actor locality, on by default), else the least busy actor up anywhere; among actors
-    as busy, the one whose tasks in flight changed last (Ray's actor heap: sim_dispatch.rank_actor)."""
+    as busy, the one whose tasks in flight changed last (Ray's actor heap: sim_dispatch.rank_actor);
+    speed: [num_replicas] each actor's pace, its work's seconds per second (None: all 1), which
+    moves when its tasks end (the Run's busy times stay the cost model's seconds)."""
 
     starts: np.ndarray
     max_in_flight: int
@@ -127,6 +129,7 @@ class Tasks:
     arrive_s: np.ndarray | None = None
     data_node: np.ndarray | None = None
     actor_node: np.ndarray | None = None
+    speed: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -225,7 +228,11 @@ def simulate(
                 _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks", ndim=2),
                 _nodes(how.actor_node, R, "actor_node", "actors"),
             )
-            grain, when = dispatch.kernel("_dispatch_tasks", n)(*args, how.max_in_flight, ready, arrive, nodes)
+            speed = np.ones(R) if how.speed is None else np.asarray(how.speed, np.float64)
+            if speed.shape != (R,) or not np.all(speed > 0):
+                raise ValueError(f"simulate: Tasks.speed must give each of the {R} actors a pace > 0")
+            kernel = dispatch.kernel("_dispatch_tasks", n)
+            grain, when = kernel(*args, how.max_in_flight, ready, arrive, nodes, speed)
         else:
             last = np.zeros(len(how.owner), bool) if how.last is None else np.asarray(how.last, bool)
             order = np.lexsort((last, how.owner))  # by owner, its loose units last, else plan order

@@ -366,6 +366,25 @@ def test_tasks_arriving_one_by_one_go_where_there_is_room_when_they_arrive():
         cs.simulate(w, items, cluster, CM, cs.ray_tasks(16, cs.RayData(8, 2, 16), 2, arrive_s=arrive[:3]))
 
 
+def test_an_actor_at_half_pace_ends_its_tasks_later_and_pulls_fewer():
+    """Tasks.speed: two actors, one task in flight each, 12 equal tasks all there at once. At one
+    pace they share them 6 and 6, each task ending its own work after the last; with actor 1 at
+    half pace its tasks take twice as long, so actor 0 pulls 8 and actor 1 4. The busy times
+    stay the cost model's seconds."""
+    w = cs.workload_from_tokens(distinct_prompts([100] * 12), 16)
+    items, cluster = cs.plain_items(w, np.arange(12)), cs.Cluster(2, 1 << 20)
+    tasks = cs.ray_tasks(12, cs.RayData(12, 1, 1), 2)
+    even = cs.simulate(w, items, cluster, CM, tasks)
+    assert np.bincount(even.grain_replica).tolist() == [6, 6]
+    half = cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 1, speed=np.array([1.0, 0.5])))
+    assert np.bincount(half.grain_replica).tolist() == [8, 4]
+    on_1 = half.grain_time_s[half.grain_replica == 1]
+    np.testing.assert_allclose(np.diff(on_1), 2 * np.diff(even.grain_time_s[even.grain_replica == 1])[:3])
+    np.testing.assert_allclose(half.busy_s.sum(), even.busy_s.sum())
+    with pytest.raises(ValueError, match="speed"):
+        cs.simulate(w, items, cluster, CM, cs.Tasks(tasks.starts, 1, speed=np.array([1.0, 0.0])))
+
+
 def test_a_task_goes_first_to_an_actor_on_the_node_holding_its_data():
     """Ray Data's actor locality (on by default): of the actors up with room, one on the node
     holding a task's data takes it, whatever the others hold; when those are full, or the node
@@ -821,6 +840,26 @@ def test_the_dispatch_check_reads_several_files_and_extracts_one(tmp_path, capsy
     main([str(b), "--extract", str(tmp_path / "x.json.gz")])
     (run,) = load_bench(tmp_path / "x.json.gz")["runs"]["ray_llm_arrival/3"]["repeats"]
     assert len(run["batch_arrive_s"]) == num_tasks
+
+
+def test_speed_noise_counts_the_replays_that_an_engines_pace_moves(tmp_path, capsys):
+    """speed_noise replays each run with the engines' paces drawn in 1 +- noise: at no noise every
+    draw is the even-paced replay (none moved, all within the goal of the simulator's own run);
+    at paces 2x apart some draws put rows elsewhere, and the CLI prints the totals."""
+    from prefixflow.bench.sim_dispatch_check import main, speed_noise
+
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0, 0.3, 0.7])
+    still = speed_noise([path], 0.0, 3)
+    (run,) = still["runs"].values()
+    assert run == {"moved": 0, "within_goal": 3} and still["moved"] == "0 of 3 draws"
+    assert speed_noise([path], 0.5, 4)["runs"] != {k: {"moved": 0, "within_goal": 4} for k in still["runs"]}
+    main([str(path), "--speed-noise", "0", "--draws", "2"])
+    assert (
+        capsys.readouterr().out.splitlines()[-1]
+        == "even-paced replay in 0 of 2 draws, within 0.05 of the measured in 2 of 2 draws"
+    )
 
 
 def test_a_cell_is_judged_on_the_medians_of_its_repeats_with_engines_ranked():
