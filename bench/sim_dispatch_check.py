@@ -502,16 +502,29 @@ def replay_run(
             "computed_prompt_tokens": round(pred_computed / measured_computed - 1, 5),
         },
         "busy_share_error": round(float(np.abs(pred_share - measured_share).max() * R), 5),
-        "task_ends": None if finished is None else _task_ends(run, order, row_engine, finished - up.min(), clock_scale),
-        "rule_with_measured_ends": None
-        if finished is None
-        else rule_check(
-            tasks,
-            np.array([row_engine[int(order[s])] for s in tasks.starts[:-1]]),
-            np.sort(np.asarray(rec["batch_handout_s"], float), kind="stable"),
-            finished,
-            up,
-        ),
+        **_against_measured_ends(run, tasks, order, row_engine, rec, finished, up, clock_scale),
+    }
+
+
+def _against_measured_ends(
+    run: Any,
+    tasks: Tasks,
+    order: np.ndarray,
+    row_engine: dict[int, int],
+    rec: dict[str, Any],
+    finished: np.ndarray | None,
+    up: np.ndarray,
+    clock_scale: float,
+) -> dict[str, Any]:
+    """For a run that records its task ends (finished, else None for both): the model's ends
+    against them (`_task_ends`) and Ray's pick replayed with them (`rule_check`)."""
+    if finished is None:
+        return {"task_ends": None, "rule_with_measured_ends": None}
+    engine = np.array([row_engine[int(order[s])] for s in tasks.starts[:-1]])
+    handout = np.sort(np.asarray(rec["batch_handout_s"], float), kind="stable")
+    return {
+        "task_ends": _task_ends(run, order, row_engine, finished - up.min(), clock_scale),
+        "rule_with_measured_ends": rule_check(tasks, engine, handout, finished, up),
     }
 
 
