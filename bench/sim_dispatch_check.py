@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> None:
         "--speed-noise",
         type=float,
         default=None,
-        help="also replay each run --draws times with each engine's pace drawn in 1 +- this (speed_noise)",
+        help="instead, replay each run --draws more times, each engine's pace drawn in 1 +- this (speed_noise)",
     )
     ap.add_argument("--draws", type=int, default=10, help="replays per run for --speed-noise")
     args = ap.parse_args(argv)
