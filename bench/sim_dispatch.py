@@ -148,7 +148,12 @@ def _heap_set(heap, size, pos, h, a, rank):
 def pick_actor(data_nodes, heap, size, rank, max_in_flight):
     """The actor a task goes to (-1: none up has room), as Ray 2.60's select_actors: the first
     actor of the heap of the first of the task's data_nodes (most bytes first, -1: none) whose
-    first has room, else the first of all (heap 0; node n's heap is 1 + n)."""
+    first has room, else the first of all (heap 0; node n's heap is 1 + n). Ray also rebuilds
+    its per-node heaps at every scheduling step (refresh_actor_state: the actors in the order
+    they came up), which this leaves out: among actors as busy on one node, Ray's first is the
+    one re-ranked last within the step, else the last to come up; here the one re-ranked last.
+    It matters only with two or more actors on a node (every measured run had one engine per
+    node; cluster_sim has no nodes)."""
     if size[0] == 0 or rank[heap[0, 0]] >= max_in_flight:
         return -1
     for j in range(len(data_nodes)):
@@ -194,7 +199,7 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
     last_item = np.maximum(task_starts[1:] - 1, 0)  # each task's last item, which ends it
     origin = ready_s.copy()  # when each actor's clock read 0
-    heap, size, pos = new_heaps(R, max(nodes[0].max(), nodes[1].max()))
+    heap, size, pos = new_heaps(R, max(nodes[0].max() if n > 0 else -1, nodes[1].max()))
     up = np.zeros(R, np.bool_)
     now = 0.0
     for t in range(n + 1):

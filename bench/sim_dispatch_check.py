@@ -178,7 +178,8 @@ def speed_noise(paths: Sequence[Path], noise: float, draws: int, seed: int = 0) 
     (sim_run.Tasks.speed); per run, how many draws put rows per engine more than the goal from
     the replay at equal speeds (`moved`), and how many within the goal of the measured rows
     (`within_goal`). The model gives a run's engines one pace; on the bench's machine, where 4
-    engines share 2 cores, they ran 1.2-2.5x apart in busy time per row."""
+    engines share 2 cores, an engine's busy time per row (waits included) was up to 2.2x
+    another's in one run."""
     rng = np.random.default_rng(seed)
     runs: dict[str, Any] = {}
     for path in paths:
@@ -284,7 +285,12 @@ def rule_summary(runs: list[dict[str, Any]]) -> str | None:
     checks = [run["rule_with_measured_ends"] for run in runs if run.get("rule_with_measured_ends")]
     if not checks:
         return None
-    return f"{sum(c['as_ray'] for c in checks)} of {sum(c['handouts'] for c in checks)} hand-outs"
+    contested = [c["contested"] for c in checks]
+    return (
+        f"{sum(c['as_ray'] for c in checks)} of {sum(c['handouts'] for c in checks)} hand-outs; "
+        f"{sum(c['as_ray'] for c in contested)} of the {sum(c['handouts'] for c in contested)} "
+        "where two or more engines up had room"
+    )
 
 
 def bench_cost_model(data: dict[str, Any], path: Path) -> CostModel:
@@ -575,7 +581,11 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
     join Ray's heaps at their ready times (up), each task handed out or ended re-ranks its
     engine, in time order, and at each hand-out `pick_actor` names an engine, against Ray's.
     The model's errors are its rule's and its clock's (when tasks end, on the bench's shared
-    cores); this measures the rule without the clock."""
+    cores); this measures the rule without the clock. `contested`: the hand-outs when two or
+    more engines up had room (the others any rule gets right), and how many of those it gave.
+    Both biases of the replay (an engine joins when its engine was built, Ray sees it between
+    scheduling steps; a slot frees at the task's last row, Ray frees it once it has the rows)
+    give it more room than Ray had."""
     n, R = len(handout), len(up)
     data_node = np.full((n, 1), -1, np.int64) if tasks.data_node is None else np.asarray(tasks.data_node, np.int64)
     data_node = data_node[:, None] if data_node.ndim == 1 else data_node
@@ -584,19 +594,30 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
     inflight = np.zeros(R, np.int64)
     joins = [(float(up[e]), -1, e) for e in range(R) if np.isfinite(up[e])]
     events = sorted(joins + [(float(finished[t]), t, int(engine[t])) for t in range(n)])
-    k, misses = 0, []
+    joined = np.zeros(R, bool)
+    k, misses, contested, contested_as_ray = 0, [], 0, 0
     for i in range(n):
         while k < len(events) and events[k][0] <= handout[i]:
             _, task, e = events[k]
-            inflight[e] -= task >= 0
+            if task >= 0:
+                inflight[e] -= 1
+            joined[e] = True
             dispatch.rank_actor(heap, size, pos, actor_node[e], e, inflight)
             k += 1
         picked = int(dispatch.pick_actor(data_node[i], heap, size, inflight, tasks.max_in_flight))
+        if np.sum(joined & (inflight < tasks.max_in_flight)) >= 2:
+            contested += 1
+            contested_as_ray += picked == engine[i]
         if picked != engine[i]:
             misses.append({"handout": i, "in_flight": inflight.tolist(), "rule": picked, "ray": int(engine[i])})
         inflight[engine[i]] += 1
         dispatch.rank_actor(heap, size, pos, actor_node[engine[i]], engine[i], inflight)
-    return {"handouts": n, "as_ray": n - len(misses), "misses": misses}
+    return {
+        "handouts": n,
+        "as_ray": n - len(misses),
+        "contested": {"handouts": contested, "as_ray": contested_as_ray},
+        "misses": misses,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -643,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"cells within the goal (medians of their repeats): {held['cells_within_goal']}")
     if held["rule_with_measured_ends"]:
-        print(f"Ray's pick given the measured task ends: {held['rule_with_measured_ends']} as Ray made them")
+        print(f"Ray's pick given the measured task ends gave Ray's engine in {held['rule_with_measured_ends']}")
 
 
 if __name__ == "__main__":

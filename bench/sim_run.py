@@ -223,6 +223,8 @@ def simulate(
     with np.errstate(over="ignore"):  # cache._home's multiplicative hash wraps on purpose (as in numba)
         if isinstance(how, Tasks):
             ready = _times(how.ready_s, R, "ready_s", "actors")
+            if not np.isfinite(ready).any():
+                raise ValueError("simulate: Tasks.ready_s must bring at least one actor up (a finite time)")
             arrive = _times(how.arrive_s, len(how.starts) - 1, "arrive_s", "tasks")
             nodes = (
                 _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks", ndim=2),
