@@ -163,10 +163,12 @@ def pick_actor(data_nodes, heap, size, rank, max_in_flight):
     return heap[0, 0]
 
 
-def new_heaps(R, max_node):
-    """Empty actor heaps for R actors on nodes 0..max_node (-1: none known): heap 0 holds all
-    actors, heap 1 + n those on node n (Ray's per-node heaps); each a row of actor ids, its
-    size, and each actor's position in it (-1: not in it)."""
+def new_heaps(R, data_node, actor_node):
+    """Empty actor heaps for R actors, one for every node named in data_node (each task's) or
+    actor_node (each actor's; -1: none known): heap 0 holds all actors, heap 1 + n those on node
+    n (Ray's per-node heaps); each a row of actor ids, its size, and each actor's position in it
+    (-1: not in it)."""
+    max_node = max(data_node.max() if data_node.size > 0 else -1, actor_node.max() if actor_node.size > 0 else -1)
     num_heaps = 2 + max(max_node, -1)
     return np.zeros((num_heaps, R), np.int64), np.zeros(num_heaps, np.int64), np.full((num_heaps, R), -1, np.int64)
 
@@ -199,7 +201,7 @@ def _dispatch_tasks(st, buf, it, tree, cfg, coef, out, task_starts, max_in_fligh
     actor, finish = np.zeros(n, np.int64), np.zeros(n)
     last_item = np.maximum(task_starts[1:] - 1, 0)  # each task's last item, which ends it
     origin = ready_s.copy()  # when each actor's clock read 0
-    heap, size, pos = new_heaps(R, max(nodes[0].max() if n > 0 else -1, nodes[1].max()))
+    heap, size, pos = new_heaps(R, nodes[0], nodes[1])
     up = np.zeros(R, np.bool_)
     now = 0.0
     for t in range(n + 1):

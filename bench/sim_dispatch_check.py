@@ -54,7 +54,7 @@ import numpy as np
 
 from prefixflow.bench import sim_dispatch as dispatch
 from prefixflow.bench.sim_items import plain_items
-from prefixflow.bench.sim_run import Cluster, RayData, Tasks, ray_tasks, simulate
+from prefixflow.bench.sim_run import Cluster, RayData, Tasks, node_numbers, ray_tasks, simulate
 from prefixflow.bench.sim_workloads import Workload, workload_from_tokens
 from prefixflow.pipeline.cost_model import GIB, CostModel, HardwareProfile, ModelShape
 
@@ -587,10 +587,9 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
     scheduling steps; a slot frees at the task's last row, Ray frees it once it has the rows)
     give it more room than Ray had."""
     n, R = len(handout), len(up)
-    data_node = np.full((n, 1), -1, np.int64) if tasks.data_node is None else np.asarray(tasks.data_node, np.int64)
-    data_node = data_node[:, None] if data_node.ndim == 1 else data_node
-    actor_node = np.full(R, -1, np.int64) if tasks.actor_node is None else np.asarray(tasks.actor_node, np.int64)
-    heap, size, pos = dispatch.new_heaps(R, int(max(data_node.max(), actor_node.max())))
+    data_node = node_numbers(tasks.data_node, n, "data_node", "tasks", ndim=2)
+    actor_node = node_numbers(tasks.actor_node, R, "actor_node", "actors")
+    heap, size, pos = dispatch.new_heaps(R, data_node, actor_node)
     inflight = np.zeros(R, np.int64)
     joins = [(float(up[e]), -1, e) for e in range(R) if np.isfinite(up[e])]
     events = sorted(joins + [(float(finished[t]), t, int(engine[t])) for t in range(n)])

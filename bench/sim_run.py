@@ -227,8 +227,8 @@ def simulate(
                 raise ValueError("simulate: Tasks.ready_s must bring at least one actor up (a finite time)")
             arrive = _times(how.arrive_s, len(how.starts) - 1, "arrive_s", "tasks")
             nodes = (
-                _nodes(how.data_node, len(how.starts) - 1, "data_node", "tasks", ndim=2),
-                _nodes(how.actor_node, R, "actor_node", "actors"),
+                node_numbers(how.data_node, len(how.starts) - 1, "data_node", "tasks", ndim=2),
+                node_numbers(how.actor_node, R, "actor_node", "actors"),
             )
             speed = np.ones(R) if how.speed is None else np.asarray(how.speed, np.float64)
             if speed.shape != (R,) or not np.all(speed > 0):
@@ -253,7 +253,7 @@ def _times(given: np.ndarray | None, n: int, name: str, what: str) -> np.ndarray
     return times
 
 
-def _nodes(given: np.ndarray | None, n: int, name: str, what: str, ndim: int = 1) -> np.ndarray:
+def node_numbers(given: np.ndarray | None, n: int, name: str, what: str, ndim: int = 1) -> np.ndarray:
     """A Tasks node field as the kernel takes it: [n] node numbers >= 0, or -1 (None: all -1);
     ndim=2: [n, K], K nodes each in order ([n] given: one each)."""
     nodes = np.full(n, -1, np.int64) if given is None else np.asarray(given, np.int64)
