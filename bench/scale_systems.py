@@ -257,10 +257,15 @@ def _run_ray_llm(system: str, replicas: int, data: Path, model: Path, t0: float)
         ChatTokenize, fn_constructor_kwargs={"model": str(model)}, concurrency=1, batch_size=256
     )
     ds = ds.sort("prompt_text").repartition(num_blocks)
-    with record_dispatch() as handed_out:
+    with record_dispatch() as logged:
         rows = processor(ds).take_all()
     record = _ray_record(system, replicas, rows, config, engine_kwargs, num_blocks, blocks, t0)
-    return {**record, **task_handouts(rows, record["row_batch"], record["batch_rows"], handed_out, t0)}
+    handed_out = [e for e in logged if "event" not in e]
+    return {
+        **record,
+        **task_handouts(rows, record["row_batch"], record["batch_rows"], handed_out, t0),
+        **pool_view(rows, record, [e for e in logged if "event" in e], t0),
+    }
 
 
 def _ray_record(
@@ -316,6 +321,9 @@ def _ray_record(
         "preemptions_per_engine": None,  # ray.data.llm's rows do not carry them
         "engine_busy_s": [max(r["finished_at"] for r in rs) - min(r["arrival_time"] for r in rs) for rs in engines],
         "engine_end_s": [max(r["finished_at"] for r in rs) - t0 for rs in engines],
+        # Busy with requests present (first request to last row, less the gaps with none in the
+        # engine): its pace is its work over this, where engine_busy_s also counts waits for data.
+        "engine_active_s": [active_seconds([(r["arrival_time"], r["finished_at"]) for r in rs]) for rs in engines],
         "nodes": [rs[0]["node_id"] for rs in engines],
         "first_request_s": startup["engine_first_request_s"],
         "startup": startup,
@@ -330,6 +338,16 @@ def _ray_record(
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
         "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},
     }
+
+
+def active_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) spans: the time at least one was open."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def task_handouts(
@@ -389,6 +407,36 @@ def task_handouts(
     )
 
 
+def pool_view(rows: list[dict[str, Any]], record: dict[str, Any], events: list[dict[str, Any]], t0: float) -> dict:
+    """What Ray Data's actor pool saw, from the driver's log (record_dispatch's pool events):
+    when it made each engine's actor pickable (`engine_running_s`, engine order; it learns that an
+    actor is up only between scheduling steps, after its engine was built), and when it freed each
+    task's slot (`batch_freed_s`, task order; once the stage has returned the task's rows, after
+    its last row finished in vLLM: batch_finished_s). The log names actors, not tasks: an actor's
+    k-th slot freed is taken as its task whose last row finished k-th. None where the log does
+    not fit the run's tasks."""
+    engine_actor: dict[int, str] = {}  # engine number -> its actor
+    for r in rows:
+        engine_actor.setdefault(record["row_engine"][int(r["id"])], r["actor_id"])
+    running = {e["actor"]: e["at"] - t0 for e in events if e["event"] == "running"}
+    freed: dict[str, list[float]] = {}
+    for e in sorted((e for e in events if e["event"] == "freed"), key=lambda e: e["at"]):
+        freed.setdefault(e["actor"], []).append(e["at"] - t0)
+    tasks: dict[str, set[int]] = {}
+    for r in rows:
+        tasks.setdefault(r["actor_id"], set()).add(record["row_batch"][int(r["id"])])
+    batch_freed: list[float | None] = [None] * len(record["batch_finished_s"])
+    for actor, mine in tasks.items():
+        if len(freed.get(actor, [])) != len(mine):
+            return {"engine_running_s": None, "batch_freed_s": None}
+        for task, at in zip(sorted(mine, key=lambda t: record["batch_finished_s"][t]), freed[actor]):
+            batch_freed[task] = at
+    return {
+        "engine_running_s": [running.get(engine_actor[e]) for e in sorted(engine_actor)],
+        "batch_freed_s": batch_freed,
+    }
+
+
 def locality_order(where: dict[str, int]) -> list[str]:
     """The nodes holding a task's blocks (node -> bytes) in the order Ray Data 2.60's actor
     locality visits them for an actor with room (`_ActorPool._find_actor_with_locality`): most
@@ -404,12 +452,24 @@ def record_dispatch(stage: str = "vLLMEngineStage") -> Iterator[list[dict[str, A
     queue). Yields the list it fills. Patches Ray Data 2.60's executor (OpState.add_output,
     MapOperator._submit_data_task) to read the time only, and puts both back when the block ends
     (so a second use in one process logs each task once)."""
+    from ray.data._internal.execution.operators.actor_pool_map_operator import _ActorPool
     from ray.data._internal.execution.operators.map_operator import MapOperator
     from ray.data._internal.execution.streaming_executor_state import OpState
 
     arrived: dict[str, float] = {}  # block ref -> when an operator's output queue got it
     log: list[dict[str, Any]] = []
     add_output, submit = OpState.add_output, MapOperator._submit_data_task
+    to_running, completed = _ActorPool.pending_to_running, _ActorPool.on_task_completed
+
+    def logged_running(self: Any, ready_ref: Any) -> Any:
+        actor = to_running(self, ready_ref)
+        if actor is not None:
+            log.append({"event": "running", "at": time.time(), "actor": actor._actor_id.hex()})
+        return actor
+
+    def logged_completed(self: Any, actor: Any) -> None:
+        log.append({"event": "freed", "at": time.time(), "actor": actor._actor_id.hex()})
+        completed(self, actor)
 
     def stamped_add_output(self: Any, ref: Any) -> None:
         now = time.time()
@@ -436,10 +496,12 @@ def record_dispatch(stage: str = "vLLMEngineStage") -> Iterator[list[dict[str, A
 
     OpState.add_output = stamped_add_output
     MapOperator._submit_data_task = logged_submit
+    _ActorPool.pending_to_running, _ActorPool.on_task_completed = logged_running, logged_completed
     try:
         yield log
     finally:
         OpState.add_output, MapOperator._submit_data_task = add_output, submit
+        _ActorPool.pending_to_running, _ActorPool.on_task_completed = to_running, completed
 
 
 def _ray_startup(engines: list[list[dict[str, Any]]], t0: float) -> dict[str, Any]:

@@ -37,8 +37,11 @@ after every engine is up is dealt by where its blocks are, else in the heap's or
 takes 13-17 ms a task on the bench's machine and sees engines come up only between its
 scheduling steps (measured: jobs/README.md). Where a run records each task's end, `rule_check`
 replays Ray's pick alone over its measured hand-outs and task ends: what the rule gets right
-without the model's clock; `speed_noise` (--speed-noise) how far the replays move when each
-engine's pace is a few percent off, which the bench's shared cores make it."""
+without the model's clock (and again with what Ray's actor pool saw, where the run records it:
+when each engine's actor became pickable and each task's slot was freed); `speed_noise`
+(--speed-noise) how far the replays move when each engine's pace is a few percent off, which
+the bench's shared cores make it; `paced_replays` (--measured-pace) the replays at each engine's
+measured pace, where the run records it."""
 
 from __future__ import annotations
 
@@ -82,6 +85,8 @@ RUN_FIELDS = (
     "num_gpu_blocks",
     "rows_per_engine",
     "engine_busy_s",
+    "engine_active_s",
+    "computed_per_engine",
     "first_request_s",
     "startup",
     "computed_prompt_tokens",
@@ -91,6 +96,8 @@ RUN_FIELDS = (
     "row_batch",
     "batch_first_request_s",
     "batch_finished_s",
+    "batch_freed_s",
+    "engine_running_s",
     "batch_handout_s",
     "batch_arrive_s",
     "batch_data_node",
@@ -148,6 +155,7 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
         "cells": cells,
         **cell_goal(list(cells.values())),
         "rule_with_measured_ends": rule_summary(list(runs.values())),
+        "rule_with_pool_view": rule_summary(list(runs.values()), "rule_with_pool_view"),
         "cost_model": {
             "hardware": cm.hardware.name,
             "peak_flops": cm.hardware.peak_flops,
@@ -162,14 +170,12 @@ def _ray_replays(path: Path, data: dict[str, Any], cm: CostModel) -> Any:
     rows, tokens = _rows(data, path)
     block_size = int(_field(data.get("args", {}), "block_size", f"{path}: args"))
     w = workload_from_tokens(tokens, np.array([int(r["max_tokens"]) for r in rows], np.int64))
-    for key, cell in data.get("runs", {}).items():
-        for k, rec in enumerate(cell.get("repeats", [])):
-            if str(rec.get("system", key)).startswith("ray_llm"):
-                where = f"{path}: runs[{key}][{k}]"
-                yield (
-                    f"{key}#{k}",
-                    lambda speed, rec=rec, where=where: replay_run(w, rows, tokens, rec, block_size, cm, where, speed),
-                )
+    for key, k in _ray_keys(data):
+        rec, where = data["runs"][key]["repeats"][k], f"{path}: runs[{key}][{k}]"
+        yield (
+            f"{key}#{k}",
+            lambda speed, rec=rec, where=where: replay_run(w, rows, tokens, rec, block_size, cm, where, speed),
+        )
 
 
 def speed_noise(paths: Sequence[Path], noise: float, draws: int, seed: int = 0) -> dict[str, Any]:
@@ -202,6 +208,73 @@ def speed_noise(paths: Sequence[Path], noise: float, draws: int, seed: int = 0) 
     }
 
 
+def measured_pace(rec: dict[str, Any], rows: list[dict[str, Any]], where: str) -> np.ndarray | None:
+    """Each engine's pace in a run, as measured (None where the run does not record it): the
+    tokens it computed (prompt tokens not cached, and generated) per second it had requests in
+    vLLM (engine_active_s, which leaves out its waits for data, unlike engine_busy_s), over the
+    engines' mean. A token is taken as a token's work whether prefilled or decoded (the bench's
+    engines are CPU-bound in their matmuls), and an engine's pace as one figure for its whole run,
+    where on shared cores it is faster while others idle."""
+    if rec.get("engine_active_s") is None or rec.get("computed_per_engine") is None:
+        return None
+    outs, _, row_engine = _run_rows(rec, rows, where)
+    R = int(_field(rec, "replicas", where))
+    generated = np.bincount(list(row_engine.values()), weights=outs[list(row_engine)], minlength=R)
+    computed = np.zeros(R)
+    computed[: len(rec["computed_per_engine"])] = rec["computed_per_engine"]
+    active = np.zeros(R)
+    active[: len(rec["engine_active_s"])] = rec["engine_active_s"]
+    pace = np.divide(computed + generated, active, out=np.zeros(R), where=active > 0)
+    ran = pace > 0
+    return np.where(ran, pace / pace[ran].mean(), 1.0)  # an engine that ran nothing: never up anyway
+
+
+def paced_replays(paths: Sequence[Path]) -> dict[str, Any]:
+    """Every ray.data.llm run of the files that records its engines' paces (measured_pace)
+    replayed at those paces and at even ones: rows per engine against the measured, both ways."""
+    runs: dict[str, Any] = {}
+    for path in paths:
+        data = load_bench(Path(path))
+        rows, _ = _rows(data, Path(path))
+        for (key, replay), (cell, k) in zip(
+            _ray_replays(Path(path), data, bench_cost_model(data, Path(path))), _ray_keys(data)
+        ):
+            rec = data["runs"][cell]["repeats"][k]
+            pace = measured_pace(rec, rows, f"{path}: runs[{cell}][{k}]")
+            if pace is None:
+                continue
+            even, paced = replay(None), replay(pace)
+            runs[f"{os.path.relpath(path)}: {key}"] = {
+                "replicas": int(rec["replicas"]),
+                "pace": np.round(pace, 3).tolist(),
+                "measured": even["measured"]["rows_per_engine"],
+                "even": {"rows_per_engine": even["predicted"]["rows_per_engine"], "errors": even["errors"]},
+                "paced": {"rows_per_engine": paced["predicted"]["rows_per_engine"], "errors": paced["errors"]},
+            }
+
+    def within(side: str, replicas: int) -> str:
+        mine = [r for r in runs.values() if r["replicas"] == replicas]
+        return f"{sum(r[side]['errors']['rows_per_engine'] <= GOAL for r in mine)} of {len(mine)}"
+
+    return {
+        "runs": runs,
+        "rows_per_engine_within_goal": {
+            f"N = {n}": {"even": within("even", n), "paced": within("paced", n)}
+            for n in sorted({r["replicas"] for r in runs.values()})
+        },
+    }
+
+
+def _ray_keys(data: dict[str, Any]) -> list[tuple[str, int]]:
+    """The (cell, repeat) of each ray.data.llm run, in _ray_replays' order."""
+    return [
+        (key, k)
+        for key, cell in data.get("runs", {}).items()
+        for k, rec in enumerate(cell.get("repeats", []))
+        if str(rec.get("system", key)).startswith("ray_llm")
+    ]
+
+
 def validate_files(paths: Sequence[Path]) -> dict[str, Any]:
     """validate_dispatch on each file (by its path relative to here) and the goal held over all
     their runs (goal_summary)."""
@@ -209,7 +282,11 @@ def validate_files(paths: Sequence[Path]) -> dict[str, Any]:
     return {
         **goal_summary([run["errors"] for report in files.values() for run in report["runs"].values()]),
         **cell_goal([cell for report in files.values() for cell in report["cells"].values()]),
-        "rule_with_measured_ends": rule_summary([run for report in files.values() for run in report["runs"].values()]),
+        **{
+            field: rule_summary([run for report in files.values() for run in report["runs"].values()], field)
+            for field in ("rule_with_measured_ends", "rule_with_pool_view")
+        },
+        "measured_pace": paced_replays(paths)["rows_per_engine_within_goal"],
         "files": files,
     }
 
@@ -279,17 +356,20 @@ def cell_goal(cells: list[dict[str, Any]], goal: float = GOAL) -> dict[str, Any]
     }
 
 
-def rule_summary(runs: list[dict[str, Any]]) -> str | None:
+def rule_summary(runs: list[dict[str, Any]], field: str = "rule_with_measured_ends") -> str | None:
     """How many of Ray's hand-outs the rule alone gives (`rule_check`), over the runs that
-    record their task ends (None: none does)."""
-    checks = [run["rule_with_measured_ends"] for run in runs if run.get("rule_with_measured_ends")]
+    record their task ends (None: none does); field "rule_with_pool_view": over the runs that
+    record what Ray's actor pool saw."""
+    checks = [run[field] for run in runs if run.get(field)]
     if not checks:
         return None
     contested = [c["contested"] for c in checks]
+    rows_within = sum(c["rows_per_engine_error"] <= GOAL for c in checks)
     return (
         f"{sum(c['as_ray'] for c in checks)} of {sum(c['handouts'] for c in checks)} hand-outs; "
         f"{sum(c['as_ray'] for c in contested)} of the {sum(c['handouts'] for c in contested)} "
-        "where two or more engines up had room"
+        f"where two or more engines up had room; rows per engine within {GOAL:.0%} in {rows_within} "
+        f"of {len(checks)} runs"
     )
 
 
@@ -525,12 +605,19 @@ def _against_measured_ends(
     """For a run that records its task ends (finished, else None for both): the model's ends
     against them (`_task_ends`) and Ray's pick replayed with them (`rule_check`)."""
     if finished is None:
-        return {"task_ends": None, "rule_with_measured_ends": None}
+        return {"task_ends": None, "rule_with_measured_ends": None, "rule_with_pool_view": None}
     engine = np.array([row_engine[int(order[s])] for s in tasks.starts[:-1]])
-    handout = np.sort(np.asarray(rec["batch_handout_s"], float), kind="stable")
+    rank = np.argsort(np.asarray(rec["batch_handout_s"], float), kind="stable")  # as _arrived_tasks
+    handout = np.asarray(rec["batch_handout_s"], float)[rank]
+    freed, running = rec.get("batch_freed_s") or [None], rec.get("engine_running_s") or [None]
+    pool_view = None
+    if None not in freed and None not in running:  # ... what Ray's actor pool saw, where recorded
+        joins = np.r_[running, up[len(running) :]]  # engines that ran nothing: never up
+        pool_view = rule_check(tasks, engine, handout, np.asarray(freed, float)[rank], joins)
     return {
         "task_ends": _task_ends(run, order, row_engine, finished - up.min(), clock_scale),
         "rule_with_measured_ends": rule_check(tasks, engine, handout, finished, up),
+        "rule_with_pool_view": pool_view,
     }
 
 
@@ -582,7 +669,9 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
     engine, in time order, and at each hand-out `pick_actor` names an engine, against Ray's.
     The model's errors are its rule's and its clock's (when tasks end, on the bench's shared
     cores); this measures the rule without the clock. `contested`: the hand-outs when two or
-    more engines up had room (the others any rule gets right), and how many of those it gave.
+    more engines up had room (the others any rule gets right), and how many of those it gave;
+    `rows_per_engine`: the rows of the tasks the rule picked each engine for, against Ray's (each
+    pick is made in the state Ray's own picks left, so a miss moves one task's rows, no more).
     Both biases of the replay (an engine joins when its engine was built, Ray sees it between
     scheduling steps; a slot frees at the task's last row, Ray frees it once it has the rows)
     give it more room than Ray had."""
@@ -595,6 +684,7 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
     events = sorted(joins + [(float(finished[t]), t, int(engine[t])) for t in range(n)])
     joined = np.zeros(R, bool)
     k, misses, contested, contested_as_ray = 0, [], 0, 0
+    rule_rows = np.zeros(R, np.int64)  # each task's rows on the engine the rule picked
     for i in range(n):
         while k < len(events) and events[k][0] <= handout[i]:
             _, task, e = events[k]
@@ -609,12 +699,16 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
             contested_as_ray += picked == engine[i]
         if picked != engine[i]:
             misses.append({"handout": i, "in_flight": inflight.tolist(), "rule": picked, "ray": int(engine[i])})
+        rule_rows[picked] += tasks.starts[i + 1] - tasks.starts[i]
         inflight[engine[i]] += 1
         dispatch.rank_actor(heap, size, pos, actor_node[engine[i]], engine[i], inflight)
+    ray_rows = np.bincount(engine, weights=np.diff(tasks.starts)[:n], minlength=R)
     return {
         "handouts": n,
         "as_ray": n - len(misses),
         "contested": {"handouts": contested, "as_ray": contested_as_ray},
+        "rows_per_engine": {"rule": rule_rows.tolist(), "ray": ray_rows.astype(int).tolist()},
+        "rows_per_engine_error": round(float(np.abs(rule_rows - ray_rows).max() / ray_rows.mean()), 5),
         "misses": misses,
     }
 
@@ -632,7 +726,18 @@ def main(argv: list[str] | None = None) -> None:
         help="instead, replay each run --draws more times, each engine's pace drawn in 1 +- this (speed_noise)",
     )
     ap.add_argument("--draws", type=int, default=10, help="replays per run for --speed-noise")
+    ap.add_argument(
+        "--measured-pace",
+        action="store_true",
+        help="instead, replay the runs that record their engines' paces at those paces and at even ones",
+    )
     args = ap.parse_args(argv)
+    if args.measured_pace:
+        paced = paced_replays([Path(p) for p in args.scale_bench])
+        for key, run in paced["runs"].items():
+            print(key, json.dumps(run))
+        print(f"rows per engine within {GOAL}: {json.dumps(paced['rows_per_engine_within_goal'])}")
+        return
     if args.speed_noise is not None:
         noisy = speed_noise([Path(p) for p in args.scale_bench], args.speed_noise, args.draws)
         for key, run in noisy["runs"].items():
@@ -664,6 +769,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cells within the goal (medians of their repeats): {held['cells_within_goal']}")
     if held["rule_with_measured_ends"]:
         print(f"Ray's pick given the measured task ends gave Ray's engine in {held['rule_with_measured_ends']}")
+    if held["rule_with_pool_view"]:
+        print(f"... given what Ray's actor pool saw (engines pickable, slots freed): {held['rule_with_pool_view']}")
+    if held["measured_pace"]:
+        print(f"rows per engine within {GOAL}, even paces and measured: {json.dumps(held['measured_pace'])}")
 
 
 if __name__ == "__main__":

@@ -243,6 +243,8 @@ SCALE_BENCHES = tuple(
         "n4_fixed_dispatch_first_node",
         "n4_fixed_dispatch",
         "n4_fixed_dispatch_finished",
+        "dispatch_ends",
+        "dispatch_pool",
     )
 )
 

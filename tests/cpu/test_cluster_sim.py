@@ -802,10 +802,24 @@ def test_rule_check_replays_rays_pick_over_the_measured_hand_outs_and_task_ends(
     finished = np.array([1.05, 0.5, 2.4, 2.1, 2.2, 2.3, 3.0])
     up = np.array([0.0, 0.0])
     as_ray = rule_check(tasks, np.array([1, 0, 0, 1, 0, 1, 1]), handout, finished, up)
-    assert as_ray == {"handouts": 7, "as_ray": 7, "contested": {"handouts": 4, "as_ray": 4}, "misses": []}
+    assert as_ray == {
+        "handouts": 7,
+        "as_ray": 7,
+        "contested": {"handouts": 4, "as_ray": 4},
+        "rows_per_engine": {"rule": [3, 4], "ray": [3, 4]},
+        "rows_per_engine_error": 0.0,
+        "misses": [],
+    }
     lowest = rule_check(tasks, np.array([0, 1, 0, 1, 0, 1, 1]), handout, finished, up)
     assert lowest["as_ray"] < 7
     assert lowest["misses"][0] == {"handout": 0, "in_flight": [0, 0], "rule": 1, "ray": 0}
+    # each pick is made where Ray's picks left the counts: the rule's rows move by its misses
+    moved = np.bincount([m["rule"] for m in lowest["misses"]], minlength=2) - np.bincount(
+        [m["ray"] for m in lowest["misses"]], minlength=2
+    )
+    assert lowest["rows_per_engine"]["ray"] == [3, 4]
+    assert lowest["rows_per_engine"]["rule"] == (np.array([3, 4]) + moved).tolist()
+    assert lowest["rows_per_engine_error"] == round(float(np.abs(moved).max() / 3.5), 5)
     late = rule_check(tasks, np.array([1, 0, 0, 1, 0, 1, 1]), handout, finished, np.array([0.0, np.inf]))
     assert late["misses"][0] == {"handout": 0, "in_flight": [0, 0], "rule": 0, "ray": 1}  # never up
 
@@ -840,7 +854,8 @@ def test_the_dispatch_check_reads_several_files_and_extracts_one(tmp_path, capsy
         "cells within the goal (medians of their repeats): 2 of 2",
         # b's: each task arrives after the last one ended, so every hand-out had engines to choose from
         f"Ray's pick given the measured task ends gave Ray's engine in {num_tasks} of {num_tasks} hand-outs; "
-        f"{num_tasks} of the {num_tasks} where two or more engines up had room",
+        f"{num_tasks} of the {num_tasks} where two or more engines up had room; "
+        "rows per engine within 5% in 1 of 1 runs",
     ]
     with pytest.raises(SystemExit):
         main([str(a), str(b), "--extract", str(tmp_path / "x.json.gz")])
@@ -1211,3 +1226,59 @@ def test_the_streamed_plan_waits_for_its_first_window_only():
         wait = mix["gpu_wait_s"]
         assert wait["streamed_plan"] <= wait["one_plan_engines_load_meanwhile"] <= wait["one_plan_engines_after_plan"]
         assert mix["engines_s_per_window"] > 0, name
+
+
+def test_measured_pace_is_an_engines_tokens_per_second_with_requests_in_vllm(tmp_path, capsys):
+    """measured_pace: each engine's computed and generated tokens over its active seconds, over
+    the engines' mean (an engine that ran nothing: 1); None for a run that does not record
+    them. paced_replays replays such a run at those paces and at even ones."""
+    from prefixflow.bench.sim_dispatch_check import main, measured_pace, paced_replays
+
+    rows = [{"output_tokens": {"fixed": 10}} for _ in range(4)]
+    rec = {
+        "workload": "fixed",
+        "replicas": 3,
+        "row_block": {str(i): 0 for i in range(4)},
+        "row_engine": {"0": 0, "1": 0, "2": 1, "3": 1},
+        "computed_per_engine": [20, 60],
+        "engine_active_s": [4.0, 4.0],
+    }
+    assert measured_pace(rec, rows, "r").tolist() == pytest.approx([40 / 60, 80 / 60, 1.0])  # 10 and 20 a second
+    assert measured_pace({**rec, "engine_active_s": None}, rows, "r") is None
+
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+
+    def recorded(rec):
+        rec["computed_per_engine"] = [1000, 1000, 1000]
+        rec["engine_active_s"] = [10.0, 20.0, 40.0]
+
+    path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0, 0.3, 0.7], recorded)
+    (run,) = paced_replays([path])["runs"].values()
+    assert run["even"]["errors"]["rows_per_engine"] == 0.0  # the simulator's own run, at even paces
+    assert run["pace"][0] > run["pace"][1] > run["pace"][2]
+    assert run["measured"] == json.loads(path.read_text())["runs"]["ray_llm_arrival/3"]["repeats"][0]["rows_per_engine"]
+    main([str(path), "--measured-pace"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("rows per engine within 0.05: ")
+
+
+def test_the_rule_is_also_checked_with_what_rays_actor_pool_saw(tmp_path):
+    """Where a run records when Ray's pool made each engine pickable and freed each task's slot
+    (engine_running_s, batch_freed_s), rule_check runs again with those: here the pool saw the
+    engines' own times, so both checks agree; runs without them have none."""
+    tokens = cs.trie_tokens(small_docs(150, seed=5))
+    blocks = cs.split_rows(len(tokens), 40).tolist()
+    num_tasks = len(cs.bundle_blocks(np.array(blocks), 8)) - 1
+
+    def seen(rec):
+        rec["batch_freed_s"] = rec["batch_finished_s"]
+        rec["engine_running_s"] = rec["first_request_s"]
+
+    arrive = np.arange(num_tasks) * 0.5
+    path = bench_file(tmp_path / "a.json", tokens, blocks, 8, 2, 3, [0.0] * 3, seen, arrive_s=arrive)
+    report = cs.validate_dispatch(path)
+    (run,) = report["runs"].values()
+    assert run["rule_with_pool_view"] == run["rule_with_measured_ends"] and run["rule_with_pool_view"]["handouts"]
+    assert report["rule_with_pool_view"] == report["rule_with_measured_ends"]
+    plain = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=arrive)
+    assert cs.validate_dispatch(plain)["rule_with_pool_view"] is None

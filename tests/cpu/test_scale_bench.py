@@ -10,7 +10,7 @@ import pytest
 
 from prefixflow.bench.scale_bench import _ray_kept, _with_blocks, acceptance, cell_summary, figures
 from prefixflow.bench.scale_merge import merge, read_file_arg
-from prefixflow.bench.scale_systems import _ray_record, locality_order, record_dispatch, task_handouts
+from prefixflow.bench.scale_systems import _ray_record, locality_order, pool_view, record_dispatch, task_handouts
 from prefixflow.bench.scale_workload import choose_eos, length_summary, make_rows, prompt_token_floors, zipf_counts
 from prefixflow.bench.sim_dispatch_check import extract
 
@@ -153,9 +153,14 @@ def test_the_ray_data_methods_the_dispatch_log_wraps_take_what_it_passes():
     from ray.data._internal.execution.operators.map_operator import MapOperator
     from ray.data._internal.execution.streaming_executor_state import OpState
 
+    from ray.data._internal.execution.operators.actor_pool_map_operator import _ActorPool
+
     submit = ["self", "gen", "inputs", "task_done_callback"]
     assert list(inspect.signature(MapOperator._submit_data_task).parameters) == submit
     assert list(inspect.signature(OpState.add_output).parameters) == ["self", "ref"]
+    # ... and these two of its actor pool (an actor made pickable, a task's slot freed)
+    assert list(inspect.signature(_ActorPool.pending_to_running).parameters) == ["self", "ready_ref"]
+    assert list(inspect.signature(_ActorPool.on_task_completed).parameters) == ["self", "actor"]
 
 
 def test_the_dispatch_log_puts_ray_datas_methods_back_when_its_block_ends():
@@ -164,15 +169,43 @@ def test_the_dispatch_log_puts_ray_datas_methods_back_when_its_block_ends():
     from ray.data._internal.execution.operators.map_operator import MapOperator
     from ray.data._internal.execution.streaming_executor_state import OpState
 
-    originals = (OpState.add_output, MapOperator._submit_data_task)
+    from ray.data._internal.execution.operators.actor_pool_map_operator import _ActorPool
+
+    def methods():
+        return (OpState.add_output, MapOperator._submit_data_task, _ActorPool.pending_to_running)
+
+    originals = (*methods(), _ActorPool.on_task_completed)
     with pytest.raises(RuntimeError), record_dispatch():
-        assert (OpState.add_output, MapOperator._submit_data_task) != originals
+        assert all(now != was for now, was in zip((*methods(), _ActorPool.on_task_completed), originals))
         raise RuntimeError("the run failed")
-    assert (OpState.add_output, MapOperator._submit_data_task) == originals
+    assert (*methods(), _ActorPool.on_task_completed) == originals
     with record_dispatch() as log:
         wrapped = MapOperator._submit_data_task
         assert wrapped.__closure__ is not None and originals[1] in [c.cell_contents for c in wrapped.__closure__]
-    assert (OpState.add_output, MapOperator._submit_data_task) == originals and log == []
+    assert (*methods(), _ActorPool.on_task_completed) == originals and log == []
+
+
+def test_the_pool_view_matches_an_actors_freed_slots_to_its_tasks_by_their_ends():
+    """Ray's pool frees a slot without naming the task: an actor's k-th slot freed is its task
+    whose last row finished k-th. Engines in the record's order get when the pool made their
+    actor pickable; a log that misses a freed slot is not used."""
+    rows = [{"id": i, "actor_id": a} for i, a in enumerate("AAAAC")]  # A ran tasks 0 and 1, C task 2
+    record = {
+        "row_engine": {0: 1, 1: 1, 2: 1, 3: 1, 4: 0},
+        "row_batch": {0: 0, 1: 0, 2: 1, 3: 1, 4: 2},
+        "batch_finished_s": [5.0, 3.0, 4.0],
+    }
+    events = [
+        {"event": "running", "at": 101.0, "actor": "C"},
+        {"event": "running", "at": 101.5, "actor": "A"},
+        {"event": "freed", "at": 105.2, "actor": "A"},
+        {"event": "freed", "at": 104.1, "actor": "C"},
+        {"event": "freed", "at": 103.3, "actor": "A"},
+    ]
+    got = pool_view(rows, record, events, t0=100.0)
+    assert got["engine_running_s"] == [1.0, 1.5]  # engine 0 is C's, engine 1 A's
+    assert got["batch_freed_s"] == pytest.approx([5.2, 3.3, 4.1])  # task 1 ended first on A
+    assert pool_view(rows, record, events[:-1], 100.0) == {"engine_running_s": None, "batch_freed_s": None}
 
 
 def _run(wall, first, computed, busy, ends, outputs):
