@@ -17,10 +17,11 @@ engine built; engines that ran no row are listed last without one) and "row_batc
 "batch_handout_s", "batch_arrive_s" (each row's task, and per task when Ray handed it out and
 when its blocks had reached the engine stage: the bench driver's dispatch log).
 
-What the model is given and what it decides: when each engine's actor can take work, its
-engine's ready time (startup.engine_ready_s: the actor's constructor done, when Ray may hand it
-a task; files before it: its first request, which comes 0.2-1.4 s later, and not always in the
-same order), less the earliest; the data, all there at 0, or where the run records them its
+What the model is given and what it decides: when each engine's actor can take work: when Ray's
+actor pool made it pickable (engine_running_s, the driver's log: 0.02-8 s after its engine was
+built), in runs before that log its engine's ready time (startup.engine_ready_s: the actor's
+constructor done), in files before that its first request (0.2-1.4 s later, and not always in
+the same order), less the earliest; the data, all there at 0, or where the run records them its
 tasks as Ray handed them out, each from when its blocks reached the engine stage, and where it
 records them the nodes that held each task's blocks (by bytes; the first only in runs before
 batch_data_nodes) and each engine's node. Times enter
@@ -439,12 +440,17 @@ def _int_map(rec: dict[str, Any], name: str, where: str) -> dict[int, int]:
 
 
 def _engines_up(rec: dict[str, Any], R: int, where: str) -> tuple[np.ndarray, str]:
-    """When each engine's actor could take work (module doc), and the field it came from. The
+    """When each engine's actor could take work (module doc: engine_running_s, else
+    startup.engine_ready_s, else first_request_s), and the field it came from. The
     engines that ran no row have no time there (the record lists them last, with 0 rows): they
     are never up in the model (inf), as Ray handed them nothing before the work ran out."""
     startup = rec.get("startup") or {}
-    ready_from = "engine_ready_s" if "engine_ready_s" in startup else "first_request_s"
-    up = np.asarray(startup[ready_from] if ready_from in startup else _field(rec, ready_from, where), float)
+    if rec.get("engine_running_s") and None not in rec["engine_running_s"]:
+        ready_from = "engine_running_s"  # when Ray's actor pool made it pickable (pool_view)
+        up = np.asarray(rec["engine_running_s"], float)
+    else:
+        ready_from = "engine_ready_s" if "engine_ready_s" in startup else "first_request_s"
+        up = np.asarray(startup[ready_from] if ready_from in startup else _field(rec, ready_from, where), float)
     idle = list(rec.get("rows_per_engine", []))[len(up) :]
     if up.ndim != 1 or len(up) + len(idle) != R or any(idle) or not len(up):
         raise ValueError(f"{where}: {ready_from} must give each of the {R} engines that ran rows its time")

@@ -1279,6 +1279,7 @@ def test_the_rule_is_also_checked_with_what_rays_actor_pool_saw(tmp_path):
     report = cs.validate_dispatch(path)
     (run,) = report["runs"].values()
     assert run["rule_with_pool_view"] == run["rule_with_measured_ends"] and run["rule_with_pool_view"]["handouts"]
+    assert run["ready_from"] == "engine_running_s"  # the model's engines come up as the pool saw them
     assert report["rule_with_pool_view"] == report["rule_with_measured_ends"]
     plain = bench_file(tmp_path / "b.json", tokens, blocks, 8, 2, 3, [0.0] * 3, arrive_s=arrive)
     assert cs.validate_dispatch(plain)["rule_with_pool_view"] is None
