@@ -16,7 +16,11 @@
   without the profiler, the kernels launched per decode step and the largest kernels' device
   time per decode step, how many steps ran on the static buffers and replayed a graph, and the
   host's time per decode step by phase (the runner's profiler ranges, engine/native/phases.py;
-  the rest is the scheduler's and the engine's).
+  the rest is the scheduler's and the engine's), and its largest Python functions by their own
+  time per decode step (cProfile over a third run of each).
+- graphs_vs_eager: one decode step's logits as a graph, eagerly, and eagerly with block tables
+  as wide as the graph's (which sizes the attention kernels' splits alike): what makes the
+  graphs' greedy tokens differ from eager's in bfloat16.
 - default_budget: the engine with graphs as a job builds it (the KV budget from
   gpu_memory_utilization, graphs captured after the cache), decoding at the top rung: what
   model_runner.GRAPHS_BY_DEFAULT waits for.
@@ -185,6 +189,9 @@ def decode_batch(
     # profiled step is slower by the profiler's own host work; the device's kernels are not).
     busy = (full["device_busy_s"] - first["device_busy_s"]) / decode_steps
     step = (full["wall_s"] - first["wall_s"]) / decode_steps
+    python = _per_step_ms(first, full, "python_s_by_function", decode_steps, 25)
+    for run in (first, full):  # each run's largest only: every function the engine called is thousands
+        run["python_s_by_function"] = dict(sorted(run["python_s_by_function"].items(), key=lambda kv: -kv[1])[:40])
     return {
         "batch": batch,
         "decode_steps": decode_steps,
@@ -197,7 +204,8 @@ def decode_batch(
         else None,
         "torch_ops_per_decode_step": (full["torch_ops"] - first["torch_ops"]) / decode_steps,
         "host_ms_per_decode_step": host_phases_ms(first, full, decode_steps),
-        "device_ms_per_decode_step_by_kernel": _kernels_per_step(first, full, decode_steps),
+        "device_ms_per_decode_step_by_kernel": _per_step_ms(first, full, "device_s_by_kernel", decode_steps),
+        "python_ms_per_decode_step_by_function": python,
         "runs": {"first_token": first, "with_decode": full},
     }
 
@@ -267,6 +275,64 @@ def default_budget(device: str, dtype: DType, path: str, batch: int, decode_step
     return out
 
 
+def graphs_vs_eager(device: str, dtype: DType, path: str, batch: int) -> dict[str, Any]:
+    """Why the graphs' greedy tokens can differ from eager's: one decode step of `batch` members
+    of a prefix group (the decode parts' layout), its logits three ways on one model runner: as
+    a graph (the static buffers), eagerly, and eagerly with every block table padded to the
+    static buffers' width (max_model_len's), which sizes the attention kernels' splits as the
+    graph's do. Equal logits in the last two say the splits alone make the difference."""
+    from prefixflow.engine.native.step import SeqChunk, SharedPrefix, StepInput
+    from prefixflow.requests import SamplingParams
+
+    engine = _decode_engine(path, device, dtype, batch, True, None if device.startswith("cuda") else 64 << 20)
+    runner, greedy = engine.runner, SamplingParams(temperature=0.0)
+    static = runner.static
+    own_blocks = -(-(OWN + 1) // BLOCK)
+    prefix = SharedPrefix(block_table=tuple(range(PREFIX // BLOCK)), length=PREFIX)
+    tables = [
+        tuple(range(len(prefix.block_table) + i * own_blocks, len(prefix.block_table) + (i + 1) * own_blocks))
+        for i in range(batch)
+    ]
+    prompts = _decode_prompts(batch)
+
+    def member(i: int, tokens: list[int], cached: int, width: int = 0) -> SeqChunk:
+        table = tables[i] + (0,) * max(0, width - len(tables[i]))
+        return SeqChunk(i, tuple(tokens), PREFIX + cached, cached, table, 0, True, greedy)
+
+    prefill = prompts[0][:PREFIX]
+    runner.execute_logits(StepInput((SeqChunk(-1, tuple(prefill), 0, 0, prefix.block_table),), (prefix,)))
+    runner.execute_logits(StepInput(tuple(member(i, p[PREFIX:], 0) for i, p in enumerate(prompts)), (prefix,)))
+
+    def decode_step(width: int = 0) -> StepInput:
+        return StepInput(tuple(member(i, [p[-1]], OWN, width) for i, p in enumerate(prompts)), (prefix,))
+
+    graph = runner.execute_logits(decode_step()).float().cpu()
+    replays = static.graph_replays if static is not None else None
+    runner.static = None  # the same runner's eager path
+    try:
+        eager = runner.execute_logits(decode_step()).float().cpu()
+        wide = runner.execute_logits(decode_step(static.max_blocks if static else 0)).float().cpu()
+    finally:
+        runner.static = static
+    del engine
+    _free(device)
+
+    def compare(a: Any, b: Any) -> dict[str, Any]:
+        return {
+            "equal": bool((a == b).all()),
+            "max_abs_diff": float((a - b).abs().max()),
+            "argmax_equal_rows": int((a.argmax(-1) == b.argmax(-1)).sum()),
+        }
+
+    return {
+        "batch": batch,
+        "graph_replays": replays,
+        "graph_vs_eager": compare(graph, eager),
+        "graph_vs_eager_wide_tables": compare(graph, wide),
+        "eager_vs_eager_wide_tables": compare(eager, wide),
+    }
+
+
 def _runs(engine: Any, load: Any) -> dict[str, Any]:
     """Median wall of 3 runs, then one profiled run (device kernels, their busy union, torch ops)."""
     import torch
@@ -285,6 +351,7 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall
     kernels = device_kernels(prof.events())
+    python = _python_s_by_function(lambda: (pb.run_engine(engine, load, "plan"), _sync(engine.runner.device.type)))
     host = {name: 0.0 for name in PHASES}
     for avg in prof.key_averages():
         if avg.key in host:
@@ -298,6 +365,7 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         "torch_ops": sum(1 for e in prof.events() if e.device_type != torch.autograd.DeviceType.CUDA),
         "host_phases_s": host,
         "device_s_by_kernel": _by_kernel(kernels),
+        "python_s_by_function": python,
         "outputs_sha": result["outputs_sha"],
         "steps": result["steps"],
     }
@@ -321,17 +389,27 @@ def _by_kernel(kernels: list[Any]) -> dict[str, float]:
     return seconds
 
 
-def _kernels_per_step(
-    first: dict[str, Any], full: dict[str, Any], decode_steps: int, top: int = 15
+def _per_step_ms(
+    first: dict[str, Any], full: dict[str, Any], key: str, decode_steps: int, top: int = 15
 ) -> dict[str, float]:
-    """The device's milliseconds per decode step by kernel name, the `top` largest (names cut to
-    120 characters): where the step's device time goes, beside the weights' floor."""
-    per_step = {
-        name: 1e3 * (full["device_s_by_kernel"][name] - first["device_s_by_kernel"].get(name, 0.0)) / decode_steps
-        for name in full["device_s_by_kernel"]
-    }
+    """Milliseconds per decode step by name from the two runs' `key` maps (seconds per name), the
+    `top` largest (names cut to 120 characters): the device's by kernel (where the step's device
+    time goes, beside the weights' floor), the host's by Python function."""
+    per_step = {name: 1e3 * (s - first[key].get(name, 0.0)) / decode_steps for name, s in full[key].items()}
     largest = sorted(per_step.items(), key=lambda kv: -kv[1])[:top]
     return {name[:120]: round(ms, 4) for name, ms in largest}
+
+
+def _python_s_by_function(run: Any) -> dict[str, float]:
+    """Seconds spent in each Python function's own code (cProfile's tottime, its overhead
+    included) over `run()`: which of the host's functions hold a step's time off the device."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    stats: dict[Any, Any] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return {f"{Path(file).name}:{line}({name})": row[2] for (file, line, name), row in stats.items()}
 
 
 def host_phases_ms(first: dict[str, Any], full: dict[str, Any], decode_steps: int) -> dict[str, float]:
@@ -463,6 +541,7 @@ def run(dry_run: bool) -> dict[str, Any]:
         "decode": lambda: decode(device, dtype, shape, batches, steps),
         "decode_cuda_graphs": lambda: decode(device, dtype, shape, batches, steps, cuda_graphs=True),
         "default_budget": lambda: default_budget(device, dtype, checkpoint(), batches[-1], steps),
+        "graphs_vs_eager": lambda: graphs_vs_eager(device, dtype, checkpoint(), batches[0]),
         "warmup": lambda: warmup(device, dtype, checkpoint()),
         "warmup_cuda_graphs": lambda: warmup(device, dtype, checkpoint(), cuda_graphs=True),
     }

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ("tests", "engine", "kernels")  # in the order they run
 
 
 def run_gpu_tests() -> dict:
@@ -74,7 +75,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes")
     parser.add_argument("--dry-run", action="store_true", help="every section on the CPU at tiny shapes")
     parser.add_argument("--out", default=None, help="write the JSON here (a dry run writes nowhere else)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, of {','.join(SECTIONS)}: a second run in one lease need not repeat what passed",
+    )
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--sections takes {','.join(SECTIONS)}, got {args.sections}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (the kernels below)
     elif not torch.cuda.is_available():
@@ -95,18 +104,21 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=2))
 
-    tests = run_gpu_tests()
-    print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }", flush=True)
-    write("gpu_tests", tests)
-    # The engine's section before the kernels': it holds the issue's goals.
-    engine = gpu_engine.run(args.dry_run)
-    print(f"gpu_engine goals: {engine['goals']}", flush=True)
-    write("engine", engine)
-    bench = kernel_bench.run(args.quick, dry_run=args.dry_run)
-    print(f"kernel_bench goals: {bench['goals']}", flush=True)
-    write("kernel_bench", bench)
-    if not args.dry_run:
-        (kernel_bench.RESULTS_DIR / f"kernel_bench_{slug}.json").write_text(json.dumps(bench, indent=2))
+    tests: dict = {"returncode": 0}
+    if "tests" in sections:
+        tests = run_gpu_tests()
+        print(f"tests/gpu: { ({k: v for k, v in tests.items() if k != 'output_tail'}) }", flush=True)
+        write("gpu_tests", tests)
+    if "engine" in sections:  # before the kernels': it holds the issue's goals
+        engine = gpu_engine.run(args.dry_run)
+        print(f"gpu_engine goals: {engine['goals']}", flush=True)
+        write("engine", engine)
+    if "kernels" in sections:
+        bench = kernel_bench.run(args.quick, dry_run=args.dry_run)
+        print(f"kernel_bench goals: {bench['goals']}", flush=True)
+        write("kernel_bench", bench)
+        if not args.dry_run:
+            (kernel_bench.RESULTS_DIR / f"kernel_bench_{slug}.json").write_text(json.dumps(bench, indent=2))
     for path in paths:
         print(f"wrote {path}")
     sys.exit(0 if tests.get("returncode") == 0 else 1)

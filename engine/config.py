@@ -55,10 +55,10 @@ class EngineConfig:
         jobs whose rows set their own max_tokens. Both backends.
     cuda_graphs: decode steps on persistent buffers padded to a ladder of batch sizes,
         captured as one CUDA graph per size at engine start and replayed each step
-        (engine/native/static_step.py). Unset (None): off for now; on where they can be
-        captured (a CUDA device running the Triton kernels of the model's head size) once a GPU
-        run verifies the default engine with them (model_runner.GRAPHS_BY_DEFAULT; an H200
-        verified the graphs themselves, README). false: off; true: on, refused on CUDA where
+        (engine/native/static_step.py). Unset (None): on where they can be captured (a CUDA
+        device running the Triton kernels of the model's head size; an H200 verified them and
+        the default engine with them, README; model_runner.GRAPHS_BY_DEFAULT), off elsewhere
+        (a CPU, ROCm, other head sizes). false: off; true: on, refused on CUDA where
         they cannot be captured, and on a CPU the same buffers without graphs (what the tests
         check). Native engine only: vLLM captures its own unless engine.vllm sets enforce_eager.
     """

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixflow.kernels import cpu_build
-from prefixflow.kernels.rotary import apply_rotary
+from prefixflow.kernels.rotary import apply_rotary_ref
 
 log = logging.getLogger(__name__)
 
@@ -268,14 +268,14 @@ def _norm_lanes(hidden: int) -> int | None:
 
 @functools.cache
 def rotary_is_exact(head_dim: int) -> bool:
-    """`rotary_` equals the torch rotary (kernels/rotary.apply_rotary) bit for bit."""
+    """`rotary_` equals the torch rotary (kernels/rotary.apply_rotary_ref) bit for bit."""
     if head_dim % 2 or not cpu_build.enabled() or _library() is None:
         return False
     gen = torch.Generator().manual_seed(head_dim)
     x = torch.randn(9, 5, head_dim, generator=gen)
     cs = torch.randn(9, 2, head_dim, generator=gen)
     cos, sin = cs[:, 0:1], cs[:, 1:2]
-    want = apply_rotary(x, cos, sin)
+    want = apply_rotary_ref(x, cos, sin)
     exact = torch.equal(rotary_(x.clone(), cos, sin), want)
     if not exact:
         log.info("C rotary rounds unlike torch at head_dim %d: torch's is used", head_dim)

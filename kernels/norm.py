@@ -1,8 +1,10 @@
 """RMSNorm, optionally fused with the residual add before it (pre-norm decoder layers).
 
-Rounding matches Hugging Face Llama and engine/models/layers/norm.py exactly: the residual add in
-the model dtype, the normalisation in fp32, the result cast to the model dtype and multiplied
-by the weight in the model dtype.
+The torch version rounds as Hugging Face Llama and engine/models/layers/norm.py do: the residual
+add in the model dtype, the normalisation in fp32, the result cast to the model dtype and
+multiplied by the weight in the model dtype. The Triton kernel is written the same way but sums
+the squares in its own order, and compiled for CUDA it may drop a cast pair as the rotary's did
+(kernels/rotary.py): tests/gpu holds it to an ulp of the model dtype, not to equality.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Rotary position embeddings of q and k in one pass (Hugging Face's rotate-half convention).
 
 cos_sin is the engine's table (engine/models/layers/rotary.py `RotaryEmbedding.cos_sin`):
-[max_positions, 2, D] fp32 with cos at [:, 0] and sin at [:, 1], halves duplicated. Rounding
-matches HF: cos/sin cast to the model dtype, x*cos and rotate_half(x)*sin each rounded to the
-model dtype, then added.
+[max_positions, 2, D] fp32 with cos at [:, 0] and sin at [:, 1], halves duplicated. The torch
+versions round as HF does: cos/sin cast to the model dtype, x*cos and rotate_half(x)*sin each
+rounded to the model dtype, then added. The Triton kernels are written the same way (and round
+so under Triton's interpreter), but compiled for CUDA they do not: on an H200 a product stayed
+in float32 before the add (the cast pair dropped) and float32 multiplies and adds fused, so they
+are within an ulp of the torch versions, not equal (tests/gpu: 7.7% of bfloat16 elements differ).
 
-`apply_rotary` is the model's own torch rotary on one tensor (cos and sin already indexed by
-position and cast): the engine's layers and the CPU C kernel's self-check (cpu_exact.py) both
-take it from here, below the engine.
+`apply_rotary` is the model's own rotary on one tensor (cos and sin already indexed by position
+and cast): the engine's layers take it from here, below the engine, and the CPU C kernel's
+self-check (cpu_exact.py) takes its torch version, `apply_rotary_ref`.
 """
 
 from __future__ import annotations
@@ -44,9 +47,17 @@ def _check_args(q, k, positions, cos_sin, dtypes) -> None:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] (any strides); cos, sin: [T, 1, D]. HF's rotate-half convention (not
-    interleaved): x * cos + cat(-x2, x1) * sin, bit for bit. Returns a new contiguous
-    [T, H, D]."""
+    """x: [T, H, D] (any strides); cos, sin: [T, 1, D] in x's dtype. HF's rotate-half convention
+    (not interleaved): x * cos + cat(-x2, x1) * sin, bit for bit. Returns a new contiguous
+    [T, H, D]. Triton on CUDA (one launch where torch takes five; within an ulp of torch, not
+    bit for bit: the module's docstring), torch otherwise."""
+    if use_triton(x, head_dims=None):
+        return apply_rotary_triton(x, cos, sin)
+    return apply_rotary_ref(x, cos, sin)
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Torch version of `apply_rotary` (same arguments)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     # No negated copy and no concatenation; the same roundings as HF (x1*c + (-x2)*s equals
@@ -115,6 +126,34 @@ if triton is not None:
         tl.store(dst, out, mask=mask)
 
     @triton.jit
+    def _partner_and_sign(HEAD_DIM: tl.constexpr):
+        # rotate_half as a gather: element d reads d + D/2 negated (first half) or d - D/2.
+        d = tl.arange(0, HEAD_DIM)
+        half = HEAD_DIM // 2
+        return tl.where(d < half, d + half, d - half), tl.where(d < half, -1.0, 1.0)
+
+    @triton.jit
+    def _rotary_gathered_kernel(
+        x_ptr,
+        y_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_t,
+        stride_h,
+        stride_cs,
+        num_heads,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per token; cos and sin are its rows of the table, already in x's dtype.
+        tok = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HEAD_DIM)
+        cos = tl.load(cos_ptr + tok * stride_cs + d).to(tl.float32)
+        sin = tl.load(sin_ptr + tok * stride_cs + d).to(tl.float32)
+        partner, sign = _partner_and_sign(HEAD_DIM)
+        _rotate_heads(x_ptr, y_ptr, stride_t, stride_h, tok, num_heads, cos, sin, sign, partner, HEAD_DIM, BLOCK_H)
+
+    @triton.jit
     def _rotary_kernel(
         q_ptr,
         k_ptr,
@@ -136,13 +175,11 @@ if triton is not None:
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         d = tl.arange(0, HEAD_DIM)
-        half = HEAD_DIM // 2
         cos = tl.load(cs_ptr + pos * 2 * HEAD_DIM + d)
         sin = tl.load(cs_ptr + pos * 2 * HEAD_DIM + HEAD_DIM + d)
         cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)  # HF casts the table first
         sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
+        partner, sign = _partner_and_sign(HEAD_DIM)
         _rotate_heads(
             q_ptr, qo_ptr, stride_qt, stride_qh, tok, num_q_heads, cos, sin, sign, partner, HEAD_DIM, BLOCK_HQ
         )
@@ -184,3 +221,35 @@ def rotary_embedding_triton(
             num_warps=4,
         )
     return q_out, k_out
+
+
+def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Triton launcher of `apply_rotary` (same arguments); head_dim a power of two, x's last dim
+    contiguous, cos and sin with the same strides (two views of one [T, 2, D] table rows)."""
+    check_tensor("x", x, 3, FLOAT_DTYPES)
+    check_last_dim_contiguous("x", x)
+    t, heads, d = x.shape
+    for name, c in (("cos", cos), ("sin", sin)):
+        check_tensor(name, c, 3, (x.dtype,), x.device)
+        check_shape(name, c, (t, 1, d))
+        check_last_dim_contiguous(name, c)
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos and sin need the same row stride, got {cos.stride(0)} and {sin.stride(0)}")
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two for the Triton kernel")
+    out = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
+    if t > 0:
+        _rotary_gathered_kernel[(t,)](
+            x,
+            out,
+            cos,
+            sin,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            heads,
+            HEAD_DIM=d,
+            BLOCK_H=triton.next_power_of_2(heads),
+            num_warps=4,
+        )
+    return out

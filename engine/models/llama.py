@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         if cpu_exact.supports_rotary(qk, cos, sin):
             cpu_exact.rotary_(qk, cos, sin)  # in place, one C call (v stays a view)
         else:
-            qk, v = apply_rotary(qk, cos, sin), v.contiguous()  # [T, Hq+Hkv, D]
+            qk = apply_rotary(qk, cos, sin)  # [T, Hq+Hkv, D]; v stays a view (the kernels take strides)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq|Hkv, D]
         if queries is not None:
             q = q[queries.rows]  # [N, Hq, D]

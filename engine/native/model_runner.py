@@ -75,17 +75,19 @@ SINGLE_THREAD_MAX_TOKENS = 128
 OVERSUBSCRIBED_LOAD_PER_CORE = 1.5
 
 
-# Whether engine.cuda_graphs, unset, turns the graphs on where they can be captured. Off until a
-# GPU run verifies the default engine with them: the KV budget that keeps their pool and logits
-# out (`_kv_budget_bytes`) and a capture after the cache has taken its share of the device
-# (gpu_engine's default_budget part). An H200 verified the graphs themselves (README).
-GRAPHS_BY_DEFAULT = False
+# Whether engine.cuda_graphs, unset, turns the graphs on where they can be captured. On since an
+# H200 verified the default engine with them (gpu_engine's default_budget part, 2026-12-04: the
+# KV budget that keeps their pool and logits out, `_kv_budget_bytes`, and a capture after the
+# cache took its share of the device, then 32 steps replayed at the top rung) besides the graphs
+# themselves (float32 parity with transformers; README). The switch stays for a device that
+# shows otherwise.
+GRAPHS_BY_DEFAULT = True
 
 
 def static_decode_wanted(setting: bool | None, device: torch.device, head_dim: int) -> bool:
     """Whether decode steps run on static buffers (as CUDA graphs on CUDA): as set, or, unset,
     where the graphs can be captured (a CUDA device, not ROCm's, running the Triton kernels of
-    this head size) once GRAPHS_BY_DEFAULT says so. On a CPU the buffers only pad a step, so
+    this head size) while GRAPHS_BY_DEFAULT says so. On a CPU the buffers only pad a step, so
     unset means off there; set true, they run (the tests)."""
     if setting is not None:
         return setting

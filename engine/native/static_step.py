@@ -18,8 +18,8 @@ and with them (the prefix-shared kernel); each is a graph of its own.
 
 On a CPU, or on CUDA before a capture, the same buffers run the model eagerly: the path the CPU
 tests check against the step built afresh (engine/native/model_runner.py). The capture code
-(`capture`) is the only CUDA-only code; `gpu_suite` verified it on an H200 (README); it is off
-by default until a GPU run also verifies the engine a job builds with it
+(`capture`) is the only CUDA-only code; `gpu_suite` verified it on an H200 (README), and the
+engine a job builds with it, so it is on by default where it can be captured
 (`model_runner.GRAPHS_BY_DEFAULT`). Memory: the graphs share one pool, whose peak is a decode
 step of the top rung (the model runner keeps that much more out of the KV budget), and write
 their logits into one [top rung, vocab] buffer. A step of S rows on rung R reads every block

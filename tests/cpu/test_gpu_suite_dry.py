@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,8 +110,15 @@ def test_the_gpu_suite_runs_to_its_end_on_the_cpu(tmp_path):
         phases = got["runs"]["with_decode"]["host_phases_s"]
         assert all(phases[name] > 0 for name in ("prefixflow.prepare", "prefixflow.forward", "prefixflow.sample"))
         assert set(got["host_ms_per_decode_step"]) >= {"prepare", "forward", "sample", "scheduler_and_engine"}
+        # and the host's Python by function (file:line(name)), each run's 40 largest kept
+        functions = got["runs"]["with_decode"]["python_s_by_function"]
+        assert len(functions) == 40 and all(re.fullmatch(r".+:\d+\(.+\)", name) for name in functions), functions
+        assert len(got["python_ms_per_decode_step_by_function"]) == 25
     assert decode["weights_floor_s"] > 0
     assert all(engine["parity_cuda_graphs"][arch]["static_steps"] > 0 for arch in ("llama", "qwen2"))
+    # One decode step's logits three ways: on a CPU the static buffers compute what eager does.
+    same = engine["graphs_vs_eager"]
+    assert same["batch"] == 2 and same["graph_vs_eager"]["equal"] and same["eager_vs_eager_wide_tables"]["equal"], same
     # The engine with graphs as a job builds it decoded at the top rung on its buffers.
     budget = engine["default_budget"]
     assert budget["batch"] == 4 and budget["static_steps"] >= 4 and budget["num_kv_blocks"] > 0, budget
@@ -126,7 +134,7 @@ def test_the_busy_share_counts_device_work_not_the_hosts_named_ranges():
 
     import torch
 
-    from prefixflow.bench.gpu_engine import _by_kernel, _kernels_per_step, _union_s, device_kernels
+    from prefixflow.bench.gpu_engine import _by_kernel, _per_step_ms, _union_s, device_kernels
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -144,4 +152,15 @@ def test_the_busy_share_counts_device_work_not_the_hosts_named_ranges():
         e.name = name
     first = {"device_s_by_kernel": _by_kernel(kernels[:1])}
     full = {"device_s_by_kernel": _by_kernel(kernels + kernels)}
-    assert _kernels_per_step(first, full, 2) == {"attention": 0.01, "gemm": 0.005}
+    assert _per_step_ms(first, full, "device_s_by_kernel", 2) == {"attention": 0.01, "gemm": 0.005}
+
+
+def test_the_python_profile_names_each_function_with_its_own_time():
+    from prefixflow.bench.gpu_engine import _python_s_by_function
+
+    def spin():
+        return sum(i * i for i in range(20000))
+
+    seconds = _python_s_by_function(spin)
+    mine = [name for name in seconds if name.startswith("test_gpu_suite_dry.py:") and "(<genexpr>)" in name]
+    assert len(mine) == 1 and seconds[mine[0]] > 0

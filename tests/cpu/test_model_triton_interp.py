@@ -3,7 +3,7 @@
 On the CPU the attention layer dispatches to the kernels' torch references; here the layer's
 kernel functions are swapped for the Triton launchers, so the layout the runner builds
 (slot mapping, block tables, prefix ranges, chunk order) is checked against the kernels that
-run on CUDA. One small scenario per attention path: pure prefill, prefix-shared mixed step,
+run on CUDA, and so are the norms and the rotary. One small scenario per attention path: pure prefill, prefix-shared mixed step,
 pure decode. fp32 only (bf16 arithmetic is wrong in the interpreter, NOTES.md).
 """
 
@@ -15,14 +15,19 @@ import pytest
 import torch
 
 from prefixflow.engine.config import EngineConfig
+from prefixflow.engine.models import llama
 from prefixflow.engine.models.layers import attention
+from prefixflow.engine.models.layers import norm as norm_layer
 from prefixflow.engine.native.model_runner import ModelRunner
 from prefixflow.engine.native.step import SeqChunk, SharedPrefix, StepInput
 from prefixflow.engine.models.tiny import make_tiny_checkpoint
+from prefixflow.kernels import cpu_exact
 from prefixflow.kernels.kv_write import write_kv_cache_triton
+from prefixflow.kernels.norm import rms_norm_triton
 from prefixflow.kernels.packed_prefill import packed_prefill_attention_triton
 from prefixflow.kernels.paged_decode import paged_decode_attention_triton
 from prefixflow.kernels.prefix_attention import prefix_shared_attention_triton
+from prefixflow.kernels.rotary import apply_rotary_triton
 from prefixflow.requests import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -55,6 +60,12 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
     monkeypatch.setattr(attention, "packed_prefill_attention", packed_prefill_attention_triton)
     monkeypatch.setattr(attention, "paged_decode_attention", paged_decode_attention_triton)
     monkeypatch.setattr(attention, "prefix_shared_attention", prefix_shared_attention_triton)
+    # and the norms and rotary as on CUDA: Triton, not the CPU's C kernels
+    monkeypatch.setattr(cpu_exact, "supports_norm", lambda *args: False)
+    monkeypatch.setattr(cpu_exact, "supports_rotary", lambda *args: False)
+    monkeypatch.setattr(norm_layer, "fused_norm_applies", lambda x, residual: True)
+    monkeypatch.setattr(norm_layer, "rms_norm", counted(rms_norm_triton))
+    monkeypatch.setattr(llama, "apply_rotary", counted(apply_rotary_triton))
     path = make_tiny_checkpoint(tmp_path, "qwen2", seed=5)
     runner = ModelRunner(
         EngineConfig(model=str(path), device="cpu", block_size=BLOCK, kv_cache_bytes=64 * BLOCK * runner_bytes(path))
@@ -92,6 +103,20 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
     # Pure decode of the lone sequence.
     logits = runner.execute_logits(StepInput((chunk(2, [90], 6, 6, lone_t),)))
     assert (logits[0] - ref(lone + [90])).abs().max() < 1e-4
+    assert counted.calls["rms_norm_triton"] > 0 and counted.calls["apply_rotary_triton"] > 0, counted.calls
+
+
+def counted(fn):
+    """fn, counting its calls in counted.calls (that the model took the patched kernels)."""
+
+    def call(*args, **kwargs):
+        counted.calls[fn.__name__] = counted.calls.get(fn.__name__, 0) + 1
+        return fn(*args, **kwargs)
+
+    return call
+
+
+counted.calls = {}
 
 
 def runner_bytes(path) -> int:

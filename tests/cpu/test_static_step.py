@@ -270,8 +270,8 @@ def test_the_switch_is_the_native_engines():
 
 
 def test_unset_the_graphs_follow_the_switch_where_they_can_be_captured(tiny_model, monkeypatch):
-    """engine.cuda_graphs unset: off while GRAPHS_BY_DEFAULT is (until a GPU verifies the default
-    engine with graphs); with it on, on for a CUDA device running the Triton kernels of the
+    """engine.cuda_graphs unset: off while GRAPHS_BY_DEFAULT is off (on since a GPU verified the
+    default engine with graphs); with it on, on for a CUDA device running the Triton kernels of the
     model's head size, off on a CPU, on ROCm and for head sizes the kernels do not take; set, as
     set (true on a CUDA device that cannot capture is refused by the runner)."""
     from prefixflow.engine.native import model_runner
@@ -280,7 +280,9 @@ def test_unset_the_graphs_follow_the_switch_where_they_can_be_captured(tiny_mode
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(model_runner, "triton_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert not model_runner.GRAPHS_BY_DEFAULT and not static_decode_wanted(None, cuda, 64)
+    assert model_runner.GRAPHS_BY_DEFAULT  # since a GPU verified the default engine with graphs
+    monkeypatch.setattr(model_runner, "GRAPHS_BY_DEFAULT", False)
+    assert not static_decode_wanted(None, cuda, 64)
     monkeypatch.setattr(model_runner, "GRAPHS_BY_DEFAULT", True)
     assert static_decode_wanted(None, cuda, 64) and static_decode_wanted(None, cuda, 128)
     assert not static_decode_wanted(None, cuda, 80)  # the torch fallback: a host sync, no capture

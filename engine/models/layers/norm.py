@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixflow.kernels import cpu_exact
+from prefixflow.kernels import cpu_exact, triton_available
+from prefixflow.kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -34,11 +35,19 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the new
         residual stream, written into `residual` (so pass one not needed after); the add
         happens in the model dtype, as in HF's decoder layer. On a CPU, one C call does the add
-        and the norm with torch's rounding (kernels/cpu_exact.py)."""
+        and the norm with torch's rounding (kernels/cpu_exact.py); on CUDA one Triton kernel
+        (kernels/norm.py; within an ulp of torch's, tests/gpu), where torch launches nine."""
         if cpu_exact.supports_norm(x, residual, self.weight):
             out = cpu_exact.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
+        if fused_norm_applies(x, residual):
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual.add_(x)
         return self._norm(residual), residual
+
+
+def fused_norm_applies(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether kernels/norm.py's Triton kernel takes this norm: CUDA tensors, contiguous."""
+    return x.is_cuda and triton_available() and x.is_contiguous() and (residual is None or residual.is_contiguous())

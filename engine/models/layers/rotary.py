@@ -4,7 +4,8 @@ Frequencies follow Hugging Face's `modeling_rope_utils` exactly (same fp32 opera
 engine's logits match transformers': "default", "linear" (positions divided by `factor`) and
 "llama3" (Llama 3.1's frequency-dependent scaling). The cos/sin table is computed once for all
 positions up to `max_positions` and indexed by each token's position; the rotation itself,
-`apply_rotary`, is kernels/rotary.py's (the CPU C kernel checks itself against it).
+`apply_rotary`, is kernels/rotary.py's (Triton on CUDA; the CPU C kernel checks itself against
+its torch version).
 """
 
 from __future__ import annotations
