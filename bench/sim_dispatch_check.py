@@ -702,7 +702,7 @@ def rule_check(tasks: Tasks, engine: np.ndarray, handout: np.ndarray, finished: 
         picked = int(dispatch.pick_actor(data_node[i], heap, size, inflight, tasks.max_in_flight))
         if np.sum(joined & (inflight < tasks.max_in_flight)) >= 2:
             contested += 1
-            contested_as_ray += picked == engine[i]
+            contested_as_ray += int(picked == engine[i])  # a numpy bool would make the count numpy's (no JSON)
         if picked != engine[i]:
             misses.append({"handout": i, "in_flight": inflight.tolist(), "rule": picked, "ray": int(engine[i])})
         rule_rows[picked] += tasks.starts[i + 1] - tasks.starts[i]

@@ -810,6 +810,7 @@ def test_rule_check_replays_rays_pick_over_the_measured_hand_outs_and_task_ends(
         "rows_per_engine_error": 0.0,
         "misses": [],
     }
+    assert json.loads(json.dumps(as_ray)) == as_ray  # cluster_sim writes it (a numpy count would not dump)
     lowest = rule_check(tasks, np.array([0, 1, 0, 1, 0, 1, 1]), handout, finished, up)
     assert lowest["as_ray"] < 7
     assert lowest["misses"][0] == {"handout": 0, "in_flight": [0, 0], "rule": 1, "ray": 0}
