@@ -19,11 +19,11 @@
   the rest is the scheduler's and the engine's), and its largest Python functions by their own
   time per decode step (cProfile over a third run of each).
 - graphs_vs_eager: one decode step's logits as a graph, eagerly, and eagerly with block tables
-  as wide as the graph's (which sizes the attention kernels' splits alike): what makes the
-  graphs' greedy tokens differ from eager's in bfloat16.
+  as wide as the graph's (which sizes the attention kernels' splits alike): whether the splits
+  make the graphs' greedy tokens differ from eager's in bfloat16.
 - default_budget: the engine with graphs as a job builds it (the KV budget from
   gpu_memory_utilization, graphs captured after the cache), decoding at the top rung: what
-  model_runner.GRAPHS_BY_DEFAULT waits for.
+  model_runner.GRAPHS_BY_DEFAULT rests on.
 - warmup: a fresh process builds the engine and runs a first step, twice: with empty kernel
   caches (PREFIXFLOW_CACHE for the C kernels, TRITON_CACHE_DIR for Triton's), then with the
   caches the first one filled (the issue's goals: at most 60 s, and 5 s when cached).
@@ -246,7 +246,7 @@ def default_budget(device: str, dtype: DType, path: str, batch: int, decode_step
     """The engine with graphs as a job builds it: no kv_cache_bytes on CUDA (the KV budget from
     gpu_memory_utilization, less the graphs' pool and logits), the graphs captured after the cache
     took its share of the device, then `batch` requests decoded (the top rung of the ladder). What
-    model_runner.GRAPHS_BY_DEFAULT waits for. On a CPU (the dry run) a small cache instead."""
+    model_runner.GRAPHS_BY_DEFAULT rests on. On a CPU (the dry run) a small cache instead."""
     import torch
 
     from prefixflow.bench import peer_bench as pb
@@ -278,9 +278,12 @@ def default_budget(device: str, dtype: DType, path: str, batch: int, decode_step
 def graphs_vs_eager(device: str, dtype: DType, path: str, batch: int) -> dict[str, Any]:
     """Why the graphs' greedy tokens can differ from eager's: one decode step of `batch` members
     of a prefix group (the decode parts' layout), its logits three ways on one model runner: as
-    a graph (the static buffers), eagerly, and eagerly with every block table padded to the
-    static buffers' width (max_model_len's), which sizes the attention kernels' splits as the
-    graph's do. Equal logits in the last two say the splits alone make the difference."""
+    a graph (the static buffers), eagerly, and eagerly with every block table (the members' and
+    the prefix's) padded to the static buffers' width (max_model_len's), which sizes the
+    attention kernels' splits as the graph's do. The graph also pads its prefix groups to the
+    rung's size (64 groups, one with members), which eager cannot. Equal logits from the graph
+    and the wide eager step would say the splits make the difference. (The first H200 run of
+    this part padded only the members' tables: eager equal to itself, as expected.)"""
     from prefixflow.engine.native.step import SeqChunk, SharedPrefix, StepInput
     from prefixflow.requests import SamplingParams
 
@@ -304,7 +307,10 @@ def graphs_vs_eager(device: str, dtype: DType, path: str, batch: int) -> dict[st
     runner.execute_logits(StepInput(tuple(member(i, p[PREFIX:], 0) for i, p in enumerate(prompts)), (prefix,)))
 
     def decode_step(width: int = 0) -> StepInput:
-        return StepInput(tuple(member(i, [p[-1]], OWN, width) for i, p in enumerate(prompts)), (prefix,))
+        # width: the members' and the prefix's block tables padded to it (the graph's are both
+        # max_blocks wide; the prefix-shared kernel sizes its splits of each from its width)
+        wide = SharedPrefix(prefix.block_table + (0,) * max(0, width - len(prefix.block_table)), PREFIX)
+        return StepInput(tuple(member(i, [p[-1]], OWN, width) for i, p in enumerate(prompts)), (wide,))
 
     graph = runner.execute_logits(decode_step()).float().cpu()
     replays = static.graph_replays if static is not None else None
@@ -317,19 +323,21 @@ def graphs_vs_eager(device: str, dtype: DType, path: str, batch: int) -> dict[st
     del engine
     _free(device)
 
-    def compare(a: Any, b: Any) -> dict[str, Any]:
-        return {
-            "equal": bool((a == b).all()),
-            "max_abs_diff": float((a - b).abs().max()),
-            "argmax_equal_rows": int((a.argmax(-1) == b.argmax(-1)).sum()),
-        }
-
     return {
         "batch": batch,
         "graph_replays": replays,
-        "graph_vs_eager": compare(graph, eager),
-        "graph_vs_eager_wide_tables": compare(graph, wide),
-        "eager_vs_eager_wide_tables": compare(eager, wide),
+        "graph_vs_eager": _compare_logits(graph, eager),
+        "graph_vs_eager_wide_tables": _compare_logits(graph, wide),
+        "eager_vs_eager_wide_tables": _compare_logits(eager, wide),
+    }
+
+
+def _compare_logits(a: Any, b: Any) -> dict[str, Any]:
+    """Two [N, V] logits: equal, their largest difference, rows whose argmax agree."""
+    return {
+        "equal": bool((a == b).all()),
+        "max_abs_diff": float((a - b).abs().max()),
+        "argmax_equal_rows": int((a.argmax(-1) == b.argmax(-1)).sum()),
     }
 
 
@@ -351,7 +359,12 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall
     kernels = device_kernels(prof.events())
-    python = _python_s_by_function(lambda: (pb.run_engine(engine, load, "plan"), _sync(engine.runner.device.type)))
+
+    def run_synced() -> None:
+        pb.run_engine(engine, load, "plan")
+        _sync(engine.runner.device.type)
+
+    python = _python_s_by_function(run_synced)
     host = {name: 0.0 for name in PHASES}
     for avg in prof.key_averages():
         if avg.key in host:
@@ -594,7 +607,7 @@ def goals(out: dict[str, Any]) -> dict[str, bool]:
         "device_busy_at_least_85pct": (step_64.get("device_busy_share") or 0.0) >= GOAL_BUSY,
         "warmup_at_most_60s": "error" not in warm and warm["cold"]["total_s"] <= 60,
         "warmup_cached_at_most_5s": "error" not in warm and warm["cached"]["total_s"] <= 5,
-        # not the issue's: whether model_runner.GRAPHS_BY_DEFAULT may be turned on
+        # not the issue's: what model_runner.GRAPHS_BY_DEFAULT (on) rests on
         "default_engine_replayed_graphs": (out["default_budget"].get("graph_replays") or 0) > 0,
     }
 

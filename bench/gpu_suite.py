@@ -1,13 +1,14 @@
 """Everything a session with a GPU owes, in one command: the GPU tests, the kernel benchmark and
 the engine's section.
 
-    .venv/bin/python -m prefixflow.bench.gpu_suite [--quick] [--dry-run] [--out FILE]
+    .venv/bin/python -m prefixflow.bench.gpu_suite [--quick] [--dry-run] [--out FILE] [--sections tests,engine,kernels]
 
 Runs `pytest tests/gpu` in a subprocess (JUnit XML parsed for the counts and failures), then
 `gpu_engine` (parity with transformers, the 1B-shape decode step beside its weights floor, device
 busy share, kernels per step, warm-up), then `kernel_bench`, and writes
 bench/results/gpu_suite_<gpu>.json after each section, so a run cut short keeps what it got
-(kernel_bench also writes its own file). Exits non-zero when a GPU test fails. Without CUDA it
+(kernel_bench also writes its own file); --sections runs some of them, keeping the others' in
+the file and saying when each was written. Exits non-zero when a GPU test fails. Without CUDA it
 prints why and writes nothing.
 
 --dry-run runs every section on the CPU at tiny shapes (Triton's kernels under its interpreter;
@@ -23,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -70,6 +72,22 @@ def run_gpu_tests() -> dict:
     )
 
 
+def write_section(path: Path, section: str, result: dict, fresh: bool) -> None:
+    """`result` as `section` of the JSON report at `path`, beside the sections the file holds
+    (none when `fresh`), and the time it was written in `written` (UTC): a second run in one
+    lease, of the sections that changed, keeps the first run's others and says which is which."""
+    report: dict = {}
+    if not fresh and path.exists():
+        try:
+            report = json.loads(path.read_text())
+        except json.JSONDecodeError:  # a report cut off mid-write: its sections are lost anyway
+            report = {}
+    report[section] = result
+    report.setdefault("written", {})[section] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes")
@@ -95,14 +113,14 @@ def main() -> None:
     if not args.dry_run:
         slug = kernel_bench.gpu_slug()
         paths.append(kernel_bench.RESULTS_DIR / f"gpu_suite_{slug}.json")
-    report: dict = {}
+    started: set[Path] = set()
 
     def write(section: str, result: dict) -> None:
-        """The report so far, after each section: a run cut short by the GPU's time keeps what it got."""
-        report[section] = result
+        """The report so far, after each section: a run cut short by the GPU's time keeps what it
+        got. A run of every section starts each file afresh; a run of some keeps the others'."""
         for path in paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(report, indent=2))
+            write_section(path, section, result, fresh=sections == set(SECTIONS) and path not in started)
+            started.add(path)
 
     tests: dict = {"returncode": 0}
     if "tests" in sections:

@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from prefixflow.kernels import (
+    apply_rotary,
+    apply_rotary_ref,
     packed_prefill_attention,
     paged_decode_attention,
     prefix_shared_attention,
     rms_norm,
     rms_norm_ref,
-    rotary_embedding,
-    rotary_embedding_ref,
     write_kv_cache,
 )
 from prefixflow.bench.step_profile import copy_bandwidth
@@ -276,13 +276,14 @@ def bench_norm_rope(num_tokens: int, copy_gbs: float) -> list[dict]:
     eager = time_ms(lambda: rms_norm_ref(x, w, 1e-5, res))
     norm_bytes = 4 * x.numel() * x.element_size()  # x, res in; y, res out
     qkv = torch.randn(num_tokens, HQ + 2 * HKV, D, device=DEVICE, dtype=DTYPE)
-    q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
+    qk = qkv[:, : HQ + HKV]  # the q and k heads, rotated in one call as the model does
     pos = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
     emb = torch.outer(torch.arange(8192, device=DEVICE).float(), inv).repeat(1, 2)
-    cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1)
-    ours_rope = time_ms(lambda: rotary_embedding(q, k, pos, cos_sin))
-    eager_rope = time_ms(lambda: rotary_embedding_ref(q, k, pos, cos_sin))
+    cs = torch.stack([emb.cos(), emb.sin()], dim=1)[pos].to(DTYPE)  # gathered once per step
+    cos, sin = cs[:, 0:1], cs[:, 1:2]
+    ours_rope = time_ms(lambda: apply_rotary(qk, cos, sin))
+    eager_rope = time_ms(lambda: apply_rotary_ref(qk, cos, sin))
     rope_bytes = 2 * num_tokens * (HQ + HKV) * D * qkv.element_size()
     return [
         dict(

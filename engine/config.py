@@ -58,9 +58,10 @@ class EngineConfig:
         (engine/native/static_step.py). Unset (None): on where they can be captured (a CUDA
         device running the Triton kernels of the model's head size; an H200 verified them and
         the default engine with them, README; model_runner.GRAPHS_BY_DEFAULT), off elsewhere
-        (a CPU, ROCm, other head sizes). false: off; true: on, refused on CUDA where
-        they cannot be captured, and on a CPU the same buffers without graphs (what the tests
-        check). Native engine only: vLLM captures its own unless engine.vllm sets enforce_eager.
+        (a CPU, ROCm, other head sizes); the KV budget from gpu_memory_utilization keeps their
+        memory out, and with kv_cache_bytes set, leave it free yourself. false: off; true: on,
+        refused on CUDA where they cannot be captured, and on a CPU the same buffers without
+        graphs (what the tests check). Native engine only: vLLM captures its own unless engine.vllm sets enforce_eager.
     """
 
     model: str

@@ -17,8 +17,8 @@ layout everywhere: [num_blocks, block_size, num_kv_heads, head_dim]; block table
 - packed_prefill_attention(q, k, v, cu_seqlens, scale, out=None, k_cache=None, v_cache=None,
   slot_mapping=None): packed prompts, causal per prompt, optional cache write.
 - write_kv_cache(k, v, k_cache, v_cache, slot_mapping): scatter a step's K/V into the cache.
-- rms_norm(x, weight, eps, residual=None), rotary_embedding(q, k, positions, cos_sin): the
-  layer's elementwise ops with Hugging Face's rounding.
+- rms_norm(x, weight, eps, residual=None), apply_rotary(x, cos, sin): the layer's elementwise
+  ops; the torch versions round as Hugging Face's, the Triton ones close to it (their modules).
 - TRITON_HEAD_DIMS, triton_available(): when a CUDA tensor takes the Triton kernels (other head
   sizes fall back to the torch references, which read values on the host).
 """
@@ -30,7 +30,7 @@ if __name__ == "prefixflow.kernels":
     from prefixflow.kernels.packed_prefill import packed_prefill_attention, packed_prefill_attention_ref
     from prefixflow.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
     from prefixflow.kernels.prefix_attention import prefix_shared_attention, prefix_shared_attention_ref
-    from prefixflow.kernels.rotary import rotary_embedding, rotary_embedding_ref
+    from prefixflow.kernels.rotary import apply_rotary, apply_rotary_ref
 
     __all__ = [
         "TRITON_HEAD_DIMS",
@@ -43,8 +43,8 @@ if __name__ == "prefixflow.kernels":
         "prefix_shared_attention_ref",
         "rms_norm",
         "rms_norm_ref",
-        "rotary_embedding",
-        "rotary_embedding_ref",
+        "apply_rotary",
+        "apply_rotary_ref",
         "write_kv_cache",
         "write_kv_cache_ref",
     ]

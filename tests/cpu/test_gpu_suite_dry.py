@@ -164,3 +164,18 @@ def test_the_python_profile_names_each_function_with_its_own_time():
     seconds = _python_s_by_function(spin)
     mine = [name for name in seconds if name.startswith("test_gpu_suite_dry.py:") and "(<genexpr>)" in name]
     assert len(mine) == 1 and seconds[mine[0]] > 0
+
+
+def test_a_run_of_some_sections_keeps_the_others_in_the_report(tmp_path):
+    """gpu_suite --sections: a second run in one lease rewrites its sections only."""
+    from prefixflow.bench.gpu_suite import write_section
+
+    path = tmp_path / "gpu_suite.json"
+    write_section(path, "tests", {"passed": 1}, fresh=True)
+    write_section(path, "engine", {"step": 1}, fresh=False)
+    write_section(path, "engine", {"step": 2}, fresh=False)  # the second run's
+    report = json.loads(path.read_text())
+    assert report["tests"] == {"passed": 1} and report["engine"] == {"step": 2}
+    assert set(report["written"]) == {"tests", "engine"}
+    write_section(path, "tests", {"passed": 3}, fresh=True)  # a run of every section starts afresh
+    assert set(json.loads(path.read_text())) == {"tests", "written"}

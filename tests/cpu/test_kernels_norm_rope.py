@@ -6,7 +6,7 @@ import torch
 
 from prefixflow.kernels._common import interpreting
 from prefixflow.kernels.norm import rms_norm_ref, rms_norm_triton
-from prefixflow.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from prefixflow.kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton, triton_takes
 
 triton_only = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (no CUDA)")
 # bf16 is left to tests/gpu: these kernels round intermediates to the model dtype (as HF does)
@@ -50,28 +50,26 @@ def test_rotary_ref_matches_complex_rotation():
     # Rotate-half RoPE rotates each pair (x_i, x_{i+D/2}) by angle pos * inv_freq_i.
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(4, 3, 8, generator=gen, dtype=torch.float64)
-    k = torch.randn(4, 1, 8, generator=gen, dtype=torch.float64)
     pos = torch.tensor([0, 5, 2, 9])
-    cs = _cos_sin(16, 8).double().float()
-    q_rot, _ = rotary_embedding_ref(q, k, pos, cs)
+    cs = _cos_sin(16, 8).double()[pos]  # [T, 2, D]
+    q_rot = apply_rotary_ref(q, cs[:, 0:1], cs[:, 1:2])
     inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).double() / 8))
     angle = pos.double()[:, None] * inv  # [T, D/2]
     z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones_like(angle), angle)[:, None, :]
     assert torch.allclose(q_rot, torch.cat([z.real, z.imag], dim=-1), atol=1e-6)
 
 
-@triton_only
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_triton_matches_ref_on_strided_views(dtype):
-    gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(5, 4 + 2 * 2, 32, generator=gen).to(dtype)  # fused projection output
-    q, k = qkv[:, :4], qkv[:, 4:6]
-    pos = torch.tensor([3, 0, 7, 7, 1])
-    cs = _cos_sin(8, 32)
-    got, want = rotary_embedding_triton(q, k, pos, cs), rotary_embedding_ref(q, k, pos, cs)
-    for g, r in zip(got, want):
-        tol = 1e-6 if dtype == torch.float32 else 2e-3
-        assert g.is_contiguous() and torch.allclose(g.float(), r.float(), rtol=tol, atol=tol)
+def test_rotary_takes_the_triton_kernel_only_for_tensors_it_takes():
+    """apply_rotary falls back to torch (on CUDA too) for what the Triton launcher refuses."""
+    x = torch.zeros(3, 4, 8)
+    cs = torch.zeros(3, 2, 8)
+    cos, sin = cs[:, 0:1], cs[:, 1:2]
+    assert triton_takes(x, cos, sin)
+    assert not triton_takes(x.double(), cos.double(), sin.double())  # no float64 kernel
+    assert not triton_takes(x.half(), cos, sin)  # cos and sin in another dtype
+    assert not triton_takes(x.transpose(1, 2), cos, sin)  # last dim strided
+    assert not triton_takes(x, cos, sin.contiguous())  # row strides differ
+    assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_ref(x, cos, sin))  # the CPU: torch
 
 
 @triton_only
@@ -79,8 +77,6 @@ def test_rotary_triton_matches_ref_on_strided_views(dtype):
 def test_the_model_rotary_on_triton_equals_torch_on_strided_views(dtype):
     """apply_rotary's Triton kernel (CUDA) rounds as its torch version, on the model's layout:
     q and k heads of the fused projection, cos and sin two views of the table's gathered rows."""
-    from prefixflow.kernels.rotary import apply_rotary_ref, apply_rotary_triton
-
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(5, 4 + 2 * 2, 32, generator=gen).to(dtype)
     qk = qkv[:, :6]  # 4 query and 2 key heads; v left out

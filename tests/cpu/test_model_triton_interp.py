@@ -53,8 +53,18 @@ def chunk(seq_id, toks, start, cached, table, prefix_index=-1, sample=True):
 
 
 @pytest.mark.slow
-def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: its per-head q/k norms on the kernel too
+def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch, arch):
     from transformers import AutoModelForCausalLM
+
+    calls: dict[str, int] = {}
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            return fn(*args, **kwargs)
+
+        return call
 
     monkeypatch.setattr(attention, "write_kv_cache", write_kv_cache_triton)
     monkeypatch.setattr(attention, "packed_prefill_attention", packed_prefill_attention_triton)
@@ -63,10 +73,10 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
     # and the norms and rotary as on CUDA: Triton, not the CPU's C kernels
     monkeypatch.setattr(cpu_exact, "supports_norm", lambda *args: False)
     monkeypatch.setattr(cpu_exact, "supports_rotary", lambda *args: False)
-    monkeypatch.setattr(norm_layer, "fused_norm_applies", lambda x, residual: True)
+    monkeypatch.setattr(norm_layer, "kernel_norm_applies", lambda *args: True)
     monkeypatch.setattr(norm_layer, "rms_norm", counted(rms_norm_triton))
     monkeypatch.setattr(llama, "apply_rotary", counted(apply_rotary_triton))
-    path = make_tiny_checkpoint(tmp_path, "qwen2", seed=5)
+    path = make_tiny_checkpoint(tmp_path, arch, seed=5)
     runner = ModelRunner(
         EngineConfig(model=str(path), device="cpu", block_size=BLOCK, kv_cache_bytes=64 * BLOCK * runner_bytes(path))
     )
@@ -103,20 +113,7 @@ def test_runner_on_triton_kernels_matches_hf(tmp_path, monkeypatch):
     # Pure decode of the lone sequence.
     logits = runner.execute_logits(StepInput((chunk(2, [90], 6, 6, lone_t),)))
     assert (logits[0] - ref(lone + [90])).abs().max() < 1e-4
-    assert counted.calls["rms_norm_triton"] > 0 and counted.calls["apply_rotary_triton"] > 0, counted.calls
-
-
-def counted(fn):
-    """fn, counting its calls in counted.calls (that the model took the patched kernels)."""
-
-    def call(*args, **kwargs):
-        counted.calls[fn.__name__] = counted.calls.get(fn.__name__, 0) + 1
-        return fn(*args, **kwargs)
-
-    return call
-
-
-counted.calls = {}
+    assert calls["rms_norm_triton"] > 0 and calls["apply_rotary_triton"] > 0, calls
 
 
 def runner_bytes(path) -> int:

@@ -168,35 +168,25 @@ def test_write_kv_cache_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=DTYPE_ID)
-def test_rms_norm_and_rotary_gpu(dtype):
-    from prefixflow.kernels import rms_norm, rms_norm_ref, rotary_embedding, rotary_embedding_ref
+def test_rms_norm_gpu(dtype):
+    from prefixflow.kernels import rms_norm, rms_norm_ref
 
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     x = torch.randn(333, 4096, generator=gen, device=DEVICE).to(dtype)
     res = torch.randn(333, 4096, generator=gen, device=DEVICE).to(dtype)
     w = torch.randn(4096, generator=gen, device=DEVICE).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # one ulp of the model dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # relative and absolute, on values of order 1-10
     for got, want in zip(rms_norm(x, w, 1e-5, res), rms_norm_ref(x, w, 1e-5, res)):
-        assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
-    qkv = torch.randn(333, 48, 128, generator=gen, device=DEVICE).to(dtype)
-    q, k = qkv[:, :32], qkv[:, 32:40]
-    pos = torch.randint(0, 4096, (333,), generator=gen, device=DEVICE)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=DEVICE).float() / 128))
-    emb = torch.outer(torch.arange(4096, device=DEVICE).float(), inv).repeat(1, 2)
-    cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1)
-    for got, want in zip(rotary_embedding(q, k, pos, cos_sin), rotary_embedding_ref(q, k, pos, cos_sin)):
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=DTYPE_ID)
-def test_the_models_rotary_on_triton_is_within_an_ulp_of_torch(dtype):
+def test_the_models_rotary_on_triton_is_close_to_torch(dtype):
     """apply_rotary (the model's rotary: Triton on CUDA) against its torch version on the model's
-    layout: within a unit in the last place of the model dtype, not equal. Compiled, the kernel
+    layout: within two roundings of the larger term, not equal. Compiled, the kernel
     does not round as it is written (on an H200, 2026-12-04, this test asking equality failed in
-    every dtype: 8.8% of float16 elements differed, 7.7% of bfloat16, 25% of float32). A
-    bfloat16 element showed the product x * cos kept in float32 before the add, the cast pair
-    that rounds it dropped; in float32 the multiply and add fuse. The older rotary_embedding
-    kernel differs alike (22%, 19%, 25%)."""
+    every dtype: 8.8% of float16 elements differed, 7.7% of bfloat16, 25% of float32;
+    kernels/rotary.py says what is known of why). This bound has not yet run on a GPU."""
     from prefixflow.kernels.rotary import apply_rotary, apply_rotary_ref
 
     gen = torch.Generator(device=DEVICE).manual_seed(5)

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixflow.kernels import cpu_exact, triton_available
-from prefixflow.kernels.norm import rms_norm
+from prefixflow.kernels import cpu_exact
+from prefixflow.kernels.norm import rms_norm, triton_takes
 
 
 class RMSNorm(nn.Module):
@@ -33,14 +33,15 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the new
-        residual stream, written into `residual` (so pass one not needed after); the add
-        happens in the model dtype, as in HF's decoder layer. On a CPU, one C call does the add
-        and the norm with torch's rounding (kernels/cpu_exact.py); on CUDA one Triton kernel
-        (kernels/norm.py; within an ulp of torch's, tests/gpu), where torch launches nine."""
+        residual stream (written into `residual` except on CUDA: pass one not needed after, and
+        use the one returned); the add happens in the model dtype, as in HF's decoder layer. On
+        a CPU, one C call does the add and the norm with torch's rounding (kernels/cpu_exact.py);
+        on CUDA one Triton kernel (kernels/norm.py: close to torch's, not bit for bit) where
+        torch launches nine."""
         if cpu_exact.supports_norm(x, residual, self.weight):
             out = cpu_exact.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
-        if fused_norm_applies(x, residual):
+        if kernel_norm_applies(x, self.weight, residual):
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -48,6 +49,7 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-def fused_norm_applies(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether kernels/norm.py's Triton kernel takes this norm: CUDA tensors, contiguous."""
-    return x.is_cuda and triton_available() and x.is_contiguous() and (residual is None or residual.is_contiguous())
+def kernel_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether kernels/norm.py's rms_norm (Triton where it is installed) runs this norm: CUDA
+    tensors that its kernel takes."""
+    return x.is_cuda and triton_takes(x, weight, residual)
