@@ -45,8 +45,8 @@ DATA_PTRS = (
     "w_ptr",
     "y_ptr",
     "new_res_ptr",
-    "qo_ptr",
-    "ko_ptr",
+    "cos_ptr",
+    "sin_ptr",
 )
 
 
@@ -59,10 +59,8 @@ def _signature(fn, dtype: str, constexprs: dict) -> dict:
             sig[name] = PTR[dtype]
         elif name in INT_PTRS:
             sig[name] = "*i32"
-        elif name in ("slot_ptr", "pos_ptr"):
+        elif name == "slot_ptr":
             sig[name] = "*i64"
-        elif name == "cs_ptr":
-            sig[name] = "*fp32"
         elif name in ("o_part_ptr", "lse_part_ptr"):
             sig[name] = "*fp32"
         elif name in ("qk_scale", "eps"):
@@ -95,7 +93,7 @@ def _jobs(dtype: str) -> list[tuple[str, object, dict, int]]:
         ("plan", _attn_core.plan_kernel, dict(GROUP=4, BM_O=16, BM_P=64, WITH_GROUPS=True, BLOCK=128), 4),
         ("merge", _attn_core.merge_kernel, dict(NUM_SLOTS=3, HEAD_DIM=128, BLOCK_R=16), 4),
         ("rms_norm", norm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
-        ("rotary", rotary._rotary_kernel, dict(HEAD_DIM=128, BLOCK_HQ=32, BLOCK_HK=8), 4),
+        ("rotary", rotary._rotary_kernel, dict(HEAD_DIM=128, BLOCK_H=64), 4),
         ("kv_write", kv_write._write_kernel, dict(HEAD_DIM=128, NUM_KV_HEADS=8, BLOCK_H=8), 4),
     ]
     for t, s, g in ((256, 256, 16), (4000, 263, 17), (256, 256, 0), (8, 8, 1)):
