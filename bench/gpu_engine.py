@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prefixflow.bench.record import covered_length
+
 if TYPE_CHECKING:
     from prefixflow.engine.config import DType
 
@@ -298,9 +300,11 @@ def graphs_vs_eager(device: str, dtype: DType, path: str, batch: int) -> dict[st
     ]
     prompts = _decode_prompts(batch)
 
+    def padded(table: tuple[int, ...], width: int) -> tuple[int, ...]:  # with block 0, never read
+        return table + (0,) * max(0, width - len(table))
+
     def member(i: int, tokens: list[int], cached: int, width: int = 0) -> SeqChunk:
-        table = tables[i] + (0,) * max(0, width - len(tables[i]))
-        return SeqChunk(i, tuple(tokens), PREFIX + cached, cached, table, 0, True, greedy)
+        return SeqChunk(i, tuple(tokens), PREFIX + cached, cached, padded(tables[i], width), 0, True, greedy)
 
     prefill = prompts[0][:PREFIX]
     runner.execute_logits(StepInput((SeqChunk(-1, tuple(prefill), 0, 0, prefix.block_table),), (prefix,)))
@@ -309,7 +313,7 @@ def graphs_vs_eager(device: str, dtype: DType, path: str, batch: int) -> dict[st
     def decode_step(width: int = 0) -> StepInput:
         # width: the members' and the prefix's block tables padded to it (the graph's are both
         # max_blocks wide; the prefix-shared kernel sizes its splits of each from its width)
-        wide = SharedPrefix(prefix.block_table + (0,) * max(0, width - len(prefix.block_table)), PREFIX)
+        wide = SharedPrefix(padded(prefix.block_table, width), PREFIX)
         return StepInput(tuple(member(i, [p[-1]], OWN, width) for i, p in enumerate(prompts)), (wide,))
 
     graph = runner.execute_logits(decode_step()).float().cpu()
@@ -374,7 +378,8 @@ def _runs(engine: Any, load: Any) -> dict[str, Any]:
         "walls_s": walls,
         "profiled_wall_s": wall,
         "device_kernels": len(kernels),
-        "device_busy_s": _union_s([(e.time_range.start, e.time_range.end) for e in kernels]),
+        "device_busy_s": covered_length([(e.time_range.start, e.time_range.end) for e in kernels])
+        / 1e6,  # profiler's us
         "torch_ops": sum(1 for e in prof.events() if e.device_type != torch.autograd.DeviceType.CUDA),
         "host_phases_s": host,
         "device_s_by_kernel": _by_kernel(kernels),
@@ -441,16 +446,6 @@ def host_phases_ms(first: dict[str, Any], full: dict[str, Any], decode_steps: in
     per_step["scheduler_and_engine"] = step - sum(per_step.values())
     per_step["step"] = step
     return {k: round(v, 3) for k, v in per_step.items()}
-
-
-def _union_s(intervals_us: list[tuple[float, float]]) -> float:
-    """Seconds covered by the union of [start, end) intervals given in microseconds."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals_us):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e6
 
 
 def _free(device: str) -> None:

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prefixflow.bench.record import covered_length
 from prefixflow.bench.scale_workload import BLOCK, KV_CACHE_BYTES, SYSTEM, USER, chat_tokens
 
 if TYPE_CHECKING:
@@ -323,7 +324,7 @@ def _ray_record(
         "engine_end_s": [max(r["finished_at"] for r in rs) - t0 for rs in engines],
         # Busy with requests present (first request to last row, less the gaps with none in the
         # engine): its pace is its work over this, where engine_busy_s also counts waits for data.
-        "engine_active_s": [active_seconds([(r["arrival_time"], r["finished_at"]) for r in rs]) for rs in engines],
+        "engine_active_s": [covered_length([(r["arrival_time"], r["finished_at"]) for r in rs]) for rs in engines],
         "nodes": [rs[0]["node_id"] for rs in engines],
         "first_request_s": startup["engine_first_request_s"],
         "startup": startup,
@@ -338,16 +339,6 @@ def _ray_record(
         "sorted_row_ids": [int(r["id"]) for r in order] if order else None,
         "outputs": {int(r["id"]): r["generated_tokens"] for r in rows},
     }
-
-
-def active_seconds(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of the (start, end) spans: the time at least one was open."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def task_handouts(

@@ -148,7 +148,7 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
     path = Path(scale_bench_json)
     data = load_bench(path)
     cm = cost_model or bench_cost_model(data, path)
-    runs = {key: replay(None) for key, replay in _ray_replays(path, data, cm)}
+    runs = {key: replay(None) for key, _, replay in _ray_replays(path, data, cm)}
     cells = cell_errors(runs)
     return {
         "runs": runs,
@@ -166,17 +166,20 @@ def validate_dispatch(scale_bench_json: Path, cost_model: CostModel | None = Non
 
 
 def _ray_replays(path: Path, data: dict[str, Any], cm: CostModel) -> Any:
-    """Each ray.data.llm run of a loaded file: its key ("cell#k") and replay_run on it as a
-    function of the engines' speeds (None: all 1)."""
+    """Each ray.data.llm run of a loaded file: its key ("cell#k"), its record, and replay_run on
+    it as a function of the engines' speeds (None: all 1)."""
     rows, tokens = _rows(data, path)
     block_size = int(_field(data.get("args", {}), "block_size", f"{path}: args"))
     w = workload_from_tokens(tokens, np.array([int(r["max_tokens"]) for r in rows], np.int64))
-    for key, k in _ray_keys(data):
-        rec, where = data["runs"][key]["repeats"][k], f"{path}: runs[{key}][{k}]"
-        yield (
-            f"{key}#{k}",
-            lambda speed, rec=rec, where=where: replay_run(w, rows, tokens, rec, block_size, cm, where, speed),
-        )
+    for key, cell in data.get("runs", {}).items():
+        for k, rec in enumerate(cell.get("repeats", [])):
+            if str(rec.get("system", key)).startswith("ray_llm"):
+                where = f"{path}: runs[{key}][{k}]"
+                yield (
+                    f"{key}#{k}",
+                    rec,
+                    lambda speed, rec=rec, where=where: replay_run(w, rows, tokens, rec, block_size, cm, where, speed),
+                )
 
 
 def speed_noise(paths: Sequence[Path], noise: float, draws: int, seed: int = 0) -> dict[str, Any]:
@@ -191,7 +194,7 @@ def speed_noise(paths: Sequence[Path], noise: float, draws: int, seed: int = 0) 
     runs: dict[str, Any] = {}
     for path in paths:
         data = load_bench(Path(path))
-        for key, replay in _ray_replays(Path(path), data, bench_cost_model(data, Path(path))):
+        for key, _, replay in _ray_replays(Path(path), data, bench_cost_model(data, Path(path))):
             base = replay(None)
             even, measured = (np.array(base[side]["rows_per_engine"], float) for side in ("predicted", "measured"))
             moved = within = 0
@@ -237,11 +240,8 @@ def paced_replays(paths: Sequence[Path]) -> dict[str, Any]:
     for path in paths:
         data = load_bench(Path(path))
         rows, _ = _rows(data, Path(path))
-        for (key, replay), (cell, k) in zip(
-            _ray_replays(Path(path), data, bench_cost_model(data, Path(path))), _ray_keys(data)
-        ):
-            rec = data["runs"][cell]["repeats"][k]
-            pace = measured_pace(rec, rows, f"{path}: runs[{cell}][{k}]")
+        for key, rec, replay in _ray_replays(Path(path), data, bench_cost_model(data, Path(path))):
+            pace = measured_pace(rec, rows, f"{path}: {key}")
             if pace is None:
                 continue
             even, paced = replay(None), replay(pace)
@@ -264,16 +264,6 @@ def paced_replays(paths: Sequence[Path]) -> dict[str, Any]:
             for n in sorted({r["replicas"] for r in runs.values()})
         },
     }
-
-
-def _ray_keys(data: dict[str, Any]) -> list[tuple[str, int]]:
-    """The (cell, repeat) of each ray.data.llm run, in _ray_replays' order."""
-    return [
-        (key, k)
-        for key, cell in data.get("runs", {}).items()
-        for k, rec in enumerate(cell.get("repeats", []))
-        if str(rec.get("system", key)).startswith("ray_llm")
-    ]
 
 
 def validate_files(paths: Sequence[Path]) -> dict[str, Any]:
